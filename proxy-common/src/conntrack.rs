@@ -1,0 +1,82 @@
+//! Connection tracking: an LRU hash keyed by the 5-tuple as seen in a packet.
+//!
+//! Each translated flow has two entries. The forward entry is keyed by the
+//! client's tuple `client -> frontend` and pins the backend; the reply entry is
+//! keyed by the backend's reply tuple `backend -> client` and names the
+//! reverse NAT id that turns the reply's source back into the frontend.
+
+use core::net::Ipv4Addr;
+
+use bytemuck::{Pod, Zeroable};
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct CtKey {
+    /// Source IPv4 address, network byte order.
+    pub saddr_be: u32,
+    /// Destination IPv4 address, network byte order.
+    pub daddr_be: u32,
+    /// Source port, network byte order.
+    pub sport_be: u16,
+    /// Destination port, network byte order.
+    pub dport_be: u16,
+    /// IP protocol number.
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+
+impl CtKey {
+    pub fn new(saddr: Ipv4Addr, sport: u16, daddr: Ipv4Addr, dport: u16, proto: u8) -> Self {
+        Self {
+            saddr_be: u32::from_ne_bytes(saddr.octets()),
+            daddr_be: u32::from_ne_bytes(daddr.octets()),
+            sport_be: sport.to_be(),
+            dport_be: dport.to_be(),
+            proto,
+            _pad: [0; 3],
+        }
+    }
+    pub fn saddr(&self) -> Ipv4Addr {
+        Ipv4Addr::from(self.saddr_be.to_ne_bytes())
+    }
+    pub fn daddr(&self) -> Ipv4Addr {
+        Ipv4Addr::from(self.daddr_be.to_ne_bytes())
+    }
+    pub fn sport(&self) -> u16 {
+        u16::from_be(self.sport_be)
+    }
+    pub fn dport(&self) -> u16 {
+        u16::from_be(self.dport_be)
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct CtValue {
+    /// Backend the flow is pinned to (backends map key).
+    pub backend_id: u32,
+    /// Frontend the flow was addressed to (reverse NAT map key).
+    pub rev_nat_id: u32,
+    /// `bpf_ktime_get_ns()` of the last packet, refreshed at most once a
+    /// second so that busy flows do not bounce the entry's cache line.
+    pub last_seen_ns: u64,
+    /// `FLAG_*` bits below.
+    pub flags: u8,
+    /// TCP flags seen so far in this direction (`TCP_*` bits below).
+    pub tcp_seen: u8,
+    pub _pad: [u8; 6],
+}
+
+/// This is the reply entry (`backend -> client`).
+pub const FLAG_REPLY: u8 = 1 << 0;
+
+pub const TCP_SYN: u8 = 1 << 0;
+pub const TCP_FIN: u8 = 1 << 1;
+pub const TCP_RST: u8 = 1 << 2;
+pub const TCP_ACK: u8 = 1 << 3;
+
+/// How stale `last_seen_ns` may get before a packet refreshes it.
+pub const LAST_SEEN_GRANULARITY_NS: u64 = 1_000_000_000;
+
+const _: () = assert!(core::mem::size_of::<CtKey>() == 16);
+const _: () = assert!(core::mem::size_of::<CtValue>() == 24);

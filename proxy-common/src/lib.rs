@@ -1,0 +1,39 @@
+//! Map layouts shared by the eBPF programs (`proxy-ebpf`) and the agent.
+//!
+//! Every type here is `#[repr(C)]`, made of integers and byte arrays only, with
+//! its padding written out, so that the kernel and user space agree on every
+//! byte. Each module asserts its sizes at compile time: changing a layout is a
+//! breaking change for pinned maps that a running node already has.
+//!
+//! Byte order: fields named `*_be` hold network byte order, i.e. the bytes
+//! exactly as they appear in the packet (build them with the `new`
+//! constructors, which take host-order values). Everything else is host order.
+#![no_std]
+
+pub mod backend;
+pub mod conntrack;
+pub mod maps;
+pub mod nat;
+pub mod service;
+pub mod stats;
+
+pub use backend::{Backend, BackendSlotKey};
+pub use conntrack::{CtKey, CtValue};
+pub use nat::RevNat;
+pub use service::{ServiceKey, ServiceValue};
+pub use stats::{Verdict, VerdictCounter};
+
+/// IP protocol numbers of the L4 protocols a Service can use.
+pub mod proto {
+    pub const TCP: u8 = 6;
+    pub const UDP: u8 = 17;
+}
+
+/// Implements `aya::Pod` for map types so the agent can read and write them.
+/// Only plain-old-data structs go here: no enums, no `Option`s.
+#[cfg(feature = "user")]
+macro_rules! impl_aya_pod {
+    ($($t:ty),* $(,)?) => { $( unsafe impl aya::Pod for $t {} )* };
+}
+#[cfg(feature = "user")]
+impl_aya_pod!(ServiceKey, ServiceValue, BackendSlotKey, Backend, CtKey, CtValue, RevNat, VerdictCounter);

@@ -1,0 +1,28 @@
+//! Map and program names, sizes, and where they are pinned.
+//!
+//! Names are at most 15 bytes (the kernel's object name limit); they are the
+//! file names under the pin directory.
+
+pub const SERVICES: &str = "XP_SERVICES";
+pub const BACKEND_SLOTS: &str = "XP_SLOTS";
+pub const BACKENDS: &str = "XP_BACKENDS";
+pub const REV_NAT: &str = "XP_REV_NAT";
+pub const CONNTRACK: &str = "XP_CT";
+pub const STATS: &str = "XP_STATS";
+
+/// Frontends (service ports x frontend addresses).
+pub const SERVICES_MAX: u32 = 262_144;
+/// Backend slots over all sets; a swap briefly holds old and new set.
+pub const BACKEND_SLOTS_MAX: u32 = 1_048_576;
+pub const BACKENDS_MAX: u32 = 262_144;
+pub const REV_NAT_MAX: u32 = 262_144;
+/// Tracked flows, two entries each; least recently used entries are evicted.
+pub const CONNTRACK_MAX: u32 = 524_288;
+
+/// Program names (the entry points in `proxy-ebpf`).
+pub const PROG_XDP_UPLINK: &str = "xdp_uplink";
+pub const PROG_TC_INGRESS: &str = "tc_ingress";
+pub const PROG_TC_EGRESS: &str = "tc_egress";
+
+/// Default bpffs directory for one agent's pins.
+pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/xproxy";

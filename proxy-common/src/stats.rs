@@ -1,0 +1,67 @@
+//! Per-CPU verdict counters: one array slot per [`Verdict`].
+
+use bytemuck::{Pod, Zeroable};
+
+/// What a program did with a packet. The discriminant is the index into the
+/// stats map; append new verdicts at the end, never renumber.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Not addressed to a Service and not a reply of a tracked flow: passed untouched.
+    PassNotService = 0,
+    /// Not IPv4, or an L4 protocol Services do not use: passed untouched.
+    PassNotIpv4OrL4 = 1,
+    /// Malformed or not fully parsed (truncated, options, fragment, VLAN,
+    /// port 0, bad length): passed untouched, never rewritten.
+    PassMalformed = 2,
+    /// First packet of a flow to a Service: backend chosen, DNATed.
+    DnatNew = 3,
+    /// Packet of a tracked flow: DNATed to its pinned backend.
+    DnatEstablished = 4,
+    /// Reply from a backend: source rewritten back to the frontend.
+    RevNat = 5,
+    /// Service without backends: answered with TCP RST / ICMP port unreachable.
+    RejectNoBackend = 6,
+    /// The maps disagreed (slot or backend missing) or a kernel helper
+    /// failed: passed untouched if nothing was rewritten yet, else dropped.
+    Error = 7,
+}
+
+impl Verdict {
+    pub const COUNT: u32 = 8;
+    pub const ALL: [Verdict; Self::COUNT as usize] = [
+        Verdict::PassNotService,
+        Verdict::PassNotIpv4OrL4,
+        Verdict::PassMalformed,
+        Verdict::DnatNew,
+        Verdict::DnatEstablished,
+        Verdict::RevNat,
+        Verdict::RejectNoBackend,
+        Verdict::Error,
+    ];
+
+    /// Stable lower-case name used in metrics and `xproxy status`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Verdict::PassNotService => "pass_not_service",
+            Verdict::PassNotIpv4OrL4 => "pass_not_ipv4_or_l4",
+            Verdict::PassMalformed => "pass_malformed",
+            Verdict::DnatNew => "dnat_new",
+            Verdict::DnatEstablished => "dnat_established",
+            Verdict::RevNat => "rev_nat",
+            Verdict::RejectNoBackend => "reject_no_backend",
+            Verdict::Error => "error",
+        }
+    }
+}
+
+/// Value of the per-CPU stats array.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct VerdictCounter {
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+const _: () = assert!(core::mem::size_of::<VerdictCounter>() == 16);
+const _: () = assert!(Verdict::ALL.len() == Verdict::COUNT as usize);

@@ -1,0 +1,109 @@
+//! Connection tracking: pins a flow to its backend and finds replies.
+
+use aya_ebpf::helpers::bpf_ktime_get_ns;
+use proxy_common::{
+    CtKey, CtValue,
+    conntrack::{FLAG_REPLY, LAST_SEEN_GRANULARITY_NS, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+};
+
+use crate::{
+    maps::CONNTRACK,
+    parse::{Flow, TCP_FLAG_ACK, TCP_FLAG_FIN, TCP_FLAG_RST, TCP_FLAG_SYN},
+};
+
+/// The key of the packet's own direction.
+#[inline(always)]
+fn key_of(flow: &Flow) -> CtKey {
+    CtKey {
+        saddr_be: flow.saddr_be,
+        daddr_be: flow.daddr_be,
+        sport_be: flow.sport_be,
+        dport_be: flow.dport_be,
+        proto: flow.proto,
+        _pad: [0; 3],
+    }
+}
+
+#[inline(always)]
+fn tcp_bits(flags: u8) -> u8 {
+    let mut bits = 0;
+    if flags & TCP_FLAG_SYN != 0 {
+        bits |= TCP_SYN;
+    }
+    if flags & TCP_FLAG_FIN != 0 {
+        bits |= TCP_FIN;
+    }
+    if flags & TCP_FLAG_RST != 0 {
+        bits |= TCP_RST;
+    }
+    if flags & TCP_FLAG_ACK != 0 {
+        bits |= TCP_ACK;
+    }
+    bits
+}
+
+/// Marks the entry as used now. Writes only when something changed or the
+/// timestamp is a second old, so a busy flow does not dirty its entry's
+/// cache line on every packet.
+#[inline(always)]
+fn touch(entry: *mut CtValue, flow: &Flow, now: u64) {
+    let bits = tcp_bits(flow.tcp_flags);
+    unsafe {
+        if (*entry).tcp_seen & bits != bits {
+            (*entry).tcp_seen |= bits;
+        }
+        if now.wrapping_sub((*entry).last_seen_ns) > LAST_SEEN_GRANULARITY_NS {
+            (*entry).last_seen_ns = now;
+        }
+    }
+}
+
+/// The backend id of a tracked flow in the forward (client -> frontend) direction.
+#[inline(always)]
+pub fn forward_backend(flow: &Flow) -> Option<u32> {
+    let entry = CONNTRACK.get_ptr_mut(key_of(flow))?;
+    if unsafe { (*entry).flags } & FLAG_REPLY != 0 {
+        return None;
+    }
+    touch(entry, flow, unsafe { bpf_ktime_get_ns() });
+    Some(unsafe { (*entry).backend_id })
+}
+
+/// The reverse NAT id of a tracked flow in the reply (backend -> client) direction.
+#[inline(always)]
+pub fn reply_rev_nat(flow: &Flow) -> Option<u32> {
+    let entry = CONNTRACK.get_ptr_mut(key_of(flow))?;
+    if unsafe { (*entry).flags } & FLAG_REPLY == 0 {
+        return None;
+    }
+    touch(entry, flow, unsafe { bpf_ktime_get_ns() });
+    Some(unsafe { (*entry).rev_nat_id })
+}
+
+/// Records a new flow to `backend` in both directions. The reply entry is
+/// written first: once the forward entry exists, later packets are DNATed
+/// and their replies must already be recognised.
+#[inline(always)]
+pub fn create(flow: &Flow, backend_id: u32, backend_addr_be: u32, backend_port_be: u16, rev_nat_id: u32) -> Result<(), ()> {
+    let now = unsafe { bpf_ktime_get_ns() };
+    let mut value = CtValue {
+        backend_id,
+        rev_nat_id,
+        last_seen_ns: now,
+        flags: FLAG_REPLY,
+        tcp_seen: 0,
+        _pad: [0; 6],
+    };
+    let reply = CtKey {
+        saddr_be: backend_addr_be,
+        daddr_be: flow.saddr_be,
+        sport_be: backend_port_be,
+        dport_be: flow.sport_be,
+        proto: flow.proto,
+        _pad: [0; 3],
+    };
+    CONNTRACK.insert(&reply, &value, 0).map_err(|_| ())?;
+    value.flags = 0;
+    value.tcp_seen = tcp_bits(flow.tcp_flags);
+    CONNTRACK.insert(&key_of(flow), &value, 0).map_err(|_| ())
+}

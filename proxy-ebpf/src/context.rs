@@ -1,0 +1,208 @@
+//! What differs between XDP and tc: how the frame is reached, rewritten,
+//! shrunk and grown. Everything else is written once against [`Ctx`].
+
+use aya_ebpf::{
+    bindings::{
+        BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, bpf_adj_room_mode,
+        bpf_fib_lookup,
+    },
+    helpers::{
+        bpf_fib_lookup as fib_lookup, bpf_l3_csum_replace, bpf_l4_csum_replace, bpf_skb_adjust_room,
+        bpf_skb_change_tail, bpf_skb_pull_data, bpf_skb_store_bytes, bpf_xdp_adjust_head, bpf_xdp_adjust_tail,
+    },
+    programs::{TcContext, XdpContext},
+};
+use proxy_common::proto;
+
+use crate::{
+    csum,
+    parse::{IP_OFF, L4_OFF, ptr_at},
+};
+
+/// Which end of the flow a rewrite changes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Source,
+    Destination,
+}
+
+/// Offsets inside the constant-offset headers `parse` accepts.
+const IP_CHECK_OFF: usize = IP_OFF + 10;
+const IP_SADDR_OFF: usize = IP_OFF + 12;
+const IP_DADDR_OFF: usize = IP_OFF + 16;
+const TCP_CHECK_OFF: usize = L4_OFF + 16;
+const UDP_CHECK_OFF: usize = L4_OFF + 6;
+
+#[inline(always)]
+fn addr_off(side: Side) -> usize {
+    if side == Side::Source { IP_SADDR_OFF } else { IP_DADDR_OFF }
+}
+
+#[inline(always)]
+fn port_off(side: Side) -> usize {
+    if side == Side::Source { L4_OFF } else { L4_OFF + 2 }
+}
+
+#[inline(always)]
+fn l4_check_off(l4_proto: u8) -> usize {
+    if l4_proto == proto::TCP { TCP_CHECK_OFF } else { UDP_CHECK_OFF }
+}
+
+pub trait Ctx {
+    fn data(&self) -> usize;
+    fn data_end(&self) -> usize;
+    /// Length of the whole frame (an skb's data may extend past the linear part).
+    fn frame_len(&self) -> usize;
+    /// Rewrites one end's address and port (both parsed before, so present)
+    /// and updates the IPv4 and L4 checksums.
+    fn rewrite(&self, l4_proto: u8, side: Side, old: (u32, u16), new: (u32, u16)) -> Result<(), ()>;
+    /// Cuts the frame to `len` bytes (shorter than it is).
+    fn truncate(&self, len: usize) -> Result<(), ()>;
+    /// Makes 28 bytes of room right after the IPv4 header for an ICMP error:
+    /// the old L4 header moves from `L4_OFF` to `L4_OFF + 28`.
+    fn grow_for_icmp(&self) -> Result<(), ()>;
+}
+
+pub struct Xdp<'a>(pub &'a XdpContext);
+
+impl Ctx for Xdp<'_> {
+    #[inline(always)]
+    fn data(&self) -> usize {
+        self.0.data()
+    }
+    #[inline(always)]
+    fn data_end(&self) -> usize {
+        self.0.data_end()
+    }
+    #[inline(always)]
+    fn frame_len(&self) -> usize {
+        self.0.data_end() - self.0.data()
+    }
+
+    /// Direct writes plus incremental checksums. XDP frames come from the
+    /// wire with full checksums (there is no CHECKSUM_PARTIAL before an skb).
+    #[inline(always)]
+    fn rewrite(&self, l4_proto: u8, side: Side, old: (u32, u16), new: (u32, u16)) -> Result<(), ()> {
+        let addr: *mut u32 = ptr_at(self, addr_off(side)).ok_or(())?;
+        let port: *mut u16 = ptr_at(self, port_off(side)).ok_or(())?;
+        let ip_check: *mut u16 = ptr_at(self, IP_CHECK_OFF).ok_or(())?;
+        let l4_check: *mut u16 = ptr_at(self, l4_check_off(l4_proto)).ok_or(())?;
+        unsafe {
+            *addr = new.0;
+            *port = new.1;
+            *ip_check = csum::replace32(*ip_check, old.0, new.0);
+            // The L4 checksum covers the pseudo-header (addresses) and the ports.
+            *l4_check = if l4_proto == proto::UDP {
+                csum::udp_replace16(csum::udp_replace32(*l4_check, old.0, new.0), old.1, new.1)
+            } else {
+                csum::replace16(csum::replace32(*l4_check, old.0, new.0), old.1, new.1)
+            };
+        }
+        Ok(())
+    }
+
+    #[inline(always)]
+    fn truncate(&self, len: usize) -> Result<(), ()> {
+        let delta = len as i32 - self.frame_len() as i32;
+        if unsafe { bpf_xdp_adjust_tail(self.0.ctx, delta) } != 0 { Err(()) } else { Ok(()) }
+    }
+
+    /// Pushes the Ethernet and IPv4 headers 28 bytes to the front; the
+    /// caller rewrites everything before the old L4 header anyway.
+    #[inline(always)]
+    fn grow_for_icmp(&self) -> Result<(), ()> {
+        if unsafe { bpf_xdp_adjust_head(self.0.ctx, -28) } != 0 { Err(()) } else { Ok(()) }
+    }
+}
+
+pub struct Tc<'a>(pub &'a TcContext);
+
+impl Tc<'_> {
+    #[inline(always)]
+    fn skb(&self) -> *mut aya_ebpf::bindings::__sk_buff {
+        self.0.skb.skb
+    }
+
+    /// Makes sure the headers `parse` reads are in the linear part of the skb.
+    #[inline(always)]
+    pub fn pull_headers(&self) {
+        const WANTED: usize = L4_OFF + 20;
+        let len = self.frame_len();
+        let want = if len < WANTED { len } else { WANTED };
+        if self.data_end() - self.data() < want {
+            // Best effort: if it fails, parse sees a short frame and passes it.
+            unsafe { bpf_skb_pull_data(self.skb(), want as u32) };
+        }
+    }
+}
+
+impl Ctx for Tc<'_> {
+    #[inline(always)]
+    fn data(&self) -> usize {
+        self.0.data()
+    }
+    #[inline(always)]
+    fn data_end(&self) -> usize {
+        self.0.data_end()
+    }
+    #[inline(always)]
+    fn frame_len(&self) -> usize {
+        self.0.len() as usize
+    }
+
+    /// Through the kernel's checksum helpers, which know the skb's checksum
+    /// state: a packet from a local socket carries CHECKSUM_PARTIAL, whose L4
+    /// checksum field holds only the pseudo-header sum. BPF_F_PSEUDO_HDR
+    /// updates it for the address change and leaves it alone for the port.
+    #[inline(always)]
+    fn rewrite(&self, l4_proto: u8, side: Side, old: (u32, u16), new: (u32, u16)) -> Result<(), ()> {
+        let skb = self.skb();
+        let l4_check = l4_check_off(l4_proto) as u32;
+        let udp_flags = if l4_proto == proto::UDP { BPF_F_MARK_MANGLED_0 as u64 } else { 0 };
+        let ok = unsafe {
+            bpf_skb_store_bytes(skb, addr_off(side) as u32, (&new.0 as *const u32).cast(), 4, 0) == 0
+                && bpf_l3_csum_replace(skb, IP_CHECK_OFF as u32, old.0 as u64, new.0 as u64, 4) == 0
+                && bpf_l4_csum_replace(skb, l4_check, old.0 as u64, new.0 as u64, BPF_F_PSEUDO_HDR as u64 | udp_flags | 4)
+                    == 0
+                && bpf_skb_store_bytes(skb, port_off(side) as u32, (&new.1 as *const u16).cast(), 2, 0) == 0
+                && bpf_l4_csum_replace(skb, l4_check, old.1 as u64, new.1 as u64, udp_flags | 2) == 0
+        };
+        if ok { Ok(()) } else { Err(()) }
+    }
+
+    #[inline(always)]
+    fn truncate(&self, len: usize) -> Result<(), ()> {
+        if unsafe { bpf_skb_change_tail(self.skb(), len as u32, 0) } != 0 { Err(()) } else { Ok(()) }
+    }
+
+    /// Inserts the room between the IPv4 and the L4 header, so the skb's
+    /// header offsets stay right for the Ethernet and IPv4 headers.
+    #[inline(always)]
+    fn grow_for_icmp(&self) -> Result<(), ()> {
+        let mode = bpf_adj_room_mode::BPF_ADJ_ROOM_NET;
+        if unsafe { bpf_skb_adjust_room(self.skb(), 28, mode, 0) } != 0 { Err(()) } else { Ok(()) }
+    }
+}
+
+const AF_INET: u8 = 2;
+
+/// The interface the kernel routes the (already translated) packet out of,
+/// for redirecting a packet that was routed before its destination changed.
+#[inline(always)]
+pub fn route_ifindex(ctx: &TcContext) -> Option<u32> {
+    let tc = Tc(ctx);
+    let ip: *const crate::parse::Ipv4Hdr = ptr_at(&tc, IP_OFF)?;
+    let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    unsafe {
+        params.family = AF_INET;
+        params.l4_protocol = (*ip).proto;
+        params.__bindgen_anon_1.tot_len = u16::from_be((*ip).tot_len_be);
+        params.__bindgen_anon_3.ipv4_src = (*ip).saddr_be;
+        params.__bindgen_anon_4.ipv4_dst = (*ip).daddr_be;
+        params.ifindex = (*ctx.skb.skb).ifindex;
+    }
+    let size = core::mem::size_of::<bpf_fib_lookup>() as i32;
+    let rc = unsafe { fib_lookup(ctx.skb.skb.cast(), &mut params, size, 0) } as u32;
+    // NO_NEIGH still names the interface: bpf_redirect_neigh resolves the neighbour.
+    if rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH { Some(params.ifindex) } else { None }
+}

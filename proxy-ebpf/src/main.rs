@@ -1,0 +1,94 @@
+//! xproxy's kernel side. A packet's way through these files:
+//!
+//! `parse` (Ethernet, IPv4, TCP/UDP; the malformed-input policy) ->
+//! `lookup` (is it for a Service frontend?) -> `conntrack` (a known flow?) ->
+//! `select` (a backend for a new flow) -> `nat` (DNAT, reverse NAT, checksums
+//! via `csum`) or `reject` (RST / ICMP when a Service has no backends).
+//! `stats` counts every verdict; `context` hides the XDP / tc differences;
+//! `service` ties the steps together. The entry points below only map the
+//! outcome to each hook's return codes.
+#![no_std]
+#![no_main]
+
+mod context;
+mod conntrack;
+mod csum;
+mod lookup;
+mod maps;
+mod nat;
+mod parse;
+mod reject;
+mod select;
+mod service;
+mod stats;
+
+use aya_ebpf::{
+    bindings::{BPF_F_INGRESS, TC_ACT_OK, TC_ACT_SHOT, xdp_action},
+    helpers::{bpf_redirect, bpf_redirect_neigh},
+    macros::{classifier, xdp},
+    programs::{TcContext, XdpContext},
+};
+
+use crate::{
+    context::{Ctx, Tc, Xdp},
+    service::{Outcome, Replies, process},
+};
+
+/// Node uplink, ingress: NodePort and external traffic, before an skb exists.
+#[xdp]
+pub fn xdp_uplink(ctx: XdpContext) -> u32 {
+    match process(&Xdp(&ctx), Replies::Ignore) {
+        Outcome::Pass | Outcome::Translated => xdp_action::XDP_PASS,
+        Outcome::Reply => xdp_action::XDP_TX,
+        Outcome::Drop => xdp_action::XDP_DROP,
+    }
+}
+
+/// Node end of a pod's veth, ingress (= what the pod sends): pod -> Service
+/// DNAT, and reverse NAT of replies coming back from backend pods.
+#[classifier]
+pub fn tc_ingress(ctx: TcContext) -> i32 {
+    let tc = Tc(&ctx);
+    tc.pull_headers();
+    match process(&tc, Replies::ReverseNat) {
+        Outcome::Pass | Outcome::Translated => TC_ACT_OK,
+        // Back out of the interface it came in on, i.e. to the pod.
+        Outcome::Reply => unsafe { bpf_redirect((*ctx.skb.skb).ifindex, 0) as i32 },
+        Outcome::Drop => TC_ACT_SHOT,
+    }
+}
+
+/// Node uplink, egress: what the node's own processes send to a ClusterIP.
+/// The route lookup already sent the packet towards the uplink (the node's
+/// default route), so after DNAT it is routed again and redirected to the
+/// backend's interface.
+#[classifier]
+pub fn tc_egress(ctx: TcContext) -> i32 {
+    let tc = Tc(&ctx);
+    tc.pull_headers();
+    match process(&tc, Replies::Ignore) {
+        Outcome::Pass => TC_ACT_OK,
+        Outcome::Translated => match context::route_ifindex(&ctx) {
+            Some(ifindex) => unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) as i32 },
+            None => {
+                stats::count(tc.frame_len(), proxy_common::Verdict::Error);
+                TC_ACT_SHOT
+            }
+        },
+        // Up the node's own stack, as if the answer had arrived on the uplink.
+        Outcome::Reply => unsafe { bpf_redirect((*ctx.skb.skb).ifindex, BPF_F_INGRESS as u64) as i32 },
+        Outcome::Drop => TC_ACT_SHOT,
+    }
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    // The verifier rejects any reachable panic; this is never called.
+    loop {}
+}
+
+/// GPL-compatible, as bpf_fib_lookup and bpf_redirect_neigh require.
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

@@ -1,0 +1,33 @@
+//! The maps, pinned by name so a restarted agent finds and keeps them.
+//! Layouts and sizes live in `proxy-common`; see there for every field.
+
+use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
+    macros::map,
+    maps::{HashMap, LruHashMap, PerCpuArray},
+};
+use proxy_common::{
+    Backend, BackendSlotKey, CtKey, CtValue, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter,
+    maps::{BACKEND_SLOTS_MAX, BACKENDS_MAX, CONNTRACK_MAX, REV_NAT_MAX, SERVICES_MAX},
+};
+
+// Only user space writes these, so they need not be preallocated: memory
+// grows with the Services actually programmed.
+#[map(name = "XP_SERVICES")]
+pub static SERVICES: HashMap<ServiceKey, ServiceValue> = HashMap::pinned(SERVICES_MAX, BPF_F_NO_PREALLOC);
+
+#[map(name = "XP_SLOTS")]
+pub static BACKEND_SLOTS: HashMap<BackendSlotKey, u32> = HashMap::pinned(BACKEND_SLOTS_MAX, BPF_F_NO_PREALLOC);
+
+#[map(name = "XP_BACKENDS")]
+pub static BACKENDS: HashMap<u32, Backend> = HashMap::pinned(BACKENDS_MAX, BPF_F_NO_PREALLOC);
+
+#[map(name = "XP_REV_NAT")]
+pub static REV_NAT: HashMap<u32, RevNat> = HashMap::pinned(REV_NAT_MAX, BPF_F_NO_PREALLOC);
+
+// Written from the data path on every new flow: LRU maps are preallocated.
+#[map(name = "XP_CT")]
+pub static CONNTRACK: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(CONNTRACK_MAX, 0);
+
+#[map(name = "XP_STATS")]
+pub static STATS: PerCpuArray<VerdictCounter> = PerCpuArray::pinned(Verdict::COUNT, 0);

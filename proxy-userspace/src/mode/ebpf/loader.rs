@@ -1,0 +1,121 @@
+//! Loads the embedded programs, pins their maps and attaches them to interfaces.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context, Result, bail};
+use aya::{
+    Ebpf, EbpfLoader,
+    programs::{SchedClassifier, TcAttachType, Xdp, XdpMode, tc},
+};
+use proxy_common::maps;
+use tracing::info;
+
+use super::object_bytes;
+
+/// Where on a node an interface sits, which decides the programs it gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hook {
+    /// The node's link to the outside: XDP (native) translates NodePort and
+    /// external traffic on ingress; tc egress translates packets the node's
+    /// own processes send to a Service (they are routed to the uplink by the
+    /// default route, and redirected to the backend's interface after DNAT).
+    Uplink,
+    /// The node's end of a pod's veth: tc ingress translates what the pod
+    /// sends to a Service and rewrites replies of backends back to the frontend.
+    Pod,
+}
+
+/// The loaded programs and their maps, pinned under one directory of bpffs.
+pub struct Datapath {
+    ebpf: Ebpf,
+    pin_path: PathBuf,
+}
+
+/// `statfs(2)` magic of bpffs.
+const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+
+impl Datapath {
+    /// Loads every program. Maps already pinned under `pin_path` (by an
+    /// earlier agent) are reused as they are; missing ones are created and pinned.
+    pub fn load(pin_path: &Path) -> Result<Self> {
+        ensure_bpffs_dir(pin_path)?;
+        let mut ebpf = EbpfLoader::new()
+            .default_map_pin_directory(pin_path)
+            .load(object_bytes()?)
+            .context("loading the eBPF object (are you root, and is the kernel 6.1 or newer?)")?;
+        let xdp: &mut Xdp = program(&mut ebpf, maps::PROG_XDP_UPLINK)?.try_into()?;
+        xdp.load().with_context(|| format!("verifier rejected {}", maps::PROG_XDP_UPLINK))?;
+        for name in [maps::PROG_TC_INGRESS, maps::PROG_TC_EGRESS] {
+            let prog: &mut SchedClassifier = program(&mut ebpf, name)?.try_into()?;
+            prog.load().with_context(|| format!("verifier rejected {name}"))?;
+        }
+        Ok(Self { ebpf, pin_path: pin_path.to_owned() })
+    }
+
+    pub fn pin_path(&self) -> &Path {
+        &self.pin_path
+    }
+
+    /// Attaches the programs `hook` calls for to `iface` (in the calling
+    /// thread's network namespace). They stay attached while `self` lives.
+    pub fn attach(&mut self, iface: &str, hook: Hook) -> Result<()> {
+        match hook {
+            Hook::Uplink => {
+                self.xdp()?
+                    .attach(iface, XdpMode::Driver)
+                    .with_context(|| format!("attaching XDP in native mode to {iface}"))?;
+                self.attach_tc(iface, maps::PROG_TC_EGRESS, TcAttachType::Egress)?;
+            }
+            Hook::Pod => self.attach_tc(iface, maps::PROG_TC_INGRESS, TcAttachType::Ingress)?,
+        }
+        info!(iface, ?hook, "attached");
+        Ok(())
+    }
+
+    fn attach_tc(&mut self, iface: &str, name: &str, attach: TcAttachType) -> Result<()> {
+        // Kernels before 6.6 attach tc programs through a clsact qdisc; newer
+        // ones use tcx links and need none. Adding it twice is harmless.
+        if let Err(e) = tc::qdisc_add_clsact(iface)
+            && !matches!(&e, tc::TcError::IoError(io) if io.raw_os_error() == Some(libc::EEXIST))
+        {
+            tracing::debug!(iface, error = %e, "clsact qdisc not added (tcx kernels need none)");
+        }
+        self.tc(name)?
+            .attach(iface, attach)
+            .with_context(|| format!("attaching {name} to {iface}"))?;
+        Ok(())
+    }
+
+    /// The XDP program, e.g. for `test_run`.
+    pub fn xdp(&mut self) -> Result<&mut Xdp> {
+        Ok(program(&mut self.ebpf, maps::PROG_XDP_UPLINK)?.try_into()?)
+    }
+
+    /// A tc program by name ([`maps::PROG_TC_INGRESS`] or [`maps::PROG_TC_EGRESS`]).
+    pub fn tc(&mut self, name: &str) -> Result<&mut SchedClassifier> {
+        Ok(program(&mut self.ebpf, name)?.try_into()?)
+    }
+}
+
+fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut aya::programs::Program> {
+    ebpf.program_mut(name).with_context(|| format!("program {name} missing from the eBPF object"))
+}
+
+/// Pins only work on bpffs: say so plainly instead of failing later with EPERM.
+fn ensure_bpffs_dir(pin_path: &Path) -> Result<()> {
+    fs::create_dir_all(pin_path).with_context(|| format!("creating pin directory {}", pin_path.display()))?;
+    let c_path = std::ffi::CString::new(pin_path.as_os_str().as_encoded_bytes())
+        .with_context(|| format!("pin path {} contains a NUL byte", pin_path.display()))?;
+    // SAFETY: statfs only writes into the zeroed struct we pass.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c_path.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error()).with_context(|| format!("statfs {}", pin_path.display()));
+    }
+    if st.f_type != BPF_FS_MAGIC {
+        bail!("pin path {} is not on a bpf filesystem (mount -t bpf bpf /sys/fs/bpf)", pin_path.display());
+    }
+    Ok(())
+}

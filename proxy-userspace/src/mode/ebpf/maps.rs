@@ -1,0 +1,352 @@
+//! Writes the model into the pinned maps, one Service port at a time.
+//!
+//! This is the only code that writes the Service maps: the agent's ebpf mode
+//! and the tests go through it. Writes are ordered so that a packet never sees
+//! a half-programmed Service:
+//! - backends before the slots that name them, slots before the service
+//!   entry that points at them (a whole new set under a fresh id);
+//! - the service entry is swapped in one update (atomic for readers);
+//! - old slots, then unreferenced backends, are deleted last.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap as StdHashMap},
+    net::Ipv4Addr,
+    path::Path,
+};
+
+use anyhow::{Context, Result, bail};
+use aya::maps::{HashMap, Map, MapData, PerCpuArray};
+use proxy_common::{
+    Backend, BackendSlotKey, CtKey, CtValue, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter, maps,
+    service::FLAG_NODE_PORT,
+};
+
+use crate::model::{Endpoint, ServicePort};
+
+/// What was written for one Service port, to diff the next write against.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Applied {
+    /// Frontend key -> its reverse NAT id.
+    frontends: BTreeMap<ServiceKeyOrd, u32>,
+    backend_set: u32,
+    /// Backend ids in slot order.
+    backends: Vec<u32>,
+}
+
+/// `ServiceKey` ordered by its bytes, for deterministic iteration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct ServiceKeyOrd([u8; 8]);
+
+impl From<ServiceKey> for ServiceKeyOrd {
+    fn from(k: ServiceKey) -> Self {
+        Self(bytemuck::cast(k))
+    }
+}
+impl From<ServiceKeyOrd> for ServiceKey {
+    fn from(k: ServiceKeyOrd) -> Self {
+        bytemuck::cast(k.0)
+    }
+}
+
+/// Handles to the pinned maps plus the ids handed out so far.
+pub struct ServiceMaps {
+    services: HashMap<MapData, ServiceKey, ServiceValue>,
+    slots: HashMap<MapData, BackendSlotKey, u32>,
+    backends: HashMap<MapData, u32, Backend>,
+    rev_nat: HashMap<MapData, u32, RevNat>,
+    conntrack: HashMap<MapData, CtKey, CtValue>,
+    stats: PerCpuArray<MapData, VerdictCounter>,
+    node_ips: Vec<Ipv4Addr>,
+    applied: BTreeMap<String, Applied>,
+    /// (ip, port, proto) -> (backend id, number of Service ports using it).
+    backend_refs: StdHashMap<(Ipv4Addr, u16, u8), (u32, u32)>,
+    /// backend id -> (ip, port, proto), the reverse of `backend_refs`.
+    backend_addrs: StdHashMap<u32, (Ipv4Addr, u16, u8)>,
+    used_backend_ids: BTreeSet<u32>,
+    used_set_ids: BTreeSet<u32>,
+    used_rev_nat_ids: BTreeSet<u32>,
+}
+
+fn open<K: aya::Pod, V: aya::Pod>(pin_path: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
+    let path = pin_path.join(name);
+    let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
+    HashMap::try_from(Map::from_map_data(data)?).with_context(|| format!("map {name} has an unexpected layout"))
+}
+
+impl ServiceMaps {
+    /// Opens the maps pinned under `pin_path` (created by [`super::Datapath::load`]).
+    /// `node_ips` are the addresses NodePort frontends are programmed on.
+    pub fn open(pin_path: &Path, node_ips: Vec<Ipv4Addr>) -> Result<Self> {
+        let stats_path = pin_path.join(maps::STATS);
+        let stats_data =
+            MapData::from_pin(&stats_path).with_context(|| format!("opening pinned map {}", stats_path.display()))?;
+        let mut this = Self {
+            services: open(pin_path, maps::SERVICES)?,
+            slots: open(pin_path, maps::BACKEND_SLOTS)?,
+            backends: open(pin_path, maps::BACKENDS)?,
+            rev_nat: open(pin_path, maps::REV_NAT)?,
+            conntrack: open(pin_path, maps::CONNTRACK)?,
+            stats: PerCpuArray::try_from(Map::from_map_data(stats_data)?)?,
+            node_ips,
+            applied: BTreeMap::new(),
+            backend_refs: StdHashMap::new(),
+            backend_addrs: StdHashMap::new(),
+            used_backend_ids: BTreeSet::new(),
+            used_set_ids: BTreeSet::new(),
+            used_rev_nat_ids: BTreeSet::new(),
+        };
+        this.reserve_ids_in_use()?;
+        Ok(this)
+    }
+
+    /// Ids already present in the maps (left by an earlier agent) are never
+    /// handed out again, so a new write cannot alias an entry still in use.
+    fn reserve_ids_in_use(&mut self) -> Result<()> {
+        for id in self.backends.keys() {
+            self.used_backend_ids.insert(id?);
+        }
+        for id in self.rev_nat.keys() {
+            self.used_rev_nat_ids.insert(id?);
+        }
+        for key in self.slots.keys() {
+            self.used_set_ids.insert(key?.backend_set);
+        }
+        Ok(())
+    }
+
+    /// Programs one Service port: its frontends (ClusterIP, and every node IP
+    /// with the node port) and its backend set. Writes nothing if it is
+    /// already programmed as asked.
+    pub fn sync_service(&mut self, svc: &ServicePort) -> Result<()> {
+        let proto = svc.protocol.number();
+        let old = self.applied.get(&svc.name).cloned().unwrap_or_default();
+
+        let mut backends = Vec::new();
+        for ep in usable_endpoints(&svc.endpoints) {
+            backends.push(self.acquire_backend(ep.addr, ep.port, proto)?);
+        }
+        let backend_set = if backends == old.backends && old.backend_set != 0 {
+            old.backend_set
+        } else {
+            self.write_backend_set(&backends)?
+        };
+
+        let count = u32::try_from(backends.len()).context("too many endpoints")?;
+        let mut frontends = BTreeMap::new();
+        for (key, is_node_port) in self.frontends_of(svc) {
+            let ord = ServiceKeyOrd::from(key);
+            let rev_nat_id = match old.frontends.get(&ord) {
+                Some(&id) => id,
+                None => self.new_rev_nat(key)?,
+            };
+            let value = ServiceValue {
+                backend_set,
+                backend_count: count,
+                rev_nat_id,
+                flags: if is_node_port { FLAG_NODE_PORT } else { 0 },
+                affinity_timeout_s: 0,
+                _reserved: 0,
+            };
+            if self.services.get(&key, 0).ok() != Some(value) {
+                self.services.insert(key, value, 0).with_context(|| format!("writing frontend of {}", svc.name))?;
+            }
+            frontends.insert(ord, rev_nat_id);
+        }
+
+        // Everything below removes what the new state no longer references.
+        for (ord, rev_nat_id) in &old.frontends {
+            if !frontends.contains_key(ord) {
+                self.remove_frontend((*ord).into(), *rev_nat_id)?;
+            }
+        }
+        if old.backend_set != 0 && old.backend_set != backend_set {
+            self.delete_backend_set(old.backend_set, old.backends.len())?;
+        }
+        for id in &old.backends {
+            self.release_backend(*id)?;
+        }
+        self.applied.insert(svc.name.clone(), Applied { frontends, backend_set, backends });
+        Ok(())
+    }
+
+    /// Removes a Service port programmed by [`Self::sync_service`].
+    pub fn remove_service(&mut self, name: &str) -> Result<()> {
+        let Some(old) = self.applied.remove(name) else { return Ok(()) };
+        for (ord, rev_nat_id) in &old.frontends {
+            self.remove_frontend((*ord).into(), *rev_nat_id)?;
+        }
+        if old.backend_set != 0 {
+            self.delete_backend_set(old.backend_set, old.backends.len())?;
+        }
+        for id in &old.backends {
+            self.release_backend(*id)?;
+        }
+        Ok(())
+    }
+
+    /// Names of the Service ports programmed through this handle.
+    pub fn service_names(&self) -> impl Iterator<Item = &str> {
+        self.applied.keys().map(String::as_str)
+    }
+
+    /// Sums the per-CPU verdict counters.
+    pub fn verdict_counts(&self) -> Result<Vec<(Verdict, VerdictCounter)>> {
+        let mut out = Vec::new();
+        for verdict in Verdict::ALL {
+            let per_cpu = self.stats.get(&(verdict as u32), 0)?;
+            let mut sum = VerdictCounter::default();
+            for c in per_cpu.iter() {
+                sum.packets += c.packets;
+                sum.bytes += c.bytes;
+            }
+            out.push((verdict, sum));
+        }
+        Ok(out)
+    }
+
+    /// Tracked flows as (key, value), forward and reply entries alike.
+    pub fn conntrack_entries(&self) -> Result<Vec<(CtKey, CtValue)>> {
+        Ok(self.conntrack.iter().collect::<Result<_, _>>()?)
+    }
+
+    /// Reads one frontend back, as the programs see it.
+    pub fn frontend(&self, addr: Ipv4Addr, port: u16, proto: u8) -> Option<ServiceValue> {
+        self.services.get(&ServiceKey::new(addr, port, proto), 0).ok()
+    }
+
+    /// Reads one backend set back, in slot order.
+    pub fn backend_set(&self, value: &ServiceValue) -> Result<Vec<Backend>> {
+        (0..value.backend_count)
+            .map(|slot| {
+                let id = self.slots.get(&BackendSlotKey { backend_set: value.backend_set, slot }, 0)?;
+                Ok(self.backends.get(&id, 0)?)
+            })
+            .collect()
+    }
+
+    fn frontends_of(&self, svc: &ServicePort) -> Vec<(ServiceKey, bool)> {
+        let proto = svc.protocol.number();
+        let mut out = vec![(ServiceKey::new(svc.cluster_ip, svc.port, proto), false)];
+        if let Some(node_port) = svc.node_port {
+            out.extend(self.node_ips.iter().map(|ip| (ServiceKey::new(*ip, node_port, proto), true)));
+        }
+        out
+    }
+
+    fn write_backend_set(&mut self, backends: &[u32]) -> Result<u32> {
+        let set = next_free(&mut self.used_set_ids)?;
+        for (slot, id) in backends.iter().enumerate() {
+            let key = BackendSlotKey { backend_set: set, slot: slot as u32 };
+            self.slots.insert(key, id, 0).context("writing a backend slot")?;
+        }
+        Ok(set)
+    }
+
+    fn delete_backend_set(&mut self, set: u32, len: usize) -> Result<()> {
+        for slot in 0..len as u32 {
+            remove_if_present(&mut self.slots, &BackendSlotKey { backend_set: set, slot })?;
+        }
+        self.used_set_ids.remove(&set);
+        Ok(())
+    }
+
+    fn new_rev_nat(&mut self, key: ServiceKey) -> Result<u32> {
+        let id = next_free(&mut self.used_rev_nat_ids)?;
+        let value = RevNat { addr_be: key.addr_be, port_be: key.port_be, _pad: 0 };
+        self.rev_nat.insert(id, value, 0).context("writing a reverse NAT entry")?;
+        Ok(id)
+    }
+
+    fn remove_frontend(&mut self, key: ServiceKey, rev_nat_id: u32) -> Result<()> {
+        remove_if_present(&mut self.services, &key)?;
+        remove_if_present(&mut self.rev_nat, &rev_nat_id)?;
+        self.used_rev_nat_ids.remove(&rev_nat_id);
+        Ok(())
+    }
+
+    fn acquire_backend(&mut self, addr: Ipv4Addr, port: u16, proto: u8) -> Result<u32> {
+        if let Some((id, refs)) = self.backend_refs.get_mut(&(addr, port, proto)) {
+            *refs += 1;
+            return Ok(*id);
+        }
+        let id = next_free(&mut self.used_backend_ids)?;
+        self.backends.insert(id, Backend::new(addr, port, proto), 0).context("writing a backend")?;
+        self.backend_refs.insert((addr, port, proto), (id, 1));
+        self.backend_addrs.insert(id, (addr, port, proto));
+        Ok(id)
+    }
+
+    fn release_backend(&mut self, id: u32) -> Result<()> {
+        let Some(&addr_key) = self.backend_addrs.get(&id) else {
+            bail!("backend id {id} released but not held");
+        };
+        let Some(entry) = self.backend_refs.get_mut(&addr_key) else {
+            bail!("backend id {id} has no reference count");
+        };
+        entry.1 -= 1;
+        if entry.1 == 0 {
+            self.backend_refs.remove(&addr_key);
+            self.backend_addrs.remove(&id);
+            remove_if_present(&mut self.backends, &id)?;
+            self.used_backend_ids.remove(&id);
+        }
+        Ok(())
+    }
+}
+
+/// kube-proxy's choice: ready endpoints; if there are none, serving
+/// endpoints that are terminating (so draining pods still finish requests).
+fn usable_endpoints(endpoints: &[Endpoint]) -> Vec<&Endpoint> {
+    let ready: Vec<_> = endpoints.iter().filter(|e| e.ready).collect();
+    if !ready.is_empty() {
+        return ready;
+    }
+    endpoints.iter().filter(|e| e.serving && e.terminating).collect()
+}
+
+/// The smallest id >= 1 not in `used`, marked used.
+fn next_free(used: &mut BTreeSet<u32>) -> Result<u32> {
+    let mut candidate = 1u32;
+    for &id in used.range(1..) {
+        if id != candidate {
+            break;
+        }
+        candidate = candidate.checked_add(1).context("id space exhausted")?;
+    }
+    used.insert(candidate);
+    Ok(candidate)
+}
+
+fn remove_if_present<K: aya::Pod, V: aya::Pod>(map: &mut HashMap<MapData, K, V>, key: &K) -> Result<()> {
+    match map.remove(key) {
+        Ok(()) => Ok(()),
+        Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+        Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn next_free_fills_holes_first() {
+        let mut used = BTreeSet::from([1, 2, 4]);
+        assert_eq!(next_free(&mut used).unwrap(), 3);
+        assert_eq!(next_free(&mut used).unwrap(), 5);
+        let mut empty = BTreeSet::new();
+        assert_eq!(next_free(&mut empty).unwrap(), 1);
+    }
+
+    #[test]
+    fn terminating_endpoints_serve_only_when_none_is_ready() {
+        let ip = Ipv4Addr::new(10, 0, 0, 1);
+        let mut draining = Endpoint::ready(ip, 80);
+        draining.ready = false;
+        draining.terminating = true;
+        let ready = Endpoint::ready(Ipv4Addr::new(10, 0, 0, 2), 80);
+        assert_eq!(usable_endpoints(&[draining.clone(), ready.clone()]), vec![&ready]);
+        assert_eq!(usable_endpoints(std::slice::from_ref(&draining)), vec![&draining]);
+    }
+}
