@@ -186,8 +186,10 @@ impl Ctx for Tc<'_> {
 
 const AF_INET: u8 = 2;
 
-/// The interface the kernel routes the (already translated) packet out of,
-/// for redirecting a packet that was routed before its destination changed.
+/// The interface the kernel would forward the (already translated) packet
+/// out of, for redirecting it there directly: used where the kernel's own
+/// routing decision is stale (egress) or would refuse the packet (replies
+/// from a node IP). `None` if it is not forwarded (e.g. it is for this node).
 #[inline(always)]
 pub fn route_ifindex(ctx: &TcContext) -> Option<u32> {
     let tc = Tc(ctx);

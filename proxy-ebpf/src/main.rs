@@ -38,7 +38,7 @@ use crate::{
 #[xdp]
 pub fn xdp_uplink(ctx: XdpContext) -> u32 {
     match process(&Xdp(&ctx), Replies::Ignore) {
-        Outcome::Pass | Outcome::Translated => xdp_action::XDP_PASS,
+        Outcome::Pass | Outcome::Translated | Outcome::ReverseTranslated => xdp_action::XDP_PASS,
         Outcome::Reply => xdp_action::XDP_TX,
         Outcome::Drop => xdp_action::XDP_DROP,
     }
@@ -52,6 +52,14 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
     tc.pull_headers();
     match process(&tc, Replies::ReverseNat) {
         Outcome::Pass | Outcome::Translated => TC_ACT_OK,
+        // Straight to the interface towards the client. Through the stack, a
+        // reply now coming from a node IP (NodePort) would be dropped as a
+        // martian (a local source arriving from outside); a destination on
+        // this node itself is not forwarded and goes up the stack.
+        Outcome::ReverseTranslated => match context::route_ifindex(&ctx) {
+            Some(ifindex) => unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) as i32 },
+            None => TC_ACT_OK,
+        },
         // Back out of the interface it came in on, i.e. to the pod.
         Outcome::Reply => unsafe { bpf_redirect((*ctx.skb.skb).ifindex, 0) as i32 },
         Outcome::Drop => TC_ACT_SHOT,
@@ -67,7 +75,7 @@ pub fn tc_egress(ctx: TcContext) -> i32 {
     let tc = Tc(&ctx);
     tc.pull_headers();
     match process(&tc, Replies::Ignore) {
-        Outcome::Pass => TC_ACT_OK,
+        Outcome::Pass | Outcome::ReverseTranslated => TC_ACT_OK,
         Outcome::Translated => match context::route_ifindex(&ctx) {
             Some(ifindex) => unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) as i32 },
             None => {

@@ -17,8 +17,10 @@ use crate::{
 pub enum Outcome {
     /// Untouched (not ours, or malformed).
     Pass,
-    /// Rewritten (DNAT or reverse NAT): continue on the normal path.
+    /// DNATed towards a backend: continue on the normal path.
     Translated,
+    /// A backend's reply, its source rewritten back to the frontend.
+    ReverseTranslated,
     /// Rewritten into an answer: send it back where it came from.
     Reply,
     /// Half-rewritten after a helper failed: must not go anywhere.
@@ -80,7 +82,10 @@ fn from_backend(ctx: &impl Ctx, flow: &Flow) -> (Verdict, Outcome) {
     let Some(frontend) = (unsafe { REV_NAT.get(&rev_nat_id) }) else {
         return (Verdict::Error, Outcome::Pass);
     };
-    translated(nat::rev_nat(ctx, flow, frontend), Verdict::RevNat)
+    match nat::rev_nat(ctx, flow, frontend) {
+        Ok(()) => (Verdict::RevNat, Outcome::ReverseTranslated),
+        Err(()) => (Verdict::Error, Outcome::Drop),
+    }
 }
 
 #[inline(always)]
