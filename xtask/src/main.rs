@@ -1,0 +1,74 @@
+//! Developer tasks for xproxy: `cargo xtask <command>`.
+//!
+//! The eBPF crate (proxy-ebpf) needs a nightly toolchain, `rust-src` and a
+//! `bpf-linker` built against the nightly's own LLVM; `build-ebpf` sets all of
+//! that up itself, idempotently, so a fresh machine needs only rustup.
+
+mod build_ebpf;
+mod command;
+mod demo;
+mod test;
+mod toolchain;
+
+use std::{
+    path::{Path, PathBuf},
+    process::ExitCode,
+};
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "cargo xtask",
+    bin_name = "cargo xtask",
+    about = "xproxy developer tasks"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Build the eBPF object (installs nightly rust-src and bpf-linker if needed).
+    BuildEbpf(build_ebpf::Options),
+    /// Build the eBPF object, then run `cargo test --workspace` (privileged tests enabled as root).
+    Test(test::Options),
+    /// Run the xproxy demo (not implemented yet).
+    Demo,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            // `{:#}` prints the context chain on one line, without the
+            // backtrace anyhow adds under RUST_BACKTRACE=1.
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let root = workspace_root();
+    match cli.command {
+        Command::BuildEbpf(options) => {
+            let object = build_ebpf::build_ebpf(&root, &options)?;
+            println!("{}", object.display());
+            Ok(())
+        }
+        Command::Test(options) => test::test(&root, &options),
+        Command::Demo => demo::demo(),
+    }
+}
+
+/// The workspace root: the parent of this crate's directory.
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}

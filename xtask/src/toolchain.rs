@@ -1,0 +1,389 @@
+//! The nightly toolchain and the `bpf-linker` the eBPF crate needs.
+//!
+//! No prebuilt bpf-linker matches the nightly's LLVM, so it is built from
+//! crates.io against the libLLVM shipped in the nightly's own sysroot and
+//! rebuilt whenever `ldd` shows it no longer resolves exactly that file
+//! (e.g. after the nightly was updated).
+
+use std::{
+    env, fs,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context, Result, bail};
+
+use crate::command;
+
+/// The toolchain that builds the eBPF crate.
+pub const NIGHTLY: &str = "nightly";
+
+/// Variables that would make a child cargo/rustc use flags or compilers
+/// meant for the toolchain that runs this xtask.
+const INHERITED_RUST_ENV: &[&str] = &[
+    "RUSTFLAGS",
+    "CARGO_ENCODED_RUSTFLAGS",
+    "CARGO_BUILD_RUSTFLAGS",
+    "RUSTC",
+    "RUSTDOC",
+    "RUSTC_WORKSPACE_WRAPPER",
+    "RUSTUP_TOOLCHAIN",
+    "CARGO_TARGET_DIR",
+    "CARGO_BUILD_TARGET_DIR",
+    "CARGO_BUILD_TARGET",
+];
+
+/// `rustup run nightly <program>`, with inherited toolchain variables removed.
+///
+/// Going through rustup (not `$CARGO`, which is the stable cargo running this
+/// xtask) is what makes the nightly cargo and rustc the ones that run.
+pub fn nightly_command(program: &str) -> Command {
+    let mut cmd = Command::new("rustup");
+    cmd.args(["run", NIGHTLY, program]);
+    for key in INHERITED_RUST_ENV {
+        cmd.env_remove(key);
+    }
+    cmd
+}
+
+/// Installs the nightly toolchain if rustup does not have it.
+pub fn ensure_nightly() -> Result<()> {
+    let list = command::stdout(Command::new("rustup").args(["toolchain", "list"]))
+        .context("rustup is needed: install it from https://rustup.rs")?;
+    if has_toolchain(&list, NIGHTLY) {
+        return Ok(());
+    }
+    eprintln!("xtask: installing the {NIGHTLY} toolchain");
+    command::run(Command::new("rustup").args([
+        "toolchain",
+        "install",
+        NIGHTLY,
+        "--profile",
+        "minimal",
+        "--component",
+        "rust-src",
+    ]))
+}
+
+/// Whether `rustup toolchain list` output names the toolchain `name`.
+fn has_toolchain(list: &str, name: &str) -> bool {
+    list.lines()
+        .filter_map(|line| line.split_whitespace().next())
+        .any(|toolchain| toolchain == name || toolchain.starts_with(&format!("{name}-")))
+}
+
+/// Adds `rust-src` to the nightly (needed by `-Z build-std=core`) if missing.
+pub fn ensure_rust_src() -> Result<()> {
+    let installed = command::stdout(Command::new("rustup").args([
+        "component",
+        "list",
+        "--toolchain",
+        NIGHTLY,
+        "--installed",
+    ]))?;
+    if installed.lines().any(|line| line.trim() == "rust-src") {
+        return Ok(());
+    }
+    eprintln!("xtask: adding rust-src to the {NIGHTLY} toolchain");
+    command::run(Command::new("rustup").args([
+        "component",
+        "add",
+        "rust-src",
+        "--toolchain",
+        NIGHTLY,
+    ]))
+}
+
+/// The nightly's own LLVM, as bpf-linker must link it.
+#[derive(Debug)]
+pub struct NightlyLlvm {
+    /// `$SYSROOT/lib`, where the nightly's libLLVM lives.
+    pub lib_dir: PathBuf,
+    /// The name to link, e.g. `LLVM-22-rust-1.97.0-nightly` (`-l dylib=` form).
+    pub link_name: String,
+    /// LLVM's major version, e.g. 22 (bpf-linker feature `llvm-22`).
+    pub major: u32,
+    /// The real shared-library files that name stands for (canonical paths).
+    pub files: Vec<PathBuf>,
+}
+
+/// Finds the nightly's libLLVM from `rustc -vV` and `rustc --print sysroot`.
+pub fn nightly_llvm() -> Result<NightlyLlvm> {
+    let version = command::stdout(nightly_command("rustc").arg("-vV"))?;
+    let major = llvm_major(&version)?;
+    let sysroot = command::stdout(nightly_command("rustc").args(["--print", "sysroot"]))?;
+    let lib_dir = PathBuf::from(sysroot.trim()).join("lib");
+    let link_name = llvm_link_name(&lib_dir, major)?;
+    let files = llvm_library_files(&lib_dir, &link_name)?;
+    Ok(NightlyLlvm {
+        lib_dir,
+        link_name,
+        major,
+        files,
+    })
+}
+
+/// The LLVM major version from `rustc -vV` ("LLVM version: 22.1.4" -> 22).
+fn llvm_major(rustc_version: &str) -> Result<u32> {
+    let version = rustc_version
+        .lines()
+        .find_map(|line| line.strip_prefix("LLVM version:"))
+        .context("`rustc -vV` printed no \"LLVM version:\" line")?;
+    let major = version.trim().split('.').next().unwrap_or_default();
+    major.parse().with_context(|| {
+        format!(
+            "cannot read an LLVM major version from {:?}",
+            version.trim()
+        )
+    })
+}
+
+/// The name of `lib_dir/libLLVM-<major>-*.so` without `lib` and `.so`.
+fn llvm_link_name(lib_dir: &Path, major: u32) -> Result<String> {
+    let entries =
+        fs::read_dir(lib_dir).with_context(|| format!("cannot list {}", lib_dir.display()))?;
+    let prefix = format!("LLVM-{major}");
+    let mut names = Vec::new();
+    for entry in entries {
+        let entry = entry.with_context(|| format!("cannot list {}", lib_dir.display()))?;
+        let file_name = entry.file_name();
+        let Some(name) = file_name.to_str() else {
+            continue;
+        };
+        if let Some(name) = name
+            .strip_prefix("lib")
+            .and_then(|name| name.strip_suffix(".so"))
+            && (name == prefix || name.starts_with(&format!("{prefix}-")))
+        {
+            names.push(name.to_owned());
+        }
+    }
+    names.sort();
+    match names.as_slice() {
+        [name] => Ok(name.clone()),
+        [] => bail!(
+            "no libLLVM-{major}*.so in {}: is the nightly's LLVM {major} library installed?",
+            lib_dir.display()
+        ),
+        _ => bail!(
+            "several libLLVM-{major}*.so in {}: {names:?}",
+            lib_dir.display()
+        ),
+    }
+}
+
+/// The shared-library files `-l dylib=<link_name>` resolves to.
+///
+/// `lib<link_name>.so` is either the library itself or (as in rustup's
+/// toolchains) a linker script `INPUT(libLLVM.so.22.1-rust-...)`.
+fn llvm_library_files(lib_dir: &Path, link_name: &str) -> Result<Vec<PathBuf>> {
+    let dev_link = lib_dir.join(format!("lib{link_name}.so"));
+    let bytes =
+        fs::read(&dev_link).with_context(|| format!("cannot read {}", dev_link.display()))?;
+    let candidates = if bytes.starts_with(b"\x7fELF") {
+        vec![dev_link.clone()]
+    } else {
+        linker_script_inputs(&String::from_utf8_lossy(&bytes))
+            .into_iter()
+            .map(|input| lib_dir.join(input))
+            .collect()
+    };
+    let files: Vec<PathBuf> = candidates
+        .iter()
+        .filter_map(|path| path.canonicalize().ok())
+        .collect();
+    if files.is_empty() {
+        bail!(
+            "{} names no library file that exists ({candidates:?})",
+            dev_link.display()
+        );
+    }
+    Ok(files)
+}
+
+/// The file names inside `INPUT(...)` / `GROUP(...)` of a GNU ld script.
+fn linker_script_inputs(script: &str) -> Vec<String> {
+    let mut inputs = Vec::new();
+    for keyword in ["INPUT(", "GROUP("] {
+        let mut rest = script;
+        while let Some(start) = rest.find(keyword) {
+            let after = &rest[start + keyword.len()..];
+            let end = after.find(')').unwrap_or(after.len());
+            inputs.extend(
+                after[..end]
+                    .split(|c: char| c.is_whitespace() || c == ',')
+                    .filter(|name| !name.is_empty() && *name != "AS_NEEDED(")
+                    .map(str::to_owned),
+            );
+            rest = &after[end..];
+        }
+    }
+    inputs
+}
+
+/// Where `cargo install` puts binaries: `$CARGO_INSTALL_ROOT`, `$CARGO_HOME` or `~/.cargo`.
+fn install_root() -> Result<PathBuf> {
+    if let Some(root) = env::var_os("CARGO_INSTALL_ROOT") {
+        return Ok(PathBuf::from(root));
+    }
+    if let Some(home) = env::var_os("CARGO_HOME") {
+        return Ok(PathBuf::from(home));
+    }
+    let home =
+        env::var_os("HOME").context("none of CARGO_INSTALL_ROOT, CARGO_HOME, HOME is set")?;
+    Ok(PathBuf::from(home).join(".cargo"))
+}
+
+/// The libLLVM libraries `ldd` resolves for `binary`: (soname, resolved path).
+fn ldd_llvm_libraries(ldd_output: &str) -> Vec<(String, Option<PathBuf>)> {
+    ldd_output
+        .lines()
+        .filter_map(|line| {
+            let (name, target) = line.trim().split_once(" => ")?;
+            if !name.starts_with("libLLVM") {
+                return None;
+            }
+            let path = target
+                .split_whitespace()
+                .next()
+                .filter(|path| path.starts_with('/'));
+            Some((name.to_owned(), path.map(PathBuf::from)))
+        })
+        .collect()
+}
+
+/// Whether `linker` is dynamically linked against exactly the nightly's libLLVM.
+fn links_nightly_llvm(linker: &Path, llvm: &NightlyLlvm) -> Result<bool> {
+    if !linker.exists() {
+        eprintln!("xtask: {} does not exist", linker.display());
+        return Ok(false);
+    }
+    let output = Command::new("ldd")
+        .arg(linker)
+        .output()
+        .with_context(|| format!("failed to run `ldd {}`", linker.display()))?;
+    let libraries = ldd_llvm_libraries(&String::from_utf8_lossy(&output.stdout));
+    if libraries.is_empty() {
+        eprintln!(
+            "xtask: {} is not linked against a shared libLLVM",
+            linker.display()
+        );
+        return Ok(false);
+    }
+    for (name, path) in &libraries {
+        let resolved = path.as_ref().and_then(|path| path.canonicalize().ok());
+        if !resolved
+            .as_ref()
+            .is_some_and(|path| llvm.files.contains(path))
+        {
+            eprintln!(
+                "xtask: {} resolves {name} to {}, not {:?}",
+                linker.display(),
+                path.as_ref()
+                    .map_or_else(|| "nothing".into(), |path| path.display().to_string()),
+                llvm.files
+            );
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// `cargo install bpf-linker` linked against the nightly's libLLVM, into `root`.
+fn install_bpf_linker(root: &Path, llvm: &NightlyLlvm) -> Result<()> {
+    let lib_dir = llvm.lib_dir.display();
+    let rustflags = format!(
+        "-L {lib_dir} -l dylib={} -C link-args=-Wl,-rpath,{lib_dir}",
+        llvm.link_name
+    );
+    let features = format!("llvm-{},no-llvm-linking", llvm.major);
+    eprintln!(
+        "xtask: building bpf-linker against {lib_dir}/lib{}.so (about a minute)",
+        llvm.link_name
+    );
+    let mut cmd = nightly_command("cargo");
+    cmd.args([
+        "install",
+        "bpf-linker",
+        "--no-default-features",
+        "--features",
+        &features,
+        "--force",
+        "--root",
+    ])
+    .arg(root)
+    .env("RUSTFLAGS", rustflags);
+    command::run(&mut cmd).context("cannot build bpf-linker")
+}
+
+/// Makes sure a bpf-linker linked against the nightly's libLLVM is installed;
+/// returns its path.
+pub fn ensure_bpf_linker() -> Result<PathBuf> {
+    let llvm = nightly_llvm()?;
+    let root = install_root()?;
+    let linker = root.join("bin").join("bpf-linker");
+    if links_nightly_llvm(&linker, &llvm)? {
+        return Ok(linker);
+    }
+    install_bpf_linker(&root, &llvm)?;
+    if !links_nightly_llvm(&linker, &llvm)? {
+        bail!(
+            "the bpf-linker just installed at {} does not use {:?}",
+            linker.display(),
+            llvm.files
+        );
+    }
+    Ok(linker)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_llvm_major() -> Result<()> {
+        let version = "rustc 1.97.0-nightly (e50aa6fba 2026-05-19)\nbinary: rustc\nhost: x86_64-unknown-linux-gnu\nrelease: 1.97.0-nightly\nLLVM version: 22.1.4\n";
+        assert_eq!(llvm_major(version)?, 22);
+        assert!(llvm_major("rustc 1.0\n").is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn reads_linker_script() {
+        assert_eq!(
+            linker_script_inputs("INPUT(libLLVM.so.22.1-rust-1.97.0-nightly)\n"),
+            ["libLLVM.so.22.1-rust-1.97.0-nightly"]
+        );
+        assert_eq!(linker_script_inputs("GROUP(a.so, b.so)"), ["a.so", "b.so"]);
+    }
+
+    #[test]
+    fn finds_toolchain() {
+        let list = "stable-x86_64-unknown-linux-gnu (default)\nnightly-x86_64-unknown-linux-gnu\n";
+        assert!(has_toolchain(list, "nightly"));
+        assert!(!has_toolchain(
+            "stable-x86_64-unknown-linux-gnu (default)\n",
+            "nightly"
+        ));
+    }
+
+    #[test]
+    fn reads_ldd() {
+        let out = "\tlinux-vdso.so.1 (0x00007f553f478000)\n\
+            \tlibLLVM.so.22.1-rust-1.97.0-nightly => /root/.rustup/toolchains/nightly/lib/libLLVM.so.22.1-rust-1.97.0-nightly (0x00007f5534a00000)\n\
+            \tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x00007f553481e000)\n\
+            \tlibLLVM.so.21.1-rust-1.96.0-nightly => not found\n";
+        assert_eq!(
+            ldd_llvm_libraries(out),
+            [
+                (
+                    "libLLVM.so.22.1-rust-1.97.0-nightly".to_owned(),
+                    Some(PathBuf::from(
+                        "/root/.rustup/toolchains/nightly/lib/libLLVM.so.22.1-rust-1.97.0-nightly"
+                    ))
+                ),
+                ("libLLVM.so.21.1-rust-1.96.0-nightly".to_owned(), None),
+            ]
+        );
+    }
+}
