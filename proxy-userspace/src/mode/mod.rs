@@ -1,3 +1,25 @@
-//! Data-plane modes. Each one programs the kernel from the same model.
+//! Data-plane modes. Each one programs the kernel from the same model
+//! through the same interface, so every mode can be compared on equal terms.
 
 pub mod ebpf;
+pub mod fake;
+
+use std::collections::BTreeMap;
+
+use anyhow::Result;
+
+use crate::{model::ServicePort, reconcile::Plan};
+
+/// One way of turning Service ports into kernel state.
+pub trait Dataplane: Send {
+    /// The `--mode` name.
+    fn name(&self) -> &'static str;
+
+    /// A partial sync: programs `plan` (removals first), touching nothing else.
+    fn apply(&mut self, plan: &Plan) -> Result<()>;
+
+    /// A full sync: makes the kernel state equal to `desired`, also removing
+    /// whatever else is there (left by an earlier run or a failed sync).
+    /// Parts already right are left alone.
+    fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()>;
+}

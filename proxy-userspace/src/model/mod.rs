@@ -1,12 +1,50 @@
 //! The desired state every data-plane mode programs: Service ports and their
 //! endpoints, already filtered and resolved (targetPort -> number).
+//!
+//! `service` and `endpoint` turn API objects into plain facts, `desired`
+//! keeps those facts per object and joins them into [`ServicePort`]s.
 
-use std::net::Ipv4Addr;
+mod desired;
+pub mod endpoint;
+pub mod service;
+
+use std::{fmt, net::Ipv4Addr};
+
+pub use desired::{Cluster, Desired, ObjectKey, object_key};
+
+/// An object (or a part of one) that was skipped, and why. Logged and counted
+/// by whoever feeds the model; the rest of the state is programmed as usual.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    pub object: String,
+    pub reason: String,
+}
+
+impl Problem {
+    pub fn new(object: &str, reason: impl Into<String>) -> Self {
+        Self { object: object.to_owned(), reason: reason.into() }
+    }
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.object, self.reason)
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Protocol {
     Tcp,
     Udp,
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+        })
+    }
 }
 
 impl Protocol {
@@ -32,7 +70,7 @@ pub struct ServicePort {
     pub endpoints: Vec<Endpoint>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Endpoint {
     pub addr: Ipv4Addr,
     /// The resolved targetPort.

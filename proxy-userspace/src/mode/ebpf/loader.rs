@@ -8,7 +8,13 @@ use std::{
 use anyhow::{Context, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    programs::{SchedClassifier, TcAttachType, Xdp, XdpMode, tc},
+    programs::{
+        SchedClassifier, TcAttachType, Xdp, XdpMode,
+        links::{FdLink, LinkError, PinnedLink},
+        tc,
+        tc::SchedClassifierLink,
+        xdp::XdpLink,
+    },
 };
 use proxy_common::maps;
 use tracing::info;
@@ -60,19 +66,44 @@ impl Datapath {
     }
 
     /// Attaches the programs `hook` calls for to `iface` (in the calling
-    /// thread's network namespace). They stay attached while `self` lives.
+    /// thread's network namespace).
+    ///
+    /// The attachments are bpf links pinned under `<pin path>/links`, so they
+    /// outlive this process: the data path keeps forwarding while the agent
+    /// restarts, and the next agent swaps its programs into the same links
+    /// atomically (`bpf_link_update`) instead of detaching anything.
     pub fn attach(&mut self, iface: &str, hook: Hook) -> Result<()> {
         match hook {
             Hook::Uplink => {
-                self.xdp()?
-                    .attach(iface, XdpMode::Driver)
-                    .with_context(|| format!("attaching XDP in native mode to {iface}"))?;
+                self.attach_xdp(iface)?;
                 self.attach_tc(iface, maps::PROG_TC_EGRESS, TcAttachType::Egress)?;
             }
             Hook::Pod => self.attach_tc(iface, maps::PROG_TC_INGRESS, TcAttachType::Ingress)?,
         }
         info!(iface, ?hook, "attached");
         Ok(())
+    }
+
+    /// Where the link of program `prog` on `iface` is pinned.
+    pub fn link_pin(&self, iface: &str, prog: &str) -> PathBuf {
+        self.pin_path.join(LINKS_DIR).join(format!("{iface}.{prog}"))
+    }
+
+    fn attach_xdp(&mut self, iface: &str) -> Result<()> {
+        let pin = self.link_pin(iface, maps::PROG_XDP_UPLINK);
+        let xdp = self.xdp()?;
+        if let Some(link) = open_pinned_link(&pin)? {
+            let link = XdpLink::try_from(link).context("pinned XDP link has another type")?;
+            let id = xdp.attach_to_link(link).with_context(|| format!("updating the XDP link on {iface}"))?;
+            // The pin holds the link; dropping our handle only closes its fd.
+            drop(xdp.take_link(id)?);
+            return Ok(());
+        }
+        let id = xdp
+            .attach(iface, XdpMode::Driver)
+            .with_context(|| format!("attaching XDP in native mode to {iface}"))?;
+        let link = FdLink::try_from(xdp.take_link(id)?).context("XDP attached without a bpf link")?;
+        pin_link(link, &pin)
     }
 
     fn attach_tc(&mut self, iface: &str, name: &str, attach: TcAttachType) -> Result<()> {
@@ -83,10 +114,22 @@ impl Datapath {
         {
             tracing::debug!(iface, error = %e, "clsact qdisc not added (tcx kernels need none)");
         }
-        self.tc(name)?
-            .attach(iface, attach)
-            .with_context(|| format!("attaching {name} to {iface}"))?;
-        Ok(())
+        let pin = self.link_pin(iface, name);
+        let prog = self.tc(name)?;
+        if let Some(link) = open_pinned_link(&pin)? {
+            let link = SchedClassifierLink::try_from(link).context("pinned tc link has another type")?;
+            let id = prog.attach_to_link(link).with_context(|| format!("updating the {name} link on {iface}"))?;
+            drop(prog.take_link(id)?);
+            return Ok(());
+        }
+        let id = prog.attach(iface, attach).with_context(|| format!("attaching {name} to {iface}"))?;
+        let link = prog.take_link(id)?;
+        match FdLink::try_from(link) {
+            Ok(link) => pin_link(link, &pin),
+            // Netlink-attached tc filters (kernels before 6.6) are not links:
+            // they stay attached by themselves until `cleanup` removes them.
+            Err(_) => Ok(()),
+        }
     }
 
     /// The XDP program, e.g. for `test_run`.
@@ -98,6 +141,25 @@ impl Datapath {
     pub fn tc(&mut self, name: &str) -> Result<&mut SchedClassifier> {
         Ok(program(&mut self.ebpf, name)?.try_into()?)
     }
+}
+
+/// Subdirectory of the pin path holding the pinned links.
+pub const LINKS_DIR: &str = "links";
+
+fn open_pinned_link(pin: &Path) -> Result<Option<FdLink>> {
+    match PinnedLink::from_pin(pin) {
+        Ok(link) => Ok(Some(FdLink::from(link))),
+        Err(LinkError::SyscallError(e)) if e.io_error.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("opening pinned link {}", pin.display())),
+    }
+}
+
+fn pin_link(link: FdLink, pin: &Path) -> Result<()> {
+    if let Some(dir) = pin.parent() {
+        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    link.pin(pin).with_context(|| format!("pinning link at {}", pin.display()))?;
+    Ok(())
 }
 
 fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut aya::programs::Program> {

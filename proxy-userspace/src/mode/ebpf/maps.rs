@@ -7,6 +7,11 @@
 //!   entry that points at them (a whole new set under a fresh id);
 //! - the service entry is swapped in one update (atomic for readers);
 //! - old slots, then unreferenced backends, are deleted last.
+//!
+//! A Service port is known by its ClusterIP frontend. On open, whatever an
+//! earlier agent left in the pinned maps is read back as applied state
+//! ("adopted"), so syncing the same Services again writes nothing, and
+//! [`ServiceMaps::retain`] removes only what is no longer wanted.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap as StdHashMap},
@@ -57,7 +62,10 @@ pub struct ServiceMaps {
     conntrack: HashMap<MapData, CtKey, CtValue>,
     stats: PerCpuArray<MapData, VerdictCounter>,
     node_ips: Vec<Ipv4Addr>,
-    applied: BTreeMap<String, Applied>,
+    /// By ClusterIP frontend.
+    applied: BTreeMap<ServiceKeyOrd, Applied>,
+    /// Service port name -> ClusterIP frontend, for ports synced by name.
+    names: BTreeMap<String, ServiceKeyOrd>,
     /// (ip, port, proto) -> (backend id, number of Service ports using it).
     backend_refs: StdHashMap<(Ipv4Addr, u16, u8), (u32, u32)>,
     /// backend id -> (ip, port, proto), the reverse of `backend_refs`.
@@ -89,6 +97,7 @@ impl ServiceMaps {
             stats: PerCpuArray::try_from(Map::from_map_data(stats_data)?)?,
             node_ips,
             applied: BTreeMap::new(),
+            names: BTreeMap::new(),
             backend_refs: StdHashMap::new(),
             backend_addrs: StdHashMap::new(),
             used_backend_ids: BTreeSet::new(),
@@ -96,7 +105,52 @@ impl ServiceMaps {
             used_rev_nat_ids: BTreeSet::new(),
         };
         this.reserve_ids_in_use()?;
+        this.adopt()?;
         Ok(this)
+    }
+
+    /// Reads the frontends in the maps back into `applied`, grouped by the
+    /// backend set they share. A group whose slots or backends are missing
+    /// is adopted without a set, so the next sync writes it afresh.
+    fn adopt(&mut self) -> Result<()> {
+        let mut groups: BTreeMap<u32, Vec<(ServiceKey, ServiceValue)>> = BTreeMap::new();
+        for entry in self.services.iter() {
+            let (key, value) = entry?;
+            groups.entry(value.backend_set).or_default().push((key, value));
+        }
+        for (set, members) in groups {
+            let (cluster_key, cluster_value) =
+                *members.iter().find(|(_, v)| v.flags & FLAG_NODE_PORT == 0).unwrap_or(&members[0]);
+            let backends = self.adopt_backend_set(set, cluster_value.backend_count);
+            let frontends = members.iter().map(|(k, v)| (ServiceKeyOrd::from(*k), v.rev_nat_id)).collect();
+            let (backend_set, backends) = match backends {
+                Some(ids) => (set, ids),
+                None => (0, Vec::new()),
+            };
+            self.applied.insert(cluster_key.into(), Applied { frontends, backend_set, backends });
+        }
+        Ok(())
+    }
+
+    /// The backend ids in a pinned set, taking a reference on each.
+    fn adopt_backend_set(&mut self, set: u32, count: u32) -> Option<Vec<u32>> {
+        let mut ids = Vec::new();
+        for slot in 0..count {
+            let id = self.slots.get(&BackendSlotKey { backend_set: set, slot }, 0).ok()?;
+            let backend = self.backends.get(&id, 0).ok()?;
+            let addr = (backend.addr(), backend.port(), backend.proto);
+            match self.backend_refs.get_mut(&addr) {
+                Some((held, refs)) if *held == id => *refs += 1,
+                // The same address under two ids: let the next sync rewrite it.
+                Some(_) => return None,
+                None => {
+                    self.backend_refs.insert(addr, (id, 1));
+                    self.backend_addrs.insert(id, addr);
+                }
+            }
+            ids.push(id);
+        }
+        Some(ids)
     }
 
     /// Ids already present in the maps (left by an earlier agent) are never
@@ -119,7 +173,13 @@ impl ServiceMaps {
     /// already programmed as asked.
     pub fn sync_service(&mut self, svc: &ServicePort) -> Result<()> {
         let proto = svc.protocol.number();
-        let old = self.applied.get(&svc.name).cloned().unwrap_or_default();
+        let id = ServiceKeyOrd::from(ServiceKey::new(svc.cluster_ip, svc.port, proto));
+        if let Some(previous) = self.names.insert(svc.name.clone(), id)
+            && previous != id
+        {
+            self.remove_by_key(previous)?;
+        }
+        let old = self.applied.get(&id).cloned().unwrap_or_default();
 
         let mut backends = Vec::new();
         for ep in usable_endpoints(&svc.endpoints) {
@@ -165,13 +225,70 @@ impl ServiceMaps {
         for id in &old.backends {
             self.release_backend(*id)?;
         }
-        self.applied.insert(svc.name.clone(), Applied { frontends, backend_set, backends });
+        self.applied.insert(id, Applied { frontends, backend_set, backends });
         Ok(())
     }
 
     /// Removes a Service port programmed by [`Self::sync_service`].
     pub fn remove_service(&mut self, name: &str) -> Result<()> {
-        let Some(old) = self.applied.remove(name) else { return Ok(()) };
+        match self.names.remove(name) {
+            Some(id) => self.remove_by_key(id),
+            None => Ok(()),
+        }
+    }
+
+    /// Removes a Service port by its frontend, whoever programmed it.
+    pub fn remove_port(&mut self, port: &ServicePort) -> Result<()> {
+        let id = ServiceKeyOrd::from(ServiceKey::new(port.cluster_ip, port.port, port.protocol.number()));
+        if self.names.get(&port.name) == Some(&id) {
+            self.names.remove(&port.name);
+        }
+        self.remove_by_key(id)
+    }
+
+    /// Removes every Service port not in `keep` (adopted ones included), then
+    /// whatever the maps hold that no Service port references.
+    pub fn retain(&mut self, keep: &[&ServicePort]) -> Result<()> {
+        let keep: BTreeSet<ServiceKeyOrd> = keep
+            .iter()
+            .map(|p| ServiceKey::new(p.cluster_ip, p.port, p.protocol.number()).into())
+            .collect();
+        let stale: Vec<ServiceKeyOrd> = self.applied.keys().filter(|k| !keep.contains(k)).copied().collect();
+        for id in stale {
+            self.remove_by_key(id)?;
+        }
+        self.names.retain(|_, id| keep.contains(id));
+        self.remove_orphans()
+    }
+
+    /// Deletes slots, backends and reverse NAT entries nothing points at
+    /// (left behind by an agent that died halfway through a sync).
+    fn remove_orphans(&mut self) -> Result<()> {
+        let sets: BTreeSet<u32> = self.applied.values().map(|a| a.backend_set).collect();
+        let rev_nats: BTreeSet<u32> = self.applied.values().flat_map(|a| a.frontends.values().copied()).collect();
+        let orphan_slots: Vec<BackendSlotKey> =
+            self.slots.keys().filter_map(Result::ok).filter(|k| !sets.contains(&k.backend_set)).collect();
+        for key in orphan_slots {
+            remove_if_present(&mut self.slots, &key)?;
+            self.used_set_ids.remove(&key.backend_set);
+        }
+        let orphan_backends: Vec<u32> =
+            self.backends.keys().filter_map(Result::ok).filter(|id| !self.backend_addrs.contains_key(id)).collect();
+        for id in orphan_backends {
+            remove_if_present(&mut self.backends, &id)?;
+            self.used_backend_ids.remove(&id);
+        }
+        let orphan_rev_nats: Vec<u32> =
+            self.rev_nat.keys().filter_map(Result::ok).filter(|id| !rev_nats.contains(id)).collect();
+        for id in orphan_rev_nats {
+            remove_if_present(&mut self.rev_nat, &id)?;
+            self.used_rev_nat_ids.remove(&id);
+        }
+        Ok(())
+    }
+
+    fn remove_by_key(&mut self, id: ServiceKeyOrd) -> Result<()> {
+        let Some(old) = self.applied.remove(&id) else { return Ok(()) };
         for (ord, rev_nat_id) in &old.frontends {
             self.remove_frontend((*ord).into(), *rev_nat_id)?;
         }
@@ -186,7 +303,12 @@ impl ServiceMaps {
 
     /// Names of the Service ports programmed through this handle.
     pub fn service_names(&self) -> impl Iterator<Item = &str> {
-        self.applied.keys().map(String::as_str)
+        self.names.keys().map(String::as_str)
+    }
+
+    /// Number of Service ports in the maps, adopted ones included.
+    pub fn service_port_count(&self) -> usize {
+        self.applied.len()
     }
 
     /// Sums the per-CPU verdict counters.

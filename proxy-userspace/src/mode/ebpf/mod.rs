@@ -1,10 +1,133 @@
 //! The eBPF data path: XDP and tc programs that DNAT Service traffic using
 //! maps pinned under bpffs.
 
+mod interfaces;
 mod loader;
 mod maps;
 mod object;
 
-pub use loader::{Datapath, Hook};
+use std::{
+    collections::BTreeMap,
+    net::Ipv4Addr,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+};
+
+use anyhow::{Context, Result, bail};
+pub use interfaces::Interface;
+pub use loader::{Datapath, Hook, LINKS_DIR};
 pub use maps::ServiceMaps;
 pub use object::object_bytes;
+use tracing::{info, warn};
+
+use super::Dataplane;
+use crate::{model::ServicePort, reconcile::Plan};
+
+/// Where the ebpf mode attaches and what it programs NodePorts on.
+#[derive(Clone, Debug)]
+pub struct EbpfOptions {
+    pub pin_path: PathBuf,
+    /// Addresses NodePorts answer on; if empty, those of the uplinks.
+    pub node_ips: Vec<Ipv4Addr>,
+    /// Uplinks by name; if empty, the interfaces carrying `node_ips`.
+    pub interfaces: Vec<String>,
+}
+
+pub struct EbpfMode {
+    maps: ServiceMaps,
+    /// Shared with the task that attaches pod interfaces as they appear.
+    datapath: Arc<Mutex<Datapath>>,
+    node_ips: Vec<Ipv4Addr>,
+}
+
+impl EbpfMode {
+    /// Loads the programs (adopting maps and links an earlier agent pinned),
+    /// attaches them to the uplinks and every pod interface, and keeps
+    /// attaching pod interfaces that appear later. Must run inside a tokio
+    /// runtime, in the node's network namespace.
+    pub async fn start(opts: &EbpfOptions) -> Result<Self> {
+        let mut datapath = Datapath::load(&opts.pin_path)?;
+        let (conn, handle, _) = rtnetlink::new_connection().context("opening rtnetlink")?;
+        tokio::spawn(conn);
+        let all = interfaces::list(&handle).await?;
+        if opts.interfaces.is_empty() && opts.node_ips.is_empty() {
+            bail!("the ebpf mode needs --node-ip or --interface to know the node's uplinks");
+        }
+        let uplinks = interfaces::uplinks(&all, &opts.interfaces, &opts.node_ips)?;
+        let node_ips = if opts.node_ips.is_empty() {
+            uplinks.iter().flat_map(|u| u.ipv4.iter().copied()).collect()
+        } else {
+            opts.node_ips.clone()
+        };
+        for uplink in &uplinks {
+            datapath.attach(&uplink.name, Hook::Uplink)?;
+        }
+        for pod in interfaces::pod_interfaces(&all, &uplinks) {
+            // A pod interface that vanished since the listing is not an error.
+            if let Err(e) = datapath.attach(&pod.name, Hook::Pod) {
+                warn!(iface = pod.name, error = format!("{e:#}"), "could not attach to pod interface");
+            }
+        }
+        let datapath = Arc::new(Mutex::new(datapath));
+        spawn_pod_interface_watcher(datapath.clone(), uplinks)?;
+        let maps = ServiceMaps::open(&opts.pin_path, node_ips.clone())?;
+        info!(adopted = maps.service_port_count(), ?node_ips, "ebpf data path ready");
+        Ok(Self { maps, datapath, node_ips })
+    }
+
+    pub fn node_ips(&self) -> &[Ipv4Addr] {
+        &self.node_ips
+    }
+
+    pub fn maps(&self) -> &ServiceMaps {
+        &self.maps
+    }
+
+    /// Runs `f` with the loaded programs (e.g. to attach by hand in tests).
+    pub fn with_datapath<T>(&self, f: impl FnOnce(&mut Datapath) -> T) -> T {
+        let mut guard = self.datapath.lock().unwrap_or_else(|p| p.into_inner());
+        f(&mut guard)
+    }
+}
+
+fn spawn_pod_interface_watcher(datapath: Arc<Mutex<Datapath>>, uplinks: Vec<Interface>) -> Result<()> {
+    let mut new_veths = interfaces::watch_new_veths()?;
+    tokio::spawn(async move {
+        while let Some(iface) = new_veths.recv().await {
+            if uplinks.iter().any(|u| u.index == iface.index) {
+                continue;
+            }
+            let mut datapath = datapath.lock().unwrap_or_else(|p| p.into_inner());
+            // Attaching again to an attached interface only swaps the
+            // program in its pinned link, so repeated events are harmless.
+            match datapath.attach(&iface.name, Hook::Pod) {
+                Ok(()) => info!(iface = iface.name, "pod interface attached"),
+                Err(e) => warn!(iface = iface.name, error = format!("{e:#}"), "could not attach to new pod interface"),
+            }
+        }
+    });
+    Ok(())
+}
+
+impl Dataplane for EbpfMode {
+    fn name(&self) -> &'static str {
+        "ebpf"
+    }
+
+    fn apply(&mut self, plan: &Plan) -> Result<()> {
+        for port in &plan.remove {
+            self.maps.remove_port(port).with_context(|| format!("removing {}", port.name))?;
+        }
+        for port in &plan.upsert {
+            self.maps.sync_service(port).with_context(|| format!("programming {}", port.name))?;
+        }
+        Ok(())
+    }
+
+    fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()> {
+        for port in desired.values() {
+            self.maps.sync_service(port).with_context(|| format!("programming {}", port.name))?;
+        }
+        self.maps.retain(&desired.values().collect::<Vec<_>>())
+    }
+}

@@ -1,0 +1,238 @@
+//! The agent loop: source events -> model -> reconciler -> mode.
+//!
+//! One task owns the model and the reconciler, so there is no locking
+//! around them; a sync runs in place (`block_in_place`), and events that
+//! arrive meanwhile wait in the channel and are coalesced into the next one.
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Result, bail};
+use tokio::sync::mpsc;
+use tracing::{debug, info, warn};
+
+use crate::{
+    model::{Cluster, Problem, object_key},
+    reconcile::runner::{Reconciler, Schedule, SyncPolicy, SyncReport},
+    source::{SourceEvent, Update},
+};
+
+/// What health and metrics need to know about the loop.
+pub trait Observer: Send + Sync {
+    /// A change arrived that is not programmed yet.
+    fn change_queued(&self, at: Instant);
+    /// A sync succeeded; `oldest_change` is when the oldest change it
+    /// programmed arrived (for the network programming latency).
+    fn synced(&self, report: &SyncReport, took: Duration, oldest_change: Option<Instant>);
+    fn sync_failed(&self, error: &anyhow::Error);
+    /// Objects (or parts) that were skipped.
+    fn problems(&self, problems: &[Problem]);
+}
+
+/// An observer that only logs (tests, and before the servers are wired).
+pub struct LogObserver;
+
+impl Observer for LogObserver {
+    fn change_queued(&self, _at: Instant) {}
+    fn synced(&self, _report: &SyncReport, _took: Duration, _oldest_change: Option<Instant>) {}
+    fn sync_failed(&self, _error: &anyhow::Error) {}
+    fn problems(&self, _problems: &[Problem]) {}
+}
+
+pub struct Agent {
+    cluster: Cluster,
+    reconciler: Reconciler,
+    schedule: Schedule,
+    services_synced: bool,
+    slices_synced: bool,
+    observer: Arc<dyn Observer>,
+    /// Problems of the desired state last logged, so a standing problem is
+    /// not logged again at every sync.
+    logged_problems: Vec<Problem>,
+}
+
+impl Agent {
+    pub fn new(reconciler: Reconciler, policy: SyncPolicy, observer: Arc<dyn Observer>) -> Self {
+        Self {
+            cluster: Cluster::default(),
+            reconciler,
+            schedule: Schedule::new(policy),
+            services_synced: false,
+            slices_synced: false,
+            observer,
+            logged_problems: Vec::new(),
+        }
+    }
+
+    /// Nothing is programmed before Services and EndpointSlices have both
+    /// been listed completely: a half-known state would delete Services.
+    fn ready(&self) -> bool {
+        self.services_synced && self.slices_synced
+    }
+
+    /// Runs until `shutdown` resolves. Returns an error if every source
+    /// went away (the channel closed), which only happens on a bug.
+    pub async fn run(mut self, mut events: mpsc::Receiver<SourceEvent>, shutdown: impl Future<Output = ()>) -> Result<()> {
+        tokio::pin!(shutdown);
+        loop {
+            let next = self.ready().then(|| tokio::time::Instant::from_std(self.schedule.next_sync()));
+            tokio::select! {
+                () = &mut shutdown => return Ok(()),
+                event = events.recv() => match event {
+                    Some(event) => self.handle(event),
+                    None => bail!("every source stopped"),
+                },
+                () = sleep_until_some(next) => self.sync(),
+            }
+        }
+    }
+
+    fn handle(&mut self, event: SourceEvent) {
+        let problems = match event {
+            SourceEvent::Services(update) => {
+                if matches!(update, Update::Replace(_)) {
+                    self.services_synced = true;
+                }
+                match update {
+                    Update::Apply(svc) => self.cluster.upsert_service(&svc),
+                    Update::Delete(svc) => {
+                        self.cluster.delete_service(&object_key(&svc.metadata));
+                        vec![]
+                    }
+                    Update::Replace(all) => self.cluster.replace_services(&all),
+                }
+            }
+            SourceEvent::Slices(update) => {
+                if matches!(update, Update::Replace(_)) {
+                    self.slices_synced = true;
+                }
+                match update {
+                    Update::Apply(slice) => self.cluster.upsert_slice(&slice),
+                    Update::Delete(slice) => {
+                        self.cluster.delete_slice(&object_key(&slice.metadata));
+                        vec![]
+                    }
+                    Update::Replace(all) => self.cluster.replace_slices(&all),
+                }
+            }
+            SourceEvent::Problems(problems) => problems,
+        };
+        self.report_problems(&problems);
+        let now = Instant::now();
+        self.schedule.changed(now);
+        self.observer.change_queued(now);
+    }
+
+    fn report_problems(&self, problems: &[Problem]) {
+        for problem in problems {
+            warn!(object = problem.object, reason = problem.reason, "skipped");
+        }
+        if !problems.is_empty() {
+            self.observer.problems(problems);
+        }
+    }
+
+    fn sync(&mut self) {
+        let now = Instant::now();
+        let desired = self.cluster.desired();
+        if desired.problems != self.logged_problems {
+            self.report_problems(&desired.problems);
+            self.logged_problems = desired.problems.clone();
+        }
+        let full = self.schedule.full_due(now);
+        let oldest_change = self.schedule.pending_since();
+        let result = tokio::task::block_in_place(|| self.reconciler.sync(&desired.ports, full));
+        let took = now.elapsed();
+        self.schedule.record(now, full, result.is_ok());
+        match result {
+            Ok(report) => {
+                if report.service_changes > 0 || full {
+                    info!(
+                        mode = self.reconciler.mode_name(),
+                        full,
+                        services = desired.ports.len(),
+                        changed = report.service_changes,
+                        took_ms = took.as_secs_f64() * 1e3,
+                        "synced"
+                    );
+                } else {
+                    debug!(took_ms = took.as_secs_f64() * 1e3, "synced, nothing changed");
+                }
+                self.observer.synced(&report, took, oldest_change);
+            }
+            Err(e) => {
+                warn!(error = format!("{e:#}"), "sync failed; retrying with a full sync");
+                self.observer.sync_failed(&e);
+            }
+        }
+    }
+}
+
+async fn sleep_until_some(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+    use serde_json::json;
+
+    use super::*;
+    use crate::mode::fake::{Call, Fake};
+
+    fn svc() -> Service {
+        serde_json::from_value(json!({"metadata": {"name": "web", "namespace": "default"},
+            "spec": {"clusterIP": "10.96.0.1", "ports": [{"port": 80}]}}))
+        .unwrap()
+    }
+
+    fn slice(ip: &str) -> EndpointSlice {
+        serde_json::from_value(json!({
+            "metadata": {"name": "web-1", "namespace": "default", "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4", "ports": [{"port": 8080}], "endpoints": [{"addresses": [ip]}]}))
+        .unwrap()
+    }
+
+    async fn next_programmed(fake: &Fake, want: impl Fn(&Fake) -> bool) {
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while !want(fake) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the agent programmed the expected state in time");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn nothing_is_programmed_until_both_kinds_are_listed() {
+        let fake = Fake::default();
+        let policy = SyncPolicy::new(Duration::from_millis(10), Duration::from_secs(30));
+        let agent = Agent::new(Reconciler::new(Box::new(fake.clone())), policy, Arc::new(LogObserver));
+        let (tx, rx) = mpsc::channel(16);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(agent.run(rx, async move { stopped.await.unwrap_or(()) }));
+
+        tx.send(SourceEvent::Services(Update::Replace(vec![svc()]))).await.unwrap();
+        tx.send(SourceEvent::Slices(Update::Apply(slice("10.244.0.1")))).await.unwrap();
+        // Services are listed, slices only half: a sync now would program
+        // 10.244.0.1, which the complete list below no longer has.
+        tx.send(SourceEvent::Slices(Update::Replace(vec![slice("10.244.0.2")]))).await.unwrap();
+        next_programmed(&fake, |f| f.programmed().get("default/web").is_some_and(|p| p.endpoints.len() == 1)).await;
+        match &fake.calls()[0] {
+            Call::ApplyFull(first) => {
+                assert_eq!(first["default/web"].endpoints[0].addr.to_string(), "10.244.0.2", "synced too early")
+            }
+            other => panic!("the first sync must be a full one, got {other:?}"),
+        }
+
+        tx.send(SourceEvent::Services(Update::Delete(svc()))).await.unwrap();
+        next_programmed(&fake, |f| f.programmed().is_empty()).await;
+        stop.send(()).unwrap();
+        task.await.unwrap().unwrap();
+    }
+}

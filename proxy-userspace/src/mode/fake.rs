@@ -1,0 +1,86 @@
+//! A mode that programs nothing and records what it was asked to do, with
+//! optional injected failures: for the reconciler's tests.
+
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Mutex},
+};
+
+use anyhow::{Result, bail};
+
+use super::Dataplane;
+use crate::{model::ServicePort, reconcile::Plan};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Call {
+    Apply(Plan),
+    ApplyFull(BTreeMap<String, ServicePort>),
+}
+
+/// Shared with the test, which keeps a clone to look inside.
+#[derive(Clone, Default)]
+pub struct Fake {
+    inner: Arc<Mutex<FakeState>>,
+}
+
+#[derive(Default)]
+struct FakeState {
+    calls: Vec<Call>,
+    programmed: BTreeMap<String, ServicePort>,
+    failures_left: usize,
+}
+
+impl Fake {
+    /// The next `n` calls fail (after recording themselves).
+    pub fn fail_next(&self, n: usize) {
+        self.lock().failures_left = n;
+    }
+
+    pub fn calls(&self) -> Vec<Call> {
+        self.lock().calls.clone()
+    }
+
+    /// What the fake kernel holds now.
+    pub fn programmed(&self) -> BTreeMap<String, ServicePort> {
+        self.lock().programmed.clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, FakeState> {
+        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn fail_if_asked(state: &mut FakeState) -> Result<()> {
+        if state.failures_left > 0 {
+            state.failures_left -= 1;
+            bail!("injected failure");
+        }
+        Ok(())
+    }
+}
+
+impl Dataplane for Fake {
+    fn name(&self) -> &'static str {
+        "fake"
+    }
+
+    fn apply(&mut self, plan: &Plan) -> Result<()> {
+        let mut state = self.lock();
+        state.calls.push(Call::Apply(plan.clone()));
+        Self::fail_if_asked(&mut state)?;
+        for port in &plan.remove {
+            state.programmed.remove(&port.name);
+        }
+        for port in &plan.upsert {
+            state.programmed.insert(port.name.clone(), port.clone());
+        }
+        Ok(())
+    }
+
+    fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()> {
+        let mut state = self.lock();
+        state.calls.push(Call::ApplyFull(desired.clone()));
+        Self::fail_if_asked(&mut state)?;
+        state.programmed = desired.clone();
+        Ok(())
+    }
+}

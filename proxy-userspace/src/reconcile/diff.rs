@@ -1,0 +1,104 @@
+//! `diff(desired, applied) -> Plan`: what a partial sync must change.
+
+use std::collections::BTreeMap;
+
+use crate::model::ServicePort;
+
+/// Changes for a data-plane mode to apply: first `remove`, then `upsert`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// Service ports to program, new or changed.
+    pub upsert: Vec<ServicePort>,
+    /// Service ports to take out, as they were applied (a mode finds what
+    /// to delete from them).
+    pub remove: Vec<ServicePort>,
+}
+
+impl Plan {
+    pub fn is_empty(&self) -> bool {
+        self.upsert.is_empty() && self.remove.is_empty()
+    }
+
+    /// Number of endpoints touched, for kube-proxy's endpoint change metric.
+    pub fn endpoint_changes(&self) -> usize {
+        self.upsert.iter().chain(&self.remove).map(|p| p.endpoints.len().max(1)).sum()
+    }
+}
+
+/// The frontend a service port is known by in every mode: a port whose
+/// ClusterIP, port or protocol changed is a different port for the kernel.
+fn identity(port: &ServicePort) -> (std::net::Ipv4Addr, u16, crate::model::Protocol) {
+    (port.cluster_ip, port.port, port.protocol)
+}
+
+pub fn diff(desired: &BTreeMap<String, ServicePort>, applied: &BTreeMap<String, ServicePort>) -> Plan {
+    let mut plan = Plan::default();
+    for (name, old) in applied {
+        match desired.get(name) {
+            Some(new) if identity(new) == identity(old) => {}
+            _ => plan.remove.push(old.clone()),
+        }
+    }
+    for (name, new) in desired {
+        if applied.get(name) != Some(new) {
+            plan.upsert.push(new.clone());
+        }
+    }
+    plan
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+    use crate::model::{Endpoint, Protocol};
+
+    fn port(name: &str, ip: u8, endpoints: &[u8]) -> ServicePort {
+        ServicePort {
+            name: name.into(),
+            protocol: Protocol::Tcp,
+            cluster_ip: Ipv4Addr::new(10, 96, 0, ip),
+            port: 80,
+            node_port: None,
+            endpoints: endpoints.iter().map(|e| Endpoint::ready(Ipv4Addr::new(10, 244, 0, *e), 8080)).collect(),
+        }
+    }
+
+    fn state(ports: &[ServicePort]) -> BTreeMap<String, ServicePort> {
+        ports.iter().map(|p| (p.name.clone(), p.clone())).collect()
+    }
+
+    #[test]
+    fn nothing_changed_means_an_empty_plan() {
+        let s = state(&[port("a", 1, &[1, 2]), port("b", 2, &[3])]);
+        assert!(diff(&s, &s).is_empty());
+    }
+
+    #[test]
+    fn an_endpoint_change_upserts_only_that_port() {
+        let applied = state(&[port("a", 1, &[1, 2]), port("b", 2, &[3])]);
+        let desired = state(&[port("a", 1, &[1, 2]), port("b", 2, &[3, 4])]);
+        let plan = diff(&desired, &applied);
+        assert_eq!(plan.upsert, vec![port("b", 2, &[3, 4])]);
+        assert!(plan.remove.is_empty());
+    }
+
+    #[test]
+    fn added_and_deleted_ports() {
+        let applied = state(&[port("a", 1, &[1])]);
+        let desired = state(&[port("b", 2, &[2])]);
+        let plan = diff(&desired, &applied);
+        assert_eq!(plan.upsert, vec![port("b", 2, &[2])]);
+        assert_eq!(plan.remove, vec![port("a", 1, &[1])]);
+    }
+
+    #[test]
+    fn a_new_cluster_ip_replaces_the_old_frontend() {
+        let applied = state(&[port("a", 1, &[1])]);
+        let desired = state(&[port("a", 9, &[1])]);
+        let plan = diff(&desired, &applied);
+        assert_eq!(plan.remove, vec![port("a", 1, &[1])]);
+        assert_eq!(plan.upsert, vec![port("a", 9, &[1])]);
+    }
+}

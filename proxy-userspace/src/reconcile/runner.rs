@@ -1,0 +1,237 @@
+//! When to sync, and the sync itself.
+//!
+//! Like kube-proxy's sync runner: changes are coalesced (at most one sync per
+//! `min_sync_period`), everything is re-applied every `sync_period` (a full
+//! sync repairs state someone else changed), and a failed sync is retried
+//! after `retry_period` as a full one. Nothing is programmed before every
+//! source has delivered its first complete list.
+
+use std::{
+    collections::BTreeMap,
+    time::{Duration, Instant},
+};
+
+use anyhow::Result;
+
+use super::diff;
+use crate::{mode::Dataplane, model::ServicePort};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SyncPolicy {
+    pub min_sync_period: Duration,
+    pub sync_period: Duration,
+    pub retry_period: Duration,
+}
+
+impl SyncPolicy {
+    /// kube-proxy's retry: as soon as coalescing allows, but not in a busy loop.
+    pub fn new(min_sync_period: Duration, sync_period: Duration) -> Self {
+        let retry_period = min_sync_period.max(Duration::from_secs(1)).min(sync_period.max(Duration::from_secs(1)));
+        Self { min_sync_period, sync_period, retry_period }
+    }
+}
+
+/// Pure timing state: tests drive it with made-up instants.
+#[derive(Clone, Debug)]
+pub struct Schedule {
+    policy: SyncPolicy,
+    last_sync: Option<Instant>,
+    last_full: Option<Instant>,
+    pending_since: Option<Instant>,
+    failed: bool,
+}
+
+impl Schedule {
+    pub fn new(policy: SyncPolicy) -> Self {
+        Self { policy, last_sync: None, last_full: None, pending_since: None, failed: false }
+    }
+
+    /// Something in the desired state changed at `now`.
+    pub fn changed(&mut self, now: Instant) {
+        self.pending_since.get_or_insert(now);
+    }
+
+    /// When the oldest change not yet programmed arrived.
+    pub fn pending_since(&self) -> Option<Instant> {
+        self.pending_since
+    }
+
+    /// When the next sync should run (may be in the past: run it now).
+    pub fn next_sync(&self) -> Instant {
+        let Some(last) = self.last_sync else {
+            return self.pending_since.unwrap_or_else(Instant::now);
+        };
+        if self.failed {
+            return last + self.policy.retry_period;
+        }
+        let full_due = self.last_full.unwrap_or(last) + self.policy.sync_period;
+        match self.pending_since {
+            Some(since) => since.max(last + self.policy.min_sync_period).min(full_due),
+            None => full_due,
+        }
+    }
+
+    /// Whether a sync at `now` must be a full one.
+    pub fn full_due(&self, now: Instant) -> bool {
+        self.failed || self.last_full.is_none_or(|full| now >= full + self.policy.sync_period)
+    }
+
+    pub fn record(&mut self, now: Instant, full: bool, ok: bool) {
+        self.last_sync = Some(now);
+        self.failed = !ok;
+        if ok {
+            self.pending_since = None;
+            if full {
+                self.last_full = Some(now);
+            }
+        }
+    }
+}
+
+/// What one sync did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SyncReport {
+    pub full: bool,
+    pub service_changes: usize,
+    pub endpoint_changes: usize,
+}
+
+/// Holds the mode and what it was last told successfully.
+pub struct Reconciler {
+    mode: Box<dyn Dataplane>,
+    applied: BTreeMap<String, ServicePort>,
+}
+
+impl Reconciler {
+    pub fn new(mode: Box<dyn Dataplane>) -> Self {
+        Self { mode, applied: BTreeMap::new() }
+    }
+
+    pub fn mode_name(&self) -> &'static str {
+        self.mode.name()
+    }
+
+    /// Brings the mode to `desired`: everything if `full`, else the diff
+    /// against the last successful sync. After a failure nothing is assumed
+    /// about the kernel: the caller makes the next sync a full one.
+    pub fn sync(&mut self, desired: &BTreeMap<String, ServicePort>, full: bool) -> Result<SyncReport> {
+        let plan = diff(desired, &self.applied);
+        let report = SyncReport {
+            full,
+            service_changes: plan.upsert.len() + plan.remove.len(),
+            endpoint_changes: plan.endpoint_changes(),
+        };
+        let result = if full {
+            self.mode.apply_full(desired)
+        } else if plan.is_empty() {
+            Ok(())
+        } else {
+            self.mode.apply(&plan)
+        };
+        match result {
+            Ok(()) => {
+                self.applied = desired.clone();
+                Ok(report)
+            }
+            Err(e) => {
+                self.applied.clear();
+                Err(e)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+    use crate::{
+        mode::fake::{Call, Fake},
+        model::{Endpoint, Protocol},
+    };
+
+    const MIN: Duration = Duration::from_secs(1);
+    const FULL: Duration = Duration::from_secs(30);
+
+    fn schedule() -> Schedule {
+        Schedule::new(SyncPolicy::new(MIN, FULL))
+    }
+
+    #[test]
+    fn first_sync_is_full_and_immediate() {
+        let t0 = Instant::now();
+        let mut s = schedule();
+        s.changed(t0);
+        assert_eq!(s.next_sync(), t0);
+        assert!(s.full_due(t0));
+    }
+
+    #[test]
+    fn changes_are_coalesced_to_one_sync_per_min_period() {
+        let t0 = Instant::now();
+        let mut s = schedule();
+        s.record(t0, true, true);
+        s.changed(t0 + Duration::from_millis(100));
+        s.changed(t0 + Duration::from_millis(200));
+        assert_eq!(s.next_sync(), t0 + MIN);
+        assert!(!s.full_due(t0 + MIN));
+        // A change long after the last sync goes out at once.
+        let mut s = schedule();
+        s.record(t0, true, true);
+        s.changed(t0 + Duration::from_secs(5));
+        assert_eq!(s.next_sync(), t0 + Duration::from_secs(5));
+    }
+
+    #[test]
+    fn idle_state_resyncs_fully_every_sync_period() {
+        let t0 = Instant::now();
+        let mut s = schedule();
+        s.record(t0, true, true);
+        assert_eq!(s.next_sync(), t0 + FULL);
+        assert!(s.full_due(t0 + FULL));
+    }
+
+    #[test]
+    fn a_failure_is_retried_as_a_full_sync() {
+        let t0 = Instant::now();
+        let mut s = schedule();
+        s.record(t0, true, true);
+        s.changed(t0 + Duration::from_secs(2));
+        s.record(t0 + Duration::from_secs(2), false, false);
+        assert_eq!(s.next_sync(), t0 + Duration::from_secs(3));
+        assert!(s.full_due(t0 + Duration::from_secs(3)));
+        assert!(s.pending_since().is_some(), "the change is still pending");
+    }
+
+    fn desired(endpoints: &[u8]) -> BTreeMap<String, ServicePort> {
+        let port = ServicePort {
+            name: "default/web".into(),
+            protocol: Protocol::Tcp,
+            cluster_ip: Ipv4Addr::new(10, 96, 0, 1),
+            port: 80,
+            node_port: None,
+            endpoints: endpoints.iter().map(|e| Endpoint::ready(Ipv4Addr::new(10, 244, 0, *e), 80)).collect(),
+        };
+        BTreeMap::from([(port.name.clone(), port)])
+    }
+
+    #[test]
+    fn partial_syncs_send_only_the_diff_and_failures_force_a_full_sync() {
+        let fake = Fake::default();
+        let mut r = Reconciler::new(Box::new(fake.clone()));
+        r.sync(&desired(&[1]), true).unwrap();
+        r.sync(&desired(&[1]), false).unwrap();
+        assert_eq!(fake.calls().len(), 1, "an unchanged state is not sent again");
+        let report = r.sync(&desired(&[1, 2]), false).unwrap();
+        assert_eq!((report.service_changes, report.endpoint_changes), (1, 2));
+        assert!(matches!(&fake.calls()[1], Call::Apply(plan) if plan.upsert.len() == 1));
+
+        fake.fail_next(1);
+        assert!(r.sync(&desired(&[2]), false).is_err());
+        // The caller retries with a full sync; the fake kernel ends up right.
+        r.sync(&desired(&[2]), true).unwrap();
+        assert_eq!(fake.programmed(), desired(&[2]));
+        assert!(matches!(fake.calls().last(), Some(Call::ApplyFull(state)) if state == &desired(&[2])));
+    }
+}

@@ -1,0 +1,27 @@
+//! Sources of Services and EndpointSlices. Sources only report what they
+//! see as [`SourceEvent`]s; the agent loop owns the model.
+
+pub mod manifest;
+
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+
+use crate::model::Problem;
+
+/// A change to one kind of object.
+#[derive(Clone, Debug)]
+pub enum Update<K> {
+    Apply(K),
+    Delete(K),
+    /// The complete current list (initial list, relist, reload): anything
+    /// not in it is gone. The first one marks the kind as synced.
+    Replace(Vec<K>),
+}
+
+#[derive(Clone, Debug)]
+pub enum SourceEvent {
+    Services(Update<Service>),
+    Slices(Update<EndpointSlice>),
+    /// Input the source could not use at all (an unreadable file, a
+    /// document that is not valid YAML): logged and counted.
+    Problems(Vec<Problem>),
+}
