@@ -8,9 +8,9 @@ use std::{env, fs, path::PathBuf};
 
 fn main() {
     let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
-    let built = env::var_os("XPROXY_EBPF_OBJECT").map(PathBuf::from).unwrap_or_else(|| {
-        manifest_dir.join("../proxy-ebpf/target/bpfel-unknown-none/release/proxy-ebpf")
-    });
+    let built = env::var_os("XPROXY_EBPF_OBJECT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| manifest_dir.join("../proxy-ebpf/target/bpfel-unknown-none/release/proxy-ebpf"));
     println!("cargo:rerun-if-env-changed=XPROXY_EBPF_OBJECT");
     println!("cargo:rerun-if-changed={}", built.display());
 

@@ -36,4 +36,13 @@ macro_rules! impl_aya_pod {
     ($($t:ty),* $(,)?) => { $( unsafe impl aya::Pod for $t {} )* };
 }
 #[cfg(feature = "user")]
-impl_aya_pod!(ServiceKey, ServiceValue, BackendSlotKey, Backend, CtKey, CtValue, RevNat, VerdictCounter);
+impl_aya_pod!(
+    ServiceKey,
+    ServiceValue,
+    BackendSlotKey,
+    Backend,
+    CtKey,
+    CtValue,
+    RevNat,
+    VerdictCounter
+);

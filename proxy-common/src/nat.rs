@@ -18,7 +18,11 @@ pub struct RevNat {
 
 impl RevNat {
     pub fn new(addr: Ipv4Addr, port: u16) -> Self {
-        Self { addr_be: u32::from_ne_bytes(addr.octets()), port_be: port.to_be(), _pad: 0 }
+        Self {
+            addr_be: u32::from_ne_bytes(addr.octets()),
+            port_be: port.to_be(),
+            _pad: 0,
+        }
     }
     pub fn addr(&self) -> Ipv4Addr {
         Ipv4Addr::from(self.addr_be.to_ne_bytes())

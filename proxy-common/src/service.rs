@@ -23,7 +23,12 @@ pub struct ServiceKey {
 
 impl ServiceKey {
     pub fn new(addr: Ipv4Addr, port: u16, proto: u8) -> Self {
-        Self { addr_be: u32::from_ne_bytes(addr.octets()), port_be: port.to_be(), proto, _pad: 0 }
+        Self {
+            addr_be: u32::from_ne_bytes(addr.octets()),
+            port_be: port.to_be(),
+            proto,
+            _pad: 0,
+        }
     }
     pub fn addr(&self) -> Ipv4Addr {
         Ipv4Addr::from(self.addr_be.to_ne_bytes())

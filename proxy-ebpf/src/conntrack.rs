@@ -84,7 +84,13 @@ pub fn reply_rev_nat(flow: &Flow) -> Option<u32> {
 /// written first: once the forward entry exists, later packets are DNATed
 /// and their replies must already be recognised.
 #[inline(always)]
-pub fn create(flow: &Flow, backend_id: u32, backend_addr_be: u32, backend_port_be: u16, rev_nat_id: u32) -> Result<(), ()> {
+pub fn create(
+    flow: &Flow,
+    backend_id: u32,
+    backend_addr_be: u32,
+    backend_port_be: u16,
+    rev_nat_id: u32,
+) -> Result<(), ()> {
     let now = unsafe { bpf_ktime_get_ns() };
     let mut value = CtValue {
         backend_id,

@@ -35,7 +35,11 @@ const UDP_CHECK_OFF: usize = L4_OFF + 6;
 
 #[inline(always)]
 fn addr_off(side: Side) -> usize {
-    if side == Side::Source { IP_SADDR_OFF } else { IP_DADDR_OFF }
+    if side == Side::Source {
+        IP_SADDR_OFF
+    } else {
+        IP_DADDR_OFF
+    }
 }
 
 #[inline(always)]
@@ -45,7 +49,11 @@ fn port_off(side: Side) -> usize {
 
 #[inline(always)]
 fn l4_check_off(l4_proto: u8) -> usize {
-    if l4_proto == proto::TCP { TCP_CHECK_OFF } else { UDP_CHECK_OFF }
+    if l4_proto == proto::TCP {
+        TCP_CHECK_OFF
+    } else {
+        UDP_CHECK_OFF
+    }
 }
 
 pub trait Ctx {
@@ -104,14 +112,22 @@ impl Ctx for Xdp<'_> {
     #[inline(always)]
     fn truncate(&self, len: usize) -> Result<(), ()> {
         let delta = len as i32 - self.frame_len() as i32;
-        if unsafe { bpf_xdp_adjust_tail(self.0.ctx, delta) } != 0 { Err(()) } else { Ok(()) }
+        if unsafe { bpf_xdp_adjust_tail(self.0.ctx, delta) } != 0 {
+            Err(())
+        } else {
+            Ok(())
+        }
     }
 
     /// Pushes the Ethernet and IPv4 headers 28 bytes to the front; the
     /// caller rewrites everything before the old L4 header anyway.
     #[inline(always)]
     fn grow_for_icmp(&self) -> Result<(), ()> {
-        if unsafe { bpf_xdp_adjust_head(self.0.ctx, -28) } != 0 { Err(()) } else { Ok(()) }
+        if unsafe { bpf_xdp_adjust_head(self.0.ctx, -28) } != 0 {
+            Err(())
+        } else {
+            Ok(())
+        }
     }
 }
 
@@ -158,12 +174,21 @@ impl Ctx for Tc<'_> {
     fn rewrite(&self, l4_proto: u8, side: Side, old: (u32, u16), new: (u32, u16)) -> Result<(), ()> {
         let skb = self.skb();
         let l4_check = l4_check_off(l4_proto) as u32;
-        let udp_flags = if l4_proto == proto::UDP { BPF_F_MARK_MANGLED_0 as u64 } else { 0 };
+        let udp_flags = if l4_proto == proto::UDP {
+            BPF_F_MARK_MANGLED_0 as u64
+        } else {
+            0
+        };
         let ok = unsafe {
             bpf_skb_store_bytes(skb, addr_off(side) as u32, (&new.0 as *const u32).cast(), 4, 0) == 0
                 && bpf_l3_csum_replace(skb, IP_CHECK_OFF as u32, old.0 as u64, new.0 as u64, 4) == 0
-                && bpf_l4_csum_replace(skb, l4_check, old.0 as u64, new.0 as u64, BPF_F_PSEUDO_HDR as u64 | udp_flags | 4)
-                    == 0
+                && bpf_l4_csum_replace(
+                    skb,
+                    l4_check,
+                    old.0 as u64,
+                    new.0 as u64,
+                    BPF_F_PSEUDO_HDR as u64 | udp_flags | 4,
+                ) == 0
                 && bpf_skb_store_bytes(skb, port_off(side) as u32, (&new.1 as *const u16).cast(), 2, 0) == 0
                 && bpf_l4_csum_replace(skb, l4_check, old.1 as u64, new.1 as u64, udp_flags | 2) == 0
         };
@@ -172,7 +197,11 @@ impl Ctx for Tc<'_> {
 
     #[inline(always)]
     fn truncate(&self, len: usize) -> Result<(), ()> {
-        if unsafe { bpf_skb_change_tail(self.skb(), len as u32, 0) } != 0 { Err(()) } else { Ok(()) }
+        if unsafe { bpf_skb_change_tail(self.skb(), len as u32, 0) } != 0 {
+            Err(())
+        } else {
+            Ok(())
+        }
     }
 
     /// Inserts the room between the IPv4 and the L4 header, so the skb's
@@ -180,7 +209,11 @@ impl Ctx for Tc<'_> {
     #[inline(always)]
     fn grow_for_icmp(&self) -> Result<(), ()> {
         let mode = bpf_adj_room_mode::BPF_ADJ_ROOM_NET;
-        if unsafe { bpf_skb_adjust_room(self.skb(), 28, mode, 0) } != 0 { Err(()) } else { Ok(()) }
+        if unsafe { bpf_skb_adjust_room(self.skb(), 28, mode, 0) } != 0 {
+            Err(())
+        } else {
+            Ok(())
+        }
     }
 }
 
@@ -206,5 +239,9 @@ pub fn route_ifindex(ctx: &TcContext) -> Option<u32> {
     let size = core::mem::size_of::<bpf_fib_lookup>() as i32;
     let rc = unsafe { fib_lookup(ctx.skb.skb.cast(), &mut params, size, 0) } as u32;
     // NO_NEIGH still names the interface: bpf_redirect_neigh resolves the neighbour.
-    if rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH { Some(params.ifindex) } else { None }
+    if rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH {
+        Some(params.ifindex)
+    } else {
+        None
+    }
 }

@@ -36,12 +36,20 @@ pub fn replace16(check: u16, old: u16, new: u16) -> u16 {
 /// as 0xffff (RFC 768).
 #[inline(always)]
 pub fn udp_replace32(check: u16, old: u32, new: u32) -> u16 {
-    if check == 0 { 0 } else { nonzero(replace32(check, old, new)) }
+    if check == 0 {
+        0
+    } else {
+        nonzero(replace32(check, old, new))
+    }
 }
 
 #[inline(always)]
 pub fn udp_replace16(check: u16, old: u16, new: u16) -> u16 {
-    if check == 0 { 0 } else { nonzero(replace16(check, old, new)) }
+    if check == 0 {
+        0
+    } else {
+        nonzero(replace16(check, old, new))
+    }
 }
 
 #[inline(always)]

@@ -6,6 +6,11 @@ use crate::{maps::SERVICES, parse::Flow};
 
 #[inline(always)]
 pub fn frontend(flow: &Flow) -> Option<ServiceValue> {
-    let key = ServiceKey { addr_be: flow.daddr_be, port_be: flow.dport_be, proto: flow.proto, _pad: 0 };
+    let key = ServiceKey {
+        addr_be: flow.daddr_be,
+        port_be: flow.dport_be,
+        proto: flow.proto,
+        _pad: 0,
+    };
     unsafe { SERVICES.get(&key).copied() }
 }

@@ -10,8 +10,8 @@
 #![no_std]
 #![no_main]
 
-mod context;
 mod conntrack;
+mod context;
 mod csum;
 mod lookup;
 mod maps;

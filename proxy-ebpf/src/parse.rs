@@ -114,7 +114,12 @@ pub fn parse(ctx: &impl Ctx) -> Result<Flow, Verdict> {
     }
     let ip: *const Ipv4Hdr = ptr_at(ctx, IP_OFF).ok_or(Verdict::PassMalformed)?;
     let (version_ihl, tot_len, frag_off, l4_proto) = unsafe {
-        ((*ip).version_ihl, u16::from_be((*ip).tot_len_be) as usize, u16::from_be((*ip).frag_off_be), (*ip).proto)
+        (
+            (*ip).version_ihl,
+            u16::from_be((*ip).tot_len_be) as usize,
+            u16::from_be((*ip).frag_off_be),
+            (*ip).proto,
+        )
     };
     // Version 4 and IHL exactly 5: options are never rewritten around.
     if version_ihl != 0x45 {
@@ -133,7 +138,11 @@ pub fn parse(ctx: &impl Ctx) -> Result<Flow, Verdict> {
         proto::UDP => parse_udp(ctx, l4_len)?,
         _ => return Err(Verdict::PassNotIpv4OrL4),
     };
-    Ok(Flow { saddr_be, daddr_be, ..flow })
+    Ok(Flow {
+        saddr_be,
+        daddr_be,
+        ..flow
+    })
 }
 
 #[inline(always)]
@@ -192,5 +201,9 @@ fn parse_udp(ctx: &impl Ctx, l4_len: usize) -> Result<Flow, Verdict> {
 /// Port 0 is reserved: no Service or client uses it.
 #[inline(always)]
 fn check_ports(sport_be: u16, dport_be: u16) -> Result<(), Verdict> {
-    if sport_be == 0 || dport_be == 0 { Err(Verdict::PassMalformed) } else { Ok(()) }
+    if sport_be == 0 || dport_be == 0 {
+        Err(Verdict::PassMalformed)
+    } else {
+        Ok(())
+    }
 }

@@ -8,7 +8,10 @@ use proxy_common::proto;
 use crate::{
     context::Ctx,
     csum,
-    parse::{ETH_LEN, EthHdr, Flow, IP_LEN, IP_OFF, Ipv4Hdr, L4_OFF, TCP_FLAG_ACK, TCP_FLAG_FIN, TCP_FLAG_RST, TCP_FLAG_SYN, TCP_LEN, TcpHdr, UDP_LEN, ptr_at},
+    parse::{
+        ETH_LEN, EthHdr, Flow, IP_LEN, IP_OFF, Ipv4Hdr, L4_OFF, TCP_FLAG_ACK, TCP_FLAG_FIN, TCP_FLAG_RST, TCP_FLAG_SYN,
+        TCP_LEN, TcpHdr, UDP_LEN, ptr_at,
+    },
 };
 
 const TTL: u8 = 64;
@@ -88,9 +91,11 @@ fn tcp_rst(ctx: &impl Ctx, flow: &Flow) -> Rejection {
     if ctx.frame_len() > LEN && ctx.truncate(LEN).is_err() {
         return Rejection::NotAnswered;
     }
-    let (Some(eth), Some(ip), Some(tcp)) =
-        (ptr_at::<EthHdr>(ctx, 0), ptr_at::<Ipv4Hdr>(ctx, IP_OFF), ptr_at::<TcpHdr>(ctx, L4_OFF))
-    else {
+    let (Some(eth), Some(ip), Some(tcp)) = (
+        ptr_at::<EthHdr>(ctx, 0),
+        ptr_at::<Ipv4Hdr>(ctx, IP_OFF),
+        ptr_at::<TcpHdr>(ctx, L4_OFF),
+    ) else {
         return Rejection::Failed;
     };
     let (flags, seq, ack) = if flow.tcp_flags & TCP_FLAG_ACK != 0 {
@@ -136,8 +141,12 @@ fn pseudo_header_sum(saddr_be: u32, daddr_be: u32, l4_proto: u8, l4_len: usize) 
 fn icmp_port_unreachable(ctx: &impl Ctx, flow: &Flow) -> Rejection {
     const LEN: usize = ETH_LEN + IP_LEN + ICMP_LEN + QUOTE_LEN;
     // Keep the original headers: the answer quotes them as received.
-    let Some(quote) = ptr_at::<[u8; QUOTE_LEN]>(ctx, IP_OFF) else { return Rejection::NotAnswered };
-    let Some(eth) = ptr_at::<EthHdr>(ctx, 0) else { return Rejection::NotAnswered };
+    let Some(quote) = ptr_at::<[u8; QUOTE_LEN]>(ctx, IP_OFF) else {
+        return Rejection::NotAnswered;
+    };
+    let Some(eth) = ptr_at::<EthHdr>(ctx, 0) else {
+        return Rejection::NotAnswered;
+    };
     let (quote, mut macs) = unsafe { (*quote, core::ptr::read(eth)) };
     if ctx.grow_for_icmp().is_err() {
         return Rejection::NotAnswered;

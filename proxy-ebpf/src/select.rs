@@ -15,7 +15,10 @@ pub fn random_backend(svc: &ServiceValue) -> Option<(u32, Backend)> {
         return None;
     }
     let slot = unsafe { bpf_get_prandom_u32() } % svc.backend_count;
-    let key = BackendSlotKey { backend_set: svc.backend_set, slot };
+    let key = BackendSlotKey {
+        backend_set: svc.backend_set,
+        slot,
+    };
     let id = unsafe { *BACKEND_SLOTS.get(&key)? };
     let backend = backend(id)?;
     Some((id, backend))

@@ -74,10 +74,16 @@ impl Agent {
 
     /// Runs until `shutdown` resolves. Returns an error if every source
     /// went away (the channel closed), which only happens on a bug.
-    pub async fn run(mut self, mut events: mpsc::Receiver<SourceEvent>, shutdown: impl Future<Output = ()>) -> Result<()> {
+    pub async fn run(
+        mut self,
+        mut events: mpsc::Receiver<SourceEvent>,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<()> {
         tokio::pin!(shutdown);
         loop {
-            let next = self.ready().then(|| tokio::time::Instant::from_std(self.schedule.next_sync()));
+            let next = self
+                .ready()
+                .then(|| tokio::time::Instant::from_std(self.schedule.next_sync()));
             tokio::select! {
                 () = &mut shutdown => return Ok(()),
                 event = events.recv() => match event {
@@ -217,15 +223,30 @@ mod tests {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(agent.run(rx, async move { stopped.await.unwrap_or(()) }));
 
-        tx.send(SourceEvent::Services(Update::Replace(vec![svc()]))).await.unwrap();
-        tx.send(SourceEvent::Slices(Update::Apply(slice("10.244.0.1")))).await.unwrap();
+        tx.send(SourceEvent::Services(Update::Replace(vec![svc()])))
+            .await
+            .unwrap();
+        tx.send(SourceEvent::Slices(Update::Apply(slice("10.244.0.1"))))
+            .await
+            .unwrap();
         // Services are listed, slices only half: a sync now would program
         // 10.244.0.1, which the complete list below no longer has.
-        tx.send(SourceEvent::Slices(Update::Replace(vec![slice("10.244.0.2")]))).await.unwrap();
-        next_programmed(&fake, |f| f.programmed().get("default/web").is_some_and(|p| p.endpoints.len() == 1)).await;
+        tx.send(SourceEvent::Slices(Update::Replace(vec![slice("10.244.0.2")])))
+            .await
+            .unwrap();
+        next_programmed(&fake, |f| {
+            f.programmed()
+                .get("default/web")
+                .is_some_and(|p| p.endpoints.len() == 1)
+        })
+        .await;
         match &fake.calls()[0] {
             Call::ApplyFull(first) => {
-                assert_eq!(first["default/web"].endpoints[0].addr.to_string(), "10.244.0.2", "synced too early")
+                assert_eq!(
+                    first["default/web"].endpoints[0].addr.to_string(),
+                    "10.244.0.2",
+                    "synced too early"
+                )
             }
             other => panic!("the first sync must be a full one, got {other:?}"),
         }

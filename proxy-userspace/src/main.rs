@@ -1,1 +1,64 @@
-fn main() {}
+//! `xproxy`: the node agent. `run` keeps the data path equal to what the API
+//! server (or a manifest directory) says; `status` shows the live data path;
+//! `cleanup` removes everything xproxy installed.
+
+use std::{path::PathBuf, process::ExitCode};
+
+use clap::{Parser, Subcommand};
+use proxy_userspace::{
+    cmd::{self, Failure},
+    config::{DEFAULT_PIN_PATH, RunFlags},
+};
+
+#[derive(Parser)]
+#[command(
+    name = "xproxy",
+    version,
+    about = "Kubernetes Service data plane in eBPF (a kube-proxy replacement)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the agent in the foreground. SIGTERM/SIGINT stop it and leave the
+    /// data path in place, like kube-proxy; only `cleanup` removes it.
+    Run(Box<RunFlags>),
+    /// Show the live services, backends and flow counts.
+    Status {
+        #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_PATH)]
+        pin_path: PathBuf,
+    },
+    /// Remove everything xproxy installed, in any mode.
+    Cleanup {
+        #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_PATH)]
+        pin_path: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi)
+        .init();
+
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(flags) => cmd::run::run(&flags),
+        Command::Status { pin_path } => cmd::status::status(&pin_path),
+        Command::Cleanup { pin_path } => cmd::cleanup::cleanup(&pin_path),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure { code, error }) => {
+            eprintln!("xproxy: {error:#}");
+            ExitCode::from(code as u8)
+        }
+    }
+}

@@ -43,16 +43,11 @@ fn cargo_build(crate_dir: &Path, linker: &Path, debug: bool) -> Result<()> {
     }
     cmd.args(["--target", TARGET, "-Z", "build-std=core"])
         .env("CARGO_TARGET_BPFEL_UNKNOWN_NONE_LINKER", linker);
-    command::run(&mut cmd)
-        .with_context(|| format!("cannot build the eBPF crate in {}", crate_dir.display()))
+    command::run(&mut cmd).with_context(|| format!("cannot build the eBPF crate in {}", crate_dir.display()))
 }
 
 /// Where cargo puts the eBPF object.
 pub fn object_path(crate_dir: &Path, debug: bool) -> PathBuf {
     let profile = if debug { "debug" } else { "release" };
-    crate_dir
-        .join("target")
-        .join(TARGET)
-        .join(profile)
-        .join(CRATE)
+    crate_dir.join("target").join(TARGET).join(profile).join(CRATE)
 }

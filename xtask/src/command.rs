@@ -18,8 +18,7 @@ pub fn describe(cmd: &Command) -> String {
 pub fn status(cmd: &mut Command) -> Result<ExitStatus> {
     let text = describe(cmd);
     eprintln!("xtask: running {text}");
-    cmd.status()
-        .with_context(|| format!("failed to start `{text}`"))
+    cmd.status().with_context(|| format!("failed to start `{text}`"))
 }
 
 /// Runs `cmd` with inherited stdio and fails unless it succeeds.
@@ -35,9 +34,7 @@ pub fn run(cmd: &mut Command) -> Result<()> {
 /// Runs `cmd`, captures its output and fails unless it succeeds.
 pub fn output(cmd: &mut Command) -> Result<Output> {
     let text = describe(cmd);
-    let output = cmd
-        .output()
-        .with_context(|| format!("failed to start `{text}`"))?;
+    let output = cmd.output().with_context(|| format!("failed to start `{text}`"))?;
     if !output.status.success() {
         bail!(
             "`{text}` failed: {}\n{}",

@@ -19,11 +19,7 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(
-    name = "cargo xtask",
-    bin_name = "cargo xtask",
-    about = "xproxy developer tasks"
-)]
+#[command(name = "cargo xtask", bin_name = "cargo xtask", about = "xproxy developer tasks")]
 struct Cli {
     #[command(subcommand)]
     command: Command,

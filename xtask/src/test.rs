@@ -60,8 +60,7 @@ fn exit_code(status: std::process::ExitStatus) -> i32 {
 
 /// Whether this process's effective user id is 0 (from /proc/self/status).
 fn is_root() -> Result<bool> {
-    let status =
-        fs::read_to_string("/proc/self/status").context("cannot read /proc/self/status")?;
+    let status = fs::read_to_string("/proc/self/status").context("cannot read /proc/self/status")?;
     let effective = status
         .lines()
         .find_map(|line| line.strip_prefix("Uid:"))

@@ -74,24 +74,13 @@ fn has_toolchain(list: &str, name: &str) -> bool {
 
 /// Adds `rust-src` to the nightly (needed by `-Z build-std=core`) if missing.
 pub fn ensure_rust_src() -> Result<()> {
-    let installed = command::stdout(Command::new("rustup").args([
-        "component",
-        "list",
-        "--toolchain",
-        NIGHTLY,
-        "--installed",
-    ]))?;
+    let installed =
+        command::stdout(Command::new("rustup").args(["component", "list", "--toolchain", NIGHTLY, "--installed"]))?;
     if installed.lines().any(|line| line.trim() == "rust-src") {
         return Ok(());
     }
     eprintln!("xtask: adding rust-src to the {NIGHTLY} toolchain");
-    command::run(Command::new("rustup").args([
-        "component",
-        "add",
-        "rust-src",
-        "--toolchain",
-        NIGHTLY,
-    ]))
+    command::run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", NIGHTLY]))
 }
 
 /// The nightly's own LLVM, as bpf-linker must link it.
@@ -130,18 +119,14 @@ fn llvm_major(rustc_version: &str) -> Result<u32> {
         .find_map(|line| line.strip_prefix("LLVM version:"))
         .context("`rustc -vV` printed no \"LLVM version:\" line")?;
     let major = version.trim().split('.').next().unwrap_or_default();
-    major.parse().with_context(|| {
-        format!(
-            "cannot read an LLVM major version from {:?}",
-            version.trim()
-        )
-    })
+    major
+        .parse()
+        .with_context(|| format!("cannot read an LLVM major version from {:?}", version.trim()))
 }
 
 /// The name of `lib_dir/libLLVM-<major>-*.so` without `lib` and `.so`.
 fn llvm_link_name(lib_dir: &Path, major: u32) -> Result<String> {
-    let entries =
-        fs::read_dir(lib_dir).with_context(|| format!("cannot list {}", lib_dir.display()))?;
+    let entries = fs::read_dir(lib_dir).with_context(|| format!("cannot list {}", lib_dir.display()))?;
     let prefix = format!("LLVM-{major}");
     let mut names = Vec::new();
     for entry in entries {
@@ -150,9 +135,7 @@ fn llvm_link_name(lib_dir: &Path, major: u32) -> Result<String> {
         let Some(name) = file_name.to_str() else {
             continue;
         };
-        if let Some(name) = name
-            .strip_prefix("lib")
-            .and_then(|name| name.strip_suffix(".so"))
+        if let Some(name) = name.strip_prefix("lib").and_then(|name| name.strip_suffix(".so"))
             && (name == prefix || name.starts_with(&format!("{prefix}-")))
         {
             names.push(name.to_owned());
@@ -165,10 +148,7 @@ fn llvm_link_name(lib_dir: &Path, major: u32) -> Result<String> {
             "no libLLVM-{major}*.so in {}: is the nightly's LLVM {major} library installed?",
             lib_dir.display()
         ),
-        _ => bail!(
-            "several libLLVM-{major}*.so in {}: {names:?}",
-            lib_dir.display()
-        ),
+        _ => bail!("several libLLVM-{major}*.so in {}: {names:?}", lib_dir.display()),
     }
 }
 
@@ -178,8 +158,7 @@ fn llvm_link_name(lib_dir: &Path, major: u32) -> Result<String> {
 /// toolchains) a linker script `INPUT(libLLVM.so.22.1-rust-...)`.
 fn llvm_library_files(lib_dir: &Path, link_name: &str) -> Result<Vec<PathBuf>> {
     let dev_link = lib_dir.join(format!("lib{link_name}.so"));
-    let bytes =
-        fs::read(&dev_link).with_context(|| format!("cannot read {}", dev_link.display()))?;
+    let bytes = fs::read(&dev_link).with_context(|| format!("cannot read {}", dev_link.display()))?;
     let candidates = if bytes.starts_with(b"\x7fELF") {
         vec![dev_link.clone()]
     } else {
@@ -188,10 +167,7 @@ fn llvm_library_files(lib_dir: &Path, link_name: &str) -> Result<Vec<PathBuf>> {
             .map(|input| lib_dir.join(input))
             .collect()
     };
-    let files: Vec<PathBuf> = candidates
-        .iter()
-        .filter_map(|path| path.canonicalize().ok())
-        .collect();
+    let files: Vec<PathBuf> = candidates.iter().filter_map(|path| path.canonicalize().ok()).collect();
     if files.is_empty() {
         bail!(
             "{} names no library file that exists ({candidates:?})",
@@ -229,8 +205,7 @@ fn install_root() -> Result<PathBuf> {
     if let Some(home) = env::var_os("CARGO_HOME") {
         return Ok(PathBuf::from(home));
     }
-    let home =
-        env::var_os("HOME").context("none of CARGO_INSTALL_ROOT, CARGO_HOME, HOME is set")?;
+    let home = env::var_os("HOME").context("none of CARGO_INSTALL_ROOT, CARGO_HOME, HOME is set")?;
     Ok(PathBuf::from(home).join(".cargo"))
 }
 
@@ -243,10 +218,7 @@ fn ldd_llvm_libraries(ldd_output: &str) -> Vec<(String, Option<PathBuf>)> {
             if !name.starts_with("libLLVM") {
                 return None;
             }
-            let path = target
-                .split_whitespace()
-                .next()
-                .filter(|path| path.starts_with('/'));
+            let path = target.split_whitespace().next().filter(|path| path.starts_with('/'));
             Some((name.to_owned(), path.map(PathBuf::from)))
         })
         .collect()
@@ -264,18 +236,12 @@ fn links_nightly_llvm(linker: &Path, llvm: &NightlyLlvm) -> Result<bool> {
         .with_context(|| format!("failed to run `ldd {}`", linker.display()))?;
     let libraries = ldd_llvm_libraries(&String::from_utf8_lossy(&output.stdout));
     if libraries.is_empty() {
-        eprintln!(
-            "xtask: {} is not linked against a shared libLLVM",
-            linker.display()
-        );
+        eprintln!("xtask: {} is not linked against a shared libLLVM", linker.display());
         return Ok(false);
     }
     for (name, path) in &libraries {
         let resolved = path.as_ref().and_then(|path| path.canonicalize().ok());
-        if !resolved
-            .as_ref()
-            .is_some_and(|path| llvm.files.contains(path))
-        {
+        if !resolved.as_ref().is_some_and(|path| llvm.files.contains(path)) {
             eprintln!(
                 "xtask: {} resolves {name} to {}, not {:?}",
                 linker.display(),
@@ -361,10 +327,7 @@ mod tests {
     fn finds_toolchain() {
         let list = "stable-x86_64-unknown-linux-gnu (default)\nnightly-x86_64-unknown-linux-gnu\n";
         assert!(has_toolchain(list, "nightly"));
-        assert!(!has_toolchain(
-            "stable-x86_64-unknown-linux-gnu (default)\n",
-            "nightly"
-        ));
+        assert!(!has_toolchain("stable-x86_64-unknown-linux-gnu (default)\n", "nightly"));
     }
 
     #[test]

@@ -30,7 +30,10 @@ pub struct Desired {
 }
 
 pub fn object_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> ObjectKey {
-    (meta.namespace.clone().unwrap_or_else(|| "default".into()), meta.name.clone().unwrap_or_default())
+    (
+        meta.namespace.clone().unwrap_or_else(|| "default".into()),
+        meta.name.clone().unwrap_or_default(),
+    )
 }
 
 impl Cluster {
@@ -90,7 +93,10 @@ impl Cluster {
     pub fn desired(&self) -> Desired {
         let mut slices_of: BTreeMap<ObjectKey, Vec<&SliceInfo>> = BTreeMap::new();
         for ((ns, _), slice) in &self.slices {
-            slices_of.entry((ns.clone(), slice.service.clone())).or_default().push(slice);
+            slices_of
+                .entry((ns.clone(), slice.service.clone()))
+                .or_default()
+                .push(slice);
         }
         let mut desired = Desired::default();
         let mut frontends = BTreeSet::new();
@@ -103,7 +109,10 @@ impl Cluster {
                 if !frontends.insert((spec.cluster_ip, spec.port, spec.protocol)) {
                     desired.problems.push(Problem::new(
                         &name,
-                        format!("{}:{}/{} is already used by another Service", spec.cluster_ip, spec.port, spec.protocol),
+                        format!(
+                            "{}:{}/{} is already used by another Service",
+                            spec.cluster_ip, spec.port, spec.protocol
+                        ),
                     ));
                     continue;
                 }
@@ -124,7 +133,11 @@ impl Cluster {
 
 /// kube-proxy's ServicePortName: `namespace/name`, then `:port` if named.
 fn port_name((ns, name): &ObjectKey, port: &str) -> String {
-    if port.is_empty() { format!("{ns}/{name}") } else { format!("{ns}/{name}:{port}") }
+    if port.is_empty() {
+        format!("{ns}/{name}")
+    } else {
+        format!("{ns}/{name}:{port}")
+    }
 }
 
 /// Endpoints of all slices that offer the named port, one per address and
@@ -132,11 +145,18 @@ fn port_name((ns, name): &ObjectKey, port: &str) -> String {
 fn endpoints_for(slices: &[&SliceInfo], port_name: &str, protocol: super::Protocol) -> Vec<Endpoint> {
     let mut by_addr: BTreeMap<(std::net::Ipv4Addr, u16), Endpoint> = BTreeMap::new();
     for slice in slices {
-        let Some(port) = slice.ports.iter().find(|p| p.name == port_name && p.protocol == protocol) else {
+        let Some(port) = slice
+            .ports
+            .iter()
+            .find(|p| p.name == port_name && p.protocol == protocol)
+        else {
             continue;
         };
         for ep in &slice.endpoints {
-            let ep = Endpoint { port: port.port, ..ep.clone() };
+            let ep = Endpoint {
+                port: port.port,
+                ..ep.clone()
+            };
             by_addr
                 .entry((ep.addr, ep.port))
                 .and_modify(|old| {
@@ -184,7 +204,11 @@ mod tests {
             {"addresses": ["10.244.0.12"], "conditions": {"ready": true}},
             {"addresses": ["10.244.0.13"], "conditions": {"ready": false, "serving": true, "terminating": true}},
         ]);
-        assert!(cluster.upsert_slice(&slice("nginx-abc", "nginx-service", json!([{"port": 80}]), eps)).is_empty());
+        assert!(
+            cluster
+                .upsert_slice(&slice("nginx-abc", "nginx-service", json!([{"port": 80}]), eps))
+                .is_empty()
+        );
         cluster
     }
 
@@ -193,10 +217,20 @@ mod tests {
         let desired = seed().desired();
         assert!(desired.problems.is_empty());
         let port = &desired.ports["default/nginx-service"];
-        assert_eq!((port.cluster_ip, port.port, port.node_port), (Ipv4Addr::new(10, 96, 0, 10), 88, Some(30791)));
+        assert_eq!(
+            (port.cluster_ip, port.port, port.node_port),
+            (Ipv4Addr::new(10, 96, 0, 10), 88, Some(30791))
+        );
         assert_eq!(port.protocol, Protocol::Tcp);
-        let eps: Vec<_> = port.endpoints.iter().map(|e| (e.addr.octets()[3], e.port, e.ready, e.terminating)).collect();
-        assert_eq!(eps, vec![(11, 80, true, false), (12, 80, true, false), (13, 80, false, true)]);
+        let eps: Vec<_> = port
+            .endpoints
+            .iter()
+            .map(|e| (e.addr.octets()[3], e.port, e.ready, e.terminating))
+            .collect();
+        assert_eq!(
+            eps,
+            vec![(11, 80, true, false), (12, 80, true, false), (13, 80, false, true)]
+        );
         assert_eq!(port.endpoints[0].node_name.as_deref(), Some("node-1"));
     }
 
@@ -206,7 +240,8 @@ mod tests {
         let headless = service("h", json!({"clusterIP": "None", "ports": [{"port": 80}]}));
         let external = service("e", json!({"type": "ExternalName", "externalName": "example.com"}));
         let mut foreign = service("f", json!({"clusterIP": "10.96.0.5", "ports": [{"port": 80}]}));
-        foreign.metadata.labels = Some([(crate::model::service::SERVICE_PROXY_NAME_LABEL.into(), "other".into())].into());
+        foreign.metadata.labels =
+            Some([(crate::model::service::SERVICE_PROXY_NAME_LABEL.into(), "other".into())].into());
         for svc in [headless, external, foreign] {
             assert!(cluster.upsert_service(&svc).is_empty());
         }
@@ -236,7 +271,10 @@ mod tests {
     #[test]
     fn invalid_cluster_ip_and_endpoint_addresses_are_problems() {
         let mut cluster = Cluster::default();
-        let problems = cluster.upsert_service(&service("x", json!({"clusterIP": "10.96.0.300", "ports": [{"port": 80}]})));
+        let problems = cluster.upsert_service(&service(
+            "x",
+            json!({"clusterIP": "10.96.0.300", "ports": [{"port": 80}]}),
+        ));
         assert_eq!(problems.len(), 1);
         assert!(problems[0].reason.contains("not an IP address"));
         let problems = cluster.upsert_slice(&slice(
@@ -251,8 +289,14 @@ mod tests {
     #[test]
     fn two_services_claiming_one_frontend_keep_the_first() {
         let mut cluster = Cluster::default();
-        cluster.upsert_service(&service("a", json!({"clusterIP": "10.96.0.9", "ports": [{"port": 80}]})));
-        cluster.upsert_service(&service("b", json!({"clusterIP": "10.96.0.9", "ports": [{"port": 80}]})));
+        cluster.upsert_service(&service(
+            "a",
+            json!({"clusterIP": "10.96.0.9", "ports": [{"port": 80}]}),
+        ));
+        cluster.upsert_service(&service(
+            "b",
+            json!({"clusterIP": "10.96.0.9", "ports": [{"port": 80}]}),
+        ));
         let desired = cluster.desired();
         assert_eq!(desired.ports.keys().collect::<Vec<_>>(), vec!["default/a"]);
         assert_eq!(desired.problems.len(), 1);

@@ -54,7 +54,10 @@ pub fn slice_info(slice: &EndpointSlice) -> (Option<SliceInfo>, Vec<Problem>) {
         };
         match p.port.and_then(valid_port) {
             Some(port) => ports.push(SlicePort { name, protocol, port }),
-            None => problems.push(Problem::new(&object, format!("port {name:?} has no valid port number ({:?})", p.port))),
+            None => problems.push(Problem::new(
+                &object,
+                format!("port {name:?} has no valid port number ({:?})", p.port),
+            )),
         }
     }
     let mut endpoints = Vec::new();
@@ -62,7 +65,10 @@ pub fn slice_info(slice: &EndpointSlice) -> (Option<SliceInfo>, Vec<Problem>) {
         // kube-proxy uses the first address of an endpoint.
         let Some(addr) = ep.addresses.first() else { continue };
         let Ok(addr) = addr.parse::<Ipv4Addr>() else {
-            problems.push(Problem::new(&object, format!("address {addr:?} is not an IPv4 address")));
+            problems.push(Problem::new(
+                &object,
+                format!("address {addr:?} is not an IPv4 address"),
+            ));
             continue;
         };
         let conditions = ep.conditions.as_ref();
@@ -80,5 +86,12 @@ pub fn slice_info(slice: &EndpointSlice) -> (Option<SliceInfo>, Vec<Problem>) {
             zone: ep.zone.clone(),
         });
     }
-    (Some(SliceInfo { service: service.clone(), ports, endpoints }), problems)
+    (
+        Some(SliceInfo {
+            service: service.clone(),
+            ports,
+            endpoints,
+        }),
+        problems,
+    )
 }

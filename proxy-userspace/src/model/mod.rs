@@ -22,7 +22,10 @@ pub struct Problem {
 
 impl Problem {
     pub fn new(object: &str, reason: impl Into<String>) -> Self {
-        Self { object: object.to_owned(), reason: reason.into() }
+        Self {
+            object: object.to_owned(),
+            reason: reason.into(),
+        }
     }
 }
 
@@ -86,6 +89,14 @@ impl Endpoint {
     /// A ready endpoint on no particular node (what tests and manifests without
     /// conditions mean).
     pub fn ready(addr: Ipv4Addr, port: u16) -> Self {
-        Self { addr, port, ready: true, serving: true, terminating: false, node_name: None, zone: None }
+        Self {
+            addr,
+            port,
+            ready: true,
+            serving: true,
+            terminating: false,
+            node_name: None,
+            zone: None,
+        }
     }
 }

@@ -42,7 +42,12 @@ pub enum Skip {
 /// are returned alongside the ports that are fine.
 pub fn service_info(svc: &Service) -> Result<(ServiceInfo, Vec<Problem>), Skip> {
     let object = object_name(svc);
-    if svc.metadata.labels.as_ref().is_some_and(|l| l.contains_key(SERVICE_PROXY_NAME_LABEL)) {
+    if svc
+        .metadata
+        .labels
+        .as_ref()
+        .is_some_and(|l| l.contains_key(SERVICE_PROXY_NAME_LABEL))
+    {
         return Err(Skip::NotProxied("labelled for another service proxy"));
     }
     let spec = svc.spec.as_ref().ok_or(Skip::NotProxied("no spec"))?;
@@ -50,13 +55,25 @@ pub fn service_info(svc: &Service) -> Result<(ServiceInfo, Vec<Problem>), Skip> 
         return Err(Skip::NotProxied("ExternalName"));
     }
     let cluster_ip = match spec.cluster_ip.as_deref() {
-        None | Some("") | Some("None") => return Err(Skip::NotProxied("headless")),
+        Some("None") => return Err(Skip::NotProxied("headless")),
+        // The API server always allocates one; only a hand-written manifest lacks it.
+        None | Some("") => {
+            return Err(Skip::Invalid(Problem::new(
+                &object,
+                "no clusterIP (set spec.clusterIP in manifests)",
+            )));
+        }
         Some(ip) => ip,
     };
     let cluster_ip = match cluster_ip.parse::<std::net::IpAddr>() {
         Ok(std::net::IpAddr::V4(ip)) => ip,
         Ok(std::net::IpAddr::V6(_)) => return Err(Skip::NotProxied("IPv6 ClusterIP (IPv4 only for now)")),
-        Err(_) => return Err(Skip::Invalid(Problem::new(&object, format!("clusterIP {cluster_ip:?} is not an IP address")))),
+        Err(_) => {
+            return Err(Skip::Invalid(Problem::new(
+                &object,
+                format!("clusterIP {cluster_ip:?} is not an IP address"),
+            )));
+        }
     };
 
     let mut problems = Vec::new();
@@ -91,7 +108,13 @@ pub fn service_info(svc: &Service) -> Result<(ServiceInfo, Vec<Problem>), Skip> 
             problems.push(Problem::new(&what, format!("duplicate port {port}/{protocol:?}")));
             continue;
         }
-        ports.push(PortSpec { port_name, protocol, cluster_ip, port, node_port });
+        ports.push(PortSpec {
+            port_name,
+            protocol,
+            cluster_ip,
+            port,
+            node_port,
+        });
     }
     Ok((ServiceInfo { ports }, problems))
 }

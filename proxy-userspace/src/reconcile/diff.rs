@@ -21,7 +21,11 @@ impl Plan {
 
     /// Number of endpoints touched, for kube-proxy's endpoint change metric.
     pub fn endpoint_changes(&self) -> usize {
-        self.upsert.iter().chain(&self.remove).map(|p| p.endpoints.len().max(1)).sum()
+        self.upsert
+            .iter()
+            .chain(&self.remove)
+            .map(|p| p.endpoints.len().max(1))
+            .sum()
     }
 }
 
@@ -61,7 +65,10 @@ mod tests {
             cluster_ip: Ipv4Addr::new(10, 96, 0, ip),
             port: 80,
             node_port: None,
-            endpoints: endpoints.iter().map(|e| Endpoint::ready(Ipv4Addr::new(10, 244, 0, *e), 8080)).collect(),
+            endpoints: endpoints
+                .iter()
+                .map(|e| Endpoint::ready(Ipv4Addr::new(10, 244, 0, *e), 8080))
+                .collect(),
         }
     }
 

@@ -26,8 +26,14 @@ pub struct SyncPolicy {
 impl SyncPolicy {
     /// kube-proxy's retry: as soon as coalescing allows, but not in a busy loop.
     pub fn new(min_sync_period: Duration, sync_period: Duration) -> Self {
-        let retry_period = min_sync_period.max(Duration::from_secs(1)).min(sync_period.max(Duration::from_secs(1)));
-        Self { min_sync_period, sync_period, retry_period }
+        let retry_period = min_sync_period
+            .max(Duration::from_secs(1))
+            .min(sync_period.max(Duration::from_secs(1)));
+        Self {
+            min_sync_period,
+            sync_period,
+            retry_period,
+        }
     }
 }
 
@@ -43,7 +49,13 @@ pub struct Schedule {
 
 impl Schedule {
     pub fn new(policy: SyncPolicy) -> Self {
-        Self { policy, last_sync: None, last_full: None, pending_since: None, failed: false }
+        Self {
+            policy,
+            last_sync: None,
+            last_full: None,
+            pending_since: None,
+            failed: false,
+        }
     }
 
     /// Something in the desired state changed at `now`.
@@ -104,7 +116,10 @@ pub struct Reconciler {
 
 impl Reconciler {
     pub fn new(mode: Box<dyn Dataplane>) -> Self {
-        Self { mode, applied: BTreeMap::new() }
+        Self {
+            mode,
+            applied: BTreeMap::new(),
+        }
     }
 
     pub fn mode_name(&self) -> &'static str {
@@ -211,7 +226,10 @@ mod tests {
             cluster_ip: Ipv4Addr::new(10, 96, 0, 1),
             port: 80,
             node_port: None,
-            endpoints: endpoints.iter().map(|e| Endpoint::ready(Ipv4Addr::new(10, 244, 0, *e), 80)).collect(),
+            endpoints: endpoints
+                .iter()
+                .map(|e| Endpoint::ready(Ipv4Addr::new(10, 244, 0, *e), 80))
+                .collect(),
         };
         BTreeMap::from([(port.name.clone(), port)])
     }

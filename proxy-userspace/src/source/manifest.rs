@@ -32,6 +32,10 @@ struct FileObjects {
 /// changes, the directory is read again.
 type Fingerprint = Vec<(PathBuf, u64, Option<SystemTime>)>;
 
+/// A complete reading of the directory: every Service, every EndpointSlice,
+/// and what could not be used.
+pub type Reading = (Vec<Service>, Vec<EndpointSlice>, Vec<Problem>);
+
 /// How often the directory is checked for changes.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(200);
 
@@ -44,16 +48,26 @@ pub struct ManifestDir {
 impl ManifestDir {
     pub fn new(dir: &Path) -> Result<Self> {
         if !dir.is_dir() {
-            anyhow::bail!("manifest directory {} does not exist or is not a directory", dir.display());
+            anyhow::bail!(
+                "manifest directory {} does not exist or is not a directory",
+                dir.display()
+            );
         }
-        Ok(Self { dir: dir.to_owned(), files: BTreeMap::new(), fingerprint: None })
+        Ok(Self {
+            dir: dir.to_owned(),
+            files: BTreeMap::new(),
+            fingerprint: None,
+        })
     }
 
     fn manifest_files(&self) -> Result<Vec<PathBuf>> {
         let mut files = Vec::new();
         for entry in std::fs::read_dir(&self.dir).with_context(|| format!("reading {}", self.dir.display()))? {
             let path = entry?.path();
-            let is_manifest = path.extension().and_then(|e| e.to_str()).is_some_and(|e| matches!(e, "yaml" | "yml" | "json"));
+            let is_manifest = path
+                .extension()
+                .and_then(|e| e.to_str())
+                .is_some_and(|e| matches!(e, "yaml" | "yml" | "json"));
             if is_manifest && path.is_file() {
                 files.push(path);
             }
@@ -77,7 +91,7 @@ impl ManifestDir {
 
     /// Reads the directory if it changed since the last call. Returns the
     /// complete lists of Services and EndpointSlices, and the problems met.
-    pub fn reload_if_changed(&mut self) -> Result<Option<(Vec<Service>, Vec<EndpointSlice>, Vec<Problem>)>> {
+    pub fn reload_if_changed(&mut self) -> Result<Option<Reading>> {
         let fingerprint = self.current_fingerprint()?;
         if self.fingerprint.as_ref() == Some(&fingerprint) {
             return Ok(None);
@@ -229,7 +243,10 @@ endpoints:
         let (services, slices, problems) = source.reload_if_changed().unwrap().unwrap();
         assert_eq!((services.len(), slices.len()), (1, 1));
         assert!(problems.is_empty(), "{problems:?}");
-        assert!(source.reload_if_changed().unwrap().is_none(), "unchanged directory is not reloaded");
+        assert!(
+            source.reload_if_changed().unwrap().is_none(),
+            "unchanged directory is not reloaded"
+        );
         std::fs::remove_dir_all(dir).unwrap();
     }
 

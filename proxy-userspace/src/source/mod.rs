@@ -1,6 +1,7 @@
 //! Sources of Services and EndpointSlices. Sources only report what they
 //! see as [`SourceEvent`]s; the agent loop owns the model.
 
+pub mod kube;
 pub mod manifest;
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
@@ -17,6 +18,9 @@ pub enum Update<K> {
     Replace(Vec<K>),
 }
 
+// The variants differ in size by a Service's inline fields; boxing them
+// would add an allocation per event for nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 pub enum SourceEvent {
     Services(Update<Service>),

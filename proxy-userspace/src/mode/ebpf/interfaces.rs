@@ -41,7 +41,12 @@ fn interface_of(msg: &LinkMessage) -> Option<Interface> {
             _ => {}
         }
     }
-    Some(Interface { index: msg.header.index, name: name?, is_veth, ipv4: Vec::new() })
+    Some(Interface {
+        index: msg.header.index,
+        name: name?,
+        is_veth,
+        ipv4: Vec::new(),
+    })
 }
 
 /// Every interface of the current network namespace with its IPv4 addresses.
@@ -57,7 +62,9 @@ pub async fn list(handle: &Handle) -> Result<Vec<Interface>> {
         .context("listing links over rtnetlink")?;
     let mut addrs = handle.address().get().execute();
     while let Some(msg) = addrs.try_next().await.context("listing addresses over rtnetlink")? {
-        let Some(iface) = interfaces.iter_mut().find(|i| i.index == msg.header.index) else { continue };
+        let Some(iface) = interfaces.iter_mut().find(|i| i.index == msg.header.index) else {
+            continue;
+        };
         for attr in &msg.attributes {
             if let AddressAttribute::Local(IpAddr::V4(ip)) | AddressAttribute::Address(IpAddr::V4(ip)) = attr
                 && !iface.ipv4.contains(ip)
@@ -76,12 +83,18 @@ pub fn uplinks(all: &[Interface], named: &[String], node_ips: &[Ipv4Addr]) -> Re
         return named
             .iter()
             .map(|n| {
-                all.iter().find(|i| &i.name == n).cloned().with_context(|| format!("interface {n} does not exist"))
+                all.iter()
+                    .find(|i| &i.name == n)
+                    .cloned()
+                    .with_context(|| format!("interface {n} does not exist"))
             })
             .collect();
     }
-    let found: Vec<Interface> =
-        all.iter().filter(|i| i.ipv4.iter().any(|ip| node_ips.contains(ip))).cloned().collect();
+    let found: Vec<Interface> = all
+        .iter()
+        .filter(|i| i.ipv4.iter().any(|ip| node_ips.contains(ip)))
+        .cloned()
+        .collect();
     if found.is_empty() {
         bail!("no interface carries a node IP ({node_ips:?}); name the uplinks with --interface");
     }
@@ -90,7 +103,10 @@ pub fn uplinks(all: &[Interface], named: &[String], node_ips: &[Ipv4Addr]) -> Re
 
 /// The node's ends of pod veths: every veth that is not an uplink.
 pub fn pod_interfaces(all: &[Interface], uplinks: &[Interface]) -> Vec<Interface> {
-    all.iter().filter(|i| i.is_veth && !uplinks.iter().any(|u| u.index == i.index)).cloned().collect()
+    all.iter()
+        .filter(|i| i.is_veth && !uplinks.iter().any(|u| u.index == i.index))
+        .cloned()
+        .collect()
 }
 
 /// Sends every veth that appears from now on (RTM_NEWLINK), until the
@@ -120,7 +136,12 @@ mod tests {
     use super::*;
 
     fn iface(index: u32, name: &str, is_veth: bool, ip: Option<[u8; 4]>) -> Interface {
-        Interface { index, name: name.into(), is_veth, ipv4: ip.map(Ipv4Addr::from).into_iter().collect() }
+        Interface {
+            index,
+            name: name.into(),
+            is_veth,
+            ipv4: ip.map(Ipv4Addr::from).into_iter().collect(),
+        }
     }
 
     #[test]
@@ -135,7 +156,12 @@ mod tests {
         assert_eq!(by_ip.iter().map(|i| i.name.as_str()).collect::<Vec<_>>(), ["eth0"]);
         let named = uplinks(&all, &["cni0".into()], &[]).unwrap();
         assert_eq!(named[0].index, 4);
-        assert!(uplinks(&all, &["nope".into()], &[]).unwrap_err().to_string().contains("nope"));
+        assert!(
+            uplinks(&all, &["nope".into()], &[])
+                .unwrap_err()
+                .to_string()
+                .contains("nope")
+        );
         assert!(uplinks(&all, &[], &[Ipv4Addr::new(1, 2, 3, 4)]).is_err());
         let pods = pod_interfaces(&all, &by_ip);
         assert_eq!(pods.iter().map(|i| i.name.as_str()).collect::<Vec<_>>(), ["lxc1"]);

@@ -53,12 +53,16 @@ impl Datapath {
             .load(object_bytes()?)
             .context("loading the eBPF object (are you root, and is the kernel 6.1 or newer?)")?;
         let xdp: &mut Xdp = program(&mut ebpf, maps::PROG_XDP_UPLINK)?.try_into()?;
-        xdp.load().with_context(|| format!("verifier rejected {}", maps::PROG_XDP_UPLINK))?;
+        xdp.load()
+            .with_context(|| format!("verifier rejected {}", maps::PROG_XDP_UPLINK))?;
         for name in [maps::PROG_TC_INGRESS, maps::PROG_TC_EGRESS] {
             let prog: &mut SchedClassifier = program(&mut ebpf, name)?.try_into()?;
             prog.load().with_context(|| format!("verifier rejected {name}"))?;
         }
-        Ok(Self { ebpf, pin_path: pin_path.to_owned() })
+        Ok(Self {
+            ebpf,
+            pin_path: pin_path.to_owned(),
+        })
     }
 
     pub fn pin_path(&self) -> &Path {
@@ -84,9 +88,11 @@ impl Datapath {
         Ok(())
     }
 
-    /// Where the link of program `prog` on `iface` is pinned.
+    /// Where the link of program `prog` on `iface` is pinned:
+    /// `links/<prog>/<iface>`. bpffs refuses names with a dot, which
+    /// interface names may have (`eth0.100`), so dots become `~`.
     pub fn link_pin(&self, iface: &str, prog: &str) -> PathBuf {
-        self.pin_path.join(LINKS_DIR).join(format!("{iface}.{prog}"))
+        self.pin_path.join(LINKS_DIR).join(prog).join(iface.replace('.', "~"))
     }
 
     fn attach_xdp(&mut self, iface: &str) -> Result<()> {
@@ -94,7 +100,9 @@ impl Datapath {
         let xdp = self.xdp()?;
         if let Some(link) = open_pinned_link(&pin)? {
             let link = XdpLink::try_from(link).context("pinned XDP link has another type")?;
-            let id = xdp.attach_to_link(link).with_context(|| format!("updating the XDP link on {iface}"))?;
+            let id = xdp
+                .attach_to_link(link)
+                .with_context(|| format!("updating the XDP link on {iface}"))?;
             // The pin holds the link; dropping our handle only closes its fd.
             drop(xdp.take_link(id)?);
             return Ok(());
@@ -118,11 +126,15 @@ impl Datapath {
         let prog = self.tc(name)?;
         if let Some(link) = open_pinned_link(&pin)? {
             let link = SchedClassifierLink::try_from(link).context("pinned tc link has another type")?;
-            let id = prog.attach_to_link(link).with_context(|| format!("updating the {name} link on {iface}"))?;
+            let id = prog
+                .attach_to_link(link)
+                .with_context(|| format!("updating the {name} link on {iface}"))?;
             drop(prog.take_link(id)?);
             return Ok(());
         }
-        let id = prog.attach(iface, attach).with_context(|| format!("attaching {name} to {iface}"))?;
+        let id = prog
+            .attach(iface, attach)
+            .with_context(|| format!("attaching {name} to {iface}"))?;
         let link = prog.take_link(id)?;
         match FdLink::try_from(link) {
             Ok(link) => pin_link(link, &pin),
@@ -158,26 +170,42 @@ fn pin_link(link: FdLink, pin: &Path) -> Result<()> {
     if let Some(dir) = pin.parent() {
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    link.pin(pin).with_context(|| format!("pinning link at {}", pin.display()))?;
+    link.pin(pin)
+        .with_context(|| format!("pinning link at {}", pin.display()))?;
     Ok(())
 }
 
 fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut aya::programs::Program> {
-    ebpf.program_mut(name).with_context(|| format!("program {name} missing from the eBPF object"))
+    ebpf.program_mut(name)
+        .with_context(|| format!("program {name} missing from the eBPF object"))
 }
 
-/// Pins only work on bpffs: say so plainly instead of failing later with EPERM.
+/// Pins only work on bpffs: say so plainly instead of failing later with
+/// EPERM or ENOENT.
 fn ensure_bpffs_dir(pin_path: &Path) -> Result<()> {
-    fs::create_dir_all(pin_path).with_context(|| format!("creating pin directory {}", pin_path.display()))?;
-    let c_path = std::ffi::CString::new(pin_path.as_os_str().as_encoded_bytes())
-        .with_context(|| format!("pin path {} contains a NUL byte", pin_path.display()))?;
+    let parent = pin_path.parent().unwrap_or(Path::new("/"));
+    if !is_bpffs(parent)? && !is_bpffs(pin_path)? {
+        bail!(
+            "{} is not on a bpf filesystem: mount it (mount -t bpf bpf /sys/fs/bpf); note that \
+             `ip netns exec` mounts a fresh /sys without it, `nsenter --net=...` keeps it",
+            parent.display()
+        );
+    }
+    fs::create_dir_all(pin_path).with_context(|| format!("creating pin directory {}", pin_path.display()))
+}
+
+fn is_bpffs(path: &Path) -> Result<bool> {
+    let Ok(c_path) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+        return Ok(false);
+    };
     // SAFETY: statfs only writes into the zeroed struct we pass.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     if unsafe { libc::statfs(c_path.as_ptr(), &mut st) } != 0 {
-        return Err(std::io::Error::last_os_error()).with_context(|| format!("statfs {}", pin_path.display()));
+        let err = std::io::Error::last_os_error();
+        if err.kind() == std::io::ErrorKind::NotFound {
+            return Ok(false);
+        }
+        return Err(err).with_context(|| format!("statfs {}", path.display()));
     }
-    if st.f_type != BPF_FS_MAGIC {
-        bail!("pin path {} is not on a bpf filesystem (mount -t bpf bpf /sys/fs/bpf)", pin_path.display());
-    }
-    Ok(())
+    Ok(st.f_type == BPF_FS_MAGIC)
 }

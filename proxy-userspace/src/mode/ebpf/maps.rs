@@ -119,15 +119,27 @@ impl ServiceMaps {
             groups.entry(value.backend_set).or_default().push((key, value));
         }
         for (set, members) in groups {
-            let (cluster_key, cluster_value) =
-                *members.iter().find(|(_, v)| v.flags & FLAG_NODE_PORT == 0).unwrap_or(&members[0]);
+            let (cluster_key, cluster_value) = *members
+                .iter()
+                .find(|(_, v)| v.flags & FLAG_NODE_PORT == 0)
+                .unwrap_or(&members[0]);
             let backends = self.adopt_backend_set(set, cluster_value.backend_count);
-            let frontends = members.iter().map(|(k, v)| (ServiceKeyOrd::from(*k), v.rev_nat_id)).collect();
+            let frontends = members
+                .iter()
+                .map(|(k, v)| (ServiceKeyOrd::from(*k), v.rev_nat_id))
+                .collect();
             let (backend_set, backends) = match backends {
                 Some(ids) => (set, ids),
                 None => (0, Vec::new()),
             };
-            self.applied.insert(cluster_key.into(), Applied { frontends, backend_set, backends });
+            self.applied.insert(
+                cluster_key.into(),
+                Applied {
+                    frontends,
+                    backend_set,
+                    backends,
+                },
+            );
         }
         Ok(())
     }
@@ -208,7 +220,9 @@ impl ServiceMaps {
                 _reserved: 0,
             };
             if self.services.get(&key, 0).ok() != Some(value) {
-                self.services.insert(key, value, 0).with_context(|| format!("writing frontend of {}", svc.name))?;
+                self.services
+                    .insert(key, value, 0)
+                    .with_context(|| format!("writing frontend of {}", svc.name))?;
             }
             frontends.insert(ord, rev_nat_id);
         }
@@ -225,7 +239,14 @@ impl ServiceMaps {
         for id in &old.backends {
             self.release_backend(*id)?;
         }
-        self.applied.insert(id, Applied { frontends, backend_set, backends });
+        self.applied.insert(
+            id,
+            Applied {
+                frontends,
+                backend_set,
+                backends,
+            },
+        );
         Ok(())
     }
 
@@ -265,21 +286,37 @@ impl ServiceMaps {
     /// (left behind by an agent that died halfway through a sync).
     fn remove_orphans(&mut self) -> Result<()> {
         let sets: BTreeSet<u32> = self.applied.values().map(|a| a.backend_set).collect();
-        let rev_nats: BTreeSet<u32> = self.applied.values().flat_map(|a| a.frontends.values().copied()).collect();
-        let orphan_slots: Vec<BackendSlotKey> =
-            self.slots.keys().filter_map(Result::ok).filter(|k| !sets.contains(&k.backend_set)).collect();
+        let rev_nats: BTreeSet<u32> = self
+            .applied
+            .values()
+            .flat_map(|a| a.frontends.values().copied())
+            .collect();
+        let orphan_slots: Vec<BackendSlotKey> = self
+            .slots
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| !sets.contains(&k.backend_set))
+            .collect();
         for key in orphan_slots {
             remove_if_present(&mut self.slots, &key)?;
             self.used_set_ids.remove(&key.backend_set);
         }
-        let orphan_backends: Vec<u32> =
-            self.backends.keys().filter_map(Result::ok).filter(|id| !self.backend_addrs.contains_key(id)).collect();
+        let orphan_backends: Vec<u32> = self
+            .backends
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|id| !self.backend_addrs.contains_key(id))
+            .collect();
         for id in orphan_backends {
             remove_if_present(&mut self.backends, &id)?;
             self.used_backend_ids.remove(&id);
         }
-        let orphan_rev_nats: Vec<u32> =
-            self.rev_nat.keys().filter_map(Result::ok).filter(|id| !rev_nats.contains(id)).collect();
+        let orphan_rev_nats: Vec<u32> = self
+            .rev_nat
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|id| !rev_nats.contains(id))
+            .collect();
         for id in orphan_rev_nats {
             remove_if_present(&mut self.rev_nat, &id)?;
             self.used_rev_nat_ids.remove(&id);
@@ -288,7 +325,9 @@ impl ServiceMaps {
     }
 
     fn remove_by_key(&mut self, id: ServiceKeyOrd) -> Result<()> {
-        let Some(old) = self.applied.remove(&id) else { return Ok(()) };
+        let Some(old) = self.applied.remove(&id) else {
+            return Ok(());
+        };
         for (ord, rev_nat_id) in &old.frontends {
             self.remove_frontend((*ord).into(), *rev_nat_id)?;
         }
@@ -331,6 +370,61 @@ impl ServiceMaps {
         Ok(self.conntrack.iter().collect::<Result<_, _>>()?)
     }
 
+    /// Everything the programs would use now, read from the maps (not from
+    /// this handle's bookkeeping), with tracked flows counted per backend.
+    pub fn snapshot(&self) -> Result<crate::dump::Snapshot> {
+        use crate::dump::{BackendRow, FrontendRow, Snapshot};
+        let mut flows: StdHashMap<(u32, u32), u64> = StdHashMap::new();
+        let (mut forward, mut reply) = (0, 0);
+        for entry in self.conntrack.iter() {
+            let (_, ct) = entry?;
+            if ct.flags & proxy_common::conntrack::FLAG_REPLY != 0 {
+                reply += 1;
+            } else {
+                forward += 1;
+                *flows.entry((ct.rev_nat_id, ct.backend_id)).or_default() += 1;
+            }
+        }
+        let mut frontends = Vec::new();
+        for entry in self.services.iter() {
+            let (key, value) = entry?;
+            let mut backends = Vec::new();
+            for slot in 0..value.backend_count {
+                let slot_key = BackendSlotKey {
+                    backend_set: value.backend_set,
+                    slot,
+                };
+                let row = match self
+                    .slots
+                    .get(&slot_key, 0)
+                    .ok()
+                    .and_then(|id| Some((id, self.backends.get(&id, 0).ok()?)))
+                {
+                    Some((id, b)) => BackendRow {
+                        addr: Some((b.addr(), b.port())),
+                        flows: flows.get(&(value.rev_nat_id, id)).copied().unwrap_or(0),
+                    },
+                    None => BackendRow { addr: None, flows: 0 },
+                };
+                backends.push(row);
+            }
+            frontends.push(FrontendRow {
+                proto: key.proto,
+                addr: key.addr(),
+                port: key.port(),
+                node_port: value.flags & FLAG_NODE_PORT != 0,
+                backends,
+            });
+        }
+        frontends.sort_by_key(|f| (f.proto, f.addr, f.port));
+        Ok(Snapshot {
+            frontends,
+            forward_flows: forward,
+            reply_flows: reply,
+            verdicts: self.verdict_counts()?,
+        })
+    }
+
     /// Reads one frontend back, as the programs see it.
     pub fn frontend(&self, addr: Ipv4Addr, port: u16, proto: u8) -> Option<ServiceValue> {
         self.services.get(&ServiceKey::new(addr, port, proto), 0).ok()
@@ -340,7 +434,13 @@ impl ServiceMaps {
     pub fn backend_set(&self, value: &ServiceValue) -> Result<Vec<Backend>> {
         (0..value.backend_count)
             .map(|slot| {
-                let id = self.slots.get(&BackendSlotKey { backend_set: value.backend_set, slot }, 0)?;
+                let id = self.slots.get(
+                    &BackendSlotKey {
+                        backend_set: value.backend_set,
+                        slot,
+                    },
+                    0,
+                )?;
                 Ok(self.backends.get(&id, 0)?)
             })
             .collect()
@@ -350,7 +450,11 @@ impl ServiceMaps {
         let proto = svc.protocol.number();
         let mut out = vec![(ServiceKey::new(svc.cluster_ip, svc.port, proto), false)];
         if let Some(node_port) = svc.node_port {
-            out.extend(self.node_ips.iter().map(|ip| (ServiceKey::new(*ip, node_port, proto), true)));
+            out.extend(
+                self.node_ips
+                    .iter()
+                    .map(|ip| (ServiceKey::new(*ip, node_port, proto), true)),
+            );
         }
         out
     }
@@ -358,7 +462,10 @@ impl ServiceMaps {
     fn write_backend_set(&mut self, backends: &[u32]) -> Result<u32> {
         let set = next_free(&mut self.used_set_ids)?;
         for (slot, id) in backends.iter().enumerate() {
-            let key = BackendSlotKey { backend_set: set, slot: slot as u32 };
+            let key = BackendSlotKey {
+                backend_set: set,
+                slot: slot as u32,
+            };
             self.slots.insert(key, id, 0).context("writing a backend slot")?;
         }
         Ok(set)
@@ -374,8 +481,14 @@ impl ServiceMaps {
 
     fn new_rev_nat(&mut self, key: ServiceKey) -> Result<u32> {
         let id = next_free(&mut self.used_rev_nat_ids)?;
-        let value = RevNat { addr_be: key.addr_be, port_be: key.port_be, _pad: 0 };
-        self.rev_nat.insert(id, value, 0).context("writing a reverse NAT entry")?;
+        let value = RevNat {
+            addr_be: key.addr_be,
+            port_be: key.port_be,
+            _pad: 0,
+        };
+        self.rev_nat
+            .insert(id, value, 0)
+            .context("writing a reverse NAT entry")?;
         Ok(id)
     }
 
@@ -392,7 +505,9 @@ impl ServiceMaps {
             return Ok(*id);
         }
         let id = next_free(&mut self.used_backend_ids)?;
-        self.backends.insert(id, Backend::new(addr, port, proto), 0).context("writing a backend")?;
+        self.backends
+            .insert(id, Backend::new(addr, port, proto), 0)
+            .context("writing a backend")?;
         self.backend_refs.insert((addr, port, proto), (id, 1));
         self.backend_addrs.insert(id, (addr, port, proto));
         Ok(id)

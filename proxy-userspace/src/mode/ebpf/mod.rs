@@ -65,14 +65,22 @@ impl EbpfMode {
         for pod in interfaces::pod_interfaces(&all, &uplinks) {
             // A pod interface that vanished since the listing is not an error.
             if let Err(e) = datapath.attach(&pod.name, Hook::Pod) {
-                warn!(iface = pod.name, error = format!("{e:#}"), "could not attach to pod interface");
+                warn!(
+                    iface = pod.name,
+                    error = format!("{e:#}"),
+                    "could not attach to pod interface"
+                );
             }
         }
         let datapath = Arc::new(Mutex::new(datapath));
         spawn_pod_interface_watcher(datapath.clone(), uplinks)?;
         let maps = ServiceMaps::open(&opts.pin_path, node_ips.clone())?;
         info!(adopted = maps.service_port_count(), ?node_ips, "ebpf data path ready");
-        Ok(Self { maps, datapath, node_ips })
+        Ok(Self {
+            maps,
+            datapath,
+            node_ips,
+        })
     }
 
     pub fn node_ips(&self) -> &[Ipv4Addr] {
@@ -102,7 +110,11 @@ fn spawn_pod_interface_watcher(datapath: Arc<Mutex<Datapath>>, uplinks: Vec<Inte
             // program in its pinned link, so repeated events are harmless.
             match datapath.attach(&iface.name, Hook::Pod) {
                 Ok(()) => info!(iface = iface.name, "pod interface attached"),
-                Err(e) => warn!(iface = iface.name, error = format!("{e:#}"), "could not attach to new pod interface"),
+                Err(e) => warn!(
+                    iface = iface.name,
+                    error = format!("{e:#}"),
+                    "could not attach to new pod interface"
+                ),
             }
         }
     });
@@ -116,17 +128,23 @@ impl Dataplane for EbpfMode {
 
     fn apply(&mut self, plan: &Plan) -> Result<()> {
         for port in &plan.remove {
-            self.maps.remove_port(port).with_context(|| format!("removing {}", port.name))?;
+            self.maps
+                .remove_port(port)
+                .with_context(|| format!("removing {}", port.name))?;
         }
         for port in &plan.upsert {
-            self.maps.sync_service(port).with_context(|| format!("programming {}", port.name))?;
+            self.maps
+                .sync_service(port)
+                .with_context(|| format!("programming {}", port.name))?;
         }
         Ok(())
     }
 
     fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()> {
         for port in desired.values() {
-            self.maps.sync_service(port).with_context(|| format!("programming {}", port.name))?;
+            self.maps
+                .sync_service(port)
+                .with_context(|| format!("programming {}", port.name))?;
         }
         self.maps.retain(&desired.values().collect::<Vec<_>>())
     }

@@ -1,0 +1,26 @@
+//! `xproxy cleanup`: removes what xproxy installed.
+//!
+//! ebpf mode: unpinning the links detaches the programs, unpinning the maps
+//! frees them once nothing uses them; both live under the pin path.
+
+use std::path::Path;
+
+use anyhow::{Context, anyhow};
+use tracing::info;
+
+use super::{ExitCode, Failure, WithExitCode, is_root};
+
+pub fn cleanup(pin_path: &Path) -> Result<(), Failure> {
+    if !is_root() {
+        return Err(Failure::new(ExitCode::NoPrivileges, anyhow!("cleanup needs root")));
+    }
+    if pin_path.exists() {
+        std::fs::remove_dir_all(pin_path)
+            .with_context(|| format!("removing {}", pin_path.display()))
+            .exit_code(ExitCode::Error)?;
+        info!(pin_path = %pin_path.display(), "removed the pinned eBPF programs, links and maps");
+    } else {
+        info!(pin_path = %pin_path.display(), "nothing pinned");
+    }
+    Ok(())
+}

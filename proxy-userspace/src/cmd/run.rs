@@ -1,0 +1,171 @@
+//! `xproxy run`: config -> data-plane mode -> sources -> the agent loop.
+
+use std::{net::IpAddr, sync::Arc, time::Duration};
+
+use anyhow::{Context, anyhow};
+use tokio::sync::mpsc;
+use tracing::{info, warn};
+
+use super::{ExitCode, Failure, WithExitCode, is_root};
+use crate::{
+    agent::Agent,
+    config::{self, Config, Mode, RunFlags, Source},
+    mode::{
+        Dataplane,
+        ebpf::{EbpfMode, EbpfOptions},
+    },
+    reconcile::runner::{Reconciler, SyncPolicy},
+    server::{Telemetry, bind_healthz, bind_metrics},
+    source::{self, manifest::ManifestDir},
+};
+
+/// How long start-up waits for the API server before giving up.
+const API_STARTUP_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub fn run(flags: &RunFlags) -> Result<(), Failure> {
+    let loaded = config::load(flags).exit_code(ExitCode::BadConfig)?;
+    let config = loaded.config;
+    if config.mode != Mode::Ebpf {
+        return Err(Failure::new(
+            ExitCode::ModeUnavailable,
+            anyhow!(
+                "mode {} is not implemented yet (only ebpf is); see the kernel-modes issue",
+                config.mode
+            ),
+        ));
+    }
+    if !is_root() {
+        return Err(Failure::new(
+            ExitCode::NoPrivileges,
+            anyhow!("xproxy run needs root (CAP_BPF, CAP_NET_ADMIN and CAP_SYS_ADMIN for bpffs)"),
+        ));
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+        .exit_code(ExitCode::Error)?;
+    runtime.block_on(run_agent(config))
+}
+
+async fn run_agent(config: Config) -> Result<(), Failure> {
+    info!(mode = %config.mode, node = config.node_name, source = ?config.source, "starting");
+    let stats_pin = (config.mode == Mode::Ebpf).then(|| config.pin_path.clone());
+    let telemetry = Telemetry::new(config.mode.as_str(), config.sync.sync_period, stats_pin);
+    start_servers(&config, &telemetry).await?;
+    let mode = start_mode(&config).await?;
+    let (events, receiver) = mpsc::channel(1024);
+    start_source(&config, events).await?;
+
+    let policy = SyncPolicy::new(config.sync.min_sync_period, config.sync.sync_period);
+    let agent = Agent::new(Reconciler::new(mode), policy, Arc::new(telemetry));
+    agent
+        .run(receiver, shutdown_signal())
+        .await
+        .exit_code(ExitCode::Error)?;
+    info!("stopping; the data path stays in place (`xproxy cleanup` removes it)");
+    Ok(())
+}
+
+/// Binds both servers before anything else, so a port in use is a clear
+/// start-up error rather than a half-started agent.
+async fn start_servers(config: &Config, telemetry: &Telemetry) -> Result<(), Failure> {
+    let (healthz, serve_healthz) = bind_healthz(config.healthz_bind_address, telemetry.clone())
+        .await
+        .exit_code(ExitCode::BadConfig)?;
+    let (metrics, serve_metrics) = bind_metrics(config.metrics_bind_address, telemetry.clone())
+        .await
+        .exit_code(ExitCode::BadConfig)?;
+    info!(%healthz, %metrics, "serving health and metrics");
+    tokio::spawn(serve_healthz);
+    tokio::spawn(serve_metrics);
+    Ok(())
+}
+
+async fn start_mode(config: &Config) -> Result<Box<dyn Dataplane>, Failure> {
+    match config.mode {
+        Mode::Ebpf => {
+            let node_ips = config
+                .node_ips
+                .iter()
+                .filter_map(|ip| match ip {
+                    IpAddr::V4(v4) => Some(*v4),
+                    IpAddr::V6(v6) => {
+                        warn!(%v6, "IPv6 node IPs are not programmed yet");
+                        None
+                    }
+                })
+                .collect();
+            let options = EbpfOptions {
+                pin_path: config.pin_path.clone(),
+                node_ips,
+                interfaces: config.interfaces.clone(),
+            };
+            let mode = EbpfMode::start(&options).await.map_err(|e| {
+                let code = if format!("{e:#}").contains("does not exist") {
+                    ExitCode::NoInterface
+                } else if format!("{e:#}").contains("bpf filesystem") {
+                    ExitCode::NoPrivileges
+                } else {
+                    ExitCode::Error
+                };
+                Failure::new(code, e.context("starting the ebpf mode"))
+            })?;
+            Ok(Box::new(mode))
+        }
+        other => Err(Failure::new(
+            ExitCode::ModeUnavailable,
+            anyhow!("mode {other} is not implemented yet"),
+        )),
+    }
+}
+
+async fn start_source(config: &Config, events: mpsc::Sender<source::SourceEvent>) -> Result<(), Failure> {
+    match &config.source {
+        Source::Manifests(dir) => {
+            ManifestDir::new(dir).exit_code(ExitCode::BadConfig)?.spawn(events);
+        }
+        Source::Kubeconfig(_) | Source::InCluster => {
+            let kubeconfig = match &config.source {
+                Source::Kubeconfig(path) => Some(path.as_path()),
+                _ => None,
+            };
+            let client = source::kube::client(kubeconfig).await.exit_code(ExitCode::BadConfig)?;
+            // Fail fast with a clear message if the API server is not there
+            // at all; once running, outages are ridden out with retries.
+            match tokio::time::timeout(API_STARTUP_TIMEOUT, client.apiserver_version()).await {
+                Ok(Ok(version)) => info!(version = version.git_version, "connected to the API server"),
+                Ok(Err(e)) => {
+                    return Err(Failure::new(
+                        ExitCode::ApiUnreachable,
+                        anyhow!(e).context("the API server is unreachable"),
+                    ));
+                }
+                Err(_) => {
+                    return Err(Failure::new(
+                        ExitCode::ApiUnreachable,
+                        anyhow!("the API server did not answer within {API_STARTUP_TIMEOUT:?}"),
+                    ));
+                }
+            }
+            source::kube::spawn(client, events);
+        }
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            warn!(error = %e, "cannot watch SIGTERM; only SIGINT stops the agent");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => info!("SIGTERM"),
+        _ = tokio::signal::ctrl_c() => info!("SIGINT"),
+    }
+}

@@ -1,0 +1,133 @@
+//! One text form of the live data path, read like `ipvsadm -Ln`: what
+//! `xproxy status` prints and what golden tests compare.
+
+use std::{fmt::Write, net::Ipv4Addr};
+
+use proxy_common::{Verdict, VerdictCounter, proto};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BackendRow {
+    /// `None` if the slot or backend is missing (maps out of step).
+    pub addr: Option<(Ipv4Addr, u16)>,
+    /// Tracked flows pinned to this backend through this frontend.
+    pub flows: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FrontendRow {
+    pub proto: u8,
+    pub addr: Ipv4Addr,
+    pub port: u16,
+    pub node_port: bool,
+    pub backends: Vec<BackendRow>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Sorted by protocol, address, port.
+    pub frontends: Vec<FrontendRow>,
+    pub forward_flows: u64,
+    pub reply_flows: u64,
+    pub verdicts: Vec<(Verdict, VerdictCounter)>,
+}
+
+fn proto_name(p: u8) -> String {
+    match p {
+        proto::TCP => "TCP".into(),
+        proto::UDP => "UDP".into(),
+        other => other.to_string(),
+    }
+}
+
+/// Frontends and backends only: stable for golden tests.
+pub fn render_services(snapshot: &Snapshot) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "Prot LocalAddress:Port Kind");
+    let _ = writeln!(out, "  -> RemoteAddress:Port           Flows");
+    for f in &snapshot.frontends {
+        let kind = if f.node_port { "NodePort" } else { "ClusterIP" };
+        let empty = if f.backends.is_empty() {
+            " (no endpoints: reject)"
+        } else {
+            ""
+        };
+        let _ = writeln!(out, "{:<4} {}:{} {kind}{empty}", proto_name(f.proto), f.addr, f.port);
+        for b in &f.backends {
+            let addr = b
+                .addr
+                .map_or_else(|| "<missing>".to_string(), |(ip, port)| format!("{ip}:{port}"));
+            let _ = writeln!(out, "  -> {addr:<28} {}", b.flows);
+        }
+    }
+    out
+}
+
+/// Everything: services, flow totals and verdict counters.
+pub fn render(snapshot: &Snapshot) -> String {
+    let mut out = render_services(snapshot);
+    let _ = writeln!(
+        out,
+        "\nTracked flows: {} ({} reply entries)",
+        snapshot.forward_flows, snapshot.reply_flows
+    );
+    let _ = writeln!(out, "Verdicts:");
+    for (verdict, counter) in &snapshot.verdicts {
+        let _ = writeln!(
+            out,
+            "  {:<22} {:>12} packets {:>14} bytes",
+            verdict.name(),
+            counter.packets,
+            counter.bytes
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_like_ipvsadm() {
+        let snapshot = Snapshot {
+            frontends: vec![
+                FrontendRow {
+                    proto: proto::TCP,
+                    addr: Ipv4Addr::new(10, 96, 0, 10),
+                    port: 88,
+                    node_port: false,
+                    backends: vec![
+                        BackendRow {
+                            addr: Some((Ipv4Addr::new(10, 244, 0, 11), 80)),
+                            flows: 2,
+                        },
+                        BackendRow { addr: None, flows: 0 },
+                    ],
+                },
+                FrontendRow {
+                    proto: proto::UDP,
+                    addr: Ipv4Addr::new(10, 96, 0, 20),
+                    port: 53,
+                    node_port: false,
+                    backends: vec![],
+                },
+            ],
+            forward_flows: 2,
+            reply_flows: 2,
+            verdicts: vec![(Verdict::DnatNew, VerdictCounter { packets: 2, bytes: 148 })],
+        };
+        let expected = "\
+Prot LocalAddress:Port Kind
+  -> RemoteAddress:Port           Flows
+TCP  10.96.0.10:88 ClusterIP
+  -> 10.244.0.11:80               2
+  -> <missing>                    0
+UDP  10.96.0.20:53 ClusterIP (no endpoints: reject)
+
+Tracked flows: 2 (2 reply entries)
+Verdicts:
+  dnat_new                          2 packets            148 bytes
+";
+        assert_eq!(render(&snapshot), expected);
+    }
+}

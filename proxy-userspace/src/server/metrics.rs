@@ -1,0 +1,277 @@
+//! The metrics: kube-proxy's names where they mean the same thing,
+//! `xproxy_*` for what only xproxy has.
+//!
+//! Everything the agent loop reports is kept in prometheus-client metrics;
+//! the data path's per-CPU verdict counters are read from the pinned stats
+//! map at scrape time (and left out when there is no such map, as in the
+//! kernel-rule modes).
+
+use std::{
+    fmt,
+    path::{Path, PathBuf},
+    sync::atomic::{AtomicBool, AtomicU64, Ordering},
+};
+
+use anyhow::{Context, Result};
+use aya::maps::{Map, MapData, PerCpuArray};
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeMetric},
+    metrics::{
+        MetricType,
+        counter::{ConstCounter, Counter},
+        family::Family,
+        gauge::Gauge,
+        histogram::{Histogram, exponential_buckets},
+    },
+    registry::Registry,
+};
+use proxy_common::{Verdict, VerdictCounter, maps};
+use tracing::warn;
+
+/// kube-proxy's sync duration buckets: 1ms doubling to ~16s.
+fn sync_buckets() -> impl Iterator<Item = f64> {
+    exponential_buckets(0.001, 2.0, 15)
+}
+
+/// Change-to-programmed latency. kube-proxy starts at 0.25s (its rules take
+/// that long); map updates take milliseconds, so these start at 1ms and
+/// still reach kube-proxy's 300s.
+const NETWORK_PROGRAMMING_BUCKETS: [f64; 17] = [
+    0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+
+/// One label, `code="200"`.
+pub(super) type CodeLabel = [(&'static str, &'static str); 1];
+
+/// Summed per-CPU verdict counters, or `None` when there is no data path to read.
+pub(super) type VerdictReader = Box<dyn Fn() -> Option<Vec<(Verdict, VerdictCounter)>> + Send + Sync>;
+
+/// Handles to every metric the agent updates.
+pub(super) struct Metrics {
+    pub sync_duration: Histogram,
+    pub sync_full_duration: Histogram,
+    pub sync_partial_duration: Histogram,
+    pub last_sync_timestamp: Gauge<f64, AtomicU64>,
+    pub last_queued_timestamp: Gauge<f64, AtomicU64>,
+    pub network_programming: Histogram,
+    pub service_changes: Counter,
+    pub endpoint_changes: Counter,
+    pub sync_failures: Counter,
+    pub skipped_objects: Counter,
+    pub healthz: Family<CodeLabel, Counter>,
+    pub livez: Family<CodeLabel, Counter>,
+}
+
+impl Metrics {
+    /// Registers every metric in `registry`. Counters are named without
+    /// `_total`: the encoder appends it.
+    pub fn register(registry: &mut Registry, mode: &str, datapath: Option<VerdictReader>) -> Self {
+        let m = Self {
+            sync_duration: Histogram::new(sync_buckets()),
+            sync_full_duration: Histogram::new(sync_buckets()),
+            sync_partial_duration: Histogram::new(sync_buckets()),
+            last_sync_timestamp: Gauge::default(),
+            last_queued_timestamp: Gauge::default(),
+            network_programming: Histogram::new(NETWORK_PROGRAMMING_BUCKETS),
+            service_changes: Counter::default(),
+            endpoint_changes: Counter::default(),
+            sync_failures: Counter::default(),
+            skipped_objects: Counter::default(),
+            healthz: Family::default(),
+            livez: Family::default(),
+        };
+        // Both codes show from the start, like kube-proxy's fixed series.
+        for code in ["200", "503"] {
+            m.healthz.get_or_create_owned(&[("code", code)]);
+            m.livez.get_or_create_owned(&[("code", code)]);
+        }
+
+        registry.register(
+            "kubeproxy_sync_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds",
+            m.sync_duration.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_full_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for full resyncs",
+            m.sync_full_duration.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for partial resyncs",
+            m.sync_partial_duration.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "The last time proxy rules were successfully synced",
+            m.last_sync_timestamp.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+            "The last time a sync of proxy rules was queued",
+            m.last_queued_timestamp.clone(),
+        );
+        registry.register(
+            "kubeproxy_network_programming_duration_seconds",
+            "In Cluster Network Programming Latency in seconds (a change reaching the agent to it being programmed)",
+            m.network_programming.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_proxy_rules_service_changes",
+            "Cumulative proxy rules Service changes",
+            m.service_changes.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_proxy_rules_endpoint_changes",
+            "Cumulative proxy rules Endpoint changes",
+            m.endpoint_changes.clone(),
+        );
+        registry.register(
+            "kubeproxy_proxy_healthz",
+            "Cumulative proxy healthz HTTP status",
+            m.healthz.clone(),
+        );
+        registry.register(
+            "kubeproxy_proxy_livez",
+            "Cumulative proxy livez HTTP status",
+            m.livez.clone(),
+        );
+        registry.register(
+            "xproxy_sync_failures",
+            "Syncs that failed (each is retried as a full sync)",
+            m.sync_failures.clone(),
+        );
+        registry.register(
+            "xproxy_skipped_objects",
+            "Objects or parts of objects skipped as invalid or unsupported",
+            m.skipped_objects.clone(),
+        );
+
+        let info: Family<[(&'static str, String); 1], Gauge> = Family::default();
+        info.get_or_create(&[("mode", mode.to_owned())]).set(1);
+        registry.register("xproxy_info", "The running agent's data-plane mode", info);
+
+        if let Some(read) = datapath {
+            registry.register_collector(Box::new(DatapathStats { read }));
+        }
+        m
+    }
+}
+
+/// Scrape-time reader of the data path's verdict counters.
+struct DatapathStats {
+    read: VerdictReader,
+}
+
+impl fmt::Debug for DatapathStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DatapathStats").finish_non_exhaustive()
+    }
+}
+
+impl Collector for DatapathStats {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        let Some(counts) = (self.read)() else {
+            return Ok(());
+        };
+        encode_per_verdict(
+            &mut encoder,
+            "xproxy_datapath_packets",
+            "Packets seen by the eBPF programs, by verdict",
+            counts.iter().map(|(v, c)| (v.name(), c.packets)),
+        )?;
+        encode_per_verdict(
+            &mut encoder,
+            "xproxy_datapath_bytes",
+            "Bytes (L3 length) seen by the eBPF programs, by verdict",
+            counts.iter().map(|(v, c)| (v.name(), c.bytes)),
+        )
+    }
+}
+
+fn encode_per_verdict(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    values: impl Iterator<Item = (&'static str, u64)>,
+) -> fmt::Result {
+    let mut metric = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (verdict, value) in values {
+        let labels = [("verdict", verdict)];
+        ConstCounter::new(value).encode(metric.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+/// A reader of the stats map pinned under `pin_path`. A missing map reads
+/// as "no data path" (nothing exported); a map that cannot be read is
+/// warned about once and left out too.
+pub(super) fn pinned_reader(pin_path: PathBuf) -> VerdictReader {
+    let warned = AtomicBool::new(false);
+    Box::new(move || match read_verdict_counts(&pin_path) {
+        Ok(counts) => counts,
+        Err(e) => {
+            if !warned.swap(true, Ordering::Relaxed) {
+                warn!(
+                    error = format!("{e:#}"),
+                    "cannot read the data path counters; leaving them out of /metrics"
+                );
+            }
+            None
+        }
+    })
+}
+
+/// Sums the per-CPU verdict counters of the stats map pinned under
+/// `pin_path`; `None` if no such map is pinned. Opens the pin on every call,
+/// so a data path that is loaded (or replaced) later is picked up.
+pub fn read_verdict_counts(pin_path: &Path) -> Result<Option<Vec<(Verdict, VerdictCounter)>>> {
+    let path = pin_path.join(maps::STATS);
+    if !path
+        .try_exists()
+        .with_context(|| format!("looking for {}", path.display()))?
+    {
+        return Ok(None);
+    }
+    let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
+    let stats: PerCpuArray<MapData, VerdictCounter> = PerCpuArray::try_from(Map::from_map_data(data)?)
+        .with_context(|| format!("{} is not the stats map", path.display()))?;
+    let mut out = Vec::with_capacity(Verdict::ALL.len());
+    for verdict in Verdict::ALL {
+        let per_cpu = stats
+            .get(&(verdict as u32), 0)
+            .with_context(|| format!("reading {}", verdict.name()))?;
+        let sum = per_cpu.iter().fold(VerdictCounter::default(), |sum, c| VerdictCounter {
+            packets: sum.packets.wrapping_add(c.packets),
+            bytes: sum.bytes.wrapping_add(c.bytes),
+        });
+        out.push((verdict, sum));
+    }
+    Ok(Some(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_pin_reads_as_no_data_path() {
+        let dir = std::env::temp_dir().join(format!("xproxy-no-pins-{}", std::process::id()));
+        assert!(
+            read_verdict_counts(&dir)
+                .expect("a missing pin is not an error")
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn the_buckets_are_kube_proxys() {
+        let buckets: Vec<f64> = sync_buckets().collect();
+        assert_eq!(buckets.len(), 15);
+        assert_eq!(buckets[0], 0.001);
+        assert_eq!(buckets[14], 0.001 * 2f64.powi(14));
+        assert_eq!(NETWORK_PROGRAMMING_BUCKETS.last(), Some(&300.0));
+        assert!(NETWORK_PROGRAMMING_BUCKETS.windows(2).all(|w| w[0] < w[1]));
+    }
+}

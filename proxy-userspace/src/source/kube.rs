@@ -1,0 +1,101 @@
+//! The Kubernetes API as a source: kube-rs watchers on Services and
+//! EndpointSlices, with kube-proxy's filters.
+//!
+//! A watcher (re)list arrives as Init / InitApply... / InitDone and is sent on
+//! as one [`Update::Replace`], so deletions missed while disconnected still
+//! disappear, and a relist after "410 Gone" replaces state without ever
+//! flushing it. Errors (API server down, connection dropped) are retried with
+//! backoff; the data path keeps what it has meanwhile.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use futures_util::{Stream, StreamExt};
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use kube::{
+    Api, Client, Config, Resource,
+    config::{KubeConfigOptions, Kubeconfig},
+    runtime::{WatchStreamExt, watcher},
+};
+use serde::de::DeserializeOwned;
+use tokio::sync::mpsc;
+use tracing::{info, warn};
+
+use super::{SourceEvent, Update};
+
+/// Services kube-proxy ignores: those another proxy implements, and headless ones.
+const SERVICE_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
+/// EndpointSlices of headless Services are of no use to a proxy.
+const SLICE_SELECTOR: &str = "!service.kubernetes.io/headless";
+
+/// A client from a kubeconfig file, or the in-cluster config if `None`.
+/// Plain `http://` servers without credentials work (as in a test cluster).
+pub async fn client(kubeconfig: Option<&Path>) -> Result<Client> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc = Kubeconfig::read_from(path).with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("using kubeconfig {}", path.display()))?
+        }
+        None => Config::incluster().context("no kubeconfig given and not running in a cluster")?,
+    };
+    Client::try_from(config).context("creating the Kubernetes client")
+}
+
+/// Starts the watchers; they run until the receiver is dropped.
+pub fn spawn(client: Client, events: mpsc::Sender<SourceEvent>) {
+    let services = Api::<Service>::all(client.clone());
+    let slices = Api::<EndpointSlice>::all(client);
+    tokio::spawn(forward(
+        watcher(services, watcher::Config::default().labels(SERVICE_SELECTOR)),
+        events.clone(),
+        SourceEvent::Services,
+    ));
+    tokio::spawn(forward(
+        watcher(slices, watcher::Config::default().labels(SLICE_SELECTOR)),
+        events,
+        SourceEvent::Slices,
+    ));
+}
+
+/// Turns watcher events into source events, buffering a (re)list until it
+/// is complete.
+async fn forward<K>(
+    stream: impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send,
+    events: mpsc::Sender<SourceEvent>,
+    wrap: fn(Update<K>) -> SourceEvent,
+) where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    let kind = K::kind(&()).into_owned();
+    let mut stream = std::pin::pin!(stream.default_backoff());
+    let mut listing: Vec<K> = Vec::new();
+    while let Some(event) = stream.next().await {
+        let update = match event {
+            Ok(watcher::Event::Init) => {
+                listing.clear();
+                continue;
+            }
+            Ok(watcher::Event::InitApply(obj)) => {
+                listing.push(obj);
+                continue;
+            }
+            Ok(watcher::Event::InitDone) => {
+                info!(kind, objects = listing.len(), "listed");
+                Update::Replace(std::mem::take(&mut listing))
+            }
+            Ok(watcher::Event::Apply(obj)) => Update::Apply(obj),
+            Ok(watcher::Event::Delete(obj)) => Update::Delete(obj),
+            Err(e) => {
+                // The watcher relists by itself (410 Gone included); the
+                // data path keeps its state in the meantime.
+                warn!(kind, error = %e, "watch failed; retrying");
+                continue;
+            }
+        };
+        if events.send(wrap(update)).await.is_err() {
+            return;
+        }
+    }
+}
