@@ -13,7 +13,14 @@ fn every_program_loads_and_pins_its_maps() {
     }
     let pins = PinDir::new();
     let _datapath = Datapath::load(pins.path()).expect("programs pass the verifier");
-    for name in [maps::SERVICES, maps::BACKEND_SLOTS, maps::BACKENDS, maps::REV_NAT, maps::CONNTRACK, maps::STATS] {
+    for name in [
+        maps::SERVICES,
+        maps::BACKEND_SLOTS,
+        maps::BACKENDS,
+        maps::REV_NAT,
+        maps::CONNTRACK,
+        maps::STATS,
+    ] {
         assert!(pins.path().join(name).exists(), "map {name} is not pinned");
     }
     ServiceMaps::open(pins.path(), vec![]).expect("pinned maps open with the expected layouts");

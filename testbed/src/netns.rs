@@ -1,0 +1,703 @@
+//! Network namespaces for end-to-end tests: a namespace per simulated host
+//! (client, node, pods), veths between them, servers that answer with a
+//! name, and clients that run inside a namespace.
+//!
+//! Everything a test creates lives in namespaces it created itself (named
+//! with [`unique_name`]), so tests can run in parallel and never send a
+//! packet on the machine's own interfaces. A [`Netns`] is deleted when it
+//! is dropped, also when the test panics: its servers are stopped and
+//! joined first, then `ip netns del` removes it, and with it every veth
+//! that has an end inside it.
+
+use std::{
+    ffi::CString,
+    fs::File,
+    io::{self, Read, Write},
+    net::{Ipv4Addr, Shutdown, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    path::{Path, PathBuf},
+    process::Command,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+        mpsc,
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+
+use crate::privileged::unique_name;
+
+/// Where `ip netns add` mounts the namespaces it creates.
+const NETNS_RUN_DIR: &str = "/var/run/netns";
+
+/// `ip netns add` mounts /var/run/netns the first time it runs; two first
+/// runs at once can race, so this process creates and deletes namespaces
+/// one at a time.
+static IP_NETNS_LOCK: Mutex<()> = Mutex::new(());
+
+/// How long a server waits for a client's request before giving up on it.
+const SERVER_IO_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often a server's loop looks at its stop flag.
+const SERVER_POLL_MS: i32 = 20;
+
+/// A network namespace created with `ip netns add`, deleted on drop.
+pub struct Netns {
+    name: String,
+    path: PathBuf,
+    servers: Mutex<Vec<Server>>,
+    /// bpf links of programs the harness attached (see [`Netns::attach_xdp_pass`]).
+    links: Mutex<Vec<OwnedFd>>,
+}
+
+impl Netns {
+    /// Creates a namespace named `prefix` + a unique suffix, with `lo` up.
+    pub fn new(prefix: &str) -> Result<Self> {
+        let name = unique_name(prefix);
+        {
+            let _guard = IP_NETNS_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            run(Command::new("ip").args(["netns", "add", &name]))?;
+        }
+        let ns = Self {
+            path: Path::new(NETNS_RUN_DIR).join(&name),
+            name,
+            servers: Mutex::new(Vec::new()),
+            links: Mutex::new(Vec::new()),
+        };
+        // From here on, Drop deletes the namespace if anything below fails.
+        ns.ip(&["link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The namespace's file, e.g. for `setns`.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs `f` in a fresh thread that has entered this namespace and
+    /// returns its result. Sockets `f` creates belong to this namespace
+    /// (also after the thread ended); netlink and interface names resolve
+    /// in it. A panic in `f` is propagated to the caller.
+    pub fn run_in<R: Send, F: FnOnce() -> R + Send>(&self, f: F) -> Result<R> {
+        std::thread::scope(|scope| {
+            let thread = std::thread::Builder::new()
+                .name(format!("in-{}", self.name))
+                .spawn_scoped(scope, || -> Result<R> {
+                    enter(&self.path)?;
+                    Ok(f())
+                })
+                .context("spawning a thread")?;
+            match thread.join() {
+                Ok(result) => result,
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        })
+    }
+
+    /// Runs `ip -n NAME args...` and returns its stdout.
+    pub fn ip(&self, args: &[&str]) -> Result<String> {
+        run(Command::new("ip").arg("-n").arg(&self.name).args(args))
+    }
+
+    /// Runs a command inside the namespace (`ip netns exec NAME args...`)
+    /// and returns its stdout; a non-zero exit is an error carrying stderr.
+    ///
+    /// `ip netns exec` also gives the command its own mount namespace with a
+    /// fresh /sys, in which /sys/fs/bpf is empty: for anything that needs
+    /// pinned objects, use [`Netns::run_in`] (which changes only the network
+    /// namespace) instead.
+    pub fn exec(&self, args: &[&str]) -> Result<String> {
+        run(Command::new("ip").args(["netns", "exec", &self.name]).args(args))
+    }
+
+    /// Sets a sysctl of this namespace, e.g. `("net.ipv4.ip_forward", "1")`.
+    /// Written through /proc/sys from a thread inside the namespace (the
+    /// net.* entries there belong to the reader's namespace), so no
+    /// `sysctl` binary is needed.
+    pub fn sysctl(&self, key: &str, value: &str) -> Result<()> {
+        let file = Path::new("/proc/sys").join(key.replace('.', "/"));
+        self.run_in(|| std::fs::write(&file, value))?
+            .with_context(|| format!("sysctl {key}={value} in netns {}", self.name))
+    }
+
+    /// Reads a sysctl of this namespace.
+    pub fn sysctl_get(&self, key: &str) -> Result<String> {
+        let file = Path::new("/proc/sys").join(key.replace('.', "/"));
+        Ok(self
+            .run_in(|| std::fs::read_to_string(&file))?
+            .with_context(|| format!("reading sysctl {key} in netns {}", self.name))?
+            .trim()
+            .to_owned())
+    }
+
+    /// `ethtool -K dev feature on|off` inside the namespace, e.g.
+    /// `("tx", false)` to turn checksum offload off, `("gro", true)`.
+    pub fn ethtool_k(&self, dev: &str, feature: &str, on: bool) -> Result<()> {
+        self.exec(&["ethtool", "-K", dev, feature, if on { "on" } else { "off" }])?;
+        Ok(())
+    }
+
+    /// `ethtool -k dev` (the offload features) as printed.
+    pub fn ethtool_features(&self, dev: &str) -> Result<String> {
+        self.exec(&["ethtool", "-k", dev])
+    }
+
+    /// Adds an address (CIDR notation) to `dev`.
+    pub fn add_addr(&self, dev: &str, cidr: &str) -> Result<()> {
+        self.ip(&["addr", "add", cidr, "dev", dev])?;
+        Ok(())
+    }
+
+    /// `ip route add args...`, e.g. `&["default", "via", "10.0.0.1"]`.
+    pub fn add_route(&self, args: &[&str]) -> Result<()> {
+        let mut all = vec!["route", "add"];
+        all.extend_from_slice(args);
+        self.ip(&all)?;
+        Ok(())
+    }
+
+    /// The interface index of `dev` in this namespace.
+    pub fn ifindex(&self, dev: &str) -> Result<u32> {
+        let c_dev = CString::new(dev).context("interface name contains NUL")?;
+        let index = self.run_in(|| {
+            // SAFETY: c_dev is a valid NUL-terminated string.
+            unsafe { libc::if_nametoindex(c_dev.as_ptr()) }
+        })?;
+        if index == 0 {
+            bail!("no interface {dev} in netns {}", self.name);
+        }
+        Ok(index)
+    }
+
+    /// Starts a TCP server on `0.0.0.0:port` inside the namespace that
+    /// answers every connection with `reply` (see [`Server::tcp`]); it is
+    /// stopped when the namespace is dropped.
+    pub fn serve_tcp(&self, port: u16, reply: &str) -> Result<()> {
+        let server = Server::tcp(self, port, reply)?;
+        self.servers.lock().unwrap_or_else(|e| e.into_inner()).push(server);
+        Ok(())
+    }
+
+    /// Starts a UDP server on `0.0.0.0:port` inside the namespace that
+    /// answers every datagram with `reply` (see [`Server::udp`]); it is
+    /// stopped when the namespace is dropped.
+    pub fn serve_udp(&self, port: u16, reply: &str) -> Result<()> {
+        let server = Server::udp(self, port, reply)?;
+        self.servers.lock().unwrap_or_else(|e| e.into_inner()).push(server);
+        Ok(())
+    }
+
+    /// [`tcp_request`] from inside this namespace.
+    pub fn tcp_request(&self, addr: SocketAddrV4, timeout: Duration) -> Result<io::Result<String>> {
+        self.run_in(|| tcp_request(addr, timeout))
+    }
+
+    /// [`udp_request`] from inside this namespace.
+    pub fn udp_request(&self, addr: SocketAddrV4, timeout: Duration) -> Result<io::Result<String>> {
+        self.run_in(|| udp_request(addr, timeout))
+    }
+
+    /// [`ping`] from inside this namespace.
+    pub fn ping(&self, addr: Ipv4Addr, timeout: Duration) -> Result<io::Result<Duration>> {
+        self.run_in(|| ping(addr, timeout))
+    }
+
+    /// Attaches a program that returns XDP_PASS to `dev`, in native mode,
+    /// for as long as this namespace lives.
+    ///
+    /// Frames another program sends with XDP_TX or XDP_REDIRECT into a veth
+    /// are queued on the peer's ring, but the kernel only schedules the
+    /// peer's NAPI poll when the peer has an XDP program: with GRO alone they
+    /// wait for unrelated traffic to flush them (veth.c, `veth_xdp_flush`).
+    /// The harness loads the two instructions itself, so it needs no object.
+    pub fn attach_xdp_pass(&self, dev: &str) -> Result<()> {
+        let c_dev = CString::new(dev).context("interface name contains NUL")?;
+        let link = self
+            .run_in(|| -> Result<OwnedFd> {
+                // SAFETY: c_dev is a valid NUL-terminated string.
+                let ifindex = unsafe { libc::if_nametoindex(c_dev.as_ptr()) };
+                if ifindex == 0 {
+                    bail!("no interface {dev}: {}", io::Error::last_os_error());
+                }
+                let prog = bpf::load_xdp_pass().context("loading an XDP_PASS program")?;
+                bpf::link_xdp(&prog, ifindex).with_context(|| format!("attaching XDP_PASS to {dev} in native mode"))
+            })?
+            .with_context(|| format!("netns {}", self.name))?;
+        self.links.lock().unwrap_or_else(|e| e.into_inner()).push(link);
+        Ok(())
+    }
+
+    /// Stops and joins this namespace's servers (also done on drop).
+    pub fn stop_servers(&self) {
+        let servers = std::mem::take(&mut *self.servers.lock().unwrap_or_else(|e| e.into_inner()));
+        drop(servers);
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        // Servers hold sockets (and so references) in the namespace: stop
+        // them first so the namespace really goes away.
+        self.stop_servers();
+        self.links.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        let _guard = IP_NETNS_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        if let Err(e) = run(Command::new("ip").args(["netns", "del", &self.name]))
+            && self.path.exists()
+        {
+            eprintln!("warning: could not delete netns {}: {e:#}", self.name);
+        }
+    }
+}
+
+/// Moves the calling thread into the network namespace at `path`.
+pub fn enter(path: &Path) -> Result<()> {
+    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    // SAFETY: setns only reads the fd, which `file` keeps open.
+    if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(io::Error::last_os_error()).with_context(|| format!("setns into {}", path.display()));
+    }
+    Ok(())
+}
+
+/// Creates a veth pair with one end (`a_if`) in `a` and the other (`b_if`)
+/// in `b`, both up. Neither end ever exists in the caller's namespace.
+/// Names must be at most 15 bytes and free in their namespace.
+pub fn veth(a: &Netns, a_if: &str, b: &Netns, b_if: &str) -> Result<()> {
+    for name in [a_if, b_if] {
+        if name.len() > 15 {
+            bail!("interface name {name} is longer than 15 bytes");
+        }
+    }
+    a.ip(&[
+        "link",
+        "add",
+        a_if,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        b_if,
+        "netns",
+        b.name(),
+    ])?;
+    a.ip(&["link", "set", a_if, "up"])?;
+    b.ip(&["link", "set", b_if, "up"])?;
+    Ok(())
+}
+
+/// Runs a command; its stdout on success, else an error with its stderr.
+pub fn run(cmd: &mut Command) -> Result<String> {
+    let shown = format!("{cmd:?}");
+    let out = cmd.output().with_context(|| format!("running {shown}"))?;
+    if !out.status.success() {
+        bail!(
+            "{shown} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Polls `check` until it returns `Some`, at most `timeout`; the error
+/// names `what` and the last state `check` reported through `Err`.
+pub fn wait_for<T>(what: &str, timeout: Duration, mut check: impl FnMut() -> Result<T, String>) -> Result<T> {
+    let deadline = Instant::now() + timeout;
+    let mut delay = Duration::from_millis(5);
+    loop {
+        match check() {
+            Ok(v) => return Ok(v),
+            Err(last) if Instant::now() >= deadline => {
+                bail!("timed out after {timeout:?} waiting for {what}: {last}")
+            }
+            Err(_) => {
+                std::thread::sleep(delay);
+                delay = (delay * 2).min(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+/// A server thread inside a namespace, stopped and joined on drop.
+pub struct Server {
+    what: String,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Server {
+    /// A TCP server on `0.0.0.0:port` in `ns`. For every connection it reads
+    /// a line (or until the client half-closes), writes `reply` and a
+    /// newline, and closes. Returns once the socket is listening.
+    pub fn tcp(ns: &Netns, port: u16, reply: &str) -> Result<Self> {
+        Self::spawn(
+            ns,
+            format!("tcp server {reply}@{}:{port}", ns.name()),
+            move || {
+                let listener = TcpListener::bind((Ipv4Addr::UNSPECIFIED, port))?;
+                listener.set_nonblocking(true)?;
+                Ok(listener)
+            },
+            {
+                let reply = format!("{reply}\n");
+                move |listener: &TcpListener| match listener.accept() {
+                    Ok((stream, _)) => {
+                        // A client that misbehaves costs at most the timeouts.
+                        let _ = answer_tcp(stream, reply.as_bytes());
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) => eprintln!("tcp server {reply:?}: accept: {e}"),
+                }
+            },
+        )
+    }
+
+    /// A UDP server on `0.0.0.0:port` in `ns` that answers every datagram
+    /// with `reply` and a newline. Returns once the socket is bound.
+    pub fn udp(ns: &Netns, port: u16, reply: &str) -> Result<Self> {
+        Self::spawn(
+            ns,
+            format!("udp server {reply}@{}:{port}", ns.name()),
+            move || {
+                let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, port))?;
+                socket.set_nonblocking(true)?;
+                Ok(socket)
+            },
+            {
+                let reply = format!("{reply}\n");
+                move |socket: &UdpSocket| {
+                    let mut buf = [0u8; 2048];
+                    match socket.recv_from(&mut buf) {
+                        Ok((_, peer)) => {
+                            if let Err(e) = socket.send_to(reply.as_bytes(), peer) {
+                                eprintln!("udp server {reply:?}: send to {peer}: {e}");
+                            }
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                        Err(e) => eprintln!("udp server {reply:?}: recv: {e}"),
+                    }
+                }
+            },
+        )
+    }
+
+    /// Binds with `bind` in a thread inside `ns`, reports the result back,
+    /// then calls `serve` whenever the socket is readable until stopped.
+    fn spawn<S: AsRawFd + 'static>(
+        ns: &Netns,
+        what: String,
+        bind: impl FnOnce() -> io::Result<S> + Send + 'static,
+        mut serve: impl FnMut(&S) + Send + 'static,
+    ) -> Result<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
+        let path = ns.path().to_owned();
+        let thread_stop = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name(what.chars().take(15).collect())
+            .spawn(move || {
+                let socket = match enter(&path)
+                    .map_err(|e| format!("{e:#}"))
+                    .and_then(|()| bind().map_err(|e| format!("bind: {e}")))
+                {
+                    Ok(socket) => {
+                        let _ = ready_tx.send(Ok(()));
+                        socket
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                while !thread_stop.load(Ordering::Relaxed) {
+                    let mut pfd = libc::pollfd {
+                        fd: socket.as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    };
+                    // SAFETY: one valid pollfd, for a socket this thread owns.
+                    let n = unsafe { libc::poll(&mut pfd, 1, SERVER_POLL_MS) };
+                    if n > 0 {
+                        serve(&socket);
+                    }
+                }
+            })
+            .with_context(|| format!("spawning {what}"))?;
+        let server = Self {
+            what,
+            stop,
+            thread: Some(thread),
+        };
+        match ready_rx.recv_timeout(Duration::from_secs(10)) {
+            Ok(Ok(())) => Ok(server),
+            Ok(Err(e)) => bail!("{} did not start: {e}", server.what),
+            Err(e) => bail!("{} did not report whether it started: {e}", server.what),
+        }
+    }
+
+    /// Stops the server and joins its thread.
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take()
+            && thread.join().is_err()
+        {
+            eprintln!("warning: {} panicked", self.what);
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn answer_tcp(mut stream: TcpStream, reply: &[u8]) -> io::Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(SERVER_IO_TIMEOUT))?;
+    stream.set_write_timeout(Some(SERVER_IO_TIMEOUT))?;
+    let mut request = Vec::new();
+    let mut buf = [0u8; 512];
+    while !request.contains(&b'\n') && request.len() < 4096 {
+        let n = stream.read(&mut buf)?;
+        if n == 0 {
+            break; // the client half-closed
+        }
+        request.extend_from_slice(&buf[..n]);
+    }
+    stream.write_all(reply)?;
+    stream.shutdown(Shutdown::Write)
+}
+
+/// Connects to `addr` (at most `timeout`), sends a line, half-closes and
+/// reads the answer to its end; returns it without surrounding whitespace.
+/// Runs in the calling thread's namespace: see [`Netns::run_in`].
+pub fn tcp_request(addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
+    let deadline = Instant::now() + timeout;
+    let mut stream = TcpStream::connect_timeout(&SocketAddr::V4(addr), timeout)?;
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    stream.set_read_timeout(Some(left))?;
+    stream.set_write_timeout(Some(left))?;
+    stream.write_all(b"hello\n")?;
+    stream.shutdown(Shutdown::Write)?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer)?;
+    Ok(answer.trim().to_owned())
+}
+
+/// Only connects (at most `timeout`): for checking that a connection is
+/// refused. Runs in the calling thread's namespace.
+pub fn tcp_connect(addr: SocketAddrV4, timeout: Duration) -> io::Result<TcpStream> {
+    TcpStream::connect_timeout(&SocketAddr::V4(addr), timeout)
+}
+
+/// Sends one datagram from a fresh socket connected to `addr` and waits at
+/// most `timeout` for the answer, which must come from `addr` (the socket is
+/// connected). An ICMP port unreachable makes this fail at once with
+/// `ConnectionRefused`. Runs in the calling thread's namespace.
+pub fn udp_request(addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
+    let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+    socket.connect(addr)?;
+    socket.set_read_timeout(Some(timeout))?;
+    socket.send(b"hello\n")?;
+    let mut buf = [0u8; 2048];
+    let n = socket.recv(&mut buf)?;
+    Ok(String::from_utf8_lossy(&buf[..n]).trim().to_owned())
+}
+
+/// Sends one ICMP echo request to `addr` and waits at most `timeout` for
+/// the matching reply; returns the round-trip time. Uses a raw socket (no
+/// `ping` binary needed). Runs in the calling thread's namespace.
+pub fn ping(addr: Ipv4Addr, timeout: Duration) -> io::Result<Duration> {
+    // SAFETY: plain socket(2); the fd is owned right away.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::IPPROTO_ICMP) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh, valid descriptor nobody else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let ident = (std::process::id() as u16) ^ 0x5870;
+    let seq: u16 = 1;
+    let mut request = [0u8; 16];
+    request[0] = 8; // echo request
+    request[4..6].copy_from_slice(&ident.to_be_bytes());
+    request[6..8].copy_from_slice(&seq.to_be_bytes());
+    request[8..16].copy_from_slice(b"xproxy!!");
+    let sum = internet_checksum(&request);
+    request[2..4].copy_from_slice(&sum.to_be_bytes());
+
+    let dest = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 0,
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes(addr.octets()),
+        },
+        sin_zero: [0; 8],
+    };
+    let start = Instant::now();
+    // SAFETY: buffer and address are valid for the lengths given.
+    let sent = unsafe {
+        libc::sendto(
+            fd.as_raw_fd(),
+            request.as_ptr().cast(),
+            request.len(),
+            0,
+            (&dest as *const libc::sockaddr_in).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        )
+    };
+    if sent < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let deadline = start + timeout;
+    let mut buf = [0u8; 1500];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no echo reply from {addr} in {timeout:?}"),
+            ));
+        }
+        let mut pfd = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd.
+        if unsafe { libc::poll(&mut pfd, 1, ms) } <= 0 {
+            continue;
+        }
+        // SAFETY: buf is valid for its length.
+        let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let packet = &buf[..n as usize];
+        // Raw IPv4 sockets deliver the IP header too.
+        if packet.len() < 20 {
+            continue;
+        }
+        let ihl = usize::from(packet[0] & 0x0f) * 4;
+        let src = Ipv4Addr::new(packet[12], packet[13], packet[14], packet[15]);
+        let Some(icmp) = packet.get(ihl..) else {
+            continue;
+        };
+        if src == addr
+            && icmp.len() >= 8
+            && icmp[0] == 0
+            && icmp[4..6] == ident.to_be_bytes()
+            && icmp[6..8] == seq.to_be_bytes()
+        {
+            return Ok(start.elapsed());
+        }
+    }
+}
+
+/// RFC 1071 checksum.
+fn internet_checksum(data: &[u8]) -> u16 {
+    let mut sum: u32 = 0;
+    for chunk in data.chunks(2) {
+        let word = u16::from_be_bytes([chunk[0], *chunk.get(1).unwrap_or(&0)]);
+        sum += u32::from(word);
+    }
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// The few bpf(2) calls the harness makes itself.
+mod bpf {
+    use std::{
+        io,
+        os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    };
+
+    const BPF_PROG_LOAD: libc::c_long = 5;
+    const BPF_LINK_CREATE: libc::c_long = 28;
+    const BPF_PROG_TYPE_XDP: u32 = 6;
+    const BPF_XDP: u32 = 37;
+    const XDP_FLAGS_DRV_MODE: u32 = 1 << 2;
+
+    /// The `BPF_PROG_LOAD` part of `union bpf_attr`, up to `expected_attach_type`.
+    #[repr(C)]
+    #[derive(Default)]
+    struct ProgLoadAttr {
+        prog_type: u32,
+        insn_cnt: u32,
+        insns: u64,
+        license: u64,
+        log_level: u32,
+        log_size: u32,
+        log_buf: u64,
+        kern_version: u32,
+        prog_flags: u32,
+        prog_name: [u8; 16],
+        prog_ifindex: u32,
+        expected_attach_type: u32,
+    }
+
+    /// The `BPF_LINK_CREATE` part of `union bpf_attr`, up to `flags`.
+    #[repr(C)]
+    struct LinkCreateAttr {
+        prog_fd: u32,
+        target_ifindex: u32,
+        attach_type: u32,
+        flags: u32,
+    }
+
+    fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<OwnedFd> {
+        // SAFETY: attr is a valid, fully initialised bpf_attr prefix of the
+        // size passed; the kernel zero-extends the rest.
+        let fd = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut T, std::mem::size_of::<T>()) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: on success the call returned a new descriptor we own.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    }
+
+    /// `r0 = XDP_PASS; exit`.
+    pub(super) fn load_xdp_pass() -> io::Result<OwnedFd> {
+        #[rustfmt::skip]
+        static INSNS: [u8; 16] = [
+            0xb7, 0x00, 0x00, 0x00, 0x02, 0x00, 0x00, 0x00, // mov64 r0, 2 (XDP_PASS)
+            0x95, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // exit
+        ];
+        static LICENSE: &[u8] = b"GPL\0";
+        let mut name = [0u8; 16];
+        name[..9].copy_from_slice(b"test_pass");
+        let mut attr = ProgLoadAttr {
+            prog_type: BPF_PROG_TYPE_XDP,
+            insn_cnt: 2,
+            insns: INSNS.as_ptr() as u64,
+            license: LICENSE.as_ptr() as u64,
+            prog_name: name,
+            expected_attach_type: BPF_XDP,
+            ..Default::default()
+        };
+        bpf(BPF_PROG_LOAD, &mut attr)
+    }
+
+    /// Attaches `prog` in native mode to `ifindex` in the calling thread's
+    /// namespace; detached when the returned link is closed.
+    pub(super) fn link_xdp(prog: &OwnedFd, ifindex: u32) -> io::Result<OwnedFd> {
+        let mut attr = LinkCreateAttr {
+            prog_fd: prog.as_raw_fd() as u32,
+            target_ifindex: ifindex,
+            attach_type: BPF_XDP,
+            flags: XDP_FLAGS_DRV_MODE,
+        };
+        bpf(BPF_LINK_CREATE, &mut attr)
+    }
+}

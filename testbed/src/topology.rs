@@ -1,0 +1,133 @@
+//! One simulated node with pods, and a client outside it.
+//!
+//! ```text
+//!   client ns                node ns (ip_forward=1)                  pod nss
+//!   CLIENT_IP ── cu* ═══ nu* ── NODE_IP          np*  10.244.0.1/32 ═ eth0 pod-1 10.244.0.11
+//!   gro on,                                       np*  10.244.0.1/32 ═ eth0 pod-2 10.244.0.12
+//!   XDP_PASS     default via CLIENT_IP            np*  10.244.0.1/32 ═ eth0 pod-3 10.244.0.13
+//!                                                 np*  10.244.0.1/32 ═ eth0 client-pod 10.244.0.14
+//! ```
+//!
+//! Pods are wired like the CNI `ptp` plugin: a /32 address, a link route to
+//! the gateway address that every node-side veth carries, and a route per
+//! pod on the node. Backends answer with their pod name on TCP and UDP
+//! [`TARGET_PORT`]. The client pod is not a backend: a backend reaching its
+//! own Service is hairpin traffic, which needs SNAT.
+
+use std::net::Ipv4Addr;
+
+use anyhow::Result;
+
+use crate::{
+    netns::{self, Netns},
+    privileged::unique_name,
+};
+
+pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(172, 30, 0, 1);
+pub const NODE_IP: Ipv4Addr = Ipv4Addr::new(172, 30, 0, 2);
+/// The address every node-side pod veth carries: the pods' gateway.
+pub const POD_GATEWAY: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 1);
+pub const POD_CIDR: &str = "10.244.0.0/16";
+/// The port backends listen on (TCP and UDP).
+pub const TARGET_PORT: u16 = 80;
+pub const BACKENDS: [(&str, Ipv4Addr); 3] = [
+    ("pod-1", Ipv4Addr::new(10, 244, 0, 11)),
+    ("pod-2", Ipv4Addr::new(10, 244, 0, 12)),
+    ("pod-3", Ipv4Addr::new(10, 244, 0, 13)),
+];
+pub const CLIENT_POD: (&str, Ipv4Addr) = ("client-pod", Ipv4Addr::new(10, 244, 0, 14));
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Offloads {
+    /// veth defaults: checksum offload on (local TCP/UDP leaves as CHECKSUM_PARTIAL).
+    On,
+    /// `ethtool -K <veth> tx off` on every veth end: full checksums.
+    TxOff,
+}
+
+/// One pod: its namespace and the node-side end of its veth.
+pub struct Pod {
+    pub name: &'static str,
+    pub ip: Ipv4Addr,
+    pub node_if: String,
+    pub ns: Netns,
+}
+
+/// The namespaces and links; no data path. Field order is drop order: pods
+/// before the node, whose deletion removes the remaining veth ends.
+pub struct Topology {
+    pub backends: Vec<Pod>,
+    pub client_pod: Pod,
+    pub node: Netns,
+    pub uplink: String,
+    pub client: Netns,
+    pub client_if: String,
+}
+
+impl Topology {
+    /// Builds the namespaces, links, addresses, routes and the backends'
+    /// servers.
+    pub fn build(offloads: Offloads) -> Result<Self> {
+        let client = Netns::new("xc")?;
+        let node = Netns::new("xn")?;
+        node.sysctl("net.ipv4.ip_forward", "1")?;
+        // Replies the programs rev-NAT (source = a ClusterIP) arrive on a pod
+        // veth although the route back to a ClusterIP is the uplink: strict
+        // reverse path filtering would drop them. Do not inherit the host's
+        // setting; be explicit (eBPF proxies run nodes with it off, too).
+        node.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
+        node.sysctl("net.ipv4.conf.default.rp_filter", "0")?;
+
+        let client_if = unique_name("cu");
+        let uplink = unique_name("nu");
+        netns::veth(&client, &client_if, &node, &uplink)?;
+        client.add_addr(&client_if, &format!("{CLIENT_IP}/24"))?;
+        node.add_addr(&uplink, &format!("{NODE_IP}/24"))?;
+        // Node processes reach ClusterIPs through the default route: the uplink.
+        node.add_route(&["default", "via", &CLIENT_IP.to_string(), "dev", &uplink])?;
+        // Lets the client reach pods directly (traffic that is no Service's).
+        client.add_route(&[POD_CIDR, "via", &NODE_IP.to_string(), "dev", &client_if])?;
+        // What the uplink's XDP program sends back with XDP_TX (RST, ICMP)
+        // lands on the client end's ring; GRO gives that end a ring, but only
+        // an XDP program there makes the kernel poll it at once (see
+        // `Netns::attach_xdp_pass`). A physical uplink has neither problem.
+        client.ethtool_k(&client_if, "gro", true)?;
+        client.attach_xdp_pass(&client_if)?;
+
+        let mut backends = Vec::new();
+        for (name, ip) in BACKENDS {
+            let pod = add_pod(&node, name, ip)?;
+            pod.ns.serve_tcp(TARGET_PORT, name)?;
+            pod.ns.serve_udp(TARGET_PORT, name)?;
+            backends.push(pod);
+        }
+        let client_pod = add_pod(&node, CLIENT_POD.0, CLIENT_POD.1)?;
+
+        let tx_on = offloads == Offloads::On;
+        client.ethtool_k(&client_if, "tx", tx_on)?;
+        node.ethtool_k(&uplink, "tx", tx_on)?;
+        for pod in backends.iter().chain([&client_pod]) {
+            node.ethtool_k(&pod.node_if, "tx", tx_on)?;
+            pod.ns.ethtool_k("eth0", "tx", tx_on)?;
+        }
+        Ok(Self { backends, client_pod, node, uplink, client, client_if })
+    }
+
+    /// The node-side ends of every pod's veth.
+    pub fn pod_ifs(&self) -> Vec<String> {
+        self.backends.iter().chain([&self.client_pod]).map(|p| p.node_if.clone()).collect()
+    }
+}
+
+/// A pod namespace behind a veth from the node, wired like CNI `ptp`.
+pub fn add_pod(node: &Netns, name: &'static str, ip: Ipv4Addr) -> Result<Pod> {
+    let ns = Netns::new("xp")?;
+    let node_if = unique_name("np");
+    netns::veth(node, &node_if, &ns, "eth0")?;
+    ns.add_addr("eth0", &format!("{ip}/32"))?;
+    ns.add_route(&[&POD_GATEWAY.to_string(), "dev", "eth0", "scope", "link"])?;
+    ns.add_route(&["default", "via", &POD_GATEWAY.to_string(), "dev", "eth0"])?;
+    node.add_addr(&node_if, &format!("{POD_GATEWAY}/32"))?;
+    node.add_route(&[&format!("{ip}/32"), "dev", &node_if])?;
+    Ok(Pod { name, ip, node_if, ns })
+}
