@@ -10,6 +10,7 @@ use std::{
 };
 
 use anyhow::{Result, bail};
+use k8s_openapi::api::core::v1::Node;
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
@@ -29,6 +30,8 @@ pub trait Observer: Send + Sync {
     fn sync_failed(&self, error: &anyhow::Error);
     /// Objects (or parts) that were skipped.
     fn problems(&self, problems: &[Problem]);
+    /// This node's Node object changed (`None`: deleted or not found).
+    fn node_updated(&self, node: Option<&Node>);
 }
 
 /// An observer that only logs (tests, and before the servers are wired).
@@ -39,6 +42,7 @@ impl Observer for LogObserver {
     fn synced(&self, _report: &SyncReport, _took: Duration, _oldest_change: Option<Instant>) {}
     fn sync_failed(&self, _error: &anyhow::Error) {}
     fn problems(&self, _problems: &[Problem]) {}
+    fn node_updated(&self, _node: Option<&Node>) {}
 }
 
 pub struct Agent {
@@ -124,6 +128,15 @@ impl Agent {
                 }
             }
             SourceEvent::Problems(problems) => problems,
+            SourceEvent::Node(update) => {
+                // Only health cares about the Node; the desired state is unchanged.
+                match update {
+                    Update::Apply(node) => self.observer.node_updated(Some(&node)),
+                    Update::Delete(_) => self.observer.node_updated(None),
+                    Update::Replace(nodes) => self.observer.node_updated(nodes.first()),
+                }
+                return;
+            }
         };
         self.report_problems(&problems);
         let now = Instant::now();

@@ -148,7 +148,7 @@ async fn start_source(config: &Config, events: mpsc::Sender<source::SourceEvent>
                     ));
                 }
             }
-            source::kube::spawn(client, events);
+            source::kube::spawn(client, &config.node_name, events);
         }
     }
     Ok(())

@@ -156,6 +156,14 @@ impl Observer for Telemetry {
     fn problems(&self, problems: &[Problem]) {
         self.0.metrics.skipped_objects.inc_by(problems.len() as u64);
     }
+
+    /// A node that is gone keeps its last verdict: kube-proxy only reacts
+    /// to the deletion mark, which arrives before the object disappears.
+    fn node_updated(&self, node: Option<&k8s_openapi::api::core::v1::Node>) {
+        if let Some(node) = node {
+            self.set_node_deleting(node_is_deleting(node));
+        }
+    }
 }
 
 fn unix_seconds(t: SystemTime) -> f64 {

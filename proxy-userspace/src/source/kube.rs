@@ -11,7 +11,10 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use futures_util::{Stream, StreamExt};
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
 use kube::{
     Api, Client, Config, Resource,
     config::{KubeConfigOptions, Kubeconfig},
@@ -43,10 +46,17 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<Client> {
     Client::try_from(config).context("creating the Kubernetes client")
 }
 
-/// Starts the watchers; they run until the receiver is dropped.
-pub fn spawn(client: Client, events: mpsc::Sender<SourceEvent>) {
+/// Starts the watchers (Services, EndpointSlices, and the Node named
+/// `node_name`); they run until the receiver is dropped.
+pub fn spawn(client: Client, node_name: &str, events: mpsc::Sender<SourceEvent>) {
     let services = Api::<Service>::all(client.clone());
-    let slices = Api::<EndpointSlice>::all(client);
+    let slices = Api::<EndpointSlice>::all(client.clone());
+    let nodes = Api::<Node>::all(client);
+    tokio::spawn(forward(
+        watcher(nodes, watcher::Config::default().fields(&format!("metadata.name={node_name}"))),
+        events.clone(),
+        SourceEvent::Node,
+    ));
     tokio::spawn(forward(
         watcher(services, watcher::Config::default().labels(SERVICE_SELECTOR)),
         events.clone(),

@@ -4,7 +4,10 @@
 pub mod kube;
 pub mod manifest;
 
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
 
 use crate::model::Problem;
 
@@ -25,6 +28,8 @@ pub enum Update<K> {
 pub enum SourceEvent {
     Services(Update<Service>),
     Slices(Update<EndpointSlice>),
+    /// This node's own Node object (for the health check's deletion rule).
+    Node(Update<Node>),
     /// Input the source could not use at all (an unreadable file, a
     /// document that is not valid YAML): logged and counted.
     Problems(Vec<Problem>),
