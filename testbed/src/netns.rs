@@ -100,6 +100,26 @@ impl Netns {
         })
     }
 
+    /// A command that will start inside this namespace. Unlike `ip netns
+    /// exec`, only the network namespace changes: the mount namespace, and
+    /// with it /sys/fs/bpf and its pins, stays the caller's.
+    pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Result<Command> {
+        use std::os::unix::process::CommandExt;
+        let ns = File::open(&self.path).with_context(|| format!("opening {}", self.path.display()))?;
+        let mut cmd = Command::new(program);
+        // SAFETY: between fork and exec the closure only calls setns(2) on
+        // an fd opened beforehand: no allocation, no locks.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        Ok(cmd)
+    }
+
     /// Runs `ip -n NAME args...` and returns its stdout.
     pub fn ip(&self, args: &[&str]) -> Result<String> {
         run(Command::new("ip").arg("-n").arg(&self.name).args(args))

@@ -1,7 +1,157 @@
-//! `cargo xtask demo`: the main job (implemented in issue 3).
+//! `cargo xtask demo`: the seed scenario on a simulated cluster.
+//!
+//! Builds the programs and the agent, creates a node with three nginx-like
+//! pods (each answers with its name) and an outside client in network
+//! namespaces, runs `xproxy run` in the node with the user's own
+//! `proxy.yaml` and the seed manifests, and shows which pod answered each
+//! request through the NodePort and the ClusterIP. Everything is removed
+//! at the end, also on failure.
 
-use anyhow::{Result, bail};
+use std::{
+    net::{Ipv4Addr, SocketAddrV4},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
 
-pub fn demo() -> Result<()> {
-    bail!("`cargo xtask demo` is not implemented yet: see issue 3")
+use anyhow::{Context, Result, bail};
+use testbed::{
+    netns::{self, Netns},
+    privileged::unique_name,
+    topology::{NODE_IP, Offloads, Topology},
+};
+
+use crate::{build_ebpf, command};
+
+/// From examples/seed/manifests/nginx.yaml.
+const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 88);
+const PORT: u16 = 88;
+const NODE_PORT: u16 = 30791;
+const REQUESTS: usize = 9;
+const TIMEOUT: Duration = Duration::from_secs(2);
+/// How long the agent may take to program the seed Service.
+const READY_WITHIN: Duration = Duration::from_secs(20);
+
+pub fn demo(root: &Path) -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("the demo creates network namespaces and loads eBPF programs: run it as root");
+    }
+    step("building the eBPF programs and the agent");
+    build_ebpf::build_ebpf(root, &build_ebpf::Options::default())?;
+    let xproxy = build_agent(root)?;
+
+    step("creating the cluster: a node, pods nginx-1..3 and an outside client (network namespaces)");
+    let topo = Topology::build(Offloads::On)?;
+    let pin_path = PathBuf::from("/sys/fs/bpf").join(unique_name("xproxy-demo-"));
+    let agent = Agent::start(&xproxy, root, &topo.node, &pin_path)?;
+
+    let result = show_traffic(&topo, &agent);
+    step("cleaning up");
+    drop(agent);
+    result
+}
+
+fn step(what: &str) {
+    println!("\n==> {what}");
+}
+
+fn build_agent(root: &Path) -> Result<PathBuf> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    command::run(Command::new(cargo).current_dir(root).args(["build", "--release", "-p", "proxy-userspace"]))
+        .context("building xproxy")?;
+    Ok(root.join("target/release/xproxy"))
+}
+
+/// `xproxy run` in the node's network namespace; stopped and cleaned up
+/// (`xproxy cleanup`) on drop.
+struct Agent {
+    child: Child,
+    xproxy: PathBuf,
+    pin_path: PathBuf,
+}
+
+impl Agent {
+    fn start(xproxy: &Path, root: &Path, node: &Netns, pin_path: &Path) -> Result<Self> {
+        let seed = root.join("examples/seed");
+        let args = [
+            "run".into(),
+            "--config".into(),
+            seed.join("proxy.yaml").display().to_string(),
+            "--mode".into(),
+            "ebpf".into(),
+            "--manifests".into(),
+            seed.join("manifests").display().to_string(),
+            "--node-ip".into(),
+            NODE_IP.to_string(),
+            "--pin-path".into(),
+            pin_path.display().to_string(),
+        ];
+        step(&format!("starting the agent in the node: xproxy {}", args.join(" ")));
+        let child = node
+            .command(xproxy)?
+            .args(&args)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .spawn()
+            .context("starting xproxy")?;
+        Ok(Self { child, xproxy: xproxy.to_owned(), pin_path: pin_path.to_owned() })
+    }
+
+    fn status(&self) -> Result<String> {
+        netns::run(Command::new(&self.xproxy).arg("status").arg("--pin-path").arg(&self.pin_path))
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        // SIGTERM: the agent exits and leaves the data path; cleanup removes it.
+        // SAFETY: kill has no memory preconditions.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+        if let Err(e) = netns::run(Command::new(&self.xproxy).arg("cleanup").arg("--pin-path").arg(&self.pin_path)) {
+            eprintln!("warning: xproxy cleanup failed: {e:#}");
+        }
+    }
+}
+
+fn show_traffic(topo: &Topology, agent: &Agent) -> Result<()> {
+    let node_port = SocketAddrV4::new(NODE_IP, NODE_PORT);
+    let cluster_ip = SocketAddrV4::new(CLUSTER_IP, PORT);
+    wait_until_answering(&topo.client, node_port)?;
+
+    let paths = [
+        ("the outside client", &topo.client, node_port),
+        ("a pod (client-pod)", &topo.client_pod.ns, cluster_ip),
+        ("the node itself", &topo.node, cluster_ip),
+    ];
+    let mut failures = 0;
+    for (who, ns, addr) in paths {
+        step(&format!("{REQUESTS} requests from {who} to {addr}"));
+        let answers = ns.run_in(|| (0..REQUESTS).map(|_| netns::tcp_request(addr, TIMEOUT)).collect::<Vec<_>>())?;
+        for (i, answer) in answers.iter().enumerate() {
+            match answer {
+                Ok(pod) => println!("  request {:>2}: answered by {pod}", i + 1),
+                Err(e) => {
+                    failures += 1;
+                    println!("  request {:>2}: FAILED: {e}", i + 1);
+                }
+            }
+        }
+    }
+    step("xproxy status (the live data path)");
+    print!("{}", agent.status()?);
+    if failures > 0 {
+        bail!("{failures} requests failed");
+    }
+    Ok(())
+}
+
+fn wait_until_answering(client: &Netns, addr: SocketAddrV4) -> Result<()> {
+    let started = Instant::now();
+    netns::wait_for("the seed Service to answer through its NodePort", READY_WITHIN, || {
+        client.run_in(|| netns::tcp_request(addr, Duration::from_millis(300))).map_err(|e| e.to_string())?.map_err(|e| e.to_string())
+    })?;
+    println!("  programmed and answering after {:?}", started.elapsed());
+    Ok(())
 }

@@ -31,7 +31,7 @@ enum Command {
     BuildEbpf(build_ebpf::Options),
     /// Build the eBPF object, then run `cargo test --workspace` (privileged tests enabled as root).
     Test(test::Options),
-    /// Run the xproxy demo (not implemented yet).
+    /// The seed scenario on a simulated cluster in network namespaces.
     Demo,
 }
 
@@ -57,7 +57,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Test(options) => test::test(&root, &options),
-        Command::Demo => demo::demo(),
+        Command::Demo => demo::demo(&root),
     }
 }
 
