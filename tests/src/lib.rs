@@ -6,6 +6,7 @@
 //! (set by `cargo xtask test` as root, hence by CI), where a skip would hide
 //! a broken environment and so fails instead.
 
+pub mod apiserver;
 
 // The namespace test bed is shared with `cargo xtask demo` and the benchmarks.
 pub use testbed::{netns, privileged, topology};
