@@ -173,6 +173,7 @@ impl Agent {
                         full,
                         services = desired.ports.len(),
                         changed = report.service_changes,
+                        kernel_writes = report.kernel_writes,
                         took_ms = took.as_secs_f64() * 1e3,
                         "synced"
                     );

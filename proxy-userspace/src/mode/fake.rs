@@ -28,6 +28,7 @@ struct FakeState {
     calls: Vec<Call>,
     programmed: BTreeMap<String, ServicePort>,
     failures_left: usize,
+    writes: u64,
 }
 
 impl Fake {
@@ -73,6 +74,7 @@ impl Dataplane for Fake {
         for port in &plan.upsert {
             state.programmed.insert(port.name.clone(), port.clone());
         }
+        state.writes += (plan.remove.len() + plan.upsert.len()) as u64;
         Ok(())
     }
 
@@ -80,7 +82,14 @@ impl Dataplane for Fake {
         let mut state = self.lock();
         state.calls.push(Call::ApplyFull(desired.clone()));
         Self::fail_if_asked(&mut state)?;
-        state.programmed = desired.clone();
+        if state.programmed != *desired {
+            state.writes += desired.len() as u64;
+            state.programmed = desired.clone();
+        }
         Ok(())
+    }
+
+    fn kernel_writes(&self) -> u64 {
+        self.lock().writes
     }
 }

@@ -22,4 +22,8 @@ pub trait Dataplane: Send {
     /// whatever else is there (left by an earlier run or a failed sync).
     /// Parts already right are left alone.
     fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()>;
+
+    /// Kernel writes (map updates, rules, ...) issued so far: a sync that
+    /// finds everything in place adds none.
+    fn kernel_writes(&self) -> u64;
 }

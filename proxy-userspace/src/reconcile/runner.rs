@@ -106,6 +106,8 @@ pub struct SyncReport {
     pub full: bool,
     pub service_changes: usize,
     pub endpoint_changes: usize,
+    /// Kernel writes the mode issued (0 when everything was in place).
+    pub kernel_writes: u64,
 }
 
 /// Holds the mode and what it was last told successfully.
@@ -131,11 +133,13 @@ impl Reconciler {
     /// about the kernel: the caller makes the next sync a full one.
     pub fn sync(&mut self, desired: &BTreeMap<String, ServicePort>, full: bool) -> Result<SyncReport> {
         let plan = diff(desired, &self.applied);
-        let report = SyncReport {
+        let mut report = SyncReport {
             full,
             service_changes: plan.upsert.len() + plan.remove.len(),
             endpoint_changes: plan.endpoint_changes(),
+            kernel_writes: 0,
         };
+        let writes_before = self.mode.kernel_writes();
         let result = if full {
             self.mode.apply_full(desired)
         } else if plan.is_empty() {
@@ -146,6 +150,7 @@ impl Reconciler {
         match result {
             Ok(()) => {
                 self.applied = desired.clone();
+                report.kernel_writes = self.mode.kernel_writes() - writes_before;
                 Ok(report)
             }
             Err(e) => {

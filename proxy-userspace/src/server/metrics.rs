@@ -59,6 +59,7 @@ pub(super) struct Metrics {
     pub endpoint_changes: Counter,
     pub sync_failures: Counter,
     pub skipped_objects: Counter,
+    pub kernel_writes: Counter,
     pub healthz: Family<CodeLabel, Counter>,
     pub livez: Family<CodeLabel, Counter>,
 }
@@ -78,6 +79,7 @@ impl Metrics {
             endpoint_changes: Counter::default(),
             sync_failures: Counter::default(),
             skipped_objects: Counter::default(),
+            kernel_writes: Counter::default(),
             healthz: Family::default(),
             livez: Family::default(),
         };
@@ -146,6 +148,11 @@ impl Metrics {
             "xproxy_skipped_objects",
             "Objects or parts of objects skipped as invalid or unsupported",
             m.skipped_objects.clone(),
+        );
+        registry.register(
+            "xproxy_sync_kernel_writes",
+            "Kernel writes (map updates and deletes, rules) issued by syncs; a restart that finds the data path in place adds none",
+            m.kernel_writes.clone(),
         );
 
         let info: Family<[(&'static str, String); 1], Gauge> = Family::default();

@@ -145,6 +145,7 @@ impl Observer for Telemetry {
         }
         m.service_changes.inc_by(report.service_changes as u64);
         m.endpoint_changes.inc_by(report.endpoint_changes as u64);
+        m.kernel_writes.inc_by(report.kernel_writes);
         self.health().updated(wall);
     }
 

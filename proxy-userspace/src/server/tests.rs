@@ -16,6 +16,7 @@ fn report(full: bool, service_changes: usize, endpoint_changes: usize) -> SyncRe
         full,
         service_changes,
         endpoint_changes,
+        kernel_writes: 3,
     }
 }
 
@@ -99,6 +100,8 @@ fn metrics_carry_kube_proxys_names_and_values() {
     assert_eq!(sample(&text, "kubeproxy_sync_proxy_rules_endpoint_changes_total"), 7.0);
     assert_eq!(sample(&text, "xproxy_sync_failures_total"), 1.0);
     assert_eq!(sample(&text, "xproxy_skipped_objects_total"), 2.0);
+    // Two reports of 3 writes each were observed above.
+    assert_eq!(sample(&text, "xproxy_sync_kernel_writes_total"), 6.0);
     let last_sync = sample(&text, "kubeproxy_sync_proxy_rules_last_timestamp_seconds");
     assert!(
         last_sync >= before && last_sync <= unix_seconds(SystemTime::now()),

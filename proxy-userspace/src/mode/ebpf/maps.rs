@@ -73,6 +73,9 @@ pub struct ServiceMaps {
     used_backend_ids: BTreeSet<u32>,
     used_set_ids: BTreeSet<u32>,
     used_rev_nat_ids: BTreeSet<u32>,
+    /// Map updates and deletes issued so far (a sync that finds everything
+    /// in place adds none).
+    writes: u64,
 }
 
 fn open<K: aya::Pod, V: aya::Pod>(pin_path: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
@@ -103,6 +106,7 @@ impl ServiceMaps {
             used_backend_ids: BTreeSet::new(),
             used_set_ids: BTreeSet::new(),
             used_rev_nat_ids: BTreeSet::new(),
+            writes: 0,
         };
         this.reserve_ids_in_use()?;
         this.adopt()?;
@@ -223,6 +227,7 @@ impl ServiceMaps {
                 self.services
                     .insert(key, value, 0)
                     .with_context(|| format!("writing frontend of {}", svc.name))?;
+                self.writes += 1;
             }
             frontends.insert(ord, rev_nat_id);
         }
@@ -298,7 +303,7 @@ impl ServiceMaps {
             .filter(|k| !sets.contains(&k.backend_set))
             .collect();
         for key in orphan_slots {
-            remove_if_present(&mut self.slots, &key)?;
+            self.writes += remove_if_present(&mut self.slots, &key)?;
             self.used_set_ids.remove(&key.backend_set);
         }
         let orphan_backends: Vec<u32> = self
@@ -308,7 +313,7 @@ impl ServiceMaps {
             .filter(|id| !self.backend_addrs.contains_key(id))
             .collect();
         for id in orphan_backends {
-            remove_if_present(&mut self.backends, &id)?;
+            self.writes += remove_if_present(&mut self.backends, &id)?;
             self.used_backend_ids.remove(&id);
         }
         let orphan_rev_nats: Vec<u32> = self
@@ -318,7 +323,7 @@ impl ServiceMaps {
             .filter(|id| !rev_nats.contains(id))
             .collect();
         for id in orphan_rev_nats {
-            remove_if_present(&mut self.rev_nat, &id)?;
+            self.writes += remove_if_present(&mut self.rev_nat, &id)?;
             self.used_rev_nat_ids.remove(&id);
         }
         Ok(())
@@ -343,6 +348,11 @@ impl ServiceMaps {
     /// Names of the Service ports programmed through this handle.
     pub fn service_names(&self) -> impl Iterator<Item = &str> {
         self.names.keys().map(String::as_str)
+    }
+
+    /// Map updates and deletes issued through this handle so far.
+    pub fn writes(&self) -> u64 {
+        self.writes
     }
 
     /// Number of Service ports in the maps, adopted ones included.
@@ -467,13 +477,14 @@ impl ServiceMaps {
                 slot: slot as u32,
             };
             self.slots.insert(key, id, 0).context("writing a backend slot")?;
+            self.writes += 1;
         }
         Ok(set)
     }
 
     fn delete_backend_set(&mut self, set: u32, len: usize) -> Result<()> {
         for slot in 0..len as u32 {
-            remove_if_present(&mut self.slots, &BackendSlotKey { backend_set: set, slot })?;
+            self.writes += remove_if_present(&mut self.slots, &BackendSlotKey { backend_set: set, slot })?;
         }
         self.used_set_ids.remove(&set);
         Ok(())
@@ -489,12 +500,13 @@ impl ServiceMaps {
         self.rev_nat
             .insert(id, value, 0)
             .context("writing a reverse NAT entry")?;
+        self.writes += 1;
         Ok(id)
     }
 
     fn remove_frontend(&mut self, key: ServiceKey, rev_nat_id: u32) -> Result<()> {
-        remove_if_present(&mut self.services, &key)?;
-        remove_if_present(&mut self.rev_nat, &rev_nat_id)?;
+        self.writes += remove_if_present(&mut self.services, &key)?;
+        self.writes += remove_if_present(&mut self.rev_nat, &rev_nat_id)?;
         self.used_rev_nat_ids.remove(&rev_nat_id);
         Ok(())
     }
@@ -508,6 +520,7 @@ impl ServiceMaps {
         self.backends
             .insert(id, Backend::new(addr, port, proto), 0)
             .context("writing a backend")?;
+        self.writes += 1;
         self.backend_refs.insert((addr, port, proto), (id, 1));
         self.backend_addrs.insert(id, (addr, port, proto));
         Ok(id)
@@ -524,7 +537,7 @@ impl ServiceMaps {
         if entry.1 == 0 {
             self.backend_refs.remove(&addr_key);
             self.backend_addrs.remove(&id);
-            remove_if_present(&mut self.backends, &id)?;
+            self.writes += remove_if_present(&mut self.backends, &id)?;
             self.used_backend_ids.remove(&id);
         }
         Ok(())
@@ -554,11 +567,12 @@ fn next_free(used: &mut BTreeSet<u32>) -> Result<u32> {
     Ok(candidate)
 }
 
-fn remove_if_present<K: aya::Pod, V: aya::Pod>(map: &mut HashMap<MapData, K, V>, key: &K) -> Result<()> {
+/// Deletes `key`; 1 if it was there, 0 if not.
+fn remove_if_present<K: aya::Pod, V: aya::Pod>(map: &mut HashMap<MapData, K, V>, key: &K) -> Result<u64> {
     match map.remove(key) {
-        Ok(()) => Ok(()),
-        Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-        Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        Ok(()) => Ok(1),
+        Err(aya::maps::MapError::KeyNotFound) => Ok(0),
+        Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(0),
         Err(e) => Err(e.into()),
     }
 }

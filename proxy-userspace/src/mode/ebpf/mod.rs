@@ -148,4 +148,8 @@ impl Dataplane for EbpfMode {
         }
         self.maps.retain(&desired.values().collect::<Vec<_>>())
     }
+
+    fn kernel_writes(&self) -> u64 {
+        self.maps.writes()
+    }
 }
