@@ -8,6 +8,7 @@
 //! Everything lives in namespaces created here, under unique names, and is
 //! removed on drop, also when a test panics.
 
+pub mod agent;
 pub mod netns;
 pub mod privileged;
 pub mod topology;

@@ -9,8 +9,7 @@ use std::{
 /// privileged tests were not demanded). Panics if they were demanded but
 /// cannot run.
 pub fn require_root(test: &str) -> bool {
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
+    let root = is_root();
     let demanded = std::env::var("XPROXY_PRIVILEGED_TESTS").is_ok_and(|v| v == "1");
     match (root, demanded) {
         (true, _) => true,
@@ -20,6 +19,11 @@ pub fn require_root(test: &str) -> bool {
             false
         }
     }
+}
+
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
 }
 
 /// A name unique to this process and call, at most `15 - prefix.len()`

@@ -10,12 +10,13 @@
 use std::{
     net::{Ipv4Addr, SocketAddrV4},
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    process::Command,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result, bail};
 use testbed::{
+    agent::AgentProcess,
     netns::{self, Netns},
     privileged::unique_name,
     topology::{NODE_IP, Offloads, Topology},
@@ -33,8 +34,7 @@ const TIMEOUT: Duration = Duration::from_secs(2);
 const READY_WITHIN: Duration = Duration::from_secs(20);
 
 pub fn demo(root: &Path) -> Result<()> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !testbed::privileged::is_root() {
         bail!("the demo creates network namespaces and loads eBPF programs: run it as root");
     }
     step("building the eBPF programs and the agent");
@@ -44,7 +44,19 @@ pub fn demo(root: &Path) -> Result<()> {
     step("creating the cluster: a node, pods nginx-1..3 and an outside client (network namespaces)");
     let topo = Topology::build(Offloads::On)?;
     let pin_path = PathBuf::from("/sys/fs/bpf").join(unique_name("xproxy-demo-"));
-    let agent = Agent::start(&xproxy, root, &topo.node, &pin_path)?;
+    let seed = root.join("examples/seed");
+    let args: Vec<String> = vec![
+        "--config".into(),
+        seed.join("proxy.yaml").display().to_string(),
+        "--mode".into(),
+        "ebpf".into(),
+        "--manifests".into(),
+        seed.join("manifests").display().to_string(),
+        "--node-ip".into(),
+        NODE_IP.to_string(),
+    ];
+    step(&format!("starting the agent in the node: xproxy run {} --pin-path {}", args.join(" "), pin_path.display()));
+    let agent = AgentProcess::start(&xproxy, &topo.node, &pin_path, &args, None)?;
 
     let result = show_traffic(&topo, &agent);
     step("cleaning up");
@@ -63,59 +75,7 @@ fn build_agent(root: &Path) -> Result<PathBuf> {
     Ok(root.join("target/release/xproxy"))
 }
 
-/// `xproxy run` in the node's network namespace; stopped and cleaned up
-/// (`xproxy cleanup`) on drop.
-struct Agent {
-    child: Child,
-    xproxy: PathBuf,
-    pin_path: PathBuf,
-}
-
-impl Agent {
-    fn start(xproxy: &Path, root: &Path, node: &Netns, pin_path: &Path) -> Result<Self> {
-        let seed = root.join("examples/seed");
-        let args = [
-            "run".into(),
-            "--config".into(),
-            seed.join("proxy.yaml").display().to_string(),
-            "--mode".into(),
-            "ebpf".into(),
-            "--manifests".into(),
-            seed.join("manifests").display().to_string(),
-            "--node-ip".into(),
-            NODE_IP.to_string(),
-            "--pin-path".into(),
-            pin_path.display().to_string(),
-        ];
-        step(&format!("starting the agent in the node: xproxy {}", args.join(" ")));
-        let child = node
-            .command(xproxy)?
-            .args(&args)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .spawn()
-            .context("starting xproxy")?;
-        Ok(Self { child, xproxy: xproxy.to_owned(), pin_path: pin_path.to_owned() })
-    }
-
-    fn status(&self) -> Result<String> {
-        netns::run(Command::new(&self.xproxy).arg("status").arg("--pin-path").arg(&self.pin_path))
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        // SIGTERM: the agent exits and leaves the data path; cleanup removes it.
-        // SAFETY: kill has no memory preconditions.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let _ = self.child.wait();
-        if let Err(e) = netns::run(Command::new(&self.xproxy).arg("cleanup").arg("--pin-path").arg(&self.pin_path)) {
-            eprintln!("warning: xproxy cleanup failed: {e:#}");
-        }
-    }
-}
-
-fn show_traffic(topo: &Topology, agent: &Agent) -> Result<()> {
+fn show_traffic(topo: &Topology, agent: &AgentProcess) -> Result<()> {
     let node_port = SocketAddrV4::new(NODE_IP, NODE_PORT);
     let cluster_ip = SocketAddrV4::new(CLUSTER_IP, PORT);
     wait_until_answering(&topo.client, node_port)?;

@@ -1,0 +1,80 @@
+//! An `xproxy` process running inside a node namespace, as the demo, the
+//! agent tests and the benchmarks start it.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+};
+
+use anyhow::{Context, Result};
+
+use crate::netns::{self, Netns};
+
+/// `xproxy run ARGS --pin-path PIN` in `node`'s network namespace (only the
+/// network namespace: the pins land on the host's bpffs). Dropping it
+/// stops the process (SIGTERM) and removes the data path (`xproxy cleanup`).
+pub struct AgentProcess {
+    child: Option<Child>,
+    xproxy: PathBuf,
+    pin_path: PathBuf,
+}
+
+impl AgentProcess {
+    /// Starts the agent; `args` follow `xproxy run` (without `--pin-path`).
+    /// Its output goes to `log` if given, else to this process's stderr.
+    pub fn start(xproxy: &Path, node: &Netns, pin_path: &Path, args: &[String], log: Option<&Path>) -> Result<Self> {
+        let mut cmd = node.command(xproxy)?;
+        cmd.arg("run").args(args).arg("--pin-path").arg(pin_path).stdin(Stdio::null());
+        if std::env::var_os("RUST_LOG").is_none() {
+            cmd.env("RUST_LOG", "info");
+        }
+        if let Some(log) = log {
+            let file = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+            cmd.stdout(file.try_clone()?).stderr(file);
+        }
+        let child = cmd.spawn().with_context(|| format!("starting {}", xproxy.display()))?;
+        Ok(Self { child: Some(child), xproxy: xproxy.to_owned(), pin_path: pin_path.to_owned() })
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    pub fn pin_path(&self) -> &Path {
+        &self.pin_path
+    }
+
+    /// `xproxy status` of this agent's data path.
+    pub fn status(&self) -> Result<String> {
+        netns::run(Command::new(&self.xproxy).arg("status").arg("--pin-path").arg(&self.pin_path))
+    }
+
+    /// Sends `signal` and waits for the process to end; the data path stays.
+    pub fn stop(&mut self, signal: i32) -> Result<std::process::ExitStatus> {
+        let mut child = self.child.take().context("the agent is not running")?;
+        // SAFETY: kill has no memory preconditions; the pid is our child's.
+        unsafe { libc::kill(child.id() as i32, signal) };
+        child.wait().context("waiting for the agent to exit")
+    }
+
+    /// Whether the process has exited (and with what).
+    pub fn try_exit_status(&mut self) -> Result<Option<std::process::ExitStatus>> {
+        match self.child.as_mut() {
+            Some(child) => Ok(child.try_wait()?),
+            None => Ok(None),
+        }
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        if self.child.is_some()
+            && let Err(e) = self.stop(libc::SIGTERM)
+        {
+            eprintln!("warning: stopping the agent: {e:#}");
+        }
+        if let Err(e) = netns::run(Command::new(&self.xproxy).arg("cleanup").arg("--pin-path").arg(&self.pin_path)) {
+            eprintln!("warning: xproxy cleanup failed: {e:#}");
+        }
+    }
+}
