@@ -9,10 +9,10 @@ use tracing::{info, warn};
 use super::{ExitCode, Failure, WithExitCode, is_root};
 use crate::{
     agent::Agent,
-    config::{self, Config, Mode, RunFlags, Source},
+    config::{self, Config, Mode, NodePortAddresses, RunFlags, Source},
     mode::{
         Dataplane,
-        ebpf::{EbpfMode, EbpfOptions},
+        ebpf::{EbpfMode, EbpfOptions, MissingInterface, NotBpffs},
     },
     reconcile::runner::{Reconciler, SyncPolicy},
     server::{Telemetry, bind_healthz, bind_metrics},
@@ -96,15 +96,20 @@ async fn start_mode(config: &Config) -> Result<Box<dyn Dataplane>, Failure> {
                     }
                 })
                 .collect();
+            let node_port_cidrs = match &config.node_port_addresses {
+                NodePortAddresses::Cidrs(cidrs) => Some(cidrs.clone()),
+                NodePortAddresses::All | NodePortAddresses::Primary => None,
+            };
             let options = EbpfOptions {
                 pin_path: config.pin_path.clone(),
                 node_ips,
                 interfaces: config.interfaces.clone(),
+                node_port_cidrs,
             };
             let mode = EbpfMode::start(&options).await.map_err(|e| {
-                let code = if format!("{e:#}").contains("does not exist") {
+                let code = if e.is::<MissingInterface>() {
                     ExitCode::NoInterface
-                } else if format!("{e:#}").contains("bpf filesystem") {
+                } else if e.is::<NotBpffs>() {
                     ExitCode::NoPrivileges
                 } else {
                     ExitCode::Error

@@ -20,6 +20,12 @@ use rtnetlink::{
 };
 use tokio::sync::mpsc;
 
+/// A named uplink that is not there (its own type, so the CLI can exit
+/// with a distinct code).
+#[derive(Debug, thiserror::Error)]
+#[error("interface {0} does not exist")]
+pub struct MissingInterface(pub String);
+
 /// An interface as far as attaching programs is concerned.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Interface {

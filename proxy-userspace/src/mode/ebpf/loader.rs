@@ -5,7 +5,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use aya::{
     Ebpf, EbpfLoader,
     programs::{
@@ -180,16 +180,21 @@ fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut aya::programs::
         .with_context(|| format!("program {name} missing from the eBPF object"))
 }
 
+/// The pin path is not on bpffs (its own type, so the CLI can exit with a
+/// distinct code).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{0} is not on a bpf filesystem: mount it (mount -t bpf bpf /sys/fs/bpf); note that `ip netns exec` \
+     mounts a fresh /sys without it, `nsenter --net=...` keeps it"
+)]
+pub struct NotBpffs(pub PathBuf);
+
 /// Pins only work on bpffs: say so plainly instead of failing later with
 /// EPERM or ENOENT.
 fn ensure_bpffs_dir(pin_path: &Path) -> Result<()> {
     let parent = pin_path.parent().unwrap_or(Path::new("/"));
     if !is_bpffs(parent)? && !is_bpffs(pin_path)? {
-        bail!(
-            "{} is not on a bpf filesystem: mount it (mount -t bpf bpf /sys/fs/bpf); note that \
-             `ip netns exec` mounts a fresh /sys without it, `nsenter --net=...` keeps it",
-            parent.display()
-        );
+        return Err(NotBpffs(parent.to_owned()).into());
     }
     fs::create_dir_all(pin_path).with_context(|| format!("creating pin directory {}", pin_path.display()))
 }

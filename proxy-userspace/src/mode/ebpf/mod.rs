@@ -14,8 +14,8 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail};
-pub use interfaces::Interface;
-pub use loader::{Datapath, Hook, LINKS_DIR};
+pub use interfaces::{Interface, MissingInterface};
+pub use loader::{Datapath, Hook, LINKS_DIR, NotBpffs};
 pub use maps::ServiceMaps;
 pub use object::object_bytes;
 use tracing::{info, warn};
@@ -27,10 +27,14 @@ use crate::{model::ServicePort, reconcile::Plan};
 #[derive(Clone, Debug)]
 pub struct EbpfOptions {
     pub pin_path: PathBuf,
-    /// Addresses NodePorts answer on; if empty, those of the uplinks.
+    /// The node's addresses: the uplinks carry them, NodePorts answer on
+    /// them. If empty, the addresses of the uplinks named in `interfaces`.
     pub node_ips: Vec<Ipv4Addr>,
     /// Uplinks by name; if empty, the interfaces carrying `node_ips`.
     pub interfaces: Vec<String>,
+    /// kube-proxy's nodePortAddresses as CIDRs: NodePorts answer on every
+    /// local IPv4 address inside them. `None`: on the node IPs.
+    pub node_port_cidrs: Option<Vec<crate::config::Cidr>>,
 }
 
 pub struct EbpfMode {
@@ -54,10 +58,14 @@ impl EbpfMode {
             bail!("the ebpf mode needs --node-ip or --interface to know the node's uplinks");
         }
         let uplinks = interfaces::uplinks(&all, &opts.interfaces, &opts.node_ips)?;
-        let node_ips = if opts.node_ips.is_empty() {
-            uplinks.iter().flat_map(|u| u.ipv4.iter().copied()).collect()
-        } else {
-            opts.node_ips.clone()
+        let node_ips: Vec<Ipv4Addr> = match &opts.node_port_cidrs {
+            Some(cidrs) => all
+                .iter()
+                .flat_map(|i| i.ipv4.iter().copied())
+                .filter(|ip| cidrs.iter().any(|c| c.contains((*ip).into())))
+                .collect(),
+            None if opts.node_ips.is_empty() => uplinks.iter().flat_map(|u| u.ipv4.iter().copied()).collect(),
+            None => opts.node_ips.clone(),
         };
         for uplink in &uplinks {
             datapath.attach(&uplink.name, Hook::Uplink)?;
