@@ -3,7 +3,10 @@
 //! Each translated flow has two entries. The forward entry is keyed by the
 //! client's tuple `client -> frontend` and pins the backend; the reply entry is
 //! keyed by the backend's reply tuple `backend -> client` and names the
-//! reverse NAT id that turns the reply's source back into the frontend.
+//! reverse NAT id that turns the reply's source back into the frontend. The
+//! key says which of the two it is: the same five numbers can be one flow's
+//! forward tuple and another flow's reply tuple (a pod that is a backend of
+//! one Service talks to another Service), and neither may overwrite the other.
 
 use core::net::Ipv4Addr;
 
@@ -22,18 +25,26 @@ pub struct CtKey {
     pub dport_be: u16,
     /// IP protocol number.
     pub proto: u8,
-    pub _pad: [u8; 3],
+    /// [`DIR_FORWARD`] or [`DIR_REPLY`].
+    pub dir: u8,
+    pub _pad: [u8; 2],
 }
 
+/// The key of a forward entry (`client -> frontend`).
+pub const DIR_FORWARD: u8 = 0;
+/// The key of a reply entry (`backend -> client`).
+pub const DIR_REPLY: u8 = 1;
+
 impl CtKey {
-    pub fn new(saddr: Ipv4Addr, sport: u16, daddr: Ipv4Addr, dport: u16, proto: u8) -> Self {
+    pub fn new(saddr: Ipv4Addr, sport: u16, daddr: Ipv4Addr, dport: u16, proto: u8, dir: u8) -> Self {
         Self {
             saddr_be: u32::from_ne_bytes(saddr.octets()),
             daddr_be: u32::from_ne_bytes(daddr.octets()),
             sport_be: sport.to_be(),
             dport_be: dport.to_be(),
             proto,
-            _pad: [0; 3],
+            dir,
+            _pad: [0; 2],
         }
     }
     pub fn saddr(&self) -> Ipv4Addr {
@@ -67,7 +78,7 @@ pub struct CtValue {
     pub _pad: [u8; 6],
 }
 
-/// This is the reply entry (`backend -> client`).
+/// This is the reply entry (`backend -> client`), as its key says too.
 pub const FLAG_REPLY: u8 = 1 << 0;
 
 pub const TCP_SYN: u8 = 1 << 0;

@@ -20,7 +20,8 @@ pub enum Verdict {
     DnatEstablished = 4,
     /// Reply from a backend: source rewritten back to the frontend.
     RevNat = 5,
-    /// Service without backends: answered with TCP RST / ICMP port unreachable.
+    /// Service without backends: answered with TCP RST / ICMP port
+    /// unreachable (a RST to it is passed untouched, never answered).
     RejectNoBackend = 6,
     /// The maps disagreed (slot or backend missing) or a kernel helper
     /// failed: passed untouched if nothing was rewritten yet, else dropped.

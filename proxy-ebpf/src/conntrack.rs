@@ -3,7 +3,7 @@
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use proxy_common::{
     CtKey, CtValue,
-    conntrack::{FLAG_REPLY, LAST_SEEN_GRANULARITY_NS, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+    conntrack::{DIR_FORWARD, DIR_REPLY, FLAG_REPLY, LAST_SEEN_GRANULARITY_NS, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
 };
 
 use crate::{
@@ -11,16 +11,17 @@ use crate::{
     parse::{Flow, TCP_FLAG_ACK, TCP_FLAG_FIN, TCP_FLAG_RST, TCP_FLAG_SYN},
 };
 
-/// The key of the packet's own direction.
+/// The key of the packet's own tuple, as an entry of direction `dir`.
 #[inline(always)]
-fn key_of(flow: &Flow) -> CtKey {
+fn key_of(flow: &Flow, dir: u8) -> CtKey {
     CtKey {
         saddr_be: flow.saddr_be,
         daddr_be: flow.daddr_be,
         sport_be: flow.sport_be,
         dport_be: flow.dport_be,
         proto: flow.proto,
-        _pad: [0; 3],
+        dir,
+        _pad: [0; 2],
     }
 }
 
@@ -61,10 +62,7 @@ fn touch(entry: *mut CtValue, flow: &Flow, now: u64) {
 /// The backend id of a tracked flow in the forward (client -> frontend) direction.
 #[inline(always)]
 pub fn forward_backend(flow: &Flow) -> Option<u32> {
-    let entry = CONNTRACK.get_ptr_mut(key_of(flow))?;
-    if unsafe { (*entry).flags } & FLAG_REPLY != 0 {
-        return None;
-    }
+    let entry = CONNTRACK.get_ptr_mut(key_of(flow, DIR_FORWARD))?;
     touch(entry, flow, unsafe { bpf_ktime_get_ns() });
     Some(unsafe { (*entry).backend_id })
 }
@@ -72,10 +70,7 @@ pub fn forward_backend(flow: &Flow) -> Option<u32> {
 /// The reverse NAT id of a tracked flow in the reply (backend -> client) direction.
 #[inline(always)]
 pub fn reply_rev_nat(flow: &Flow) -> Option<u32> {
-    let entry = CONNTRACK.get_ptr_mut(key_of(flow))?;
-    if unsafe { (*entry).flags } & FLAG_REPLY == 0 {
-        return None;
-    }
+    let entry = CONNTRACK.get_ptr_mut(key_of(flow, DIR_REPLY))?;
     touch(entry, flow, unsafe { bpf_ktime_get_ns() });
     Some(unsafe { (*entry).rev_nat_id })
 }
@@ -106,10 +101,11 @@ pub fn create(
         sport_be: backend_port_be,
         dport_be: flow.sport_be,
         proto: flow.proto,
-        _pad: [0; 3],
+        dir: DIR_REPLY,
+        _pad: [0; 2],
     };
     CONNTRACK.insert(&reply, &value, 0).map_err(|_| ())?;
     value.flags = 0;
     value.tcp_seen = tcp_bits(flow.tcp_flags);
-    CONNTRACK.insert(&key_of(flow), &value, 0).map_err(|_| ())
+    CONNTRACK.insert(&key_of(flow, DIR_FORWARD), &value, 0).map_err(|_| ())
 }

@@ -34,10 +34,11 @@ use crate::{
     service::{Outcome, Replies, process},
 };
 
-/// Node uplink, ingress: NodePort and external traffic, before an skb exists.
+/// Node uplink, ingress: NodePort and external traffic, before an skb
+/// exists; and replies of backends on other nodes.
 #[xdp]
 pub fn xdp_uplink(ctx: XdpContext) -> u32 {
-    match process(&Xdp(&ctx), Replies::Ignore) {
+    match process(&Xdp(&ctx), Replies::ReverseNat) {
         Outcome::Pass | Outcome::Translated | Outcome::ReverseTranslated => xdp_action::XDP_PASS,
         Outcome::Reply => xdp_action::XDP_TX,
         Outcome::Drop => xdp_action::XDP_DROP,
@@ -76,12 +77,11 @@ pub fn tc_egress(ctx: TcContext) -> i32 {
     tc.pull_headers();
     match process(&tc, Replies::Ignore) {
         Outcome::Pass | Outcome::ReverseTranslated => TC_ACT_OK,
+        // Without a route to the backend, the packet leaves where the
+        // kernel had routed it (a gateway may know the way).
         Outcome::Translated => match context::route_ifindex(&ctx) {
             Some(ifindex) => unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) as i32 },
-            None => {
-                stats::count(tc.frame_len(), proxy_common::Verdict::Error);
-                TC_ACT_SHOT
-            }
+            None => TC_ACT_OK,
         },
         // Up the node's own stack, as if the answer had arrived on the uplink.
         Outcome::Reply => unsafe { bpf_redirect((*ctx.skb.skb).ifindex, BPF_F_INGRESS as u64) as i32 },

@@ -24,7 +24,11 @@ impl AgentProcess {
     /// Its output goes to `log` if given, else to this process's stderr.
     pub fn start(xproxy: &Path, node: &Netns, pin_path: &Path, args: &[String], log: Option<&Path>) -> Result<Self> {
         let mut cmd = node.command(xproxy)?;
-        cmd.arg("run").args(args).arg("--pin-path").arg(pin_path).stdin(Stdio::null());
+        cmd.arg("run")
+            .args(args)
+            .arg("--pin-path")
+            .arg(pin_path)
+            .stdin(Stdio::null());
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "info");
         }
@@ -33,7 +37,11 @@ impl AgentProcess {
             cmd.stdout(file.try_clone()?).stderr(file);
         }
         let child = cmd.spawn().with_context(|| format!("starting {}", xproxy.display()))?;
-        Ok(Self { child: Some(child), xproxy: xproxy.to_owned(), pin_path: pin_path.to_owned() })
+        Ok(Self {
+            child: Some(child),
+            xproxy: xproxy.to_owned(),
+            pin_path: pin_path.to_owned(),
+        })
     }
 
     pub fn pid(&self) -> Option<u32> {
@@ -46,7 +54,12 @@ impl AgentProcess {
 
     /// `xproxy status` of this agent's data path.
     pub fn status(&self) -> Result<String> {
-        netns::run(Command::new(&self.xproxy).arg("status").arg("--pin-path").arg(&self.pin_path))
+        netns::run(
+            Command::new(&self.xproxy)
+                .arg("status")
+                .arg("--pin-path")
+                .arg(&self.pin_path),
+        )
     }
 
     /// Sends `signal` and waits for the process to end; the data path stays.
@@ -73,7 +86,12 @@ impl Drop for AgentProcess {
         {
             eprintln!("warning: stopping the agent: {e:#}");
         }
-        if let Err(e) = netns::run(Command::new(&self.xproxy).arg("cleanup").arg("--pin-path").arg(&self.pin_path)) {
+        if let Err(e) = netns::run(
+            Command::new(&self.xproxy)
+                .arg("cleanup")
+                .arg("--pin-path")
+                .arg(&self.pin_path),
+        ) {
             eprintln!("warning: xproxy cleanup failed: {e:#}");
         }
     }

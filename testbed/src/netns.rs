@@ -204,6 +204,15 @@ impl Netns {
         Ok(())
     }
 
+    /// Starts a TCP echo server on `0.0.0.0:port` inside the namespace for
+    /// long-lived connections (see [`Server::tcp_echo`]); it is stopped
+    /// when the namespace is dropped.
+    pub fn serve_tcp_echo(&self, port: u16) -> Result<()> {
+        let server = Server::tcp_echo(self, port)?;
+        self.servers.lock().unwrap_or_else(|e| e.into_inner()).push(server);
+        Ok(())
+    }
+
     /// Starts a UDP server on `0.0.0.0:port` inside the namespace that
     /// answers every datagram with `reply` (see [`Server::udp`]); it is
     /// stopped when the namespace is dropped.
@@ -378,6 +387,32 @@ impl Server {
         )
     }
 
+    /// A TCP echo server on `0.0.0.0:port` in `ns`: every connection gets a
+    /// thread of its own that sends back whatever it receives until the
+    /// client closes, so many long-lived connections are served at once.
+    /// Stopping the server closes them all. Returns once the socket is
+    /// listening.
+    pub fn tcp_echo(ns: &Netns, port: u16) -> Result<Self> {
+        let what = format!("tcp echo@{}:{port}", ns.name());
+        let mut connections = EchoConnections::default();
+        Self::spawn(
+            ns,
+            what.clone(),
+            move || {
+                let listener = TcpListener::bind((Ipv4Addr::UNSPECIFIED, port))?;
+                listener.set_nonblocking(true)?;
+                Ok(listener)
+            },
+            // The closure owns the connection threads: when the server's
+            // thread ends, dropping it stops and joins them.
+            move |listener: &TcpListener| match listener.accept() {
+                Ok((stream, _)) => connections.add(stream, &what),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => eprintln!("{what}: accept: {e}"),
+            },
+        )
+    }
+
     /// A UDP server on `0.0.0.0:port` in `ns` that answers every datagram
     /// with `reply` and a newline. Returns once the socket is bound.
     pub fn udp(ns: &Netns, port: u16, reply: &str) -> Result<Self> {
@@ -475,6 +510,60 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// The connection threads of an echo server; dropping it stops and joins them.
+#[derive(Default)]
+struct EchoConnections {
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl EchoConnections {
+    fn add(&mut self, stream: TcpStream, what: &str) {
+        self.threads.retain(|t| !t.is_finished());
+        let stop = self.stop.clone();
+        let spawned = std::thread::Builder::new()
+            .name("tcp echo conn".into())
+            .spawn(move || echo_tcp(stream, &stop));
+        match spawned {
+            Ok(thread) => self.threads.push(thread),
+            Err(e) => eprintln!("{what}: spawning a connection thread: {e}"),
+        }
+    }
+}
+
+impl Drop for EchoConnections {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Echoes until the peer closes, an error, or `stop`.
+fn echo_tcp(mut stream: TcpStream, stop: &AtomicBool) {
+    let setup = stream
+        .set_nonblocking(false)
+        .and_then(|()| stream.set_read_timeout(Some(Duration::from_millis(SERVER_POLL_MS as u64 * 5))))
+        .and_then(|()| stream.set_write_timeout(Some(SERVER_IO_TIMEOUT)));
+    if setup.is_err() {
+        return;
+    }
+    let mut buf = [0u8; 4096];
+    while !stop.load(Ordering::Relaxed) {
+        match stream.read(&mut buf) {
+            Ok(0) => return,
+            Ok(n) => {
+                if stream.write_all(&buf[..n]).is_err() {
+                    return;
+                }
+            }
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
+            Err(_) => return,
+        }
     }
 }
 

@@ -110,12 +110,23 @@ impl Topology {
             node.ethtool_k(&pod.node_if, "tx", tx_on)?;
             pod.ns.ethtool_k("eth0", "tx", tx_on)?;
         }
-        Ok(Self { backends, client_pod, node, uplink, client, client_if })
+        Ok(Self {
+            backends,
+            client_pod,
+            node,
+            uplink,
+            client,
+            client_if,
+        })
     }
 
     /// The node-side ends of every pod's veth.
     pub fn pod_ifs(&self) -> Vec<String> {
-        self.backends.iter().chain([&self.client_pod]).map(|p| p.node_if.clone()).collect()
+        self.backends
+            .iter()
+            .chain([&self.client_pod])
+            .map(|p| p.node_if.clone())
+            .collect()
     }
 }
 

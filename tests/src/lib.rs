@@ -7,6 +7,8 @@
 //! a broken environment and so fails instead.
 
 pub mod apiserver;
+pub mod frame;
+pub mod testrun;
 
 // The namespace test bed is shared with `cargo xtask demo` and the benchmarks.
 pub use testbed::{netns, privileged, topology};

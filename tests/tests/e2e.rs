@@ -62,7 +62,12 @@ impl Cluster {
     fn build(offloads: Offloads, with_datapath: bool) -> Result<Self> {
         let topo = Topology::build(offloads)?;
         topo.node.serve_tcp(NODE_SERVER_PORT, "node")?;
-        let mut cluster = Self { datapath: None, maps: None, pins: PinDir::new(), topo };
+        let mut cluster = Self {
+            datapath: None,
+            maps: None,
+            pins: PinDir::new(),
+            topo,
+        };
         if with_datapath {
             cluster.attach_datapath()?;
         }
@@ -446,7 +451,9 @@ fn seed_scenario(test: &str, offloads: Offloads) {
         );
         checks.check(
             &format!("{p} node process -> {cluster_ip} reaches all backends"),
-            cluster.with_verdicts(&translated, || expect_all_backends(&cluster.topo.node, protocol, cluster_ip)),
+            cluster.with_verdicts(&translated, || {
+                expect_all_backends(&cluster.topo.node, protocol, cluster_ip)
+            }),
         );
     }
 
@@ -457,7 +464,9 @@ fn seed_scenario(test: &str, offloads: Offloads) {
         let p = proto_name(protocol);
         checks.check(
             &format!("{p} client -> NODE_IP:{EMPTY_NODE_PORT} (no endpoints) is refused"),
-            cluster.with_verdicts(&rejected, || expect_refused(&cluster.topo.client, protocol, empty_node_port)),
+            cluster.with_verdicts(&rejected, || {
+                expect_refused(&cluster.topo.client, protocol, empty_node_port)
+            }),
         );
         checks.check(
             &format!("{p} client pod -> {empty_cluster_ip} (no endpoints) is refused"),
@@ -467,7 +476,9 @@ fn seed_scenario(test: &str, offloads: Offloads) {
         );
         checks.check(
             &format!("{p} node process -> {empty_cluster_ip} (no endpoints) is refused"),
-            cluster.with_verdicts(&rejected, || expect_refused(&cluster.topo.node, protocol, empty_cluster_ip)),
+            cluster.with_verdicts(&rejected, || {
+                expect_refused(&cluster.topo.node, protocol, empty_cluster_ip)
+            }),
         );
     }
 
@@ -567,14 +578,18 @@ fn harness_topology_routes_without_datapath() {
     );
     checks.check(
         "GRO is on at the client end of the uplink",
-        cluster.topo.client.ethtool_features(&cluster.topo.client_if).and_then(|f| {
-            ensure!(
-                f.contains("generic-receive-offload: on"),
-                "ethtool -k {}:\n{f}",
-                cluster.topo.client_if
-            );
-            Ok("generic-receive-offload: on".into())
-        }),
+        cluster
+            .topo
+            .client
+            .ethtool_features(&cluster.topo.client_if)
+            .and_then(|f| {
+                ensure!(
+                    f.contains("generic-receive-offload: on"),
+                    "ethtool -k {}:\n{f}",
+                    cluster.topo.client_if
+                );
+                Ok("generic-receive-offload: on".into())
+            }),
     );
     // Nothing listens on the empty Service's node port: the node's kernel
     // itself refuses (a baseline for the checks with the programs).
@@ -599,7 +614,10 @@ fn harness_cleans_up_after_a_panic() {
     let names = std::sync::Mutex::new(Vec::new());
     let outcome = std::panic::catch_unwind(|| {
         let cluster = Cluster::build(Offloads::TxOff, false).expect("building the test bed");
-        let mut all = vec![cluster.topo.client.name().to_owned(), cluster.topo.node.name().to_owned()];
+        let mut all = vec![
+            cluster.topo.client.name().to_owned(),
+            cluster.topo.node.name().to_owned(),
+        ];
         all.extend(
             cluster
                 .topo

@@ -55,7 +55,11 @@ pub fn demo(root: &Path) -> Result<()> {
         "--node-ip".into(),
         NODE_IP.to_string(),
     ];
-    step(&format!("starting the agent in the node: xproxy run {} --pin-path {}", args.join(" "), pin_path.display()));
+    step(&format!(
+        "starting the agent in the node: xproxy run {} --pin-path {}",
+        args.join(" "),
+        pin_path.display()
+    ));
     let agent = AgentProcess::start(&xproxy, &topo.node, &pin_path, &args, None)?;
 
     let result = show_traffic(&topo, &agent);
@@ -70,8 +74,12 @@ fn step(what: &str) {
 
 fn build_agent(root: &Path) -> Result<PathBuf> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    command::run(Command::new(cargo).current_dir(root).args(["build", "--release", "-p", "proxy-userspace"]))
-        .context("building xproxy")?;
+    command::run(
+        Command::new(cargo)
+            .current_dir(root)
+            .args(["build", "--release", "-p", "proxy-userspace"]),
+    )
+    .context("building xproxy")?;
     Ok(root.join("target/release/xproxy"))
 }
 
@@ -88,7 +96,11 @@ fn show_traffic(topo: &Topology, agent: &AgentProcess) -> Result<()> {
     let mut failures = 0;
     for (who, ns, addr) in paths {
         step(&format!("{REQUESTS} requests from {who} to {addr}"));
-        let answers = ns.run_in(|| (0..REQUESTS).map(|_| netns::tcp_request(addr, TIMEOUT)).collect::<Vec<_>>())?;
+        let answers = ns.run_in(|| {
+            (0..REQUESTS)
+                .map(|_| netns::tcp_request(addr, TIMEOUT))
+                .collect::<Vec<_>>()
+        })?;
         for (i, answer) in answers.iter().enumerate() {
             match answer {
                 Ok(pod) => println!("  request {:>2}: answered by {pod}", i + 1),
@@ -110,7 +122,10 @@ fn show_traffic(topo: &Topology, agent: &AgentProcess) -> Result<()> {
 fn wait_until_answering(client: &Netns, addr: SocketAddrV4) -> Result<()> {
     let started = Instant::now();
     netns::wait_for("the seed Service to answer through its NodePort", READY_WITHIN, || {
-        client.run_in(|| netns::tcp_request(addr, Duration::from_millis(300))).map_err(|e| e.to_string())?.map_err(|e| e.to_string())
+        client
+            .run_in(|| netns::tcp_request(addr, Duration::from_millis(300)))
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())
     })?;
     println!("  programmed and answering after {:?}", started.elapsed());
     Ok(())

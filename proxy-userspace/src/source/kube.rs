@@ -53,7 +53,10 @@ pub fn spawn(client: Client, node_name: &str, events: mpsc::Sender<SourceEvent>)
     let slices = Api::<EndpointSlice>::all(client.clone());
     let nodes = Api::<Node>::all(client);
     tokio::spawn(forward(
-        watcher(nodes, watcher::Config::default().fields(&format!("metadata.name={node_name}"))),
+        watcher(
+            nodes,
+            watcher::Config::default().fields(&format!("metadata.name={node_name}")),
+        ),
         events.clone(),
         SourceEvent::Node,
     ));

@@ -70,9 +70,9 @@ pub struct ServiceMaps {
     backend_refs: StdHashMap<(Ipv4Addr, u16, u8), (u32, u32)>,
     /// backend id -> (ip, port, proto), the reverse of `backend_refs`.
     backend_addrs: StdHashMap<u32, (Ipv4Addr, u16, u8)>,
-    used_backend_ids: BTreeSet<u32>,
-    used_set_ids: BTreeSet<u32>,
-    used_rev_nat_ids: BTreeSet<u32>,
+    backend_ids: IdAllocator,
+    set_ids: IdAllocator,
+    rev_nat_ids: IdAllocator,
     /// Map updates and deletes issued so far (a sync that finds everything
     /// in place adds none).
     writes: u64,
@@ -103,9 +103,9 @@ impl ServiceMaps {
             names: BTreeMap::new(),
             backend_refs: StdHashMap::new(),
             backend_addrs: StdHashMap::new(),
-            used_backend_ids: BTreeSet::new(),
-            used_set_ids: BTreeSet::new(),
-            used_rev_nat_ids: BTreeSet::new(),
+            backend_ids: IdAllocator::default(),
+            set_ids: IdAllocator::default(),
+            rev_nat_ids: IdAllocator::default(),
             writes: 0,
         };
         this.reserve_ids_in_use()?;
@@ -173,13 +173,13 @@ impl ServiceMaps {
     /// handed out again, so a new write cannot alias an entry still in use.
     fn reserve_ids_in_use(&mut self) -> Result<()> {
         for id in self.backends.keys() {
-            self.used_backend_ids.insert(id?);
+            self.backend_ids.reserve(id?);
         }
         for id in self.rev_nat.keys() {
-            self.used_rev_nat_ids.insert(id?);
+            self.rev_nat_ids.reserve(id?);
         }
         for key in self.slots.keys() {
-            self.used_set_ids.insert(key?.backend_set);
+            self.set_ids.reserve(key?.backend_set);
         }
         Ok(())
     }
@@ -304,7 +304,7 @@ impl ServiceMaps {
             .collect();
         for key in orphan_slots {
             self.writes += remove_if_present(&mut self.slots, &key)?;
-            self.used_set_ids.remove(&key.backend_set);
+            self.set_ids.release(key.backend_set);
         }
         let orphan_backends: Vec<u32> = self
             .backends
@@ -314,7 +314,7 @@ impl ServiceMaps {
             .collect();
         for id in orphan_backends {
             self.writes += remove_if_present(&mut self.backends, &id)?;
-            self.used_backend_ids.remove(&id);
+            self.backend_ids.release(id);
         }
         let orphan_rev_nats: Vec<u32> = self
             .rev_nat
@@ -324,7 +324,7 @@ impl ServiceMaps {
             .collect();
         for id in orphan_rev_nats {
             self.writes += remove_if_present(&mut self.rev_nat, &id)?;
-            self.used_rev_nat_ids.remove(&id);
+            self.rev_nat_ids.release(id);
         }
         Ok(())
     }
@@ -470,7 +470,7 @@ impl ServiceMaps {
     }
 
     fn write_backend_set(&mut self, backends: &[u32]) -> Result<u32> {
-        let set = next_free(&mut self.used_set_ids)?;
+        let set = self.set_ids.allocate()?;
         for (slot, id) in backends.iter().enumerate() {
             let key = BackendSlotKey {
                 backend_set: set,
@@ -486,12 +486,12 @@ impl ServiceMaps {
         for slot in 0..len as u32 {
             self.writes += remove_if_present(&mut self.slots, &BackendSlotKey { backend_set: set, slot })?;
         }
-        self.used_set_ids.remove(&set);
+        self.set_ids.release(set);
         Ok(())
     }
 
     fn new_rev_nat(&mut self, key: ServiceKey) -> Result<u32> {
-        let id = next_free(&mut self.used_rev_nat_ids)?;
+        let id = self.rev_nat_ids.allocate()?;
         let value = RevNat {
             addr_be: key.addr_be,
             port_be: key.port_be,
@@ -507,7 +507,7 @@ impl ServiceMaps {
     fn remove_frontend(&mut self, key: ServiceKey, rev_nat_id: u32) -> Result<()> {
         self.writes += remove_if_present(&mut self.services, &key)?;
         self.writes += remove_if_present(&mut self.rev_nat, &rev_nat_id)?;
-        self.used_rev_nat_ids.remove(&rev_nat_id);
+        self.rev_nat_ids.release(rev_nat_id);
         Ok(())
     }
 
@@ -516,7 +516,7 @@ impl ServiceMaps {
             *refs += 1;
             return Ok(*id);
         }
-        let id = next_free(&mut self.used_backend_ids)?;
+        let id = self.backend_ids.allocate()?;
         self.backends
             .insert(id, Backend::new(addr, port, proto), 0)
             .context("writing a backend")?;
@@ -538,7 +538,7 @@ impl ServiceMaps {
             self.backend_refs.remove(&addr_key);
             self.backend_addrs.remove(&id);
             self.writes += remove_if_present(&mut self.backends, &id)?;
-            self.used_backend_ids.remove(&id);
+            self.backend_ids.release(id);
         }
         Ok(())
     }
@@ -554,17 +554,42 @@ fn usable_endpoints(endpoints: &[Endpoint]) -> Vec<&Endpoint> {
     endpoints.iter().filter(|e| e.serving && e.terminating).collect()
 }
 
-/// The smallest id >= 1 not in `used`, marked used.
-fn next_free(used: &mut BTreeSet<u32>) -> Result<u32> {
-    let mut candidate = 1u32;
-    for &id in used.range(1..) {
-        if id != candidate {
-            break;
-        }
-        candidate = candidate.checked_add(1).context("id space exhausted")?;
+/// Hands out map ids (backends, backend sets, reverse NAT entries).
+///
+/// Ids move forward and wrap only after 2^32 - 1 of them: a freed id is not
+/// handed out again soon, because conntrack entries of old flows may still
+/// name it, and such a flow must not land on whatever got the id next.
+#[derive(Clone, Debug, Default)]
+struct IdAllocator {
+    used: BTreeSet<u32>,
+    /// The next candidate (0 is never an id).
+    next: u32,
+}
+
+impl IdAllocator {
+    /// Marks an id found in the maps as taken; allocation continues after
+    /// the highest one seen.
+    fn reserve(&mut self, id: u32) {
+        self.used.insert(id);
+        self.next = self.next.max(id.wrapping_add(1));
     }
-    used.insert(candidate);
-    Ok(candidate)
+
+    fn allocate(&mut self) -> Result<u32> {
+        if self.used.len() >= u32::MAX as usize {
+            bail!("id space exhausted");
+        }
+        loop {
+            let id = self.next.max(1);
+            self.next = id.wrapping_add(1);
+            if self.used.insert(id) {
+                return Ok(id);
+            }
+        }
+    }
+
+    fn release(&mut self, id: u32) {
+        self.used.remove(&id);
+    }
 }
 
 /// Deletes `key`; 1 if it was there, 0 if not.
@@ -582,12 +607,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn next_free_fills_holes_first() {
-        let mut used = BTreeSet::from([1, 2, 4]);
-        assert_eq!(next_free(&mut used).unwrap(), 3);
-        assert_eq!(next_free(&mut used).unwrap(), 5);
-        let mut empty = BTreeSet::new();
-        assert_eq!(next_free(&mut empty).unwrap(), 1);
+    fn freed_ids_are_not_handed_out_again_soon() {
+        let mut ids = IdAllocator::default();
+        assert_eq!(ids.allocate().unwrap(), 1);
+        assert_eq!(ids.allocate().unwrap(), 2);
+        ids.release(1);
+        assert_eq!(ids.allocate().unwrap(), 3, "a freed id may still be named by old flows");
+    }
+
+    #[test]
+    fn ids_found_in_the_maps_are_skipped_and_allocation_wraps_past_them() {
+        let mut ids = IdAllocator::default();
+        ids.reserve(7);
+        assert_eq!(ids.allocate().unwrap(), 8);
+        let mut ids = IdAllocator {
+            next: u32::MAX,
+            ..Default::default()
+        };
+        ids.reserve(1);
+        assert_eq!(ids.allocate().unwrap(), u32::MAX);
+        assert_eq!(ids.allocate().unwrap(), 2, "wraps to the smallest free id, never 0");
     }
 
     #[test]

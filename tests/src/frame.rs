@@ -1,0 +1,917 @@
+//! Frames for packet tests: a builder, a checksum checker and a strict parser
+//! of the data path's input policy.
+//!
+//! Everything here is independent of xproxy's own code: headers are written
+//! and checksums computed by the `etherparse` crate, so a test compares the
+//! programs' output against a second implementation, not against itself.
+//!
+//! - [`Frame`] describes a frame field by field (Ethernet, optional VLAN
+//!   tags, IPv4 with every field settable including invalid values, TCP / UDP
+//!   / ICMP or raw bytes) and [`Frame::build`]s it with correct checksums.
+//! - [`check`] parses an output frame and verifies every checksum in it.
+//! - [`parse_strict`] applies the programs' malformed-input policy and says
+//!   whether a frame is a fully parsed IPv4 TCP/UDP flow.
+//! - [`expected_rst`] and [`expected_port_unreachable`] build the answers the
+//!   programs must send for a Service without backends.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use etherparse::{
+    EtherType, Ethernet2Header, IcmpEchoHeader, Icmpv4Header, Icmpv4Type, IpDscp, IpEcn, IpFragOffset, IpNumber,
+    Ipv4Header, Ipv4Options, SingleVlanHeader, TcpHeader, UdpHeader, VlanId, VlanPcp, checksum::Sum16BitWords,
+    icmpv4::DestUnreachableHeader,
+};
+
+/// TCP flag bits as in byte 13 of the TCP header.
+pub mod tcp_flags {
+    pub const FIN: u8 = 0x01;
+    pub const SYN: u8 = 0x02;
+    pub const RST: u8 = 0x04;
+    pub const PSH: u8 = 0x08;
+    pub const ACK: u8 = 0x10;
+    pub const URG: u8 = 0x20;
+}
+
+pub const ETH_HLEN: usize = 14;
+pub const ETHERTYPE_IPV4: u16 = 0x0800;
+pub const ETHERTYPE_ARP: u16 = 0x0806;
+pub const ETHERTYPE_IPV6: u16 = 0x86dd;
+pub const ETHERTYPE_VLAN: u16 = 0x8100;
+pub const ETHERTYPE_QINQ: u16 = 0x88a8;
+
+/// The MAC addresses test frames use by default (locally administered).
+pub const MAC_CLIENT: [u8; 6] = [0x02, 0x00, 0x00, 0x00, 0x00, 0x01];
+pub const MAC_NODE: [u8; 6] = [0x02, 0x00, 0x00, 0x00, 0x00, 0x02];
+
+/// One Ethernet frame, described field by field. Fields left at their
+/// defaults describe a valid frame; the `Option` overrides write values that
+/// are otherwise derived (and can be invalid on purpose).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Frame {
+    pub eth_src: [u8; 6],
+    pub eth_dst: [u8; 6],
+    /// VLAN tags, outermost first, as (TPID, VLAN id).
+    pub vlans: Vec<(u16, u16)>,
+    pub net: Net,
+    /// Bytes after the network packet (Ethernet padding or trailer).
+    pub padding: Vec<u8>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Net {
+    Ipv4(Ipv4),
+    /// Anything else, written as given after the ether type.
+    Raw {
+        ether_type: u16,
+        payload: Vec<u8>,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ipv4 {
+    pub src: Ipv4Addr,
+    pub dst: Ipv4Addr,
+    /// DSCP and ECN, as the second header byte.
+    pub tos: u8,
+    pub id: u16,
+    pub df: bool,
+    pub mf: bool,
+    /// Fragment offset in 8-byte units (13 bits).
+    pub frag_offset: u16,
+    pub ttl: u8,
+    /// Raw options, a multiple of 4 bytes, at most 40.
+    pub options: Vec<u8>,
+    /// Overrides the version nibble (4).
+    pub version: Option<u8>,
+    /// Overrides the IHL nibble (5 + options / 4); the bytes written stay the same.
+    pub ihl: Option<u8>,
+    /// Overrides the total length (header + L4).
+    pub tot_len: Option<u16>,
+    /// Overrides the protocol number derived from `l4`.
+    pub proto: Option<u8>,
+    pub l4: L4,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum L4 {
+    Tcp(Tcp),
+    Udp(Udp),
+    Icmp(Icmp),
+    /// Raw bytes under the given protocol number.
+    Raw {
+        proto: u8,
+        bytes: Vec<u8>,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tcp {
+    pub sport: u16,
+    pub dport: u16,
+    pub seq: u32,
+    pub ack: u32,
+    /// [`tcp_flags`] bits.
+    pub flags: u8,
+    pub window: u16,
+    pub urgent: u16,
+    /// Raw options, a multiple of 4 bytes, at most 40.
+    pub options: Vec<u8>,
+    pub payload: Vec<u8>,
+    /// Overrides the data offset nibble (5 + options / 4); the checksum is
+    /// computed over the bytes as written.
+    pub data_offset: Option<u8>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Udp {
+    pub sport: u16,
+    pub dport: u16,
+    pub payload: Vec<u8>,
+    /// Sends checksum 0 ("none").
+    pub zero_checksum: bool,
+    /// Overrides the length field (8 + payload); the checksum is computed
+    /// with the value written.
+    pub length: Option<u16>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Icmp {
+    pub icmp_type: Icmpv4Type,
+    pub payload: Vec<u8>,
+}
+
+impl Ipv4 {
+    fn new(src: Ipv4Addr, dst: Ipv4Addr, l4: L4) -> Self {
+        Self {
+            src,
+            dst,
+            tos: 0,
+            id: 0x1234,
+            df: true,
+            mf: false,
+            frag_offset: 0,
+            ttl: 63,
+            options: Vec::new(),
+            version: None,
+            ihl: None,
+            tot_len: None,
+            proto: None,
+            l4,
+        }
+    }
+}
+
+impl Frame {
+    fn ipv4(ip: Ipv4) -> Self {
+        Self {
+            eth_src: MAC_CLIENT,
+            eth_dst: MAC_NODE,
+            vlans: Vec::new(),
+            net: Net::Ipv4(ip),
+            padding: Vec::new(),
+        }
+    }
+
+    /// A TCP segment with the given [`tcp_flags`], no options, no payload.
+    pub fn tcp(src: SocketAddrV4, dst: SocketAddrV4, flags: u8) -> Self {
+        let tcp = Tcp {
+            sport: src.port(),
+            dport: dst.port(),
+            seq: 0x1000_0000,
+            ack: if flags & tcp_flags::ACK != 0 { 0x2000_0000 } else { 0 },
+            flags,
+            window: 64240,
+            urgent: 0,
+            options: Vec::new(),
+            payload: Vec::new(),
+            data_offset: None,
+        };
+        Self::ipv4(Ipv4::new(*src.ip(), *dst.ip(), L4::Tcp(tcp)))
+    }
+
+    /// A UDP datagram with a checksum.
+    pub fn udp(src: SocketAddrV4, dst: SocketAddrV4, payload: &[u8]) -> Self {
+        let udp = Udp {
+            sport: src.port(),
+            dport: dst.port(),
+            payload: payload.to_vec(),
+            zero_checksum: false,
+            length: None,
+        };
+        Self::ipv4(Ipv4::new(*src.ip(), *dst.ip(), L4::Udp(udp)))
+    }
+
+    /// An ICMP echo request.
+    pub fn icmp_echo(src: Ipv4Addr, dst: Ipv4Addr) -> Self {
+        let icmp = Icmp {
+            icmp_type: Icmpv4Type::EchoRequest(IcmpEchoHeader { id: 0x4242, seq: 1 }),
+            payload: b"ping".to_vec(),
+        };
+        Self::ipv4(Ipv4::new(src, dst, L4::Icmp(icmp)))
+    }
+
+    /// An ARP request (who has `target`, tell `sender`).
+    pub fn arp_request(sender: Ipv4Addr, target: Ipv4Addr) -> Self {
+        let mut payload = vec![0, 1, 8, 0, 6, 4, 0, 1];
+        payload.extend_from_slice(&MAC_CLIENT);
+        payload.extend_from_slice(&sender.octets());
+        payload.extend_from_slice(&[0; 6]);
+        payload.extend_from_slice(&target.octets());
+        Self {
+            eth_src: MAC_CLIENT,
+            eth_dst: [0xff; 6],
+            vlans: Vec::new(),
+            net: Net::Raw {
+                ether_type: ETHERTYPE_ARP,
+                payload,
+            },
+            padding: Vec::new(),
+        }
+    }
+
+    /// An IPv6 UDP datagram whose last 4 address bytes and ports mimic `dst`
+    /// (so a program that ignored the ether type might mistake it for one).
+    pub fn ipv6_udp(dst: SocketAddrV4) -> Self {
+        let mut payload = vec![0x60, 0, 0, 0, 0, 8, 17, 64];
+        payload.extend_from_slice(&[0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 10, 244, 1, 5]);
+        payload.extend_from_slice(&[0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        payload.extend_from_slice(&dst.ip().octets());
+        payload.extend_from_slice(&40000u16.to_be_bytes());
+        payload.extend_from_slice(&dst.port().to_be_bytes());
+        payload.extend_from_slice(&[0, 8, 0, 0]);
+        Self {
+            eth_src: MAC_CLIENT,
+            eth_dst: MAC_NODE,
+            vlans: Vec::new(),
+            net: Net::Raw {
+                ether_type: ETHERTYPE_IPV6,
+                payload,
+            },
+            padding: Vec::new(),
+        }
+    }
+
+    pub fn ip(&self) -> &Ipv4 {
+        match &self.net {
+            Net::Ipv4(ip) => ip,
+            Net::Raw { .. } => panic!("not an IPv4 frame: {self:?}"),
+        }
+    }
+
+    pub fn ip_mut(&mut self) -> &mut Ipv4 {
+        match &mut self.net {
+            Net::Ipv4(ip) => ip,
+            Net::Raw { .. } => panic!("not an IPv4 frame"),
+        }
+    }
+
+    pub fn tcp_mut(&mut self) -> &mut Tcp {
+        match &mut self.ip_mut().l4 {
+            L4::Tcp(tcp) => tcp,
+            _ => panic!("not a TCP frame"),
+        }
+    }
+
+    pub fn udp_mut(&mut self) -> &mut Udp {
+        match &mut self.ip_mut().l4 {
+            L4::Udp(udp) => udp,
+            _ => panic!("not a UDP frame"),
+        }
+    }
+
+    /// Changes the IPv4 header in place (builder style).
+    pub fn with_ip(mut self, f: impl FnOnce(&mut Ipv4)) -> Self {
+        f(self.ip_mut());
+        self
+    }
+
+    /// Changes the TCP header in place (builder style).
+    pub fn with_tcp(mut self, f: impl FnOnce(&mut Tcp)) -> Self {
+        f(self.tcp_mut());
+        self
+    }
+
+    /// Changes the UDP header in place (builder style).
+    pub fn with_udp(mut self, f: impl FnOnce(&mut Udp)) -> Self {
+        f(self.udp_mut());
+        self
+    }
+
+    pub fn with_vlan(mut self, tpid: u16, vlan_id: u16) -> Self {
+        self.vlans.push((tpid, vlan_id));
+        self
+    }
+
+    pub fn with_padding(mut self, padding: &[u8]) -> Self {
+        self.padding = padding.to_vec();
+        self
+    }
+
+    /// The source address and port (TCP / UDP only).
+    pub fn src(&self) -> SocketAddrV4 {
+        let ip = self.ip();
+        SocketAddrV4::new(ip.src, ports(&ip.l4).0)
+    }
+
+    /// The destination address and port (TCP / UDP only).
+    pub fn dst(&self) -> SocketAddrV4 {
+        let ip = self.ip();
+        SocketAddrV4::new(ip.dst, ports(&ip.l4).1)
+    }
+
+    /// The same frame with another destination address and port.
+    pub fn with_dst(mut self, dst: SocketAddrV4) -> Self {
+        let ip = self.ip_mut();
+        ip.dst = *dst.ip();
+        *ports_mut(&mut ip.l4).1 = dst.port();
+        self
+    }
+
+    /// The same frame with another source address and port.
+    pub fn with_src(mut self, src: SocketAddrV4) -> Self {
+        let ip = self.ip_mut();
+        ip.src = *src.ip();
+        *ports_mut(&mut ip.l4).0 = src.port();
+        self
+    }
+
+    /// The on-the-wire bytes, checksums computed by etherparse.
+    pub fn build(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(128);
+        let net_type = match &self.net {
+            Net::Ipv4(_) => ETHERTYPE_IPV4,
+            Net::Raw { ether_type, .. } => *ether_type,
+        };
+        let mut types: Vec<u16> = self.vlans.iter().map(|v| v.0).collect();
+        types.push(net_type);
+        let eth = Ethernet2Header {
+            source: self.eth_src,
+            destination: self.eth_dst,
+            ether_type: EtherType(types[0]),
+        };
+        eth.write(&mut out).expect("writing to a Vec cannot fail");
+        for (i, (_, vid)) in self.vlans.iter().enumerate() {
+            let tag = SingleVlanHeader {
+                pcp: VlanPcp::ZERO,
+                drop_eligible_indicator: false,
+                vlan_id: VlanId::try_new(*vid).expect("VLAN id fits in 12 bits"),
+                ether_type: EtherType(types[i + 1]),
+            };
+            tag.write(&mut out).expect("writing to a Vec cannot fail");
+        }
+        match &self.net {
+            Net::Ipv4(ip) => out.extend_from_slice(&build_ipv4(ip)),
+            Net::Raw { payload, .. } => out.extend_from_slice(payload),
+        }
+        out.extend_from_slice(&self.padding);
+        out
+    }
+}
+
+fn ports(l4: &L4) -> (u16, u16) {
+    match l4 {
+        L4::Tcp(t) => (t.sport, t.dport),
+        L4::Udp(u) => (u.sport, u.dport),
+        _ => panic!("no ports in {l4:?}"),
+    }
+}
+
+fn ports_mut(l4: &mut L4) -> (&mut u16, &mut u16) {
+    match l4 {
+        L4::Tcp(t) => (&mut t.sport, &mut t.dport),
+        L4::Udp(u) => (&mut u.sport, &mut u.dport),
+        _ => panic!("no ports in {l4:?}"),
+    }
+}
+
+fn build_ipv4(ip: &Ipv4) -> Vec<u8> {
+    let (default_proto, l4) = match &ip.l4 {
+        L4::Tcp(tcp) => (IpNumber::TCP.0, build_tcp(ip, tcp)),
+        L4::Udp(udp) => (IpNumber::UDP.0, build_udp(ip, udp)),
+        L4::Icmp(icmp) => {
+            let header = Icmpv4Header::with_checksum(icmp.icmp_type.clone(), &icmp.payload);
+            let mut bytes = header.to_bytes().to_vec();
+            bytes.extend_from_slice(&icmp.payload);
+            (IpNumber::ICMP.0, bytes)
+        }
+        L4::Raw { proto, bytes } => (*proto, bytes.clone()),
+    };
+    let options = Ipv4Options::try_from(ip.options.as_slice()).expect("IPv4 options: a multiple of 4, at most 40");
+    let header = Ipv4Header {
+        dscp: IpDscp::try_new(ip.tos >> 2).expect("6 bits"),
+        ecn: IpEcn::try_new(ip.tos & 3).expect("2 bits"),
+        total_len: ip.tot_len.unwrap_or((20 + ip.options.len() + l4.len()) as u16),
+        identification: ip.id,
+        dont_fragment: ip.df,
+        more_fragments: ip.mf,
+        fragment_offset: IpFragOffset::try_new(ip.frag_offset).expect("fragment offset fits in 13 bits"),
+        time_to_live: ip.ttl,
+        protocol: IpNumber(ip.proto.unwrap_or(default_proto)),
+        header_checksum: 0,
+        source: ip.src.octets(),
+        destination: ip.dst.octets(),
+        options,
+    };
+    let mut out = Vec::with_capacity(20 + ip.options.len() + l4.len());
+    header.write(&mut out).expect("writing to a Vec cannot fail");
+    if ip.version.is_some() || ip.ihl.is_some() {
+        let version = ip.version.unwrap_or(4);
+        let ihl = ip.ihl.unwrap_or(header.ihl());
+        out[0] = (version << 4) | (ihl & 0x0f);
+        // Keep the checksum valid over the bytes as written.
+        out[10..12].copy_from_slice(&[0, 0]);
+        let sum = Sum16BitWords::new().add_slice(&out).ones_complement().to_be();
+        out[10..12].copy_from_slice(&sum.to_be_bytes());
+    }
+    out.extend_from_slice(&l4);
+    out
+}
+
+fn build_tcp(ip: &Ipv4, tcp: &Tcp) -> Vec<u8> {
+    let mut header = TcpHeader::new(tcp.sport, tcp.dport, tcp.seq, tcp.window);
+    header.acknowledgment_number = tcp.ack;
+    header.fin = tcp.flags & tcp_flags::FIN != 0;
+    header.syn = tcp.flags & tcp_flags::SYN != 0;
+    header.rst = tcp.flags & tcp_flags::RST != 0;
+    header.psh = tcp.flags & tcp_flags::PSH != 0;
+    header.ack = tcp.flags & tcp_flags::ACK != 0;
+    header.urg = tcp.flags & tcp_flags::URG != 0;
+    header.ece = tcp.flags & 0x40 != 0;
+    header.cwr = tcp.flags & 0x80 != 0;
+    header.urgent_pointer = tcp.urgent;
+    assert!(
+        tcp.options.len().is_multiple_of(4),
+        "TCP options must be a multiple of 4 bytes"
+    );
+    header
+        .set_options_raw(&tcp.options)
+        .expect("TCP options at most 40 bytes");
+    header.checksum = header
+        .calc_checksum_ipv4_raw(ip.src.octets(), ip.dst.octets(), &tcp.payload)
+        .expect("TCP segment fits in an IPv4 packet");
+    let mut out = header.to_bytes().to_vec();
+    out.extend_from_slice(&tcp.payload);
+    if let Some(doff) = tcp.data_offset {
+        out[12] = (doff << 4) | (out[12] & 0x0f);
+        let sum = pseudo_header_sum(ip.src, ip.dst, IpNumber::TCP.0, out.len());
+        out[16..18].copy_from_slice(&[0, 0]);
+        let csum = sum.add_slice(&out).ones_complement().to_be();
+        out[16..18].copy_from_slice(&csum.to_be_bytes());
+    }
+    out
+}
+
+fn build_udp(ip: &Ipv4, udp: &Udp) -> Vec<u8> {
+    let mut header = UdpHeader::without_ipv4_checksum(udp.sport, udp.dport, udp.payload.len())
+        .expect("UDP datagram fits in an IPv4 packet");
+    if let Some(length) = udp.length {
+        header.length = length;
+    }
+    if !udp.zero_checksum {
+        header.checksum = header
+            .calc_checksum_ipv4_raw(ip.src.octets(), ip.dst.octets(), &udp.payload)
+            .expect("UDP datagram fits in an IPv4 packet");
+    }
+    let mut out = header.to_bytes().to_vec();
+    out.extend_from_slice(&udp.payload);
+    out
+}
+
+fn pseudo_header_sum(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, l4_len: usize) -> Sum16BitWords {
+    Sum16BitWords::new()
+        .add_4bytes(src.octets())
+        .add_4bytes(dst.octets())
+        .add_2bytes([0, proto])
+        .add_2bytes((l4_len as u16).to_be_bytes())
+}
+
+/// Ones' complement checksums have two zeros: a field may hold either.
+pub fn same_checksum(a: u16, b: u16) -> bool {
+    a == b || (a | b == 0xffff && (a == 0 || b == 0))
+}
+
+/// What [`check`] found in a frame whose checksums are all valid.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Checked {
+    pub eth: Ethernet2Header,
+    pub ip: Ipv4Header,
+    pub l4: CheckedL4,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CheckedL4 {
+    Tcp(TcpHeader),
+    /// `checksum == 0` means the datagram carries none.
+    Udp(UdpHeader),
+    Icmp(Icmpv4Header),
+    Other,
+}
+
+/// Parses an untagged Ethernet + IPv4 frame with etherparse and verifies the
+/// IPv4 header checksum and the TCP, UDP (unless 0) or ICMP checksum over
+/// the L4 bytes up to the IPv4 total length.
+pub fn check(frame: &[u8]) -> Result<Checked, String> {
+    let (eth, rest) = Ethernet2Header::from_slice(frame).map_err(|e| format!("Ethernet: {e}"))?;
+    if eth.ether_type != EtherType::IPV4 {
+        return Err(format!("ether type {:#06x} is not IPv4", eth.ether_type.0));
+    }
+    let (ip, _) = Ipv4Header::from_slice(rest).map_err(|e| format!("IPv4 header: {e}"))?;
+    let want = ip.calc_header_checksum();
+    if !same_checksum(ip.header_checksum, want) {
+        return Err(format!(
+            "IPv4 header checksum {:#06x}, should be {want:#06x}",
+            ip.header_checksum
+        ));
+    }
+    let packet = rest
+        .get(..usize::from(ip.total_len))
+        .ok_or("IPv4 total length beyond the frame")?;
+    let l4_bytes = &packet[ip.header_len()..];
+    let l4 = match ip.protocol {
+        IpNumber::TCP => {
+            let (tcp, payload) = TcpHeader::from_slice(l4_bytes).map_err(|e| format!("TCP header: {e}"))?;
+            let want = tcp.calc_checksum_ipv4(&ip, payload).map_err(|e| e.to_string())?;
+            if !same_checksum(tcp.checksum, want) {
+                return Err(format!("TCP checksum {:#06x}, should be {want:#06x}", tcp.checksum));
+            }
+            CheckedL4::Tcp(tcp)
+        }
+        IpNumber::UDP => {
+            let (udp, payload) = UdpHeader::from_slice(l4_bytes).map_err(|e| format!("UDP header: {e}"))?;
+            if usize::from(udp.length) != l4_bytes.len() {
+                return Err(format!(
+                    "UDP length {} but {} bytes after the IPv4 header",
+                    udp.length,
+                    l4_bytes.len()
+                ));
+            }
+            if udp.checksum != 0 {
+                let want = udp.calc_checksum_ipv4(&ip, payload).map_err(|e| e.to_string())?;
+                if udp.checksum != want {
+                    return Err(format!("UDP checksum {:#06x}, should be {want:#06x}", udp.checksum));
+                }
+            }
+            CheckedL4::Udp(udp)
+        }
+        IpNumber::ICMP => {
+            let (icmp, payload) = Icmpv4Header::from_slice(l4_bytes).map_err(|e| format!("ICMP header: {e}"))?;
+            let want = icmp.icmp_type.calc_checksum(payload);
+            if !same_checksum(icmp.checksum, want) {
+                return Err(format!("ICMP checksum {:#06x}, should be {want:#06x}", icmp.checksum));
+            }
+            CheckedL4::Icmp(icmp)
+        }
+        _ => CheckedL4::Other,
+    };
+    Ok(Checked { eth, ip, l4 })
+}
+
+/// How the programs must classify a frame, by the malformed-input policy
+/// alone (before any map lookup).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Strict {
+    /// Truncated, bad lengths, IP options, fragment, VLAN tag, port 0, ...
+    Malformed(&'static str),
+    /// Not IPv4, or neither TCP nor UDP.
+    NotIpv4OrL4(&'static str),
+    /// A fully parsed IPv4 TCP or UDP packet.
+    Flow(Flow),
+}
+
+/// A fully parsed IPv4 TCP or UDP packet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Flow {
+    pub proto: u8,
+    pub src: SocketAddrV4,
+    pub dst: SocketAddrV4,
+    /// Offset of the L4 header in the frame (always 34: no VLAN, no options).
+    pub l4_offset: usize,
+    /// IPv4 total length.
+    pub tot_len: usize,
+    /// TCP only: flags, sequence and acknowledgment numbers, payload length.
+    pub tcp_flags: u8,
+    pub seq: u32,
+    pub ack: u32,
+    pub payload_len: usize,
+    /// UDP only: the checksum field (0 = none).
+    pub udp_checksum: u16,
+}
+
+impl Flow {
+    pub fn is_tcp(&self) -> bool {
+        self.proto == IpNumber::TCP.0
+    }
+
+    /// Offset of the L4 checksum field in the frame.
+    pub fn l4_checksum_offset(&self) -> usize {
+        self.l4_offset + if self.is_tcp() { 16 } else { 6 }
+    }
+}
+
+/// Applies the data path's input policy (see the Verdict docs in
+/// proxy-common) to a frame, with etherparse doing the header parsing.
+///
+/// Order: Ethernet, VLAN tags (malformed), ether type (not IPv4), IPv4
+/// header (truncated, version, IHL, total length, fragment: malformed), L4
+/// protocol (not TCP/UDP), L4 header (lengths, TCP data offset, UDP length
+/// field, ports: malformed).
+pub fn parse_strict(frame: &[u8]) -> Strict {
+    let Ok((eth, rest)) = Ethernet2Header::from_slice(frame) else {
+        return Strict::Malformed("truncated Ethernet header");
+    };
+    match eth.ether_type.0 {
+        ETHERTYPE_VLAN | ETHERTYPE_QINQ => return Strict::Malformed("VLAN tag"),
+        ETHERTYPE_IPV4 => {}
+        _ => return Strict::NotIpv4OrL4("ether type"),
+    }
+    if rest.len() < Ipv4Header::MIN_LEN {
+        return Strict::Malformed("truncated IPv4 header");
+    }
+    if rest[0] >> 4 != 4 {
+        return Strict::Malformed("IP version");
+    }
+    if rest[0] & 0x0f != 5 {
+        return Strict::Malformed("IHL (options or too short)");
+    }
+    let Ok((ip, _)) = Ipv4Header::from_slice(rest) else {
+        return Strict::Malformed("IPv4 header");
+    };
+    let tot_len = usize::from(ip.total_len);
+    // etherparse does not insist on this one.
+    if tot_len < Ipv4Header::MIN_LEN {
+        return Strict::Malformed("IPv4 total length below the header");
+    }
+    if tot_len > rest.len() {
+        return Strict::Malformed("IPv4 total length beyond the frame");
+    }
+    if ip.is_fragmenting_payload() {
+        return Strict::Malformed("fragment");
+    }
+    let l4 = &rest[Ipv4Header::MIN_LEN..tot_len];
+    let l4_offset = ETH_HLEN + Ipv4Header::MIN_LEN;
+    let src_ip = Ipv4Addr::from(ip.source);
+    let dst_ip = Ipv4Addr::from(ip.destination);
+    let mut flow = Flow {
+        proto: ip.protocol.0,
+        src: SocketAddrV4::new(src_ip, 0),
+        dst: SocketAddrV4::new(dst_ip, 0),
+        l4_offset,
+        tot_len,
+        tcp_flags: 0,
+        seq: 0,
+        ack: 0,
+        payload_len: 0,
+        udp_checksum: 0,
+    };
+    match ip.protocol {
+        IpNumber::TCP => {
+            if l4.len() < TcpHeader::MIN_LEN {
+                return Strict::Malformed("IPv4 total length below the TCP header");
+            }
+            let doff = usize::from(l4[12] >> 4);
+            if doff < 5 {
+                return Strict::Malformed("TCP data offset below 5");
+            }
+            if doff * 4 > l4.len() {
+                return Strict::Malformed("TCP data offset beyond the total length");
+            }
+            let Ok((tcp, payload)) = TcpHeader::from_slice(l4) else {
+                return Strict::Malformed("TCP header");
+            };
+            flow.src.set_port(tcp.source_port);
+            flow.dst.set_port(tcp.destination_port);
+            flow.tcp_flags = l4[13];
+            flow.seq = tcp.sequence_number;
+            flow.ack = tcp.acknowledgment_number;
+            flow.payload_len = payload.len();
+        }
+        IpNumber::UDP => {
+            let Ok((udp, _)) = UdpHeader::from_slice(l4) else {
+                return Strict::Malformed("IPv4 total length below the UDP header");
+            };
+            // "Lengths consistent", as the kernel's UDP receive path has it:
+            // the length field covers the header and stays within the IPv4
+            // payload (a shorter datagram with trailing bytes is valid).
+            let udp_len = usize::from(udp.length);
+            if udp_len < UdpHeader::LEN {
+                return Strict::Malformed("UDP length below the header");
+            }
+            if udp_len > l4.len() {
+                return Strict::Malformed("UDP length beyond the total length");
+            }
+            flow.src.set_port(udp.source_port);
+            flow.dst.set_port(udp.destination_port);
+            flow.payload_len = udp_len - UdpHeader::LEN;
+            flow.udp_checksum = udp.checksum;
+        }
+        _ => return Strict::NotIpv4OrL4("L4 protocol"),
+    }
+    if flow.src.port() == 0 || flow.dst.port() == 0 {
+        return Strict::Malformed("port 0");
+    }
+    Strict::Flow(flow)
+}
+
+/// The ones' complement checksum over the IPv4 header and over the L4
+/// pseudo header + segment of a parsed `flow` in `frame`, checksum fields
+/// included: (0, 0) (or 0xffff) for valid checksums. An incremental checksum
+/// update keeps both values as they were, even for invalid input checksums,
+/// so comparing them before and after a rewrite checks the update.
+pub fn residuals(frame: &[u8], flow: &Flow) -> (u16, u16) {
+    let ip = Sum16BitWords::new()
+        .add_slice(&frame[ETH_HLEN..flow.l4_offset])
+        .ones_complement();
+    let l4_len = flow.tot_len - Ipv4Header::MIN_LEN;
+    let l4 = pseudo_header_sum(*flow.src.ip(), *flow.dst.ip(), flow.proto, l4_len)
+        .add_slice(&frame[flow.l4_offset..ETH_HLEN + flow.tot_len])
+        .ones_complement();
+    (ip, l4)
+}
+
+/// The Ethernet addresses of a frame, swapped (destination, source of the answer).
+fn swapped_macs(frame: &[u8]) -> ([u8; 6], [u8; 6]) {
+    let dst: [u8; 6] = frame[6..12].try_into().expect("6 bytes");
+    let src: [u8; 6] = frame[0..6].try_into().expect("6 bytes");
+    (dst, src)
+}
+
+/// The answer frame a no-backend Service must send for a TCP segment (not
+/// RST) `flow` parsed from `frame`: RST from the frontend back to the client.
+pub fn expected_rst(frame: &[u8], flow: &Flow) -> Vec<u8> {
+    use tcp_flags::*;
+    let (eth_dst, eth_src) = swapped_macs(frame);
+    let (flags, seq, ack) = if flow.tcp_flags & ACK != 0 {
+        (RST, flow.ack, 0)
+    } else {
+        let syn = u32::from(flow.tcp_flags & SYN != 0);
+        let fin = u32::from(flow.tcp_flags & FIN != 0);
+        (
+            RST | ACK,
+            0,
+            flow.seq
+                .wrapping_add(flow.payload_len as u32)
+                .wrapping_add(syn)
+                .wrapping_add(fin),
+        )
+    };
+    let tcp = Tcp {
+        sport: flow.dst.port(),
+        dport: flow.src.port(),
+        seq,
+        ack,
+        flags,
+        window: 0,
+        urgent: 0,
+        options: Vec::new(),
+        payload: Vec::new(),
+        data_offset: None,
+    };
+    let mut ip = Ipv4::new(*flow.dst.ip(), *flow.src.ip(), L4::Tcp(tcp));
+    ip.id = 0;
+    ip.ttl = 64;
+    ip.df = true;
+    Frame {
+        eth_src,
+        eth_dst,
+        vlans: Vec::new(),
+        net: Net::Ipv4(ip),
+        padding: Vec::new(),
+    }
+    .build()
+}
+
+/// The answer frame a no-backend Service must send for a UDP datagram
+/// `flow` parsed from `frame`: ICMP port unreachable quoting the original
+/// IPv4 header and the first 8 bytes of the UDP header as received.
+pub fn expected_port_unreachable(frame: &[u8], flow: &Flow) -> Vec<u8> {
+    let (eth_dst, eth_src) = swapped_macs(frame);
+    let quoted = frame[ETH_HLEN..flow.l4_offset + 8].to_vec();
+    let icmp = Icmp {
+        icmp_type: Icmpv4Type::DestinationUnreachable(DestUnreachableHeader::Port),
+        payload: quoted,
+    };
+    let mut ip = Ipv4::new(*flow.dst.ip(), *flow.src.ip(), L4::Icmp(icmp));
+    ip.id = 0;
+    ip.ttl = 64;
+    ip.df = false;
+    Frame {
+        eth_src,
+        eth_dst,
+        vlans: Vec::new(),
+        net: Net::Ipv4(ip),
+        padding: Vec::new(),
+    }
+    .build()
+}
+
+/// Hex dump for failure messages.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Byte offsets where `a` and `b` differ, plus a note if lengths differ.
+pub fn diff(a: &[u8], b: &[u8]) -> String {
+    let mut out: Vec<String> = a
+        .iter()
+        .zip(b)
+        .enumerate()
+        .filter(|(_, (x, y))| x != y)
+        .map(|(i, (x, y))| format!("[{i}] {x:02x}!={y:02x}"))
+        .collect();
+    if a.len() != b.len() {
+        out.push(format!("length {} != {}", a.len(), b.len()));
+    }
+    out.join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(s: &str) -> SocketAddrV4 {
+        s.parse().expect("valid socket address")
+    }
+
+    #[test]
+    fn built_frames_pass_the_checker() {
+        let syn = Frame::tcp(addr("10.244.1.5:40000"), addr("10.96.0.10:88"), tcp_flags::SYN)
+            .with_tcp(|t| t.options = vec![2, 4, 5, 0xb4, 1, 3, 3, 7]);
+        let bytes = syn.build();
+        assert_eq!(bytes.len(), 14 + 20 + 28);
+        check(&bytes).expect("valid SYN");
+        assert!(matches!(parse_strict(&bytes), Strict::Flow(f) if f.dst == addr("10.96.0.10:88") && f.tcp_flags == 2));
+
+        let udp = Frame::udp(addr("10.244.1.5:40000"), addr("10.96.0.10:88"), b"hello").build();
+        check(&udp).expect("valid UDP");
+        let zero = Frame::udp(addr("10.244.1.5:40000"), addr("10.96.0.10:88"), b"hello")
+            .with_udp(|u| u.zero_checksum = true)
+            .build();
+        assert_eq!(&zero[40..42], &[0, 0]);
+        check(&zero).expect("UDP without checksum");
+
+        let echo = Frame::icmp_echo(Ipv4Addr::new(10, 0, 0, 1), Ipv4Addr::new(10, 0, 0, 2)).build();
+        check(&echo).expect("valid ICMP");
+        assert_eq!(parse_strict(&echo), Strict::NotIpv4OrL4("L4 protocol"));
+    }
+
+    #[test]
+    fn a_flipped_bit_fails_the_checker() {
+        let bytes = Frame::tcp(addr("10.244.1.5:40000"), addr("10.96.0.10:88"), tcp_flags::SYN).build();
+        for bit in [14 * 8 + 8 * 8, 34 * 8 + 4 * 8] {
+            let mut bad = bytes.clone();
+            bad[bit / 8] ^= 1 << (bit % 8);
+            assert!(check(&bad).is_err(), "bit {bit}");
+        }
+    }
+
+    #[test]
+    fn overrides_write_invalid_fields_with_valid_checksums() {
+        let base = Frame::tcp(addr("10.244.1.5:40000"), addr("10.96.0.10:88"), tcp_flags::SYN);
+        let ihl4 = base.clone().with_ip(|ip| ip.ihl = Some(4)).build();
+        assert_eq!(ihl4[14], 0x44);
+        assert_eq!(Sum16BitWords::new().add_slice(&ihl4[14..34]).ones_complement(), 0);
+        assert_eq!(parse_strict(&ihl4), Strict::Malformed("IHL (options or too short)"));
+        let v6 = base.clone().with_ip(|ip| ip.version = Some(6)).build();
+        assert_eq!(v6[14], 0x65);
+        let opts = base.clone().with_ip(|ip| ip.options = vec![1, 1, 1, 0]).build();
+        assert_eq!(opts[14], 0x46);
+        check(&opts).expect("options are valid IPv4");
+        let doff = base.clone().with_tcp(|t| t.data_offset = Some(4)).build();
+        assert_eq!(doff[46] >> 4, 4);
+        let qinq = base
+            .clone()
+            .with_vlan(ETHERTYPE_QINQ, 100)
+            .with_vlan(ETHERTYPE_VLAN, 200)
+            .build();
+        assert_eq!(&qinq[12..22], &[0x88, 0xa8, 0, 100, 0x81, 0, 0, 200, 0x08, 0x00]);
+        let frag = base.with_ip(|ip| ip.frag_offset = 3).build();
+        assert_eq!(parse_strict(&frag), Strict::Malformed("fragment"));
+    }
+
+    #[test]
+    fn reject_answers_have_the_specified_layout() {
+        let syn = Frame::tcp(addr("10.244.1.5:40000"), addr("10.96.0.20:80"), tcp_flags::SYN).build();
+        let Strict::Flow(flow) = parse_strict(&syn) else {
+            panic!("valid SYN")
+        };
+        let rst = expected_rst(&syn, &flow);
+        assert_eq!(rst.len(), 54);
+        let c = check(&rst).expect("valid RST");
+        assert_eq!(c.ip.total_len, 40);
+        let CheckedL4::Tcp(tcp) = c.l4 else { panic!("TCP") };
+        assert!(tcp.rst && tcp.ack && !tcp.syn);
+        assert_eq!(tcp.acknowledgment_number, flow.seq + 1);
+
+        let udp = Frame::udp(addr("10.244.1.5:40000"), addr("10.96.0.20:80"), b"q").build();
+        let Strict::Flow(flow) = parse_strict(&udp) else {
+            panic!("valid UDP")
+        };
+        let icmp = expected_port_unreachable(&udp, &flow);
+        assert_eq!(icmp.len(), 70);
+        let c = check(&icmp).expect("valid ICMP");
+        assert_eq!(c.ip.total_len, 56);
+        assert!(!c.ip.dont_fragment);
+        assert_eq!(&icmp[34..38], &[3, 3, icmp[36], icmp[37]]);
+        assert_eq!(&icmp[42..70], &udp[14..42]);
+    }
+}
