@@ -25,11 +25,11 @@ const API_STARTUP_TIMEOUT: Duration = Duration::from_secs(10);
 pub fn run(flags: &RunFlags) -> Result<(), Failure> {
     let loaded = config::load(flags).exit_code(ExitCode::BadConfig)?;
     let config = loaded.config;
-    if config.mode != Mode::Ebpf {
+    if !IMPLEMENTED_MODES.contains(&config.mode) {
         return Err(Failure::new(
             ExitCode::ModeUnavailable,
             anyhow!(
-                "mode {} is not implemented yet (only ebpf is); see the kernel-modes issue",
+                "mode {} is not implemented yet (available: {IMPLEMENTED_MODES:?})",
                 config.mode
             ),
         ));
@@ -82,47 +82,57 @@ async fn start_servers(config: &Config, telemetry: &Telemetry) -> Result<(), Fai
     Ok(())
 }
 
+/// The modes `start_mode` can start; checked before anything else happens.
+const IMPLEMENTED_MODES: &[Mode] = &[Mode::Ebpf];
+
 async fn start_mode(config: &Config) -> Result<Box<dyn Dataplane>, Failure> {
     match config.mode {
-        Mode::Ebpf => {
-            let node_ips = config
-                .node_ips
-                .iter()
-                .filter_map(|ip| match ip {
-                    IpAddr::V4(v4) => Some(*v4),
-                    IpAddr::V6(v6) => {
-                        warn!(%v6, "IPv6 node IPs are not programmed yet");
-                        None
-                    }
-                })
-                .collect();
-            let node_port_cidrs = match &config.node_port_addresses {
-                NodePortAddresses::Cidrs(cidrs) => Some(cidrs.clone()),
-                NodePortAddresses::All | NodePortAddresses::Primary => None,
-            };
-            let options = EbpfOptions {
-                pin_path: config.pin_path.clone(),
-                node_ips,
-                interfaces: config.interfaces.clone(),
-                node_port_cidrs,
-            };
-            let mode = EbpfMode::start(&options).await.map_err(|e| {
-                let code = if e.is::<MissingInterface>() {
-                    ExitCode::NoInterface
-                } else if e.is::<NotBpffs>() {
-                    ExitCode::NoPrivileges
-                } else {
-                    ExitCode::Error
-                };
-                Failure::new(code, e.context("starting the ebpf mode"))
-            })?;
-            Ok(Box::new(mode))
-        }
+        Mode::Ebpf => start_ebpf(config).await,
         other => Err(Failure::new(
             ExitCode::ModeUnavailable,
             anyhow!("mode {other} is not implemented yet"),
         )),
     }
+}
+
+async fn start_ebpf(config: &Config) -> Result<Box<dyn Dataplane>, Failure> {
+    let node_ips = ipv4_node_ips(config);
+    let node_port_cidrs = match &config.node_port_addresses {
+        NodePortAddresses::Cidrs(cidrs) => Some(cidrs.clone()),
+        NodePortAddresses::All | NodePortAddresses::Primary => None,
+    };
+    let options = EbpfOptions {
+        pin_path: config.pin_path.clone(),
+        node_ips,
+        interfaces: config.interfaces.clone(),
+        node_port_cidrs,
+    };
+    let mode = EbpfMode::start(&options).await.map_err(|e| {
+        let code = if e.is::<MissingInterface>() {
+            ExitCode::NoInterface
+        } else if e.is::<NotBpffs>() {
+            ExitCode::NoPrivileges
+        } else {
+            ExitCode::Error
+        };
+        Failure::new(code, e.context("starting the ebpf mode"))
+    })?;
+    Ok(Box::new(mode))
+}
+
+/// The configured node IPs that every mode programs (IPv4 only for now).
+pub fn ipv4_node_ips(config: &Config) -> Vec<std::net::Ipv4Addr> {
+    config
+        .node_ips
+        .iter()
+        .filter_map(|ip| match ip {
+            IpAddr::V4(v4) => Some(*v4),
+            IpAddr::V6(v6) => {
+                warn!(%v6, "IPv6 node IPs are not programmed yet");
+                None
+            }
+        })
+        .collect()
 }
 
 async fn start_source(config: &Config, events: mpsc::Sender<source::SourceEvent>) -> Result<(), Failure> {
