@@ -12,11 +12,14 @@ use crate::netns::{self, Netns};
 
 /// `xproxy run ARGS --pin-path PIN` in `node`'s network namespace (only the
 /// network namespace: the pins land on the host's bpffs). Dropping it
-/// stops the process (SIGTERM) and removes the data path (`xproxy cleanup`).
+/// stops the process (SIGTERM) and removes the data path (`xproxy cleanup`,
+/// also in the node's namespace: cleanup removes rules and tables of every
+/// mode, which must never touch the host's).
 pub struct AgentProcess {
     child: Option<Child>,
     xproxy: PathBuf,
     pin_path: PathBuf,
+    node_ns: PathBuf,
 }
 
 impl AgentProcess {
@@ -41,6 +44,7 @@ impl AgentProcess {
             child: Some(child),
             xproxy: xproxy.to_owned(),
             pin_path: pin_path.to_owned(),
+            node_ns: node.path().to_owned(),
         })
     }
 
@@ -86,13 +90,20 @@ impl Drop for AgentProcess {
         {
             eprintln!("warning: stopping the agent: {e:#}");
         }
-        if let Err(e) = netns::run(
-            Command::new(&self.xproxy)
-                .arg("cleanup")
-                .arg("--pin-path")
-                .arg(&self.pin_path),
-        ) {
-            eprintln!("warning: xproxy cleanup failed: {e:#}");
+        match netns::command_in(&self.node_ns, &self.xproxy) {
+            Ok(mut cmd) => {
+                if let Err(e) = netns::run(cmd.arg("cleanup").arg("--pin-path").arg(&self.pin_path)) {
+                    eprintln!("warning: xproxy cleanup in the node failed: {e:#}");
+                }
+            }
+            // The node is gone, and its rules with it; only the pins are left.
+            Err(_) => {
+                if self.pin_path.exists()
+                    && let Err(e) = std::fs::remove_dir_all(&self.pin_path)
+                {
+                    eprintln!("warning: removing {}: {e}", self.pin_path.display());
+                }
+            }
         }
     }
 }

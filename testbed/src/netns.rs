@@ -104,20 +104,7 @@ impl Netns {
     /// exec`, only the network namespace changes: the mount namespace, and
     /// with it /sys/fs/bpf and its pins, stays the caller's.
     pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Result<Command> {
-        use std::os::unix::process::CommandExt;
-        let ns = File::open(&self.path).with_context(|| format!("opening {}", self.path.display()))?;
-        let mut cmd = Command::new(program);
-        // SAFETY: between fork and exec the closure only calls setns(2) on
-        // an fd opened beforehand: no allocation, no locks.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        Ok(cmd)
+        command_in(&self.path, program)
     }
 
     /// Runs `ip -n NAME args...` and returns its stdout.
@@ -282,6 +269,24 @@ impl Drop for Netns {
             eprintln!("warning: could not delete netns {}: {e:#}", self.name);
         }
     }
+}
+
+/// [`Netns::command`] for a namespace known by its path.
+pub fn command_in(ns_path: &Path, program: impl AsRef<std::ffi::OsStr>) -> Result<Command> {
+    use std::os::unix::process::CommandExt;
+    let ns = File::open(ns_path).with_context(|| format!("opening {}", ns_path.display()))?;
+    let mut cmd = Command::new(program);
+    // SAFETY: between fork and exec the closure only calls setns(2) on an
+    // fd opened beforehand: no allocation, no locks.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    Ok(cmd)
 }
 
 /// Moves the calling thread into the network namespace at `path`.

@@ -6,6 +6,7 @@
 //! (set by `cargo xtask test` as root, hence by CI), where a skip would hide
 //! a broken environment and so fails instead.
 
+pub mod agent_harness;
 pub mod apiserver;
 pub mod frame;
 pub mod testrun;

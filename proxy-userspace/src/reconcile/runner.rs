@@ -1,7 +1,8 @@
 //! When to sync, and the sync itself.
 //!
-//! Like kube-proxy's sync runner: changes are coalesced (at most one sync per
-//! `min_sync_period`), everything is re-applied every `sync_period` (a full
+//! Like kube-proxy's sync runner: changes are coalesced (a sync may follow
+//! another at once, but after a burst of two, syncs wait so that on average
+//! at most one runs per `min_sync_period`), everything is re-applied every `sync_period` (a full
 //! sync repairs state someone else changed), and a failed sync is retried
 //! after `retry_period` as a full one. Nothing is programmed before every
 //! source has delivered its first complete list.
@@ -37,6 +38,11 @@ impl SyncPolicy {
     }
 }
 
+/// Syncs that may run back to back before `min_sync_period` applies
+/// (kube-proxy's burstSyncs): a Service and its EndpointSlice arriving a
+/// moment apart are then both programmed at once, not one a period later.
+const BURST_SYNCS: f64 = 2.0;
+
 /// Pure timing state: tests drive it with made-up instants.
 #[derive(Clone, Debug)]
 pub struct Schedule {
@@ -45,6 +51,10 @@ pub struct Schedule {
     last_full: Option<Instant>,
     pending_since: Option<Instant>,
     failed: bool,
+    /// Token bucket of sync permits: `tokens` at `tokens_at`, refilled by
+    /// one per `min_sync_period`, at most [`BURST_SYNCS`].
+    tokens: f64,
+    tokens_at: Option<Instant>,
 }
 
 impl Schedule {
@@ -55,7 +65,25 @@ impl Schedule {
             last_full: None,
             pending_since: None,
             failed: false,
+            tokens: BURST_SYNCS,
+            tokens_at: None,
         }
+    }
+
+    fn tokens(&self, now: Instant) -> f64 {
+        let period = self.policy.min_sync_period.as_secs_f64();
+        match self.tokens_at {
+            Some(at) if period > 0.0 => {
+                (self.tokens + now.saturating_duration_since(at).as_secs_f64() / period).min(BURST_SYNCS)
+            }
+            _ => BURST_SYNCS,
+        }
+    }
+
+    /// The earliest instant from `from` on at which a sync permit is free.
+    fn permit_from(&self, from: Instant) -> Instant {
+        let tokens = self.tokens(from);
+        if tokens >= 1.0 { from } else { from + self.policy.min_sync_period.mul_f64(1.0 - tokens) }
     }
 
     /// Something in the desired state changed at `now`.
@@ -78,7 +106,7 @@ impl Schedule {
         }
         let full_due = self.last_full.unwrap_or(last) + self.policy.sync_period;
         match self.pending_since {
-            Some(since) => since.max(last + self.policy.min_sync_period).min(full_due),
+            Some(since) => self.permit_from(since).min(full_due),
             None => full_due,
         }
     }
@@ -89,6 +117,8 @@ impl Schedule {
     }
 
     pub fn record(&mut self, now: Instant, full: bool, ok: bool) {
+        self.tokens = (self.tokens(now) - 1.0).max(0.0);
+        self.tokens_at = Some(now);
         self.last_sync = Some(now);
         self.failed = !ok;
         if ok {
@@ -188,19 +218,37 @@ mod tests {
     }
 
     #[test]
-    fn changes_are_coalesced_to_one_sync_per_min_period() {
+    fn two_syncs_may_run_back_to_back_then_one_per_min_period() {
         let t0 = Instant::now();
+        let ms = Duration::from_millis;
         let mut s = schedule();
         s.record(t0, true, true);
-        s.changed(t0 + Duration::from_millis(100));
-        s.changed(t0 + Duration::from_millis(200));
-        assert_eq!(s.next_sync(), t0 + MIN);
-        assert!(!s.full_due(t0 + MIN));
+        // The second sync of a burst goes out at once...
+        s.changed(t0 + ms(100));
+        s.changed(t0 + ms(150));
+        assert_eq!(s.next_sync(), t0 + ms(100));
+        s.record(t0 + ms(100), false, true);
+        // ...the third waits until a permit has refilled.
+        s.changed(t0 + ms(200));
+        let next = s.next_sync();
+        assert!(next > t0 + ms(900) && next <= t0 + ms(1100), "{:?}", next - t0);
+        assert!(!s.full_due(next));
         // A change long after the last sync goes out at once.
-        let mut s = schedule();
-        s.record(t0, true, true);
-        s.changed(t0 + Duration::from_secs(5));
-        assert_eq!(s.next_sync(), t0 + Duration::from_secs(5));
+        s.record(next, false, true);
+        s.changed(next + Duration::from_secs(5));
+        assert_eq!(s.next_sync(), next + Duration::from_secs(5));
+    }
+
+    #[test]
+    fn a_zero_min_sync_period_never_holds_a_change_back() {
+        let t0 = Instant::now();
+        let mut s = Schedule::new(SyncPolicy::new(Duration::ZERO, FULL));
+        for i in 0..5 {
+            let at = t0 + Duration::from_millis(i);
+            s.changed(at);
+            assert_eq!(s.next_sync(), at);
+            s.record(at, i == 0, true);
+        }
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! flushing it. Errors (API server down, connection dropped) are retried with
 //! backoff; the data path keeps what it has meanwhile.
 
-use std::path::Path;
+use std::{path::Path, time::Duration};
 
 use anyhow::{Context, Result};
 use futures_util::{Stream, StreamExt};
@@ -18,7 +18,7 @@ use k8s_openapi::api::{
 use kube::{
     Api, Client, Config, Resource,
     config::{KubeConfigOptions, Kubeconfig},
-    runtime::{WatchStreamExt, watcher},
+    runtime::{WatchStreamExt, utils::Backoff, watcher},
 };
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
@@ -72,6 +72,42 @@ pub fn spawn(client: Client, node_name: &str, events: mpsc::Sender<SourceEvent>)
     ));
 }
 
+/// How a failed watch is retried: from 0.2 s, doubling up to 5 s, with
+/// jitter so that many nodes do not return to a recovered API server in
+/// step. (kube-rs's default grows to 30 s plus jitter, which keeps a change
+/// made during an outage waiting a minute or more after the server is back:
+/// one backoff for the failed resume, another for the relist after 410.)
+struct WatchBackoff {
+    next: Duration,
+}
+
+const WATCH_RETRY_MIN: Duration = Duration::from_millis(200);
+const WATCH_RETRY_MAX: Duration = Duration::from_secs(5);
+
+impl Default for WatchBackoff {
+    fn default() -> Self {
+        Self { next: WATCH_RETRY_MIN }
+    }
+}
+
+impl Iterator for WatchBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        let delay = self.next;
+        self.next = (self.next * 2).min(WATCH_RETRY_MAX);
+        // Up to +50%, from the clock: enough to spread nodes apart.
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        Some(delay + delay.mul_f64(f64::from(nanos % 1000) / 2000.0))
+    }
+}
+
+impl Backoff for WatchBackoff {
+    fn reset(&mut self) {
+        self.next = WATCH_RETRY_MIN;
+    }
+}
+
 /// Turns watcher events into source events, buffering a (re)list until it
 /// is complete.
 async fn forward<K>(
@@ -82,7 +118,7 @@ async fn forward<K>(
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
 {
     let kind = K::kind(&()).into_owned();
-    let mut stream = std::pin::pin!(stream.default_backoff());
+    let mut stream = std::pin::pin!(stream.backoff(WatchBackoff::default()));
     let mut listing: Vec<K> = Vec::new();
     while let Some(event) = stream.next().await {
         let update = match event {
@@ -110,5 +146,21 @@ async fn forward<K>(
         if events.send(wrap(update)).await.is_err() {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watch_retries_start_fast_grow_to_a_cap_and_reset() {
+        let mut backoff = WatchBackoff::default();
+        let delays: Vec<Duration> = (0..8).map(|_| backoff.next().unwrap()).collect();
+        assert!(delays[0] >= WATCH_RETRY_MIN && delays[0] <= WATCH_RETRY_MIN.mul_f64(1.5));
+        assert!(delays.iter().all(|d| *d <= WATCH_RETRY_MAX.mul_f64(1.5)), "{delays:?}");
+        assert!(delays[7] >= WATCH_RETRY_MAX, "{delays:?}");
+        backoff.reset();
+        assert!(backoff.next().unwrap() <= WATCH_RETRY_MIN.mul_f64(1.5));
     }
 }

@@ -1,0 +1,1014 @@
+//! The agent end to end: the real `xproxy run` binary in the node namespace
+//! of the test bed (client, node, three backend pods, a client pod), fed by
+//! a manifest directory or by the test API server listening inside the
+//! node, with real traffic through the programs it attaches.
+//!
+//! Every test builds its own namespaces, pin directory and scratch
+//! directory (removed on drop, also on failure; a failing test prints the
+//! agent's log). Every wait polls a condition with a deadline; the only
+//! fixed durations are those the scenario is about (an API server outage of
+//! 60 s, a few seconds without an agent).
+
+use std::{
+    net::{Ipv4Addr, SocketAddrV4},
+    os::unix::process::ExitStatusExt,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail, ensure};
+use serde_json::{Value, json};
+use xproxy_tests::{
+    agent_harness::{
+        self as h, AgentBed, EchoClients, Load, NodeApiServer, READY_WITHIN, SEED_CLUSTER_IP, SEED_PORT, TempDir,
+        answers, backend_ips, frontends, node_port, refused, seed_node_port, services_masked, slice, time_until,
+        yaml_documents,
+    },
+    netns::{self, Netns},
+    privileged::{PinDir, require_root},
+    topology::{NODE_IP, TARGET_PORT},
+};
+
+/// A change must be in the data path this soon after it was made.
+const VISIBLE_WITHIN: Duration = Duration::from_secs(1);
+/// How long a measurement keeps polling past [`VISIBLE_WITHIN`], so that a
+/// late change is reported with its real latency.
+const PATIENCE: Duration = Duration::from_secs(10);
+/// Requests per "every backend answers" check: the chance that one of three
+/// equally likely backends never answers 45 requests is 3 * (2/3)^45 < 1e-7.
+const ALL_BACKENDS_REQUESTS: usize = 45;
+
+/// Runs a scenario on a fresh test bed; an error fails the test (the bed
+/// prints the agent's log as it unwinds).
+fn run(test: &str, scenario: impl FnOnce(&mut AgentBed) -> Result<()>) {
+    let started = Instant::now();
+    let mut bed = AgentBed::new(test).unwrap_or_else(|e| panic!("{test}: setting up the test bed: {e:#}"));
+    if let Err(e) = scenario(&mut bed) {
+        panic!("{test}: {e:#}");
+    }
+    eprintln!("[{test}] passed in {:.1?}", started.elapsed());
+}
+
+fn note(test: &str, what: impl std::fmt::Display) {
+    eprintln!("[{test}] {what}");
+}
+
+// ---------------------------------------------------------------------------
+// 1 and 2: changes reach the data path within a second.
+
+/// The Service the change tests create, re-port and delete.
+const SECOND_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 77);
+const SECOND_PORT: (u16, u16) = (89, 90);
+const SECOND_NODE_PORT: (u16, u16) = (30801, 30802);
+
+fn second_service(version: usize) -> Value {
+    let (port, node_port) = if version == 0 {
+        (SECOND_PORT.0, SECOND_NODE_PORT.0)
+    } else {
+        (SECOND_PORT.1, SECOND_NODE_PORT.1)
+    };
+    h::service("second", SECOND_IP, port, TARGET_PORT, Some(node_port))
+}
+
+fn second_slice() -> Value {
+    slice("second-1", "second", TARGET_PORT, &backend_ips())
+}
+
+/// How the change tests change the cluster.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Via {
+    Manifests,
+    ApiServer,
+}
+
+const SECOND_FILE: &str = "second.yaml";
+
+/// Makes one change and returns when it was made (the file renamed into
+/// place, or the first object applied).
+fn change(bed: &AgentBed, via: Via, step: &str) -> Result<Instant> {
+    match (via, step) {
+        (Via::Manifests, "create") => {
+            bed.write_manifest(SECOND_FILE, &yaml_documents(&[second_service(0), second_slice()]))
+        }
+        (Via::Manifests, "re-port") => {
+            bed.write_manifest(SECOND_FILE, &yaml_documents(&[second_service(1), second_slice()]))
+        }
+        (Via::Manifests, "delete") => bed.remove_manifest(SECOND_FILE),
+        (Via::ApiServer, "create") => {
+            let at = Instant::now();
+            bed.api().apply(&second_service(0))?;
+            bed.api().apply(&second_slice())?;
+            Ok(at)
+        }
+        (Via::ApiServer, "re-port") => {
+            let at = Instant::now();
+            bed.api().apply(&second_service(1))?;
+            Ok(at)
+        }
+        (Via::ApiServer, "delete") => {
+            let at = Instant::now();
+            bed.api().delete("Service", "second")?;
+            bed.api().delete("EndpointSlice", "second-1")?;
+            Ok(at)
+        }
+        _ => bail!("no change {step:?}"),
+    }
+}
+
+/// Whether the data path and `xproxy status` show what `step` asked for.
+fn programmed(bed: &mut AgentBed, step: &str) -> Result<(), String> {
+    bed.agent_alive()?;
+    let status = bed.status().map_err(|e| format!("{e:#}"))?;
+    let shown = frontends(&status);
+    let has = |key: &str, backends: usize| match shown.get(key) {
+        Some((_, n)) if *n == backends => Ok(()),
+        Some((_, n)) => Err(format!("status shows {key} with {n} backends, expected {backends}")),
+        None => Err(format!("status lacks {key}")),
+    };
+    let lacks = |key: &str| match shown.get(key) {
+        Some(_) => Err(format!("status still shows {key}")),
+        None => Ok(()),
+    };
+    let client = &bed.topo.client;
+    let (old, new) = (
+        format!("TCP {SECOND_IP}:{}", SECOND_PORT.0),
+        format!("TCP {SECOND_IP}:{}", SECOND_PORT.1),
+    );
+    let (old_np, new_np) = (
+        format!("TCP {NODE_IP}:{}", SECOND_NODE_PORT.0),
+        format!("TCP {NODE_IP}:{}", SECOND_NODE_PORT.1),
+    );
+    match step {
+        "create" => {
+            has(&old, 3)?;
+            has(&old_np, 3)?;
+            answers(client, node_port(SECOND_NODE_PORT.0)).map(drop)
+        }
+        "re-port" => {
+            has(&new, 3)?;
+            has(&new_np, 3)?;
+            lacks(&old)?;
+            lacks(&old_np)?;
+            answers(client, node_port(SECOND_NODE_PORT.1))?;
+            refused(client, node_port(SECOND_NODE_PORT.0))
+        }
+        "delete" => {
+            lacks(&new)?;
+            lacks(&new_np)?;
+            refused(client, node_port(SECOND_NODE_PORT.1))
+        }
+        _ => Err(format!("no step {step:?}")),
+    }
+}
+
+/// Create, re-port and delete a Service (and its EndpointSlice): each must
+/// be in the data path within [`VISIBLE_WITHIN`] of being made.
+///
+/// Each change is made once the agent is quiet: nothing pending and its
+/// last sync older than minSyncPeriod (1 s by default, kube-proxy's). A
+/// change made sooner after a sync waits for the rest of that period by
+/// design; that is not what is measured here.
+fn change_sequence(test: &str, bed: &mut AgentBed, via: Via) -> Result<()> {
+    let mut latencies = Vec::new();
+    for step in ["create", "re-port", "delete"] {
+        bed.wait_sync_gap()?;
+        let at = change(bed, via, step)?;
+        let took = time_until(&format!("{step} programmed"), at, PATIENCE, || programmed(bed, step))?;
+        note(
+            test,
+            format!("{step}: in the data path and `xproxy status` after {took:.3?}"),
+        );
+        latencies.push((step, took));
+    }
+    let late: Vec<String> = latencies
+        .iter()
+        .filter(|(_, took)| *took >= VISIBLE_WITHIN)
+        .map(|(step, took)| format!("{step} took {took:.3?}"))
+        .collect();
+    ensure!(
+        late.is_empty(),
+        "changes must be programmed within {VISIBLE_WITHIN:?}: {}",
+        late.join(", ")
+    );
+    let seen = bed.expect_all_backends(&bed.topo.client, seed_node_port(), ALL_BACKENDS_REQUESTS)?;
+    note(test, format!("the seed still answers from every backend: {seen}"));
+    Ok(())
+}
+
+#[test]
+fn manifest_changes_are_programmed_within_a_second() {
+    const TEST: &str = "manifest_changes_are_programmed_within_a_second";
+    if !require_root(TEST) {
+        return;
+    }
+    run(TEST, |bed| {
+        bed.copy_seed_manifests()?;
+        bed.start_agent(&bed.manifest_args())?;
+        let ready = bed.wait_answering(seed_node_port(), READY_WITHIN)?;
+        let seen = bed.expect_all_backends(&bed.topo.client, seed_node_port(), ALL_BACKENDS_REQUESTS)?;
+        note(
+            TEST,
+            format!("seed NodePort answering {ready:.1?} after the start: {seen}"),
+        );
+        change_sequence(TEST, bed, Via::Manifests)
+    });
+}
+
+#[test]
+fn api_server_changes_are_programmed_within_a_second() {
+    const TEST: &str = "api_server_changes_are_programmed_within_a_second";
+    if !require_root(TEST) {
+        return;
+    }
+    run(TEST, |bed| {
+        bed.start_api_server()?;
+        bed.start_agent(&bed.kubeconfig_args())?;
+        let ready = bed.wait_answering(seed_node_port(), READY_WITHIN)?;
+        let seen = bed.expect_all_backends(&bed.topo.client, seed_node_port(), ALL_BACKENDS_REQUESTS)?;
+        note(
+            TEST,
+            format!("seed NodePort answering {ready:.1?} after the start: {seen}"),
+        );
+        change_sequence(TEST, bed, Via::ApiServer)
+    });
+}
+
+// ---------------------------------------------------------------------------
+// 3: API server outage and 410.
+
+/// A Service deleted while the agent cannot see it, and one created then.
+const DOOMED: (&str, Ipv4Addr, u16) = ("doomed", Ipv4Addr::new(10, 96, 0, 60), 30821);
+const LATE: (&str, Ipv4Addr, u16) = ("late", Ipv4Addr::new(10, 96, 0, 61), 30822);
+
+fn apply_service_with_slice(api: &NodeApiServer, (name, ip, np): (&str, Ipv4Addr, u16)) -> Result<()> {
+    api.apply(&h::service(name, ip, 80, TARGET_PORT, Some(np)))?;
+    api.apply(&slice(&format!("{name}-1"), name, TARGET_PORT, &backend_ips()))
+}
+
+fn delete_service_with_slice(api: &NodeApiServer, (name, _, _): (&str, Ipv4Addr, u16)) -> Result<()> {
+    api.delete("Service", name)?;
+    api.delete("EndpointSlice", &format!("{name}-1"))
+}
+
+/// `late` is programmed and `doomed` is gone.
+fn caught_up(bed: &mut AgentBed) -> Result<(), String> {
+    bed.agent_alive()?;
+    answers(&bed.topo.client, node_port(LATE.2))?;
+    refused(&bed.topo.client, node_port(DOOMED.2))
+}
+
+/// Log lines that contain `needle`.
+fn log_lines(log: &str, needle: &str) -> Vec<String> {
+    log.lines().filter(|l| l.contains(needle)).map(str::to_owned).collect()
+}
+
+/// Starts the API server (seed + `doomed`) and the agent, waits until both
+/// Services answer, and starts a client at 50 requests/s on the seed's NodePort.
+fn api_bed_with_load(test: &str, bed: &mut AgentBed) -> Result<Load> {
+    bed.start_api_server()?;
+    apply_service_with_slice(bed.api(), DOOMED)?;
+    bed.start_agent(&bed.kubeconfig_args())?;
+    bed.wait_answering(seed_node_port(), READY_WITHIN)?;
+    bed.wait_answering(node_port(DOOMED.2), READY_WITHIN)?;
+    let load = Load::start(&bed.topo.client, seed_node_port(), 50, Duration::from_secs(3))?;
+    note(
+        test,
+        "agent programmed seed and doomed; client at 50 requests/s on new connections",
+    );
+    Ok(load)
+}
+
+#[test]
+fn api_server_outage_keeps_the_data_path_and_relists_after() {
+    const TEST: &str = "api_server_outage_keeps_the_data_path_and_relists_after";
+    const OUTAGE: Duration = Duration::from_secs(60);
+    /// The agent's watchers retry at most 7.5 s apart (5 s plus jitter):
+    /// one retry to find the server back, its resume fails with 410, one
+    /// more for the relist.
+    const RECOVERY: Duration = Duration::from_secs(20);
+    if !require_root(TEST) {
+        return;
+    }
+    run(TEST, |bed| {
+        let load = api_bed_with_load(TEST, bed)?;
+        let writes_before = bed
+            .metrics()?
+            .value(h::KERNEL_WRITES)
+            .context("no kernel writes metric")?;
+
+        bed.api().stop()?;
+        let down = Instant::now();
+        note(TEST, format!("API server stopped (load at {:.1?})", load.elapsed()));
+        // Changes the agent cannot see until the server is back; the
+        // compaction makes its resume fail with 410, so it must relist.
+        apply_service_with_slice(bed.api(), LATE)?;
+        delete_service_with_slice(bed.api(), DOOMED)?;
+        bed.api().server().compact();
+        while down.elapsed() < OUTAGE {
+            bed.agent_alive().map_err(anyhow::Error::msg)?;
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        // The data path is what it was: doomed still answers, late does not
+        // exist, nothing was written, the agent is healthy.
+        answers(&bed.topo.client, node_port(DOOMED.2)).map_err(anyhow::Error::msg)?;
+        refused(&bed.topo.client, node_port(LATE.2)).map_err(anyhow::Error::msg)?;
+        let writes = bed
+            .metrics()?
+            .value(h::KERNEL_WRITES)
+            .context("no kernel writes metric")?;
+        ensure!(
+            writes == writes_before,
+            "kernel writes during the outage: {writes_before} -> {writes}"
+        );
+        let (code, body) = h::http_get(&bed.topo.node, h::HEALTHZ_ADDR, "/healthz")?;
+        ensure!(code == 200, "/healthz during the outage: {code} {body}");
+        let failed_watches = log_lines(&bed.log(), "watch failed").len();
+        note(
+            TEST,
+            format!(
+                "after {OUTAGE:?} down: data path unchanged, /healthz 200, {failed_watches} failed watch attempts logged"
+            ),
+        );
+
+        bed.api().restart()?;
+        let up = Instant::now();
+        let took = time_until("the changes made during the outage programmed", up, RECOVERY, || {
+            caught_up(bed)
+        })?;
+        note(
+            TEST,
+            format!("API server back: late programmed and doomed removed {took:.1?} after the restart"),
+        );
+        let log = bed.log();
+        let watch_lines: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("watch failed") || l.contains("listed"))
+            .collect();
+        let tail = &watch_lines[watch_lines.len().saturating_sub(8)..];
+        note(TEST, format!("the agent's last watch events:\n  {}", tail.join("\n  ")));
+        // A little more traffic on the caught-up data path, then the verdict.
+        let until = load.elapsed() + Duration::from_secs(1);
+        while load.elapsed() < until {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let report = load.stop();
+        note(TEST, report.summary());
+        report.expect_no_failures()?;
+        let lists = (
+            bed.api().list_requests(h::SERVICES_PATH),
+            bed.api().list_requests(h::SLICES_PATH),
+        );
+        ensure!(
+            lists.0 >= 2 && lists.1 >= 2,
+            "no relist after the outage: list requests (services, slices) = {lists:?}"
+        );
+        Ok(())
+    });
+}
+
+#[test]
+fn expired_watches_relist_without_flushing() {
+    const TEST: &str = "expired_watches_relist_without_flushing";
+    if !require_root(TEST) {
+        return;
+    }
+    run(TEST, |bed| {
+        let load = api_bed_with_load(TEST, bed)?;
+
+        // 1. Nothing changed: a 410 and relist must write nothing.
+        bed.wait_sync_gap()?;
+        let before = bed.metrics()?;
+        let writes = before.value(h::KERNEL_WRITES).context("no kernel writes metric")?;
+        let changes = before.value(h::SERVICE_CHANGES).context("no service changes metric")?;
+        let lists = (
+            bed.api().list_requests(h::SERVICES_PATH),
+            bed.api().list_requests(h::SLICES_PATH),
+        );
+        let cut = h::unix_now();
+        bed.api().server().compact();
+        bed.api().server().drop_watches();
+        let relisted = Instant::now();
+        netns::wait_for("Services and EndpointSlices relisted", Duration::from_secs(20), || {
+            bed.agent_alive()?;
+            let now = (
+                bed.api().list_requests(h::SERVICES_PATH),
+                bed.api().list_requests(h::SLICES_PATH),
+            );
+            if now.0 > lists.0 && now.1 > lists.1 {
+                Ok(())
+            } else {
+                Err(format!("list requests {now:?}"))
+            }
+        })?;
+        let after = netns::wait_for("a sync after the relist", Duration::from_secs(10), || {
+            let m = bed.metrics().map_err(|e| format!("{e:#}"))?;
+            match m.value(h::LAST_SYNC) {
+                Some(t) if t > cut => Ok(m),
+                other => Err(format!("last sync {other:?}, watches cut at {cut:.3}")),
+            }
+        })?;
+        let (writes_after, changes_after) = (after.value(h::KERNEL_WRITES), after.value(h::SERVICE_CHANGES));
+        ensure!(
+            writes_after == Some(writes) && changes_after == Some(changes),
+            "a relist of unchanged objects must write nothing: kernel writes {writes} -> {writes_after:?}, \
+             service changes {changes} -> {changes_after:?}"
+        );
+        note(
+            TEST,
+            format!(
+                "410 + relist of unchanged objects after {:.1?}: 0 kernel writes",
+                relisted.elapsed()
+            ),
+        );
+
+        // 2. Changes made while the watches are down: found by the relist.
+        bed.wait_sync_gap()?;
+        bed.api().server().compact();
+        bed.api().server().drop_watches();
+        let changed = Instant::now();
+        apply_service_with_slice(bed.api(), LATE)?;
+        delete_service_with_slice(bed.api(), DOOMED)?;
+        let took = time_until(
+            "the changes made while the watches were down programmed",
+            changed,
+            Duration::from_secs(30),
+            || caught_up(bed),
+        )?;
+        note(
+            TEST,
+            format!("late programmed and doomed removed {took:.1?} after the watches were cut"),
+        );
+
+        let report = load.stop();
+        note(TEST, report.summary());
+        report.expect_no_failures()?;
+        let failed = log_lines(&bed.log(), "watch failed");
+        let expired = failed
+            .iter()
+            .find(|l| l.contains("410") || l.contains("Expired") || l.contains("too old"));
+        match expired {
+            Some(line) => note(TEST, format!("the agent saw the 410: {line}")),
+            None => bail!(
+                "the agent's log shows no expired watch (410); its failed watches:\n{}",
+                failed.join("\n")
+            ),
+        }
+        Ok(())
+    });
+}
+
+// ---------------------------------------------------------------------------
+// 4: kill -9 and restart.
+
+/// The echo Service for long-lived connections.
+const ECHO_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 90);
+const ECHO_PORT: u16 = 7;
+const ECHO_TARGET_PORT: u16 = 7007;
+const ECHO_NODE_PORT: u16 = 30790;
+
+#[test]
+fn sigkill_and_restart_keep_traffic_and_adopt_the_maps() {
+    const TEST: &str = "sigkill_and_restart_keep_traffic_and_adopt_the_maps";
+    const RATE: u32 = 200;
+    const CONNECTIONS_PER_SIDE: usize = 25;
+    const EXCHANGE_EVERY: Duration = Duration::from_millis(100);
+    const WITHOUT_AGENT: Duration = Duration::from_secs(3);
+    if !require_root(TEST) {
+        return;
+    }
+    run(TEST, |bed| {
+        for pod in &bed.topo.backends {
+            pod.ns.serve_tcp_echo(ECHO_TARGET_PORT)?;
+        }
+        bed.copy_seed_manifests()?;
+        let echo = [
+            h::service("echo", ECHO_IP, ECHO_PORT, ECHO_TARGET_PORT, Some(ECHO_NODE_PORT)),
+            slice("echo-1", "echo", ECHO_TARGET_PORT, &backend_ips()),
+        ];
+        bed.write_manifest("echo.yaml", &yaml_documents(&echo))?;
+        bed.start_agent(&bed.manifest_args())?;
+        bed.wait_answering(seed_node_port(), READY_WITHIN)?;
+        let before = services_masked(&bed.status()?);
+        let shown = frontends(&before);
+        ensure!(
+            shown.len() == 4,
+            "expected the seed's and echo's frontends, status shows:\n{before}"
+        );
+
+        let load = Load::start(&bed.topo.client, seed_node_port(), RATE, Duration::from_secs(3))?;
+        let from_outside = EchoClients::start(
+            &bed.topo.client,
+            node_port(ECHO_NODE_PORT),
+            CONNECTIONS_PER_SIDE,
+            0,
+            EXCHANGE_EVERY,
+        )?;
+        let from_pod = EchoClients::start(
+            &bed.topo.client_pod.ns,
+            SocketAddrV4::new(ECHO_IP, ECHO_PORT),
+            CONNECTIONS_PER_SIDE,
+            CONNECTIONS_PER_SIDE,
+            EXCHANGE_EVERY,
+        )?;
+        note(
+            TEST,
+            format!(
+                "load at {RATE}/s, {} long-lived connections open",
+                2 * CONNECTIONS_PER_SIDE
+            ),
+        );
+        let until = load.elapsed() + Duration::from_secs(1);
+        while load.elapsed() < until {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+
+        let killed_at = load.elapsed();
+        let status = bed.stop_agent(libc::SIGKILL)?;
+        ensure!(
+            status.signal() == Some(libc::SIGKILL),
+            "the agent ended with {status}, not by SIGKILL"
+        );
+        note(TEST, format!("agent killed (-9) at {killed_at:.2?} into the load"));
+        while load.elapsed() < killed_at + WITHOUT_AGENT {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let restarted_at = load.elapsed();
+        bed.start_agent(&bed.manifest_args())?;
+        let first = bed.wait_first_sync(READY_WITHIN)?;
+        let synced_at = load.elapsed();
+        let writes = first.value(h::KERNEL_WRITES);
+        note(
+            TEST,
+            format!("restarted at {restarted_at:.2?}, first sync by {synced_at:.2?}: kernel writes {writes:?}"),
+        );
+        ensure!(
+            writes == Some(0.0),
+            "the restarted agent wrote to the kernel in its first sync: {writes:?}"
+        );
+
+        let until = load.elapsed() + Duration::from_secs(2);
+        while load.elapsed() < until {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let later = bed.metrics()?.value(h::KERNEL_WRITES);
+        ensure!(
+            later == Some(0.0),
+            "the restarted agent wrote to the kernel later: {later:?}"
+        );
+
+        let outside = from_outside.stop();
+        let inside = from_pod.stop();
+        let report = load.stop();
+        note(TEST, report.summary());
+        let without_agent = report
+            .outcomes
+            .iter()
+            .filter(|o| o.at >= killed_at && o.at < restarted_at)
+            .count();
+        note(TEST, format!("{without_agent} requests while no agent ran"));
+        report.expect_no_failures()?;
+        ensure!(
+            without_agent >= 100,
+            "only {without_agent} requests were sent while no agent ran"
+        );
+
+        let echo: Vec<_> = outside.iter().chain(&inside).collect();
+        let broken: Vec<String> = echo
+            .iter()
+            .filter_map(|o| {
+                o.error.as_ref().map(|(at, e)| {
+                    format!(
+                        "connection {} to {} failed at {at:.2?} after {} exchanges: {e}",
+                        o.id, o.target, o.exchanges
+                    )
+                })
+            })
+            .collect();
+        let fewest = echo.iter().map(|o| o.exchanges).min().unwrap_or(0);
+        let total: u64 = echo.iter().map(|o| o.exchanges).sum();
+        note(
+            TEST,
+            format!(
+                "{} long-lived connections: {total} exchanges, at least {fewest} each",
+                echo.len()
+            ),
+        );
+        ensure!(
+            broken.is_empty(),
+            "long-lived connections broke:\n  {}",
+            broken.join("\n  ")
+        );
+        ensure!(fewest >= 20, "a long-lived connection exchanged only {fewest} messages");
+
+        let after = services_masked(&bed.status()?);
+        ensure!(
+            after == before,
+            "`xproxy status` changed across the restart:\nbefore:\n{before}after:\n{after}"
+        );
+        let log = bed.log();
+        ensure!(
+            log.contains("adopted=2"),
+            "the restarted agent did not report adopting both Service ports; its log:\n{log}"
+        );
+        Ok(())
+    });
+}
+
+// ---------------------------------------------------------------------------
+// 5: bad input.
+
+const BROKEN_YAML: &str = "apiVersion: v1\nkind: Service\nmetadata:\n  name: broken\n spec: [unclosed\n";
+
+fn bad_objects() -> Vec<Value> {
+    let mut port_zero = h::service("port-zero", Ipv4Addr::new(10, 96, 0, 50), 80, 80, None);
+    port_zero["spec"]["ports"][0]["port"] = json!(0);
+    let mut port_too_big = h::service("port-too-big", Ipv4Addr::new(10, 96, 0, 51), 80, 80, None);
+    port_too_big["spec"]["ports"][0]["port"] = json!(70000);
+    let mut dup_ports = h::service("dup-ports", Ipv4Addr::new(10, 96, 0, 52), 80, 80, None);
+    dup_ports["spec"]["ports"] = json!([
+        {"name": "a", "port": 80, "targetPort": 80, "protocol": "TCP"},
+        {"name": "b", "port": 80, "targetPort": 81, "protocol": "TCP"},
+    ]);
+    let mut bad_ip = h::service("bad-cluster-ip", Ipv4Addr::new(10, 96, 0, 53), 80, 80, None);
+    bad_ip["spec"]["clusterIP"] = json!("10.96.0.300");
+    let bad_slice_service = h::service("bad-slice", Ipv4Addr::new(10, 96, 0, 54), 80, TARGET_PORT, None);
+    let mut bad_slice = slice("bad-slice-1", "bad-slice", TARGET_PORT, &backend_ips()[..1]);
+    bad_slice["endpoints"]
+        .as_array_mut()
+        .expect("endpoints is a list")
+        .push(json!({"addresses": ["10.244.0.999"], "conditions": {"ready": true}}));
+    vec![port_zero, port_too_big, dup_ports, bad_ip, bad_slice_service, bad_slice]
+}
+
+#[test]
+fn bad_input_is_skipped_and_the_seed_keeps_working() {
+    const TEST: &str = "bad_input_is_skipped_and_the_seed_keeps_working";
+    if !require_root(TEST) {
+        return;
+    }
+    run(TEST, |bed| {
+        bed.copy_seed_manifests()?;
+        bed.write_manifest("broken.yaml", BROKEN_YAML)?;
+        bed.write_manifest("bad.yaml", &yaml_documents(&bad_objects()))?;
+        bed.start_agent(&bed.manifest_args())?;
+        bed.wait_answering(seed_node_port(), READY_WITHIN)?;
+        let seen = bed.expect_all_backends(&bed.topo.client, seed_node_port(), ALL_BACKENDS_REQUESTS)?;
+        note(TEST, format!("seed answers from every backend: {seen}"));
+
+        // Each bad object is named in a "skipped" warning.
+        let named = [
+            "broken.yaml",
+            "Service default/port-zero",
+            "Service default/port-too-big",
+            "Service default/dup-ports",
+            "Service default/bad-cluster-ip",
+            "EndpointSlice default/bad-slice-1",
+        ];
+        let skipped = netns::wait_for(
+            "every bad object in a \"skipped\" warning",
+            Duration::from_secs(10),
+            || {
+                bed.agent_alive()?;
+                let lines = log_lines(&bed.log(), "skipped object=");
+                let missing: Vec<_> = named.iter().filter(|n| !lines.iter().any(|l| l.contains(*n))).collect();
+                if missing.is_empty() {
+                    Ok(lines)
+                } else {
+                    Err(format!("not named: {missing:?}; \"skipped\" lines: {lines:#?}"))
+                }
+            },
+        )?;
+        note(TEST, format!("skipped warnings:\n  {}", skipped.join("\n  ")));
+        let count = bed.metrics()?.value(h::SKIPPED);
+        ensure!(
+            count.is_some_and(|n| n >= named.len() as f64),
+            "{} = {count:?}",
+            h::SKIPPED
+        );
+
+        // The good parts of the bad objects are programmed, the rest is not.
+        let status = bed.status()?;
+        let shown = frontends(&status);
+        let expect = [
+            ("TCP 10.96.0.52:80", Some(0)), // dup-ports: the first port, no endpoints
+            ("TCP 10.96.0.54:80", Some(1)), // bad-slice: its one valid address
+            ("TCP 10.96.0.50:0", None),
+            ("TCP 10.96.0.51:80", None),
+        ];
+        for (frontend, backends) in expect {
+            let got = shown.get(frontend).map(|(_, n)| *n);
+            ensure!(
+                got == backends,
+                "{frontend}: expected {backends:?} backends, status has {got:?}:\n{status}"
+            );
+        }
+        ensure!(
+            !status.contains("10.96.0.300") && !status.contains("10.96.0.51"),
+            "skipped Services are in the data path:\n{status}"
+        );
+        bed.agent_alive().map_err(anyhow::Error::msg)?;
+        Ok(())
+    });
+}
+
+// ---------------------------------------------------------------------------
+// 6: health, metrics and status.
+
+const SEED_STATUS: &str = "\
+Prot LocalAddress:Port Kind
+  -> RemoteAddress:Port           Flows
+TCP  10.96.0.88:88 ClusterIP
+  -> 10.244.0.11:80               *
+  -> 10.244.0.12:80               *
+  -> 10.244.0.13:80               *
+TCP  172.30.0.2:30791 NodePort
+  -> 10.244.0.11:80               *
+  -> 10.244.0.12:80               *
+  -> 10.244.0.13:80               *
+";
+
+#[test]
+fn health_metrics_and_status_of_a_running_agent() {
+    const TEST: &str = "health_metrics_and_status_of_a_running_agent";
+    if !require_root(TEST) {
+        return;
+    }
+    run(TEST, |bed| {
+        bed.copy_seed_manifests()?;
+        bed.start_agent(&bed.manifest_args())?;
+        bed.wait_first_sync(READY_WITHIN)?;
+        for path in ["/healthz", "/livez"] {
+            let (code, body) = h::http_get(&bed.topo.node, h::HEALTHZ_ADDR, path)?;
+            ensure!(code == 200, "{path} after the first sync: {code} {body}");
+            let json: Value = serde_json::from_str(&body).with_context(|| format!("{path} body {body:?}"))?;
+            ensure!(
+                json["lastUpdated"].is_string() && json["currentTime"].is_string(),
+                "{path} body {body}"
+            );
+            note(TEST, format!("{path}: 200 {body}"));
+        }
+        let (code, mode) = h::http_get(&bed.topo.node, h::METRICS_ADDR, "/proxyMode")?;
+        ensure!(code == 200 && mode == "ebpf", "/proxyMode: {code} {mode:?}");
+
+        bed.wait_answering(seed_node_port(), READY_WITHIN)?;
+        let outside = bed.expect_all_backends(&bed.topo.client, seed_node_port(), ALL_BACKENDS_REQUESTS)?;
+        let cluster_ip = SocketAddrV4::new(SEED_CLUSTER_IP, SEED_PORT);
+        let inside = bed.expect_all_backends(&bed.topo.client_pod.ns, cluster_ip, ALL_BACKENDS_REQUESTS)?;
+        note(
+            TEST,
+            format!("NodePort from the client: {outside}; ClusterIP from a pod: {inside}"),
+        );
+
+        let metrics = bed.metrics()?;
+        let now = h::unix_now();
+        let value = |name: &str| metrics.value(name).with_context(|| format!("/metrics lacks {name}"));
+        let last_sync = value(h::LAST_SYNC)?;
+        ensure!(
+            last_sync > now - 600.0 && last_sync <= now + 1.0,
+            "{} = {last_sync} (now {now})",
+            h::LAST_SYNC
+        );
+        let changes = value(h::SERVICE_CHANGES)?;
+        ensure!(changes >= 1.0, "{} = {changes}", h::SERVICE_CHANGES);
+        let skipped = value(h::SKIPPED)?;
+        ensure!(skipped == 0.0, "{} = {skipped} for the valid seed", h::SKIPPED);
+        let writes = value(h::KERNEL_WRITES)?;
+        ensure!(
+            writes > 0.0,
+            "{} = {writes} after programming a fresh data path",
+            h::KERNEL_WRITES
+        );
+        let dnat_new = metrics.labeled(h::DATAPATH_PACKETS, "verdict=\"dnat_new\"");
+        ensure!(
+            // Each new connection's SYN is a new flow (half of them, in
+            // case a source port is reused while its flow is still tracked).
+            dnat_new.is_some_and(|n| n >= ALL_BACKENDS_REQUESTS as f64),
+            "{}{{verdict=\"dnat_new\"}} = {dnat_new:?} after {} new connections",
+            h::DATAPATH_PACKETS,
+            2 * ALL_BACKENDS_REQUESTS
+        );
+        ensure!(
+            metrics.labeled("xproxy_info", "mode=\"ebpf\"") == Some(1.0),
+            "xproxy_info{{mode=\"ebpf\"}} is not 1"
+        );
+        for family in [
+            "kubeproxy_sync_proxy_rules_duration_seconds_count",
+            "kubeproxy_network_programming_duration_seconds_count",
+        ] {
+            ensure!(
+                metrics.value(family).is_some_and(|n| n >= 1.0),
+                "{family} = {:?}",
+                metrics.value(family)
+            );
+        }
+        note(
+            TEST,
+            format!(
+                "metrics: last sync {last_sync:.3}, service changes {changes}, skipped {skipped}, kernel writes {writes}, dnat_new {dnat_new:?}"
+            ),
+        );
+
+        let status = bed.status()?;
+        let services = services_masked(&status);
+        ensure!(
+            services == SEED_STATUS,
+            "`xproxy status` services (flows masked):\n{services}expected:\n{SEED_STATUS}"
+        );
+        ensure!(
+            status.contains("Tracked flows:") && status.contains("dnat_new"),
+            "`xproxy status`:\n{status}"
+        );
+        Ok(())
+    });
+}
+
+// ---------------------------------------------------------------------------
+// 7: command-line errors.
+
+/// Runs `xproxy ARGS` in `ns` and checks its exit code and that its output
+/// mentions every one of `mentions`.
+fn expect_exit(
+    xproxy: &std::path::Path,
+    ns: &Netns,
+    scratch: &TempDir,
+    args: &[&str],
+    code: i32,
+    mentions: &[&str],
+    within: Duration,
+) -> Result<String> {
+    let exit = h::run_xproxy(xproxy, ns, args, scratch.path(), within)?;
+    let shown = format!(
+        "xproxy {} exited with {:?} after {:.1?}: {}",
+        args.join(" "),
+        exit.code,
+        exit.took,
+        exit.stderr.trim()
+    );
+    ensure!(exit.code == Some(code), "expected exit code {code}: {shown}");
+    for needle in mentions {
+        ensure!(
+            exit.stderr.contains(needle),
+            "the output does not mention {needle:?}: {shown}"
+        );
+    }
+    Ok(shown)
+}
+
+#[test]
+fn cli_errors_exit_with_their_codes() {
+    const TEST: &str = "cli_errors_exit_with_their_codes";
+    if !require_root(TEST) {
+        return;
+    }
+    let xproxy = h::xproxy_binary();
+    let scratch = TempDir::new("cli").expect("scratch directory");
+    let ns = Netns::new("xq").expect("a namespace to run in");
+    let manifests = scratch.path().join("manifests");
+    std::fs::create_dir_all(&manifests).expect("manifest directory");
+    let manifests = manifests.to_str().expect("utf-8 path");
+    let config = scratch.path().join("proxy.yaml");
+    std::fs::write(
+        &config,
+        "kind: KubeProxyConfiguration\napiVersion: kubeproxy.config.k8s.io/v1alpha1\n\
+         metricsBindAddress: not-an-address\nipvs:\n  scheduler: fastest\n",
+    )
+    .expect("config file");
+    let config = config.to_str().expect("utf-8 path");
+    let pins = PinDir::new();
+    let pin_path = pins.path().to_str().expect("utf-8 path");
+    let quick = Duration::from_secs(20);
+    let cases: [(&str, Vec<&str>, i32, Vec<&str>); 4] = [
+        (
+            "bad config file",
+            vec![
+                "run",
+                "--config",
+                config,
+                "--manifests",
+                manifests,
+                "--pin-path",
+                pin_path,
+            ],
+            2,
+            vec!["metricsBindAddress", "ipvs.scheduler", "fastest"],
+        ),
+        (
+            "unknown mode",
+            vec![
+                "run",
+                "--mode",
+                "bogus",
+                "--manifests",
+                manifests,
+                "--pin-path",
+                pin_path,
+            ],
+            2,
+            vec!["bogus", "--mode"],
+        ),
+        (
+            // A mode this build does not have yet (update when it lands).
+            "mode not available",
+            vec![
+                "run",
+                "--mode",
+                "userspace",
+                "--manifests",
+                manifests,
+                "--pin-path",
+                pin_path,
+            ],
+            6,
+            vec!["userspace"],
+        ),
+        (
+            "missing interface",
+            vec![
+                "run",
+                "--interface",
+                "nope",
+                "--manifests",
+                manifests,
+                "--pin-path",
+                pin_path,
+            ],
+            5,
+            vec!["nope"],
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (what, args, code, mentions) in cases {
+        match expect_exit(&xproxy, &ns, &scratch, &args, code, &mentions, quick) {
+            Ok(shown) => note(TEST, format!("{what}: {shown}")),
+            Err(e) => failures.push(format!("{what}: {e:#}")),
+        }
+    }
+    // Whatever the failed start pinned goes with the pin directory.
+    let _ = netns::run(std::process::Command::new(&xproxy).args(["cleanup", "--pin-path", pin_path]));
+    assert!(failures.is_empty(), "{TEST}:\n  {}", failures.join("\n  "));
+}
+
+#[test]
+fn cli_exits_4_when_the_api_server_is_unreachable() {
+    const TEST: &str = "cli_exits_4_when_the_api_server_is_unreachable";
+    /// The agent gives the API server 10 s at start-up.
+    const WITHIN: Duration = Duration::from_secs(15);
+    if !require_root(TEST) {
+        return;
+    }
+    let xproxy = h::xproxy_binary();
+    let scratch = TempDir::new("unreachable").expect("scratch directory");
+    // A namespace with an uplink (a veth pair inside it) for the data path,
+    // which starts before the API client.
+    let ns = Netns::new("xq").expect("a namespace to run in");
+    ns.ip(&["link", "add", "up0", "type", "veth", "peer", "name", "up1"])
+        .expect("veth pair");
+    ns.ip(&["link", "set", "up0", "up"]).expect("up0 up");
+    ns.ip(&["link", "set", "up1", "up"]).expect("up1 up");
+    ns.add_addr("up0", &format!("{NODE_IP}/24")).expect("node address");
+    // Nothing listens on a closed port; a listener that never accepts
+    // completes the handshake but never answers.
+    let closed = h::free_local_port(&ns).expect("a free port");
+    let silent = ns
+        .run_in(|| std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))
+        .expect("entering the namespace")
+        .expect("a silent listener");
+    let silent_port = silent.local_addr().expect("its address").port();
+    let mut failures = Vec::new();
+    for (what, port) in [("closed port", closed), ("server that never answers", silent_port)] {
+        let kubeconfig = scratch.path().join(format!("kubeconfig-{port}.yaml"));
+        std::fs::write(
+            &kubeconfig,
+            format!(
+                "apiVersion: v1\nkind: Config\nclusters:\n- cluster:\n    server: http://127.0.0.1:{port}\n  name: c\n\
+                 contexts:\n- context:\n    cluster: c\n  name: c\ncurrent-context: c\nusers: []\n"
+            ),
+        )
+        .expect("kubeconfig");
+        let pins = PinDir::new();
+        let args = [
+            "run",
+            "--kubeconfig",
+            kubeconfig.to_str().expect("utf-8 path"),
+            "--node-ip",
+            &NODE_IP.to_string(),
+            "--hostname-override",
+            h::NODE_NAME,
+            "--pin-path",
+            pins.path().to_str().expect("utf-8 path"),
+        ]
+        .map(str::to_owned);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        match expect_exit(&xproxy, &ns, &scratch, &args, 4, &["API server"], WITHIN) {
+            Ok(shown) => note(TEST, format!("{what}: {shown}")),
+            Err(e) => failures.push(format!("{what}: {e:#}")),
+        }
+        let _ = netns::run(
+            std::process::Command::new(&xproxy)
+                .arg("cleanup")
+                .arg("--pin-path")
+                .arg(pins.path()),
+        );
+    }
+    drop(silent);
+    assert!(failures.is_empty(), "{TEST}:\n  {}", failures.join("\n  "));
+}
