@@ -22,5 +22,6 @@ pub fn cleanup(pin_path: &Path) -> Result<(), Failure> {
     } else {
         info!(pin_path = %pin_path.display(), "nothing pinned");
     }
+    crate::mode::iptables::cleanup().exit_code(ExitCode::Error)?;
     Ok(())
 }

@@ -3,12 +3,27 @@
 
 pub mod ebpf;
 pub mod fake;
+pub mod iptables;
 
 use std::collections::BTreeMap;
 
 use anyhow::Result;
 
-use crate::{model::ServicePort, reconcile::Plan};
+use crate::{
+    model::{Endpoint, ServicePort},
+    reconcile::Plan,
+};
+
+/// The endpoints every mode sends traffic to, kube-proxy's choice: the ready
+/// ones; if there are none, those serving while terminating (so draining
+/// pods still finish requests).
+pub fn usable_endpoints(endpoints: &[Endpoint]) -> Vec<&Endpoint> {
+    let ready: Vec<_> = endpoints.iter().filter(|e| e.ready).collect();
+    if !ready.is_empty() {
+        return ready;
+    }
+    endpoints.iter().filter(|e| e.serving && e.terminating).collect()
+}
 
 /// One way of turning Service ports into kernel state.
 pub trait Dataplane: Send {

@@ -26,7 +26,7 @@ use proxy_common::{
     service::FLAG_NODE_PORT,
 };
 
-use crate::model::{Endpoint, ServicePort};
+use crate::{mode::usable_endpoints, model::ServicePort};
 
 /// What was written for one Service port, to diff the next write against.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -544,16 +544,6 @@ impl ServiceMaps {
     }
 }
 
-/// kube-proxy's choice: ready endpoints; if there are none, serving
-/// endpoints that are terminating (so draining pods still finish requests).
-fn usable_endpoints(endpoints: &[Endpoint]) -> Vec<&Endpoint> {
-    let ready: Vec<_> = endpoints.iter().filter(|e| e.ready).collect();
-    if !ready.is_empty() {
-        return ready;
-    }
-    endpoints.iter().filter(|e| e.serving && e.terminating).collect()
-}
-
 /// Hands out map ids (backends, backend sets, reverse NAT entries).
 ///
 /// Ids move forward and wrap only after 2^32 - 1 of them: a freed id is not
@@ -605,6 +595,7 @@ fn remove_if_present<K: aya::Pod, V: aya::Pod>(map: &mut HashMap<MapData, K, V>,
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::Endpoint;
 
     #[test]
     fn freed_ids_are_not_handed_out_again_soon() {

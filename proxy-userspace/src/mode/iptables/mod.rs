@@ -1,0 +1,423 @@
+//! kube-proxy's iptables mode, kept for side-by-side comparison with the
+//! eBPF data path: the same chains, rules and chain names kube-proxy
+//! writes, so `iptables-save` on an xproxy node reads like on a kube-proxy
+//! node.
+//!
+//! Every sync is one `iptables-restore --noflush` (see [`rules`] for the
+//! layout). A partial sync rewrites the top-level chains (`KUBE-SERVICES`,
+//! `KUBE-NODEPORTS`, the filter chains, ...) and only the changed ports'
+//! own chains, and deletes the chains those ports no longer use. A full
+//! sync reads the kernel's rules first (`iptables-save`), inserts missing
+//! jumps from the built-in chains, rewrites all of its chains and deletes
+//! stale per-service chains; when the kernel still holds exactly what the
+//! last full sync of the same state left, it writes nothing.
+//!
+//! The parts: [`chains`] names the chains (kube-proxy's hashes), [`rules`]
+//! renders them, [`restore`] runs `iptables-save` and `iptables-restore`.
+
+pub mod chains;
+pub mod restore;
+pub mod rules;
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    io,
+    net::Ipv4Addr,
+};
+
+use anyhow::{Context, Result, bail};
+pub use restore::{Iptables, Saved, SystemIptables};
+pub use rules::{LocalTraffic, NodePortDestinations, RuleOptions};
+use rules::{Rewrite, SyncInput, jumps, port_chains, render};
+use tracing::{debug, info, warn};
+
+use super::Dataplane;
+use crate::{
+    config::{Config, DetectLocal, NodePortAddresses},
+    model::ServicePort,
+    reconcile::Plan,
+};
+
+/// NodePorts on 127.0.0.1 need the kernel to route loopback destinations
+/// off the host (per network namespace).
+const ROUTE_LOCALNET: &str = "/proc/sys/net/ipv4/conf/all/route_localnet";
+/// Set: conntrack accepts out-of-window TCP packets, so INVALID ones need
+/// not be dropped.
+const TCP_BE_LIBERAL: &str = "/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal";
+
+pub struct IptablesMode {
+    opts: RuleOptions,
+    iptables: Box<dyn Iptables>,
+    /// What the last successful sync programmed.
+    state: BTreeMap<String, ServicePort>,
+    /// What a full sync left in the kernel, to recognise a kernel that
+    /// nobody changed since.
+    verified: Option<Verified>,
+    writes: u64,
+    last_input: String,
+}
+
+struct Verified {
+    desired: BTreeMap<String, ServicePort>,
+    ours: Vec<String>,
+}
+
+/// Starts the iptables mode for `xproxy run` (see [`IptablesMode::start`]).
+pub fn start(config: &Config) -> Result<Box<dyn Dataplane>> {
+    Ok(Box::new(IptablesMode::start(config)?))
+}
+
+impl IptablesMode {
+    /// A mode writing through `iptables` with `opts`; touches nothing yet.
+    pub fn new(opts: RuleOptions, iptables: Box<dyn Iptables>) -> Self {
+        Self {
+            opts,
+            iptables,
+            state: BTreeMap::new(),
+            verified: None,
+            writes: 0,
+            last_input: String::new(),
+        }
+    }
+
+    /// The mode for this node: checks that the iptables tools run, reads
+    /// the options from `config` and the kernel, and sets `route_localnet`
+    /// when NodePorts answer on localhost (as kube-proxy does). Rules are
+    /// written by the first sync.
+    pub fn start(config: &Config) -> Result<Self> {
+        let system = SystemIptables::default();
+        system.check()?;
+        let opts = rule_options(config)?;
+        if opts.node_ports.localhost() {
+            info!(
+                "setting route_localnet=1 so that NodePorts answer on 127.0.0.1 \
+                 (turn off with iptables.localhostNodePorts: false, or leave 127.0.0.0/8 out of nodePortAddresses)"
+            );
+            std::fs::write(ROUTE_LOCALNET, "1").with_context(|| format!("writing 1 to {ROUTE_LOCALNET}"))?;
+        }
+        info!(?opts, "iptables mode ready");
+        Ok(Self::new(opts, Box::new(system)))
+    }
+
+    pub fn options(&self) -> &RuleOptions {
+        &self.opts
+    }
+
+    /// The `iptables-restore` input of the last sync that wrote something.
+    pub fn last_input(&self) -> &str {
+        &self.last_input
+    }
+
+    fn restore(&mut self, text: String, writes: u64) -> Result<()> {
+        self.iptables.restore(&text)?;
+        self.writes += writes;
+        self.last_input = text;
+        Ok(())
+    }
+}
+
+impl Dataplane for IptablesMode {
+    fn name(&self) -> &'static str {
+        "iptables"
+    }
+
+    fn apply(&mut self, plan: &Plan) -> Result<()> {
+        if plan.is_empty() {
+            return Ok(());
+        }
+        // Chains the touched ports used before, and what to put back if
+        // the restore fails.
+        let mut gone = BTreeSet::new();
+        let mut undo: Vec<(String, Option<ServicePort>)> = Vec::new();
+        for port in &plan.remove {
+            gone.extend(port_chains(port));
+            if let Some(old) = self.state.remove(&port.name) {
+                gone.extend(port_chains(&old));
+                undo.push((port.name.clone(), Some(old)));
+            }
+        }
+        let mut changed = BTreeSet::new();
+        for port in &plan.upsert {
+            let old = self.state.insert(port.name.clone(), port.clone());
+            if let Some(old) = &old {
+                gone.extend(port_chains(old));
+            }
+            undo.push((port.name.clone(), old));
+            changed.insert(port.name.clone());
+        }
+        let active: BTreeSet<String> = changed
+            .iter()
+            .filter_map(|name| self.state.get(name))
+            .flat_map(port_chains)
+            .collect();
+        let delete: BTreeSet<String> = gone.difference(&active).cloned().collect();
+        let rendered = render(
+            &self.opts,
+            &SyncInput {
+                ports: &self.state,
+                rewrite: Rewrite::Only(&changed),
+                delete: &delete,
+                jumps: &[],
+            },
+        );
+        debug!(
+            changed = changed.len(),
+            removed = plan.remove.len(),
+            deleted_chains = delete.len(),
+            writes = rendered.writes,
+            "partial iptables sync"
+        );
+        self.verified = None;
+        if let Err(e) = self.restore(rendered.text, rendered.writes) {
+            for (name, old) in undo.into_iter().rev() {
+                match old {
+                    Some(old) => self.state.insert(name, old),
+                    None => self.state.remove(&name),
+                };
+            }
+            return Err(e.context("partial sync"));
+        }
+        Ok(())
+    }
+
+    fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()> {
+        let saved = Saved::parse(&self.iptables.save().context("reading the current rules")?);
+        let active: BTreeSet<String> = desired.values().flat_map(port_chains).collect();
+        let stale: BTreeSet<String> = saved
+            .table("nat")
+            .map(|nat| {
+                nat.chains
+                    .iter()
+                    .filter(|c| chains::is_service_chain(c) && !active.contains(*c))
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default();
+        let missing: Vec<rules::Jump> = jumps(&self.opts)
+            .into_iter()
+            .filter(|jump| {
+                !saved
+                    .table(jump.table)
+                    .is_some_and(|t| t.rules.iter().any(|r| jump.matches_saved(r)))
+            })
+            .collect();
+        let ours_now = ours(&saved);
+        let unchanged = self
+            .verified
+            .as_ref()
+            .is_some_and(|v| v.desired == *desired && v.ours == ours_now);
+        if unchanged && stale.is_empty() && missing.is_empty() {
+            debug!("full iptables sync: the kernel holds what the last full sync wrote");
+            self.state = desired.clone();
+            return Ok(());
+        }
+        let rendered = render(
+            &self.opts,
+            &SyncInput {
+                ports: desired,
+                rewrite: Rewrite::All,
+                delete: &stale,
+                jumps: &missing,
+            },
+        );
+        debug!(
+            ports = desired.len(),
+            stale_chains = stale.len(),
+            missing_jumps = missing.len(),
+            writes = rendered.writes,
+            "full iptables sync"
+        );
+        self.verified = None;
+        self.restore(rendered.text, rendered.writes).context("full sync")?;
+        self.state = desired.clone();
+        match self.iptables.save() {
+            Ok(after) => {
+                self.verified = Some(Verified {
+                    desired: desired.clone(),
+                    ours: ours(&Saved::parse(&after)),
+                });
+            }
+            Err(e) => warn!(
+                error = format!("{e:#}"),
+                "cannot read the rules back; the next full sync rewrites them"
+            ),
+        }
+        Ok(())
+    }
+
+    fn kernel_writes(&self) -> u64 {
+        self.writes
+    }
+}
+
+/// The lines of `saved` that belong to the iptables mode: its chains, their
+/// rules, and the rules jumping into them, by table.
+fn ours(saved: &Saved) -> Vec<String> {
+    let mut out = Vec::new();
+    for (name, table) in &saved.tables {
+        for chain in table.chains.iter().filter(|c| chains::is_ours(name, c)) {
+            out.push(format!("{name} :{chain}"));
+        }
+        for rule in &table.rules {
+            let in_ours = restore::rule_chain(rule).is_some_and(|c| chains::is_ours(name, c));
+            let into_ours = restore::rule_target(rule).is_some_and(|t| chains::is_ours(name, t));
+            if in_ours || into_ours {
+                out.push(format!("{name} {rule}"));
+            }
+        }
+    }
+    out
+}
+
+/// Removes every chain of the iptables mode (and of kube-proxy's, which has
+/// the same names) and the rules jumping into them, in the calling thread's
+/// network namespace. Idempotent; runs nothing but `iptables-save` when
+/// there is nothing to remove, and nothing at all when iptables is not
+/// installed. Returns how many chains it removed.
+pub fn cleanup() -> Result<usize> {
+    let mut system = SystemIptables::default();
+    if system.check().is_err() {
+        info!("iptables is not installed: no iptables rules to remove");
+        return Ok(0);
+    }
+    let removed = cleanup_with(&mut system)?;
+    if removed > 0 {
+        info!(chains = removed, "removed the iptables mode's chains and jumps");
+    } else {
+        info!("no iptables chains of xproxy or kube-proxy found");
+    }
+    Ok(removed)
+}
+
+/// [`cleanup`] through `iptables`.
+pub fn cleanup_with(iptables: &mut dyn Iptables) -> Result<usize> {
+    let saved = Saved::parse(&iptables.save().context("reading the current rules")?);
+    let mut input = String::new();
+    let mut removed = 0;
+    for (name, table) in &saved.tables {
+        let ours: Vec<&String> = table.chains.iter().filter(|c| chains::is_ours(name, c)).collect();
+        let jumps: Vec<&String> = table
+            .rules
+            .iter()
+            .filter(|r| {
+                !restore::rule_chain(r).is_some_and(|c| chains::is_ours(name, c))
+                    && restore::rule_target(r).is_some_and(|t| chains::is_ours(name, t))
+            })
+            .collect();
+        if ours.is_empty() && jumps.is_empty() {
+            continue;
+        }
+        input.push_str(&format!("*{name}\n"));
+        // Flush every chain first, so none is referenced when deleted.
+        for chain in &ours {
+            input.push_str(&format!(":{chain} - [0:0]\n"));
+        }
+        for rule in &jumps {
+            if let Some(spec) = rule.strip_prefix("-A ") {
+                input.push_str(&format!("-D {spec}\n"));
+            }
+        }
+        for chain in &ours {
+            input.push_str(&format!("-X {chain}\n"));
+        }
+        input.push_str("COMMIT\n");
+        removed += ours.len();
+    }
+    if input.is_empty() {
+        return Ok(0);
+    }
+    iptables.restore(&input).context("removing the chains")?;
+    Ok(removed)
+}
+
+/// The rule options `config` asks for, completed from the kernel.
+pub fn rule_options(config: &Config) -> Result<RuleOptions> {
+    let local_traffic = match &config.detect_local {
+        DetectLocal::ClusterCidr => config
+            .cluster_cidrs
+            .iter()
+            .find(|c| c.is_ipv4())
+            .map(|c| LocalTraffic::Cidr(*c)),
+        DetectLocal::NodeCidr => {
+            warn!(
+                "detectLocalMode NodeCIDR is not supported by the iptables mode yet: \
+                 off-cluster traffic to ClusterIPs is not masqueraded"
+            );
+            None
+        }
+        DetectLocal::BridgeInterface(name) => Some(LocalTraffic::Bridge(name.clone())),
+        DetectLocal::InterfaceNamePrefix(prefix) => Some(LocalTraffic::InterfacePrefix(prefix.clone())),
+    };
+    let node_ports = match &config.node_port_addresses {
+        NodePortAddresses::All => NodePortDestinations::AllLocal {
+            localhost: config.localhost_node_ports,
+        },
+        NodePortAddresses::Primary => {
+            let ips = crate::cmd::run::ipv4_node_ips(config);
+            if ips.is_empty() {
+                warn!(
+                    "nodePortAddresses is [primary] but no IPv4 node IP is known: NodePorts answer on every local address"
+                );
+                NodePortDestinations::AllLocal { localhost: false }
+            } else {
+                NodePortDestinations::Addresses(ips)
+            }
+        }
+        NodePortAddresses::Cidrs(cidrs) => {
+            let ips: Vec<Ipv4Addr> = local_ipv4_addrs()
+                .context("listing local addresses for nodePortAddresses")?
+                .into_iter()
+                .filter(|ip| cidrs.iter().any(|c| c.contains((*ip).into())))
+                .filter(|ip| !ip.is_loopback() || config.localhost_node_ports)
+                .collect();
+            if ips.is_empty() {
+                warn!(
+                    ?cidrs,
+                    "no local IPv4 address is in nodePortAddresses: NodePorts answer nowhere"
+                );
+            }
+            NodePortDestinations::Addresses(ips)
+        }
+    };
+    let be_liberal = std::fs::read_to_string(TCP_BE_LIBERAL).is_ok_and(|v| v.trim() != "0");
+    if be_liberal {
+        info!("nf_conntrack_tcp_be_liberal is set: INVALID packets are not dropped");
+    }
+    Ok(RuleOptions {
+        masquerade_bit: config.masquerade.bit,
+        masquerade_all: config.masquerade.all,
+        local_traffic,
+        node_ports,
+        drop_invalid: !be_liberal,
+    })
+}
+
+/// Every IPv4 address on this namespace's interfaces.
+fn local_ipv4_addrs() -> Result<Vec<Ipv4Addr>> {
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs writes a list head we free below.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        bail!("getifaddrs: {}", io::Error::last_os_error());
+    }
+    let mut out = Vec::new();
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: cur is a node of the list getifaddrs returned.
+        let ifa = unsafe { &*cur };
+        // SAFETY: ifa_addr, when set, points to a sockaddr whose family
+        // tells its real type; AF_INET means sockaddr_in.
+        unsafe {
+            if !ifa.ifa_addr.is_null() && i32::from((*ifa.ifa_addr).sa_family) == libc::AF_INET {
+                let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                out.push(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)));
+            }
+        }
+        cur = ifa.ifa_next;
+    }
+    // SAFETY: head came from getifaddrs and is freed once.
+    unsafe { libc::freeifaddrs(head) };
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,814 @@
+//! Rendering: service ports -> `iptables-restore` input, with kube-proxy's
+//! chain structure and rule text.
+//!
+//! ```text
+//! nat    PREROUTING, OUTPUT -> KUBE-SERVICES
+//!          per port: -d CLUSTER_IP --dport PORT -> KUBE-SVC-x
+//!          last:     -m addrtype --dst-type LOCAL -> KUBE-NODEPORTS
+//!        KUBE-NODEPORTS: --dport NODE_PORT -> KUBE-EXT-x
+//!        KUBE-EXT-x: -> KUBE-MARK-MASQ, -> KUBE-SVC-x
+//!        KUBE-SVC-x: off-cluster source -> KUBE-MARK-MASQ;
+//!                    -m statistic --probability 1/n -> KUBE-SEP-a, ... -> KUBE-SEP-z
+//!        KUBE-SEP-a: -s ENDPOINT (hairpin) -> KUBE-MARK-MASQ; DNAT --to-destination ENDPOINT
+//!        POSTROUTING -> KUBE-POSTROUTING: marked -> clear the mark, MASQUERADE
+//! filter INPUT, FORWARD, OUTPUT -> KUBE-SERVICES / KUBE-EXTERNAL-SERVICES:
+//!          REJECT for ports without endpoints; FORWARD -> KUBE-FORWARD
+//! ```
+//!
+//! The input is laid out like kube-proxy's: per table the chain lines
+//! (`:CHAIN - [0:0]` creates or flushes a chain), then jump rules into the
+//! built-in chains that are missing, then the rules, then `-X` for chains to
+//! delete. Ports are written in name order, so the same state always gives
+//! the same text.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    fmt::Write as _,
+    net::Ipv4Addr,
+};
+
+use super::chains::{self, PortChains, endpoint_string, sep_chain};
+use crate::{config::Cidr, mode::usable_endpoints, model::ServicePort};
+
+/// How traffic from this node's pods is recognised (kube-proxy's
+/// `detectLocalMode`); traffic from anywhere else to a ClusterIP is
+/// masqueraded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LocalTraffic {
+    /// Source inside the cluster's pod CIDR.
+    Cidr(Cidr),
+    /// Arriving on this bridge.
+    Bridge(String),
+    /// Arriving on an interface whose name starts with this prefix.
+    InterfacePrefix(String),
+}
+
+impl LocalTraffic {
+    /// The match for "not from a local pod".
+    fn if_not_local(&self) -> String {
+        match self {
+            LocalTraffic::Cidr(cidr) => format!("! -s {}/{}", cidr.addr(), cidr.prefix_len()),
+            LocalTraffic::Bridge(name) => format!("! -i {name}"),
+            LocalTraffic::InterfacePrefix(prefix) => format!("! -i {prefix}+"),
+        }
+    }
+}
+
+/// Which local addresses NodePorts answer on (kube-proxy's `nodePortAddresses`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NodePortDestinations {
+    /// Every local address (`-m addrtype --dst-type LOCAL`); 127.0.0.0/8
+    /// too if `localhost` (which needs `route_localnet=1`).
+    AllLocal { localhost: bool },
+    /// Only these addresses.
+    Addresses(Vec<Ipv4Addr>),
+}
+
+impl NodePortDestinations {
+    /// Whether NodePorts answer on 127.0.0.0/8: then the martian guard
+    /// (`KUBE-FIREWALL`) is installed too.
+    pub fn localhost(&self) -> bool {
+        match self {
+            NodePortDestinations::AllLocal { localhost } => *localhost,
+            NodePortDestinations::Addresses(ips) => ips.iter().any(Ipv4Addr::is_loopback),
+        }
+    }
+}
+
+/// Everything besides the service ports that shapes the rules.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RuleOptions {
+    /// The fwmark bit that asks for masquerade (kube-proxy's default 14).
+    pub masquerade_bit: u8,
+    /// Masquerade all ClusterIP traffic, not only off-cluster traffic.
+    pub masquerade_all: bool,
+    /// `None`: local traffic cannot be told apart, so only NodePort and
+    /// hairpin traffic is masqueraded (unless `masquerade_all`).
+    pub local_traffic: Option<LocalTraffic>,
+    pub node_ports: NodePortDestinations,
+    /// Drop forwarded packets conntrack finds INVALID (kube-proxy does
+    /// unless `nf_conntrack_tcp_be_liberal` is set).
+    pub drop_invalid: bool,
+}
+
+impl Default for RuleOptions {
+    /// kube-proxy's defaults.
+    fn default() -> Self {
+        Self {
+            masquerade_bit: 14,
+            masquerade_all: false,
+            local_traffic: None,
+            node_ports: NodePortDestinations::AllLocal { localhost: true },
+            drop_invalid: true,
+        }
+    }
+}
+
+impl RuleOptions {
+    /// The mark, as iptables prints it (`0x4000` for bit 14).
+    pub fn mark(&self) -> String {
+        format!("{:#x}", 1u32 << self.masquerade_bit)
+    }
+}
+
+/// A rule in a built-in chain that sends packets into one of ours.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Jump {
+    pub table: &'static str,
+    pub from: &'static str,
+    pub to: &'static str,
+    /// Matches before the comment (`-m conntrack --ctstate NEW`), may be "".
+    pub matches: &'static str,
+    /// May be "" (no comment).
+    pub comment: &'static str,
+}
+
+impl Jump {
+    /// The rule's specification, after `-A CHAIN` / `-I CHAIN`.
+    pub fn spec(&self) -> String {
+        let mut spec = String::new();
+        if !self.matches.is_empty() {
+            spec.push_str(self.matches);
+            spec.push(' ');
+        }
+        if !self.comment.is_empty() {
+            let _ = write!(spec, "-m comment --comment {} ", quote(self.comment));
+        }
+        let _ = write!(spec, "-j {}", self.to);
+        spec
+    }
+
+    /// Whether the saved rule `-A FROM ...` is this jump (as iptables-save
+    /// prints it: same chain, target and comment).
+    pub fn matches_saved(&self, saved: &str) -> bool {
+        saved.starts_with(&format!("-A {} ", self.from))
+            && saved.ends_with(&format!(" -j {}", self.to))
+            && (self.comment.is_empty() || saved.contains(self.comment))
+    }
+}
+
+const CTSTATE_NEW: &str = "-m conntrack --ctstate NEW";
+
+/// kube-proxy's jumps (`iptablesJumpChains`), in its order: each is
+/// inserted at the top of its chain, so the last one ends up first.
+const JUMPS: [Jump; 9] = [
+    Jump {
+        table: "filter",
+        from: "INPUT",
+        to: chains::EXTERNAL_SERVICES,
+        matches: CTSTATE_NEW,
+        comment: "kubernetes externally-visible service portals",
+    },
+    Jump {
+        table: "filter",
+        from: "FORWARD",
+        to: chains::EXTERNAL_SERVICES,
+        matches: CTSTATE_NEW,
+        comment: "kubernetes externally-visible service portals",
+    },
+    Jump {
+        table: "filter",
+        from: "INPUT",
+        to: chains::NODE_PORTS,
+        matches: "",
+        comment: "kubernetes health check service ports",
+    },
+    Jump {
+        table: "filter",
+        from: "FORWARD",
+        to: chains::SERVICES,
+        matches: CTSTATE_NEW,
+        comment: "kubernetes service portals",
+    },
+    Jump {
+        table: "filter",
+        from: "OUTPUT",
+        to: chains::SERVICES,
+        matches: CTSTATE_NEW,
+        comment: "kubernetes service portals",
+    },
+    Jump {
+        table: "filter",
+        from: "FORWARD",
+        to: chains::FORWARD,
+        matches: "",
+        comment: "kubernetes forwarding rules",
+    },
+    Jump {
+        table: "nat",
+        from: "OUTPUT",
+        to: chains::SERVICES,
+        matches: "",
+        comment: "kubernetes service portals",
+    },
+    Jump {
+        table: "nat",
+        from: "PREROUTING",
+        to: chains::SERVICES,
+        matches: "",
+        comment: "kubernetes service portals",
+    },
+    Jump {
+        table: "nat",
+        from: "POSTROUTING",
+        to: chains::POSTROUTING,
+        matches: "",
+        comment: "kubernetes postrouting rules",
+    },
+];
+
+/// The martian guard's jumps (kubelet's copy has no comment either).
+const FIREWALL_JUMPS: [Jump; 2] = [
+    Jump {
+        table: "filter",
+        from: "INPUT",
+        to: chains::FIREWALL,
+        matches: "",
+        comment: "",
+    },
+    Jump {
+        table: "filter",
+        from: "OUTPUT",
+        to: chains::FIREWALL,
+        matches: "",
+        comment: "",
+    },
+];
+
+/// The jumps these options need.
+pub fn jumps(opts: &RuleOptions) -> Vec<Jump> {
+    let mut all = JUMPS.to_vec();
+    if opts.node_ports.localhost() {
+        all.extend(FIREWALL_JUMPS);
+    }
+    all
+}
+
+/// Which per-service chains to write.
+#[derive(Clone, Copy, Debug)]
+pub enum Rewrite<'a> {
+    /// Every port's (a full sync).
+    All,
+    /// Only these ports' (a partial sync); the top-level chains are always
+    /// written whole.
+    Only(&'a BTreeSet<String>),
+}
+
+impl Rewrite<'_> {
+    fn includes(&self, name: &str) -> bool {
+        match self {
+            Rewrite::All => true,
+            Rewrite::Only(names) => names.contains(name),
+        }
+    }
+}
+
+/// One sync's input to `iptables-restore`.
+pub struct SyncInput<'a> {
+    /// The whole state after the sync.
+    pub ports: &'a BTreeMap<String, ServicePort>,
+    pub rewrite: Rewrite<'a>,
+    /// nat chains to flush and delete.
+    pub delete: &'a BTreeSet<String>,
+    /// Jump rules to insert (those not found in the kernel).
+    pub jumps: &'a [Jump],
+}
+
+/// The rendered input and how many rules it writes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rendered {
+    pub text: String,
+    /// Rules written (`-A`, `-I`) plus chains deleted (`-X`).
+    pub writes: u64,
+}
+
+/// The nat chains one port needs (for stale-chain bookkeeping).
+pub fn port_chains(port: &ServicePort) -> BTreeSet<String> {
+    let endpoints = usable_endpoints(&port.endpoints);
+    let mut out = BTreeSet::new();
+    if endpoints.is_empty() {
+        return out;
+    }
+    let names = PortChains::of(port);
+    out.insert(names.svc);
+    if port.node_port.is_some() {
+        out.insert(names.ext);
+    }
+    for ep in endpoints {
+        out.insert(sep_chain(&port.name, port.protocol, &endpoint_string(ep)));
+    }
+    out
+}
+
+/// The lines of one table: rules are grouped by chain, in the order the
+/// chains were declared.
+#[derive(Default)]
+struct Table {
+    order: Vec<String>,
+    rules: HashMap<String, Vec<String>>,
+    jumps: Vec<String>,
+    deletes: Vec<String>,
+}
+
+impl Table {
+    fn chain(&mut self, name: &str) {
+        self.order.push(name.to_owned());
+        self.rules.entry(name.to_owned()).or_default();
+    }
+
+    fn rule(&mut self, chain: &str, spec: impl AsRef<str>) {
+        self.rules
+            .entry(chain.to_owned())
+            .or_default()
+            .push(format!("-A {chain} {}", spec.as_ref()));
+    }
+
+    fn write(self, name: &str, out: &mut String) -> u64 {
+        let _ = writeln!(out, "*{name}");
+        for chain in &self.order {
+            let _ = writeln!(out, ":{chain} - [0:0]");
+        }
+        let mut writes = self.jumps.len() + self.deletes.len();
+        let rules = self.order.iter().filter_map(|chain| self.rules.get(chain)).flatten();
+        for line in self.jumps.iter().chain(rules).chain(&self.deletes) {
+            out.push_str(line);
+            out.push('\n');
+        }
+        writes += self
+            .order
+            .iter()
+            .filter_map(|chain| self.rules.get(chain))
+            .map(Vec::len)
+            .sum::<usize>();
+        out.push_str("COMMIT\n");
+        writes as u64
+    }
+}
+
+/// A comment argument: quoted when it has spaces, like kube-proxy writes it.
+fn quote(comment: &str) -> String {
+    if comment.contains(' ') {
+        format!("\"{comment}\"")
+    } else {
+        comment.to_owned()
+    }
+}
+
+/// kube-proxy's `1/n` with ten decimals.
+pub fn probability(n: usize) -> String {
+    format!("{:.10}", 1.0 / n as f64)
+}
+
+pub fn render(opts: &RuleOptions, input: &SyncInput<'_>) -> Rendered {
+    let mark = opts.mark();
+    let mut filter = Table::default();
+    let mut nat = Table::default();
+    for chain in [
+        chains::NODE_PORTS,
+        chains::SERVICES,
+        chains::EXTERNAL_SERVICES,
+        chains::FORWARD,
+    ] {
+        filter.chain(chain);
+    }
+    if opts.node_ports.localhost() {
+        filter.chain(chains::FIREWALL);
+    }
+    for chain in [
+        chains::SERVICES,
+        chains::NODE_PORTS,
+        chains::POSTROUTING,
+        chains::MARK_MASQ,
+    ] {
+        nat.chain(chain);
+    }
+    for jump in input.jumps {
+        let table = if jump.table == "nat" { &mut nat } else { &mut filter };
+        table.jumps.push(format!("-I {} {}", jump.from, jump.spec()));
+    }
+
+    nat.rule(chains::POSTROUTING, format!("-m mark ! --mark {mark}/{mark} -j RETURN"));
+    // Cleared so that a packet that comes round again is not masqueraded twice.
+    nat.rule(chains::POSTROUTING, format!("-j MARK --xor-mark {mark}"));
+    nat.rule(
+        chains::POSTROUTING,
+        "-m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully",
+    );
+    nat.rule(chains::MARK_MASQ, format!("-j MARK --or-mark {mark}"));
+    if opts.node_ports.localhost() {
+        filter.rule(
+            chains::FIREWALL,
+            "-m comment --comment \"block incoming localnet connections\" -d 127.0.0.0/8 ! -s 127.0.0.0/8 \
+             -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP",
+        );
+    }
+
+    for port in input.ports.values() {
+        render_port(opts, port, input.rewrite.includes(&port.name), &mut filter, &mut nat);
+    }
+
+    let nodeports_comment =
+        "-m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\"";
+    match &opts.node_ports {
+        NodePortDestinations::AllLocal { localhost } => {
+            let not_localhost = if *localhost { "" } else { " ! -d 127.0.0.0/8" };
+            nat.rule(
+                chains::SERVICES,
+                format!(
+                    "{nodeports_comment} -m addrtype --dst-type LOCAL{not_localhost} -j {}",
+                    chains::NODE_PORTS
+                ),
+            );
+        }
+        NodePortDestinations::Addresses(ips) => {
+            for ip in ips {
+                nat.rule(
+                    chains::SERVICES,
+                    format!("{nodeports_comment} -d {ip} -j {}", chains::NODE_PORTS),
+                );
+            }
+        }
+    }
+
+    if opts.drop_invalid {
+        filter.rule(chains::FORWARD, "-m conntrack --ctstate INVALID -j DROP");
+    }
+    filter.rule(
+        chains::FORWARD,
+        format!("-m comment --comment \"kubernetes forwarding rules\" -m mark --mark {mark}/{mark} -j ACCEPT"),
+    );
+    filter.rule(
+        chains::FORWARD,
+        "-m comment --comment \"kubernetes forwarding conntrack rule\" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+    );
+
+    for chain in input.delete {
+        nat.chain(chain);
+        nat.deletes.push(format!("-X {chain}"));
+    }
+
+    let mut text = String::new();
+    let mut writes = filter.write("filter", &mut text);
+    writes += nat.write("nat", &mut text);
+    Rendered { text, writes }
+}
+
+/// One port's rules: always its entries in the top-level chains, and its
+/// own chains if `own_chains`.
+fn render_port(opts: &RuleOptions, port: &ServicePort, own_chains: bool, filter: &mut Table, nat: &mut Table) {
+    let name = &port.name;
+    let proto = chains::protocol(port.protocol);
+    let endpoints = usable_endpoints(&port.endpoints);
+    let names = PortChains::of(port);
+    let cluster_ip_match = format!(
+        "-m comment --comment {} -m {proto} -p {proto} -d {} --dport {}",
+        quote(&format!("{name} cluster IP")),
+        port.cluster_ip,
+        port.port
+    );
+
+    if endpoints.is_empty() {
+        let comment = quote(&format!("{name} has no endpoints"));
+        filter.rule(
+            chains::SERVICES,
+            format!(
+                "-m comment --comment {comment} -m {proto} -p {proto} -d {} --dport {} -j REJECT",
+                port.cluster_ip, port.port
+            ),
+        );
+        if let Some(node_port) = port.node_port {
+            filter.rule(
+                chains::EXTERNAL_SERVICES,
+                format!(
+                    "-m comment --comment {comment} -m addrtype --dst-type LOCAL -m {proto} -p {proto} --dport {node_port} -j REJECT"
+                ),
+            );
+        }
+        return;
+    }
+
+    nat.rule(chains::SERVICES, format!("{cluster_ip_match} -j {}", names.svc));
+    if let Some(node_port) = port.node_port {
+        nat.rule(
+            chains::NODE_PORTS,
+            format!(
+                "-m comment --comment {} -m {proto} -p {proto} --dport {node_port} -j {}",
+                quote(name),
+                names.ext
+            ),
+        );
+    }
+    if !own_chains {
+        return;
+    }
+
+    nat.chain(&names.svc);
+    if opts.masquerade_all {
+        nat.rule(&names.svc, format!("{cluster_ip_match} -j {}", chains::MARK_MASQ));
+    } else if let Some(local) = &opts.local_traffic {
+        // Off-cluster traffic to a ClusterIP (a route to the service range
+        // via this node) may leave the node again: masquerade it.
+        nat.rule(
+            &names.svc,
+            format!("{cluster_ip_match} {} -j {}", local.if_not_local(), chains::MARK_MASQ),
+        );
+    }
+
+    if port.node_port.is_some() {
+        nat.chain(&names.ext);
+        nat.rule(
+            &names.ext,
+            format!(
+                "-m comment --comment {} -j {}",
+                quote(&format!("masquerade traffic for {name} external destinations")),
+                chains::MARK_MASQ
+            ),
+        );
+        nat.rule(&names.ext, format!("-j {}", names.svc));
+    }
+
+    let seps: Vec<(String, String)> = endpoints
+        .iter()
+        .map(|ep| {
+            let endpoint = endpoint_string(ep);
+            (sep_chain(name, port.protocol, &endpoint), endpoint)
+        })
+        .collect();
+    let n = seps.len();
+    for (i, (sep, endpoint)) in seps.iter().enumerate() {
+        let comment = quote(&format!("{name} -> {endpoint}"));
+        // Each rule takes 1/(remaining) of what reaches it; the last takes all.
+        let statistic = if i + 1 < n {
+            format!(" -m statistic --mode random --probability {}", probability(n - i))
+        } else {
+            String::new()
+        };
+        nat.rule(
+            &names.svc,
+            format!("-m comment --comment {comment}{statistic} -j {sep}"),
+        );
+    }
+    for ((sep, endpoint), ep) in seps.iter().zip(&endpoints) {
+        nat.chain(sep);
+        // A pod reaching itself through its Service: masquerade, or the
+        // reply would bypass the DNAT.
+        nat.rule(
+            sep,
+            format!(
+                "-m comment --comment {} -s {} -j {}",
+                quote(name),
+                ep.addr,
+                chains::MARK_MASQ
+            ),
+        );
+        nat.rule(
+            sep,
+            format!(
+                "-m comment --comment {} -m {proto} -p {proto} -j DNAT --to-destination {endpoint}",
+                quote(name)
+            ),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::model::{Endpoint, Protocol};
+
+    fn seed_port() -> ServicePort {
+        ServicePort {
+            name: "default/nginx-service".into(),
+            protocol: Protocol::Tcp,
+            cluster_ip: Ipv4Addr::new(10, 96, 0, 88),
+            port: 88,
+            node_port: Some(30791),
+            endpoints: (11..=13)
+                .map(|i| Endpoint::ready(Ipv4Addr::new(10, 244, 0, i), 80))
+                .collect(),
+        }
+    }
+
+    fn state(ports: &[ServicePort]) -> BTreeMap<String, ServicePort> {
+        ports.iter().map(|p| (p.name.clone(), p.clone())).collect()
+    }
+
+    fn full(opts: &RuleOptions, ports: &BTreeMap<String, ServicePort>) -> Rendered {
+        let jumps = jumps(opts);
+        render(
+            opts,
+            &SyncInput {
+                ports,
+                rewrite: Rewrite::All,
+                delete: &BTreeSet::new(),
+                jumps: &jumps,
+            },
+        )
+    }
+
+    fn golden(name: &str) -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/golden/iptables")
+            .join(name)
+    }
+
+    /// Compares with a golden file; `XPROXY_UPDATE_GOLDEN=1` rewrites it.
+    fn assert_golden(name: &str, actual: &str) {
+        let path = golden(name);
+        if std::env::var("XPROXY_UPDATE_GOLDEN").is_ok_and(|v| v == "1") {
+            std::fs::write(&path, actual).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+            return;
+        }
+        let expected = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+        if expected != actual {
+            panic!(
+                "{} differs (XPROXY_UPDATE_GOLDEN=1 rewrites it)\n--- expected\n{expected}\n--- actual\n{actual}",
+                path.display()
+            );
+        }
+    }
+
+    /// The seed Service with kube-proxy's default options and a pod CIDR.
+    #[test]
+    fn seed_service_golden() {
+        let opts = RuleOptions {
+            local_traffic: Some(LocalTraffic::Cidr("10.244.0.0/16".parse().expect("cidr"))),
+            ..RuleOptions::default()
+        };
+        let mut empty = seed_port();
+        empty.name = "default/empty-service".into();
+        empty.cluster_ip = Ipv4Addr::new(10, 96, 0, 89);
+        empty.port = 89;
+        empty.node_port = Some(30792);
+        empty.endpoints.clear();
+        let rendered = full(&opts, &state(&[seed_port(), empty]));
+        assert_golden("seed.rules", &rendered.text);
+        // 9 jumps + 3 POSTROUTING + 1 MARK-MASQ + 1 KUBE-FIREWALL + 3 KUBE-FORWARD
+        // + 2 REJECT + 2 KUBE-SERVICES + 1 KUBE-NODEPORTS
+        // + SVC (masq + 3) + EXT 2 + SEP 3 x 2
+        assert_eq!(rendered.writes, 11 + 3 + 1 + 1 + 3 + 2 + 2 + 1 + 4 + 2 + 6);
+    }
+
+    #[test]
+    fn probabilities_like_kube_proxy() {
+        assert_eq!(probability(2), "0.5000000000");
+        assert_eq!(probability(3), "0.3333333333");
+        assert_eq!(probability(7), "0.1428571429");
+        let mut port = seed_port();
+        port.endpoints = (1..=4)
+            .map(|i| Endpoint::ready(Ipv4Addr::new(10, 244, 1, i), 8080))
+            .collect();
+        let text = full(&RuleOptions::default(), &state(&[port])).text;
+        let probs: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.split("--probability ").nth(1))
+            .map(|rest| rest.split(' ').next().unwrap_or(""))
+            .collect();
+        assert_eq!(probs, ["0.2500000000", "0.3333333333", "0.5000000000"]);
+    }
+
+    #[test]
+    fn masquerade_options() {
+        let ports = state(&[seed_port()]);
+        let svc = PortChains::of(&seed_port()).svc;
+        let masq_lines = |opts: &RuleOptions| -> Vec<String> {
+            full(opts, &ports)
+                .text
+                .lines()
+                .filter(|l| l.starts_with(&format!("-A {svc} ")) && l.ends_with("-j KUBE-MARK-MASQ"))
+                .map(str::to_owned)
+                .collect()
+        };
+        assert!(masq_lines(&RuleOptions::default()).is_empty());
+        let all = masq_lines(&RuleOptions {
+            masquerade_all: true,
+            ..RuleOptions::default()
+        });
+        assert_eq!(all.len(), 1);
+        assert!(!all[0].contains("! -s"), "{}", all[0]);
+        let bridge = masq_lines(&RuleOptions {
+            local_traffic: Some(LocalTraffic::Bridge("cbr0".into())),
+            ..RuleOptions::default()
+        });
+        assert!(
+            bridge[0].contains("--dport 88 ! -i cbr0 -j KUBE-MARK-MASQ"),
+            "{bridge:?}"
+        );
+        let prefix = masq_lines(&RuleOptions {
+            local_traffic: Some(LocalTraffic::InterfacePrefix("veth".into())),
+            ..RuleOptions::default()
+        });
+        assert!(prefix[0].contains("! -i veth+"), "{prefix:?}");
+
+        let bit0 = full(
+            &RuleOptions {
+                masquerade_bit: 0,
+                ..RuleOptions::default()
+            },
+            &ports,
+        )
+        .text;
+        assert!(bit0.contains("-A KUBE-MARK-MASQ -j MARK --or-mark 0x1\n"), "{bit0}");
+        assert!(bit0.contains("-m mark ! --mark 0x1/0x1 -j RETURN"), "{bit0}");
+    }
+
+    #[test]
+    fn node_port_destinations() {
+        let ports = state(&[seed_port()]);
+        let last_rules = |node_ports: NodePortDestinations| -> Vec<String> {
+            let opts = RuleOptions {
+                node_ports,
+                ..RuleOptions::default()
+            };
+            full(&opts, &ports)
+                .text
+                .lines()
+                .filter(|l| l.starts_with("-A KUBE-SERVICES") && l.ends_with("-j KUBE-NODEPORTS"))
+                .map(str::to_owned)
+                .collect()
+        };
+        let no_lo = last_rules(NodePortDestinations::AllLocal { localhost: false });
+        assert_eq!(no_lo.len(), 1);
+        assert!(no_lo[0].contains("--dst-type LOCAL ! -d 127.0.0.0/8 -j"), "{no_lo:?}");
+        let ips = last_rules(NodePortDestinations::Addresses(vec![
+            Ipv4Addr::new(172, 30, 0, 2),
+            Ipv4Addr::new(192, 168, 1, 2),
+        ]));
+        assert_eq!(ips.len(), 2);
+        assert!(ips[0].contains("-d 172.30.0.2 -j KUBE-NODEPORTS"), "{ips:?}");
+        // Without localhost NodePorts there is no martian guard.
+        let opts = RuleOptions {
+            node_ports: NodePortDestinations::AllLocal { localhost: false },
+            ..RuleOptions::default()
+        };
+        assert!(!full(&opts, &ports).text.contains("KUBE-FIREWALL"));
+        assert!(!jumps(&opts).iter().any(|j| j.to == chains::FIREWALL));
+    }
+
+    #[test]
+    fn draining_endpoints_serve_only_when_none_is_ready() {
+        let mut port = seed_port();
+        for ep in &mut port.endpoints {
+            ep.ready = false;
+            ep.terminating = true;
+        }
+        port.endpoints[2].serving = false;
+        let chains = port_chains(&port);
+        // SVC, EXT and the two serving endpoints.
+        assert_eq!(chains.len(), 4, "{chains:?}");
+        port.endpoints[0].ready = true;
+        assert_eq!(port_chains(&port).len(), 3);
+        port.endpoints.clear();
+        assert!(port_chains(&port).is_empty());
+    }
+
+    #[test]
+    fn partial_render_writes_only_changed_ports_chains() {
+        let a = seed_port();
+        let mut b = seed_port();
+        b.name = "default/other".into();
+        b.cluster_ip = Ipv4Addr::new(10, 96, 0, 90);
+        b.node_port = None;
+        let ports = state(&[a.clone(), b.clone()]);
+        let only: BTreeSet<String> = [b.name.clone()].into();
+        let delete: BTreeSet<String> = ["KUBE-SEP-OLD".to_owned()].into();
+        let rendered = render(
+            &RuleOptions::default(),
+            &SyncInput {
+                ports: &ports,
+                rewrite: Rewrite::Only(&only),
+                delete: &delete,
+                jumps: &[],
+            },
+        );
+        let a_chains = port_chains(&a);
+        for chain in &a_chains {
+            assert!(
+                !rendered.text.contains(&format!(":{chain} ")),
+                "{chain} declared:\n{}",
+                rendered.text
+            );
+            assert!(
+                !rendered.text.contains(&format!("-A {chain} ")),
+                "{chain} written:\n{}",
+                rendered.text
+            );
+        }
+        // a stays reachable: its KUBE-SERVICES and KUBE-NODEPORTS entries are rewritten.
+        let a_svc = PortChains::of(&a);
+        assert!(rendered.text.contains(&format!("-j {}\n", a_svc.svc)));
+        assert!(rendered.text.contains(&format!("-j {}\n", a_svc.ext)));
+        for chain in port_chains(&b) {
+            assert!(rendered.text.contains(&format!(":{chain} - [0:0]")), "{chain}");
+        }
+        assert!(rendered.text.contains(":KUBE-SEP-OLD - [0:0]\n"));
+        assert!(
+            rendered.text.ends_with("-X KUBE-SEP-OLD\nCOMMIT\n"),
+            "{}",
+            rendered.text
+        );
+        assert!(!rendered.text.contains("-I "), "no jumps in a partial sync");
+    }
+}
