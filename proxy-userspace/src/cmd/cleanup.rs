@@ -23,5 +23,6 @@ pub fn cleanup(pin_path: &Path) -> Result<(), Failure> {
         info!(pin_path = %pin_path.display(), "nothing pinned");
     }
     crate::mode::iptables::cleanup().exit_code(ExitCode::Error)?;
+    crate::mode::nftables::cleanup().exit_code(ExitCode::Error)?;
     Ok(())
 }

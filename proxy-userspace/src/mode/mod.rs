@@ -4,6 +4,7 @@
 pub mod ebpf;
 pub mod fake;
 pub mod iptables;
+pub mod nftables;
 
 use std::collections::BTreeMap;
 

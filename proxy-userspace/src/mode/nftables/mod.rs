@@ -1,0 +1,352 @@
+//! The nftables mode, kube-proxy's nftables layout in a table of its own
+//! (`ip xproxy`, so it runs next to a kube-proxy and its cleanup never
+//! touches kube-proxy's `kube-proxy` table): verdict maps keyed by
+//! `daddr . l4proto . dport` (ClusterIPs) and `l4proto . dport` (NodePorts)
+//! jump to a chain per service port, which picks an endpoint chain with
+//! `numgen random`, which DNATs; Services without endpoints are rejected
+//! through two more maps. See [`ruleset`] for the layout.
+//!
+//! Every sync is one `nft -f -` transaction. A full sync replaces the whole
+//! table; a partial sync deletes and adds only the map elements and chains
+//! of the changed service ports (see [`ruleset::partial`]). When the table
+//! still holds exactly what the last full sync of the same state left, a
+//! full sync writes nothing.
+//!
+//! Table, chain and map names (kube-proxy's hashes) are in [`names`], the
+//! rendering is in [`ruleset`], running `nft` is in [`nft`].
+
+pub mod names;
+pub mod nft;
+pub mod ruleset;
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result};
+pub use nft::{Nft, SystemNft};
+use ruleset::{ChainRemoval, Objects, PortRules, port_rules};
+pub use ruleset::{LocalTraffic, NodePorts, Options};
+use tracing::{debug, info, warn};
+
+use super::Dataplane;
+use crate::{
+    config::{Config, DetectLocal, NodePortAddresses},
+    model::ServicePort,
+    reconcile::Plan,
+};
+
+/// How long an emptied chain waits before it is deleted (kube-proxy's
+/// margin for kernels that release references late).
+const LEFTOVER_GRACE: Duration = Duration::from_secs(1);
+
+pub struct NftablesMode {
+    opts: Options,
+    nft: Box<dyn Nft>,
+    /// What the last successful sync programmed, per port name.
+    state: BTreeMap<String, (ServicePort, PortRules)>,
+    /// What a full sync left in the kernel, to recognise a table nobody
+    /// changed since.
+    verified: Option<Verified>,
+    /// Chains emptied instead of deleted (old kernels), and since when.
+    leftovers: BTreeMap<String, Instant>,
+    writes: u64,
+    last_script: String,
+}
+
+struct Verified {
+    desired: BTreeMap<String, ServicePort>,
+    listing: String,
+}
+
+/// Starts the nftables mode for `xproxy run` (see [`NftablesMode::start`]).
+pub fn start(config: &Config) -> Result<Box<dyn Dataplane>> {
+    Ok(Box::new(NftablesMode::start(config)?))
+}
+
+impl NftablesMode {
+    /// A mode writing through `nft` with `opts`; touches nothing yet.
+    pub fn new(opts: Options, nft: Box<dyn Nft>) -> Self {
+        Self {
+            opts,
+            nft,
+            state: BTreeMap::new(),
+            verified: None,
+            leftovers: BTreeMap::new(),
+            writes: 0,
+            last_script: String::new(),
+        }
+    }
+
+    /// The mode for this node: checks that `nft` runs and reaches the
+    /// kernel, and reads the options from `config`. The table is written by the first sync.
+    pub fn start(config: &Config) -> Result<Self> {
+        let system = SystemNft::default();
+        system.check()?;
+        system.check_kernel().context("nftables is not usable here")?;
+        let opts = options(config);
+        info!(?opts, "nftables mode ready");
+        Ok(Self::new(opts, Box::new(system)))
+    }
+
+    pub fn options(&self) -> &Options {
+        &self.opts
+    }
+
+    /// The `nft -f` input of the last sync that wrote something.
+    pub fn last_script(&self) -> &str {
+        &self.last_script
+    }
+
+    fn run(&mut self, script: &ruleset::Script) -> Result<()> {
+        self.nft.run(&script.text)?;
+        self.writes += script.writes;
+        self.last_script.clone_from(&script.text);
+        Ok(())
+    }
+}
+
+impl Dataplane for NftablesMode {
+    fn name(&self) -> &'static str {
+        "nftables"
+    }
+
+    fn apply(&mut self, plan: &Plan) -> Result<()> {
+        if plan.is_empty() {
+            return Ok(());
+        }
+        // The changed ports as programmed (our own rendering, else the
+        // plan's account of what was applied) and as wanted.
+        let mut before = Objects::default();
+        let mut seen = BTreeSet::new();
+        for (port, removed) in plan
+            .remove
+            .iter()
+            .map(|p| (p, true))
+            .chain(plan.upsert.iter().map(|p| (p, false)))
+        {
+            if !seen.insert(port.name.as_str()) {
+                continue;
+            }
+            match self.state.get(&port.name) {
+                Some((_, rules)) => before.add(rules),
+                None if removed => before.add(&port_rules(&self.opts, port)),
+                None => {}
+            }
+        }
+        let wanted: Vec<(ServicePort, PortRules)> = plan
+            .upsert
+            .iter()
+            .map(|p| (p.clone(), port_rules(&self.opts, p)))
+            .collect();
+        let mut after = Objects::default();
+        for (_, rules) in &wanted {
+            after.add(rules);
+        }
+        let now = Instant::now();
+        let due: Vec<String> = self
+            .leftovers
+            .iter()
+            .filter(|(_, since)| now.duration_since(**since) >= LEFTOVER_GRACE)
+            .map(|(name, _)| name.clone())
+            .collect();
+
+        let script = ruleset::partial(&before, &after, &due, ChainRemoval::Delete);
+        debug!(
+            changed = plan.upsert.len(),
+            removed = plan.remove.len(),
+            removed_chains = script.removed_chains.len(),
+            writes = script.writes,
+            "partial nftables sync"
+        );
+        self.verified = None;
+        match self.run(&script) {
+            Ok(()) => {
+                for name in &script.removed_chains {
+                    self.leftovers.remove(name);
+                }
+            }
+            Err(e) if !script.removed_chains.is_empty() => {
+                // Perhaps a kernel before 6.2, which frees a chain only a
+                // moment after the last map element pointing to it is gone:
+                // empty the chains now, delete them in a later sync.
+                let retry = ruleset::partial(&before, &after, &due, ChainRemoval::Flush);
+                self.run(&retry).map_err(|retry_error| {
+                    retry_error.context(format!("partial sync (also without deleting chains; first: {e:#})"))
+                })?;
+                warn!(
+                    chains = retry.removed_chains.len(),
+                    error = format!("{e:#}"),
+                    "could not delete unused chains in the sync's transaction; emptied them for a later sync"
+                );
+                for name in &retry.removed_chains {
+                    self.leftovers.entry(name.clone()).or_insert(now);
+                }
+            }
+            Err(e) => return Err(e.context("partial sync")),
+        }
+        for name in after.chains.keys() {
+            self.leftovers.remove(name);
+        }
+        for port in &plan.remove {
+            self.state.remove(&port.name);
+        }
+        for (port, rules) in wanted {
+            self.state.insert(port.name.clone(), (port, rules));
+        }
+        Ok(())
+    }
+
+    fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()> {
+        if let Some(verified) = &self.verified
+            && verified.desired == *desired
+        {
+            match self.nft.list_table() {
+                Ok(Some(listing)) if listing == verified.listing => {
+                    debug!("full nftables sync: the table holds what the last full sync wrote");
+                    return Ok(());
+                }
+                Ok(_) => info!("the nftables table changed since the last full sync; rewriting it"),
+                Err(e) => warn!(error = format!("{e:#}"), "cannot read the table; rewriting it"),
+            }
+        }
+        let state: BTreeMap<String, (ServicePort, PortRules)> = desired
+            .iter()
+            .map(|(name, port)| (name.clone(), (port.clone(), port_rules(&self.opts, port))))
+            .collect();
+        let script = ruleset::full(
+            &self.opts,
+            state.iter().map(|(name, (_, rules))| (name.as_str(), rules)),
+        );
+        debug!(ports = desired.len(), writes = script.writes, "full nftables sync");
+        self.verified = None;
+        self.run(&script).context("full sync")?;
+        self.state = state;
+        // The table was replaced: no chain of an earlier sync is left.
+        self.leftovers.clear();
+        match self.nft.list_table() {
+            Ok(Some(listing)) => {
+                self.verified = Some(Verified {
+                    desired: desired.clone(),
+                    listing,
+                });
+            }
+            Ok(None) => warn!("the nftables table is gone right after a full sync"),
+            Err(e) => warn!(
+                error = format!("{e:#}"),
+                "cannot read the table back; the next full sync rewrites it"
+            ),
+        }
+        Ok(())
+    }
+
+    fn kernel_writes(&self) -> u64 {
+        self.writes
+    }
+}
+
+/// Removes the `ip xproxy` table (and with it everything the nftables mode
+/// installed) in the calling thread's network namespace. Idempotent; does
+/// nothing when nft is not installed or the table is absent; never touches
+/// another table. Returns whether there was a table to remove.
+pub fn cleanup() -> Result<bool> {
+    let mut system = SystemNft::default();
+    if system.check().is_err() {
+        info!("nft is not installed: no nftables table to remove");
+        return Ok(false);
+    }
+    let removed = cleanup_with(&mut system)?;
+    if removed {
+        info!(
+            table = format!("{} {}", names::FAMILY, names::TABLE),
+            "removed the nftables mode's table"
+        );
+    } else {
+        info!("no nftables table of xproxy found");
+    }
+    Ok(removed)
+}
+
+/// [`cleanup`] through `nft`.
+pub fn cleanup_with(nft: &mut dyn Nft) -> Result<bool> {
+    match nft.list_table() {
+        Ok(Some(_)) => {}
+        Ok(None) => return Ok(false),
+        // E.g. a kernel without nf_tables: then there is no table either.
+        Err(e) => {
+            warn!(error = format!("{e:#}"), "cannot list nftables tables; nothing removed");
+            return Ok(false);
+        }
+    }
+    // `add` first: if the table vanished meanwhile, `delete` still succeeds.
+    nft.run(&format!(
+        "add table {f} {t}\ndelete table {f} {t}\n",
+        f = names::FAMILY,
+        t = names::TABLE
+    ))
+    .context("deleting the table")?;
+    Ok(true)
+}
+
+/// The ruleset options `config` asks for.
+pub fn options(config: &Config) -> Options {
+    let local_traffic = match &config.detect_local {
+        DetectLocal::ClusterCidr => config
+            .cluster_cidrs
+            .iter()
+            .find(|c| c.is_ipv4())
+            .map(|c| LocalTraffic::Cidr(*c)),
+        DetectLocal::NodeCidr => {
+            warn!(
+                "detectLocalMode NodeCIDR is not supported by the nftables mode yet: \
+                 off-cluster traffic to ClusterIPs is not masqueraded"
+            );
+            None
+        }
+        DetectLocal::BridgeInterface(name) => Some(LocalTraffic::Bridge(name.clone())),
+        DetectLocal::InterfaceNamePrefix(prefix) => Some(LocalTraffic::InterfacePrefix(prefix.clone())),
+    };
+    let node_ports = match &config.node_port_addresses {
+        NodePortAddresses::All => NodePorts::AllLocal,
+        NodePortAddresses::Primary => {
+            let ips: Vec<_> = crate::cmd::run::ipv4_node_ips(config)
+                .into_iter()
+                .filter(|ip| {
+                    let loopback = ip.is_loopback();
+                    if loopback {
+                        warn!(%ip, "NodePorts on localhost are not supported by the nftables mode");
+                    }
+                    !loopback
+                })
+                .collect();
+            if ips.is_empty() {
+                warn!(
+                    "nodePortAddresses is [primary] but no IPv4 node IP is known: NodePorts answer on every local address"
+                );
+                NodePorts::AllLocal
+            } else {
+                NodePorts::Addresses(ips)
+            }
+        }
+        NodePortAddresses::Cidrs(cidrs) => {
+            let v4: Vec<_> = cidrs.iter().filter(|c| c.is_ipv4()).copied().collect();
+            if v4.is_empty() {
+                warn!(?cidrs, "no IPv4 network in nodePortAddresses: NodePorts answer nowhere");
+            }
+            if v4.iter().any(|c| c.addr().is_loopback()) {
+                warn!("NodePorts on localhost are not supported by the nftables mode");
+            }
+            NodePorts::Cidrs(v4)
+        }
+    };
+    Options {
+        masquerade_bit: config.masquerade.bit,
+        masquerade_all: config.masquerade.all,
+        local_traffic,
+        node_ports,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,600 @@
+//! Rendering: service ports -> `nft -f` input, in kube-proxy's layout.
+//!
+//! ```text
+//! filter-input/forward/output (filter, priority -110): ct state new -> endpoints-check
+//!   endpoints-check: daddr . proto . dport  vmap @no-endpoint-services  -> reject-chain
+//!                    NODEPORT-DEST proto . dport vmap @no-endpoint-nodeports -> reject-chain
+//! nat-prerouting, nat-output (dstnat, -100) -> services
+//!   services: daddr . proto . dport  vmap @service-ips       -> service-HASH-ns/svc/proto/port
+//!             NODEPORT-DEST proto . dport vmap @service-nodeports -> external-HASH-…
+//!   external-…: jump mark-for-masquerade; goto service-…
+//!   service-…:  off-cluster source -> mark-for-masquerade;
+//!               numgen random mod N vmap { 0 : goto endpoint-…, ... }
+//!   endpoint-…: saddr = endpoint (hairpin) -> mark-for-masquerade; dnat to IP:PORT
+//! nat-postrouting (srcnat, 100) -> masquerading: marked -> clear the bit, masquerade
+//! ```
+//!
+//! NODEPORT-DEST is `fib daddr type local` (every local address but
+//! 127.0.0.0/8), a set of node IPs, or local addresses inside a set of CIDRs.
+//!
+//! A full sync is one transaction that replaces the table (`add table`,
+//! `delete table`, `add table` with everything in it): atomic, so no packet
+//! ever sees a half-written table. A partial sync is one transaction that
+//! touches only what changed between two renderings of the changed ports:
+//! stale map elements are deleted first, changed chains are flushed and
+//! refilled (endpoint chains before the service chains that jump to them),
+//! new elements are added, and chains nothing refers to any more go last.
+//! The same input always gives the same text.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt::Write as _,
+    net::Ipv4Addr,
+};
+
+use super::names::{self, FAMILY, TABLE};
+use crate::{config::Cidr, mode::usable_endpoints, model::ServicePort};
+
+const TABLE_COMMENT: &str = "rules for xproxy (kube-proxy's nftables layout)";
+/// Matches a destination that is not localhost: NodePorts never answer on
+/// 127.0.0.0/8 in this mode (that needs route_localnet, like kube-proxy's
+/// iptables mode, and kube-proxy's nftables mode does not do it either).
+const NOT_LOCALHOST: &str = "ip daddr != 127.0.0.0/8";
+/// nftables keeps at most 256 bytes of a comment; stay well inside.
+const COMMENT_MAX: usize = 128;
+
+/// How traffic from this node's pods is recognised (kube-proxy's
+/// `detectLocalMode`); other traffic to a ClusterIP is masqueraded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LocalTraffic {
+    /// Source inside the cluster's pod CIDR.
+    Cidr(Cidr),
+    /// Arriving on this bridge.
+    Bridge(String),
+    /// Arriving on an interface whose name starts with this prefix.
+    InterfacePrefix(String),
+}
+
+impl LocalTraffic {
+    /// The match for "not from a local pod".
+    fn if_not_local(&self) -> String {
+        match self {
+            LocalTraffic::Cidr(cidr) => format!("ip saddr != {cidr}"),
+            LocalTraffic::Bridge(name) => format!("iifname != {}", quote(name)),
+            LocalTraffic::InterfacePrefix(prefix) => format!("iifname != {}", quote(&format!("{prefix}*"))),
+        }
+    }
+}
+
+/// Which addresses NodePorts answer on (kube-proxy's `nodePortAddresses`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NodePorts {
+    /// Every local address but 127.0.0.0/8 (`fib daddr type local`).
+    AllLocal,
+    /// These addresses (set `nodeport-ips`).
+    Addresses(Vec<Ipv4Addr>),
+    /// Local addresses inside these networks (set `nodeport-cidrs`). Read
+    /// by the kernel at packet time, so addresses added later count too.
+    Cidrs(Vec<Cidr>),
+}
+
+/// Everything besides the service ports that shapes the ruleset.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Options {
+    /// The fwmark bit that asks for masquerade (kube-proxy's default 14).
+    pub masquerade_bit: u8,
+    /// Masquerade all ClusterIP traffic, not only off-cluster traffic.
+    pub masquerade_all: bool,
+    /// `None`: local traffic cannot be told apart, so only NodePort and
+    /// hairpin traffic is masqueraded (unless `masquerade_all`).
+    pub local_traffic: Option<LocalTraffic>,
+    pub node_ports: NodePorts,
+}
+
+impl Default for Options {
+    /// kube-proxy's defaults.
+    fn default() -> Self {
+        Self {
+            masquerade_bit: 14,
+            masquerade_all: false,
+            local_traffic: None,
+            node_ports: NodePorts::AllLocal,
+        }
+    }
+}
+
+impl Options {
+    /// The mark bit as a hex number (`0x4000` for bit 14).
+    pub fn mark(&self) -> String {
+        format!("{:#x}", 1u32 << self.masquerade_bit)
+    }
+
+    /// The match for "addressed to a NodePort address".
+    fn node_port_destination(&self) -> String {
+        match &self.node_ports {
+            NodePorts::AllLocal => format!("fib daddr type local {NOT_LOCALHOST}"),
+            NodePorts::Addresses(_) => format!("ip daddr @{}", names::NODEPORT_IPS),
+            NodePorts::Cidrs(_) => format!(
+                "fib daddr type local {NOT_LOCALHOST} ip daddr @{}",
+                names::NODEPORT_CIDRS
+            ),
+        }
+    }
+}
+
+/// In which order chains are written: a chain exists before a rule jumps
+/// to it. Removed in the reverse order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ChainKind {
+    Endpoint,
+    Service,
+    External,
+}
+
+/// One per-service chain and its rules.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Chain {
+    pub name: String,
+    pub kind: ChainKind,
+    pub rules: Vec<String>,
+}
+
+/// One element of one of the four verdict maps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Element {
+    pub map: &'static str,
+    /// `IP . proto . port` or `proto . port`.
+    pub key: String,
+    /// Already quoted, if any.
+    pub comment: Option<String>,
+    /// `goto CHAIN`.
+    pub verdict: String,
+}
+
+/// What one service port puts into the table.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PortRules {
+    /// Endpoint chains, then the service chain, then the external one.
+    pub chains: Vec<Chain>,
+    pub elements: Vec<Element>,
+}
+
+/// The rendering of `port`: kube-proxy's chains and elements for the
+/// `Cluster` traffic policy, or reject elements if no endpoint is usable.
+pub fn port_rules(opts: &Options, port: &ServicePort) -> PortRules {
+    let proto = names::protocol(port.protocol);
+    let mut endpoints = usable_endpoints(&port.endpoints);
+    // Overlapping EndpointSlices may list an address twice: one chain.
+    let mut seen = BTreeSet::new();
+    endpoints.retain(|e| seen.insert((e.addr, e.port)));
+    let cluster_key = format!("{} . {proto} . {}", port.cluster_ip, port.port);
+    let node_key = port.node_port.map(|np| format!("{proto} . {np}"));
+    let mut out = PortRules::default();
+
+    if endpoints.is_empty() {
+        let comment = Some(quote(&port.name));
+        let reject = format!("goto {}", names::REJECT_CHAIN);
+        out.elements.push(Element {
+            map: names::NO_ENDPOINT_SERVICES,
+            key: cluster_key,
+            comment: comment.clone(),
+            verdict: reject.clone(),
+        });
+        if let Some(key) = node_key {
+            out.elements.push(Element {
+                map: names::NO_ENDPOINT_NODEPORTS,
+                key,
+                comment,
+                verdict: reject,
+            });
+        }
+        return out;
+    }
+
+    let mut targets = Vec::with_capacity(endpoints.len());
+    for ep in &endpoints {
+        let name = names::endpoint_chain(port, ep);
+        out.chains.push(Chain {
+            name: name.clone(),
+            kind: ChainKind::Endpoint,
+            rules: vec![
+                // A pod reaching itself through its Service: without SNAT
+                // its reply would bypass the DNAT's reverse.
+                format!("ip saddr {} jump {}", ep.addr, names::MARK_MASQ),
+                format!("meta l4proto {proto} dnat to {}:{}", ep.addr, ep.port),
+            ],
+        });
+        targets.push(name);
+    }
+
+    let service = names::service_chain(port);
+    let mut rules = Vec::new();
+    let destination = format!("ip daddr {} {proto} dport {}", port.cluster_ip, port.port);
+    if opts.masquerade_all {
+        rules.push(format!("{destination} jump {}", names::MARK_MASQ));
+    } else if let Some(local) = &opts.local_traffic {
+        rules.push(format!(
+            "{destination} {} jump {}",
+            local.if_not_local(),
+            names::MARK_MASQ
+        ));
+    }
+    let choices: Vec<String> = targets
+        .iter()
+        .enumerate()
+        .map(|(i, target)| format!("{i} : goto {target}"))
+        .collect();
+    rules.push(format!(
+        "numgen random mod {} vmap {{ {} }}",
+        targets.len(),
+        choices.join(", ")
+    ));
+    out.chains.push(Chain {
+        name: service.clone(),
+        kind: ChainKind::Service,
+        rules,
+    });
+    out.elements.push(Element {
+        map: names::SERVICE_IPS,
+        key: cluster_key,
+        comment: None,
+        verdict: format!("goto {service}"),
+    });
+
+    if let Some(key) = node_key {
+        let external = names::external_chain(port);
+        out.chains.push(Chain {
+            name: external.clone(),
+            kind: ChainKind::External,
+            // NodePort traffic may come from anywhere: masquerade it so
+            // replies come back through this node.
+            rules: vec![format!("jump {}", names::MARK_MASQ), format!("goto {service}")],
+        });
+        out.elements.push(Element {
+            map: names::SERVICE_NODEPORTS,
+            key,
+            comment: None,
+            verdict: format!("goto {external}"),
+        });
+    }
+    out
+}
+
+/// The chains and elements of a set of service ports, by name and key.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Objects {
+    pub chains: BTreeMap<String, Chain>,
+    pub elements: BTreeMap<(&'static str, String), Element>,
+}
+
+impl Objects {
+    pub fn add(&mut self, rules: &PortRules) {
+        for chain in &rules.chains {
+            self.chains.insert(chain.name.clone(), chain.clone());
+        }
+        for element in &rules.elements {
+            self.elements
+                .insert((element.map, element.key.clone()), element.clone());
+        }
+    }
+}
+
+/// One `nft -f` input.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Script {
+    pub text: String,
+    /// Table objects, chains, rules and elements added, flushed or deleted.
+    pub writes: u64,
+    /// Per-service chains the script deletes (or, with
+    /// [`ChainRemoval::Flush`], empties).
+    pub removed_chains: Vec<String>,
+}
+
+impl Script {
+    fn cmd(&mut self, writes: u64, args: std::fmt::Arguments<'_>) {
+        let _ = writeln!(self.text, "{args}");
+        self.writes += writes;
+    }
+
+    fn note(&mut self, text: &str) {
+        let _ = writeln!(self.text, "# {}", sanitize(text, COMMENT_MAX));
+    }
+
+    fn chain(&mut self, chain: &Chain, flush: bool) {
+        let name = &chain.name;
+        self.cmd(1, format_args!("add chain {FAMILY} {TABLE} {name}"));
+        if flush {
+            self.cmd(1, format_args!("flush chain {FAMILY} {TABLE} {name}"));
+        }
+        for rule in &chain.rules {
+            self.cmd(1, format_args!("add rule {FAMILY} {TABLE} {name} {rule}"));
+        }
+    }
+
+    /// `add element` (with values) or `delete element` (keys only), one
+    /// command per map with one element per line.
+    fn elements<'a>(&mut self, verb: &str, elements: impl IntoIterator<Item = &'a Element>) {
+        let mut by_map: BTreeMap<&str, Vec<&Element>> = BTreeMap::new();
+        for element in elements {
+            by_map.entry(element.map).or_default().push(element);
+        }
+        for (map, elements) in by_map {
+            let _ = writeln!(self.text, "{verb} element {FAMILY} {TABLE} {map} {{");
+            let last = elements.len() - 1;
+            for (i, e) in elements.iter().enumerate() {
+                let sep = if i == last { "" } else { "," };
+                let comment = e.comment.as_ref().map(|c| format!(" comment {c}")).unwrap_or_default();
+                if verb == "delete" {
+                    let _ = writeln!(self.text, "\t{}{sep}", e.key);
+                } else {
+                    let _ = writeln!(self.text, "\t{}{comment} : {}{sep}", e.key, e.verdict);
+                }
+                self.writes += 1;
+            }
+            let _ = writeln!(self.text, "}}");
+        }
+    }
+}
+
+/// The fixed part of the table: base chains, helper chains, maps, sets.
+fn base(opts: &Options, s: &mut Script) {
+    // `add` first so that `delete` never fails on a fresh node.
+    s.cmd(1, format_args!("add table {FAMILY} {TABLE}"));
+    s.cmd(1, format_args!("delete table {FAMILY} {TABLE}"));
+    s.cmd(
+        1,
+        format_args!("add table {FAMILY} {TABLE} {{ comment {} ; }}", quote(TABLE_COMMENT)),
+    );
+    // Filtering sees the destination before DNAT; numeric priorities
+    // because nft takes names like `dstnat` only on some hooks.
+    for (name, kind, hook, priority) in [
+        (names::FILTER_INPUT, "filter", "input", -110),
+        (names::FILTER_FORWARD, "filter", "forward", -110),
+        (names::FILTER_OUTPUT, "filter", "output", -110),
+        (names::NAT_PREROUTING, "nat", "prerouting", -100),
+        (names::NAT_OUTPUT, "nat", "output", -100),
+        (names::NAT_POSTROUTING, "nat", "postrouting", 100),
+    ] {
+        s.cmd(
+            1,
+            format_args!("add chain {FAMILY} {TABLE} {name} {{ type {kind} hook {hook} priority {priority} ; }}"),
+        );
+    }
+    for name in [
+        names::SERVICES,
+        names::ENDPOINTS_CHECK,
+        names::MARK_MASQ,
+        names::MASQUERADING,
+    ] {
+        s.cmd(1, format_args!("add chain {FAMILY} {TABLE} {name}"));
+    }
+    s.cmd(
+        1,
+        format_args!(
+            "add chain {FAMILY} {TABLE} {} {{ comment {} ; }}",
+            names::REJECT_CHAIN,
+            quote("helper for @no-endpoint-services / @no-endpoint-nodeports")
+        ),
+    );
+    for (name, key, comment) in [
+        (
+            names::SERVICE_IPS,
+            "ipv4_addr . inet_proto . inet_service",
+            "ClusterIP traffic",
+        ),
+        (
+            names::SERVICE_NODEPORTS,
+            "inet_proto . inet_service",
+            "NodePort traffic",
+        ),
+        (
+            names::NO_ENDPOINT_SERVICES,
+            "ipv4_addr . inet_proto . inet_service",
+            "vmap to reject packets to services with no endpoints",
+        ),
+        (
+            names::NO_ENDPOINT_NODEPORTS,
+            "inet_proto . inet_service",
+            "vmap to reject packets to service nodeports with no endpoints",
+        ),
+    ] {
+        s.cmd(
+            1,
+            format_args!(
+                "add map {FAMILY} {TABLE} {name} {{ type {key} : verdict ; comment {} ; }}",
+                quote(comment)
+            ),
+        );
+    }
+    match &opts.node_ports {
+        NodePorts::AllLocal => {}
+        NodePorts::Addresses(ips) => {
+            s.cmd(
+                1,
+                format_args!(
+                    "add set {FAMILY} {TABLE} {} {{ type ipv4_addr ; comment {} ; }}",
+                    names::NODEPORT_IPS,
+                    quote("IPs that accept NodePort traffic")
+                ),
+            );
+            let items: Vec<String> = ips.iter().map(Ipv4Addr::to_string).collect();
+            set_elements(s, names::NODEPORT_IPS, &items);
+        }
+        NodePorts::Cidrs(cidrs) => {
+            s.cmd(
+                1,
+                format_args!(
+                    "add set {FAMILY} {TABLE} {} {{ type ipv4_addr ; flags interval ; auto-merge ; comment {} ; }}",
+                    names::NODEPORT_CIDRS,
+                    quote("networks whose local IPs accept NodePort traffic")
+                ),
+            );
+            let items: Vec<String> = cidrs.iter().map(Cidr::to_string).collect();
+            set_elements(s, names::NODEPORT_CIDRS, &items);
+        }
+    }
+    for (from, matches, to) in [
+        (names::FILTER_INPUT, "ct state new ", names::ENDPOINTS_CHECK),
+        (names::FILTER_FORWARD, "ct state new ", names::ENDPOINTS_CHECK),
+        (names::FILTER_OUTPUT, "ct state new ", names::ENDPOINTS_CHECK),
+        (names::NAT_PREROUTING, "", names::SERVICES),
+        (names::NAT_OUTPUT, "", names::SERVICES),
+        (names::NAT_POSTROUTING, "", names::MASQUERADING),
+    ] {
+        s.cmd(1, format_args!("add rule {FAMILY} {TABLE} {from} {matches}jump {to}"));
+    }
+    let mark = opts.mark();
+    let node_ports = opts.node_port_destination();
+    let fixed = [
+        (names::MARK_MASQ, format!("meta mark set meta mark or {mark}")),
+        (names::MASQUERADING, format!("meta mark and {mark} == 0 return")),
+        (names::MASQUERADING, format!("meta mark set meta mark xor {mark}")),
+        (names::MASQUERADING, "masquerade fully-random".to_owned()),
+        (names::REJECT_CHAIN, "reject".to_owned()),
+        (
+            names::ENDPOINTS_CHECK,
+            format!(
+                "ip daddr . meta l4proto . th dport vmap @{}",
+                names::NO_ENDPOINT_SERVICES
+            ),
+        ),
+        (
+            names::ENDPOINTS_CHECK,
+            format!(
+                "{node_ports} meta l4proto . th dport vmap @{}",
+                names::NO_ENDPOINT_NODEPORTS
+            ),
+        ),
+        (
+            names::SERVICES,
+            format!("ip daddr . meta l4proto . th dport vmap @{}", names::SERVICE_IPS),
+        ),
+        (
+            names::SERVICES,
+            format!(
+                "{node_ports} meta l4proto . th dport vmap @{}",
+                names::SERVICE_NODEPORTS
+            ),
+        ),
+    ];
+    for (chain, rule) in fixed {
+        s.cmd(1, format_args!("add rule {FAMILY} {TABLE} {chain} {rule}"));
+    }
+}
+
+fn set_elements(s: &mut Script, set: &str, items: &[String]) {
+    if items.is_empty() {
+        return;
+    }
+    s.cmd(
+        items.len() as u64,
+        format_args!("add element {FAMILY} {TABLE} {set} {{ {} }}", items.join(", ")),
+    );
+}
+
+/// A full sync: the whole table, replacing whatever is there.
+pub fn full<'a>(opts: &Options, ports: impl IntoIterator<Item = (&'a str, &'a PortRules)>) -> Script {
+    let mut s = Script::default();
+    base(opts, &mut s);
+    let mut all = Objects::default();
+    for (name, rules) in ports {
+        if !rules.chains.is_empty() {
+            s.note(name);
+        }
+        for chain in &rules.chains {
+            s.chain(chain, false);
+        }
+        all.add(rules);
+    }
+    s.elements("add", all.elements.values());
+    s
+}
+
+/// What a partial sync does with chains no port uses any more.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChainRemoval {
+    Delete,
+    /// Empty them and leave them for a later sync to delete: before Linux
+    /// 6.2 the kernel may still count a reference from a map element
+    /// deleted in the same transaction.
+    Flush,
+}
+
+/// A partial sync from `before` to `after`, the renderings of the changed
+/// ports as programmed and as wanted. `leftover` names chains left empty
+/// by earlier syncs, removed too unless `after` uses them again.
+pub fn partial(before: &Objects, after: &Objects, leftover: &[String], removal: ChainRemoval) -> Script {
+    let mut s = Script::default();
+
+    let gone: Vec<&Element> = before
+        .elements
+        .iter()
+        .filter(|(key, e)| after.elements.get(*key) != Some(*e))
+        .map(|(_, e)| e)
+        .collect();
+    s.elements("delete", gone);
+
+    let mut changed: Vec<&Chain> = after
+        .chains
+        .values()
+        .filter(|c| before.chains.get(&c.name) != Some(*c))
+        .collect();
+    changed.sort_by(|a, b| (a.kind, &a.name).cmp(&(b.kind, &b.name)));
+    for chain in changed {
+        let existed = before.chains.contains_key(&chain.name) || leftover.contains(&chain.name);
+        s.chain(chain, existed);
+    }
+
+    let added: Vec<&Element> = after
+        .elements
+        .iter()
+        .filter(|(key, e)| before.elements.get(*key) != Some(*e))
+        .map(|(_, e)| e)
+        .collect();
+    s.elements("add", added);
+
+    let mut unused: Vec<(Option<ChainKind>, &str)> = before
+        .chains
+        .values()
+        .filter(|c| !after.chains.contains_key(&c.name))
+        .map(|c| (Some(c.kind), c.name.as_str()))
+        .collect();
+    unused.extend(
+        leftover
+            .iter()
+            .filter(|name| !after.chains.contains_key(*name) && !before.chains.contains_key(*name))
+            .map(|name| (None, name.as_str())),
+    );
+    // Referring chains first: external -> service -> endpoint.
+    unused.sort_by(|a, b| b.cmp(a));
+    let verb = match removal {
+        ChainRemoval::Delete => "delete",
+        ChainRemoval::Flush => "flush",
+    };
+    for (_, name) in unused {
+        s.cmd(1, format_args!("{verb} chain {FAMILY} {TABLE} {name}"));
+        s.removed_chains.push(name.to_owned());
+    }
+    s
+}
+
+/// `"text"` for nft: quotes and control characters replaced, cut short.
+pub fn quote(text: &str) -> String {
+    format!("\"{}\"", sanitize(text, COMMENT_MAX))
+}
+
+fn sanitize(text: &str, max: usize) -> String {
+    let mut out = String::new();
+    for c in text.chars() {
+        let c = match c {
+            '"' => '\'',
+            c if c.is_control() => ' ',
+            c => c,
+        };
+        if out.len() + c.len_utf8() > max {
+            break;
+        }
+        out.push(c);
+    }
+    out
+}

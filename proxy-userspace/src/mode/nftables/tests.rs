@@ -1,0 +1,597 @@
+//! Rendering against golden files, the mode's bookkeeping against a fake
+//! `nft` that records transactions, and (where a user namespace can be
+//! made, which needs no root) the rendered scripts against the kernel's
+//! own checker (`nft -c`). The privileged tests in
+//! `tests/tests/mode_nftables.rs` apply them to a real namespace.
+
+use std::{
+    net::Ipv4Addr,
+    path::PathBuf,
+    process::{Command, Stdio},
+    sync::{Arc, Mutex},
+};
+
+use super::*;
+use crate::model::{Endpoint, Protocol};
+
+const SEED: &str = "default/nginx-service";
+
+fn seed(last_octets: &[u8]) -> ServicePort {
+    ServicePort {
+        name: SEED.into(),
+        protocol: Protocol::Tcp,
+        cluster_ip: Ipv4Addr::new(10, 96, 0, 88),
+        port: 88,
+        node_port: Some(30791),
+        endpoints: last_octets
+            .iter()
+            .map(|o| Endpoint::ready(Ipv4Addr::new(10, 244, 0, *o), 80))
+            .collect(),
+    }
+}
+
+fn empty_service() -> ServicePort {
+    ServicePort {
+        name: "default/empty-service".into(),
+        protocol: Protocol::Tcp,
+        cluster_ip: Ipv4Addr::new(10, 96, 0, 89),
+        port: 89,
+        node_port: Some(30792),
+        endpoints: vec![],
+    }
+}
+
+fn dns(endpoints: &[u8]) -> ServicePort {
+    ServicePort {
+        name: "kube-system/kube-dns:dns".into(),
+        protocol: Protocol::Udp,
+        cluster_ip: Ipv4Addr::new(10, 96, 0, 10),
+        port: 53,
+        node_port: None,
+        endpoints: endpoints
+            .iter()
+            .map(|o| Endpoint::ready(Ipv4Addr::new(10, 244, 1, *o), 53))
+            .collect(),
+    }
+}
+
+fn state(ports: &[ServicePort]) -> BTreeMap<String, ServicePort> {
+    ports.iter().map(|p| (p.name.clone(), p.clone())).collect()
+}
+
+/// kube-proxy's defaults with the test bed's pod network as clusterCIDR.
+fn opts() -> Options {
+    Options {
+        local_traffic: Some(LocalTraffic::Cidr("10.244.0.0/16".parse().expect("cidr"))),
+        ..Options::default()
+    }
+}
+
+#[derive(Default)]
+struct FakeState {
+    scripts: Vec<String>,
+    /// What `list_table` returns.
+    listing: Option<String>,
+    /// Scripts containing this fail (as many times as `fail_times`).
+    fail_on: Option<(String, usize)>,
+}
+
+/// Records every transaction; a full sync "creates" the table.
+#[derive(Clone, Default)]
+struct FakeNft(Arc<Mutex<FakeState>>);
+
+impl FakeNft {
+    fn scripts(&self) -> Vec<String> {
+        self.0.lock().expect("lock").scripts.clone()
+    }
+
+    fn last(&self) -> String {
+        self.scripts().last().cloned().unwrap_or_default()
+    }
+
+    fn fail_on(&self, needle: &str, times: usize) {
+        self.0.lock().expect("lock").fail_on = Some((needle.into(), times));
+    }
+
+    fn set_listing(&self, listing: Option<&str>) {
+        self.0.lock().expect("lock").listing = listing.map(str::to_owned);
+    }
+}
+
+impl Nft for FakeNft {
+    fn run(&mut self, script: &str) -> Result<()> {
+        let mut s = self.0.lock().expect("lock");
+        if let Some((needle, times)) = &mut s.fail_on
+            && *times > 0
+            && script.contains(needle.as_str())
+        {
+            *times -= 1;
+            anyhow::bail!("injected failure on {needle:?}");
+        }
+        if script.contains("delete table ip xproxy") {
+            s.listing = (!script.ends_with("delete table ip xproxy\n")).then(|| format!("table #{}", s.scripts.len()));
+        }
+        s.scripts.push(script.to_owned());
+        Ok(())
+    }
+
+    fn list_table(&mut self) -> Result<Option<String>> {
+        Ok(self.0.lock().expect("lock").listing.clone())
+    }
+}
+
+fn mode() -> (NftablesMode, FakeNft) {
+    let fake = FakeNft::default();
+    (NftablesMode::new(opts(), Box::new(fake.clone())), fake)
+}
+
+fn golden_path(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden/nftables")
+        .join(name)
+}
+
+/// Compares with a golden file; `XPROXY_UPDATE_GOLDEN=1` rewrites it.
+fn assert_golden(name: &str, actual: &str) {
+    let path = golden_path(name);
+    if std::env::var("XPROXY_UPDATE_GOLDEN").is_ok_and(|v| v == "1") {
+        std::fs::create_dir_all(path.parent().expect("parent")).expect("golden dir");
+        std::fs::write(&path, actual).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+        return;
+    }
+    let expected = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    assert!(
+        expected == actual,
+        "{} differs (XPROXY_UPDATE_GOLDEN=1 rewrites it)\n--- expected\n{expected}\n--- actual\n{actual}",
+        path.display()
+    );
+}
+
+/// `nft -c -f -` of `script` in a fresh user and network namespace
+/// (`unshare -rn`, no root needed): the kernel checks the whole
+/// transaction and throws it away. `None` if no such namespace can be made
+/// here or nft is missing.
+fn kernel_check(script: &str) -> Option<Result<(), String>> {
+    let probe = Command::new("unshare")
+        .args(["-rn", "nft", "--version"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    if !probe.is_ok_and(|s| s.success()) {
+        return None;
+    }
+    let mut child = Command::new("unshare")
+        .args(["-rn", "nft", "-c", "-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .ok()?;
+    let written = std::io::Write::write_all(&mut child.stdin.take()?, script.as_bytes());
+    let out = child.wait_with_output().ok()?;
+    Some(match (out.status.success(), written) {
+        (true, Ok(())) => Ok(()),
+        (_, Err(e)) => Err(format!("writing: {e}")),
+        (false, _) => Err(String::from_utf8_lossy(&out.stderr).into_owned()),
+    })
+}
+
+fn expect_kernel_accepts(what: &str, script: &str) {
+    match kernel_check(script) {
+        Some(Ok(())) => {}
+        Some(Err(e)) => panic!("nft -c rejects the {what}:\n{e}\n{script}"),
+        None => eprintln!("skipping the nft -c check of the {what}: no user namespace or no nft here"),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Rendering.
+
+/// The seed Service, plus one without endpoints: full sync, then an
+/// endpoint change (pod-3 replaced by 10.244.0.14) as a partial sync.
+#[test]
+fn seed_scripts_match_golden_files_and_pass_the_kernel_check() {
+    let (mut mode, fake) = mode();
+    mode.apply_full(&state(&[seed(&[11, 12, 13]), empty_service()]))
+        .expect("full sync");
+    let full = fake.last();
+    assert_golden("seed-full.nft", &full);
+
+    mode.apply(&Plan {
+        upsert: vec![seed(&[11, 12, 14])],
+        remove: vec![],
+    })
+    .expect("partial sync");
+    let partial = fake.last();
+    assert_golden("seed-endpoint-change.nft", &partial);
+
+    expect_kernel_accepts("full script", &full);
+    expect_kernel_accepts("full + partial scripts", &format!("{full}{partial}"));
+}
+
+#[test]
+fn an_endpoint_change_rewrites_only_the_service_chain_and_the_endpoint_chains_that_changed() {
+    let (mut mode, fake) = mode();
+    mode.apply_full(&state(&[seed(&[11, 12, 13]), dns(&[1, 2])]))
+        .expect("full sync");
+    mode.apply(&Plan {
+        upsert: vec![seed(&[11, 12, 14])],
+        remove: vec![],
+    })
+    .expect("partial sync");
+    let script = fake.last();
+    let new_ep = names::endpoint_chain(&seed(&[]), &Endpoint::ready(Ipv4Addr::new(10, 244, 0, 14), 80));
+    let old_ep = names::endpoint_chain(&seed(&[]), &Endpoint::ready(Ipv4Addr::new(10, 244, 0, 13), 80));
+    let kept = names::endpoint_chain(&seed(&[]), &Endpoint::ready(Ipv4Addr::new(10, 244, 0, 11), 80));
+    let svc = names::service_chain(&seed(&[]));
+    assert!(script.contains(&format!("add chain ip xproxy {new_ep}\n")), "{script}");
+    assert!(
+        !script.contains(&format!("flush chain ip xproxy {new_ep}\n")),
+        "{script}"
+    );
+    assert!(script.contains(&format!("flush chain ip xproxy {svc}\n")), "{script}");
+    assert!(
+        script.ends_with(&format!("delete chain ip xproxy {old_ep}\n")),
+        "{script}"
+    );
+    assert!(
+        !script.contains(&format!("chain ip xproxy {kept}")) && !script.contains(&format!("rule ip xproxy {kept}")),
+        "an unchanged endpoint chain was touched:\n{script}"
+    );
+    assert!(!script.contains("kube-dns"), "another Service was touched:\n{script}");
+    assert!(!script.contains("element"), "no map element changes:\n{script}");
+    assert!(!script.contains("table"), "{script}");
+    // The new endpoint chain exists before the service chain jumps to it.
+    let at = |needle: &str| script.find(needle).unwrap_or_else(|| panic!("{needle} in {script}"));
+    assert!(at(&format!("add chain ip xproxy {new_ep}")) < at(&format!("flush chain ip xproxy {svc}")));
+}
+
+#[test]
+fn removal_deletes_elements_before_chains_and_referring_chains_first() {
+    let (mut mode, fake) = mode();
+    mode.apply_full(&state(&[seed(&[11, 12]), dns(&[1])]))
+        .expect("full sync");
+    mode.apply(&Plan {
+        upsert: vec![],
+        remove: vec![seed(&[11, 12])],
+    })
+    .expect("removal");
+    let script = fake.last();
+    let lines: Vec<&str> = script.lines().collect();
+    let pos = |prefix: &str| lines.iter().position(|l| l.starts_with(prefix));
+    let elements = pos("delete element ip xproxy service-ips").expect("service-ips element");
+    let nodeports = pos("delete element ip xproxy service-nodeports").expect("nodeport element");
+    let external = pos("delete chain ip xproxy external-").expect("external chain");
+    let service = pos("delete chain ip xproxy service-").expect("service chain");
+    let endpoint = pos("delete chain ip xproxy endpoint-").expect("endpoint chain");
+    assert!(elements < external && nodeports < external, "{script}");
+    assert!(external < service && service < endpoint, "{script}");
+    assert_eq!(script.matches("delete chain").count(), 4, "{script}");
+    assert!(!script.contains("kube-dns") && !script.contains("add "), "{script}");
+    assert_eq!(mode.state.len(), 1);
+}
+
+#[test]
+fn losing_and_regaining_endpoints_swaps_the_map_elements() {
+    let (mut mode, fake) = mode();
+    mode.apply_full(&state(&[seed(&[11])])).expect("full sync");
+    mode.apply(&Plan {
+        upsert: vec![seed(&[])],
+        remove: vec![],
+    })
+    .expect("endpoints gone");
+    let script = fake.last();
+    assert!(
+        script.contains("delete element ip xproxy service-ips {\n\t10.96.0.88 . tcp . 88\n}"),
+        "{script}"
+    );
+    assert!(
+        script.contains(
+            "add element ip xproxy no-endpoint-services {\n\t10.96.0.88 . tcp . 88 comment \"default/nginx-service\" : goto reject-chain\n}"
+        ),
+        "{script}"
+    );
+    assert!(
+        script.contains("add element ip xproxy no-endpoint-nodeports {\n\ttcp . 30791 comment"),
+        "{script}"
+    );
+    assert_eq!(script.matches("delete chain").count(), 3, "{script}");
+
+    mode.apply(&Plan {
+        upsert: vec![seed(&[11])],
+        remove: vec![],
+    })
+    .expect("endpoints back");
+    let script = fake.last();
+    assert!(
+        script.contains("delete element ip xproxy no-endpoint-services"),
+        "{script}"
+    );
+    assert!(
+        script.contains("delete element ip xproxy no-endpoint-nodeports"),
+        "{script}"
+    );
+    assert!(script.contains("add element ip xproxy service-ips"), "{script}");
+    assert!(!script.contains("delete chain"), "{script}");
+}
+
+/// A new ClusterIP for the same port name: the plan removes the old port
+/// and upserts the new one, whose chains have the same names.
+#[test]
+fn a_new_cluster_ip_moves_the_element_and_keeps_the_chains() {
+    let (mut mode, fake) = mode();
+    let old = seed(&[11]);
+    mode.apply_full(&state(std::slice::from_ref(&old))).expect("full sync");
+    let new = ServicePort {
+        cluster_ip: Ipv4Addr::new(10, 96, 0, 99),
+        ..old.clone()
+    };
+    mode.apply(&Plan {
+        upsert: vec![new.clone()],
+        remove: vec![old],
+    })
+    .expect("partial sync");
+    let script = fake.last();
+    assert!(
+        script.contains("delete element ip xproxy service-ips {\n\t10.96.0.88 . tcp . 88\n}"),
+        "{script}"
+    );
+    assert!(script.contains("\t10.96.0.99 . tcp . 88 : goto service-"), "{script}");
+    // The service chain's masquerade rule names the ClusterIP: rewritten.
+    assert!(script.contains("flush chain ip xproxy service-"), "{script}");
+    assert!(!script.contains("delete chain"), "{script}");
+    assert_eq!(mode.state[SEED].0, new);
+}
+
+#[test]
+fn an_idle_full_sync_writes_nothing_unless_the_table_changed() {
+    let (mut mode, fake) = mode();
+    let desired = state(&[seed(&[11, 12, 13])]);
+    mode.apply_full(&desired).expect("full sync");
+    let writes = mode.kernel_writes();
+    assert!(writes > 30, "{writes}");
+    mode.apply_full(&desired).expect("idle full sync");
+    assert_eq!(mode.kernel_writes(), writes);
+    assert_eq!(fake.scripts().len(), 1);
+
+    // Someone changed the table: rewritten.
+    fake.set_listing(Some("something else"));
+    mode.apply_full(&desired).expect("full sync after a change");
+    assert_eq!(fake.scripts().len(), 2);
+    // A partial sync since the last full one: rewritten too.
+    mode.apply(&Plan {
+        upsert: vec![seed(&[11])],
+        remove: vec![],
+    })
+    .expect("partial");
+    mode.apply_full(&state(&[seed(&[11])]))
+        .expect("full sync after a partial one");
+    assert_eq!(fake.scripts().len(), 4);
+    assert!(fake.last().starts_with("add table ip xproxy\ndelete table ip xproxy\n"));
+}
+
+/// Kernels before 6.2 may refuse to delete a chain in the transaction that
+/// deletes the last map element pointing to it: the chain is emptied
+/// instead and deleted by a later sync.
+#[test]
+fn chains_the_kernel_will_not_delete_yet_are_emptied_and_deleted_later() {
+    let (mut mode, fake) = mode();
+    mode.apply_full(&state(&[seed(&[11, 12]), dns(&[1])]))
+        .expect("full sync");
+    fake.fail_on("delete chain", 1);
+    mode.apply(&Plan {
+        upsert: vec![seed(&[11])],
+        remove: vec![],
+    })
+    .expect("partial sync with the fallback");
+    let script = fake.last();
+    let gone = names::endpoint_chain(&seed(&[]), &Endpoint::ready(Ipv4Addr::new(10, 244, 0, 12), 80));
+    assert!(script.ends_with(&format!("flush chain ip xproxy {gone}\n")), "{script}");
+    assert!(mode.leftovers.contains_key(&gone));
+
+    // Too soon: not deleted yet.
+    mode.apply(&Plan {
+        upsert: vec![dns(&[1, 2])],
+        remove: vec![],
+    })
+    .expect("next partial sync");
+    assert!(!fake.last().contains(&gone));
+    // Later: deleted with the next change.
+    std::thread::sleep(LEFTOVER_GRACE);
+    mode.apply(&Plan {
+        upsert: vec![dns(&[2])],
+        remove: vec![],
+    })
+    .expect("later partial sync");
+    assert!(
+        fake.last().contains(&format!("delete chain ip xproxy {gone}\n")),
+        "{}",
+        fake.last()
+    );
+    assert!(mode.leftovers.is_empty());
+}
+
+#[test]
+fn a_failed_sync_is_an_error_and_changes_no_bookkeeping() {
+    let (mut mode, fake) = mode();
+    mode.apply_full(&state(&[seed(&[11])])).expect("full sync");
+    fake.fail_on("add", 1);
+    let err = mode
+        .apply(&Plan {
+            upsert: vec![dns(&[1])],
+            remove: vec![],
+        })
+        .expect_err("injected failure");
+    assert!(format!("{err:#}").contains("injected failure"), "{err:#}");
+    assert!(!mode.state.contains_key("kube-system/kube-dns:dns"));
+    fake.fail_on("add", 1);
+    assert!(mode.apply_full(&state(&[seed(&[11])])).is_err());
+    assert!(mode.verified.is_none());
+}
+
+#[test]
+fn masquerade_options_shape_the_service_chain() {
+    let port = seed(&[11]);
+    let svc_rules = |opts: &Options| -> Vec<String> {
+        port_rules(opts, &port)
+            .chains
+            .into_iter()
+            .find(|c| c.kind == ruleset::ChainKind::Service)
+            .expect("service chain")
+            .rules
+    };
+    let all = Options {
+        masquerade_all: true,
+        ..opts()
+    };
+    assert_eq!(
+        svc_rules(&all)[0],
+        "ip daddr 10.96.0.88 tcp dport 88 jump mark-for-masquerade"
+    );
+    assert_eq!(
+        svc_rules(&opts())[0],
+        "ip daddr 10.96.0.88 tcp dport 88 ip saddr != 10.244.0.0/16 jump mark-for-masquerade"
+    );
+    let prefix = Options {
+        local_traffic: Some(LocalTraffic::InterfacePrefix("veth".into())),
+        ..Options::default()
+    };
+    assert!(svc_rules(&prefix)[0].contains("iifname != \"veth*\""));
+    let none = Options::default();
+    assert_eq!(svc_rules(&none).len(), 1, "only the numgen dispatch");
+    let bit = Options {
+        masquerade_bit: 5,
+        ..Options::default()
+    };
+    let script = ruleset::full(&bit, []).text;
+    assert!(script.contains("meta mark set meta mark or 0x20\n"), "{script}");
+}
+
+#[test]
+fn node_port_addresses_choose_the_destination_match() {
+    let ips = Options {
+        node_ports: NodePorts::Addresses(vec![Ipv4Addr::new(172, 30, 0, 2)]),
+        ..opts()
+    };
+    let text = ruleset::full(&ips, []).text;
+    assert!(
+        text.contains("add element ip xproxy nodeport-ips { 172.30.0.2 }"),
+        "{text}"
+    );
+    assert!(
+        text.contains("services ip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports"),
+        "{text}"
+    );
+    expect_kernel_accepts("nodeport-ips script", &text);
+
+    let cidrs = Options {
+        node_ports: NodePorts::Cidrs(vec![
+            "172.30.0.0/24".parse().expect("cidr"),
+            "172.30.0.0/16".parse().expect("cidr"),
+        ]),
+        ..opts()
+    };
+    let text = ruleset::full(&cidrs, []).text;
+    assert!(text.contains("flags interval ; auto-merge"), "{text}");
+    assert!(text.contains("fib daddr type local ip daddr != 127.0.0.0/8 ip daddr @nodeport-cidrs meta l4proto . th dport vmap @no-endpoint-nodeports"), "{text}");
+    expect_kernel_accepts("nodeport-cidrs script", &text);
+
+    let none = Options {
+        node_ports: NodePorts::Cidrs(vec![]),
+        ..opts()
+    };
+    expect_kernel_accepts("empty nodeport-cidrs script", &ruleset::full(&none, []).text);
+}
+
+#[test]
+fn udp_terminating_and_duplicate_endpoints() {
+    let mut port = dns(&[1, 1, 2]);
+    // Only terminating-but-serving endpoints left: they are used.
+    for ep in &mut port.endpoints {
+        ep.ready = false;
+        ep.terminating = true;
+    }
+    let rules = port_rules(&opts(), &port);
+    let endpoints: Vec<_> = rules
+        .chains
+        .iter()
+        .filter(|c| c.kind == ruleset::ChainKind::Endpoint)
+        .collect();
+    assert_eq!(endpoints.len(), 2, "{rules:#?}");
+    assert_eq!(endpoints[0].rules[1], "meta l4proto udp dnat to 10.244.1.1:53");
+    let service = rules
+        .chains
+        .iter()
+        .find(|c| c.kind == ruleset::ChainKind::Service)
+        .expect("service");
+    assert!(
+        service.rules[1].starts_with("numgen random mod 2 vmap { 0 : goto endpoint-"),
+        "{service:?}"
+    );
+    assert_eq!(rules.elements[0].key, "10.96.0.10 . udp . 53");
+    // Not serving either: rejected.
+    for ep in &mut port.endpoints {
+        ep.serving = false;
+    }
+    let rules = port_rules(&opts(), &port);
+    assert!(rules.chains.is_empty());
+    assert_eq!(rules.elements[0].map, names::NO_ENDPOINT_SERVICES);
+}
+
+#[test]
+fn comments_are_quoted_safely() {
+    assert_eq!(ruleset::quote("a\"b\nc"), "\"a'b c\"");
+    assert_eq!(ruleset::quote(&"é".repeat(100)).len(), 128 + 2);
+}
+
+#[test]
+fn cleanup_removes_only_an_existing_table() {
+    let fake = FakeNft::default();
+    assert!(!cleanup_with(&mut fake.clone()).expect("cleanup"));
+    assert!(fake.scripts().is_empty());
+    fake.set_listing(Some("table ip xproxy {}"));
+    assert!(cleanup_with(&mut fake.clone()).expect("cleanup"));
+    assert_eq!(fake.last(), "add table ip xproxy\ndelete table ip xproxy\n");
+    assert!(!cleanup_with(&mut fake.clone()).expect("second cleanup"));
+}
+
+#[test]
+fn options_from_the_configuration() {
+    use crate::config::{ConfigFile, Environment, RunFlags, resolve};
+    let load = |body: &str| {
+        let text = format!(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\n{body}"
+        );
+        let file = ConfigFile::parse(&text).expect("parse");
+        let env = Environment {
+            kubeconfig: None,
+            hostname: Some("node".into()),
+        };
+        let flags = RunFlags {
+            node_ips: vec!["172.30.0.2".parse().expect("ip")],
+            ..RunFlags::default()
+        };
+        resolve(&flags, Some(&file), &env).expect("resolve").config
+    };
+    let o = options(&load(
+        "clusterCIDR: 10.244.0.0/16\nnftables: {masqueradeBit: 5, masqueradeAll: true}\n",
+    ));
+    assert_eq!(o.masquerade_bit, 5);
+    assert!(o.masquerade_all);
+    assert_eq!(
+        o.local_traffic,
+        Some(LocalTraffic::Cidr("10.244.0.0/16".parse().expect("cidr")))
+    );
+    assert_eq!(o.node_ports, NodePorts::AllLocal);
+    let o = options(&load("nodePortAddresses: [primary]\n"));
+    assert_eq!(o.node_ports, NodePorts::Addresses(vec![Ipv4Addr::new(172, 30, 0, 2)]));
+    let o = options(&load("nodePortAddresses: [172.30.0.0/24, \"fd00::/64\"]\n"));
+    assert_eq!(
+        o.node_ports,
+        NodePorts::Cidrs(vec!["172.30.0.0/24".parse().expect("cidr")])
+    );
+    let o = options(&load(
+        "detectLocalMode: InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: veth}\n",
+    ));
+    assert_eq!(o.local_traffic, Some(LocalTraffic::InterfacePrefix("veth".into())));
+}
