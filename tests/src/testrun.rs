@@ -295,7 +295,8 @@ impl Harness {
 /// with EINVAL before the program runs. Every program type refuses frames
 /// under 14 bytes. For skb programs (tc) recent kernels also refuse an IPv4
 /// ether type with fewer than 20 bytes after the Ethernet header, and an
-/// IPv6 one with fewer than 40 (`bpf_prog_test_run_skb`); 6.1 does not.
+/// IPv6 one with fewer than 40 (`bpf_prog_test_run_skb`; seen on 6.18 and on
+/// Debian's 6.1.192, so probably a stable backport).
 /// Real tc hooks do see such frames; only XDP can test them here.
 pub fn kernel_may_refuse(prog: Prog, frame: &[u8]) -> bool {
     if frame.len() < 14 {

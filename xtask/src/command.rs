@@ -4,6 +4,30 @@ use std::process::{Command, ExitStatus, Output};
 
 use anyhow::{Context, Result, bail};
 
+/// The workspace's cargo (`$CARGO`, the one running this xtask), in `root`.
+///
+/// `cargo run` gives the xtask the variables of its own package
+/// (CARGO_MANIFEST_DIR, CARGO_PKG_*, ...). They must not reach the child
+/// cargo: some build scripts (ring's) rerun when they change, so every
+/// switch between `cargo xtask ...` and a plain `cargo ...` would rebuild
+/// ring, rustls and kube.
+pub fn workspace_cargo(root: &std::path::Path) -> Command {
+    let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.current_dir(root);
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy();
+        let per_package = key.starts_with("CARGO_PKG_")
+            || matches!(
+                key.as_ref(),
+                "CARGO_MANIFEST_DIR" | "CARGO_MANIFEST_PATH" | "CARGO_CRATE_NAME" | "CARGO_BIN_NAME" | "CARGO_PRIMARY_PACKAGE"
+            );
+        if per_package {
+            cmd.env_remove(key.as_ref());
+        }
+    }
+    cmd
+}
+
 /// A printable form of `cmd`: its program and arguments.
 pub fn describe(cmd: &Command) -> String {
     let mut text = cmd.get_program().to_string_lossy().into_owned();

@@ -10,7 +10,6 @@
 use std::{
     net::{Ipv4Addr, SocketAddrV4},
     path::{Path, PathBuf},
-    process::Command,
     time::{Duration, Instant},
 };
 
@@ -73,13 +72,8 @@ fn step(what: &str) {
 }
 
 fn build_agent(root: &Path) -> Result<PathBuf> {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    command::run(
-        Command::new(cargo)
-            .current_dir(root)
-            .args(["build", "--release", "-p", "proxy-userspace"]),
-    )
-    .context("building xproxy")?;
+    command::run(command::workspace_cargo(root).args(["build", "--release", "-p", "proxy-userspace"]))
+        .context("building xproxy")?;
     Ok(root.join("target/release/xproxy"))
 }
 

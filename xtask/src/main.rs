@@ -9,6 +9,7 @@ mod command;
 mod demo;
 mod test;
 mod toolchain;
+mod vm;
 
 use std::{
     path::{Path, PathBuf},
@@ -33,6 +34,8 @@ enum Command {
     Test(test::Options),
     /// The seed scenario on a simulated cluster in network namespaces.
     Demo,
+    /// Run tests in a Debian 6.1 kernel under qemu (IPVS, an older verifier).
+    Vm(vm::Options),
 }
 
 fn main() -> ExitCode {
@@ -58,6 +61,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Test(options) => test::test(&root, &options),
         Command::Demo => demo::demo(&root),
+        Command::Vm(options) => vm::vm(&root, &options),
     }
 }
 

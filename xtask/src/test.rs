@@ -1,6 +1,6 @@
 //! `cargo xtask test`: builds the eBPF object, then runs the workspace tests.
 
-use std::{env, fs, path::Path, process::Command};
+use std::{env, fs, path::Path};
 
 use anyhow::{Context, Result};
 
@@ -22,9 +22,8 @@ pub struct Options {
 pub fn test(root: &Path, options: &Options) -> Result<()> {
     build_ebpf::build_ebpf(root, &build_ebpf::Options { debug: false })?;
 
-    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut cmd = Command::new(cargo);
-    cmd.current_dir(root).arg("test");
+    let mut cmd = command::workspace_cargo(root);
+    cmd.arg("test");
     if !selects_packages(&options.cargo_args) {
         cmd.arg("--workspace");
     }

@@ -1,0 +1,348 @@
+//! `cargo xtask vm`: runs chosen tests inside a Debian 6.1 kernel under qemu.
+//!
+//! This machine's kernel has no IPVS and is much newer than what many nodes
+//! run, so the programs are also checked on an older kernel that has IPVS
+//! modules. Four steps, each cached under `~/.cache/xproxy/vm/`:
+//!
+//! 1. [`kernel`]: the newest `linux-image-<series>.*-cloud-amd64-unsigned`
+//!    apt knows, downloaded, extracted and `depmod`ed once per release; its
+//!    `/boot/config-*` must have what the tests need.
+//! 2. The eBPF object (`build-ebpf`), the chosen test executables of
+//!    `xproxy-tests` (`cargo test --no-run`) and the agent `xproxy`.
+//! 3. [`initramfs`]: busybox, the kernel modules with their dependencies, the
+//!    test executables, `ip`/`bpftool`/`ipvsadm` and every library they
+//!    load, and an `/init` that runs the tests; packed into a cpio archive
+//!    named by the hash of its contents, so an unchanged set is not repacked.
+//! 4. [`run`]: boots it with `qemu-system-x86_64 -accel tcg` (KVM guests crash
+//!    on these machines), streams the serial console, reads the markers
+//!    `/init` prints and libtest's `test result:` lines, and prints a summary
+//!    per test executable. Fails if a test failed or the VM timed out.
+
+mod init;
+mod initramfs;
+mod kernel;
+mod run;
+
+use std::{
+    env, fs,
+    io::BufRead,
+    path::{Path, PathBuf},
+    process::Stdio,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+
+use crate::{build_ebpf, command};
+
+/// The package whose test executables run in the VM.
+const TEST_PACKAGE: &str = "xproxy-tests";
+
+/// The agent (package, binary): the agent tests start it from
+/// `target/<profile>/`, which the guest has at the host's path.
+const AGENT: (&str, &str) = ("proxy-userspace", "xproxy");
+
+/// Mutated frames per program for the fuzz test in the VM: the full million
+/// takes hours under software emulation.
+const DEFAULT_FUZZ_FRAMES: u64 = 20_000;
+
+/// Host programs the VM step needs, and the Debian package of each.
+const HOST_PROGRAMS: &[(&str, &str)] = &[
+    ("qemu-system-x86_64", "qemu-system-x86"),
+    ("busybox", "busybox-static"),
+    ("cpio", "cpio"),
+    ("depmod", "kmod"),
+    ("dpkg", "dpkg"),
+    ("apt-get", "apt"),
+    ("ldd", "libc-bin"),
+    ("strip", "binutils"),
+    ("sha256sum", "coreutils"),
+];
+
+#[derive(clap::Args, Debug)]
+pub struct Options {
+    /// Debian kernel series: the newest `linux-image-<SERIES>.*-cloud-amd64-unsigned` is used.
+    #[arg(long, default_value = "6.1")]
+    pub kernel: String,
+    /// Test targets of xproxy-tests to run in the VM, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "verifier,packet,fuzz,e2e")]
+    pub tests: Vec<String>,
+    /// Keep the unpacked initramfs tree next to the archive (for inspection).
+    #[arg(long)]
+    pub keep: bool,
+    /// Give up (and fail) after this many seconds of VM run time.
+    #[arg(long, default_value_t = 900)]
+    pub timeout: u64,
+    /// Guest memory in MiB.
+    #[arg(long, default_value_t = 1024)]
+    pub memory: u32,
+    /// `XPROXY_FUZZ_FRAMES` for the fuzz test in the VM (the host's value wins if set).
+    #[arg(long, default_value_t = DEFAULT_FUZZ_FRAMES)]
+    pub fuzz_frames: u64,
+    /// Arguments for every test executable, after `--` (e.g. `-- --nocapture`).
+    /// `--test-threads=1` is always passed first.
+    #[arg(last = true)]
+    pub test_args: Vec<String>,
+}
+
+/// A test executable of [`TEST_PACKAGE`], or a binary the tests start.
+#[derive(Debug, Clone)]
+pub struct Executable {
+    /// The cargo target name (`packet`, `xproxy-test-apiserver`, ...).
+    pub name: String,
+    /// Its path on the host; the VM has it at the same path, so paths the
+    /// tests compile in (`CARGO_BIN_EXE_*`, `target/<profile>/...`) resolve.
+    pub path: PathBuf,
+}
+
+/// What the guest runs: the test executables and the arguments and
+/// environment they get.
+#[derive(Debug)]
+pub struct Plan {
+    pub tests: Vec<Executable>,
+    /// Binaries the tests may start: the tests package's own and the agent.
+    pub helpers: Vec<Executable>,
+    pub env: Vec<(String, String)>,
+    pub args: Vec<String>,
+}
+
+/// Fetches the kernel, builds and packs the tests, boots them and fails
+/// unless every step in the guest passed.
+pub fn vm(root: &Path, options: &Options) -> Result<()> {
+    let started = Instant::now();
+    check_host_programs()?;
+    let cache = cache_dir()?;
+    fs::create_dir_all(&cache).with_context(|| format!("cannot create {}", cache.display()))?;
+
+    phase(&format!("kernel: the newest Debian {} cloud kernel", options.kernel));
+    let t = Instant::now();
+    let kernel = kernel::ensure(&cache, &options.kernel)?;
+    phase(&format!(
+        "kernel {} ({}) ready in {:.1} s",
+        kernel.release,
+        kernel.package_version,
+        t.elapsed().as_secs_f64()
+    ));
+
+    phase("building the eBPF object and the test executables");
+    let t = Instant::now();
+    build_ebpf::build_ebpf(root, &build_ebpf::Options::default())?;
+    let (tests, helpers) = build_tests(root, &options.tests)?;
+    phase(&format!("built in {:.1} s", t.elapsed().as_secs_f64()));
+
+    let plan = Plan {
+        tests,
+        helpers,
+        env: guest_env(options),
+        args: std::iter::once("--test-threads=1".to_owned())
+            .chain(options.test_args.iter().cloned())
+            .collect(),
+    };
+
+    phase("initramfs");
+    let t = Instant::now();
+    let initrd = initramfs::ensure(root, &cache, &kernel, &plan, options.keep)?;
+    phase(&format!(
+        "initramfs {} ready in {:.1} s",
+        initrd.display(),
+        t.elapsed().as_secs_f64()
+    ));
+
+    phase(&format!(
+        "booting {} under qemu (TCG, {} MiB, timeout {} s)",
+        kernel.release, options.memory, options.timeout
+    ));
+    let log = cache.join("console.log");
+    let outcome = run::boot(&run::Boot {
+        kernel: &kernel.vmlinuz,
+        initrd: &initrd,
+        memory_mib: options.memory,
+        timeout: Duration::from_secs(options.timeout),
+        log: &log,
+    })?;
+    println!();
+    print!("{}", outcome.summary());
+    println!(
+        "xtask vm: console log in {}; total {:.1} s",
+        log.display(),
+        started.elapsed().as_secs_f64()
+    );
+    if let Some(problem) = outcome.problem(&plan.tests.iter().map(|t| t.name.as_str()).collect::<Vec<_>>()) {
+        bail!("VM tests failed: {problem}");
+    }
+    Ok(())
+}
+
+fn phase(text: &str) {
+    eprintln!("xtask vm: {text}");
+}
+
+/// Fails with the packages to install when a host program is missing.
+fn check_host_programs() -> Result<()> {
+    let missing: Vec<_> = HOST_PROGRAMS
+        .iter()
+        .filter(|(program, _)| find_program(program).is_none())
+        .collect();
+    if !missing.is_empty() {
+        let programs: Vec<_> = missing.iter().map(|(program, _)| *program).collect();
+        let mut packages: Vec<_> = missing.iter().map(|(_, package)| *package).collect();
+        packages.dedup();
+        bail!(
+            "missing {}: apt-get install {}",
+            programs.join(", "),
+            packages.join(" ")
+        );
+    }
+    Ok(())
+}
+
+/// `$XDG_CACHE_HOME/xproxy/vm`, else `$HOME/.cache/xproxy/vm`.
+fn cache_dir() -> Result<PathBuf> {
+    let base = match env::var_os("XDG_CACHE_HOME").filter(|dir| !dir.is_empty()) {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(env::var_os("HOME").context("neither XDG_CACHE_HOME nor HOME is set")?).join(".cache"),
+    };
+    Ok(base.join("xproxy").join("vm"))
+}
+
+/// Where `program` is on `PATH` (plus the sbin directories, which a non-login
+/// root shell may lack).
+pub fn find_program(program: &str) -> Option<PathBuf> {
+    let path = env::var_os("PATH").unwrap_or_default();
+    env::split_paths(&path)
+        .chain(["/usr/local/sbin", "/usr/sbin", "/sbin"].map(PathBuf::from))
+        .map(|dir| dir.join(program))
+        .find(|candidate| is_executable(candidate))
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    fs::metadata(path).is_ok_and(|meta| meta.is_file() && meta.permissions().mode() & 0o111 != 0)
+}
+
+/// The environment of every test in the guest.
+fn guest_env(options: &Options) -> Vec<(String, String)> {
+    let fuzz_frames = env::var("XPROXY_FUZZ_FRAMES").unwrap_or_else(|_| options.fuzz_frames.to_string());
+    let mut vars = vec![
+        ("XPROXY_PRIVILEGED_TESTS".to_owned(), "1".to_owned()),
+        ("XPROXY_FUZZ_FRAMES".to_owned(), fuzz_frames),
+        ("RUST_BACKTRACE".to_owned(), "1".to_owned()),
+    ];
+    if let Ok(seed) = env::var("XPROXY_FUZZ_SEED") {
+        vars.push(("XPROXY_FUZZ_SEED".to_owned(), seed));
+    }
+    vars
+}
+
+/// Builds the chosen test targets of [`TEST_PACKAGE`] without running them,
+/// and the agent; returns the test executables (in the order asked for) and
+/// the binaries the tests may start (the package's own and the agent).
+fn build_tests(root: &Path, names: &[String]) -> Result<(Vec<Executable>, Vec<Executable>)> {
+    if names.is_empty() {
+        bail!("no tests chosen (--tests)");
+    }
+    let mut args = vec!["test", "-p", TEST_PACKAGE, "--no-run"];
+    for name in names {
+        args.extend(["--test", name.as_str()]);
+    }
+    let (tests, mut helpers) = cargo_executables(root, &args)?;
+    let (_, agent) = cargo_executables(root, &["build", "-p", AGENT.0, "--bin", AGENT.1])?;
+    helpers.extend(agent);
+    let mut ordered = Vec::new();
+    for name in names {
+        let found = tests
+            .iter()
+            .find(|test| &test.name == name)
+            .with_context(|| format!("cargo built no test executable named {name}"))?;
+        ordered.push(found.clone());
+    }
+    helpers.sort_by(|a, b| a.path.cmp(&b.path));
+    helpers.dedup_by(|a, b| a.path == b.path);
+    Ok((ordered, helpers))
+}
+
+/// Runs `cargo ARGS --message-format=json-render-diagnostics` and returns
+/// the test executables and the binaries it built.
+fn cargo_executables(root: &Path, args: &[&str]) -> Result<(Vec<Executable>, Vec<Executable>)> {
+    let mut cmd = command::workspace_cargo(root);
+    cmd.args(args).arg("--message-format=json-render-diagnostics");
+    let text = command::describe(&cmd);
+    eprintln!("xtask: running {text}");
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("failed to start `{text}`"))?;
+    let stdout = child.stdout.take().context("cargo's stdout")?;
+    let mut tests = Vec::new();
+    let mut binaries = Vec::new();
+    for line in std::io::BufReader::new(stdout).lines() {
+        let line = line.with_context(|| format!("reading the output of `{text}`"))?;
+        match artifact(&line)? {
+            Some((executable, true)) => tests.push(executable),
+            Some((executable, false)) => binaries.push(executable),
+            None => {}
+        }
+    }
+    let status = child.wait().with_context(|| format!("waiting for `{text}`"))?;
+    if !status.success() {
+        bail!("`{text}` failed: {status}");
+    }
+    Ok((tests, binaries))
+}
+
+/// An executable from one line of cargo's JSON messages: `Some((it, true))`
+/// for an integration test, `Some((it, false))` for a binary target.
+fn artifact(line: &str) -> Result<Option<(Executable, bool)>> {
+    let message: serde_json::Value =
+        serde_json::from_str(line).with_context(|| format!("cargo printed a line that is not JSON: {line}"))?;
+    if message["reason"] != "compiler-artifact" {
+        return Ok(None);
+    }
+    let Some(path) = message["executable"].as_str() else {
+        return Ok(None);
+    };
+    let name = message["target"]["name"].as_str().unwrap_or_default().to_owned();
+    let kinds: Vec<&str> = message["target"]["kind"]
+        .as_array()
+        .map(|kinds| kinds.iter().filter_map(|kind| kind.as_str()).collect())
+        .unwrap_or_default();
+    let is_test_profile = message["profile"]["test"].as_bool().unwrap_or(false);
+    let executable = Executable {
+        name,
+        path: PathBuf::from(path),
+    };
+    if kinds.contains(&"test") {
+        Ok(Some((executable, true)))
+    } else if kinds.contains(&"bin") && !is_test_profile {
+        Ok(Some((executable, false)))
+    } else {
+        Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_test_and_bin_artifacts() {
+        let test = r#"{"reason":"compiler-artifact","target":{"kind":["test"],"name":"packet"},"profile":{"test":true},"executable":"/w/target/debug/deps/packet-1"}"#;
+        let bin = r#"{"reason":"compiler-artifact","target":{"kind":["bin"],"name":"api"},"profile":{"test":false},"executable":"/w/target/debug/api"}"#;
+        let bin_test = r#"{"reason":"compiler-artifact","target":{"kind":["bin"],"name":"api"},"profile":{"test":true},"executable":"/w/target/debug/deps/api-2"}"#;
+        let lib = r#"{"reason":"compiler-artifact","target":{"kind":["lib"],"name":"x"},"profile":{"test":false},"executable":null}"#;
+        let (packet, is_test) = artifact(test).expect("json").expect("an executable");
+        assert!(is_test);
+        assert_eq!(packet.name, "packet");
+        assert_eq!(packet.path, Path::new("/w/target/debug/deps/packet-1"));
+        let (api, is_test) = artifact(bin).expect("json").expect("an executable");
+        assert!(!is_test);
+        assert_eq!(api.name, "api");
+        assert!(artifact(bin_test).expect("json").is_none());
+        assert!(artifact(lib).expect("json").is_none());
+        assert!(
+            artifact(r#"{"reason":"build-finished","success":true}"#)
+                .expect("json")
+                .is_none()
+        );
+    }
+}
