@@ -80,6 +80,8 @@ pub struct CtValue {
 
 /// This is the reply entry (`backend -> client`), as its key says too.
 pub const FLAG_REPLY: u8 = 1 << 0;
+/// The flow's packets carry the SNAT mark: the kernel masquerades them.
+pub const FLAG_SNAT: u8 = 1 << 1;
 
 pub const TCP_SYN: u8 = 1 << 0;
 pub const TCP_FIN: u8 = 1 << 1;

@@ -26,3 +26,8 @@ pub const PROG_TC_EGRESS: &str = "tc_egress";
 
 /// Default bpffs directory for one agent's pins.
 pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/xproxy";
+
+/// Name of the program constant (read-only global) holding the skb mark
+/// bit that asks the kernel to masquerade a flow (kube-proxy's
+/// masqueradeBit as a mask); 0 disables the SNAT fallback.
+pub const GLOBAL_SNAT_MARK: &str = "SNAT_MARK";

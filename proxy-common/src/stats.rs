@@ -26,10 +26,13 @@ pub enum Verdict {
     /// The maps disagreed (slot or backend missing) or a kernel helper
     /// failed: passed untouched if nothing was rewritten yet, else dropped.
     Error = 7,
+    /// The flow must also be source-NATed, which needs an skb (a mark for
+    /// the kernel's masquerade rule): XDP passed it on to the tc hook.
+    PassToTc = 8,
 }
 
 impl Verdict {
-    pub const COUNT: u32 = 8;
+    pub const COUNT: u32 = 9;
     pub const ALL: [Verdict; Self::COUNT as usize] = [
         Verdict::PassNotService,
         Verdict::PassNotIpv4OrL4,
@@ -39,6 +42,7 @@ impl Verdict {
         Verdict::RevNat,
         Verdict::RejectNoBackend,
         Verdict::Error,
+        Verdict::PassToTc,
     ];
 
     /// Stable lower-case name used in metrics and `xproxy status`.
@@ -52,6 +56,7 @@ impl Verdict {
             Verdict::RevNat => "rev_nat",
             Verdict::RejectNoBackend => "reject_no_backend",
             Verdict::Error => "error",
+            Verdict::PassToTc => "pass_to_tc",
         }
     }
 }

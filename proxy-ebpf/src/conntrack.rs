@@ -3,7 +3,9 @@
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use proxy_common::{
     CtKey, CtValue,
-    conntrack::{DIR_FORWARD, DIR_REPLY, FLAG_REPLY, LAST_SEEN_GRANULARITY_NS, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+    conntrack::{
+        DIR_FORWARD, DIR_REPLY, FLAG_REPLY, FLAG_SNAT, LAST_SEEN_GRANULARITY_NS, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
+    },
 };
 
 use crate::{
@@ -59,12 +61,22 @@ fn touch(entry: *mut CtValue, flow: &Flow, now: u64) {
     }
 }
 
-/// The backend id of a tracked flow in the forward (client -> frontend) direction.
+/// A tracked flow in the forward (client -> frontend) direction.
+pub struct Forward {
+    pub backend_id: u32,
+    /// The flow is source-NATed by the kernel (see [`FLAG_SNAT`]).
+    pub snat: bool,
+}
+
 #[inline(always)]
-pub fn forward_backend(flow: &Flow) -> Option<u32> {
+pub fn forward(flow: &Flow) -> Option<Forward> {
     let entry = CONNTRACK.get_ptr_mut(key_of(flow, DIR_FORWARD))?;
     touch(entry, flow, unsafe { bpf_ktime_get_ns() });
-    Some(unsafe { (*entry).backend_id })
+    let (backend_id, flags) = unsafe { ((*entry).backend_id, (*entry).flags) };
+    Some(Forward {
+        backend_id,
+        snat: flags & FLAG_SNAT != 0,
+    })
 }
 
 /// The reverse NAT id of a tracked flow in the reply (backend -> client) direction.
@@ -85,6 +97,7 @@ pub fn create(
     backend_addr_be: u32,
     backend_port_be: u16,
     rev_nat_id: u32,
+    snat: bool,
 ) -> Result<(), ()> {
     let now = unsafe { bpf_ktime_get_ns() };
     let mut value = CtValue {
@@ -105,7 +118,7 @@ pub fn create(
         _pad: [0; 2],
     };
     CONNTRACK.insert(&reply, &value, 0).map_err(|_| ())?;
-    value.flags = 0;
+    value.flags = if snat { FLAG_SNAT } else { 0 };
     value.tcp_seen = tcp_bits(flow.tcp_flags);
     CONNTRACK.insert(&key_of(flow, DIR_FORWARD), &value, 0).map_err(|_| ())
 }

@@ -69,6 +69,9 @@ pub trait Ctx {
     /// Makes 28 bytes of room right after the IPv4 header for an ICMP error:
     /// the old L4 header moves from `L4_OFF` to `L4_OFF + 28`.
     fn grow_for_icmp(&self) -> Result<(), ()>;
+    /// Sets `mark` bits on the packet for the kernel's masquerade rule.
+    /// `false` where there is no skb to mark (XDP).
+    fn add_mark(&self, mark: u32) -> bool;
 }
 
 pub struct Xdp<'a>(pub &'a XdpContext);
@@ -128,6 +131,11 @@ impl Ctx for Xdp<'_> {
         } else {
             Ok(())
         }
+    }
+
+    #[inline(always)]
+    fn add_mark(&self, _mark: u32) -> bool {
+        false
     }
 }
 
@@ -214,6 +222,12 @@ impl Ctx for Tc<'_> {
         } else {
             Ok(())
         }
+    }
+
+    #[inline(always)]
+    fn add_mark(&self, mark: u32) -> bool {
+        unsafe { (*self.skb()).mark |= mark };
+        true
     }
 }
 

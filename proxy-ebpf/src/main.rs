@@ -30,15 +30,15 @@ use aya_ebpf::{
 };
 
 use crate::{
-    context::{Ctx, Tc, Xdp},
-    service::{Outcome, Replies, process},
+    context::{Tc, Xdp},
+    service::{Outcome, process},
 };
 
 /// Node uplink, ingress: NodePort and external traffic, before an skb
 /// exists; and replies of backends on other nodes.
 #[xdp]
 pub fn xdp_uplink(ctx: XdpContext) -> u32 {
-    match process(&Xdp(&ctx), Replies::ReverseNat) {
+    match process(&Xdp(&ctx)) {
         Outcome::Pass | Outcome::Translated | Outcome::ReverseTranslated => xdp_action::XDP_PASS,
         Outcome::Reply => xdp_action::XDP_TX,
         Outcome::Drop => xdp_action::XDP_DROP,
@@ -46,12 +46,13 @@ pub fn xdp_uplink(ctx: XdpContext) -> u32 {
 }
 
 /// Node end of a pod's veth, ingress (= what the pod sends): pod -> Service
-/// DNAT, and reverse NAT of replies coming back from backend pods.
+/// DNAT, and reverse NAT of replies coming back from backend pods. Also on
+/// the uplink's ingress, for flows XDP passed on because they need a mark.
 #[classifier]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
     let tc = Tc(&ctx);
     tc.pull_headers();
-    match process(&tc, Replies::ReverseNat) {
+    match process(&tc) {
         Outcome::Pass | Outcome::Translated => TC_ACT_OK,
         // Straight to the interface towards the client. Through the stack, a
         // reply now coming from a node IP (NodePort) would be dropped as a
@@ -67,15 +68,17 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
     }
 }
 
-/// Node uplink, egress: what the node's own processes send to a ClusterIP.
-/// The route lookup already sent the packet towards the uplink (the node's
-/// default route), so after DNAT it is routed again and redirected to the
-/// backend's interface.
+/// Egress of the uplink and of pod interfaces. On the uplink: what the
+/// node's own processes send to a ClusterIP (routed to the uplink by the
+/// default route, so after DNAT it is routed again and redirected to the
+/// backend's interface). Everywhere: reverse NAT of replies of flows the
+/// kernel also source-NATed, which become recognisable only after the
+/// kernel has undone its SNAT on the way out.
 #[classifier]
 pub fn tc_egress(ctx: TcContext) -> i32 {
     let tc = Tc(&ctx);
     tc.pull_headers();
-    match process(&tc, Replies::Ignore) {
+    match process(&tc) {
         Outcome::Pass | Outcome::ReverseTranslated => TC_ACT_OK,
         // Without a route to the backend, the packet leaves where the
         // kernel had routed it (a gateway may know the way).

@@ -31,3 +31,14 @@ pub static CONNTRACK: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(CONNTRACK_
 
 #[map(name = "XP_STATS")]
 pub static STATS: PerCpuArray<VerdictCounter> = PerCpuArray::pinned(Verdict::COUNT, 0);
+
+/// The skb mark bit asking the kernel to masquerade a flow; 0 disables the
+/// SNAT fallback. A read-only global: the agent sets it at load time.
+#[unsafe(no_mangle)]
+static SNAT_MARK: u32 = 0;
+
+#[inline(always)]
+pub fn snat_mark() -> u32 {
+    // Volatile: the value is patched into .rodata after compilation.
+    unsafe { core::ptr::read_volatile(&SNAT_MARK) }
+}

@@ -1,12 +1,16 @@
 //! The packet's way: parse -> lookup -> conntrack/select -> nat or reject.
 
-use proxy_common::Verdict;
+use proxy_common::{
+    Backend, ServiceValue, Verdict,
+    backend::FLAG_LOCAL,
+    service::{FLAG_NEEDS_SNAT, FLAG_NODE_PORT},
+};
 
 use crate::{
     conntrack,
     context::Ctx,
     lookup,
-    maps::REV_NAT,
+    maps::{self, REV_NAT},
     nat,
     parse::{self, Flow},
     reject::{self, Rejection},
@@ -27,22 +31,16 @@ pub enum Outcome {
     Drop,
 }
 
-/// Whether this hook sees replies of backends it must reverse-NAT.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Replies {
-    ReverseNat,
-    Ignore,
-}
-
 #[inline(always)]
-pub fn process(ctx: &impl Ctx, replies: Replies) -> Outcome {
+/// Every hook sees both directions: packets to a Service frontend are
+/// DNATed, replies of tracked flows are reverse-NATed, the rest passes.
+pub fn process(ctx: &impl Ctx) -> Outcome {
     let len = ctx.frame_len();
     let (verdict, outcome) = match parse::parse(ctx) {
         Err(verdict) => (verdict, Outcome::Pass),
         Ok(flow) => match lookup::frontend(&flow) {
             Some(svc) => to_service(ctx, &flow, &svc),
-            None if replies == Replies::ReverseNat => from_backend(ctx, &flow),
-            None => (Verdict::PassNotService, Outcome::Pass),
+            None => from_backend(ctx, &flow),
         },
     };
     stats::count(len, verdict);
@@ -50,12 +48,15 @@ pub fn process(ctx: &impl Ctx, replies: Replies) -> Outcome {
 }
 
 #[inline(always)]
-fn to_service(ctx: &impl Ctx, flow: &Flow, svc: &proxy_common::ServiceValue) -> (Verdict, Outcome) {
+fn to_service(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outcome) {
     // A tracked flow keeps its backend while that backend exists, whatever
     // happened to the Service's backend set since.
-    if let Some(id) = conntrack::forward_backend(flow)
-        && let Some(backend) = select::backend(id)
+    if let Some(tracked) = conntrack::forward(flow)
+        && let Some(backend) = select::backend(tracked.backend_id)
     {
+        if tracked.snat && !ctx.add_mark(maps::snat_mark()) {
+            return (Verdict::PassToTc, Outcome::Pass);
+        }
         return translated(nat::dnat(ctx, flow, &backend), Verdict::DnatEstablished);
     }
     let Some((id, backend)) = select::random_backend(svc) else {
@@ -68,10 +69,30 @@ fn to_service(ctx: &impl Ctx, flow: &Flow, svc: &proxy_common::ServiceValue) -> 
             Rejection::Failed => (Verdict::Error, Outcome::Drop),
         };
     };
-    if conntrack::create(flow, id, backend.addr_be, backend.port_be, svc.rev_nat_id).is_err() {
+    let snat = needs_snat(flow, svc, &backend);
+    // Without an skb (XDP) there is nothing to mark: leave the packet, and
+    // the choice of backend, to the tc hook behind.
+    if snat && !ctx.add_mark(maps::snat_mark()) {
+        return (Verdict::PassToTc, Outcome::Pass);
+    }
+    if conntrack::create(flow, id, backend.addr_be, backend.port_be, svc.rev_nat_id, snat).is_err() {
         return (Verdict::Error, Outcome::Pass);
     }
     translated(nat::dnat(ctx, flow, &backend), Verdict::DnatNew)
+}
+
+/// Whether the kernel must also source-NAT the flow, for its replies to come
+/// back through this node: a pod reaching itself through its Service
+/// (hairpin), a NodePort to a backend on another node, or masqueradeAll.
+/// Off when the agent configured no mark.
+#[inline(always)]
+fn needs_snat(flow: &Flow, svc: &ServiceValue, backend: &Backend) -> bool {
+    if maps::snat_mark() == 0 {
+        return false;
+    }
+    svc.flags & FLAG_NEEDS_SNAT != 0
+        || flow.saddr_be == backend.addr_be
+        || (svc.flags & FLAG_NODE_PORT != 0 && backend.flags & FLAG_LOCAL == 0)
 }
 
 #[inline(always)]

@@ -186,8 +186,16 @@ impl Netns {
     /// answers every connection with `reply` (see [`Server::tcp`]); it is
     /// stopped when the namespace is dropped.
     pub fn serve_tcp(&self, port: u16, reply: &str) -> Result<()> {
-        let server = Server::tcp(self, port, reply)?;
-        self.servers.lock().unwrap_or_else(|e| e.into_inner()).push(server);
+        self.keep(Server::tcp(self, port, reply)?);
+        Ok(())
+    }
+
+    /// Starts a TCP server on `0.0.0.0:port` inside the namespace that
+    /// answers every connection with `name`, a space and the client's
+    /// address as it arrived here (see [`Server::tcp_peer`]): what a
+    /// backend sees of source NAT. Stopped when the namespace is dropped.
+    pub fn serve_tcp_peer(&self, port: u16, name: &str) -> Result<()> {
+        self.keep(Server::tcp_peer(self, port, name)?);
         Ok(())
     }
 
@@ -195,8 +203,7 @@ impl Netns {
     /// long-lived connections (see [`Server::tcp_echo`]); it is stopped
     /// when the namespace is dropped.
     pub fn serve_tcp_echo(&self, port: u16) -> Result<()> {
-        let server = Server::tcp_echo(self, port)?;
-        self.servers.lock().unwrap_or_else(|e| e.into_inner()).push(server);
+        self.keep(Server::tcp_echo(self, port)?);
         Ok(())
     }
 
@@ -204,9 +211,13 @@ impl Netns {
     /// answers every datagram with `reply` (see [`Server::udp`]); it is
     /// stopped when the namespace is dropped.
     pub fn serve_udp(&self, port: u16, reply: &str) -> Result<()> {
-        let server = Server::udp(self, port, reply)?;
-        self.servers.lock().unwrap_or_else(|e| e.into_inner()).push(server);
+        self.keep(Server::udp(self, port, reply)?);
         Ok(())
+    }
+
+    /// Keeps `server` running until the namespace is dropped.
+    fn keep(&self, server: Server) {
+        self.servers.lock().unwrap_or_else(|e| e.into_inner()).push(server);
     }
 
     /// [`tcp_request`] from inside this namespace.
@@ -370,24 +381,35 @@ impl Server {
     /// a line (or until the client half-closes), writes `reply` and a
     /// newline, and closes. Returns once the socket is listening.
     pub fn tcp(ns: &Netns, port: u16, reply: &str) -> Result<Self> {
+        let line = format!("{reply}\n");
+        Self::tcp_answering(ns, port, reply, move |_| line.clone())
+    }
+
+    /// Like [`Server::tcp`], but the answer is `name`, a space and the
+    /// client's address (`pod-1 172.30.0.1`).
+    pub fn tcp_peer(ns: &Netns, port: u16, name: &str) -> Result<Self> {
+        let name = name.to_owned();
+        Self::tcp_answering(ns, port, &name.clone(), move |peer| format!("{name} {}\n", peer.ip()))
+    }
+
+    fn tcp_answering(
+        ns: &Netns,
+        port: u16,
+        what: &str,
+        reply: impl Fn(SocketAddr) -> String + Send + 'static,
+    ) -> Result<Self> {
+        let what = format!("tcp server {what}@{}:{port}", ns.name());
         Self::spawn(
             ns,
-            format!("tcp server {reply}@{}:{port}", ns.name()),
-            move || {
-                let listener = TcpListener::bind((Ipv4Addr::UNSPECIFIED, port))?;
-                listener.set_nonblocking(true)?;
-                Ok(listener)
-            },
-            {
-                let reply = format!("{reply}\n");
-                move |listener: &TcpListener| match listener.accept() {
-                    Ok((stream, _)) => {
-                        // A client that misbehaves costs at most the timeouts.
-                        let _ = answer_tcp(stream, reply.as_bytes());
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                    Err(e) => eprintln!("tcp server {reply:?}: accept: {e}"),
+            what.clone(),
+            move || listen_tcp(port),
+            move |listener: &TcpListener| match listener.accept() {
+                Ok((stream, peer)) => {
+                    // A client that misbehaves costs at most the timeouts.
+                    let _ = answer_tcp(stream, reply(peer).as_bytes());
                 }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => eprintln!("{what}: accept: {e}"),
             },
         )
     }
@@ -403,11 +425,7 @@ impl Server {
         Self::spawn(
             ns,
             what.clone(),
-            move || {
-                let listener = TcpListener::bind((Ipv4Addr::UNSPECIFIED, port))?;
-                listener.set_nonblocking(true)?;
-                Ok(listener)
-            },
+            move || listen_tcp(port),
             // The closure owns the connection threads: when the server's
             // thread ends, dropping it stops and joins them.
             move |listener: &TcpListener| match listener.accept() {
@@ -572,6 +590,13 @@ fn echo_tcp(mut stream: TcpStream, stop: &AtomicBool) {
     }
 }
 
+/// A non-blocking listener on `0.0.0.0:port`, for a server's thread.
+fn listen_tcp(port: u16) -> io::Result<TcpListener> {
+    let listener = TcpListener::bind((Ipv4Addr::UNSPECIFIED, port))?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
+}
+
 fn answer_tcp(mut stream: TcpStream, reply: &[u8]) -> io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(SERVER_IO_TIMEOUT))?;
@@ -618,7 +643,13 @@ pub fn tcp_connect(addr: SocketAddrV4, timeout: Duration) -> io::Result<TcpStrea
 /// connected). An ICMP port unreachable makes this fail at once with
 /// `ConnectionRefused`. Runs in the calling thread's namespace.
 pub fn udp_request(addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
-    let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+    udp_request_from(0, addr, timeout)
+}
+
+/// [`udp_request`] from local port `source_port` (0: any): the same port
+/// again is the same flow to conntrack.
+pub fn udp_request_from(source_port: u16, addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
+    let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, source_port))?;
     socket.connect(addr)?;
     socket.set_read_timeout(Some(timeout))?;
     socket.send(b"hello\n")?;

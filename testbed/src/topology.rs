@@ -77,6 +77,12 @@ impl Topology {
         // setting; be explicit (eBPF proxies run nodes with it off, too).
         node.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
         node.sysctl("net.ipv4.conf.default.rp_filter", "0")?;
+        // The node's kernel answers a closed port, and the kernel modes'
+        // REJECT rules answer a Service without endpoints, with ICMP errors
+        // that are rate-limited per destination (a burst of 6, then 1/s):
+        // a test refusing many requests in a row would see some silently
+        // dropped. The programs' own rejections are not limited.
+        node.sysctl("net.ipv4.icmp_ratelimit", "0")?;
 
         let client_if = unique_name("cu");
         let uplink = unique_name("nu");

@@ -1,9 +1,9 @@
-//! Harness for the agent's end-to-end tests (`tests/tests/agent.rs`): the
-//! real `xproxy run` binary in the node namespace of a [`Topology`], fed by a
-//! manifest directory or by a [`TestApiServer`] that listens inside the node
-//! namespace, plus what the tests measure with: traffic generators and
-//! probes that run in the namespaces, a Prometheus text parser, and a
-//! reader of `xproxy status`.
+//! Harness for the agent's end-to-end tests (`tests/tests/agent.rs`,
+//! `tests/tests/modes.rs`): the real `xproxy run` binary, in any mode, in
+//! the node namespace of a [`Topology`], fed by a manifest directory or by
+//! a [`TestApiServer`] that listens inside the node namespace, plus what the
+//! tests measure with: traffic generators and probes that run in the
+//! namespaces, a Prometheus text parser, and a reader of `xproxy status`.
 //!
 //! Everything a test creates (namespaces, pins, files, processes, threads)
 //! goes away when its [`AgentBed`] is dropped, also when the test panics;
@@ -35,7 +35,12 @@ use testbed::{
     topology::{BACKENDS, NODE_IP, Offloads, TARGET_PORT, Topology},
 };
 
-use crate::apiserver::{ServerConfig, TestApiServer};
+use proxy_userspace::model::Protocol;
+
+use crate::{
+    apiserver::{ServerConfig, TestApiServer},
+    scenario::{self, SEED_CLUSTER_IP, SEED_NODE_PORT, SEED_PORT},
+};
 
 /// The Node object the agent watches (`--hostname-override`).
 pub const NODE_NAME: &str = "xproxy-node";
@@ -46,11 +51,6 @@ pub const HEALTHZ_ADDR: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10
 /// The agent's default `minSyncPeriod`: a change that arrives sooner than
 /// this after a sync waits for the rest of it (kube-proxy's rule).
 pub const MIN_SYNC_PERIOD: Duration = Duration::from_secs(1);
-
-/// The seed Service (examples/seed/manifests/nginx.yaml).
-pub const SEED_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 88);
-pub const SEED_PORT: u16 = 88;
-pub const SEED_NODE_PORT: u16 = 30791;
 
 pub const LAST_SYNC: &str = "kubeproxy_sync_proxy_rules_last_timestamp_seconds";
 pub const LAST_QUEUED: &str = "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds";
@@ -563,11 +563,16 @@ impl AgentBed {
     /// --hostname-override NODE_NAME --pin-path PINS` in the node namespace,
     /// logging to a file of its own.
     pub fn start_agent(&mut self, source_args: &[String]) -> Result<()> {
+        self.start_agent_in("ebpf", source_args)
+    }
+
+    /// [`Self::start_agent`] with `--mode mode`.
+    pub fn start_agent_in(&mut self, mode: &str, source_args: &[String]) -> Result<()> {
         ensure!(self.agent.is_none(), "an agent is already running");
         let mut args = source_args.to_vec();
         args.extend([
             "--mode".into(),
-            "ebpf".into(),
+            mode.into(),
             "--node-ip".into(),
             NODE_IP.to_string(),
             "--hostname-override".into(),
@@ -626,6 +631,26 @@ impl AgentBed {
                 path.display()
             );
         }
+    }
+
+    /// `xproxy cleanup --pin-path PINS` in the node namespace, where the
+    /// kernel modes' rules live (the pins are on the host's bpffs); fails
+    /// unless it exits 0. Returns its output.
+    pub fn cleanup(&self) -> Result<String> {
+        let exit = run_xproxy(
+            &self.xproxy,
+            &self.topo.node,
+            &["cleanup", "--pin-path", &self.pins.path().display().to_string()],
+            self.dir.path(),
+            Duration::from_secs(30),
+        )?;
+        ensure!(
+            exit.code == Some(0),
+            "xproxy cleanup exited {:?}:\n{}",
+            exit.code,
+            exit.stderr
+        );
+        Ok(exit.stderr)
     }
 
     /// `xproxy status --pin-path PINS` (works with or without a running agent).
@@ -706,25 +731,7 @@ impl AgentBed {
     /// answered by a backend and every backend must answer. Returns the
     /// answers per backend.
     pub fn expect_all_backends(&self, from: &Netns, addr: SocketAddrV4, count: usize) -> Result<String> {
-        let answers = from.run_in(|| {
-            (0..count)
-                .map(|_| netns::tcp_request(addr, Duration::from_secs(2)))
-                .collect::<Vec<_>>()
-        })?;
-        let mut by_backend: BTreeMap<String, usize> = BACKENDS.iter().map(|(n, _)| ((*n).to_owned(), 0)).collect();
-        for (i, answer) in answers.iter().enumerate() {
-            match answer {
-                Ok(name) if is_backend_name(name) => *by_backend.entry(name.clone()).or_default() += 1,
-                Ok(other) => bail!("request {} to {addr} answered {other:?}, not a backend's name", i + 1),
-                Err(e) => bail!("request {} of {count} to {addr} failed: {e}", i + 1),
-            }
-        }
-        let silent: Vec<_> = by_backend.iter().filter(|(_, n)| **n == 0).map(|(b, _)| b).collect();
-        ensure!(
-            silent.is_empty(),
-            "{silent:?} never answered {count} requests to {addr}: {by_backend:?}"
-        );
-        Ok(format!("{by_backend:?}"))
+        scenario::expect_backends(from, Protocol::Tcp, addr, &scenario::backend_names(), count)
     }
 }
 

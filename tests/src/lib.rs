@@ -9,6 +9,7 @@
 pub mod agent_harness;
 pub mod apiserver;
 pub mod frame;
+pub mod scenario;
 pub mod testrun;
 
 // The namespace test bed is shared with `cargo xtask demo` and the benchmarks.

@@ -199,8 +199,14 @@ impl Harness {
     /// Loads the programs into a fresh pin directory; NodePorts are
     /// programmed on `node_ips`. Panics with context on failure.
     pub fn new(node_ips: Vec<Ipv4Addr>) -> Self {
+        Self::with_snat_mark(node_ips, 0)
+    }
+
+    /// [`Self::new`] with the SNAT fallback on: flows that need it are
+    /// marked with `snat_mark` (tc) or left to tc (XDP).
+    pub fn with_snat_mark(node_ips: Vec<Ipv4Addr>, snat_mark: u32) -> Self {
         let pin = PinDir::new();
-        let datapath = Datapath::load(pin.path())
+        let datapath = Datapath::load_with_snat_mark(pin.path(), snat_mark)
             .unwrap_or_else(|e| panic!("loading the data path into {}: {e:#}", pin.path().display()));
         let maps = ServiceMaps::open(pin.path(), node_ips)
             .unwrap_or_else(|e| panic!("opening the maps in {}: {e:#}", pin.path().display()));

@@ -19,12 +19,12 @@ use anyhow::{Context, Result, bail, ensure};
 use serde_json::{Value, json};
 use xproxy_tests::{
     agent_harness::{
-        self as h, AgentBed, EchoClients, Load, NodeApiServer, READY_WITHIN, SEED_CLUSTER_IP, SEED_PORT, TempDir,
-        answers, backend_ips, frontends, node_port, refused, seed_node_port, services_masked, slice, time_until,
-        yaml_documents,
+        self as h, AgentBed, EchoClients, Load, NodeApiServer, READY_WITHIN, TempDir, answers, backend_ips, frontends,
+        node_port, refused, seed_node_port, services_masked, slice, time_until, yaml_documents,
     },
     netns::{self, Netns},
     privileged::{PinDir, require_root},
+    scenario::{SEED_CLUSTER_IP, SEED_PORT},
     topology::{NODE_IP, TARGET_PORT},
 };
 

@@ -2,12 +2,7 @@
 //! programs, on the test bed of `testbed::topology` (a client, a node with
 //! the programs attached, three backend pods and a client pod).
 
-use std::{
-    collections::BTreeMap,
-    io,
-    net::{Ipv4Addr, SocketAddrV4},
-    time::{Duration, Instant},
-};
+use std::net::SocketAddrV4;
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use aya::programs::{SchedClassifier, TcAttachType};
@@ -22,29 +17,13 @@ use proxy_userspace::{
 use xproxy_tests::{
     netns::{self, Netns},
     privileged::{PinDir, require_root},
+    scenario::{
+        Checks, EMPTY_CLUSTER_IP, EMPTY_NODE_PORT, EMPTY_PORT, NODE_SERVER_PORT, PROTOCOLS, REQUEST_TIMEOUT, REQUESTS,
+        SEED_CLUSTER_IP, SEED_NODE_PORT, SEED_PORT, check_non_service, expect_all_backends, expect_refused, proto_name,
+        request,
+    },
     topology::{BACKENDS, CLIENT_IP, NODE_IP, Offloads, TARGET_PORT, Topology},
 };
-
-/// The seed Service: nginx-service, port 88 -> 80, NodePort 30791.
-const SEED_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
-const SEED_PORT: u16 = 88;
-const SEED_NODE_PORT: u16 = 30791;
-/// A Service without endpoints.
-const EMPTY_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
-const EMPTY_PORT: u16 = 89;
-const EMPTY_NODE_PORT: u16 = 30792;
-
-/// A server in the node namespace, for traffic that is no Service's.
-const NODE_SERVER_PORT: u16 = 8080;
-
-/// Requests per check: with 3 equally likely backends, the chance that one
-/// of them never answers is 3 * (2/3)^60 < 1e-10.
-const REQUESTS: usize = 60;
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
-/// A rejection must arrive much sooner than this...
-const REJECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// ...namely within this.
-const REJECT_AT_ONCE: Duration = Duration::from_secs(1);
 
 /// The whole test bed. Field order is drop order: the programs and pins go
 /// before the namespaces (whose drop stops the servers, then deletes them
@@ -165,114 +144,6 @@ impl Drop for Cluster {
     }
 }
 
-fn request(protocol: Protocol, addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
-    match protocol {
-        Protocol::Tcp => netns::tcp_request(addr, timeout),
-        Protocol::Udp => netns::udp_request(addr, timeout),
-    }
-}
-
-/// Sends [`REQUESTS`] requests from `from` to `addr`: every one must be
-/// answered, only by backends, and every backend must answer.
-fn expect_all_backends(from: &Netns, protocol: Protocol, addr: SocketAddrV4) -> Result<String> {
-    let answers = from.run_in(|| -> Result<Vec<String>> {
-        let mut answers = Vec::with_capacity(REQUESTS);
-        for i in 0..REQUESTS {
-            let started = Instant::now();
-            match request(protocol, addr, REQUEST_TIMEOUT) {
-                Ok(answer) => answers.push(answer),
-                Err(e) => bail!(
-                    "request {} of {REQUESTS} failed after {:?}: {e} ({} answered before: {answers:?})",
-                    i + 1,
-                    started.elapsed(),
-                    answers.len()
-                ),
-            }
-        }
-        Ok(answers)
-    })??;
-    let mut counts: BTreeMap<&str, usize> = BACKENDS.iter().map(|(name, _)| (*name, 0)).collect();
-    for answer in &answers {
-        match counts.get_mut(answer.as_str()) {
-            Some(n) => *n += 1,
-            None => bail!("answer {answer:?} is not a backend's name (answers: {answers:?})"),
-        }
-    }
-    let missing: Vec<_> = counts.iter().filter(|(_, n)| **n == 0).map(|(name, _)| *name).collect();
-    ensure!(
-        missing.is_empty(),
-        "{missing:?} never answered in {REQUESTS} requests: {counts:?}"
-    );
-    Ok(format!("{REQUESTS} answers {counts:?}"))
-}
-
-/// The Service has no backends: the connection (TCP) or the connected
-/// socket's receive (UDP) must fail with ECONNREFUSED, at once.
-fn expect_refused(from: &Netns, protocol: Protocol, addr: SocketAddrV4) -> Result<String> {
-    let (result, elapsed) = from.run_in(|| {
-        let started = Instant::now();
-        let result = match protocol {
-            Protocol::Tcp => netns::tcp_connect(addr, REJECT_TIMEOUT).map(|s| format!("connected: {s:?}")),
-            Protocol::Udp => netns::udp_request(addr, REJECT_TIMEOUT).map(|a| format!("answer {a:?}")),
-        };
-        (result, started.elapsed())
-    })?;
-    match result {
-        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-            ensure!(
-                elapsed < REJECT_AT_ONCE,
-                "refused, but only after {elapsed:?} (expected < {REJECT_AT_ONCE:?})"
-            );
-            Ok(format!("refused after {elapsed:?}"))
-        }
-        Err(e) => Err(anyhow!("expected ECONNREFUSED, got \"{e}\" after {elapsed:?}")),
-        Ok(what) => Err(anyhow!("expected ECONNREFUSED, got {what}")),
-    }
-}
-
-/// Collects the outcome of every check so one failure does not hide the
-/// others; panics at the end if any failed.
-struct Checks {
-    label: String,
-    failures: Vec<String>,
-}
-
-impl Checks {
-    fn new(label: impl Into<String>) -> Self {
-        Self {
-            label: label.into(),
-            failures: Vec::new(),
-        }
-    }
-
-    fn check(&mut self, what: &str, result: Result<String>) {
-        match result {
-            Ok(detail) => eprintln!("[{}] ok: {what}: {detail}", self.label),
-            Err(e) => {
-                eprintln!("[{}] FAILED: {what}: {e:#}", self.label);
-                self.failures.push(format!("{what}: {e:#}"));
-            }
-        }
-    }
-
-    fn finish(self) {
-        assert!(
-            self.failures.is_empty(),
-            "[{}] {} check(s) failed:\n  {}",
-            self.label,
-            self.failures.len(),
-            self.failures.join("\n  ")
-        );
-    }
-}
-
-fn proto_name(protocol: Protocol) -> &'static str {
-    match protocol {
-        Protocol::Tcp => "TCP",
-        Protocol::Udp => "UDP",
-    }
-}
-
 /// Names of the tc programs on `iface` in `ns` at `attach`: from
 /// `bpftool net show` (clsact filters, kernels before 6.6) and from a tcx
 /// query (tcx links, which the bpftool here does not list).
@@ -367,52 +238,6 @@ fn check_offloads(cluster: &Cluster, offloads: Offloads) -> Result<String> {
     Ok(format!("{want} on {} ends", ends.len()))
 }
 
-/// Traffic that is no Service's passes the programs untouched.
-fn check_non_service(cluster: &Cluster, checks: &mut Checks) {
-    checks.check(
-        "client pings NODE_IP",
-        cluster
-            .topo
-            .client
-            .ping(NODE_IP, REQUEST_TIMEOUT)
-            .and_then(|r| Ok(format!("rtt {:?}", r?))),
-    );
-    checks.check(
-        "client TCP to a server in the node namespace",
-        cluster
-            .topo
-            .client
-            .tcp_request(SocketAddrV4::new(NODE_IP, NODE_SERVER_PORT), REQUEST_TIMEOUT)
-            .and_then(|r| {
-                let answer = r?;
-                ensure!(answer == "node", "answered {answer:?}, expected \"node\"");
-                Ok(answer)
-            }),
-    );
-    let pod = &cluster.topo.backends[0];
-    checks.check(
-        &format!("client TCP straight to {} (routed by the node)", pod.name),
-        cluster
-            .topo
-            .client
-            .tcp_request(SocketAddrV4::new(pod.ip, TARGET_PORT), REQUEST_TIMEOUT)
-            .and_then(|r| {
-                let answer = r?;
-                ensure!(answer == pod.name, "answered {answer:?}, expected {:?}", pod.name);
-                Ok(answer)
-            }),
-    );
-    checks.check(
-        &format!("client pod pings {}", pod.name),
-        cluster
-            .topo
-            .client_pod
-            .ns
-            .ping(pod.ip, REQUEST_TIMEOUT)
-            .and_then(|r| Ok(format!("rtt {:?}", r?))),
-    );
-}
-
 /// The seed scenario, with the programs attached.
 fn seed_scenario(test: &str, offloads: Offloads) {
     let cluster = Cluster::build(offloads, true).unwrap_or_else(|e| panic!("{test}: building the test bed: {e:#}"));
@@ -423,7 +248,7 @@ fn seed_scenario(test: &str, offloads: Offloads) {
         check_offloads(&cluster, offloads),
     );
     checks.check("programs attached (native XDP, tc)", check_attachments(&cluster));
-    check_non_service(&cluster, &mut checks);
+    check_non_service(&cluster.topo, &mut checks);
 
     let node_port = SocketAddrV4::new(NODE_IP, SEED_NODE_PORT);
     let cluster_ip = SocketAddrV4::new(SEED_CLUSTER_IP, SEED_PORT);
@@ -435,7 +260,7 @@ fn seed_scenario(test: &str, offloads: Offloads) {
         (&[Verdict::DnatNew], REQUESTS as u64 / 2),
         (&[Verdict::RevNat], REQUESTS as u64),
     ];
-    for protocol in [Protocol::Tcp, Protocol::Udp] {
+    for protocol in PROTOCOLS {
         let p = proto_name(protocol);
         checks.check(
             &format!("{p} client -> NODE_IP:{SEED_NODE_PORT} reaches all backends"),
@@ -460,7 +285,7 @@ fn seed_scenario(test: &str, offloads: Offloads) {
     let empty_node_port = SocketAddrV4::new(NODE_IP, EMPTY_NODE_PORT);
     let empty_cluster_ip = SocketAddrV4::new(EMPTY_CLUSTER_IP, EMPTY_PORT);
     let rejected: [(&[Verdict], u64); 1] = [(&[Verdict::RejectNoBackend], 1)];
-    for protocol in [Protocol::Tcp, Protocol::Udp] {
+    for protocol in PROTOCOLS {
         let p = proto_name(protocol);
         checks.check(
             &format!("{p} client -> NODE_IP:{EMPTY_NODE_PORT} (no endpoints) is refused"),
@@ -484,11 +309,11 @@ fn seed_scenario(test: &str, offloads: Offloads) {
 
     checks.check("non-service traffic still passes after Service traffic", {
         let mut again = Checks::new("again");
-        check_non_service(&cluster, &mut again);
-        if again.failures.is_empty() {
+        check_non_service(&cluster.topo, &mut again);
+        if again.passed() {
             Ok("ok".into())
         } else {
-            Err(anyhow!("{}", again.failures.join("; ")))
+            Err(anyhow!("{}", again.failures()))
         }
     });
 
@@ -540,7 +365,7 @@ fn harness_topology_routes_without_datapath() {
     }
     let cluster = Cluster::build(Offloads::On, false).expect("building the test bed");
     let mut checks = Checks::new("harness");
-    check_non_service(&cluster, &mut checks);
+    check_non_service(&cluster.topo, &mut checks);
     for pod in &cluster.topo.backends {
         let addr = SocketAddrV4::new(pod.ip, TARGET_PORT);
         for (from, label) in [
@@ -548,7 +373,7 @@ fn harness_topology_routes_without_datapath() {
             (&cluster.topo.client_pod.ns, "client pod"),
             (&cluster.topo.client, "client"),
         ] {
-            for protocol in [Protocol::Tcp, Protocol::Udp] {
+            for protocol in PROTOCOLS {
                 checks.check(
                     &format!("{} {label} -> {} {addr}", proto_name(protocol), pod.name),
                     from.run_in(|| request(protocol, addr, REQUEST_TIMEOUT)).and_then(|r| {

@@ -16,7 +16,7 @@ use proxy_common::{
     conntrack::{DIR_FORWARD, DIR_REPLY},
     proto,
 };
-use proxy_userspace::model::Protocol;
+use proxy_userspace::model::{Endpoint, Protocol, ServicePort};
 use xproxy_tests::{
     frame::{
         ETHERTYPE_QINQ, ETHERTYPE_VLAN, Frame, L4, Net, Strict, check, diff, expected_port_unreachable, expected_rst,
@@ -1435,4 +1435,81 @@ fn builder_frames_are_valid() {
         ),
         Strict::Malformed(_)
     ));
+}
+
+/// The SNAT fallback: flows whose replies would not come back through this
+/// node (NodePort to a backend on another node, a pod reaching itself) are
+/// left untouched by XDP, which cannot mark them, and DNATed by tc, which
+/// marks them for the kernel's masquerade rule.
+#[test]
+fn flows_needing_snat_go_from_xdp_to_tc() {
+    if !require_root("flows_needing_snat_go_from_xdp_to_tc") {
+        return;
+    }
+    let mut h = Harness::with_snat_mark(vec![NODE_IP], 0x4000);
+    h.maps.set_topology(Some("this-node".into()), false);
+    let remote: Vec<Endpoint> = BACKEND_IPS
+        .iter()
+        .map(|ip| Endpoint {
+            node_name: Some("other-node".into()),
+            ..Endpoint::ready(*ip, 80)
+        })
+        .collect();
+    h.sync(&ServicePort {
+        name: "default/remote:http".into(),
+        protocol: Protocol::Tcp,
+        cluster_ip: CLUSTER_IP,
+        port: SERVICE_PORT,
+        node_port: Some(NODE_PORT),
+        endpoints: remote,
+    });
+
+    let to_node_port = Frame::tcp(external(&mut h), node_port(), SYN).build();
+    let before = h.counts();
+    let out = h.run(Prog::XdpUplink, &to_node_port);
+    assert_eq!(
+        (out.code, &out.frame),
+        (XDP_PASS, &to_node_port),
+        "XDP must leave it untouched"
+    );
+    assert_eq!(
+        h.counts()[Verdict::PassToTc as usize].packets,
+        before[Verdict::PassToTc as usize].packets + 1
+    );
+    assert!(
+        h.conntrack().is_empty(),
+        "XDP must not track a flow it did not translate"
+    );
+
+    let out = h.run(Prog::TcIngress, &to_node_port);
+    assert_eq!(out.code, TC_ACT_OK);
+    assert!(BACKEND_IPS.contains(dnat_dst(&out).ip()), "tc DNATs it");
+    check(&out.frame).expect("valid checksums after DNAT");
+    // Later packets of the flow are marked too: XDP still leaves them to tc.
+    let out = h.run(Prog::XdpUplink, &to_node_port);
+    assert_eq!((out.code, &out.frame), (XDP_PASS, &to_node_port));
+
+    // ClusterIP traffic to a remote backend needs no SNAT: XDP handles it.
+    let to_cluster_ip = Frame::tcp(external(&mut h), cluster_ip(), SYN).build();
+    let out = h.run(Prog::XdpUplink, &to_cluster_ip);
+    assert!(
+        BACKEND_IPS.contains(dnat_dst(&out).ip()),
+        "XDP DNATs ClusterIP traffic itself"
+    );
+
+    // Hairpin: a backend reaching its own Service, whichever backend is
+    // chosen for the ones that are not itself; only the self-directed flows
+    // must be left to tc, so send until one is.
+    let own = BACKEND_IPS[0];
+    let mut left_to_tc = 0;
+    for _ in 0..64 {
+        let frame = Frame::tcp(SocketAddrV4::new(own, h.next_port()), cluster_ip(), SYN).build();
+        let out = h.run(Prog::XdpUplink, &frame);
+        if out.frame == frame {
+            left_to_tc += 1;
+        } else {
+            assert_ne!(dnat_dst(&out).ip(), &own, "XDP must never DNAT a pod to itself");
+        }
+    }
+    assert!(left_to_tc > 0, "no hairpin flow was left to tc in 64 tries");
 }

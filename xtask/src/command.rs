@@ -19,7 +19,11 @@ pub fn workspace_cargo(root: &std::path::Path) -> Command {
         let per_package = key.starts_with("CARGO_PKG_")
             || matches!(
                 key.as_ref(),
-                "CARGO_MANIFEST_DIR" | "CARGO_MANIFEST_PATH" | "CARGO_CRATE_NAME" | "CARGO_BIN_NAME" | "CARGO_PRIMARY_PACKAGE"
+                "CARGO_MANIFEST_DIR"
+                    | "CARGO_MANIFEST_PATH"
+                    | "CARGO_CRATE_NAME"
+                    | "CARGO_BIN_NAME"
+                    | "CARGO_PRIMARY_PACKAGE"
             );
         if per_package {
             cmd.env_remove(key.as_ref());

@@ -53,6 +53,10 @@ pub fn demo(root: &Path) -> Result<()> {
         seed.join("manifests").display().to_string(),
         "--node-ip".into(),
         NODE_IP.to_string(),
+        // The node the seed's EndpointSlice puts the pods on: local
+        // backends, so NodePort traffic needs no SNAT and stays in XDP.
+        "--hostname-override".into(),
+        "demo-node".into(),
     ];
     step(&format!(
         "starting the agent in the node: xproxy run {} --pin-path {}",

@@ -1,7 +1,8 @@
 //! `xproxy cleanup`: removes what xproxy installed.
 //!
-//! ebpf mode: unpinning the links detaches the programs, unpinning the maps
-//! frees them once nothing uses them; both live under the pin path.
+//! ebpf mode: the pinned links are detached first (at once; unpinning alone
+//! detaches them only a moment later), then the pins of links, programs and
+//! maps are removed, which frees them once nothing uses them.
 
 use std::path::Path;
 
@@ -15,6 +16,8 @@ pub fn cleanup(pin_path: &Path) -> Result<(), Failure> {
         return Err(Failure::new(ExitCode::NoPrivileges, anyhow!("cleanup needs root")));
     }
     if pin_path.exists() {
+        let detached = crate::mode::ebpf::detach_pinned_links(pin_path).exit_code(ExitCode::Error)?;
+        info!(links = detached, "detached the eBPF programs");
         std::fs::remove_dir_all(pin_path)
             .with_context(|| format!("removing {}", pin_path.display()))
             .exit_code(ExitCode::Error)?;
@@ -22,6 +25,7 @@ pub fn cleanup(pin_path: &Path) -> Result<(), Failure> {
     } else {
         info!(pin_path = %pin_path.display(), "nothing pinned");
     }
+    crate::mode::ebpf::snat::cleanup().exit_code(ExitCode::Error)?;
     crate::mode::iptables::cleanup().exit_code(ExitCode::Error)?;
     crate::mode::nftables::cleanup().exit_code(ExitCode::Error)?;
     Ok(())

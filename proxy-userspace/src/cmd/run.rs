@@ -108,6 +108,9 @@ async fn start_ebpf(config: &Config) -> Result<Box<dyn Dataplane>, Failure> {
         node_ips,
         interfaces: config.interfaces.clone(),
         node_port_cidrs,
+        snat_mark: 1 << config.masquerade.bit,
+        node_name: Some(config.node_name.clone()),
+        masquerade_all: config.masquerade.all,
     };
     let mode = EbpfMode::start(&options).await.map_err(|e| {
         let code = if e.is::<MissingInterface>() {

@@ -5,6 +5,7 @@ pub mod ebpf;
 pub mod fake;
 pub mod iptables;
 pub mod nftables;
+pub mod options;
 
 use std::collections::BTreeMap;
 

@@ -83,7 +83,11 @@ impl Schedule {
     /// The earliest instant from `from` on at which a sync permit is free.
     fn permit_from(&self, from: Instant) -> Instant {
         let tokens = self.tokens(from);
-        if tokens >= 1.0 { from } else { from + self.policy.min_sync_period.mul_f64(1.0 - tokens) }
+        if tokens >= 1.0 {
+            from
+        } else {
+            from + self.policy.min_sync_period.mul_f64(1.0 - tokens)
+        }
     }
 
     /// Something in the desired state changed at `now`.

@@ -97,7 +97,9 @@ impl Iterator for WatchBackoff {
         let delay = self.next;
         self.next = (self.next * 2).min(WATCH_RETRY_MAX);
         // Up to +50%, from the clock: enough to spread nodes apart.
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
         Some(delay + delay.mul_f64(f64::from(nanos % 1000) / 2000.0))
     }
 }

@@ -89,7 +89,10 @@ pub fn uplinks(all: &[Interface], named: &[String], node_ips: &[Ipv4Addr]) -> Re
         return named
             .iter()
             .map(|n| {
-                all.iter().find(|i| &i.name == n).cloned().ok_or_else(|| MissingInterface(n.clone()).into())
+                all.iter()
+                    .find(|i| &i.name == n)
+                    .cloned()
+                    .ok_or_else(|| MissingInterface(n.clone()).into())
             })
             .collect();
     }

@@ -25,12 +25,14 @@ use super::object_bytes;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Hook {
     /// The node's link to the outside: XDP (native) translates NodePort and
-    /// external traffic on ingress; tc egress translates packets the node's
-    /// own processes send to a Service (they are routed to the uplink by the
-    /// default route, and redirected to the backend's interface after DNAT).
+    /// external traffic on ingress (tc ingress takes what needs a mark); tc
+    /// egress translates packets the node's own processes send to a Service
+    /// (routed to the uplink by the default route, redirected to the
+    /// backend's interface after DNAT) and reverse-NATs de-masqueraded replies.
     Uplink,
     /// The node's end of a pod's veth: tc ingress translates what the pod
-    /// sends to a Service and rewrites replies of backends back to the frontend.
+    /// sends to a Service and rewrites replies of backends back to the
+    /// frontend; tc egress reverse-NATs de-masqueraded replies (hairpin).
     Pod,
 }
 
@@ -44,12 +46,20 @@ pub struct Datapath {
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
 impl Datapath {
-    /// Loads every program. Maps already pinned under `pin_path` (by an
-    /// earlier agent) are reused as they are; missing ones are created and pinned.
+    /// Loads every program, with the SNAT fallback off. Maps already pinned
+    /// under `pin_path` (by an earlier agent) are reused as they are;
+    /// missing ones are created and pinned.
     pub fn load(pin_path: &Path) -> Result<Self> {
+        Self::load_with_snat_mark(pin_path, 0)
+    }
+
+    /// [`Self::load`], with the skb mark bit that asks the kernel to
+    /// masquerade a flow (0: never).
+    pub fn load_with_snat_mark(pin_path: &Path, snat_mark: u32) -> Result<Self> {
         ensure_bpffs_dir(pin_path)?;
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(pin_path)
+            .override_global(maps::GLOBAL_SNAT_MARK, &snat_mark, true)
             .load(object_bytes()?)
             .context("loading the eBPF object (are you root, and is the kernel 6.1 or newer?)")?;
         let xdp: &mut Xdp = program(&mut ebpf, maps::PROG_XDP_UPLINK)?.try_into()?;
@@ -77,13 +87,14 @@ impl Datapath {
     /// restarts, and the next agent swaps its programs into the same links
     /// atomically (`bpf_link_update`) instead of detaching anything.
     pub fn attach(&mut self, iface: &str, hook: Hook) -> Result<()> {
-        match hook {
-            Hook::Uplink => {
-                self.attach_xdp(iface)?;
-                self.attach_tc(iface, maps::PROG_TC_EGRESS, TcAttachType::Egress)?;
-            }
-            Hook::Pod => self.attach_tc(iface, maps::PROG_TC_INGRESS, TcAttachType::Ingress)?,
+        if hook == Hook::Uplink {
+            self.attach_xdp(iface)?;
         }
+        // tc on both sides everywhere: ingress for what XDP leaves to it (on
+        // the uplink) and what pods send, egress for what the node sends and
+        // for replies the kernel de-masqueraded.
+        self.attach_tc(iface, maps::PROG_TC_INGRESS, TcAttachType::Ingress)?;
+        self.attach_tc(iface, maps::PROG_TC_EGRESS, TcAttachType::Egress)?;
         info!(iface, ?hook, "attached");
         Ok(())
     }
@@ -157,6 +168,89 @@ impl Datapath {
 
 /// Subdirectory of the pin path holding the pinned links.
 pub const LINKS_DIR: &str = "links";
+
+/// Detaches every link pinned under `<pin_path>/links` at once and returns
+/// how many it detached. Removing a link's pin (its last reference once the
+/// agent is gone) also detaches it, but later, from a kernel work queue:
+/// packets would still be translated for a moment after `xproxy cleanup`
+/// returned. The pins themselves stay; a link that is gone already (its
+/// interface was deleted) is skipped.
+pub fn detach_pinned_links(pin_path: &Path) -> Result<usize> {
+    let links = pin_path.join(LINKS_DIR);
+    let mut detached = 0;
+    let Ok(programs) = fs::read_dir(&links) else {
+        return Ok(0);
+    };
+    for program in programs {
+        let program = program.with_context(|| format!("listing {}", links.display()))?.path();
+        for pin in fs::read_dir(&program).with_context(|| format!("listing {}", program.display()))? {
+            let pin = pin.with_context(|| format!("listing {}", program.display()))?.path();
+            match sys::detach_pinned_link(&pin) {
+                Ok(()) => detached += 1,
+                Err(e) => info!(pin = %pin.display(), error = %e, "link not detached (gone already?)"),
+            }
+        }
+    }
+    Ok(detached)
+}
+
+/// The two bpf(2) commands aya does not offer.
+mod sys {
+    use std::{
+        ffi::CString,
+        io,
+        os::fd::{AsRawFd, FromRawFd, OwnedFd},
+        path::Path,
+    };
+
+    const BPF_OBJ_GET: libc::c_long = 7;
+    const BPF_LINK_DETACH: libc::c_long = 34;
+
+    /// `union bpf_attr` for BPF_OBJ_GET (the kernel takes a prefix).
+    #[repr(C)]
+    struct ObjGet {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+    }
+
+    /// `union bpf_attr` for BPF_LINK_DETACH.
+    #[repr(C)]
+    struct LinkDetach {
+        link_fd: u32,
+    }
+
+    fn bpf<T>(cmd: libc::c_long, attr: &T) -> io::Result<libc::c_long> {
+        // SAFETY: `attr` is a live, initialised prefix of `union bpf_attr`
+        // for `cmd`, and its size is passed along.
+        let ret = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *const T, std::mem::size_of::<T>()) };
+        if ret < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(ret)
+        }
+    }
+
+    /// Opens the link pinned at `pin` and detaches it (BPF_LINK_DETACH).
+    pub fn detach_pinned_link(pin: &Path) -> io::Result<()> {
+        let path = CString::new(pin.as_os_str().as_encoded_bytes())
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        let fd = bpf(
+            BPF_OBJ_GET,
+            &ObjGet {
+                pathname: path.as_ptr() as u64,
+                bpf_fd: 0,
+                file_flags: 0,
+            },
+        )?;
+        let fd = i32::try_from(fd).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        // SAFETY: BPF_OBJ_GET returned a new descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let link_fd = u32::try_from(fd.as_raw_fd()).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        bpf(BPF_LINK_DETACH, &LinkDetach { link_fd })?;
+        Ok(())
+    }
+}
 
 fn open_pinned_link(pin: &Path) -> Result<Option<FdLink>> {
     match PinnedLink::from_pin(pin) {

@@ -22,8 +22,10 @@ use std::{
 use anyhow::{Context, Result, bail};
 use aya::maps::{HashMap, Map, MapData, PerCpuArray};
 use proxy_common::{
-    Backend, BackendSlotKey, CtKey, CtValue, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter, maps,
-    service::FLAG_NODE_PORT,
+    Backend, BackendSlotKey, CtKey, CtValue, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter,
+    backend::FLAG_LOCAL,
+    maps,
+    service::{FLAG_NEEDS_SNAT, FLAG_NODE_PORT},
 };
 
 use crate::{mode::usable_endpoints, model::ServicePort};
@@ -62,6 +64,11 @@ pub struct ServiceMaps {
     conntrack: HashMap<MapData, CtKey, CtValue>,
     stats: PerCpuArray<MapData, VerdictCounter>,
     node_ips: Vec<Ipv4Addr>,
+    /// Endpoints on this node (by their nodeName) are local backends; if
+    /// `None`, or an endpoint names no node, it is taken to be local.
+    node_name: Option<String>,
+    /// kube-proxy's masqueradeAll: every frontend asks for SNAT.
+    masquerade_all: bool,
     /// By ClusterIP frontend.
     applied: BTreeMap<ServiceKeyOrd, Applied>,
     /// Service port name -> ClusterIP frontend, for ports synced by name.
@@ -99,6 +106,8 @@ impl ServiceMaps {
             conntrack: open(pin_path, maps::CONNTRACK)?,
             stats: PerCpuArray::try_from(Map::from_map_data(stats_data)?)?,
             node_ips,
+            node_name: None,
+            masquerade_all: false,
             applied: BTreeMap::new(),
             names: BTreeMap::new(),
             backend_refs: StdHashMap::new(),
@@ -169,6 +178,19 @@ impl ServiceMaps {
         Some(ids)
     }
 
+    /// Sets which endpoints are local (see the field) and masqueradeAll.
+    pub fn set_topology(&mut self, node_name: Option<String>, masquerade_all: bool) {
+        self.node_name = node_name;
+        self.masquerade_all = masquerade_all;
+    }
+
+    fn is_local(&self, ep: &crate::model::Endpoint) -> bool {
+        match (&self.node_name, &ep.node_name) {
+            (Some(ours), Some(theirs)) => ours == theirs,
+            _ => true,
+        }
+    }
+
     /// Ids already present in the maps (left by an earlier agent) are never
     /// handed out again, so a new write cannot alias an entry still in use.
     fn reserve_ids_in_use(&mut self) -> Result<()> {
@@ -199,7 +221,8 @@ impl ServiceMaps {
 
         let mut backends = Vec::new();
         for ep in usable_endpoints(&svc.endpoints) {
-            backends.push(self.acquire_backend(ep.addr, ep.port, proto)?);
+            let local = self.is_local(ep);
+            backends.push(self.acquire_backend(ep.addr, ep.port, proto, local)?);
         }
         let backend_set = if backends == old.backends && old.backend_set != 0 {
             old.backend_set
@@ -219,7 +242,8 @@ impl ServiceMaps {
                 backend_set,
                 backend_count: count,
                 rev_nat_id,
-                flags: if is_node_port { FLAG_NODE_PORT } else { 0 },
+                flags: if is_node_port { FLAG_NODE_PORT } else { 0 }
+                    | if self.masquerade_all { FLAG_NEEDS_SNAT } else { 0 },
                 affinity_timeout_s: 0,
                 _reserved: 0,
             };
@@ -511,14 +535,21 @@ impl ServiceMaps {
         Ok(())
     }
 
-    fn acquire_backend(&mut self, addr: Ipv4Addr, port: u16, proto: u8) -> Result<u32> {
+    fn acquire_backend(&mut self, addr: Ipv4Addr, port: u16, proto: u8, local: bool) -> Result<u32> {
         if let Some((id, refs)) = self.backend_refs.get_mut(&(addr, port, proto)) {
             *refs += 1;
             return Ok(*id);
         }
         let id = self.backend_ids.allocate()?;
         self.backends
-            .insert(id, Backend::new(addr, port, proto), 0)
+            .insert(
+                id,
+                Backend {
+                    flags: if local { FLAG_LOCAL } else { 0 },
+                    ..Backend::new(addr, port, proto)
+                },
+                0,
+            )
             .context("writing a backend")?;
         self.writes += 1;
         self.backend_refs.insert((addr, port, proto), (id, 1));

@@ -5,6 +5,7 @@ mod interfaces;
 mod loader;
 mod maps;
 mod object;
+pub mod snat;
 
 use std::{
     collections::BTreeMap,
@@ -15,7 +16,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 pub use interfaces::{Interface, MissingInterface};
-pub use loader::{Datapath, Hook, LINKS_DIR, NotBpffs};
+pub use loader::{Datapath, Hook, LINKS_DIR, NotBpffs, detach_pinned_links};
 pub use maps::ServiceMaps;
 pub use object::object_bytes;
 use tracing::{info, warn};
@@ -35,6 +36,13 @@ pub struct EbpfOptions {
     /// kube-proxy's nodePortAddresses as CIDRs: NodePorts answer on every
     /// local IPv4 address inside them. `None`: on the node IPs.
     pub node_port_cidrs: Option<Vec<crate::config::Cidr>>,
+    /// The skb mark bit for flows the kernel must masquerade (kube-proxy's
+    /// masqueradeBit as a mask); 0 turns the SNAT fallback off.
+    pub snat_mark: u32,
+    /// This node's name: endpoints naming another node are remote backends.
+    pub node_name: Option<String>,
+    /// kube-proxy's masqueradeAll.
+    pub masquerade_all: bool,
 }
 
 pub struct EbpfMode {
@@ -50,7 +58,8 @@ impl EbpfMode {
     /// attaching pod interfaces that appear later. Must run inside a tokio
     /// runtime, in the node's network namespace.
     pub async fn start(opts: &EbpfOptions) -> Result<Self> {
-        let mut datapath = Datapath::load(&opts.pin_path)?;
+        let snat_mark = install_snat_rules(opts.snat_mark);
+        let mut datapath = Datapath::load_with_snat_mark(&opts.pin_path, snat_mark)?;
         let (conn, handle, _) = rtnetlink::new_connection().context("opening rtnetlink")?;
         tokio::spawn(conn);
         let all = interfaces::list(&handle).await?;
@@ -82,7 +91,8 @@ impl EbpfMode {
         }
         let datapath = Arc::new(Mutex::new(datapath));
         spawn_pod_interface_watcher(datapath.clone(), uplinks)?;
-        let maps = ServiceMaps::open(&opts.pin_path, node_ips.clone())?;
+        let mut maps = ServiceMaps::open(&opts.pin_path, node_ips.clone())?;
+        maps.set_topology(opts.node_name.clone(), opts.masquerade_all);
         info!(adopted = maps.service_port_count(), ?node_ips, "ebpf data path ready");
         Ok(Self {
             maps,
@@ -103,6 +113,26 @@ impl EbpfMode {
     pub fn with_datapath<T>(&self, f: impl FnOnce(&mut Datapath) -> T) -> T {
         let mut guard = self.datapath.lock().unwrap_or_else(|p| p.into_inner());
         f(&mut guard)
+    }
+}
+
+/// Installs the kernel's masquerade rules for `mark`; returns the mark the
+/// programs may use (0 if the rules could not be installed: then no flow is
+/// marked, rather than marked for a rule that is not there).
+fn install_snat_rules(mark: u32) -> u32 {
+    if mark == 0 {
+        return 0;
+    }
+    let mut iptables = crate::mode::iptables::SystemIptables::default();
+    match iptables.check().and_then(|()| snat::install(&mut iptables, mark)) {
+        Ok(()) => mark,
+        Err(e) => {
+            warn!(
+                error = format!("{e:#}"),
+                "no SNAT fallback: hairpin, masqueradeAll and NodePorts to other nodes will not work"
+            );
+            0
+        }
     }
 }
 

@@ -27,16 +27,13 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 pub use restore::{Iptables, Saved, SystemIptables};
-pub use rules::{LocalTraffic, NodePortDestinations, RuleOptions};
+pub use rules::{NodePortDestinations, RuleOptions};
 use rules::{Rewrite, SyncInput, jumps, port_chains, render};
 use tracing::{debug, info, warn};
 
-use super::Dataplane;
-use crate::{
-    config::{Config, DetectLocal, NodePortAddresses},
-    model::ServicePort,
-    reconcile::Plan,
-};
+pub use super::options::LocalTraffic;
+use super::{Dataplane, options::NodePortScope};
+use crate::{config::Config, model::ServicePort, reconcile::Plan};
 
 /// NodePorts on 127.0.0.1 need the kernel to route loopback destinations
 /// off the host (per network namespace).
@@ -332,45 +329,17 @@ pub fn cleanup_with(iptables: &mut dyn Iptables) -> Result<usize> {
 
 /// The rule options `config` asks for, completed from the kernel.
 pub fn rule_options(config: &Config) -> Result<RuleOptions> {
-    let local_traffic = match &config.detect_local {
-        DetectLocal::ClusterCidr => config
-            .cluster_cidrs
-            .iter()
-            .find(|c| c.is_ipv4())
-            .map(|c| LocalTraffic::Cidr(*c)),
-        DetectLocal::NodeCidr => {
-            warn!(
-                "detectLocalMode NodeCIDR is not supported by the iptables mode yet: \
-                 off-cluster traffic to ClusterIPs is not masqueraded"
-            );
-            None
-        }
-        DetectLocal::BridgeInterface(name) => Some(LocalTraffic::Bridge(name.clone())),
-        DetectLocal::InterfaceNamePrefix(prefix) => Some(LocalTraffic::InterfacePrefix(prefix.clone())),
-    };
-    let node_ports = match &config.node_port_addresses {
-        NodePortAddresses::All => NodePortDestinations::AllLocal {
-            localhost: config.localhost_node_ports,
-        },
-        NodePortAddresses::Primary => {
-            let ips = crate::cmd::run::ipv4_node_ips(config);
-            if ips.is_empty() {
-                warn!(
-                    "nodePortAddresses is [primary] but no IPv4 node IP is known: NodePorts answer on every local address"
-                );
-                NodePortDestinations::AllLocal { localhost: false }
-            } else {
-                NodePortDestinations::Addresses(ips)
-            }
-        }
-        NodePortAddresses::Cidrs(cidrs) => {
+    let node_ports = match NodePortScope::from_config(config) {
+        NodePortScope::AllLocal { localhost } => NodePortDestinations::AllLocal { localhost },
+        NodePortScope::NodeIps(ips) => NodePortDestinations::Addresses(ips),
+        NodePortScope::Cidrs(cidrs) => {
             let ips: Vec<Ipv4Addr> = local_ipv4_addrs()
                 .context("listing local addresses for nodePortAddresses")?
                 .into_iter()
                 .filter(|ip| cidrs.iter().any(|c| c.contains((*ip).into())))
                 .filter(|ip| !ip.is_loopback() || config.localhost_node_ports)
                 .collect();
-            if ips.is_empty() {
+            if ips.is_empty() && !cidrs.is_empty() {
                 warn!(
                     ?cidrs,
                     "no local IPv4 address is in nodePortAddresses: NodePorts answer nowhere"
@@ -386,7 +355,7 @@ pub fn rule_options(config: &Config) -> Result<RuleOptions> {
     Ok(RuleOptions {
         masquerade_bit: config.masquerade.bit,
         masquerade_all: config.masquerade.all,
-        local_traffic,
+        local_traffic: LocalTraffic::from_config(config, "iptables"),
         node_ports,
         drop_invalid: !be_liberal,
     })

@@ -28,29 +28,17 @@ use std::{
 };
 
 use super::chains::{self, PortChains, endpoint_string, sep_chain};
-use crate::{config::Cidr, mode::usable_endpoints, model::ServicePort};
+use crate::{
+    mode::{options::LocalTraffic, usable_endpoints},
+    model::ServicePort,
+};
 
-/// How traffic from this node's pods is recognised (kube-proxy's
-/// `detectLocalMode`); traffic from anywhere else to a ClusterIP is
-/// masqueraded.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum LocalTraffic {
-    /// Source inside the cluster's pod CIDR.
-    Cidr(Cidr),
-    /// Arriving on this bridge.
-    Bridge(String),
-    /// Arriving on an interface whose name starts with this prefix.
-    InterfacePrefix(String),
-}
-
-impl LocalTraffic {
-    /// The match for "not from a local pod".
-    fn if_not_local(&self) -> String {
-        match self {
-            LocalTraffic::Cidr(cidr) => format!("! -s {}/{}", cidr.addr(), cidr.prefix_len()),
-            LocalTraffic::Bridge(name) => format!("! -i {name}"),
-            LocalTraffic::InterfacePrefix(prefix) => format!("! -i {prefix}+"),
-        }
+/// The match for "not from a local pod".
+fn if_not_local(local: &LocalTraffic) -> String {
+    match local {
+        LocalTraffic::Cidr(cidr) => format!("! -s {}/{}", cidr.addr(), cidr.prefix_len()),
+        LocalTraffic::Bridge(name) => format!("! -i {name}"),
+        LocalTraffic::InterfacePrefix(prefix) => format!("! -i {prefix}+"),
     }
 }
 
@@ -510,7 +498,7 @@ fn render_port(opts: &RuleOptions, port: &ServicePort, own_chains: bool, filter:
         // via this node) may leave the node again: masquerade it.
         nat.rule(
             &names.svc,
-            format!("{cluster_ip_match} {} -j {}", local.if_not_local(), chains::MARK_MASQ),
+            format!("{cluster_ip_match} {} -j {}", if_not_local(local), chains::MARK_MASQ),
         );
     }
 

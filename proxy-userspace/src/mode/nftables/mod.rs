@@ -21,21 +21,19 @@ pub mod ruleset;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result};
 pub use nft::{Nft, SystemNft};
 use ruleset::{ChainRemoval, Objects, PortRules, port_rules};
-pub use ruleset::{LocalTraffic, NodePorts, Options};
+pub use ruleset::{NodePorts, Options};
 use tracing::{debug, info, warn};
 
-use super::Dataplane;
-use crate::{
-    config::{Config, DetectLocal, NodePortAddresses},
-    model::ServicePort,
-    reconcile::Plan,
-};
+pub use super::options::LocalTraffic;
+use super::{Dataplane, options::NodePortScope};
+use crate::{config::Config, model::ServicePort, reconcile::Plan};
 
 /// How long an emptied chain waits before it is deleted (kube-proxy's
 /// margin for kernels that release references late).
@@ -291,59 +289,31 @@ pub fn cleanup_with(nft: &mut dyn Nft) -> Result<bool> {
 
 /// The ruleset options `config` asks for.
 pub fn options(config: &Config) -> Options {
-    let local_traffic = match &config.detect_local {
-        DetectLocal::ClusterCidr => config
-            .cluster_cidrs
-            .iter()
-            .find(|c| c.is_ipv4())
-            .map(|c| LocalTraffic::Cidr(*c)),
-        DetectLocal::NodeCidr => {
-            warn!(
-                "detectLocalMode NodeCIDR is not supported by the nftables mode yet: \
-                 off-cluster traffic to ClusterIPs is not masqueraded"
-            );
-            None
-        }
-        DetectLocal::BridgeInterface(name) => Some(LocalTraffic::Bridge(name.clone())),
-        DetectLocal::InterfaceNamePrefix(prefix) => Some(LocalTraffic::InterfacePrefix(prefix.clone())),
-    };
-    let node_ports = match &config.node_port_addresses {
-        NodePortAddresses::All => NodePorts::AllLocal,
-        NodePortAddresses::Primary => {
-            let ips: Vec<_> = crate::cmd::run::ipv4_node_ips(config)
-                .into_iter()
-                .filter(|ip| {
-                    let loopback = ip.is_loopback();
-                    if loopback {
-                        warn!(%ip, "NodePorts on localhost are not supported by the nftables mode");
-                    }
-                    !loopback
-                })
-                .collect();
+    let node_ports = match NodePortScope::from_config(config) {
+        // kube-proxy's nftables mode does not answer on localhost either.
+        NodePortScope::AllLocal { .. } => NodePorts::AllLocal,
+        NodePortScope::NodeIps(ips) => {
+            let (loopback, ips): (Vec<_>, Vec<_>) = ips.into_iter().partition(Ipv4Addr::is_loopback);
+            for ip in loopback {
+                warn!(%ip, "NodePorts on localhost are not supported by the nftables mode");
+            }
             if ips.is_empty() {
-                warn!(
-                    "nodePortAddresses is [primary] but no IPv4 node IP is known: NodePorts answer on every local address"
-                );
                 NodePorts::AllLocal
             } else {
                 NodePorts::Addresses(ips)
             }
         }
-        NodePortAddresses::Cidrs(cidrs) => {
-            let v4: Vec<_> = cidrs.iter().filter(|c| c.is_ipv4()).copied().collect();
-            if v4.is_empty() {
-                warn!(?cidrs, "no IPv4 network in nodePortAddresses: NodePorts answer nowhere");
-            }
-            if v4.iter().any(|c| c.addr().is_loopback()) {
+        NodePortScope::Cidrs(cidrs) => {
+            if cidrs.iter().any(|c| c.addr().is_loopback()) {
                 warn!("NodePorts on localhost are not supported by the nftables mode");
             }
-            NodePorts::Cidrs(v4)
+            NodePorts::Cidrs(cidrs)
         }
     };
     Options {
         masquerade_bit: config.masquerade.bit,
         masquerade_all: config.masquerade.all,
-        local_traffic,
+        local_traffic: LocalTraffic::from_config(config, "nftables"),
         node_ports,
     }
 }

@@ -33,7 +33,11 @@ use std::{
 };
 
 use super::names::{self, FAMILY, TABLE};
-use crate::{config::Cidr, mode::usable_endpoints, model::ServicePort};
+use crate::{
+    config::Cidr,
+    mode::{options::LocalTraffic, usable_endpoints},
+    model::ServicePort,
+};
 
 const TABLE_COMMENT: &str = "rules for xproxy (kube-proxy's nftables layout)";
 /// Matches a destination that is not localhost: NodePorts never answer on
@@ -43,26 +47,12 @@ const NOT_LOCALHOST: &str = "ip daddr != 127.0.0.0/8";
 /// nftables keeps at most 256 bytes of a comment; stay well inside.
 const COMMENT_MAX: usize = 128;
 
-/// How traffic from this node's pods is recognised (kube-proxy's
-/// `detectLocalMode`); other traffic to a ClusterIP is masqueraded.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum LocalTraffic {
-    /// Source inside the cluster's pod CIDR.
-    Cidr(Cidr),
-    /// Arriving on this bridge.
-    Bridge(String),
-    /// Arriving on an interface whose name starts with this prefix.
-    InterfacePrefix(String),
-}
-
-impl LocalTraffic {
-    /// The match for "not from a local pod".
-    fn if_not_local(&self) -> String {
-        match self {
-            LocalTraffic::Cidr(cidr) => format!("ip saddr != {cidr}"),
-            LocalTraffic::Bridge(name) => format!("iifname != {}", quote(name)),
-            LocalTraffic::InterfacePrefix(prefix) => format!("iifname != {}", quote(&format!("{prefix}*"))),
-        }
+/// The match for "not from a local pod".
+fn if_not_local(local: &LocalTraffic) -> String {
+    match local {
+        LocalTraffic::Cidr(cidr) => format!("ip saddr != {cidr}"),
+        LocalTraffic::Bridge(name) => format!("iifname != {}", quote(name)),
+        LocalTraffic::InterfacePrefix(prefix) => format!("iifname != {}", quote(&format!("{prefix}*"))),
     }
 }
 
@@ -215,7 +205,7 @@ pub fn port_rules(opts: &Options, port: &ServicePort) -> PortRules {
     } else if let Some(local) = &opts.local_traffic {
         rules.push(format!(
             "{destination} {} jump {}",
-            local.if_not_local(),
+            if_not_local(local),
             names::MARK_MASQ
         ));
     }

@@ -1,0 +1,275 @@
+//! The client side of the end-to-end scenarios, shared by `tests/e2e.rs`
+//! (the programs without the agent) and `tests/modes.rs` (the agent in every
+//! mode): requests sent from inside a namespace of the [`Topology`], what
+//! they must observe, and a list of checks that reports every failure at
+//! once instead of stopping at the first.
+
+use std::{
+    collections::BTreeMap,
+    io,
+    net::{Ipv4Addr, SocketAddrV4},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Result, anyhow, bail, ensure};
+use proxy_userspace::model::Protocol;
+use testbed::{
+    netns::{self, Netns},
+    topology::{BACKENDS, NODE_IP, TARGET_PORT, Topology},
+};
+
+/// The seed Service (examples/seed/manifests/nginx.yaml): nginx-service,
+/// port 88 -> 80, NodePort 30791.
+pub const SEED_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 88);
+pub const SEED_PORT: u16 = 88;
+pub const SEED_NODE_PORT: u16 = 30791;
+/// A Service without endpoints beside it.
+pub const EMPTY_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 89);
+pub const EMPTY_PORT: u16 = 89;
+pub const EMPTY_NODE_PORT: u16 = 30792;
+
+/// Requests per "every backend answers" check: with 3 equally likely
+/// backends, the chance that one never answers 60 requests is
+/// 3 * (2/3)^60 < 1e-10.
+pub const REQUESTS: usize = 60;
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+/// A rejection must arrive much sooner than this...
+pub const REJECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// ...namely within this.
+pub const REJECT_AT_ONCE: Duration = Duration::from_secs(1);
+/// Where [`check_non_service`] expects a server in the node namespace
+/// answering "node" (start it with `topo.node.serve_tcp(NODE_SERVER_PORT, "node")`).
+pub const NODE_SERVER_PORT: u16 = 8080;
+
+pub const PROTOCOLS: [Protocol; 2] = [Protocol::Tcp, Protocol::Udp];
+
+pub fn proto_name(protocol: Protocol) -> &'static str {
+    match protocol {
+        Protocol::Tcp => "TCP",
+        Protocol::Udp => "UDP",
+    }
+}
+
+/// The backends' names (what they answer with).
+pub fn backend_names() -> Vec<&'static str> {
+    BACKENDS.iter().map(|(name, _)| *name).collect()
+}
+
+/// One request in the calling thread's namespace: a TCP connection or a UDP
+/// datagram; the answer without surrounding whitespace.
+pub fn request(protocol: Protocol, addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
+    match protocol {
+        Protocol::Tcp => netns::tcp_request(addr, timeout),
+        Protocol::Udp => netns::udp_request(addr, timeout),
+    }
+}
+
+/// Sends `count` requests from `from` to `addr`: every one must be
+/// answered, only by `backends`, and each of `backends` must answer.
+/// Returns the answers per backend.
+pub fn expect_backends(
+    from: &Netns,
+    protocol: Protocol,
+    addr: SocketAddrV4,
+    backends: &[&str],
+    count: usize,
+) -> Result<String> {
+    let answers = from.run_in(|| -> Result<Vec<String>> {
+        let mut answers = Vec::with_capacity(count);
+        for i in 0..count {
+            let started = Instant::now();
+            match request(protocol, addr, REQUEST_TIMEOUT) {
+                Ok(answer) => answers.push(answer),
+                Err(e) => bail!(
+                    "request {} of {count} failed after {:?}: {e} ({} answered before: {answers:?})",
+                    i + 1,
+                    started.elapsed(),
+                    answers.len()
+                ),
+            }
+        }
+        Ok(answers)
+    })??;
+    let mut counts: BTreeMap<&str, usize> = backends.iter().map(|name| (*name, 0)).collect();
+    for answer in &answers {
+        match counts.get_mut(answer.as_str()) {
+            Some(n) => *n += 1,
+            None => bail!("answer {answer:?} is not one of {backends:?} (answers: {answers:?})"),
+        }
+    }
+    let missing: Vec<_> = counts.iter().filter(|(_, n)| **n == 0).map(|(name, _)| *name).collect();
+    ensure!(
+        missing.is_empty(),
+        "{missing:?} never answered in {count} requests: {counts:?}"
+    );
+    Ok(format!("{count} answers {counts:?}"))
+}
+
+/// [`expect_backends`] with [`REQUESTS`] requests and all three backends.
+pub fn expect_all_backends(from: &Netns, protocol: Protocol, addr: SocketAddrV4) -> Result<String> {
+    expect_backends(from, protocol, addr, &backend_names(), REQUESTS)
+}
+
+/// The Service has no backends: the connection (TCP) or the connected
+/// socket's receive (UDP, after an ICMP port unreachable) must fail with
+/// ECONNREFUSED, at once.
+pub fn expect_refused(from: &Netns, protocol: Protocol, addr: SocketAddrV4) -> Result<String> {
+    expect_rejected(from, protocol, addr, io::ErrorKind::ConnectionRefused)
+}
+
+/// The request must fail with an error of `kind`, at once.
+pub fn expect_rejected(from: &Netns, protocol: Protocol, addr: SocketAddrV4, kind: io::ErrorKind) -> Result<String> {
+    let (result, elapsed) = from.run_in(|| {
+        let started = Instant::now();
+        let result = match protocol {
+            Protocol::Tcp => netns::tcp_connect(addr, REJECT_TIMEOUT).map(|s| format!("connected: {s:?}")),
+            Protocol::Udp => netns::udp_request(addr, REJECT_TIMEOUT).map(|a| format!("answer {a:?}")),
+        };
+        (result, started.elapsed())
+    })?;
+    match result {
+        Err(e) if e.kind() == kind => {
+            ensure!(
+                elapsed < REJECT_AT_ONCE,
+                "{kind:?}, but only after {elapsed:?} (expected < {REJECT_AT_ONCE:?})"
+            );
+            Ok(format!("{kind:?} after {elapsed:?}"))
+        }
+        Err(e) => Err(anyhow!("expected {kind:?}, got \"{e}\" after {elapsed:?}")),
+        Ok(what) => Err(anyhow!("expected {kind:?}, got {what}")),
+    }
+}
+
+/// Makes the namespace pick local ports from `first..first + 10000` for
+/// new connections and sockets: flows opened after this never share a
+/// 5-tuple with one opened before (whose conntrack entry, with or without
+/// a NAT, would decide where the packets go).
+pub fn fresh_ports(ns: &Netns, first: u16) -> Result<()> {
+    ensure!((1024..=u16::MAX - 10_000).contains(&first), "port range from {first}");
+    ns.sysctl("net.ipv4.ip_local_port_range", &format!("{first} {}", first + 9_999))
+}
+
+/// How one request ended, coarsely enough to compare runs: what a request
+/// does without any proxy is the baseline the scenarios compare with.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Answered(String),
+    /// ECONNREFUSED (a TCP RST, or an ICMP port unreachable for UDP).
+    Refused,
+    /// Nothing came back within the timeout.
+    NoAnswer,
+    /// Any other error, by kind.
+    Failed(String),
+}
+
+impl Outcome {
+    pub fn of(result: io::Result<String>) -> Self {
+        match result {
+            Ok(answer) => Outcome::Answered(answer),
+            Err(e) => match e.kind() {
+                io::ErrorKind::ConnectionRefused => Outcome::Refused,
+                io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Outcome::NoAnswer,
+                other => Outcome::Failed(format!("{other:?}")),
+            },
+        }
+    }
+}
+
+/// One request from `from` to `addr`, waiting at most `timeout`.
+pub fn outcome(from: &Netns, protocol: Protocol, addr: SocketAddrV4, timeout: Duration) -> Result<Outcome> {
+    Ok(Outcome::of(from.run_in(|| request(protocol, addr, timeout))?))
+}
+
+/// Expects a single request from `from` to `addr` to end as `expected`.
+pub fn expect_outcome(from: &Netns, protocol: Protocol, addr: SocketAddrV4, expected: &Outcome) -> Result<String> {
+    let got = outcome(from, protocol, addr, REQUEST_TIMEOUT)?;
+    ensure!(got == *expected, "expected {expected:?}, got {got:?}");
+    Ok(format!("{got:?}"))
+}
+
+/// Collects the outcome of every check so one failure does not hide the
+/// others; [`Checks::finish`] panics if any failed.
+pub struct Checks {
+    label: String,
+    failures: Vec<String>,
+}
+
+impl Checks {
+    pub fn new(label: impl Into<String>) -> Self {
+        Self {
+            label: label.into(),
+            failures: Vec::new(),
+        }
+    }
+
+    pub fn check(&mut self, what: &str, result: Result<String>) {
+        match result {
+            Ok(detail) => eprintln!("[{}] ok: {what}: {detail}", self.label),
+            Err(e) => {
+                eprintln!("[{}] FAILED: {what}: {e:#}", self.label);
+                self.failures.push(format!("{what}: {e:#}"));
+            }
+        }
+    }
+
+    /// Whether every check so far passed.
+    pub fn passed(&self) -> bool {
+        self.failures.is_empty()
+    }
+
+    /// The failures so far, one a line.
+    pub fn failures(&self) -> String {
+        self.failures.join("\n  ")
+    }
+
+    /// Panics if a check failed.
+    pub fn finish(self) {
+        assert!(
+            self.failures.is_empty(),
+            "[{}] {} check(s) failed:\n  {}",
+            self.label,
+            self.failures.len(),
+            self.failures.join("\n  ")
+        );
+    }
+}
+
+/// Traffic that is no Service's passes untouched: the client pings the
+/// node and reaches a server in it ([`NODE_SERVER_PORT`]) and a pod
+/// directly; the client pod pings a backend.
+pub fn check_non_service(topo: &Topology, checks: &mut Checks) {
+    checks.check(
+        "client pings NODE_IP",
+        topo.client
+            .ping(NODE_IP, REQUEST_TIMEOUT)
+            .and_then(|r| Ok(format!("rtt {:?}", r?))),
+    );
+    checks.check(
+        "client TCP to a server in the node namespace",
+        topo.client
+            .tcp_request(SocketAddrV4::new(NODE_IP, NODE_SERVER_PORT), REQUEST_TIMEOUT)
+            .and_then(|r| {
+                let answer = r?;
+                ensure!(answer == "node", "answered {answer:?}, expected \"node\"");
+                Ok(answer)
+            }),
+    );
+    let pod = &topo.backends[0];
+    checks.check(
+        &format!("client TCP straight to {} (routed by the node)", pod.name),
+        topo.client
+            .tcp_request(SocketAddrV4::new(pod.ip, TARGET_PORT), REQUEST_TIMEOUT)
+            .and_then(|r| {
+                let answer = r?;
+                ensure!(answer == pod.name, "answered {answer:?}, expected {:?}", pod.name);
+                Ok(answer)
+            }),
+    );
+    checks.check(
+        &format!("client pod pings {}", pod.name),
+        topo.client_pod
+            .ns
+            .ping(pod.ip, REQUEST_TIMEOUT)
+            .and_then(|r| Ok(format!("rtt {:?}", r?))),
+    );
+}
