@@ -65,7 +65,7 @@ pub struct Options {
     #[arg(long, default_value = "6.1")]
     pub kernel: String,
     /// Test targets of xproxy-tests to run in the VM, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "verifier,packet,fuzz,e2e")]
+    #[arg(long, value_delimiter = ',', default_value = "verifier,packet,fuzz,e2e,mode_ipvs")]
     pub tests: Vec<String>,
     /// Keep the unpacked initramfs tree next to the archive (for inspection).
     #[arg(long)]
@@ -225,6 +225,8 @@ fn guest_env(options: &Options) -> Vec<(String, String)> {
     let fuzz_frames = env::var("XPROXY_FUZZ_FRAMES").unwrap_or_else(|_| options.fuzz_frames.to_string());
     let mut vars = vec![
         ("XPROXY_PRIVILEGED_TESTS".to_owned(), "1".to_owned()),
+        // The guest loads ip_vs: the IPVS tests must run, not skip.
+        ("XPROXY_IPVS_TESTS".to_owned(), "1".to_owned()),
         ("XPROXY_FUZZ_FRAMES".to_owned(), fuzz_frames),
         ("RUST_BACKTRACE".to_owned(), "1".to_owned()),
     ];

@@ -28,5 +28,6 @@ pub fn cleanup(pin_path: &Path) -> Result<(), Failure> {
     crate::mode::ebpf::snat::cleanup().exit_code(ExitCode::Error)?;
     crate::mode::iptables::cleanup().exit_code(ExitCode::Error)?;
     crate::mode::nftables::cleanup().exit_code(ExitCode::Error)?;
+    crate::mode::ipvs::cleanup().exit_code(ExitCode::Error)?;
     Ok(())
 }

@@ -83,13 +83,14 @@ async fn start_servers(config: &Config, telemetry: &Telemetry) -> Result<(), Fai
 }
 
 /// The modes `start_mode` can start; checked before anything else happens.
-const IMPLEMENTED_MODES: &[Mode] = &[Mode::Ebpf, Mode::Iptables, Mode::Nftables];
+const IMPLEMENTED_MODES: &[Mode] = &[Mode::Ebpf, Mode::Iptables, Mode::Nftables, Mode::Ipvs];
 
 async fn start_mode(config: &Config) -> Result<Box<dyn Dataplane>, Failure> {
     match config.mode {
         Mode::Ebpf => start_ebpf(config).await,
         Mode::Iptables => crate::mode::iptables::start(config).exit_code(ExitCode::ModeUnavailable),
         Mode::Nftables => crate::mode::nftables::start(config).exit_code(ExitCode::ModeUnavailable),
+        Mode::Ipvs => crate::mode::ipvs::start(config).exit_code(ExitCode::ModeUnavailable),
         other => Err(Failure::new(
             ExitCode::ModeUnavailable,
             anyhow!("mode {other} is not implemented yet"),

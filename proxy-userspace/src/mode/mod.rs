@@ -4,6 +4,7 @@
 pub mod ebpf;
 pub mod fake;
 pub mod iptables;
+pub mod ipvs;
 pub mod nftables;
 pub mod options;
 

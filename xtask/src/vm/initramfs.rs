@@ -64,6 +64,19 @@ const MODULES: &[&str] = &[
     "ip_set_hash_net",
     "ip_set_bitmap_port",
     "xt_set",
+    // The IPVS mode's constant iptables rules (iptables-nft: nf_tables with
+    // the xtables matches and targets through nft_compat).
+    "nf_tables",
+    "nft_compat",
+    "nft_chain_nat",
+    "nft_ct",
+    "nft_nat",
+    "nft_masq",
+    "xt_comment",
+    "xt_addrtype",
+    "xt_mark",
+    "xt_conntrack",
+    "xt_MASQUERADE",
 ];
 
 /// Modules the tests cannot do without: missing ones fail the build of the
@@ -72,7 +85,10 @@ const REQUIRED_MODULES: &[&str] = &["veth", "sch_ingress", "cls_bpf", "ip_vs", "
 
 /// Tools in the guest: required, then used if the host has them.
 const TOOLS: &[&str] = &["ip", "tc", "bpftool", "ipvsadm"];
-const OPTIONAL_TOOLS: &[&str] = &["ethtool"];
+const OPTIONAL_TOOLS: &[&str] = &["ethtool", "ipset", "iptables", "iptables-save", "iptables-restore"];
+/// The iptables extensions (`libxt_*.so`, loaded with dlopen, so `ldd`
+/// does not list them), copied whole when present.
+const XTABLES_DIR: &str = "/usr/lib/x86_64-linux-gnu/xtables";
 
 /// Repository directories the tests read files from (the seed manifests).
 const REPO_DATA: &[&str] = &["examples"];
@@ -187,6 +203,12 @@ pub fn ensure(root: &Path, cache: &Path, kernel: &Kernel, plan: &Plan, keep: boo
             None => eprintln!("xtask vm: {tool} is not installed: the guest has none"),
         }
     }
+    if let Ok(dir) = fs::read_dir(XTABLES_DIR) {
+        for file in dir.flatten() {
+            let source = file.path();
+            tree.add(merged(&source), Entry::File { source, how: How::Copy });
+        }
+    }
     for executable in plan.tests.iter().chain(&plan.helpers) {
         tree.add_program(&executable.path, How::StripDebug)?;
     }
@@ -266,7 +288,11 @@ pub fn ensure(root: &Path, cache: &Path, kernel: &Kernel, plan: &Plan, keep: boo
 /// agent's Kubernetes client loads them even when the kubeconfig brings its
 /// own CA, and fails without any).
 fn data_files(root: &Path) -> Result<Vec<(PathBuf, bool)>> {
-    let mut files = vec![(PathBuf::from(CA_CERTIFICATES), false)];
+    // /etc/protocols: ipset (and iptables) name protocols through it.
+    let mut files = vec![
+        (PathBuf::from(CA_CERTIFICATES), false),
+        (PathBuf::from("/etc/protocols"), false),
+    ];
     for dir in REPO_DATA {
         let mut relative = Vec::new();
         walk(&root.join(dir), Path::new(""), &mut relative)?;

@@ -1,0 +1,457 @@
+//! kube-proxy's IPVS mode, kept for side-by-side comparison: every
+//! ClusterIP bound to the dummy interface `kube-ipvs0`, one IPVS virtual
+//! server per Service port (ClusterIP) and per NodePort and node IP, each
+//! with the Service's endpoints as real servers (masquerading forward), and
+//! kube-proxy's constant iptables rules matching ipsets for source NAT.
+//!
+//! - [`netlink`]: the IPVS table over generic netlink (no `ipvsadm`).
+//! - [`dummy`]: `kube-ipvs0` and its addresses over rtnetlink.
+//! - [`ipset`]: `KUBE-CLUSTER-IP`, `KUBE-NODE-PORT-TCP/UDP`,
+//!   `KUBE-LOOP-BACK`, written with `ipset restore`.
+//! - [`rules`]: the constant iptables chains, one `iptables-restore`.
+//!
+//! Real servers get weight 1; an endpoint that is terminating and not used
+//! any more ([`usable_endpoints`]) stays with weight 0, so established
+//! connections drain while no new ones reach it (kube-proxy's graceful
+//! termination). A partial sync touches only the virtual servers of the
+//! changed ports, and within those only the real servers that changed; a
+//! full sync reads the whole table and removes the unwanted virtual servers
+//! that are the mode's (on a `kube-ipvs0` address or a node IP, outside
+//! `ipvs.excludeCIDRs`); `xproxy cleanup` removes every virtual server, as
+//! kube-proxy's cleanup does.
+
+pub mod dummy;
+pub mod ipset;
+pub mod netlink;
+pub mod rules;
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+};
+
+use anyhow::{Context, Result};
+pub use netlink::NoIpvs;
+use netlink::{IPVS_CMD_DEL_DEST, IPVS_CMD_NEW_DEST, IPVS_CMD_SET_DEST, Ipvs, VirtualKey, VirtualServer};
+use tracing::{debug, info};
+
+use super::{Dataplane, options::LocalTraffic, usable_endpoints};
+use crate::{
+    config::{Cidr, Config},
+    mode::iptables::SystemIptables,
+    model::ServicePort,
+    reconcile::Plan,
+};
+
+/// Weight of a real server taking new connections.
+const WEIGHT: u32 = 1;
+
+/// What the mode is built from.
+#[derive(Clone, Debug)]
+pub struct IpvsOptions {
+    pub scheduler: String,
+    /// Addresses NodePorts get a virtual server on.
+    pub node_ips: Vec<Ipv4Addr>,
+    /// Virtual servers in these networks are never removed.
+    pub exclude_cidrs: Vec<Cidr>,
+    pub rules: rules::RuleOptions,
+    /// Connection timeouts in seconds (TCP, TCP FIN, UDP); 0 leaves the
+    /// kernel's.
+    pub timeouts: (u32, u32, u32),
+    /// kube-proxy's `strictARP`: only the uplink answers ARP for its own
+    /// addresses, not for the ClusterIPs on `kube-ipvs0`.
+    pub strict_arp: bool,
+}
+
+pub struct IpvsMode {
+    opts: IpvsOptions,
+    ipvs: Ipvs,
+    dummy: dummy::Dummy,
+    /// The index of `kube-ipvs0`.
+    index: u32,
+    /// What the last successful syncs programmed, by port name.
+    state: BTreeMap<String, ServicePort>,
+    writes: u64,
+}
+
+/// Starts the IPVS mode for `xproxy run` (see [`IpvsMode::start`]).
+pub fn start(config: &Config) -> Result<Box<dyn Dataplane>> {
+    let opts = IpvsOptions {
+        scheduler: config.ipvs.scheduler.as_str().to_owned(),
+        node_ips: crate::cmd::run::ipv4_node_ips(config),
+        exclude_cidrs: config.ipvs.exclude_cidrs.clone(),
+        rules: rules::RuleOptions {
+            masquerade_bit: config.masquerade.bit,
+            masquerade_all: config.masquerade.all,
+            local_traffic: LocalTraffic::from_config(config, "ipvs"),
+        },
+        timeouts: (
+            seconds(config.ipvs.tcp_timeout),
+            seconds(config.ipvs.tcp_fin_timeout),
+            seconds(config.ipvs.udp_timeout),
+        ),
+        strict_arp: config.ipvs.strict_arp,
+    };
+    Ok(Box::new(IpvsMode::start(opts)?))
+}
+
+/// The virtual servers `port` needs on a node with `node_ips`, with their
+/// real servers.
+pub fn virtual_servers(port: &ServicePort, node_ips: &[Ipv4Addr], scheduler: &str) -> Vec<(VirtualKey, VirtualServer)> {
+    let usable = usable_endpoints(&port.endpoints);
+    let mut reals = BTreeMap::new();
+    for endpoint in &port.endpoints {
+        if usable.contains(&endpoint) {
+            reals.insert((endpoint.addr, endpoint.port), WEIGHT);
+        } else if endpoint.terminating {
+            reals.entry((endpoint.addr, endpoint.port)).or_insert(0);
+        }
+    }
+    let server = VirtualServer {
+        scheduler: scheduler.to_owned(),
+        reals,
+    };
+    let mut keys = vec![VirtualKey {
+        protocol: port.protocol,
+        addr: port.cluster_ip,
+        port: port.port,
+    }];
+    if let Some(node_port) = port.node_port {
+        keys.extend(node_ips.iter().map(|ip| VirtualKey {
+            protocol: port.protocol,
+            addr: *ip,
+            port: node_port,
+        }));
+    }
+    keys.into_iter().map(|key| (key, server.clone())).collect()
+}
+
+/// IPVS sysctls kube-proxy sets (per network namespace): conntrack for
+/// IPVS connections, so the nat POSTROUTING rules (masquerade) see them;
+/// connections to removed real servers and stale templates expire at once.
+const SYSCTLS: [(&str, &str); 3] = [
+    ("/proc/sys/net/ipv4/vs/conntrack", "1"),
+    ("/proc/sys/net/ipv4/vs/expire_nodest_conn", "1"),
+    ("/proc/sys/net/ipv4/vs/expire_quiescent_template", "1"),
+];
+
+/// `strictARP`: answer ARP only for addresses of the receiving interface,
+/// announce only the best local source.
+const STRICT_ARP: [(&str, &str); 2] = [
+    ("/proc/sys/net/ipv4/conf/all/arp_ignore", "1"),
+    ("/proc/sys/net/ipv4/conf/all/arp_announce", "2"),
+];
+
+fn seconds(duration: std::time::Duration) -> u32 {
+    u32::try_from(duration.as_secs()).unwrap_or(u32::MAX)
+}
+
+fn set_sysctls(strict_arp: bool) -> Result<()> {
+    let strict: &[(&str, &str)] = if strict_arp { &STRICT_ARP } else { &[] };
+    for &(path, value) in SYSCTLS.iter().chain(strict) {
+        if std::fs::read_to_string(path).is_ok_and(|v| v.trim() == value) {
+            continue;
+        }
+        std::fs::write(path, value).with_context(|| format!("writing {value} to {path}"))?;
+    }
+    Ok(())
+}
+
+impl IpvsMode {
+    /// Opens IPVS (failing with [`NoIpvs`] on a kernel without it), checks
+    /// the iptables and ipset tools, creates `kube-ipvs0` and writes the
+    /// constant rules and empty sets. Services are written by the syncs.
+    pub fn start(opts: IpvsOptions) -> Result<Self> {
+        let mut ipvs = Ipvs::open()?;
+        set_sysctls(opts.strict_arp)?;
+        let (tcp, tcp_fin, udp) = opts.timeouts;
+        ipvs.set_timeouts(tcp, tcp_fin, udp)?;
+        let mut system = SystemIptables::default();
+        system.check()?;
+        ipset::save().context("the IPVS mode needs ipset")?;
+        let mut dummy = dummy::Dummy::open()?;
+        let index = dummy.ensure()?;
+        let mut mode = Self {
+            opts,
+            ipvs,
+            dummy,
+            index,
+            state: BTreeMap::new(),
+            writes: 0,
+        };
+        mode.write_sets(true)?;
+        rules::write(&mut system, &mode.opts.rules)?;
+        mode.writes += 1;
+        info!(scheduler = %mode.opts.scheduler, node_ips = ?mode.opts.node_ips, "ipvs mode ready");
+        Ok(mode)
+    }
+
+    fn desired(&self, ports: &[&ServicePort]) -> BTreeMap<VirtualKey, VirtualServer> {
+        ports
+            .iter()
+            .flat_map(|p| virtual_servers(p, &self.opts.node_ips, &self.opts.scheduler))
+            .collect()
+    }
+
+    fn excluded(&self, key: &VirtualKey) -> bool {
+        self.opts.exclude_cidrs.iter().any(|c| c.contains(key.addr.into()))
+    }
+
+    /// Makes virtual server `key` equal to `want` (or absent), given what
+    /// the kernel has (`have`); touches only what differs.
+    fn sync_server(
+        &mut self,
+        key: &VirtualKey,
+        want: Option<&VirtualServer>,
+        have: Option<&VirtualServer>,
+    ) -> Result<()> {
+        match (want, have) {
+            (None, None) => {}
+            (None, Some(_)) => {
+                self.ipvs.del_service(key)?;
+                self.writes += 1;
+            }
+            (Some(want), have) => {
+                let empty = VirtualServer::default();
+                let have = match have {
+                    Some(have) => {
+                        if have.scheduler != want.scheduler {
+                            self.ipvs.set_scheduler(key, &want.scheduler)?;
+                            self.writes += 1;
+                        }
+                        have
+                    }
+                    None => {
+                        self.ipvs.add_service(key, &want.scheduler)?;
+                        self.writes += 1;
+                        &empty
+                    }
+                };
+                for (real, weight) in &have.reals {
+                    if !want.reals.contains_key(real) {
+                        self.ipvs.dest(IPVS_CMD_DEL_DEST, key, *real, *weight)?;
+                        self.writes += 1;
+                    }
+                }
+                for (real, weight) in &want.reals {
+                    let cmd = match have.reals.get(real) {
+                        Some(w) if w == weight => continue,
+                        Some(_) => IPVS_CMD_SET_DEST,
+                        None => IPVS_CMD_NEW_DEST,
+                    };
+                    self.ipvs.dest(cmd, key, *real, *weight)?;
+                    self.writes += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Binds or unbinds `ips` on `kube-ipvs0` as the state needs them.
+    fn sync_addresses(&mut self, ips: BTreeSet<Ipv4Addr>) -> Result<()> {
+        let have = self.dummy.addresses(self.index)?;
+        let wanted: BTreeSet<Ipv4Addr> = self.state.values().map(|p| p.cluster_ip).collect();
+        for ip in ips {
+            match (wanted.contains(&ip), have.contains(&ip)) {
+                (true, false) => {
+                    self.dummy.add(self.index, ip)?;
+                    self.writes += 1;
+                }
+                (false, true) => {
+                    self.dummy.remove(self.index, ip)?;
+                    self.writes += 1;
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Rewrites the ipsets that differ from the state (read from the
+    /// kernel when `read`, else assumed right when unchanged).
+    fn write_sets(&mut self, read: bool) -> Result<()> {
+        let desired = ipset::entries(self.state.values());
+        let current = if read { ipset::save()? } else { ipset::Entries::new() };
+        let input = ipset::render(&desired, &current);
+        if !input.is_empty() {
+            ipset::restore(&input)?;
+            self.writes += 1;
+        }
+        Ok(())
+    }
+}
+
+impl Dataplane for IpvsMode {
+    fn name(&self) -> &'static str {
+        "ipvs"
+    }
+
+    fn apply(&mut self, plan: &Plan) -> Result<()> {
+        if plan.is_empty() {
+            return Ok(());
+        }
+        let old: Vec<ServicePort> = plan
+            .remove
+            .iter()
+            .chain(&plan.upsert)
+            .filter_map(|p| self.state.get(&p.name).cloned())
+            .chain(plan.remove.iter().cloned())
+            .collect();
+        let mut touched_ips = BTreeSet::new();
+        let mut touched = BTreeSet::new();
+        for port in &old {
+            touched_ips.insert(port.cluster_ip);
+            touched.extend(self.desired(&[port]).into_keys());
+        }
+        for port in &plan.remove {
+            self.state.remove(&port.name);
+        }
+        for port in &plan.upsert {
+            touched_ips.insert(port.cluster_ip);
+            self.state.insert(port.name.clone(), port.clone());
+        }
+        // Another port may share a virtual server key only by
+        // misconfiguration; the state decides.
+        let all: Vec<&ServicePort> = self.state.values().collect();
+        let desired = self.desired(&all);
+        touched.extend(plan.upsert.iter().flat_map(|p| self.desired(&[p]).into_keys()));
+        // Addresses first, so a new virtual server is reachable at once.
+        self.sync_addresses(touched_ips.clone())?;
+        for key in touched {
+            let have = self.ipvs.get(&key)?;
+            self.sync_server(&key, desired.get(&key), have.as_ref())?;
+        }
+        self.write_sets(true)?;
+        debug!(
+            upserts = plan.upsert.len(),
+            removes = plan.remove.len(),
+            "ipvs partial sync"
+        );
+        Ok(())
+    }
+
+    fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()> {
+        self.index = self.dummy.ensure()?;
+        self.state = desired.clone();
+        let all: Vec<&ServicePort> = self.state.values().collect();
+        let want = self.desired(&all);
+        let have = self.ipvs.list()?;
+        let bound: BTreeSet<Ipv4Addr> = self.dummy.addresses(self.index)?;
+        let mut ips = bound.clone();
+        ips.extend(self.state.values().map(|p| p.cluster_ip));
+        self.sync_addresses(ips)?;
+        let keys: BTreeSet<VirtualKey> = want.keys().chain(have.keys()).copied().collect();
+        for key in keys {
+            // Unwanted virtual servers go only if they are the mode's: on
+            // an address of kube-ipvs0 or a node IP, outside excludeCIDRs
+            // (as kube-proxy; others' virtual servers stay).
+            let ours = bound.contains(&key.addr) || self.opts.node_ips.contains(&key.addr);
+            if !want.contains_key(&key) && (!ours || self.excluded(&key)) {
+                continue;
+            }
+            self.sync_server(&key, want.get(&key), have.get(&key))?;
+        }
+        self.write_sets(true)?;
+        let mut system = SystemIptables::default();
+        let saved = crate::mode::iptables::restore::Saved::parse(&crate::mode::iptables::Iptables::save(&mut system)?);
+        if !rules::chains_present(&saved) || !rules::missing_jumps(&saved).is_empty() {
+            rules::write(&mut system, &self.opts.rules)?;
+            self.writes += 1;
+        }
+        Ok(())
+    }
+
+    fn kernel_writes(&self) -> u64 {
+        self.writes
+    }
+}
+
+/// Removes what the IPVS mode installed in the calling thread's network
+/// namespace: every virtual server (when the kernel has IPVS), `kube-ipvs0`,
+/// the constant rules and the ipsets. Idempotent; harmless without IPVS,
+/// iptables or ipset.
+pub fn cleanup() -> Result<()> {
+    match Ipvs::open() {
+        Ok(mut ipvs) => {
+            let servers = ipvs.list()?;
+            for key in servers.keys() {
+                ipvs.del_service(key)?;
+            }
+            if !servers.is_empty() {
+                info!(count = servers.len(), "removed the IPVS virtual servers");
+            }
+        }
+        Err(e) if e.is::<NoIpvs>() => {}
+        Err(e) => return Err(e),
+    }
+    if dummy::Dummy::open()?.delete()? {
+        info!("removed {}", dummy::DUMMY);
+    }
+    let chains = rules::cleanup()?;
+    if chains > 0 {
+        info!(chains, "removed the IPVS mode's iptables chains");
+    }
+    let sets = ipset::cleanup()?;
+    if sets > 0 {
+        info!(sets, "removed the IPVS mode's ipsets");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Endpoint, Protocol};
+
+    fn endpoint(last: u8, ready: bool, serving: bool, terminating: bool) -> Endpoint {
+        Endpoint {
+            ready,
+            serving,
+            terminating,
+            ..Endpoint::ready(Ipv4Addr::new(10, 244, 0, last), 80)
+        }
+    }
+
+    fn seed(endpoints: Vec<Endpoint>) -> ServicePort {
+        ServicePort {
+            name: "default/nginx-service".into(),
+            protocol: Protocol::Tcp,
+            cluster_ip: Ipv4Addr::new(10, 96, 0, 88),
+            port: 88,
+            node_port: Some(30791),
+            endpoints,
+        }
+    }
+
+    #[test]
+    fn one_virtual_server_per_cluster_ip_and_node_ip() {
+        let port = seed(vec![endpoint(11, true, true, false), endpoint(12, true, true, false)]);
+        let servers = virtual_servers(&port, &[Ipv4Addr::new(172, 30, 0, 2)], "rr");
+        let keys: Vec<String> = servers.iter().map(|(k, _)| k.to_string()).collect();
+        assert_eq!(keys, ["TCP 10.96.0.88:88", "TCP 172.30.0.2:30791"]);
+        for (_, server) in &servers {
+            assert_eq!(server.scheduler, "rr");
+            assert_eq!(server.reals.values().copied().collect::<Vec<_>>(), [1, 1]);
+        }
+    }
+
+    #[test]
+    fn terminating_endpoints_drain_with_weight_zero() {
+        let port = seed(vec![
+            endpoint(11, true, true, false),
+            endpoint(12, false, true, true),
+            endpoint(13, false, false, false),
+        ]);
+        let (_, server) = &virtual_servers(&port, &[], "lc")[0];
+        let weights: Vec<(u8, u32)> = server.reals.iter().map(|((a, _), w)| (a.octets()[3], *w)).collect();
+        assert_eq!(weights, [(11, 1), (12, 0)]);
+    }
+
+    #[test]
+    fn serving_terminating_endpoints_are_used_when_nothing_is_ready() {
+        let port = seed(vec![endpoint(12, false, true, true), endpoint(13, false, false, true)]);
+        let (_, server) = &virtual_servers(&port, &[], "rr")[0];
+        let weights: Vec<(u8, u32)> = server.reals.iter().map(|((a, _), w)| (a.octets()[3], *w)).collect();
+        assert_eq!(weights, [(12, 1), (13, 0)]);
+    }
+}
