@@ -27,7 +27,9 @@ use crate::{build_ebpf, command};
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 88);
 const PORT: u16 = 88;
 const NODE_PORT: u16 = 30791;
-const REQUESTS: usize = 9;
+/// Requests per path: enough that each of the 3 pods answers some
+/// (a pod missing from 30 random picks: 3 * (2/3)^30 < 2e-5).
+const REQUESTS: usize = 30;
 const TIMEOUT: Duration = Duration::from_secs(2);
 /// How long the agent may take to program the seed Service.
 const READY_WITHIN: Duration = Duration::from_secs(20);
@@ -99,15 +101,21 @@ fn show_traffic(topo: &Topology, agent: &AgentProcess) -> Result<()> {
                 .map(|_| netns::tcp_request(addr, TIMEOUT))
                 .collect::<Vec<_>>()
         })?;
+        let mut per_pod = std::collections::BTreeMap::new();
         for (i, answer) in answers.iter().enumerate() {
             match answer {
-                Ok(pod) => println!("  request {:>2}: answered by {pod}", i + 1),
+                Ok(pod) => {
+                    println!("  request {:>2}: answered by {pod}", i + 1);
+                    *per_pod.entry(pod.clone()).or_insert(0) += 1;
+                }
                 Err(e) => {
                     failures += 1;
                     println!("  request {:>2}: FAILED: {e}", i + 1);
                 }
             }
         }
+        let summary: Vec<String> = per_pod.iter().map(|(pod, n)| format!("{pod}: {n}")).collect();
+        println!("  answered by {} pods ({})", per_pod.len(), summary.join(", "));
     }
     step("xproxy status (the live data path)");
     print!("{}", agent.status()?);
