@@ -1,7 +1,9 @@
 //! The guest's `/init` and the markers it prints on the serial console.
 //!
 //! `/init` is a busybox shell script: it mounts proc, sysfs, devtmpfs,
-//! bpffs, debugfs and tmpfs on /tmp and /run, loads the modules, prints the
+//! bpffs, debugfs and tmpfs on /run (not on /tmp: the initramfs is writable
+//! already, and the test executables sit at their host paths, which may be
+//! under /tmp in a CI clone), loads the modules, prints the
 //! kernel release, then runs each step between a `BEGIN` and an `END` marker
 //! (with the step's exit code) and powers off. The host reads the markers
 //! (`run::Parser`); everything else on the console is the steps' own output.
@@ -47,7 +49,7 @@ step() {
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
-mount -t tmpfs tmpfs /tmp
+mkdir -p /tmp
 mount -t tmpfs tmpfs /run
 mount -t bpf bpf /sys/fs/bpf
 mount -t debugfs debugfs /sys/kernel/debug
