@@ -56,24 +56,10 @@ pub fn install(iptables: &mut dyn Iptables, mark: u32) -> Result<()> {
 /// Removes the chain and every jump to it; false if there was none.
 pub fn remove(iptables: &mut dyn Iptables) -> Result<bool> {
     let saved = Saved::parse(&iptables.save().context("reading the current rules")?);
-    let has_chain = saved
-        .tables
-        .get("nat")
-        .is_some_and(|nat| nat.chains.iter().any(|c| c == CHAIN));
-    let jumps = jumps(&saved);
-    if !has_chain && jumps.is_empty() {
+    let (input, _) = restore::removal(&saved, |table, chain| table == "nat" && chain == CHAIN);
+    if input.is_empty() {
         return Ok(false);
     }
-    let mut input = String::from("*nat\n");
-    for rule in &jumps {
-        if let Some(spec) = rule.strip_prefix("-A ") {
-            input.push_str(&format!("-D {spec}\n"));
-        }
-    }
-    if has_chain {
-        input.push_str(&format!(":{CHAIN} - [0:0]\n-X {CHAIN}\n"));
-    }
-    input.push_str("COMMIT\n");
     iptables.restore(&input).context("removing the SNAT fallback rules")?;
     Ok(true)
 }

@@ -289,37 +289,7 @@ pub fn cleanup() -> Result<usize> {
 /// [`cleanup`] through `iptables`.
 pub fn cleanup_with(iptables: &mut dyn Iptables) -> Result<usize> {
     let saved = Saved::parse(&iptables.save().context("reading the current rules")?);
-    let mut input = String::new();
-    let mut removed = 0;
-    for (name, table) in &saved.tables {
-        let ours: Vec<&String> = table.chains.iter().filter(|c| chains::is_ours(name, c)).collect();
-        let jumps: Vec<&String> = table
-            .rules
-            .iter()
-            .filter(|r| {
-                !restore::rule_chain(r).is_some_and(|c| chains::is_ours(name, c))
-                    && restore::rule_target(r).is_some_and(|t| chains::is_ours(name, t))
-            })
-            .collect();
-        if ours.is_empty() && jumps.is_empty() {
-            continue;
-        }
-        input.push_str(&format!("*{name}\n"));
-        // Flush every chain first, so none is referenced when deleted.
-        for chain in &ours {
-            input.push_str(&format!(":{chain} - [0:0]\n"));
-        }
-        for rule in &jumps {
-            if let Some(spec) = rule.strip_prefix("-A ") {
-                input.push_str(&format!("-D {spec}\n"));
-            }
-        }
-        for chain in &ours {
-            input.push_str(&format!("-X {chain}\n"));
-        }
-        input.push_str("COMMIT\n");
-        removed += ours.len();
-    }
+    let (input, removed) = restore::removal(&saved, chains::is_ours);
     if input.is_empty() {
         return Ok(0);
     }

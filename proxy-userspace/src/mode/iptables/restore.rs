@@ -192,6 +192,44 @@ pub fn rule_target(rule: &str) -> Option<&str> {
     None
 }
 
+/// `iptables-restore --noflush` input that removes the chains `is_ours`
+/// picks (by table and chain name) and every rule elsewhere that jumps to
+/// them: chains are flushed first so none is referenced when deleted.
+/// Returns the input (empty if there is nothing to remove) and how many
+/// chains it removes. Every mode's cleanup goes through this.
+pub fn removal(saved: &Saved, is_ours: impl Fn(&str, &str) -> bool) -> (String, usize) {
+    let mut input = String::new();
+    let mut removed = 0;
+    for (name, table) in &saved.tables {
+        let ours: Vec<&String> = table.chains.iter().filter(|c| is_ours(name, c)).collect();
+        let jumps: Vec<&String> = table
+            .rules
+            .iter()
+            .filter(|r| {
+                !rule_chain(r).is_some_and(|c| is_ours(name, c)) && rule_target(r).is_some_and(|t| is_ours(name, t))
+            })
+            .collect();
+        if ours.is_empty() && jumps.is_empty() {
+            continue;
+        }
+        input.push_str(&format!("*{name}\n"));
+        for chain in &ours {
+            input.push_str(&format!(":{chain} - [0:0]\n"));
+        }
+        for rule in &jumps {
+            if let Some(spec) = rule.strip_prefix("-A ") {
+                input.push_str(&format!("-D {spec}\n"));
+            }
+        }
+        for chain in &ours {
+            input.push_str(&format!("-X {chain}\n"));
+        }
+        input.push_str("COMMIT\n");
+        removed += ours.len();
+    }
+    (input, removed)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

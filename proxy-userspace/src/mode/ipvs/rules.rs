@@ -24,7 +24,7 @@ use anyhow::{Context, Result};
 use crate::mode::{
     iptables::{
         Iptables, SystemIptables,
-        restore::{Saved, rule_chain, rule_target},
+        restore::{Saved, removal, rule_chain, rule_target},
     },
     options::LocalTraffic,
 };
@@ -171,43 +171,8 @@ pub fn cleanup() -> Result<usize> {
         return Ok(0);
     }
     let saved = Saved::parse(&system.save().context("reading the current rules")?);
-    let mut input = String::new();
-    let mut removed = 0;
-    for (table, chains) in CHAINS {
-        let Some(have) = saved.tables.get(table) else {
-            continue;
-        };
-        let ours: Vec<&str> = chains
-            .iter()
-            .copied()
-            .filter(|c| have.chains.iter().any(|h| h == c))
-            .collect();
-        let jumps: Vec<&String> = have
-            .rules
-            .iter()
-            .filter(|r| {
-                !rule_chain(r).is_some_and(|c| chains.contains(&c))
-                    && rule_target(r).is_some_and(|t| chains.contains(&t))
-            })
-            .collect();
-        if ours.is_empty() && jumps.is_empty() {
-            continue;
-        }
-        input.push_str(&format!("*{table}\n"));
-        for chain in &ours {
-            input.push_str(&format!(":{chain} - [0:0]\n"));
-        }
-        for rule in jumps {
-            if let Some(spec) = rule.strip_prefix("-A ") {
-                input.push_str(&format!("-D {spec}\n"));
-            }
-        }
-        for chain in &ours {
-            input.push_str(&format!("-X {chain}\n"));
-        }
-        input.push_str("COMMIT\n");
-        removed += ours.len();
-    }
+    let is_ours = |table: &str, chain: &str| CHAINS.iter().any(|(t, chains)| *t == table && chains.contains(&chain));
+    let (input, removed) = removal(&saved, is_ours);
     if !input.is_empty() {
         system.restore(&input).context("removing the IPVS mode's chains")?;
     }
