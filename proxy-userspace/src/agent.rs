@@ -34,10 +34,11 @@ pub trait Observer: Send + Sync {
     fn node_updated(&self, node: Option<&Node>);
 }
 
-/// An observer that only logs (tests, and before the servers are wired).
-pub struct LogObserver;
+/// An observer that ignores everything (the agent loop logs by itself): for
+/// tests that need no health or metrics.
+pub struct NullObserver;
 
-impl Observer for LogObserver {
+impl Observer for NullObserver {
     fn change_queued(&self, _at: Instant) {}
     fn synced(&self, _report: &SyncReport, _took: Duration, _oldest_change: Option<Instant>) {}
     fn sync_failed(&self, _error: &anyhow::Error) {}
@@ -232,7 +233,7 @@ mod tests {
     async fn nothing_is_programmed_until_both_kinds_are_listed() {
         let fake = Fake::default();
         let policy = SyncPolicy::new(Duration::from_millis(10), Duration::from_secs(30));
-        let agent = Agent::new(Reconciler::new(Box::new(fake.clone())), policy, Arc::new(LogObserver));
+        let agent = Agent::new(Reconciler::new(Box::new(fake.clone())), policy, Arc::new(NullObserver));
         let (tx, rx) = mpsc::channel(16);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(agent.run(rx, async move { stopped.await.unwrap_or(()) }));
