@@ -175,6 +175,7 @@ impl Agent {
                         services = desired.ports.len(),
                         changed = report.service_changes,
                         kernel_writes = report.kernel_writes,
+                        stale_udp_flow_deletions = report.stale_flow_deletions,
                         took_ms = took.as_secs_f64() * 1e3,
                         "synced"
                     );

@@ -38,10 +38,9 @@
 //! | NodePort on localhost, `127.0.0.1:30791`        | refused                     | answers (`localhostNodePorts`, `route_localnet=1`) | refused (as kube-proxy's nftables mode) | answers
 //! | source a backend sees of NodePort traffic       | the client's (no SNAT: every backend is on this node; one on another node would see the node's) | the node's (masquerade) | the node's (masquerade) | the node's
 //! | UDP from the node to a Service without endpoints | ECONNREFUSED (the program's ICMP port unreachable) | EPERM at `send` (REJECT drops the node's own packet) | EPERM at `send` | EPERM at `send`
-//! | a UDP flow whose endpoint left the Service      | moves to a remaining endpoint | stays on the old endpoint until its conntrack entry expires (30 s idle) | the same as iptables | moves (kube-proxy deletes the flow's conntrack entries after the sync)
+//! | a UDP flow whose endpoint left the Service      | moves to a remaining endpoint (the program's own conntrack) | moves (the agent deletes the flow's conntrack entries after the sync) | moves (the same) | moves (kube-proxy deletes them too)
 //!
-//! The last row is a gap of the kernel modes, not a design choice; the
-//! others follow from where each mode translates. The same in every mode
+//! The differences follow from where each mode translates. The same in every mode
 //! (asserted too): a backend sees a ClusterIP request from a pod with the
 //! pod's address and one from the node with `NODE_IP` (no `clusterCIDR` is
 //! configured, so nothing is masqueraded as off-cluster traffic).
@@ -257,10 +256,10 @@ impl Mode {
         match self {
             // A tracked flow whose backend is gone picks a new one.
             Mode::Ebpf => StaleFlow::Moves,
-            // The kernel's conntrack entry keeps the old DNAT until it
-            // expires (30 s without packets); kube-proxy deletes such
-            // entries after a sync, these modes do not yet.
-            Mode::Iptables | Mode::Nftables => StaleFlow::StaysUntilExpired,
+            // The kernel's conntrack entry would keep the old DNAT until it
+            // expires (30 s without packets); the agent deletes such
+            // entries after the sync, as kube-proxy does.
+            Mode::Iptables | Mode::Nftables => StaleFlow::Moves,
         }
     }
 

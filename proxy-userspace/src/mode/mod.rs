@@ -1,6 +1,7 @@
 //! Data-plane modes. Each one programs the kernel from the same model
 //! through the same interface, so every mode can be compared on equal terms.
 
+pub mod conntrack;
 pub mod ebpf;
 pub mod fake;
 pub mod iptables;
@@ -44,4 +45,11 @@ pub trait Dataplane: Send {
     /// Kernel writes (map updates, rules, ...) issued so far: a sync that
     /// finds everything in place adds none.
     fn kernel_writes(&self) -> u64;
+
+    /// Whether UDP flows are translated by the kernel's conntrack (netfilter
+    /// NAT), so that the flows of an endpoint that left must be deleted
+    /// after a sync ([`conntrack`]). The ebpf mode tracks its own flows.
+    fn nat_in_kernel_conntrack(&self) -> bool {
+        false
+    }
 }

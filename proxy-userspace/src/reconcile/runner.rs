@@ -13,9 +13,13 @@ use std::{
 };
 
 use anyhow::Result;
+use tracing::warn;
 
 use super::diff;
-use crate::{mode::Dataplane, model::ServicePort};
+use crate::{
+    mode::{Dataplane, conntrack},
+    model::ServicePort,
+};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SyncPolicy {
@@ -142,12 +146,18 @@ pub struct SyncReport {
     pub endpoint_changes: usize,
     /// Kernel writes the mode issued (0 when everything was in place).
     pub kernel_writes: u64,
+    /// `conntrack -D` calls for UDP flows the sync left stale.
+    pub stale_flow_deletions: u64,
 }
 
 /// Holds the mode and what it was last told successfully.
 pub struct Reconciler {
     mode: Box<dyn Dataplane>,
     applied: BTreeMap<String, ServicePort>,
+    /// Whether `applied` is what the kernel had before the current sync:
+    /// not at start (an earlier run may have left anything) nor after a
+    /// failure.
+    applied_known: bool,
 }
 
 impl Reconciler {
@@ -155,6 +165,7 @@ impl Reconciler {
         Self {
             mode,
             applied: BTreeMap::new(),
+            applied_known: false,
         }
     }
 
@@ -172,6 +183,7 @@ impl Reconciler {
             service_changes: plan.upsert.len() + plan.remove.len(),
             endpoint_changes: plan.endpoint_changes(),
             kernel_writes: 0,
+            stale_flow_deletions: 0,
         };
         let writes_before = self.mode.kernel_writes();
         let result = if full {
@@ -183,13 +195,40 @@ impl Reconciler {
         };
         match result {
             Ok(()) => {
-                self.applied = desired.clone();
                 report.kernel_writes = self.mode.kernel_writes() - writes_before;
+                report.stale_flow_deletions = self.delete_stale_flows(desired);
+                self.applied = desired.clone();
+                self.applied_known = true;
                 Ok(report)
             }
             Err(e) => {
                 self.applied.clear();
+                self.applied_known = false;
                 Err(e)
+            }
+        }
+    }
+}
+
+impl Reconciler {
+    /// Deletes the kernel's conntrack entries of UDP flows whose endpoint
+    /// left (after the new state is in place, so the flows' next packets
+    /// pick a current endpoint). Skipped after a restart or a failure, when
+    /// nothing is known of the state before. A failure here is logged, not
+    /// fatal: the flows still expire on their own.
+    fn delete_stale_flows(&self, desired: &BTreeMap<String, ServicePort>) -> u64 {
+        if !self.mode.nat_in_kernel_conntrack() || !self.applied_known {
+            return 0;
+        }
+        let stale = conntrack::stale_flows(&self.applied, desired);
+        if stale.is_empty() {
+            return 0;
+        }
+        match conntrack::delete(&stale) {
+            Ok(calls) => calls,
+            Err(e) => {
+                warn!(error = format!("{e:#}"), "deleting stale UDP flows");
+                0
             }
         }
     }

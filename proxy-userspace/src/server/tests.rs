@@ -17,6 +17,7 @@ fn report(full: bool, service_changes: usize, endpoint_changes: usize) -> SyncRe
         service_changes,
         endpoint_changes,
         kernel_writes: 3,
+        stale_flow_deletions: 0,
     }
 }
 

@@ -286,6 +286,10 @@ impl Dataplane for IpvsMode {
         "ipvs"
     }
 
+    fn nat_in_kernel_conntrack(&self) -> bool {
+        true
+    }
+
     fn apply(&mut self, plan: &Plan) -> Result<()> {
         if plan.is_empty() {
             return Ok(());

@@ -110,6 +110,10 @@ impl Dataplane for NftablesMode {
         "nftables"
     }
 
+    fn nat_in_kernel_conntrack(&self) -> bool {
+        true
+    }
+
     fn apply(&mut self, plan: &Plan) -> Result<()> {
         if plan.is_empty() {
             return Ok(());

@@ -1,0 +1,254 @@
+//! Stale UDP flows in the kernel's connection tracking.
+//!
+//! The iptables and nftables modes translate in netfilter: the first packet
+//! of a UDP flow picks an endpoint and the kernel's conntrack entry keeps
+//! that choice for every later packet. When the endpoint leaves the Service
+//! the entry still points at it, and a client that keeps sending (DNS does)
+//! never moves on until the entry idles out. kube-proxy deletes such entries
+//! after each sync; so do we, with the same filters kube-proxy used with the
+//! `conntrack` tool:
+//! - an endpoint left a UDP Service port: entries whose original destination
+//!   is the ClusterIP (or whose original destination port is the node port)
+//!   and whose DNAT target is the endpoint;
+//! - a UDP Service port got its first endpoint: entries to the ClusterIP or
+//!   node port made while it had none (rejected or unanswered, but tracked:
+//!   without a flush the client's next packets would match them, untranslated).
+//!
+//! TCP needs none of this: a connection to a gone endpoint is reset or times
+//! out, and the client's next connection is a new flow.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+    process::Command,
+};
+
+use anyhow::{Context, Result, bail};
+use tracing::debug;
+
+use super::usable_endpoints;
+use crate::model::{Protocol, ServicePort};
+
+/// One `conntrack -D` filter (UDP only).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum StaleFlows {
+    /// Flows to `cluster_ip` DNATed to `endpoint`.
+    ToClusterIp { cluster_ip: Ipv4Addr, endpoint: Ipv4Addr },
+    /// Flows to any node address on `node_port` DNATed to `endpoint`.
+    ToNodePort { node_port: u16, endpoint: Ipv4Addr },
+    /// Every flow to `cluster_ip` (the port had no endpoints).
+    AllToClusterIp { cluster_ip: Ipv4Addr },
+    /// Every flow to any node address on `node_port`.
+    AllToNodePort { node_port: u16 },
+}
+
+impl StaleFlows {
+    /// The `conntrack` arguments that delete these flows.
+    pub fn conntrack_args(&self) -> Vec<String> {
+        let mut args: Vec<String> = ["-D", "-p", "udp"].map(String::from).to_vec();
+        let mut push = |flag: &str, value: String| {
+            args.push(flag.to_owned());
+            args.push(value);
+        };
+        match self {
+            StaleFlows::ToClusterIp { cluster_ip, endpoint } => {
+                push("--orig-dst", cluster_ip.to_string());
+                push("--dst-nat", endpoint.to_string());
+            }
+            StaleFlows::ToNodePort { node_port, endpoint } => {
+                push("--orig-port-dst", node_port.to_string());
+                push("--dst-nat", endpoint.to_string());
+            }
+            StaleFlows::AllToClusterIp { cluster_ip } => push("--orig-dst", cluster_ip.to_string()),
+            StaleFlows::AllToNodePort { node_port } => push("--orig-port-dst", node_port.to_string()),
+        }
+        args
+    }
+}
+
+/// The flows a sync from `applied` to `desired` left stale, for the modes
+/// whose translations live in the kernel's conntrack. `applied` must be a
+/// state that was in the kernel (not empty after a restart: then every
+/// port would look new and every flow would be flushed).
+pub fn stale_flows(
+    applied: &BTreeMap<String, ServicePort>,
+    desired: &BTreeMap<String, ServicePort>,
+) -> BTreeSet<StaleFlows> {
+    let mut stale = BTreeSet::new();
+    for (name, old) in applied.iter().filter(|(_, p)| p.protocol == Protocol::Udp) {
+        let new = desired.get(name).filter(|new| same_frontends(old, new));
+        let still_used: BTreeSet<Ipv4Addr> = new
+            .map(|new| usable_endpoints(&new.endpoints).iter().map(|e| e.addr).collect())
+            .unwrap_or_default();
+        for endpoint in usable_endpoints(&old.endpoints) {
+            if still_used.contains(&endpoint.addr) {
+                continue;
+            }
+            stale.insert(StaleFlows::ToClusterIp {
+                cluster_ip: old.cluster_ip,
+                endpoint: endpoint.addr,
+            });
+            if let Some(node_port) = old.node_port {
+                stale.insert(StaleFlows::ToNodePort {
+                    node_port,
+                    endpoint: endpoint.addr,
+                });
+            }
+        }
+    }
+    for (name, new) in desired.iter().filter(|(_, p)| p.protocol == Protocol::Udp) {
+        let had_none = applied
+            .get(name)
+            .is_none_or(|old| usable_endpoints(&old.endpoints).is_empty());
+        if had_none && !usable_endpoints(&new.endpoints).is_empty() {
+            stale.insert(StaleFlows::AllToClusterIp {
+                cluster_ip: new.cluster_ip,
+            });
+            if let Some(node_port) = new.node_port {
+                stale.insert(StaleFlows::AllToNodePort { node_port });
+            }
+        }
+    }
+    stale
+}
+
+/// Whether `new` is still reached at `old`'s addresses (else every flow of
+/// `old` is stale, whatever the endpoints).
+fn same_frontends(old: &ServicePort, new: &ServicePort) -> bool {
+    old.cluster_ip == new.cluster_ip && old.port == new.port && old.node_port == new.node_port
+}
+
+/// Deletes `flows` with the `conntrack` tool (conntrack-tools); returns how
+/// many `conntrack` calls were made. A filter that matches nothing is fine.
+pub fn delete(flows: &BTreeSet<StaleFlows>) -> Result<u64> {
+    for flow in flows {
+        let args = flow.conntrack_args();
+        let output = Command::new("conntrack")
+            .args(&args)
+            .output()
+            .context("running conntrack (conntrack-tools) to delete stale UDP flows")?;
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        // conntrack exits 1 when nothing matched ("0 flow entries have been deleted").
+        let nothing_matched = stderr.contains("0 flow entries");
+        if !output.status.success() && !nothing_matched {
+            bail!("conntrack {}: {}: {}", args.join(" "), output.status, stderr.trim());
+        }
+        debug!(args = args.join(" "), result = stderr.trim(), "deleted stale UDP flows");
+    }
+    Ok(flows.len() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Endpoint;
+
+    const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+
+    fn pod(last: u8) -> Ipv4Addr {
+        Ipv4Addr::new(10, 244, 0, last)
+    }
+
+    fn port(protocol: Protocol, node_port: Option<u16>, endpoints: &[u8]) -> ServicePort {
+        ServicePort {
+            name: "default/dns:dns".into(),
+            protocol,
+            cluster_ip: CLUSTER_IP,
+            port: 53,
+            node_port,
+            endpoints: endpoints.iter().map(|e| Endpoint::ready(pod(*e), 5353)).collect(),
+        }
+    }
+
+    fn state(port: ServicePort) -> BTreeMap<String, ServicePort> {
+        BTreeMap::from([(port.name.clone(), port)])
+    }
+
+    #[test]
+    fn a_removed_udp_endpoint_makes_its_flows_stale() {
+        let stale = stale_flows(
+            &state(port(Protocol::Udp, Some(30053), &[1, 2])),
+            &state(port(Protocol::Udp, Some(30053), &[1])),
+        );
+        assert_eq!(
+            stale,
+            BTreeSet::from([
+                StaleFlows::ToClusterIp {
+                    cluster_ip: CLUSTER_IP,
+                    endpoint: pod(2)
+                },
+                StaleFlows::ToNodePort {
+                    node_port: 30053,
+                    endpoint: pod(2)
+                },
+            ])
+        );
+    }
+
+    #[test]
+    fn tcp_and_unchanged_ports_need_nothing() {
+        let tcp = stale_flows(
+            &state(port(Protocol::Tcp, None, &[1, 2])),
+            &state(port(Protocol::Tcp, None, &[1])),
+        );
+        assert!(tcp.is_empty(), "{tcp:?}");
+        let same = stale_flows(
+            &state(port(Protocol::Udp, None, &[1, 2])),
+            &state(port(Protocol::Udp, None, &[2, 1])),
+        );
+        assert!(same.is_empty(), "{same:?}");
+    }
+
+    #[test]
+    fn a_removed_port_makes_every_endpoint_stale() {
+        let stale = stale_flows(&state(port(Protocol::Udp, None, &[1, 2])), &BTreeMap::new());
+        assert_eq!(stale.len(), 2, "{stale:?}");
+    }
+
+    #[test]
+    fn a_terminating_endpoint_that_still_serves_is_not_stale() {
+        // With no ready endpoint left, serving-terminating ones take the
+        // traffic (usable_endpoints): their flows must survive.
+        let mut draining = port(Protocol::Udp, None, &[1]);
+        draining.endpoints[0].ready = false;
+        draining.endpoints[0].serving = true;
+        draining.endpoints[0].terminating = true;
+        let stale = stale_flows(&state(port(Protocol::Udp, None, &[1])), &state(draining));
+        assert!(stale.is_empty(), "{stale:?}");
+    }
+
+    #[test]
+    fn the_first_endpoint_flushes_what_was_tracked_without_one() {
+        let stale = stale_flows(
+            &state(port(Protocol::Udp, Some(30053), &[])),
+            &state(port(Protocol::Udp, Some(30053), &[1])),
+        );
+        assert_eq!(
+            stale,
+            BTreeSet::from([
+                StaleFlows::AllToClusterIp { cluster_ip: CLUSTER_IP },
+                StaleFlows::AllToNodePort { node_port: 30053 },
+            ])
+        );
+        // A brand-new port too: an earlier sync may have left it endpoint-less.
+        let new = stale_flows(&BTreeMap::new(), &state(port(Protocol::Udp, None, &[1])));
+        assert_eq!(
+            new,
+            BTreeSet::from([StaleFlows::AllToClusterIp { cluster_ip: CLUSTER_IP }])
+        );
+    }
+
+    #[test]
+    fn conntrack_arguments_match_kube_proxys_filters() {
+        let flow = StaleFlows::ToNodePort {
+            node_port: 30053,
+            endpoint: pod(2),
+        };
+        assert_eq!(
+            flow.conntrack_args().join(" "),
+            "-D -p udp --orig-port-dst 30053 --dst-nat 10.244.0.2"
+        );
+        let all = StaleFlows::AllToClusterIp { cluster_ip: CLUSTER_IP };
+        assert_eq!(all.conntrack_args().join(" "), "-D -p udp --orig-dst 10.96.0.10");
+    }
+}
