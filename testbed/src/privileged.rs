@@ -21,6 +21,27 @@ pub fn require_root(test: &str) -> bool {
     }
 }
 
+/// Like [`require_root`], for tests that need IPVS, which this machine's
+/// kernel may lack: they run where `XPROXY_IPVS_TESTS=1` (set by `cargo
+/// xtask vm`, whose 6.1 guest loads `ip_vs`) and fail there if IPVS is
+/// missing; elsewhere they run only when `/proc/net/ip_vs` exists and are
+/// skipped with a message otherwise.
+pub fn require_ipvs(test: &str) -> bool {
+    if !require_root(test) {
+        return false;
+    }
+    let demanded = std::env::var("XPROXY_IPVS_TESTS").is_ok_and(|v| v == "1");
+    let present = std::path::Path::new("/proc/net/ip_vs").exists();
+    match (present, demanded) {
+        (true, _) => true,
+        (false, true) => panic!("{test}: XPROXY_IPVS_TESTS=1 but this kernel has no IPVS (/proc/net/ip_vs is missing)"),
+        (false, false) => {
+            eprintln!("skipping {test}: this kernel has no IPVS (/proc/net/ip_vs is missing); run `cargo xtask vm`");
+            false
+        }
+    }
+}
+
 pub fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }

@@ -273,3 +273,28 @@ pub fn check_non_service(topo: &Topology, checks: &mut Checks) {
             .and_then(|r| Ok(format!("rtt {:?}", r?))),
     );
 }
+
+/// `ipvsadm -Ln` output as `"PROTO VS SCHEDULER" -> ["REAL WEIGHT", ...]`,
+/// sorted (the kernel lists virtual servers in hash order).
+pub fn ipvs_virtual_servers(listing: &str) -> BTreeMap<String, Vec<String>> {
+    let mut servers: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut current = None;
+    for line in listing.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            [proto @ ("TCP" | "UDP"), vs, scheduler, ..] => {
+                let key = format!("{proto} {vs} {scheduler}");
+                servers.insert(key.clone(), Vec::new());
+                current = Some(key);
+            }
+            ["->", real, "Masq", weight, ..] => {
+                if let Some(reals) = current.as_ref().and_then(|key| servers.get_mut(key)) {
+                    reals.push(format!("{real} {weight}"));
+                    reals.sort();
+                }
+            }
+            _ => {}
+        }
+    }
+    servers
+}

@@ -5,7 +5,8 @@
 //! changed real servers; a terminating endpoint draining with weight 0; a
 //! full sync that finds everything in place writing nothing; a scheduler
 //! change; removal; cleanup leaving no virtual server, no `kube-ipvs0`, no
-//! `KUBE-` chain or ipset.
+//! `KUBE-` chain or ipset. (The seed scenario through the agent in IPVS
+//! mode is in `modes.rs`, with every other mode.)
 //!
 //! This machine's kernel may have no IPVS: the tests run where
 //! `XPROXY_IPVS_TESTS=1` (set by `cargo xtask vm`, whose 6.1 guest loads
@@ -24,38 +25,14 @@ use proxy_userspace::{
     model::{Endpoint, Protocol, ServicePort},
     reconcile::Plan,
 };
-use std::time::Duration;
 use xproxy_tests::{
-    agent_harness::{AgentBed, backend_ips, seed_node_port, seed_objects, slice, yaml_documents},
     netns::{self, Netns},
-    privileged::require_root,
-    scenario::{REQUESTS, SEED_CLUSTER_IP, SEED_PORT, expect_all_backends, expect_backends},
-    topology::TARGET_PORT,
+    privileged::{require_ipvs, require_root},
+    scenario::ipvs_virtual_servers,
 };
 
 const SEED_NAME: &str = "default/nginx-service";
 const NODE_IP: Ipv4Addr = Ipv4Addr::new(172, 30, 0, 2);
-
-/// Whether the IPVS tests run here (see the module comment); panics when
-/// they are demanded but IPVS is missing.
-fn ipvs_available(test: &str) -> bool {
-    if !require_root(test) {
-        return false;
-    }
-    let demanded = std::env::var("XPROXY_IPVS_TESTS").is_ok_and(|v| v == "1");
-    let present = Path::new("/proc/net/ip_vs").exists();
-    match (present, demanded) {
-        (true, _) => true,
-        (false, true) => panic!("{test}: XPROXY_IPVS_TESTS=1 but this kernel has no IPVS (/proc/net/ip_vs is missing)"),
-        (false, false) => {
-            eprintln!(
-                "skipping {test}: this kernel has no IPVS (/proc/net/ip_vs is missing); \
-                 run `cargo xtask vm --tests mode_ipvs`"
-            );
-            false
-        }
-    }
-}
 
 fn endpoint(last: u8) -> Endpoint {
     Endpoint::ready(Ipv4Addr::new(10, 244, 0, last), 80)
@@ -93,31 +70,11 @@ fn run_in_ns(ns: &Netns, program: &str, args: &[&str]) -> String {
     netns::run(&mut cmd).unwrap_or_else(|e| panic!("{program} {args:?}: {e:#}"))
 }
 
-/// `ipvsadm -Ln` as `"PROTO VS SCHEDULER" -> ["REAL WEIGHT", ...]`, sorted
-/// (the kernel lists virtual servers in hash order).
+/// `ipvsadm -Ln` in `ns`, parsed.
 fn ipvsadm(ns: &Netns) -> BTreeMap<String, Vec<String>> {
     let text = run_in_ns(ns, "ipvsadm", &["-Ln"]);
     eprintln!("ipvsadm -Ln:\n{text}");
-    let mut servers: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    let mut current = None;
-    for line in text.lines() {
-        let words: Vec<&str> = line.split_whitespace().collect();
-        match words.as_slice() {
-            [proto @ ("TCP" | "UDP"), vs, scheduler, ..] => {
-                let key = format!("{proto} {vs} {scheduler}");
-                servers.insert(key.clone(), Vec::new());
-                current = Some(key);
-            }
-            ["->", real, "Masq", weight, ..] => {
-                let key = current.as_ref().expect("a real server before any virtual server");
-                let reals = servers.get_mut(key).expect("the current virtual server");
-                reals.push(format!("{real} {weight}"));
-                reals.sort();
-            }
-            _ => {}
-        }
-    }
-    servers
+    ipvs_virtual_servers(&text)
 }
 
 fn expected(scheduler: &str, reals: &[(&str, u32)]) -> BTreeMap<String, Vec<String>> {
@@ -138,7 +95,7 @@ fn in_ns<R: Send>(ns: &Netns, f: impl FnOnce() -> R + Send) -> R {
 
 #[test]
 fn seed_partial_updates_draining_and_cleanup() {
-    if !ipvs_available("seed_partial_updates_draining_and_cleanup") {
+    if !require_ipvs("seed_partial_updates_draining_and_cleanup") {
         return;
     }
     let ns = Netns::new("ipvs-").expect("a namespace");
@@ -290,87 +247,4 @@ fn a_kernel_without_ipvs_is_reported() -> Result<()> {
         in_ns(&ns, ipvs::cleanup)?;
     }
     Ok(())
-}
-
-/// The seed scenario through the real agent (`xproxy run --mode ipvs`) in
-/// the node namespace of the test bed: every pod answers through the
-/// NodePort from the outside client and through the ClusterIP from a pod
-/// and from the node; `ipvsadm -Ln` in the node shows the virtual servers;
-/// `xproxy cleanup` removes them and `kube-ipvs0`.
-#[test]
-fn seed_scenario_through_the_agent() {
-    if !ipvs_available("seed_scenario_through_the_agent") {
-        return;
-    }
-    let within = Duration::from_secs(30);
-    let mut bed = AgentBed::new("ipvs-e2e").expect("the test bed");
-    bed.copy_seed_manifests().expect("the seed manifests");
-    let args = bed.manifest_args();
-    bed.start_agent_in("ipvs", &args).expect("starting the agent");
-    bed.wait_first_sync(within)
-        .unwrap_or_else(|e| panic!("{e:#}\nagent log:\n{}", bed.log()));
-    bed.wait_answering(seed_node_port(), within)
-        .unwrap_or_else(|e| panic!("{e:#}\nagent log:\n{}", bed.log()));
-    let listing = run_in_ns(&bed.topo.node, "ipvsadm", &["-Ln"]);
-    eprintln!("ipvsadm -Ln in the node:\n{listing}");
-    let cluster_ip = std::net::SocketAddrV4::new(SEED_CLUSTER_IP, SEED_PORT);
-    let mut failures = Vec::new();
-    for (what, from, addr) in [
-        ("client", &bed.topo.client, seed_node_port()),
-        ("client pod", &bed.topo.client_pod.ns, cluster_ip),
-        ("node", &bed.topo.node, cluster_ip),
-    ] {
-        match expect_all_backends(from, Protocol::Tcp, addr) {
-            Ok(seen) => eprintln!("TCP {what} -> {addr}: {seen}"),
-            Err(e) => failures.push(format!("TCP {what} -> {addr}: {e:#}")),
-        }
-    }
-
-    // pod-3 leaves the EndpointSlice: the agent's partial sync takes it
-    // out of both virtual servers; pod-1 and pod-2 answer.
-    let mut objects = seed_objects();
-    objects[1] = slice("nginx-service-demo", "nginx-service", TARGET_PORT, &backend_ips()[..2]);
-    bed.write_manifest("nginx.yaml", &yaml_documents(&objects))
-        .expect("writing the manifest");
-    netns::wait_for("pod-3 to leave the virtual servers", within, || {
-        let listing = ipvsadm(&bed.topo.node);
-        if listing.values().flatten().any(|real| real.starts_with("10.244.0.13:")) {
-            Err(format!("still there: {listing:?}"))
-        } else {
-            Ok(())
-        }
-    })
-    .unwrap_or_else(|e| panic!("{e:#}\nagent log:\n{}", bed.log()));
-    for (what, from, addr) in [
-        ("client", &bed.topo.client, seed_node_port()),
-        ("client pod", &bed.topo.client_pod.ns, cluster_ip),
-    ] {
-        match expect_backends(from, Protocol::Tcp, addr, &["pod-1", "pod-2"], REQUESTS) {
-            Ok(seen) => eprintln!("after pod-3 left: TCP {what} -> {addr}: {seen}"),
-            Err(e) => failures.push(format!("after pod-3 left: TCP {what} -> {addr}: {e:#}")),
-        }
-    }
-    let log = bed.log();
-    let partial: Vec<&str> = log
-        .lines()
-        .filter(|l| l.contains("synced") && l.contains("full=false"))
-        .collect();
-    eprintln!("partial syncs in the agent's log:\n{}", partial.join("\n"));
-    if partial.is_empty() {
-        failures.push("no partial sync in the agent's log".into());
-    }
-
-    let status = bed.stop_agent(libc::SIGTERM).expect("stopping the agent");
-    assert!(status.success(), "the agent exited with {status}:\n{}", bed.log());
-    let output = bed.cleanup().expect("xproxy cleanup");
-    eprintln!("xproxy cleanup:\n{output}");
-    assert_eq!(ipvsadm(&bed.topo.node), BTreeMap::new());
-    let links = bed.topo.node.ip(&["-o", "link", "show"]).expect("ip link");
-    assert!(!links.contains("kube-ipvs0"), "kube-ipvs0 left:\n{links}");
-    assert!(
-        failures.is_empty(),
-        "{}\nagent log:\n{}",
-        failures.join("\n"),
-        bed.log()
-    );
 }

@@ -64,8 +64,14 @@ pub struct Options {
     /// Debian kernel series: the newest `linux-image-<SERIES>.*-cloud-amd64-unsigned` is used.
     #[arg(long, default_value = "6.1")]
     pub kernel: String,
-    /// Test targets of xproxy-tests to run in the VM, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "verifier,packet,fuzz,e2e,mode_ipvs")]
+    /// Test targets of xproxy-tests to run in the VM, comma-separated;
+    /// `TARGET:FILTER` runs only the tests of TARGET whose name contains
+    /// FILTER (`modes:ipvs`: the per-mode suite's IPVS tests).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "verifier,packet,fuzz,e2e,mode_ipvs,modes:ipvs"
+    )]
     pub tests: Vec<String>,
     /// Keep the unpacked initramfs tree next to the archive (for inspection).
     #[arg(long)]
@@ -88,8 +94,11 @@ pub struct Options {
 /// A test executable of [`TEST_PACKAGE`], or a binary the tests start.
 #[derive(Debug, Clone)]
 pub struct Executable {
-    /// The cargo target name (`packet`, `xproxy-test-apiserver`, ...).
+    /// The cargo target name (`packet`, `xproxy-test-apiserver`, ...), or
+    /// for a filtered test run `TARGET:FILTER`.
     pub name: String,
+    /// For a test run: only the tests whose name contains this.
+    pub filter: Option<String>,
     /// Its path on the host; the VM has it at the same path, so paths the
     /// tests compile in (`CARGO_BIN_EXE_*`, `target/<profile>/...`) resolve.
     pub path: PathBuf,
@@ -243,20 +252,31 @@ fn build_tests(root: &Path, names: &[String]) -> Result<(Vec<Executable>, Vec<Ex
     if names.is_empty() {
         bail!("no tests chosen (--tests)");
     }
+    let chosen: Vec<(&str, Option<&str>)> = names
+        .iter()
+        .map(|name| match name.split_once(':') {
+            Some((target, filter)) => (target, Some(filter)),
+            None => (name.as_str(), None),
+        })
+        .collect();
     let mut args = vec!["test", "-p", TEST_PACKAGE, "--no-run"];
-    for name in names {
-        args.extend(["--test", name.as_str()]);
+    for (target, _) in &chosen {
+        args.extend(["--test", target]);
     }
     let (tests, mut helpers) = cargo_executables(root, &args)?;
     let (_, agent) = cargo_executables(root, &["build", "-p", AGENT.0, "--bin", AGENT.1])?;
     helpers.extend(agent);
     let mut ordered = Vec::new();
-    for name in names {
+    for (name, (target, filter)) in names.iter().zip(chosen) {
         let found = tests
             .iter()
-            .find(|test| &test.name == name)
-            .with_context(|| format!("cargo built no test executable named {name}"))?;
-        ordered.push(found.clone());
+            .find(|test| test.name == target)
+            .with_context(|| format!("cargo built no test executable named {target}"))?;
+        ordered.push(Executable {
+            name: name.clone(),
+            path: found.path.clone(),
+            filter: filter.map(str::to_owned),
+        });
     }
     helpers.sort_by(|a, b| a.path.cmp(&b.path));
     helpers.dedup_by(|a, b| a.path == b.path);
@@ -311,6 +331,7 @@ fn artifact(line: &str) -> Result<Option<(Executable, bool)>> {
     let is_test_profile = message["profile"]["test"].as_bool().unwrap_or(false);
     let executable = Executable {
         name,
+        filter: None,
         path: PathBuf::from(path),
     };
     if kinds.contains(&"test") {

@@ -74,7 +74,8 @@ mark KERNEL "$(uname -r)"
         let argv = std::iter::once("env")
             .chain(env.iter().map(String::as_str))
             .chain(std::iter::once(path.as_ref()))
-            .chain(plan.args.iter().map(String::as_str));
+            .chain(plan.args.iter().map(String::as_str))
+            .chain(test.filter.as_deref());
         let _ = writeln!(s, "step {} {}", quote(&test.name), join_quoted(argv));
     }
     s.push_str("mark DONE\npoweroff -f\nsleep 5\necho o > /proc/sysrq-trigger\n");
@@ -116,10 +117,18 @@ mod tests {
     #[test]
     fn runs_every_test_between_markers() {
         let plan = Plan {
-            tests: vec![Executable {
-                name: "packet".into(),
-                path: PathBuf::from("/w/target/debug/deps/packet-1"),
-            }],
+            tests: vec![
+                Executable {
+                    name: "packet".into(),
+                    path: PathBuf::from("/w/target/debug/deps/packet-1"),
+                    filter: None,
+                },
+                Executable {
+                    name: "modes:ipvs".into(),
+                    path: PathBuf::from("/w/target/debug/deps/modes-2"),
+                    filter: Some("ipvs".into()),
+                },
+            ],
             helpers: vec![],
             env: vec![("XPROXY_PRIVILEGED_TESTS".into(), "1".into())],
             args: vec!["--test-threads=1".into(), "some filter".into()],
@@ -129,6 +138,9 @@ mod tests {
         assert!(script.contains("for module in veth ip_vs; do"));
         assert!(script.contains(
             "step packet env XPROXY_PRIVILEGED_TESTS=1 /w/target/debug/deps/packet-1 --test-threads=1 'some filter'\n"
+        ));
+        assert!(script.contains(
+            "step modes:ipvs env XPROXY_PRIVILEGED_TESTS=1 /w/target/debug/deps/modes-2 --test-threads=1 'some filter' ipvs\n"
         ));
         assert!(script.contains("step 'ipvsadm -Ln' ipvsadm -Ln\n"));
         assert!(script.contains("mark DONE\npoweroff -f\n"));

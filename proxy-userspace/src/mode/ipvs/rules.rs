@@ -72,17 +72,22 @@ fn if_not_local(local: &LocalTraffic) -> String {
 pub fn render(opts: &RuleOptions, missing: &[(&str, &str, &str, &str)]) -> String {
     let mark = format!("{:#x}", 1u32 << opts.masquerade_bit);
     let mut nat = vec![];
-    let masq_match = if opts.masquerade_all {
-        Some(String::new())
+    // Which ClusterIP traffic to masquerade: all of it; else what does not
+    // come from a local pod; else (nothing tells pods apart) what comes
+    // *from* a ClusterIP: the node's own connections to a Service, whose
+    // source is the VIP itself because kube-ipvs0 holds every VIP, so the
+    // backend would answer the VIP. kube-proxy's IPVS mode does the same.
+    let (source, sets) = if opts.masquerade_all {
+        (String::new(), "dst,dst")
+    } else if let Some(local) = &opts.local_traffic {
+        (format!("{} ", if_not_local(local)), "dst,dst")
     } else {
-        opts.local_traffic.as_ref().map(|l| format!("{} ", if_not_local(l)))
+        (String::new(), "src,dst")
     };
-    if let Some(source) = masq_match {
-        nat.push(format!(
-            "-A {SERVICES} {source}-m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" \
-             -m set --match-set {CLUSTER_IP} dst,dst -j {MARK_MASQ}"
-        ));
-    }
+    nat.push(format!(
+        "-A {SERVICES} {source}-m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" \
+         -m set --match-set {CLUSTER_IP} {sets} -j {MARK_MASQ}"
+    ));
     nat.push(format!("-A {SERVICES} -m addrtype --dst-type LOCAL -j {NODE_PORT}"));
     nat.push(format!(
         "-A {SERVICES} -m set --match-set {CLUSTER_IP} dst,dst -j ACCEPT"
@@ -221,11 +226,20 @@ mod tests {
     }
 
     #[test]
-    fn without_local_detection_only_masquerade_all_marks_cluster_ips() {
+    fn without_local_detection_the_nodes_own_vip_sourced_traffic_is_marked() {
         let mut o = opts();
         o.local_traffic = None;
-        assert!(!render(&o, &[]).contains("cluster ip + port for masquerade"));
+        let rules = render(&o, &[]);
+        assert!(
+            rules.contains("-m set --match-set KUBE-CLUSTER-IP src,dst -j KUBE-MARK-MASQ"),
+            "{rules}"
+        );
+        assert!(!rules.contains("KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ"), "{rules}");
         o.masquerade_all = true;
-        assert!(render(&o, &[]).contains("-A KUBE-SERVICES -m comment"));
+        let all = render(&o, &[]);
+        assert!(
+            all.contains("-A KUBE-SERVICES -m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" -m set --match-set KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ"),
+            "{all}"
+        );
     }
 }
