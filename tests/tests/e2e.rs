@@ -496,3 +496,85 @@ fn cleanup_after_a_panic_with_the_datapath() {
         "netns {node} still exists"
     );
 }
+
+/// tc programs on `iface` at `attach`, counted by name: netlink filters
+/// (bpftool) and tcx links, where the kernel has tcx.
+fn tc_program_count(ns: &Netns, iface: &str, attach: TcAttachType, name: &str) -> Result<usize> {
+    let direction = match attach {
+        TcAttachType::Ingress => "ingress",
+        _ => "egress",
+    };
+    let shown = ns.exec(&["bpftool", "net", "show", "dev", iface])?;
+    let filters = shown
+        .lines()
+        .filter(|l| l.contains(&format!("/{direction}")) && l.contains(name))
+        .count();
+    let links = match ns.run_in(|| SchedClassifier::query_tcx(iface, attach))? {
+        Ok((_, infos)) => infos.iter().filter(|i| i.name_as_str() == Some(name)).count(),
+        // No tcx on this kernel: the filters are all there is.
+        Err(_) => 0,
+    };
+    Ok(filters + links)
+}
+
+/// A restarted agent loads the programs again and attaches them to the
+/// same interfaces: each hook keeps exactly one program (tcx links are
+/// pinned and updated; on kernels before 6.6 the tc filters sit at a fixed
+/// priority and handle and are replaced), and what cleanup runs (pinned
+/// links, then the tc filters) leaves no program attached.
+#[test]
+fn a_restart_reuses_the_attachments_and_cleanup_removes_them() {
+    if !require_root("a_restart_reuses_the_attachments_and_cleanup_removes_them") {
+        return;
+    }
+    let ns = Netns::new("xr").expect("a namespace");
+    ns.ip(&["link", "add", "up0", "type", "veth", "peer", "name", "pod0"])
+        .expect("a veth pair");
+    for dev in ["up0", "pod0"] {
+        ns.ip(&["link", "set", dev, "up"]).expect("link up");
+    }
+    let pins = PinDir::new();
+    for run in 1..=2 {
+        let pin_path = pins.path().to_owned();
+        ns.run_in(move || -> Result<()> {
+            let mut datapath = Datapath::load(&pin_path)?;
+            datapath.attach("up0", Hook::Uplink)?;
+            datapath.attach("pod0", Hook::Pod)?;
+            Ok(())
+        })
+        .expect("entering the namespace")
+        .unwrap_or_else(|e| panic!("attach, run {run}: {e:#}"));
+    }
+    let count = |iface: &str, attach: TcAttachType, name: &str| {
+        tc_program_count(&ns, iface, attach, name).unwrap_or_else(|e| panic!("reading {iface}: {e:#}"))
+    };
+    for iface in ["up0", "pod0"] {
+        assert_eq!(
+            count(iface, TcAttachType::Ingress, PROG_TC_INGRESS),
+            1,
+            "{iface} ingress"
+        );
+        assert_eq!(count(iface, TcAttachType::Egress, PROG_TC_EGRESS), 1, "{iface} egress");
+    }
+    let xdp = ns.ip(&["-d", "link", "show", "dev", "up0"]).expect("ip link");
+    assert_eq!(xdp.matches("prog/xdp id").count(), 1, "{xdp}");
+
+    let pin_path = pins.path().to_owned();
+    ns.run_in(move || -> Result<()> {
+        proxy_userspace::mode::ebpf::detach_pinned_links(&pin_path)?;
+        proxy_userspace::mode::ebpf::detach_tc_filters()?;
+        Ok(())
+    })
+    .expect("entering the namespace")
+    .expect("detaching");
+    for iface in ["up0", "pod0"] {
+        assert_eq!(
+            count(iface, TcAttachType::Ingress, PROG_TC_INGRESS),
+            0,
+            "{iface} ingress"
+        );
+        assert_eq!(count(iface, TcAttachType::Egress, PROG_TC_EGRESS), 0, "{iface} egress");
+    }
+    let xdp = ns.ip(&["-d", "link", "show", "dev", "up0"]).expect("ip link");
+    assert!(!xdp.contains("prog/xdp"), "{xdp}");
+}

@@ -2,7 +2,9 @@
 //!
 //! ebpf mode: the pinned links are detached first (at once; unpinning alone
 //! detaches them only a moment later), then the pins of links, programs and
-//! maps are removed, which frees them once nothing uses them.
+//! maps are removed, which frees them once nothing uses them. On kernels
+//! before 6.6 the tc programs are filters on the interfaces' clsact qdiscs
+//! instead of links: those are deleted from every interface.
 
 use std::path::Path;
 
@@ -24,6 +26,11 @@ pub fn cleanup(pin_path: &Path) -> Result<(), Failure> {
         info!(pin_path = %pin_path.display(), "removed the pinned eBPF programs, links and maps");
     } else {
         info!(pin_path = %pin_path.display(), "nothing pinned");
+    }
+    // Kernels before 6.6: the tc programs are filters, not pinned links.
+    let filters = crate::mode::ebpf::detach_tc_filters().exit_code(ExitCode::Error)?;
+    if filters > 0 {
+        info!(filters, "deleted the tc filters of the eBPF programs");
     }
     crate::mode::ebpf::snat::cleanup().exit_code(ExitCode::Error)?;
     crate::mode::iptables::cleanup().exit_code(ExitCode::Error)?;

@@ -11,10 +11,10 @@ use aya::{
     programs::{
         SchedClassifier, TcAttachType, Xdp, XdpMode,
         links::{FdLink, LinkError, PinnedLink},
-        tc,
-        tc::SchedClassifierLink,
+        tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
         xdp::XdpLink,
     },
+    util::KernelVersion,
 };
 use proxy_common::maps;
 use tracing::info;
@@ -126,12 +126,8 @@ impl Datapath {
     }
 
     fn attach_tc(&mut self, iface: &str, name: &str, attach: TcAttachType) -> Result<()> {
-        // Kernels before 6.6 attach tc programs through a clsact qdisc; newer
-        // ones use tcx links and need none. Adding it twice is harmless.
-        if let Err(e) = tc::qdisc_add_clsact(iface)
-            && !matches!(&e, tc::TcError::IoError(io) if io.raw_os_error() == Some(libc::EEXIST))
-        {
-            tracing::debug!(iface, error = %e, "clsact qdisc not added (tcx kernels need none)");
+        if !has_tcx() {
+            return self.attach_tc_filter(iface, name, attach);
         }
         let pin = self.link_pin(iface, name);
         let prog = self.tc(name)?;
@@ -146,13 +142,44 @@ impl Datapath {
         let id = prog
             .attach(iface, attach)
             .with_context(|| format!("attaching {name} to {iface}"))?;
-        let link = prog.take_link(id)?;
-        match FdLink::try_from(link) {
-            Ok(link) => pin_link(link, &pin),
-            // Netlink-attached tc filters (kernels before 6.6) are not links:
-            // they stay attached by themselves until `cleanup` removes them.
-            Err(_) => Ok(()),
+        let link = FdLink::try_from(prog.take_link(id)?).context("tc attached without a bpf link")?;
+        pin_link(link, &pin)
+    }
+
+    /// Kernels before 6.6 have no tcx links: a tc program is a cls_bpf
+    /// filter on the interface's clsact qdisc, which stays until deleted and
+    /// cannot be pinned. Ours sit at a fixed priority and handle, so a
+    /// restarted agent swaps its program into the same filter (atomically,
+    /// like a link update) instead of adding a second one, and `cleanup`
+    /// finds them by program name ([`detach_tc_filters`]).
+    fn attach_tc_filter(&mut self, iface: &str, name: &str, attach: TcAttachType) -> Result<()> {
+        if let Err(e) = tc::qdisc_add_clsact(iface)
+            && !already_exists(&e)
+        {
+            return Err(e).with_context(|| format!("adding a clsact qdisc to {iface}"));
         }
+        let prog = self.tc(name)?;
+        let ours = SchedClassifierLink::attached(iface, attach, TC_FILTER_PRIORITY, TC_FILTER_HANDLE, None)
+            .with_context(|| format!("no interface {iface}"))?;
+        // Replace the program of our filter if it is there, else create it.
+        let id = match prog.attach_to_link(ours) {
+            Ok(id) => id,
+            Err(_) => prog
+                .attach_with_options(
+                    iface,
+                    attach,
+                    TcAttachOptions::Netlink(NlOptions {
+                        priority: TC_FILTER_PRIORITY,
+                        handle: TC_FILTER_HANDLE,
+                        classid: None,
+                    }),
+                )
+                .with_context(|| format!("attaching {name} to {iface} as a tc filter"))?,
+        };
+        // Dropping aya's handle of a filter deletes the filter; it must
+        // outlive the agent, so the handle (a few integers) is forgotten.
+        std::mem::forget(prog.take_link(id)?);
+        Ok(())
     }
 
     /// The XDP program, e.g. for `test_run`.
@@ -168,6 +195,83 @@ impl Datapath {
 
 /// Subdirectory of the pin path holding the pinned links.
 pub const LINKS_DIR: &str = "links";
+
+/// Where our tc filters sit on kernels without tcx (see
+/// [`Datapath::attach_tc_filter`]): a priority tc(8) users rarely pick by
+/// hand (the kernel's automatic ones count down from 49152), one handle.
+const TC_FILTER_PRIORITY: u16 = 0x7870;
+const TC_FILTER_HANDLE: TcHandle = TcHandle::new(0, 1);
+
+/// Whether tc programs attach as tcx links (Linux 6.6) rather than as
+/// netlink filters; aya makes the same choice in `SchedClassifier::attach`.
+fn has_tcx() -> bool {
+    KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0))
+}
+
+/// On kernels without tcx: deletes our tc filters from every interface of
+/// the calling thread's network namespace and returns how many programs it
+/// took off. On newer kernels the programs are links ([`detach_pinned_links`]).
+pub fn detach_tc_filters() -> Result<usize> {
+    if has_tcx() {
+        return Ok(0);
+    }
+    let mut detached = 0;
+    for iface in interface_names()? {
+        for (name, attach) in [
+            (maps::PROG_TC_INGRESS, TcAttachType::Ingress),
+            (maps::PROG_TC_EGRESS, TcAttachType::Egress),
+        ] {
+            match tc::qdisc_detach_program(&iface, attach, name) {
+                Ok(()) => detached += 1,
+                Err(e) => tracing::debug!(iface, name, error = %e, "no filter to detach"),
+            }
+        }
+    }
+    Ok(detached)
+}
+
+/// Whether `error` comes down to EEXIST (aya reports it as an I/O or a
+/// netlink error, depending on where it was seen).
+fn already_exists(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(error);
+    while let Some(e) = cause {
+        if e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.raw_os_error() == Some(libc::EEXIST))
+        {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
+}
+
+/// The interfaces of the calling thread's network namespace (if_nameindex
+/// asks the kernel over netlink; /sys/class/net would show the namespace
+/// sysfs was mounted in).
+fn interface_names() -> Result<Vec<String>> {
+    // SAFETY: if_nameindex returns a heap array ending with a zeroed entry,
+    // or null; it is freed with if_freenameindex below.
+    let list = unsafe { libc::if_nameindex() };
+    if list.is_null() {
+        return Err(std::io::Error::last_os_error()).context("listing interfaces");
+    }
+    let mut names = Vec::new();
+    let mut entry = list;
+    // SAFETY: entries up to the zeroed terminator are valid; each if_name
+    // is a NUL-terminated string owned by the list.
+    unsafe {
+        while (*entry).if_index != 0 && !(*entry).if_name.is_null() {
+            names.push(
+                std::ffi::CStr::from_ptr((*entry).if_name)
+                    .to_string_lossy()
+                    .into_owned(),
+            );
+            entry = entry.add(1);
+        }
+        libc::if_freenameindex(list);
+    }
+    Ok(names)
+}
 
 /// Detaches every link pinned under `<pin_path>/links` at once and returns
 /// how many it detached. Removing a link's pin (its last reference once the

@@ -16,7 +16,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 pub use interfaces::{Interface, MissingInterface};
-pub use loader::{Datapath, Hook, LINKS_DIR, NotBpffs, detach_pinned_links};
+pub use loader::{Datapath, Hook, LINKS_DIR, NotBpffs, detach_pinned_links, detach_tc_filters};
 pub use maps::ServiceMaps;
 pub use object::object_bytes;
 use tracing::{info, warn};
