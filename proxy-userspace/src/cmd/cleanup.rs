@@ -36,5 +36,6 @@ pub fn cleanup(pin_path: &Path) -> Result<(), Failure> {
     crate::mode::iptables::cleanup().exit_code(ExitCode::Error)?;
     crate::mode::nftables::cleanup().exit_code(ExitCode::Error)?;
     crate::mode::ipvs::cleanup().exit_code(ExitCode::Error)?;
+    crate::mode::userspace::cleanup().exit_code(ExitCode::Error)?;
     Ok(())
 }

@@ -63,7 +63,12 @@ async fn run_agent(config: Config) -> Result<(), Failure> {
         .run(receiver, shutdown_signal())
         .await
         .exit_code(ExitCode::Error)?;
-    info!("stopping; the data path stays in place (`xproxy cleanup` removes it)");
+    if config.mode == Mode::Userspace {
+        // The mode was dropped with the agent loop: it removed its rules.
+        info!("stopping; the userspace data path ends with the agent");
+    } else {
+        info!("stopping; the data path stays in place (`xproxy cleanup` removes it)");
+    }
     Ok(())
 }
 
@@ -83,7 +88,7 @@ async fn start_servers(config: &Config, telemetry: &Telemetry) -> Result<(), Fai
 }
 
 /// The modes `start_mode` can start; checked before anything else happens.
-const IMPLEMENTED_MODES: &[Mode] = &[Mode::Ebpf, Mode::Iptables, Mode::Nftables, Mode::Ipvs];
+const IMPLEMENTED_MODES: &[Mode] = &[Mode::Ebpf, Mode::Iptables, Mode::Nftables, Mode::Ipvs, Mode::Userspace];
 
 async fn start_mode(config: &Config) -> Result<Box<dyn Dataplane>, Failure> {
     match config.mode {
@@ -91,10 +96,7 @@ async fn start_mode(config: &Config) -> Result<Box<dyn Dataplane>, Failure> {
         Mode::Iptables => crate::mode::iptables::start(config).exit_code(ExitCode::ModeUnavailable),
         Mode::Nftables => crate::mode::nftables::start(config).exit_code(ExitCode::ModeUnavailable),
         Mode::Ipvs => crate::mode::ipvs::start(config).exit_code(ExitCode::ModeUnavailable),
-        other => Err(Failure::new(
-            ExitCode::ModeUnavailable,
-            anyhow!("mode {other} is not implemented yet"),
-        )),
+        Mode::Userspace => crate::mode::userspace::start(config).exit_code(ExitCode::ModeUnavailable),
     }
 }
 

@@ -320,7 +320,8 @@ pub struct Config {
     /// Default -999, like kube-proxy.
     pub oom_score_adj: i32,
     pub feature_gates: BTreeMap<String, bool>,
-    /// `portRange` (legacy, unused by the data planes).
+    /// `portRange`: the ports the userspace mode listens on (legacy;
+    /// unused by the other modes).
     pub port_range: Option<RangeInclusive<u16>>,
     pub show_hidden_metrics_for_version: Option<String>,
 }

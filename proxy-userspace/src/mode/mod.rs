@@ -8,6 +8,7 @@ pub mod iptables;
 pub mod ipvs;
 pub mod nftables;
 pub mod options;
+pub mod userspace;
 
 use std::collections::BTreeMap;
 

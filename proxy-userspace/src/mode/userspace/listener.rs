@@ -1,0 +1,204 @@
+//! The socket the agent listens on for one service port, and the task that
+//! serves it. The port number is free on the node (any, or one of
+//! `portRange` when it is set, as kube-proxy's userspace mode did); the
+//! iptables rules send the Service's traffic there.
+
+use std::{
+    io,
+    net::{Ipv4Addr, SocketAddrV4},
+    ops::RangeInclusive,
+    sync::Arc,
+    time::Duration,
+};
+
+use anyhow::{Context, Result, anyhow};
+use tokio::{
+    net::{TcpListener, TcpSocket, UdpSocket},
+    runtime::Handle,
+    task::JoinHandle,
+};
+
+use super::{
+    balancer::{Balancer, endpoint_addrs},
+    pktinfo, tcp, udp,
+};
+use crate::model::{Protocol, ServicePort};
+
+/// Pending connections per TCP listener (the kernel caps it at somaxconn).
+const BACKLOG: u32 = 1024;
+
+/// Where and how the proxies listen.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ListenOptions {
+    /// `0.0.0.0` on a node: REDIRECT delivers to the address of the
+    /// interface a packet came in on, so every local address must do.
+    pub ip: Ipv4Addr,
+    /// Ports to choose from (`portRange`); `None`: any free port.
+    pub port_range: Option<RangeInclusive<u16>>,
+    pub udp_idle_timeout: Duration,
+}
+
+impl Default for ListenOptions {
+    fn default() -> Self {
+        Self {
+            ip: Ipv4Addr::UNSPECIFIED,
+            port_range: None,
+            udp_idle_timeout: udp::DEFAULT_IDLE_TIMEOUT,
+        }
+    }
+}
+
+/// One service port's proxy: a bound socket served by a task until dropped.
+pub struct PortProxy {
+    protocol: Protocol,
+    port: u16,
+    balancer: Arc<Balancer>,
+    task: JoinHandle<()>,
+}
+
+impl PortProxy {
+    /// Binds a socket for `service` and starts serving it on `runtime`.
+    pub fn open(runtime: &Handle, opts: &ListenOptions, service: &ServicePort) -> Result<Self> {
+        // Sockets register with the runtime's reactor when created.
+        let _entered = runtime.enter();
+        let balancer = Arc::new(Balancer::new(endpoint_addrs(service)));
+        let name: Arc<str> = service.name.as_str().into();
+        let (port, task) = match service.protocol {
+            Protocol::Tcp => {
+                let listener = bind(opts, bind_tcp)?;
+                let port = listener.local_addr()?.port();
+                (port, runtime.spawn(tcp::serve(listener, balancer.clone(), name)))
+            }
+            Protocol::Udp => {
+                let socket = bind(opts, bind_udp)?;
+                let port = socket.local_addr()?.port();
+                let serve = udp::serve(socket, balancer.clone(), opts.udp_idle_timeout, name);
+                (port, runtime.spawn(serve))
+            }
+        };
+        Ok(Self {
+            protocol: service.protocol,
+            port,
+            balancer,
+            task,
+        })
+    }
+
+    pub fn protocol(&self) -> Protocol {
+        self.protocol
+    }
+
+    /// The local port the rules redirect to.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Takes `service`'s current endpoints; returns whether they changed.
+    pub fn update(&self, service: &ServicePort) -> bool {
+        self.balancer.set(endpoint_addrs(service))
+    }
+}
+
+impl Drop for PortProxy {
+    /// Stops listening (and ends the UDP sessions); accepted TCP
+    /// connections run on.
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Binds with `bind_one` on a port of `opts.port_range`, or any port.
+fn bind<S>(opts: &ListenOptions, bind_one: impl Fn(SocketAddrV4) -> io::Result<S>) -> Result<S> {
+    let Some(range) = &opts.port_range else {
+        return bind_one(SocketAddrV4::new(opts.ip, 0)).with_context(|| format!("binding a port on {}", opts.ip));
+    };
+    for port in range.clone() {
+        match bind_one(SocketAddrV4::new(opts.ip, port)) {
+            Ok(socket) => return Ok(socket),
+            Err(e) if e.kind() == io::ErrorKind::AddrInUse => continue,
+            Err(e) => return Err(e).with_context(|| format!("binding {}:{port}", opts.ip)),
+        }
+    }
+    Err(anyhow!("no free port in portRange {range:?}"))
+}
+
+fn bind_tcp(addr: SocketAddrV4) -> io::Result<TcpListener> {
+    let socket = TcpSocket::new_v4()?;
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr.into())?;
+    socket.listen(BACKLOG)
+}
+
+fn bind_udp(addr: SocketAddrV4) -> io::Result<UdpSocket> {
+    let socket = std::net::UdpSocket::bind(addr)?;
+    socket.set_nonblocking(true)?;
+    pktinfo::enable(&socket)?;
+    UdpSocket::from_std(socket)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Endpoint;
+
+    fn service(protocol: Protocol) -> ServicePort {
+        ServicePort {
+            name: "default/web".into(),
+            protocol,
+            cluster_ip: Ipv4Addr::new(10, 96, 0, 1),
+            port: 80,
+            node_port: None,
+            endpoints: vec![Endpoint::ready(Ipv4Addr::LOCALHOST, 9)],
+        }
+    }
+
+    fn localhost(port_range: Option<RangeInclusive<u16>>) -> ListenOptions {
+        ListenOptions {
+            ip: Ipv4Addr::LOCALHOST,
+            port_range,
+            ..ListenOptions::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn the_port_range_is_honoured_and_skips_ports_in_use() {
+        let taken = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind");
+        let first = taken.local_addr().expect("address").port();
+        let Some(last) = first.checked_add(20) else { return };
+        let opts = localhost(Some(first..=last));
+        let proxy = PortProxy::open(&Handle::current(), &opts, &service(Protocol::Tcp)).expect("open");
+        assert!((first + 1..=last).contains(&proxy.port()), "port {}", proxy.port());
+        let full = localhost(Some(first..=first));
+        let err = PortProxy::open(&Handle::current(), &full, &service(Protocol::Tcp))
+            .err()
+            .expect("no free port");
+        assert!(err.to_string().contains("no free port"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn dropping_the_proxy_stops_listening() {
+        let opts = localhost(None);
+        let proxy = PortProxy::open(&Handle::current(), &opts, &service(Protocol::Tcp)).expect("open");
+        let addr = SocketAddrV4::new(Ipv4Addr::LOCALHOST, proxy.port());
+        tokio::net::TcpStream::connect(addr).await.expect("listening");
+        drop(proxy);
+        let refused = tokio::time::timeout(Duration::from_secs(2), async {
+            while tokio::net::TcpStream::connect(addr).await.is_ok() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert!(refused.is_ok(), "{addr} still accepts after the proxy was dropped");
+    }
+
+    #[tokio::test]
+    async fn update_reports_changes() {
+        let opts = localhost(None);
+        let mut svc = service(Protocol::Udp);
+        let proxy = PortProxy::open(&Handle::current(), &opts, &svc).expect("open");
+        assert_eq!(proxy.protocol(), Protocol::Udp);
+        assert!(!proxy.update(&svc));
+        svc.endpoints.push(Endpoint::ready(Ipv4Addr::LOCALHOST, 10));
+        assert!(proxy.update(&svc));
+    }
+}

@@ -1,0 +1,348 @@
+//! The mode against an in-memory iptables (restore input applied the way
+//! iptables applies it) with its listeners on 127.0.0.1, so syncs, the
+//! listeners' lifetimes and cleanup are checked without root. The real
+//! kernel and the real agent: `tests/tests/mode_userspace.rs`.
+
+use std::{
+    net::{Ipv4Addr, SocketAddrV4},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use anyhow::{Result, anyhow, bail};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream},
+};
+
+use super::*;
+use crate::model::{Endpoint, Protocol};
+
+/// Tables -> chains in declaration order -> rules (without `-A CHAIN`).
+type Tables = BTreeMap<String, Vec<(String, Vec<String>)>>;
+
+#[derive(Default)]
+struct Kernel {
+    tables: Tables,
+    restores: usize,
+}
+
+#[derive(Clone, Default)]
+struct FakeIptables(Arc<Mutex<Kernel>>);
+
+impl FakeIptables {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Kernel> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn restores(&self) -> usize {
+        self.lock().restores
+    }
+
+    fn chain(&self, table: &str, chain: &str) -> Option<Vec<String>> {
+        let kernel = self.lock();
+        let chains = kernel.tables.get(table)?;
+        chains.iter().find(|(c, _)| c == chain).map(|(_, rules)| rules.clone())
+    }
+
+    /// Empties one of the chains, as an administrator might.
+    fn flush(&self, table: &str, chain: &str) {
+        let mut kernel = self.lock();
+        if let Some((_, rules)) = kernel
+            .tables
+            .get_mut(table)
+            .and_then(|chains| chains.iter_mut().find(|(c, _)| c == chain))
+        {
+            rules.clear();
+        }
+    }
+}
+
+fn builtin(table: &str) -> Vec<(String, Vec<String>)> {
+    let names: &[&str] = match table {
+        "nat" => &["PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"],
+        _ => &["INPUT", "FORWARD", "OUTPUT"],
+    };
+    names.iter().map(|n| ((*n).to_owned(), Vec::new())).collect()
+}
+
+fn apply_line(chains: &mut Vec<(String, Vec<String>)>, line: &str) -> Result<()> {
+    if let Some(decl) = line.strip_prefix(':') {
+        let name = decl.split_whitespace().next().ok_or(anyhow!("empty chain line"))?;
+        match chains.iter_mut().find(|(c, _)| c == name) {
+            Some((_, rules)) => rules.clear(),
+            None => chains.push((name.to_owned(), Vec::new())),
+        }
+        return Ok(());
+    }
+    let (op, rest) = line.split_at(2);
+    let (chain, spec) = rest.trim_start().split_once(' ').unwrap_or((rest.trim_start(), ""));
+    if op == "-X" {
+        let target = format!("-j {chain}");
+        if chains
+            .iter()
+            .any(|(_, rules)| rules.iter().any(|r| r.ends_with(&target)))
+        {
+            bail!("{chain} is referenced");
+        }
+        chains.retain(|(c, _)| c != chain);
+        return Ok(());
+    }
+    let (_, rules) = chains
+        .iter_mut()
+        .find(|(c, _)| c == chain)
+        .ok_or(anyhow!("no chain {chain}"))?;
+    match op {
+        "-A" => rules.push(spec.to_owned()),
+        "-I" => rules.insert(0, spec.to_owned()),
+        "-D" => {
+            let at = rules.iter().position(|r| r == spec).ok_or(anyhow!("no rule {line}"))?;
+            rules.remove(at);
+        }
+        _ => bail!("unknown line {line}"),
+    }
+    Ok(())
+}
+
+impl Iptables for FakeIptables {
+    fn save(&mut self) -> Result<String> {
+        let kernel = self.lock();
+        let mut out = String::new();
+        for (table, chains) in &kernel.tables {
+            out.push_str(&format!("*{table}\n"));
+            for (chain, _) in chains {
+                out.push_str(&format!(":{chain} -\n"));
+            }
+            for (chain, rules) in chains {
+                for rule in rules {
+                    out.push_str(&format!("-A {chain} {rule}\n"));
+                }
+            }
+            out.push_str("COMMIT\n");
+        }
+        Ok(out)
+    }
+
+    /// All or nothing, like iptables-restore.
+    fn restore(&mut self, input: &str) -> Result<()> {
+        let mut kernel = self.lock();
+        let mut tables = kernel.tables.clone();
+        let mut table = None;
+        for line in input.lines() {
+            if let Some(name) = line.strip_prefix('*') {
+                tables.entry(name.to_owned()).or_insert_with(|| builtin(name));
+                table = Some(name.to_owned());
+            } else if line == "COMMIT" {
+                table = None;
+            } else {
+                let name = table.as_ref().ok_or(anyhow!("{line} outside a table"))?;
+                let chains = tables.get_mut(name).ok_or(anyhow!("no table {name}"))?;
+                apply_line(chains, line)?;
+            }
+        }
+        kernel.tables = tables;
+        kernel.restores += 1;
+        Ok(())
+    }
+}
+
+fn mode(iptables: &FakeIptables) -> UserspaceMode {
+    let opts = Options {
+        listen: ListenOptions {
+            ip: Ipv4Addr::LOCALHOST,
+            ..ListenOptions::default()
+        },
+        node_ports: NodePortAddresses::AllLocal { localhost: true },
+    };
+    UserspaceMode::new(opts, Handle::current(), Box::new(iptables.clone()))
+}
+
+fn service(name: &str, protocol: Protocol, endpoints: &[SocketAddrV4]) -> ServicePort {
+    ServicePort {
+        name: name.into(),
+        protocol,
+        cluster_ip: Ipv4Addr::new(10, 96, 0, 88),
+        port: 88,
+        node_port: Some(30791),
+        endpoints: endpoints.iter().map(|e| Endpoint::ready(*e.ip(), e.port())).collect(),
+    }
+}
+
+fn desired(ports: &[ServicePort]) -> BTreeMap<String, ServicePort> {
+    ports.iter().map(|p| (p.name.clone(), p.clone())).collect()
+}
+
+fn ep(last: u8) -> SocketAddrV4 {
+    SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, last), 80)
+}
+
+/// A TCP server on 127.0.0.1 answering every connection with `name`.
+async fn backend(name: &'static str) -> SocketAddrV4 {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.expect("bind backend");
+    let addr = match listener.local_addr().expect("address") {
+        std::net::SocketAddr::V4(a) => a,
+        std::net::SocketAddr::V6(_) => unreachable!("bound to IPv4"),
+    };
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let _ = conn.write_all(name.as_bytes()).await;
+        }
+    });
+    addr
+}
+
+async fn answer(port: u16) -> std::io::Result<String> {
+    let mut conn = TcpStream::connect((Ipv4Addr::LOCALHOST, port)).await?;
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).await?;
+    Ok(answer)
+}
+
+/// Runs a sync on a blocking-capable thread, as the agent does.
+fn sync<T>(f: impl FnOnce() -> T) -> T {
+    tokio::task::block_in_place(f)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_sync_listens_and_writes_the_rules_once() {
+    let kernel = FakeIptables::default();
+    let mut mode = mode(&kernel);
+    let tcp = service("default/web:http", Protocol::Tcp, &[backend("pod-1").await]);
+    let udp = service("default/web:dns", Protocol::Udp, &[ep(1)]);
+    let want = desired(&[tcp.clone(), udp.clone()]);
+    sync(|| mode.apply_full(&want)).expect("full sync");
+    let tcp_port = mode.listener_port(&tcp.name).expect("a TCP listener");
+    let udp_port = mode.listener_port(&udp.name).expect("a UDP listener");
+    assert_eq!(answer(tcp_port).await.expect("through the proxy"), "pod-1");
+    let portals = kernel.chain("nat", rules::CONTAINER_PORTALS).expect("the chain");
+    assert_eq!(portals.len(), 2, "{portals:?}");
+    assert!(portals[1].ends_with(&format!("-j REDIRECT --to-ports {tcp_port}")));
+    assert!(portals[0].ends_with(&format!("-j REDIRECT --to-ports {udp_port}")));
+    let prerouting = kernel.chain("nat", "PREROUTING").expect("PREROUTING");
+    assert!(prerouting[0].ends_with("-j KUBE-PORTALS-CONTAINER"), "{prerouting:?}");
+    assert!(prerouting[1].ends_with("-j KUBE-NODEPORT-CONTAINER"), "{prerouting:?}");
+    // 7 jumps, 2 ports x (2 portal + 2 NodePort rules).
+    assert_eq!(mode.kernel_writes(), 7 + 8);
+
+    let restores = kernel.restores();
+    sync(|| mode.apply_full(&want)).expect("idle full sync");
+    assert_eq!(kernel.restores(), restores, "nothing changed: nothing written");
+    assert_eq!(mode.kernel_writes(), 15);
+    assert_eq!(mode.listener_port(&tcp.name), Some(tcp_port), "listeners stay");
+    assert_eq!(mode.listener_port(&udp.name), Some(udp_port));
+
+    kernel.flush("nat", rules::HOST_PORTALS);
+    sync(|| mode.apply_full(&want)).expect("repairing full sync");
+    assert_eq!(kernel.chain("nat", rules::HOST_PORTALS).map(|r| r.len()), Some(2));
+    assert_eq!(mode.listener_port(&tcp.name), Some(tcp_port));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoint_changes_touch_no_rule_until_the_last_one_goes() {
+    let kernel = FakeIptables::default();
+    let mut mode = mode(&kernel);
+    let three = service("default/web", Protocol::Tcp, &[ep(1), ep(2), ep(3)]);
+    sync(|| mode.apply_full(&desired(std::slice::from_ref(&three)))).expect("full sync");
+    let port = mode.listener_port(&three.name).expect("listener");
+    let writes = mode.kernel_writes();
+
+    let two = service("default/web", Protocol::Tcp, &[ep(1), ep(2)]);
+    let plan = Plan {
+        upsert: vec![two.clone()],
+        remove: vec![],
+    };
+    sync(|| mode.apply(&plan)).expect("partial sync");
+    assert_eq!(mode.kernel_writes(), writes, "only the balancer changed");
+    assert_eq!(mode.listener_port(&two.name), Some(port));
+
+    let none = service("default/web", Protocol::Tcp, &[]);
+    let plan = Plan {
+        upsert: vec![none.clone()],
+        remove: vec![],
+    };
+    sync(|| mode.apply(&plan)).expect("partial sync");
+    assert_eq!(kernel.chain("nat", rules::CONTAINER_PORTALS), Some(vec![]));
+    let reject = kernel.chain("filter", rules::REJECT).expect("the reject chain");
+    assert_eq!(reject.len(), 2, "ClusterIP and NodePort: {reject:?}");
+    assert!(reject.iter().all(|r| r.contains("has no endpoints")));
+    assert_eq!(mode.kernel_writes(), writes + 2);
+    assert_eq!(
+        mode.listener_port(&none.name),
+        Some(port),
+        "the listener waits for endpoints"
+    );
+
+    let plan = Plan {
+        upsert: vec![two.clone()],
+        remove: vec![],
+    };
+    sync(|| mode.apply(&plan)).expect("partial sync");
+    assert_eq!(kernel.chain("filter", rules::REJECT), Some(vec![]));
+    let portals = kernel.chain("nat", rules::CONTAINER_PORTALS).expect("chain");
+    assert_eq!(portals.len(), 1);
+    assert!(
+        portals[0].ends_with(&format!("--to-ports {port}")),
+        "the same port again"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_port_stops_listening_and_loses_its_rules() {
+    let kernel = FakeIptables::default();
+    let mut mode = mode(&kernel);
+    let web = service("default/web", Protocol::Tcp, &[backend("pod-1").await]);
+    sync(|| mode.apply_full(&desired(std::slice::from_ref(&web)))).expect("full sync");
+    let port = mode.listener_port(&web.name).expect("listener");
+    assert_eq!(answer(port).await.expect("answer"), "pod-1");
+    let plan = Plan {
+        upsert: vec![],
+        remove: vec![web.clone()],
+    };
+    sync(|| mode.apply(&plan)).expect("partial sync");
+    assert_eq!(mode.listener_port(&web.name), None);
+    for chain in rules::NAT_CHAINS {
+        assert_eq!(kernel.chain("nat", chain), Some(vec![]), "{chain}");
+    }
+    let closed = tokio::time::timeout(Duration::from_secs(2), async {
+        while TcpStream::connect((Ipv4Addr::LOCALHOST, port)).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "port {port} still accepts");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_sync_drops_what_is_no_longer_desired() {
+    let kernel = FakeIptables::default();
+    let mut mode = mode(&kernel);
+    let a = service("default/a", Protocol::Tcp, &[ep(1)]);
+    let b = service("default/b", Protocol::Udp, &[ep(2)]);
+    sync(|| mode.apply_full(&desired(&[a.clone(), b.clone()]))).expect("full sync");
+    let a_port = mode.listener_port(&a.name);
+    sync(|| mode.apply_full(&desired(std::slice::from_ref(&a)))).expect("full sync");
+    assert_eq!(mode.listener_port(&a.name), a_port);
+    assert_eq!(mode.listener_port(&b.name), None);
+    let portals = kernel.chain("nat", rules::CONTAINER_PORTALS).expect("chain");
+    assert_eq!(portals.len(), 1, "{portals:?}");
+    assert!(portals[0].contains("\"default/a\""));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_mode_removes_its_chains_and_jumps() {
+    let kernel = FakeIptables::default();
+    // Someone else's rule stays.
+    let mut other = kernel.clone();
+    other
+        .restore("*nat\n:DOCKER - [0:0]\n-A PREROUTING -j DOCKER\nCOMMIT\n")
+        .expect("foreign rules");
+    let mut mode = mode(&kernel);
+    let web = service("default/web", Protocol::Tcp, &[ep(1)]);
+    sync(|| mode.apply_full(&desired(&[web]))).expect("full sync");
+    assert!(kernel.chain("nat", rules::HOST_NODE_PORTS).is_some());
+    sync(|| drop(mode));
+    let saved = other.save().expect("save");
+    assert!(!saved.contains("KUBE-"), "left behind:\n{saved}");
+    assert!(saved.contains("-A PREROUTING -j DOCKER"), "{saved}");
+    assert_eq!(cleanup_with(&mut other).expect("cleanup"), 0, "nothing left to clean");
+}
