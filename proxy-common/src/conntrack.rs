@@ -82,6 +82,10 @@ pub struct CtValue {
 pub const FLAG_REPLY: u8 = 1 << 0;
 /// The flow's packets carry the SNAT mark: the kernel masquerades them.
 pub const FLAG_SNAT: u8 = 1 << 1;
+/// Forward entry only: the XDP hook picked the backend but could not mark
+/// the packet (no skb) and left it to the tc hook, which translates it,
+/// counts the flow as new and clears the flag.
+pub const FLAG_HANDED_TO_TC: u8 = 1 << 2;
 
 pub const TCP_SYN: u8 = 1 << 0;
 pub const TCP_FIN: u8 = 1 << 1;

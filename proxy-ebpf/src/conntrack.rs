@@ -4,7 +4,8 @@ use aya_ebpf::helpers::bpf_ktime_get_ns;
 use proxy_common::{
     CtKey, CtValue,
     conntrack::{
-        DIR_FORWARD, DIR_REPLY, FLAG_REPLY, FLAG_SNAT, LAST_SEEN_GRANULARITY_NS, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
+        DIR_FORWARD, DIR_REPLY, FLAG_HANDED_TO_TC, FLAG_REPLY, FLAG_SNAT, LAST_SEEN_GRANULARITY_NS, TCP_ACK, TCP_FIN,
+        TCP_RST, TCP_SYN,
     },
 };
 
@@ -66,6 +67,8 @@ pub struct Forward {
     pub backend_id: u32,
     /// The flow is source-NATed by the kernel (see [`FLAG_SNAT`]).
     pub snat: bool,
+    /// XDP picked the backend and left the packet to tc (see [`FLAG_HANDED_TO_TC`]).
+    pub handed_to_tc: bool,
 }
 
 #[inline(always)]
@@ -76,7 +79,17 @@ pub fn forward(flow: &Flow) -> Option<Forward> {
     Some(Forward {
         backend_id,
         snat: flags & FLAG_SNAT != 0,
+        handed_to_tc: flags & FLAG_HANDED_TO_TC != 0,
     })
+}
+
+/// The tc hook took over a flow XDP handed to it: later packets are
+/// established ones.
+#[inline(always)]
+pub fn taken_over(flow: &Flow) {
+    if let Some(entry) = CONNTRACK.get_ptr_mut(key_of(flow, DIR_FORWARD)) {
+        unsafe { (*entry).flags &= !FLAG_HANDED_TO_TC };
+    }
 }
 
 /// The reverse NAT id of a tracked flow in the reply (backend -> client) direction.
@@ -89,7 +102,8 @@ pub fn reply_rev_nat(flow: &Flow) -> Option<u32> {
 
 /// Records a new flow to `backend` in both directions. The reply entry is
 /// written first: once the forward entry exists, later packets are DNATed
-/// and their replies must already be recognised.
+/// and their replies must already be recognised. `handed_to_tc`: see
+/// [`FLAG_HANDED_TO_TC`].
 #[inline(always)]
 pub fn create(
     flow: &Flow,
@@ -98,6 +112,7 @@ pub fn create(
     backend_port_be: u16,
     rev_nat_id: u32,
     snat: bool,
+    handed_to_tc: bool,
 ) -> Result<(), ()> {
     let now = unsafe { bpf_ktime_get_ns() };
     let mut value = CtValue {
@@ -118,7 +133,7 @@ pub fn create(
         _pad: [0; 2],
     };
     CONNTRACK.insert(&reply, &value, 0).map_err(|_| ())?;
-    value.flags = if snat { FLAG_SNAT } else { 0 };
+    value.flags = if snat { FLAG_SNAT } else { 0 } | if handed_to_tc { FLAG_HANDED_TO_TC } else { 0 };
     value.tcp_seen = tcp_bits(flow.tcp_flags);
     CONNTRACK.insert(&key_of(flow, DIR_FORWARD), &value, 0).map_err(|_| ())
 }

@@ -57,6 +57,11 @@ fn to_service(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outc
         if tracked.snat && !ctx.add_mark(maps::snat_mark()) {
             return (Verdict::PassToTc, Outcome::Pass);
         }
+        if tracked.handed_to_tc {
+            // The first packet of a flow XDP picked a backend for: new.
+            conntrack::taken_over(flow);
+            return translated(nat::dnat(ctx, flow, &backend), Verdict::DnatNew);
+        }
         return translated(nat::dnat(ctx, flow, &backend), Verdict::DnatEstablished);
     }
     let Some((id, backend)) = select::random_backend(svc) else {
@@ -70,13 +75,26 @@ fn to_service(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outc
         };
     };
     let snat = needs_snat(flow, svc, &backend);
-    // Without an skb (XDP) there is nothing to mark: leave the packet, and
-    // the choice of backend, to the tc hook behind.
-    if snat && !ctx.add_mark(maps::snat_mark()) {
-        return (Verdict::PassToTc, Outcome::Pass);
-    }
-    if conntrack::create(flow, id, backend.addr_be, backend.port_be, svc.rev_nat_id, snat).is_err() {
+    // Without an skb (XDP) there is nothing to mark: leave the packet to the
+    // tc hook behind, which finds the flow tracked, marks and DNATs it. The
+    // backend picked here must be kept: picking again in tc would re-roll
+    // every pick that needs SNAT (a backend on another node) and so favour
+    // local backends, 3:1 with half the backends remote.
+    let handed_to_tc = snat && !ctx.add_mark(maps::snat_mark());
+    let tracked = conntrack::create(
+        flow,
+        id,
+        backend.addr_be,
+        backend.port_be,
+        svc.rev_nat_id,
+        snat,
+        handed_to_tc,
+    );
+    if tracked.is_err() {
         return (Verdict::Error, Outcome::Pass);
+    }
+    if handed_to_tc {
+        return (Verdict::PassToTc, Outcome::Pass);
     }
     translated(nat::dnat(ctx, flow, &backend), Verdict::DnatNew)
 }

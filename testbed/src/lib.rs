@@ -3,7 +3,8 @@
 //!
 //! - [`privileged`]: root checks, unique names, bpffs pin directories;
 //! - [`netns`]: namespaces, veths, servers that answer with a name, clients;
-//! - [`topology`]: a node with pods behind veths and a client outside.
+//! - [`topology`]: a node with pods behind veths and a client outside;
+//! - [`two_node`]: two nodes with pods on a shared segment, a client outside.
 //!
 //! Everything lives in namespaces created here, under unique names, and is
 //! removed on drop, also when a test panics.
@@ -12,3 +13,4 @@ pub mod agent;
 pub mod netns;
 pub mod privileged;
 pub mod topology;
+pub mod two_node;

@@ -11,6 +11,7 @@ pub mod apiserver;
 pub mod frame;
 pub mod scenario;
 pub mod testrun;
+pub mod two_node_bed;
 
 // The namespace test bed is shared with `cargo xtask demo` and the benchmarks.
-pub use testbed::{netns, privileged, topology};
+pub use testbed::{netns, privileged, topology, two_node};

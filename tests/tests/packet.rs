@@ -12,8 +12,8 @@
 use std::net::{Ipv4Addr, SocketAddrV4};
 
 use proxy_common::{
-    CtKey, Verdict,
-    conntrack::{DIR_FORWARD, DIR_REPLY},
+    CtKey, Verdict, VerdictCounter,
+    conntrack::{DIR_FORWARD, DIR_REPLY, FLAG_SNAT},
     proto,
 };
 use proxy_userspace::model::{Endpoint, Protocol, ServicePort};
@@ -1439,8 +1439,9 @@ fn builder_frames_are_valid() {
 
 /// The SNAT fallback: flows whose replies would not come back through this
 /// node (NodePort to a backend on another node, a pod reaching itself) are
-/// left untouched by XDP, which cannot mark them, and DNATed by tc, which
-/// marks them for the kernel's masquerade rule.
+/// left untouched by XDP, which cannot mark them (it only tracks them with
+/// the backend it picked), and DNATed by tc, which marks them for the
+/// kernel's masquerade rule.
 #[test]
 fn flows_needing_snat_go_from_xdp_to_tc() {
     if !require_root("flows_needing_snat_go_from_xdp_to_tc") {
@@ -1476,18 +1477,44 @@ fn flows_needing_snat_go_from_xdp_to_tc() {
         h.counts()[Verdict::PassToTc as usize].packets,
         before[Verdict::PassToTc as usize].packets + 1
     );
+    // XDP tracks the flow with the backend it picked, marked for SNAT, so
+    // that tc DNATs it there instead of picking again (which would favour
+    // backends that need no SNAT).
+    let tracked = h.conntrack();
+    let forward = tracked.iter().find(|(k, _)| k.dir == DIR_FORWARD);
     assert!(
-        h.conntrack().is_empty(),
-        "XDP must not track a flow it did not translate"
+        forward.is_some_and(|(_, v)| v.flags & FLAG_SNAT != 0),
+        "XDP must track the flow it leaves to tc, marked for SNAT: {tracked:?}"
     );
+    let picked = tracked
+        .iter()
+        .find(|(k, _)| k.dir == DIR_REPLY)
+        .map(|(k, _)| k.saddr())
+        .expect("a reply entry names the backend XDP picked");
 
+    let before = h.counts();
     let out = h.run(Prog::TcIngress, &to_node_port);
     assert_eq!(out.code, TC_ACT_OK);
-    assert!(BACKEND_IPS.contains(dnat_dst(&out).ip()), "tc DNATs it");
+    assert_eq!(dnat_dst(&out).ip(), &picked, "tc DNATs it to the backend XDP picked");
     check(&out.frame).expect("valid checksums after DNAT");
-    // Later packets of the flow are marked too: XDP still leaves them to tc.
+    // (new, established) translations counted since `before`.
+    let dnats = |h: &Harness, before: &[VerdictCounter]| {
+        let grew = |v: Verdict| h.counts()[v as usize].packets - before[v as usize].packets;
+        (grew(Verdict::DnatNew), grew(Verdict::DnatEstablished))
+    };
+    assert_eq!(
+        dnats(&h, &before),
+        (1, 0),
+        "the flow's first translation counts as a new flow"
+    );
+    // Later packets of the flow are marked too: XDP still leaves them to tc,
+    // which translates them as an established flow's.
     let out = h.run(Prog::XdpUplink, &to_node_port);
     assert_eq!((out.code, &out.frame), (XDP_PASS, &to_node_port));
+    let before = h.counts();
+    let out = h.run(Prog::TcIngress, &to_node_port);
+    assert_eq!(dnat_dst(&out).ip(), &picked);
+    assert_eq!(dnats(&h, &before), (0, 1));
 
     // ClusterIP traffic to a remote backend needs no SNAT: XDP handles it.
     let to_cluster_ip = Frame::tcp(external(&mut h), cluster_ip(), SYN).build();
