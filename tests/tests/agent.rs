@@ -1017,3 +1017,48 @@ fn cli_exits_4_when_the_api_server_is_unreachable() {
     drop(silent);
     assert!(failures.is_empty(), "{TEST}:\n  {}", failures.join("\n  "));
 }
+
+// ---------------------------------------------------------------------------
+// `--xdp`: XDP on the uplink or tc only.
+
+/// Whether native XDP is on the test bed's uplink.
+fn uplink_has_xdp(bed: &AgentBed) -> Result<bool> {
+    let link = bed.topo.node.ip(&["-d", "link", "show", "dev", &bed.topo.uplink])?;
+    Ok(link.contains("prog/xdp id"))
+}
+
+/// `--xdp native` puts the uplink's program at XDP; a restart with the
+/// default (`auto`, which on a veth uplink means tc only) takes it off
+/// again, and NodePort and ClusterIP traffic is translated either way.
+#[test]
+fn xdp_policy_native_then_auto_on_a_veth_uplink() {
+    const TEST: &str = "xdp_policy_native_then_auto_on_a_veth_uplink";
+    if !require_root(TEST) {
+        return;
+    }
+    run(TEST, |bed| {
+        bed.copy_seed_manifests()?;
+        let cluster_ip = SocketAddrV4::new(SEED_CLUSTER_IP, SEED_PORT);
+        for (policy, xdp) in [("native", true), ("auto", false)] {
+            let mut args = bed.manifest_args();
+            args.extend(["--xdp".to_owned(), policy.to_owned()]);
+            bed.start_agent(&args)?;
+            bed.wait_first_sync(READY_WITHIN)?;
+            bed.wait_answering(seed_node_port(), READY_WITHIN)?;
+            ensure!(
+                uplink_has_xdp(bed)? == xdp,
+                "--xdp {policy}: XDP on the uplink should be {xdp}"
+            );
+            for (from, addr) in [
+                (&bed.topo.client, seed_node_port()),
+                (&bed.topo.client_pod.ns, cluster_ip),
+            ] {
+                let seen = bed.expect_all_backends(from, addr, ALL_BACKENDS_REQUESTS)?;
+                note(TEST, format!("--xdp {policy}: {addr}: {seen}"));
+            }
+            let status = bed.stop_agent(libc::SIGTERM)?;
+            ensure!(status.success(), "the agent exited with {status}");
+        }
+        Ok(())
+    });
+}

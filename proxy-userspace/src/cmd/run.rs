@@ -114,6 +114,7 @@ async fn start_ebpf(config: &Config) -> Result<Box<dyn Dataplane>, Failure> {
         snat_mark: 1 << config.masquerade.bit,
         node_name: Some(config.node_name.clone()),
         masquerade_all: config.masquerade.all,
+        xdp: config.xdp,
     };
     let mode = EbpfMode::start(&options).await.map_err(|e| {
         let code = if e.is::<MissingInterface>() {

@@ -4,7 +4,7 @@
 use std::net::IpAddr;
 use std::path::PathBuf;
 
-use super::Mode;
+use super::{Mode, XdpPolicy};
 
 /// Where the agent pins its maps and programs unless told otherwise.
 pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/xproxy";
@@ -45,6 +45,12 @@ pub struct RunFlags {
     #[arg(long = "interface", value_name = "IFACE", value_delimiter = ',')]
     pub interfaces: Vec<String>,
 
+    /// ebpf mode: XDP on the uplinks. `auto`: native XDP, except on veth
+    /// uplinks, where the skb is converted to an XDP buffer (often copied)
+    /// for every packet and tc does the same work for less.
+    #[arg(long, value_name = "POLICY", value_enum, default_value_t = XdpPolicy::Auto)]
+    pub xdp: XdpPolicy,
+
     /// Pod network CIDR(s), comma separated; overrides clusterCIDR.
     #[arg(long, value_name = "CIDR")]
     pub cluster_cidr: Option<String>,
@@ -75,6 +81,7 @@ impl Default for RunFlags {
             hostname_override: None,
             node_ips: Vec::new(),
             interfaces: Vec::new(),
+            xdp: XdpPolicy::Auto,
             cluster_cidr: None,
             pin_path: PathBuf::from(DEFAULT_PIN_PATH),
             healthz_bind_address: None,

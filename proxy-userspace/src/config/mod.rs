@@ -36,6 +36,18 @@ pub const DEFAULT_HEALTHZ_PORT: u16 = 10256;
 /// Default port of the `/metrics` server (kube-proxy's).
 pub const DEFAULT_METRICS_PORT: u16 = 10249;
 
+/// Whether the ebpf mode runs its uplink program at XDP (`--xdp`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum XdpPolicy {
+    /// Native XDP, except on veth uplinks (tc only there).
+    #[default]
+    Auto,
+    /// Native XDP on every uplink.
+    Native,
+    /// tc only.
+    Off,
+}
+
 /// The data-plane implementation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, clap::ValueEnum)]
 pub enum Mode {
@@ -298,6 +310,8 @@ pub struct Config {
     pub bind_address_hard_fail: bool,
     /// `--interface`; empty means detect.
     pub interfaces: Vec<String>,
+    /// `--xdp`.
+    pub xdp: XdpPolicy,
     /// Pod networks (`clusterCIDR` / `--cluster-cidr`); at most one per family.
     pub cluster_cidrs: Vec<Cidr>,
     pub node_port_addresses: NodePortAddresses,

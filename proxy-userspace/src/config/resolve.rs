@@ -185,6 +185,7 @@ pub fn resolve(flags: &RunFlags, file: Option<&ConfigFile>, env: &Environment) -
             bind_address,
             bind_address_hard_fail: spec.bind_address_hard_fail.unwrap_or(false),
             interfaces,
+            xdp: flags.xdp,
             cluster_cidrs,
             node_port_addresses,
             detect_local,

@@ -30,6 +30,9 @@ pub enum Hook {
     /// (routed to the uplink by the default route, redirected to the
     /// backend's interface after DNAT) and reverse-NATs de-masqueraded replies.
     Uplink,
+    /// The uplink's programs without XDP: tc ingress does all of it (see
+    /// `--xdp`); an XDP link an earlier agent pinned is detached.
+    UplinkTc,
     /// The node's end of a pod's veth: tc ingress translates what the pod
     /// sends to a Service and rewrites replies of backends back to the
     /// frontend; tc egress reverse-NATs de-masqueraded replies (hairpin).
@@ -87,8 +90,10 @@ impl Datapath {
     /// restarts, and the next agent swaps its programs into the same links
     /// atomically (`bpf_link_update`) instead of detaching anything.
     pub fn attach(&mut self, iface: &str, hook: Hook) -> Result<()> {
-        if hook == Hook::Uplink {
-            self.attach_xdp(iface)?;
+        match hook {
+            Hook::Uplink => self.attach_xdp(iface)?,
+            Hook::UplinkTc => self.detach_xdp(iface)?,
+            Hook::Pod => {}
         }
         // tc on both sides everywhere: ingress for what XDP leaves to it (on
         // the uplink) and what pods send, egress for what the node sends and
@@ -123,6 +128,18 @@ impl Datapath {
             .with_context(|| format!("attaching XDP in native mode to {iface}"))?;
         let link = FdLink::try_from(xdp.take_link(id)?).context("XDP attached without a bpf link")?;
         pin_link(link, &pin)
+    }
+
+    /// Detaches and unpins the XDP link on `iface`, if one is pinned.
+    fn detach_xdp(&mut self, iface: &str) -> Result<()> {
+        let pin = self.link_pin(iface, maps::PROG_XDP_UPLINK);
+        if !pin.exists() {
+            return Ok(());
+        }
+        sys::detach_pinned_link(&pin).with_context(|| format!("detaching XDP from {iface}"))?;
+        fs::remove_file(&pin).with_context(|| format!("removing {}", pin.display()))?;
+        info!(iface, "detached XDP (tc only on this uplink now)");
+        Ok(())
     }
 
     fn attach_tc(&mut self, iface: &str, name: &str, attach: TcAttachType) -> Result<()> {
