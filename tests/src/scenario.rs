@@ -145,8 +145,17 @@ pub fn expect_rejected(from: &Netns, protocol: Protocol, addr: SocketAddrV4, kin
 /// 5-tuple with one opened before (whose conntrack entry, with or without
 /// a NAT, would decide where the packets go).
 pub fn fresh_ports(ns: &Netns, first: u16) -> Result<()> {
-    ensure!((1024..=u16::MAX - 10_000).contains(&first), "port range from {first}");
-    ns.sysctl("net.ipv4.ip_local_port_range", &format!("{first} {}", first + 9_999))
+    fresh_port_range(ns, first, 10_000)
+}
+
+/// [`fresh_ports`] from `first..first + count`, for tests with more stages
+/// than 10000-port ranges fit.
+pub fn fresh_port_range(ns: &Netns, first: u16, count: u16) -> Result<()> {
+    let last = count.checked_sub(1).and_then(|n| first.checked_add(n));
+    let Some(last) = last.filter(|_| first >= 1024) else {
+        bail!("no port range of {count} from {first}");
+    };
+    ns.sysctl("net.ipv4.ip_local_port_range", &format!("{first} {last}"))
 }
 
 /// How one request ended, coarsely enough to compare runs: what a request

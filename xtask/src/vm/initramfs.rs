@@ -77,6 +77,18 @@ const MODULES: &[&str] = &[
     "xt_mark",
     "xt_conntrack",
     "xt_MASQUERADE",
+    // The other modes, for `modes:switching` (the agent in every mode on
+    // one test bed): the iptables and userspace modes' matches and
+    // targets, the nftables mode's expressions, conntrack over netlink.
+    "nf_conntrack_netlink",
+    "xt_tcpudp",
+    "xt_statistic",
+    "xt_nat",
+    "xt_REDIRECT",
+    "ipt_REJECT",
+    "nft_numgen",
+    "nft_fib_ipv4",
+    "nft_reject_ipv4",
 ];
 
 /// Modules the tests cannot do without: missing ones fail the build of the
@@ -85,7 +97,17 @@ const REQUIRED_MODULES: &[&str] = &["veth", "sch_ingress", "cls_bpf", "ip_vs", "
 
 /// Tools in the guest: required, then used if the host has them.
 const TOOLS: &[&str] = &["ip", "tc", "bpftool", "ipvsadm"];
-const OPTIONAL_TOOLS: &[&str] = &["ethtool", "ipset", "iptables", "iptables-save", "iptables-restore"];
+const OPTIONAL_TOOLS: &[&str] = &[
+    "ethtool",
+    "ipset",
+    "iptables",
+    "iptables-save",
+    "iptables-restore",
+    "nft",
+    "ss",
+    // The kernel modes delete stale UDP flows with it.
+    "conntrack",
+];
 /// The iptables extensions (`libxt_*.so`, loaded with dlopen, so `ldd`
 /// does not list them), copied whole when present.
 const XTABLES_DIR: &str = "/usr/lib/x86_64-linux-gnu/xtables";

@@ -18,7 +18,7 @@
 //! DNATed to 127.0.0.1: they never leave `lo`, so neither the node IP nor
 //! `route_localnet` is needed, and the same rule serves a process reaching
 //! a ClusterIP, `NODE_IP:nodePort` and `127.0.0.1:nodePort` (verified in
-//! `tests/tests/mode_userspace.rs`). kube-proxy DNATed to the node IP
+//! `tests/tests/modes.rs`). kube-proxy DNATed to the node IP
 //! there because its listener could be bound to one address; ours is not.
 //!
 //! kube-proxy's userspace mode accepted connections to a Service without

@@ -1,7 +1,7 @@
 //! The mode against an in-memory iptables (restore input applied the way
 //! iptables applies it) with its listeners on 127.0.0.1, so syncs, the
 //! listeners' lifetimes and cleanup are checked without root. The real
-//! kernel and the real agent: `tests/tests/mode_userspace.rs`.
+//! kernel and the real agent: `tests/tests/modes.rs`.
 
 use std::{
     net::{Ipv4Addr, SocketAddrV4},
