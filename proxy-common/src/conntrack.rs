@@ -68,9 +68,11 @@ pub struct CtValue {
     pub backend_id: u32,
     /// Frontend the flow was addressed to (reverse NAT map key).
     pub rev_nat_id: u32,
-    /// `bpf_ktime_get_ns()` of the last packet, refreshed at most once a
-    /// second so that busy flows do not bounce the entry's cache line.
-    pub last_seen_ns: u64,
+    /// `bpf_jiffies64()` of the last packet (the kernel's tick counter, HZ
+    /// a second: a clock read costs some 35 ns a packet, this one nothing),
+    /// refreshed at most every [`LAST_SEEN_GRANULARITY_JIFFIES`] so that
+    /// busy flows do not bounce the entry's cache line.
+    pub last_seen_jiffies: u64,
     /// `FLAG_*` bits below.
     pub flags: u8,
     /// TCP flags seen so far in this direction (`TCP_*` bits below).
@@ -92,8 +94,9 @@ pub const TCP_FIN: u8 = 1 << 1;
 pub const TCP_RST: u8 = 1 << 2;
 pub const TCP_ACK: u8 = 1 << 3;
 
-/// How stale `last_seen_ns` may get before a packet refreshes it.
-pub const LAST_SEEN_GRANULARITY_NS: u64 = 1_000_000_000;
+/// How stale `last_seen_jiffies` may get before a packet refreshes it:
+/// 0.1 s to 1 s, depending on the kernel's HZ.
+pub const LAST_SEEN_GRANULARITY_JIFFIES: u64 = 100;
 
 const _: () = assert!(core::mem::size_of::<CtKey>() == 16);
 const _: () = assert!(core::mem::size_of::<CtValue>() == 24);

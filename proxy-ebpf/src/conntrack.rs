@@ -1,11 +1,11 @@
 //! Connection tracking: pins a flow to its backend and finds replies.
 
-use aya_ebpf::helpers::bpf_ktime_get_ns;
+use aya_ebpf::helpers::bpf_jiffies64;
 use proxy_common::{
     CtKey, CtValue,
     conntrack::{
-        DIR_FORWARD, DIR_REPLY, FLAG_HANDED_TO_TC, FLAG_REPLY, FLAG_SNAT, LAST_SEEN_GRANULARITY_NS, TCP_ACK, TCP_FIN,
-        TCP_RST, TCP_SYN,
+        DIR_FORWARD, DIR_REPLY, FLAG_HANDED_TO_TC, FLAG_REPLY, FLAG_SNAT, LAST_SEEN_GRANULARITY_JIFFIES, TCP_ACK,
+        TCP_FIN, TCP_RST, TCP_SYN,
     },
 };
 
@@ -56,8 +56,8 @@ fn touch(entry: *mut CtValue, flow: &Flow, now: u64) {
         if (*entry).tcp_seen & bits != bits {
             (*entry).tcp_seen |= bits;
         }
-        if now.wrapping_sub((*entry).last_seen_ns) > LAST_SEEN_GRANULARITY_NS {
-            (*entry).last_seen_ns = now;
+        if now.wrapping_sub((*entry).last_seen_jiffies) > LAST_SEEN_GRANULARITY_JIFFIES {
+            (*entry).last_seen_jiffies = now;
         }
     }
 }
@@ -74,7 +74,7 @@ pub struct Forward {
 #[inline(always)]
 pub fn forward(flow: &Flow) -> Option<Forward> {
     let entry = CONNTRACK.get_ptr_mut(key_of(flow, DIR_FORWARD))?;
-    touch(entry, flow, unsafe { bpf_ktime_get_ns() });
+    touch(entry, flow, unsafe { bpf_jiffies64() });
     let (backend_id, flags) = unsafe { ((*entry).backend_id, (*entry).flags) };
     Some(Forward {
         backend_id,
@@ -96,7 +96,7 @@ pub fn taken_over(flow: &Flow) {
 #[inline(always)]
 pub fn reply_rev_nat(flow: &Flow) -> Option<u32> {
     let entry = CONNTRACK.get_ptr_mut(key_of(flow, DIR_REPLY))?;
-    touch(entry, flow, unsafe { bpf_ktime_get_ns() });
+    touch(entry, flow, unsafe { bpf_jiffies64() });
     Some(unsafe { (*entry).rev_nat_id })
 }
 
@@ -114,11 +114,11 @@ pub fn create(
     snat: bool,
     handed_to_tc: bool,
 ) -> Result<(), ()> {
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = unsafe { bpf_jiffies64() };
     let mut value = CtValue {
         backend_id,
         rev_nat_id,
-        last_seen_ns: now,
+        last_seen_jiffies: now,
         flags: FLAG_REPLY,
         tcp_seen: 0,
         _pad: [0; 6],

@@ -7,8 +7,8 @@ use aya_ebpf::{
         bpf_fib_lookup,
     },
     helpers::{
-        bpf_fib_lookup as fib_lookup, bpf_l3_csum_replace, bpf_l4_csum_replace, bpf_skb_adjust_room,
-        bpf_skb_change_tail, bpf_skb_pull_data, bpf_skb_store_bytes, bpf_xdp_adjust_head, bpf_xdp_adjust_tail,
+        bpf_fib_lookup as fib_lookup, bpf_l4_csum_replace, bpf_skb_adjust_room, bpf_skb_change_tail, bpf_skb_pull_data,
+        bpf_xdp_adjust_head, bpf_xdp_adjust_tail,
     },
     programs::{TcContext, XdpContext},
 };
@@ -174,10 +174,13 @@ impl Ctx for Tc<'_> {
         self.0.len() as usize
     }
 
-    /// Through the kernel's checksum helpers, which know the skb's checksum
-    /// state: a packet from a local socket carries CHECKSUM_PARTIAL, whose L4
-    /// checksum field holds only the pseudo-header sum. BPF_F_PSEUDO_HDR
-    /// updates it for the address change and leaves it alone for the port.
+    /// Address, port and IPv4 header checksum written directly (the IPv4
+    /// checksum is never offloaded; every helper call saved is some 20 ns);
+    /// the L4 checksum through the kernel's helper, which knows the skb's
+    /// checksum state: a packet from a local socket carries
+    /// CHECKSUM_PARTIAL, whose L4 checksum field holds only the
+    /// pseudo-header sum. BPF_F_PSEUDO_HDR updates it for the address change
+    /// and leaves it alone for the port.
     #[inline(always)]
     fn rewrite(&self, l4_proto: u8, side: Side, old: (u32, u16), new: (u32, u16)) -> Result<(), ()> {
         let skb = self.skb();
@@ -187,17 +190,24 @@ impl Ctx for Tc<'_> {
         } else {
             0
         };
+        let addr: *mut u32 = ptr_at(self, addr_off(side)).ok_or(())?;
+        let port: *mut u16 = ptr_at(self, port_off(side)).ok_or(())?;
+        let ip_check: *mut u16 = ptr_at(self, IP_CHECK_OFF).ok_or(())?;
+        // SAFETY: ptr_at checked each field against the packet's end.
+        unsafe {
+            *addr = new.0;
+            *port = new.1;
+            *ip_check = csum::replace32(*ip_check, old.0, new.0);
+        }
+        // The helpers below may move the packet: no pointer is used after.
         let ok = unsafe {
-            bpf_skb_store_bytes(skb, addr_off(side) as u32, (&new.0 as *const u32).cast(), 4, 0) == 0
-                && bpf_l3_csum_replace(skb, IP_CHECK_OFF as u32, old.0 as u64, new.0 as u64, 4) == 0
-                && bpf_l4_csum_replace(
-                    skb,
-                    l4_check,
-                    old.0 as u64,
-                    new.0 as u64,
-                    BPF_F_PSEUDO_HDR as u64 | udp_flags | 4,
-                ) == 0
-                && bpf_skb_store_bytes(skb, port_off(side) as u32, (&new.1 as *const u16).cast(), 2, 0) == 0
+            bpf_l4_csum_replace(
+                skb,
+                l4_check,
+                old.0 as u64,
+                new.0 as u64,
+                BPF_F_PSEUDO_HDR as u64 | udp_flags | 4,
+            ) == 0
                 && bpf_l4_csum_replace(skb, l4_check, old.1 as u64, new.1 as u64, udp_flags | 2) == 0
         };
         if ok { Ok(()) } else { Err(()) }
