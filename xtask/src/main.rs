@@ -4,6 +4,7 @@
 //! `bpf-linker` built against the nightly's own LLVM; `build-ebpf` sets all of
 //! that up itself, idempotently, so a fresh machine needs only rustup.
 
+mod bench;
 mod build_ebpf;
 mod command;
 mod demo;
@@ -36,6 +37,8 @@ enum Command {
     Demo,
     /// Run tests in a Debian 6.1 kernel under qemu (IPVS, an older verifier).
     Vm(vm::Options),
+    /// Measure every mode side by side; writes bench/results/<date>-<host>.{json,md,*.svg}.
+    Bench(bench::Options),
 }
 
 fn main() -> ExitCode {
@@ -62,6 +65,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Test(options) => test::test(&root, &options),
         Command::Demo => demo::demo(&root),
         Command::Vm(options) => vm::vm(&root, &options),
+        Command::Bench(options) => bench::bench(&root, &options),
     }
 }
 

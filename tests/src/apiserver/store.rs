@@ -3,7 +3,7 @@
 //! change events that watches replay from.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, VecDeque},
+    collections::{BTreeMap, BTreeSet, HashMap, VecDeque},
     net::Ipv4Addr,
     sync::{Arc, Mutex, MutexGuard},
     time::{SystemTime, UNIX_EPOCH},
@@ -205,6 +205,55 @@ struct State {
     floor: u64,
     service_cidr: (u32, u32),
     node_ports: (u16, u16),
+    /// Who holds which cluster IP and node port: checking or allocating
+    /// one must not scan every object (the bench stores 100,000 Services).
+    allocated: Allocated,
+}
+
+/// The cluster IPs and node ports of the stored Services, by (namespace, name).
+#[derive(Default)]
+struct Allocated {
+    cluster_ips: HashMap<String, (String, String)>,
+    node_ports: HashMap<u64, (String, String)>,
+}
+
+impl Allocated {
+    fn cluster_ip(service: &Value) -> Option<&str> {
+        service.pointer("/spec/clusterIP").and_then(Value::as_str)
+    }
+
+    fn node_ports(service: &Value) -> impl Iterator<Item = u64> + '_ {
+        service
+            .pointer("/spec/ports")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p.get("nodePort").and_then(Value::as_u64))
+    }
+
+    fn add(&mut self, owner: (&str, &str), service: &Value) {
+        let owner = (owner.0.to_string(), owner.1.to_string());
+        if let Some(ip) = Self::cluster_ip(service) {
+            self.cluster_ips.insert(ip.to_string(), owner.clone());
+        }
+        for port in Self::node_ports(service) {
+            self.node_ports.insert(port, owner.clone());
+        }
+    }
+
+    fn remove(&mut self, owner: (&str, &str), service: &Value) {
+        let owned = |o: &(String, String)| (o.0.as_str(), o.1.as_str()) == owner;
+        if let Some(ip) = Self::cluster_ip(service)
+            && self.cluster_ips.get(ip).is_some_and(owned)
+        {
+            self.cluster_ips.remove(ip);
+        }
+        for port in Self::node_ports(service) {
+            if self.node_ports.get(&port).is_some_and(owned) {
+                self.node_ports.remove(&port);
+            }
+        }
+    }
 }
 
 /// Where Services get their cluster IPs and node ports.
@@ -325,6 +374,7 @@ impl Store {
                 floor: 0,
                 service_cidr: (base, size),
                 node_ports: alloc.node_ports,
+                allocated: Allocated::default(),
             }),
             changed,
         };
@@ -380,6 +430,14 @@ impl Store {
         let ns = meta_str(&obj, "namespace").unwrap_or("").to_string();
         let name = meta_str(&obj, "name").unwrap_or("").to_string();
         let k = key(r, &ns, &name);
+        if r.qualified() == resources::SERVICES.qualified() {
+            if let Some(stored) = st.objects.get(&k) {
+                st.allocated.remove((&ns, &name), stored);
+            }
+            if kind != EventType::Deleted {
+                st.allocated.add((&ns, &name), &obj);
+            }
+        }
         if kind == EventType::Deleted {
             st.objects.remove(&k);
         } else {
@@ -821,23 +879,20 @@ impl Store {
     }
 }
 
-fn service_ips(st: &State, except: (&str, &str)) -> BTreeSet<String> {
-    let q = resources::SERVICES.qualified();
-    st.objects
-        .iter()
-        .filter(|((res, ns, name), _)| *res == q && (ns.as_str(), name.as_str()) != except)
-        .filter_map(|(_, o)| o.pointer("/spec/clusterIP").and_then(Value::as_str).map(str::to_string))
-        .collect()
+/// Whether a Service other than `except` holds cluster IP `ip`.
+fn service_ip_taken(st: &State, except: (&str, &str), ip: &str) -> bool {
+    st.allocated
+        .cluster_ips
+        .get(ip)
+        .is_some_and(|(ns, name)| (ns.as_str(), name.as_str()) != except)
 }
 
 fn node_ports_in_use(st: &State, except: (&str, &str)) -> BTreeSet<u64> {
-    let q = resources::SERVICES.qualified();
-    st.objects
+    st.allocated
+        .node_ports
         .iter()
-        .filter(|((res, ns, name), _)| *res == q && (ns.as_str(), name.as_str()) != except)
-        .filter_map(|(_, o)| o.pointer("/spec/ports").and_then(Value::as_array))
-        .flatten()
-        .filter_map(|p| p.get("nodePort").and_then(Value::as_u64))
+        .filter(|(_, (ns, name))| (ns.as_str(), name.as_str()) != except)
+        .map(|(port, _)| *port)
         .collect()
 }
 
@@ -896,7 +951,7 @@ fn default_service(st: &State, obj: &mut Value, old: Option<&Value>, name: &str)
                             format!("spec.clusterIP: Invalid value: \"{g}\""),
                         ));
                     }
-                    if old_ip.is_none() && service_ips(st, (&ns, name)).contains(g) {
+                    if old_ip.is_none() && service_ip_taken(st, (&ns, name), g) {
                         return Err(ApiError::invalid(
                             r,
                             name,
@@ -910,11 +965,10 @@ fn default_service(st: &State, obj: &mut Value, old: Option<&Value>, name: &str)
             }
             (None, Some(o)) => o.to_string(),
             (None, None) => {
-                let used = service_ips(st, (&ns, name));
                 let (base, size) = st.service_cidr;
                 (2..size.saturating_sub(1))
                     .map(|i| Ipv4Addr::from(base + i).to_string())
-                    .find(|ip| !used.contains(ip))
+                    .find(|ip| !service_ip_taken(st, (&ns, name), ip))
                     .ok_or_else(|| ApiError::new(500, "InternalError", "no cluster IP left to allocate"))?
             }
         };
@@ -929,7 +983,11 @@ fn default_service(st: &State, obj: &mut Value, old: Option<&Value>, name: &str)
     }
     // Ports.
     let node_ports = matches!(ty.as_str(), "NodePort" | "LoadBalancer");
-    let mut used = node_ports_in_use(st, (&ns, name));
+    let mut used = if node_ports {
+        node_ports_in_use(st, (&ns, name))
+    } else {
+        BTreeSet::new()
+    };
     let old_ports = old_spec
         .get("ports")
         .and_then(Value::as_array)

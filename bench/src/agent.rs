@@ -1,0 +1,304 @@
+//! The real agent, `xproxy run --mode MODE --kubeconfig ...`, in the bench's
+//! node, fed by the test API server; and what its log says about when the
+//! Services were delivered and how long its syncs took.
+//!
+//! The bench never runs `xproxy cleanup`: every agent gets a node of its
+//! own, and deleting the node's namespace takes its rules with it (removing
+//! 10,000 Services' iptables chains one by one would take minutes). The
+//! agent is stopped, whatever it started in the node is killed (an
+//! `iptables-restore` still at work), and its pins are removed.
+
+use std::{
+    fs,
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+    time::{Duration, Instant, SystemTime},
+};
+
+use anyhow::{Context, Result, bail};
+use testbed::{agent::AgentProcess, netns::Netns, privileged::unique_name, topology::NODE_IP};
+use xproxy_tests::agent_harness::NODE_NAME;
+
+/// `xproxy run`'s exit code for a mode this machine cannot run.
+const EXIT_MODE_UNAVAILABLE: i32 = 6;
+/// How long a mode that cannot run may take to say so.
+const START_GRACE: Duration = Duration::from_millis(1500);
+
+/// The agent's configuration for the bench: a change is programmed at once
+/// (kube-proxy treats a zero `minSyncPeriod` as "the default", 1 s, so the
+/// smallest non-zero one), and no periodic full resync runs in the middle
+/// of a measurement.
+pub const CONFIG: &str = "\
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+iptables:
+  minSyncPeriod: 1ms
+  syncPeriod: 1h
+nftables:
+  minSyncPeriod: 1ms
+  syncPeriod: 1h
+ipvs:
+  minSyncPeriod: 1ms
+  syncPeriod: 1h
+";
+
+pub struct BenchAgent {
+    /// `None` once stopped.
+    process: Option<AgentProcess>,
+    pin_path: PathBuf,
+    node_ns: PathBuf,
+    pub log: PathBuf,
+    /// When the process was started (wall clock, to compare with its log).
+    pub started: SystemTime,
+    pub started_at: Instant,
+}
+
+pub enum Started {
+    Running(BenchAgent),
+    /// The mode cannot run here (exit code 6), with the agent's reason.
+    Unavailable(String),
+}
+
+impl BenchAgent {
+    /// Starts the agent in `mode`; `dir` gets its configuration and log.
+    /// With `check`, waits a moment for a mode this machine lacks to say so
+    /// (the measurements cannot wait: the agent programs meanwhile).
+    pub fn start(
+        xproxy: &Path,
+        node: &Netns,
+        mode: &str,
+        kubeconfig: &Path,
+        dir: &Path,
+        check: bool,
+    ) -> Result<Started> {
+        let config = dir.join("bench-proxy.yaml");
+        fs::write(&config, CONFIG).with_context(|| format!("writing {}", config.display()))?;
+        let log = dir.join(format!("agent-{mode}-{}.log", unique_name("")));
+        let args: Vec<String> = [
+            "--config",
+            &config.display().to_string(),
+            "--mode",
+            mode,
+            "--kubeconfig",
+            &kubeconfig.display().to_string(),
+            "--node-ip",
+            &NODE_IP.to_string(),
+            "--hostname-override",
+            NODE_NAME,
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        let pin_path = Path::new("/sys/fs/bpf").join(unique_name("xproxy-bench-"));
+        let started = SystemTime::now();
+        let started_at = Instant::now();
+        let process = AgentProcess::start(xproxy, node, &pin_path, &args, Some(&log))?;
+        let mut agent = Self {
+            process: Some(process),
+            pin_path,
+            node_ns: node.path().to_owned(),
+            log,
+            started,
+            started_at,
+        };
+        // A mode this machine lacks fails at once; give it the chance.
+        while check && started_at.elapsed() < START_GRACE {
+            if let Some(status) = agent.exit_status()? {
+                let text = agent.log_text();
+                if status.code() == Some(EXIT_MODE_UNAVAILABLE) {
+                    return Ok(Started::Unavailable(last_error(&text)));
+                }
+                bail!("xproxy run --mode {mode} exited at start ({status}):\n{text}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(Started::Running(agent))
+    }
+
+    fn exit_status(&mut self) -> Result<Option<std::process::ExitStatus>> {
+        match self.process.as_mut() {
+            Some(process) => process.try_exit_status(),
+            None => Ok(None),
+        }
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.process.as_ref().and_then(AgentProcess::pid)
+    }
+
+    pub fn pin_path(&self) -> &Path {
+        &self.pin_path
+    }
+
+    /// Ok while the process runs; an error with its log once it exited.
+    pub fn alive(&mut self) -> Result<()> {
+        if let Some(status) = self.exit_status()? {
+            bail!("the agent exited ({status}); log:\n{}", self.log_text());
+        }
+        Ok(())
+    }
+
+    /// Stops the agent with `signal` (SIGTERM: it finishes what it does and
+    /// exits; SIGKILL: at once, e.g. in the middle of a sync that takes
+    /// minutes), kills what it left running in the node, removes its pins.
+    /// Its rules go with the node's namespace.
+    pub fn stop(&mut self, signal: i32) {
+        let Some(mut process) = self.process.take() else {
+            return;
+        };
+        if let Err(e) = process.stop(signal) {
+            eprintln!("warning: stopping the agent: {e:#}");
+        }
+        // Dropping it would run `xproxy cleanup`: see the module's comment.
+        std::mem::forget(process);
+        kill_processes_in(&self.node_ns);
+        if self.pin_path.exists()
+            && let Err(e) = fs::remove_dir_all(&self.pin_path)
+        {
+            eprintln!("warning: removing {}: {e}", self.pin_path.display());
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for BenchAgent {
+    fn drop(&mut self) {
+        self.stop(libc::SIGKILL);
+    }
+}
+
+/// SIGKILLs every process in the network namespace at `ns` (the agent's
+/// children: all of them started by this bench).
+fn kill_processes_in(ns: &Path) {
+    let Ok(target) = fs::metadata(ns) else { return };
+    let me = std::process::id();
+    let Ok(entries) = fs::read_dir("/proc") else { return };
+    for entry in entries.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(net) = fs::metadata(entry.path().join("ns/net")) else {
+            continue;
+        };
+        if pid != me && net.dev() == target.dev() && net.ino() == target.ino() {
+            // SAFETY: kill has no memory preconditions.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+    }
+}
+
+/// The reason a failed start gives: the last line that says ERROR, or the
+/// last line.
+fn last_error(log: &str) -> String {
+    let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
+    lines
+        .iter()
+        .rev()
+        .find(|l| l.contains("ERROR") || l.starts_with("error"))
+        .or(lines.last())
+        .map_or_else(|| "no output".to_owned(), |l| l.trim().to_owned())
+}
+
+/// What the agent's log says.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LogFacts {
+    /// When each source kind finished its list (`listed kind=...`).
+    pub listed: Vec<(String, SystemTime, u64)>,
+    /// Every sync that changed something: (services, took in seconds).
+    pub syncs: Vec<(u64, f64)>,
+    /// Syncs that failed, and the error of the last one.
+    pub sync_failures: usize,
+    pub last_sync_failure: Option<String>,
+}
+
+impl LogFacts {
+    /// When the last list was complete: the source had delivered everything.
+    pub fn delivered(&self) -> Option<SystemTime> {
+        self.listed.iter().map(|(_, at, _)| *at).max()
+    }
+
+    /// How long the first sync that programmed at least `services` took.
+    pub fn first_sync_with(&self, services: u64) -> Option<f64> {
+        self.syncs.iter().find(|(n, _)| *n >= services).map(|(_, took)| *took)
+    }
+}
+
+/// Reads the lines of tracing's default format:
+/// `2026-12-02T15:11:23.123456Z  INFO xproxy::source::kube: listed kind="Service" objects=100`.
+pub fn parse_log(text: &str) -> LogFacts {
+    let mut facts = LogFacts::default();
+    for line in text.lines() {
+        let Some((stamp, rest)) = line.split_once(' ') else {
+            continue;
+        };
+        let message = rest.split_once(": ").map_or("", |(_, m)| m);
+        if let Some(fields) = message.strip_prefix("listed ") {
+            let Ok(at) = stamp.parse::<jiff::Timestamp>() else {
+                continue;
+            };
+            let kind = field(fields, "kind").unwrap_or_default().trim_matches('"').to_owned();
+            let objects = field(fields, "objects").and_then(|n| n.parse().ok()).unwrap_or(0);
+            facts.listed.push((kind, SystemTime::from(at), objects));
+        } else if message.starts_with("sync failed") {
+            let error = message.split_once("error=").map_or(message, |(_, e)| e);
+            facts.sync_failures += 1;
+            facts.last_sync_failure = Some(error.trim().trim_matches('"').to_owned());
+        } else if let Some(fields) = message.strip_prefix("synced ") {
+            let services = field(fields, "services").and_then(|n| n.parse().ok());
+            let took_ms = field(fields, "took_ms").and_then(|n| n.parse::<f64>().ok());
+            if let (Some(services), Some(took_ms)) = (services, took_ms) {
+                facts.syncs.push((services, took_ms / 1e3));
+            }
+        }
+    }
+    facts
+}
+
+/// The value of `name=value` among space-separated fields.
+fn field<'a>(fields: &'a str, name: &str) -> Option<&'a str> {
+    fields
+        .split_whitespace()
+        .find_map(|f| f.strip_prefix(name).and_then(|rest| rest.strip_prefix('=')))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LOG: &str = "\
+2026-12-02T15:11:23.100000Z  INFO xproxy::cmd::run: starting mode=ebpf node=\"xproxy-node\"
+2026-12-02T15:11:23.500000Z  INFO xproxy::source::kube: listed kind=\"Service\" objects=101
+2026-12-02T15:11:23.750000Z  INFO xproxy::source::kube: listed kind=\"EndpointSlice\" objects=101
+2026-12-02T15:11:23.760000Z  INFO xproxy::agent: synced mode=\"ebpf\" full=true services=0 changed=0 kernel_writes=0 took_ms=0.1
+2026-12-02T15:11:23.900000Z  INFO xproxy::agent: synced mode=\"ebpf\" full=true services=101 changed=101 kernel_writes=900 took_ms=123.5
+2026-12-02T15:11:24.000000Z  WARN xproxy::agent: sync failed; retrying with a full sync error=\"writing a backend: E2BIG\"
+";
+
+    #[test]
+    fn reads_deliveries_and_syncs() {
+        let facts = parse_log(LOG);
+        assert_eq!(facts.listed.len(), 2);
+        assert_eq!(facts.listed[0].0, "Service");
+        assert_eq!(facts.listed[1].2, 101);
+        let delivered = facts.delivered().expect("listed");
+        let expected: jiff::Timestamp = "2026-12-02T15:11:23.75Z".parse().expect("timestamp");
+        assert_eq!(delivered, SystemTime::from(expected));
+        assert_eq!(facts.syncs, vec![(0, 0.0001), (101, 0.1235)]);
+        assert_eq!(facts.first_sync_with(101), Some(0.1235));
+        assert_eq!(facts.first_sync_with(102), None);
+        assert_eq!(facts.last_sync_failure.as_deref(), Some("writing a backend: E2BIG"));
+    }
+
+    #[test]
+    fn names_the_reason_a_mode_is_unavailable() {
+        let log = "2026 INFO x: starting\nerror: mode ipvs is not available: no IPVS in this kernel\n";
+        assert_eq!(
+            last_error(log),
+            "error: mode ipvs is not available: no IPVS in this kernel"
+        );
+        assert_eq!(last_error(""), "no output");
+    }
+}

@@ -1,0 +1,179 @@
+//! A loaded data path to time: the real programs in a fresh pin directory,
+//! with the seed Services programmed through the agent's own map code.
+
+use std::{
+    net::Ipv4Addr,
+    os::fd::{AsFd, BorrowedFd},
+    path::Path,
+};
+
+use anyhow::{Context, Result, bail};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{HashMap, Map, MapData},
+    programs::{SchedClassifier, Xdp},
+};
+use proxy_common::{CtKey, CtValue, Verdict, maps};
+use proxy_userspace::mode::ebpf::{ServiceMaps, object_bytes};
+use serde::Serialize;
+use testbed::privileged::PinDir;
+use xproxy_tests::testrun::{Prog, seed_services};
+
+/// Names an eBPF object to measure instead of the one built into this
+/// binary (e.g. a candidate change built elsewhere), read at run time.
+pub const OBJECT_ENV: &str = "XPROXY_BENCH_EBPF_OBJECT";
+
+/// The programs as the kernel holds them, to say which build was measured.
+#[derive(Serialize, Clone, Debug)]
+pub struct ProgramInfo {
+    pub name: String,
+    /// The kernel's tag (a hash of the instructions), as bpftool prints it.
+    pub tag: String,
+    /// Size of the instructions after the verifier, bytes.
+    pub xlated_bytes: u32,
+    /// Size of the JIT-compiled code, bytes.
+    pub jited_bytes: u32,
+}
+
+/// The object's bytes, 8-byte aligned (aya parses the ELF in place), and
+/// where they came from.
+pub struct Object {
+    words: Vec<u64>,
+    len: usize,
+    pub source: String,
+}
+
+impl Object {
+    /// The object named by [`OBJECT_ENV`], else the built-in one.
+    pub fn from_env_or_builtin() -> Result<Self> {
+        match std::env::var_os(OBJECT_ENV) {
+            Some(path) => Self::from_path(Path::new(&path)),
+            None => Ok(Self::new(object_bytes()?, "built into this binary".into())),
+        }
+    }
+
+    pub fn from_path(path: &Path) -> Result<Self> {
+        let bytes = std::fs::read(path).with_context(|| format!("reading the eBPF object {}", path.display()))?;
+        Ok(Self::new(&bytes, path.display().to_string()))
+    }
+
+    fn new(bytes: &[u8], source: String) -> Self {
+        let mut words = vec![0u64; bytes.len().div_ceil(8)];
+        for (word, chunk) in words.iter_mut().zip(bytes.chunks(8)) {
+            let mut buf = [0u8; 8];
+            buf[..chunk.len()].copy_from_slice(chunk);
+            *word = u64::from_ne_bytes(buf);
+        }
+        Self {
+            words,
+            len: bytes.len(),
+            source,
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `words` holds at least `len` initialised bytes; u8 has no
+        // alignment or validity requirements.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast::<u8>(), self.len) }
+    }
+}
+
+/// One data path: its maps (as the agent opens them), programs and pins.
+/// Fields drop in order: maps and programs before the pin directory.
+pub struct Bed {
+    pub maps: ServiceMaps,
+    /// A second handle on conntrack, to remove flows a case opened.
+    conntrack: HashMap<MapData, CtKey, CtValue>,
+    ebpf: Ebpf,
+    /// Removes every pin when dropped.
+    _pin: PinDir,
+}
+
+impl Bed {
+    /// Loads `object` into a fresh pin directory the way the agent does
+    /// (maps pinned by name, `snat_mark` patched in) and programs the seed
+    /// Services, with NodePorts on `node_ip`.
+    pub fn load(object: &Object, snat_mark: u32, node_ip: Ipv4Addr) -> Result<Self> {
+        let pin = PinDir::new();
+        std::fs::create_dir_all(pin.path()).with_context(|| format!("creating {}", pin.path().display()))?;
+        let mut ebpf = EbpfLoader::new()
+            .default_map_pin_directory(pin.path())
+            .override_global(maps::GLOBAL_SNAT_MARK, &snat_mark, true)
+            .load(object.bytes())
+            .with_context(|| format!("loading the eBPF object ({})", object.source))?;
+        let xdp: &mut Xdp = program(&mut ebpf, maps::PROG_XDP_UPLINK)?.try_into()?;
+        xdp.load().context("verifier rejected xdp_uplink")?;
+        for name in [maps::PROG_TC_INGRESS, maps::PROG_TC_EGRESS] {
+            let tc: &mut SchedClassifier = program(&mut ebpf, name)?.try_into()?;
+            tc.load().with_context(|| format!("verifier rejected {name}"))?;
+        }
+        let mut maps = ServiceMaps::open(pin.path(), vec![node_ip])?;
+        for svc in seed_services() {
+            maps.sync_service(&svc)
+                .with_context(|| format!("programming {}", svc.name))?;
+        }
+        let ct_pin = pin.path().join(maps::CONNTRACK);
+        let ct = MapData::from_pin(&ct_pin).with_context(|| format!("opening {}", ct_pin.display()))?;
+        let conntrack = HashMap::try_from(Map::from_map_data(ct)?).context("conntrack has an unexpected layout")?;
+        Ok(Self {
+            maps,
+            conntrack,
+            ebpf,
+            _pin: pin,
+        })
+    }
+
+    /// Removes conntrack entries; all of them must exist.
+    pub fn forget(&mut self, keys: &[CtKey]) -> Result<()> {
+        for key in keys {
+            self.conntrack
+                .remove(key)
+                .with_context(|| format!("removing conntrack entry {key:?}"))?;
+        }
+        Ok(())
+    }
+
+    #[cfg(test)]
+    pub fn pin_dir(&self) -> &Path {
+        self._pin.path()
+    }
+
+    /// The descriptor of one of the three programs.
+    pub fn fd(&self, prog: Prog) -> Result<BorrowedFd<'_>> {
+        let program = self
+            .ebpf
+            .program(prog.name())
+            .with_context(|| format!("{} is not in the object", prog.name()))?;
+        Ok(program.fd()?.as_fd())
+    }
+
+    pub fn info(&self, prog: Prog) -> Result<ProgramInfo> {
+        let program = self
+            .ebpf
+            .program(prog.name())
+            .with_context(|| format!("{} is not in the object", prog.name()))?;
+        let info = program.info()?;
+        Ok(ProgramInfo {
+            name: prog.name().to_owned(),
+            tag: format!("{:016x}", info.tag()),
+            xlated_bytes: info.size_translated().unwrap_or(0),
+            jited_bytes: info.size_jitted(),
+        })
+    }
+
+    /// Packets counted so far per verdict (summed over CPUs).
+    pub fn packets(&self) -> Result<[u64; Verdict::COUNT as usize]> {
+        let mut out = [0; Verdict::COUNT as usize];
+        for (verdict, counter) in self.maps.verdict_counts()? {
+            out[verdict as usize] = counter.packets;
+        }
+        Ok(out)
+    }
+}
+
+fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut aya::programs::Program> {
+    match ebpf.program_mut(name) {
+        Some(p) => Ok(p),
+        None => bail!("program {name} is not in the eBPF object"),
+    }
+}

@@ -1,0 +1,1068 @@
+//! The Markdown report: ratios first, then the targets and how far each
+//! is, then the tables, the charts, the noise, the parameters.
+
+use std::fmt::Write as _;
+
+use crate::{
+    latency::Latency,
+    programming::Programming,
+    results::{ModeStatus, Results, Run},
+    stats::{Summary, ratio},
+};
+
+/// The mode every ratio is about, and the ones it is compared with.
+const SUBJECT: &str = "ebpf";
+const OTHERS: [&str; 4] = ["iptables", "nftables", "ipvs", "userspace"];
+
+/// A chart to show: its title and its file name (next to the report).
+pub struct Chart {
+    pub title: String,
+    pub file: String,
+}
+
+pub fn render(results: &Results, charts: &[Chart]) -> String {
+    let mut out = String::new();
+    header(&mut out, results);
+    ratios(&mut out, results);
+    targets_section(&mut out, results);
+    tables(&mut out, results);
+    charts_section(&mut out, charts);
+    noise(&mut out, results);
+    parameters(&mut out, results);
+    out
+}
+
+// ---------------------------------------------------------------------------
+// Formatting.
+
+fn us(v: f64) -> String {
+    if v.is_nan() {
+        "–".into()
+    } else if v >= 100.0 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.1}")
+    }
+}
+
+/// A difference in µs, with its sign.
+fn signed_us(v: f64) -> String {
+    if v < 0.0 {
+        format!("−{}", us(-v))
+    } else {
+        format!("+{}", us(v))
+    }
+}
+
+fn summary_us(s: &Summary) -> String {
+    if s.rounds > 1 {
+        format!("{} [{}–{}]", us(s.median), us(s.min), us(s.max))
+    } else {
+        us(s.median)
+    }
+}
+
+/// A ratio with two significant digits at least: 1.52×, 0.048×, 0.00012×.
+fn times(r: Option<f64>) -> String {
+    match r {
+        None => "–".into(),
+        Some(r) => {
+            let decimals = if r >= 0.1 || r <= 0.0 {
+                2
+            } else {
+                (1.0 - r.log10().floor()).clamp(2.0, 8.0) as usize
+            };
+            format!("{r:.decimals$}×")
+        }
+    }
+}
+
+fn seconds(v: Option<f64>) -> String {
+    match v {
+        None => "–".into(),
+        Some(v) if v < 1.0 => format!("{:.1} ms", v * 1e3),
+        Some(v) => format!("{v:.2} s"),
+    }
+}
+
+fn rate(s: &Summary) -> String {
+    let k = |v: f64| format!("{:.1}k", v / 1e3);
+    if s.rounds > 1 {
+        format!("{} [{}–{}]", k(s.median), k(s.min), k(s.max))
+    } else {
+        k(s.median)
+    }
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1}", bytes as f64 / (1024.0 * 1024.0))
+}
+
+fn table(out: &mut String, head: &[&str], rows: &[Vec<String>]) {
+    let _ = writeln!(out, "| {} |", head.join(" | "));
+    let _ = writeln!(out, "|{}", head.iter().map(|_| "---|").collect::<String>());
+    for row in rows {
+        let _ = writeln!(out, "| {} |", row.join(" | "));
+    }
+    out.push('\n');
+}
+
+// ---------------------------------------------------------------------------
+// Accessors.
+
+fn latency(run: &Run) -> Option<&crate::results::RunLatency> {
+    run.latency.as_ref()
+}
+
+fn connect_p50(l: &Latency) -> f64 {
+    l.connect_p50_us.median
+}
+
+/// Delivered -> answering; `true` if only a lower bound (timed out).
+fn programming_s(run: &Run) -> Option<(f64, bool)> {
+    run.programming.as_ref().and_then(Programming::seconds)
+}
+
+/// `subject / other` programming time at `n`, with `<` or `>` where one
+/// of them timed out and the ratio is a bound.
+fn programming_ratio(r: &Results, other: &str, n: usize) -> String {
+    let find = |mode: &str| {
+        r.mode(mode)?
+            .runs
+            .iter()
+            .find(|run| run.services == n && run.error.is_none())
+            .and_then(programming_s)
+    };
+    match (find(SUBJECT), find(other)) {
+        (Some((a, false)), Some((b, false))) => times(ratio(a, b)),
+        (Some((a, false)), Some((b, true))) => format!("< {}", times(ratio(a, b))),
+        (Some((a, true)), Some((b, false))) => format!("> {}", times(ratio(a, b))),
+        _ => "–".into(),
+    }
+}
+
+fn programming_cell(p: &Programming) -> String {
+    match p.seconds() {
+        Some((s, true)) => format!("> {} (not programmed in time)", seconds(Some(s))),
+        Some((s, false)) => seconds(Some(s)),
+        None => "–".into(),
+    }
+}
+
+/// The numbers of Services measured, ascending.
+fn service_counts(results: &Results) -> Vec<usize> {
+    let mut counts: Vec<usize> = results
+        .modes
+        .iter()
+        .flat_map(|m| m.runs.iter().map(|r| r.services))
+        .collect();
+    counts.sort_unstable();
+    counts.dedup();
+    counts
+}
+
+fn ran_modes(results: &Results) -> Vec<&str> {
+    results
+        .modes
+        .iter()
+        .filter(|m| m.status == ModeStatus::Ran)
+        .map(|m| m.mode.as_str())
+        .collect()
+}
+
+fn run_of<'a>(results: &'a Results, mode: &str, services: usize) -> Option<&'a Run> {
+    results.mode(mode)?.run(services)
+}
+
+/// `f(subject run) / f(other run)` at `services`.
+fn mode_ratio(results: &Results, other: &str, services: usize, f: impl Fn(&Run) -> Option<f64>) -> Option<f64> {
+    let a = f(run_of(results, SUBJECT, services)?)?;
+    let b = f(run_of(results, other, services)?)?;
+    ratio(a, b)
+}
+
+// ---------------------------------------------------------------------------
+// Sections.
+
+fn header(out: &mut String, r: &Results) {
+    let m = &r.machine;
+    let _ = writeln!(out, "# xproxy benchmark: {} on {}\n", m.date, m.host);
+    let _ = writeln!(
+        out,
+        "Kernel {}, {} CPUs ({}), {:.1} GiB memory; commit `{}`{}; {}. \
+         Every mode ran through the real agent (`xproxy run --mode MODE`) fed by the \
+         test API server, on one machine, one mode after the other.\n",
+        m.kernel,
+        m.cpus,
+        m.cpu_model,
+        m.memory_bytes as f64 / f64::from(1u32 << 30),
+        m.git_commit.get(..12).unwrap_or(&m.git_commit),
+        if m.git_dirty { " (with uncommitted changes)" } else { "" },
+        if r.parameters.quick {
+            "a `--quick` run (a smoke test: few rounds, the numbers are indicative only)"
+        } else {
+            "a full run"
+        },
+    );
+    let skipped: Vec<String> = r
+        .modes
+        .iter()
+        .filter_map(|m| match &m.status {
+            ModeStatus::Skipped { reason } => Some(format!("- **{}** skipped: {reason}", m.mode)),
+            ModeStatus::Ran => None,
+        })
+        .collect();
+    if !skipped.is_empty() {
+        let _ = writeln!(out, "{}\n", skipped.join("\n"));
+    }
+    let notes: Vec<String> = r
+        .modes
+        .iter()
+        .flat_map(|m| {
+            m.runs.iter().filter_map(move |run| {
+                Some(format!(
+                    "- {} at {} Services: {}",
+                    m.mode,
+                    run.services,
+                    run.note.as_ref()?
+                ))
+            })
+        })
+        .chain(r.scale.iter().filter_map(|s| {
+            Some(format!(
+                "- {} scale run at {} Services: {}",
+                s.mode,
+                s.services,
+                s.note.as_ref()?
+            ))
+        }))
+        .collect();
+    if !notes.is_empty() {
+        let _ = writeln!(out, "{}\n", notes.join("\n"));
+    }
+    let errors = r.errors();
+    if !errors.is_empty() {
+        let _ = writeln!(out, "**Failed parts** (their numbers are missing below):\n");
+        for e in errors {
+            let first_line = e.lines().next().unwrap_or_default();
+            let _ = writeln!(out, "- {first_line}");
+        }
+        out.push('\n');
+    }
+}
+
+fn ratios(out: &mut String, r: &Results) {
+    let _ = writeln!(out, "## Ratios\n");
+    let _ = writeln!(
+        out,
+        "Latency and time: below 1× means {SUBJECT} is faster. Requests/s: above 1× means {SUBJECT} \
+         serves more. All to the last Service programmed (the one a linear rule walk reaches last), \
+         medians of the rounds.\n"
+    );
+    let counts = service_counts(r);
+    let modes = ran_modes(r);
+    for other in OTHERS.iter().filter(|o| modes.contains(o)) {
+        if !modes.contains(&SUBJECT) {
+            break;
+        }
+        let _ = writeln!(out, "### {SUBJECT} / {other}\n");
+        let rows: Vec<Vec<String>> = counts
+            .iter()
+            .map(|&n| {
+                let cell = |f: &dyn Fn(&Run) -> Option<f64>| times(mode_ratio(r, other, n, f));
+                vec![
+                    n.to_string(),
+                    cell(&|run| latency(run).map(|l| connect_p50(&l.clusterip_last))),
+                    cell(&|run| latency(run).map(|l| connect_p50(&l.nodeport_last))),
+                    cell(&|run| latency(run).map(|l| l.clusterip_last.request_p50_us.median)),
+                    programming_ratio(r, other, n),
+                    cell(&|run| run.throughput.as_ref().map(|t| t.nodeport_short.requests_per_s.median)),
+                    cell(&|run| {
+                        run.throughput
+                            .as_ref()
+                            .map(|t| t.clusterip_keepalive.requests_per_s.median)
+                    }),
+                ]
+            })
+            .collect();
+        table(
+            out,
+            &[
+                "Services",
+                "connect p50, ClusterIP",
+                "connect p50, NodePort",
+                "request p50, ClusterIP",
+                "programming",
+                "req/s NodePort, new conns",
+                "req/s ClusterIP, keep-alive",
+            ],
+            &rows,
+        );
+    }
+
+    let _ = writeln!(out, "### Last / first Service (connect p50, ClusterIP path)\n");
+    let rows: Vec<Vec<String>> = counts
+        .iter()
+        .map(|&n| {
+            std::iter::once(n.to_string())
+                .chain(modes.iter().map(|mode| {
+                    times(
+                        run_of(r, mode, n)
+                            .and_then(latency)
+                            .and_then(|l| ratio(connect_p50(&l.clusterip_last), connect_p50(&l.clusterip_first))),
+                    )
+                }))
+                .collect()
+        })
+        .collect();
+    let head: Vec<&str> = std::iter::once("Services").chain(modes.iter().copied()).collect();
+    table(out, &head, &rows);
+
+    let _ = writeln!(
+        out,
+        "### Over the no-proxy baseline (connect p50 to the last Service minus straight to a pod, µs)\n"
+    );
+    let rows: Vec<Vec<String>> = counts
+        .iter()
+        .map(|&n| {
+            std::iter::once(n.to_string())
+                .chain(modes.iter().map(|mode| {
+                    let (Some(run), Some(base)) = (
+                        run_of(r, mode, n).and_then(latency),
+                        r.mode(mode).and_then(|m| m.baseline.as_ref()),
+                    ) else {
+                        return "–".into();
+                    };
+                    format!(
+                        "{} / {}",
+                        signed_us(connect_p50(&run.clusterip_last) - connect_p50(&base.clusterip_path)),
+                        signed_us(connect_p50(&run.nodeport_last) - connect_p50(&base.nodeport_path)),
+                    )
+                }))
+                .collect()
+        })
+        .collect();
+    let head: Vec<String> = std::iter::once("Services".to_owned())
+        .chain(modes.iter().map(|m| format!("{m} (ClusterIP / NodePort)")))
+        .collect();
+    let head: Vec<&str> = head.iter().map(String::as_str).collect();
+    table(out, &head, &rows);
+}
+
+/// How a target stands.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Standing {
+    Met,
+    /// Missed; by how much, in words.
+    Missed(String),
+    /// Not measured in this run; why.
+    NotMeasured(String),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct TargetCheck {
+    pub target: &'static str,
+    pub measured: String,
+    pub standing: Standing,
+}
+
+fn check(target: &'static str, measured: String, met: bool, missed_by: impl FnOnce() -> String) -> TargetCheck {
+    TargetCheck {
+        target,
+        measured,
+        standing: if met {
+            Standing::Met
+        } else {
+            Standing::Missed(missed_by())
+        },
+    }
+}
+
+fn not_measured(target: &'static str, why: &str) -> TargetCheck {
+    TargetCheck {
+        target,
+        measured: "–".into(),
+        standing: Standing::NotMeasured(why.to_owned()),
+    }
+}
+
+/// The issue's targets, each against this run's numbers.
+pub fn targets(r: &Results) -> Vec<TargetCheck> {
+    let counts = service_counts(r);
+    let ebpf = r.mode(SUBJECT);
+    let run = |n: usize| ebpf.and_then(|m| m.run(n));
+    let mut checks = Vec::new();
+
+    // Connect p50 to the last of the largest N within 5% of the first of the smallest.
+    const FLAT: &str = "ebpf connect p50 to the last of 20,000 Services within 5% of the first of 100";
+    match (counts.first(), counts.last()) {
+        (Some(&small), Some(&large)) if large > small => {
+            match (run(small).and_then(latency), run(large).and_then(latency)) {
+                (Some(a), Some(b)) => {
+                    let (first, last) = (connect_p50(&a.clusterip_first), connect_p50(&b.clusterip_last));
+                    let growth = last / first - 1.0;
+                    let at = if large == 20_000 && small == 100 {
+                        String::new()
+                    } else {
+                        format!(" (measured: last of {large} vs first of {small})")
+                    };
+                    checks.push(check(
+                        FLAT,
+                        format!("{} µs vs {} µs: {:+.1}%{at}", us(last), us(first), growth * 100.0),
+                        growth <= 0.05,
+                        || format!("{:.1} points over", (growth - 0.05) * 100.0),
+                    ));
+                }
+                _ => checks.push(not_measured(FLAT, "no ebpf latency at both ends")),
+            }
+        }
+        _ => checks.push(not_measured(FLAT, "only one number of Services measured")),
+    }
+
+    // No higher than nftables at any N.
+    const NFT: &str = "ebpf connect p50 no higher than nftables at any N";
+    let pairs: Vec<(usize, f64, f64)> = counts
+        .iter()
+        .filter_map(|&n| {
+            let a = run(n).and_then(latency)?;
+            let b = run_of(r, "nftables", n).and_then(latency)?;
+            Some((n, connect_p50(&a.clusterip_last), connect_p50(&b.clusterip_last)))
+        })
+        .collect();
+    if pairs.is_empty() {
+        checks.push(not_measured(NFT, "ebpf and nftables not both measured"));
+    } else {
+        let worse: Vec<String> = pairs
+            .iter()
+            .filter(|(_, e, n)| e > n)
+            .map(|(count, e, n)| format!("{count}: {} > {} µs", us(*e), us(*n)))
+            .collect();
+        let measured = pairs
+            .iter()
+            .map(|(count, e, n)| format!("{count}: {}/{}", us(*e), us(*n)))
+            .collect::<Vec<_>>()
+            .join(", ");
+        checks.push(check(
+            NFT,
+            format!("ebpf/nftables µs {measured}"),
+            worse.is_empty(),
+            || worse.join("; "),
+        ));
+    }
+
+    // Within 2 µs of the no-proxy baseline.
+    const BASE: &str = "ebpf connect p50 within 2 µs of the no-proxy baseline";
+    match (
+        ebpf.and_then(|m| m.baseline.as_ref()),
+        counts.last().and_then(|&n| run(n).and_then(latency)),
+    ) {
+        (Some(base), Some(l)) => {
+            let added = counts
+                .iter()
+                .filter_map(|&n| run(n).and_then(latency))
+                .map(|l| connect_p50(&l.clusterip_last) - connect_p50(&base.clusterip_path))
+                .fold(f64::NEG_INFINITY, f64::max);
+            let _ = l;
+            checks.push(check(
+                BASE,
+                format!(
+                    "at most {} µs over {} µs (ClusterIP path, any N)",
+                    signed_us(added),
+                    us(connect_p50(&base.clusterip_path))
+                ),
+                added <= 2.0,
+                || format!("{} µs over", us(added - 2.0)),
+            ));
+        }
+        _ => checks.push(not_measured(BASE, "no ebpf latency or baseline")),
+    }
+
+    // Programming at scale.
+    let scale = |services: usize, fixed: Option<usize>| {
+        r.scale.iter().find(|s| {
+            s.mode == SUBJECT
+                && s.services == services
+                && s.error.is_none()
+                && fixed.is_none_or(|e| s.endpoints == services * e)
+        })
+    };
+    let within = |target: &'static str, p: Option<&Programming>, limit: f64, missing: &str| match p {
+        Some(p) if p.seconds().is_some() => {
+            let (s, bound) = p.seconds().unwrap_or((f64::NAN, true));
+            check(target, programming_cell(p), !bound && s <= limit, || {
+                format!(
+                    "{}{} over",
+                    if bound { "more than " } else { "" },
+                    seconds(Some(s - limit))
+                )
+            })
+        }
+        _ => not_measured(target, missing),
+    };
+    checks.push(within(
+        "10,000 Services × 10 endpoints programmed in ≤ 0.25 s",
+        scale(10_000, Some(10)).and_then(|s| s.programming.as_ref()),
+        0.25,
+        "no scale run at 10,000 × 10 (full runs do one)",
+    ));
+    checks.push(within(
+        "100,000 Services programmed in ≤ 3 s",
+        scale(100_000, None).and_then(|s| s.programming.as_ref()),
+        3.0,
+        "no scale run at 100,000 (full runs do one)",
+    ));
+
+    // One endpoint change.
+    const CHANGE: &str = "one endpoint change at 10,000 Services applied in ≤ 10 ms p99";
+    let change = ebpf.and_then(|m| m.runs.iter().rev().find_map(|run| run.endpoint_change.as_ref()));
+    match change {
+        Some(c) => {
+            let at = if c.services == 10_000 {
+                String::new()
+            } else {
+                format!(" (at {} Services)", c.services)
+            };
+            checks.push(check(
+                CHANGE,
+                format!(
+                    "p99 {:.2} ms, p50 {:.2} ms over {} changes{at}",
+                    c.p99_ms, c.p50_ms, c.changes
+                ),
+                c.p99_ms <= 10.0,
+                || format!("{:.2} ms over", c.p99_ms - 10.0),
+            ));
+        }
+        None => checks.push(not_measured(CHANGE, "no endpoint changes measured")),
+    }
+
+    // Per packet.
+    const PACKET: &str = "per packet: established flow ≤ 40 ns, new flow ≤ 100 ns net";
+    match &r.per_packet {
+        Some(p) if p.error.is_none() && !p.targets.is_empty() => {
+            let worst = |kind: &str| {
+                p.targets
+                    .iter()
+                    .filter(|t| t.kind == kind)
+                    .map(|t| t.net_ns)
+                    .fold(f64::NEG_INFINITY, f64::max)
+            };
+            let missed: Vec<String> = p
+                .targets
+                .iter()
+                .filter(|t| !t.met())
+                .map(|t| format!("{} {} {:.0} ns > {:.0}", t.program, t.label, t.net_ns, t.target_ns))
+                .collect();
+            checks.push(check(
+                PACKET,
+                format!(
+                    "worst established {:.0} ns, worst new flow {:.0} ns",
+                    worst("established"),
+                    worst("new_flow")
+                ),
+                missed.is_empty(),
+                || missed.join("; "),
+            ));
+        }
+        Some(p) => checks.push(not_measured(
+            PACKET,
+            p.error.as_deref().unwrap_or("no cases with targets"),
+        )),
+        None => checks.push(not_measured(PACKET, "not run")),
+    }
+
+    // Throughput.
+    const RPS: &str = "new-connection requests/s through NodePort at 10,000 Services ≥ 1.5× iptables";
+    let n = if counts.contains(&10_000) {
+        Some(10_000)
+    } else {
+        counts.last().copied()
+    };
+    match n.and_then(|n| {
+        mode_ratio(r, "iptables", n, |run| {
+            run.throughput.as_ref().map(|t| t.nodeport_short.requests_per_s.median)
+        })
+        .map(|x| (n, x))
+    }) {
+        Some((n, x)) => {
+            let at = if n == 10_000 {
+                String::new()
+            } else {
+                format!(" (at {n} Services)")
+            };
+            checks.push(check(RPS, format!("{x:.2}×{at}"), x >= 1.5, || {
+                format!("{:.2}× short", 1.5 - x)
+            }));
+        }
+        None => checks.push(not_measured(RPS, "no throughput of both ebpf and iptables")),
+    }
+
+    // Memory.
+    const RSS: &str = "agent RSS ≤ 150 MiB at 10,000 × 10";
+    match scale(10_000, Some(10)).and_then(|s| s.memory.as_ref()) {
+        Some(m) => {
+            let mib_used = m.agent_rss_bytes as f64 / (1024.0 * 1024.0);
+            checks.push(check(
+                RSS,
+                format!("{mib_used:.1} MiB (peak {} MiB)", mib(m.agent_peak_rss_bytes)),
+                mib_used <= 150.0,
+                || format!("{:.1} MiB over", mib_used - 150.0),
+            ));
+        }
+        None => checks.push(not_measured(RSS, "no scale run at 10,000 × 10 (full runs do one)")),
+    }
+    checks
+}
+
+fn targets_section(out: &mut String, r: &Results) {
+    let _ = writeln!(out, "## Targets\n");
+    let rows: Vec<Vec<String>> = targets(r)
+        .into_iter()
+        .map(|c| {
+            let standing = match c.standing {
+                Standing::Met => "met".to_owned(),
+                Standing::Missed(by) => format!("**missed**: {by}"),
+                Standing::NotMeasured(why) => format!("not measured: {why}"),
+            };
+            vec![c.target.to_owned(), c.measured, standing]
+        })
+        .collect();
+    table(out, &["Target", "Measured", "Standing"], &rows);
+}
+
+fn latency_cell(l: &Latency, pick: fn(&Latency) -> (&Summary, &Summary)) -> String {
+    let (p50, p99) = pick(l);
+    format!("{} / {}", summary_us(p50), us(p99.median))
+}
+
+fn latency_table(out: &mut String, r: &Results, title: &str, pick: fn(&Latency) -> (&Summary, &Summary)) {
+    let _ = writeln!(out, "### {title}, µs: p50 [min–max over rounds] / p99\n");
+    let mut rows = Vec::new();
+    for m in r.modes.iter().filter(|m| m.status == ModeStatus::Ran) {
+        if let Some(b) = &m.baseline {
+            rows.push(vec![
+                format!("no proxy (before {})", m.mode),
+                "–".into(),
+                latency_cell(&b.clusterip_path, pick),
+                "".into(),
+                latency_cell(&b.nodeport_path, pick),
+                "".into(),
+            ]);
+        }
+        for run in &m.runs {
+            let Some(l) = latency(run) else { continue };
+            rows.push(vec![
+                m.mode.clone(),
+                run.services.to_string(),
+                format!(
+                    "{} <br> direct {}",
+                    latency_cell(&l.clusterip_first, pick),
+                    summary_us(pick(&l.clusterip_direct).0)
+                ),
+                latency_cell(&l.clusterip_last, pick),
+                format!(
+                    "{} <br> direct {}",
+                    latency_cell(&l.nodeport_first, pick),
+                    summary_us(pick(&l.nodeport_direct).0)
+                ),
+                latency_cell(&l.nodeport_last, pick),
+            ]);
+        }
+    }
+    table(
+        out,
+        &[
+            "Mode",
+            "Services",
+            "ClusterIP, first",
+            "ClusterIP, last",
+            "NodePort, first",
+            "NodePort, last",
+        ],
+        &rows,
+    );
+}
+
+fn tables(out: &mut String, r: &Results) {
+    let _ = writeln!(out, "## Tables\n");
+    let _ = writeln!(
+        out,
+        "\"no proxy\" is straight to a pod's address before any agent ran; \"direct\" is the same \
+         with the mode in place (what the mode costs traffic that is no Service's).\n"
+    );
+    latency_table(out, r, "Connect latency (socket + connect)", |l| {
+        (&l.connect_p50_us, &l.connect_p99_us)
+    });
+    latency_table(out, r, "Request latency (connect, a line out, the answer back)", |l| {
+        (&l.request_p50_us, &l.request_p99_us)
+    });
+
+    let _ = writeln!(out, "### Programming time\n");
+    let _ = writeln!(
+        out,
+        "From the source delivering the Services (the agent's list complete, from its log) to the \
+         last one answering; the agent's own sync time; and from starting the agent.\n"
+    );
+    let mut rows = Vec::new();
+    for m in r.modes.iter().filter(|m| m.status == ModeStatus::Ran) {
+        for run in &m.runs {
+            let Some(p) = &run.programming else { continue };
+            rows.push(vec![
+                m.mode.clone(),
+                run.services.to_string(),
+                run.endpoints.to_string(),
+                programming_cell(p),
+                seconds(p.sync_s),
+                seconds(Some(p.start_to_answer_s)),
+            ]);
+        }
+    }
+    for s in &r.scale {
+        let Some(p) = &s.programming else { continue };
+        rows.push(vec![
+            format!("{} (scale run)", s.mode),
+            s.services.to_string(),
+            s.endpoints.to_string(),
+            programming_cell(p),
+            seconds(p.sync_s),
+            seconds(Some(p.start_to_answer_s)),
+        ]);
+    }
+    table(
+        out,
+        &[
+            "Mode",
+            "Services",
+            "Endpoints",
+            "delivered → answering",
+            "agent's sync",
+            "start → answering",
+        ],
+        &rows,
+    );
+
+    let changes: Vec<Vec<String>> = r
+        .modes
+        .iter()
+        .flat_map(|m| {
+            m.runs.iter().filter_map(move |run| {
+                let c = run.endpoint_change.as_ref()?;
+                Some(vec![
+                    m.mode.clone(),
+                    c.services.to_string(),
+                    c.changes.to_string(),
+                    format!("{:.2}", c.p50_ms),
+                    format!("{:.2}", c.p99_ms),
+                    format!("{:.2}–{:.2}", c.min_ms, c.max_ms),
+                ])
+            })
+        })
+        .collect();
+    if !changes.is_empty() {
+        let _ = writeln!(
+            out,
+            "### One endpoint change (API write → new connections reach the new pod), ms\n"
+        );
+        table(out, &["Mode", "Services", "Changes", "p50", "p99", "min–max"], &changes);
+    }
+
+    throughput_table(out, r);
+    memory_table(out, r);
+
+    if let Some(p) = &r.per_packet {
+        let _ = writeln!(out, "### Per packet (BPF_PROG_TEST_RUN)\n");
+        match &p.error {
+            Some(e) => {
+                let _ = writeln!(out, "Not measured: {e}\n");
+            }
+            None => {
+                let _ = writeln!(out, "{}\n", p.markdown.trim_end());
+            }
+        }
+    }
+}
+
+fn throughput_table(out: &mut String, r: &Results) {
+    let rows: Vec<Vec<String>> = r
+        .modes
+        .iter()
+        .flat_map(|m| {
+            m.runs.iter().filter_map(move |run| {
+                let t = run.throughput.as_ref()?;
+                let errors = t.nodeport_short.errors
+                    + t.nodeport_keepalive.errors
+                    + t.clusterip_short.errors
+                    + t.clusterip_keepalive.errors;
+                Some(vec![
+                    m.mode.clone(),
+                    run.services.to_string(),
+                    rate(&t.nodeport_short.requests_per_s),
+                    rate(&t.nodeport_keepalive.requests_per_s),
+                    rate(&t.clusterip_short.requests_per_s),
+                    rate(&t.clusterip_keepalive.requests_per_s),
+                    errors.to_string(),
+                ])
+            })
+        })
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    let _ = writeln!(out, "### Throughput (wrk), requests/s to the last Service\n");
+    table(
+        out,
+        &[
+            "Mode",
+            "Services",
+            "NodePort, new conns",
+            "NodePort, keep-alive",
+            "ClusterIP, new conns",
+            "ClusterIP, keep-alive",
+            "errors",
+        ],
+        &rows,
+    );
+}
+
+fn memory_table(out: &mut String, r: &Results) {
+    let mut rows = Vec::new();
+    for m in r.modes.iter().filter(|m| m.status == ModeStatus::Ran) {
+        let measured: Vec<&Run> = m.runs.iter().filter(|run| run.memory.is_some()).collect();
+        for run in &measured {
+            let Some(mem) = &run.memory else { continue };
+            rows.push(vec![
+                m.mode.clone(),
+                run.services.to_string(),
+                run.endpoints.to_string(),
+                mib(mem.agent_rss_bytes),
+                mib(mem.agent_peak_rss_bytes),
+                mib(mem.bpf_map_bytes()),
+            ]);
+        }
+        // Bytes per Service and per backend: the growth between the
+        // smallest and the largest run.
+        if let (Some(a), Some(b)) = (measured.first(), measured.last())
+            && b.services > a.services
+            && let (Some(ma), Some(mb)) = (&a.memory, &b.memory)
+        {
+            let rss = mb.agent_rss_bytes as f64 - ma.agent_rss_bytes as f64;
+            let maps = mb.bpf_map_bytes() as f64 - ma.bpf_map_bytes() as f64;
+            let per = |total: f64, n: usize| format!("{:.0}", total / n as f64);
+            rows.push(vec![
+                format!("{} growth per Service / per backend, bytes", m.mode),
+                format!("{}→{}", a.services, b.services),
+                format!("{}→{}", a.endpoints, b.endpoints),
+                format!(
+                    "{} / {}",
+                    per(rss, b.services - a.services),
+                    per(rss, b.endpoints.saturating_sub(a.endpoints).max(1))
+                ),
+                "".into(),
+                format!(
+                    "{} / {}",
+                    per(maps, b.services - a.services),
+                    per(maps, b.endpoints.saturating_sub(a.endpoints).max(1))
+                ),
+            ]);
+        }
+    }
+    for s in &r.scale {
+        let Some(mem) = &s.memory else { continue };
+        rows.push(vec![
+            format!("{} (scale run)", s.mode),
+            s.services.to_string(),
+            s.endpoints.to_string(),
+            mib(mem.agent_rss_bytes),
+            mib(mem.agent_peak_rss_bytes),
+            mib(mem.bpf_map_bytes()),
+        ]);
+    }
+    if rows.is_empty() {
+        return;
+    }
+    let _ = writeln!(out, "### Memory, MiB\n");
+    let _ = writeln!(
+        out,
+        "Agent RSS after the measurements (peak: VmHWM); BPF maps: what the kernel charges for the \
+         maps the agent pinned (ebpf only; the kernel modes' rules are kernel memory not counted here).\n"
+    );
+    table(
+        out,
+        &["Mode", "Services", "Endpoints", "agent RSS", "agent peak", "BPF maps"],
+        &rows,
+    );
+}
+
+fn charts_section(out: &mut String, charts: &[Chart]) {
+    if charts.is_empty() {
+        return;
+    }
+    let _ = writeln!(out, "## Charts\n");
+    for c in charts {
+        let _ = writeln!(out, "![{}]({})\n", c.title, c.file);
+    }
+}
+
+fn noise(out: &mut String, r: &Results) {
+    let _ = writeln!(out, "## Noise\n");
+    let mut widest: Option<(f64, String)> = None;
+    for m in &r.modes {
+        for run in &m.runs {
+            let Some(l) = latency(run) else { continue };
+            for (what, s) in [
+                ("ClusterIP first", &l.clusterip_first.connect_p50_us),
+                ("ClusterIP last", &l.clusterip_last.connect_p50_us),
+                ("NodePort first", &l.nodeport_first.connect_p50_us),
+                ("NodePort last", &l.nodeport_last.connect_p50_us),
+            ] {
+                let spread = s.spread();
+                if widest.as_ref().is_none_or(|(w, _)| spread > *w) {
+                    widest = Some((spread, format!("{} at {} Services, {what}", m.mode, run.services)));
+                }
+            }
+        }
+    }
+    let _ = writeln!(
+        out,
+        "Every latency is the median over {} rounds of {} sequential connections, with the \
+         rounds' min–max in brackets; rounds of all targets are interleaved, so a slow moment \
+         of the machine falls on all of them. Requests/s are over {} wrk run(s) per cell.",
+        r.parameters.latency_rounds,
+        r.parameters.latency_connections,
+        r.parameters.wrk.as_ref().map_or(0, |w| w.rounds),
+    );
+    if let Some((spread, where_)) = widest {
+        let _ = writeln!(
+            out,
+            "The widest spread of a connect p50 in this run is {:.0}% of its median ({where_}).",
+            spread * 100.0
+        );
+    }
+    let _ = writeln!(
+        out,
+        "The machine has {} CPUs shared by the client, the node's kernel path, the pods' server \
+         and the agent; anything else running at the time shows up here.\n",
+        r.machine.cpus
+    );
+}
+
+fn parameters(out: &mut String, r: &Results) {
+    let p = &r.parameters;
+    let _ = writeln!(out, "## Parameters\n");
+    let _ = writeln!(
+        out,
+        "- Services: {:?}, each with {}..={} endpoints (seed {:#x}) on {} backend pods, every \
+         {}th a NodePort (and the last); one more Service for the endpoint changes.",
+        p.services, p.endpoints_per_service.0, p.endpoints_per_service.1, p.seed, p.backend_pods, p.node_port_every
+    );
+    let _ = writeln!(
+        out,
+        "- Latency: {} rounds × {} connections per target; endpoint changes: {} at {} Services.",
+        p.latency_rounds, p.latency_connections, p.endpoint_changes, p.endpoint_change_services
+    );
+    match &p.wrk {
+        Some(w) => {
+            let _ = writeln!(
+                out,
+                "- wrk: {} thread(s), {} connections, {} s × {} round(s) per cell.",
+                w.threads, w.connections, w.duration_s, w.rounds
+            );
+        }
+        None => {
+            let _ = writeln!(out, "- wrk: not installed, no throughput measured.");
+        }
+    }
+    let _ = writeln!(out, "- The pods' server: {} threads.", p.server_threads);
+    for (path, meaning) in &p.paths {
+        let _ = writeln!(out, "- {path}: {meaning}");
+    }
+    let _ = writeln!(out, "- The agent's configuration:\n\n```yaml\n{}```\n", p.agent_config);
+    if !r.timings.is_empty() {
+        let _ = writeln!(out, "### How long each part took\n");
+        let rows: Vec<Vec<String>> = r
+            .timings
+            .iter()
+            .map(|t| vec![t.part.clone(), format!("{:.1} s", t.seconds)])
+            .collect();
+        table(out, &["Part", "Time"], &rows);
+    }
+}
+
+#[cfg(test)]
+pub mod tests {
+    use super::*;
+    use crate::fixture;
+
+    #[test]
+    fn ratios_come_first_and_read_right() {
+        let results = fixture::results();
+        let text = render(&results, &[]);
+        let ratios = text.find("## Ratios").expect("a ratios section");
+        let tables = text.find("## Tables").expect("tables");
+        assert!(ratios < tables);
+        assert!(text.find("## Targets").expect("targets") < tables);
+        // ebpf 20 µs vs iptables 40 µs to the last of 1,000: 0.50×.
+        assert!(text.contains("| 1000 | 0.50× |"), "{text}");
+        // Last / first: ebpf 20/20, iptables 40/25.
+        assert!(text.contains("| 1000 | 1.00× | 1.60× |"), "{text}");
+        // Over the baseline (15 µs on the ClusterIP path).
+        assert!(text.contains("+5.0 / +"), "{text}");
+        assert!(text.contains("- **ipvs** skipped: no IPVS in this kernel"), "{text}");
+    }
+
+    #[test]
+    fn targets_say_how_far() {
+        let results = fixture::results();
+        let checks = targets(&results);
+        let by_name = |prefix: &str| {
+            checks
+                .iter()
+                .find(|c| c.target.starts_with(prefix))
+                .unwrap_or_else(|| panic!("no target {prefix}"))
+                .clone()
+        };
+        // 20 µs at 100 first and 20 µs at 1,000 last: flat.
+        assert_eq!(by_name("ebpf connect p50 to the last").standing, Standing::Met);
+        assert_eq!(
+            by_name("ebpf connect p50 no higher").standing,
+            Standing::Missed("100: 20.0 > 19.0 µs".into())
+        );
+        // 5 µs over the baseline: missed by 3 µs.
+        assert_eq!(
+            by_name("ebpf connect p50 within 2").standing,
+            Standing::Missed("3.0 µs over".into())
+        );
+        assert_eq!(by_name("one endpoint change").standing, Standing::Met);
+        assert!(matches!(by_name("10,000 Services").standing, Standing::NotMeasured(_)));
+        // 30k vs 10k req/s: 3×.
+        let rps = by_name("new-connection requests/s");
+        assert_eq!(rps.standing, Standing::Met);
+        assert!(rps.measured.starts_with("3.00×"), "{}", rps.measured);
+    }
+
+    #[test]
+    fn a_mode_that_did_not_program_in_time() {
+        let text = render(&fixture::results(), &[]);
+        assert!(text.contains("> 120.00 s (not programmed in time)"), "{text}");
+        // ebpf programmed 1,000 in 12 ms: less than 0.0001× of nftables' > 120 s.
+        assert!(text.contains("| 1000 | – | – | – | < 0.00010× |"), "{text}");
+        assert_eq!(times(Some(0.048)), "0.048×");
+        assert_eq!(times(Some(1.5)), "1.50×");
+    }
+
+    #[test]
+    fn renders_tables_charts_and_noise() {
+        let results = fixture::results();
+        let charts = [Chart {
+            title: "Connect latency".into(),
+            file: "x-latency.svg".into(),
+        }];
+        let text = render(&results, &charts);
+        assert!(text.contains("![Connect latency](x-latency.svg)"));
+        assert!(text.contains("| ebpf | 1000 | "), "{text}");
+        assert!(text.contains("20.0 [19.0–22.0] / 30.0"), "{text}");
+        assert!(text.contains("### Throughput (wrk)"));
+        assert!(text.contains("30.0k"));
+        assert!(text.contains("widest spread"));
+        assert!(text.contains("### One endpoint change"));
+    }
+}

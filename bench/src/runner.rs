@@ -1,0 +1,551 @@
+//! One bench run: every mode at every number of Services, the scale runs,
+//! the per-packet part; everything set up and torn down here.
+//!
+//! Per mode: a fresh topology (so no conntrack entry of another mode is
+//! left), a check that the mode can run here at all (`xproxy run` exits 6
+//! if not: the mode is skipped with its reason), the no-proxy baseline,
+//! then per number of Services N: a fresh API server holding the N
+//! Services, a fresh agent (fresh pins: its conntrack is empty), and the
+//! measurements while it runs.
+
+use std::{
+    net::SocketAddrV4,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use anyhow::{Context, Result, bail};
+use testbed::topology::NODE_IP;
+use xproxy_tests::agent_harness::{NodeApiServer, TempDir, node};
+
+use crate::{
+    agent::{self, BenchAgent, Started},
+    latency::{self, Latency, Target},
+    memory, packet_cost,
+    plan::{Plan, ScalePoint},
+    programming::{self, EndpointPod},
+    progress::Progress,
+    results::{Baseline, ModeResult, ModeStatus, Parameters, Run, RunLatency, RunThroughput, ScaleRun},
+    services::{self, CHANGE_CLUSTER_IP, PORT, ServiceSet},
+    throughput,
+    topology::{self, BenchTopology, pod_ip, pod_name},
+};
+
+/// What [`run`] produced, besides the parts' timings.
+pub struct Outcome {
+    pub modes: Vec<ModeResult>,
+    pub scale: Vec<ScaleRun>,
+    pub per_packet: Option<crate::results::PerPacket>,
+}
+
+pub struct Runner<'a> {
+    plan: &'a Plan,
+    xproxy: PathBuf,
+    progress: &'a Progress,
+    scratch: TempDir,
+    wrk: bool,
+}
+
+/// The steps of the progress bar.
+pub fn steps(plan: &Plan) -> u64 {
+    (plan.modes.len() * (plan.services.len() + 1) + plan.scale.len() + usize::from(plan.per_packet)) as u64
+}
+
+impl<'a> Runner<'a> {
+    pub fn new(plan: &'a Plan, xproxy: &Path, progress: &'a Progress) -> Result<Self> {
+        let wrk = throughput::wrk_available();
+        if !wrk {
+            progress.say("wrk is not installed (apt-get install wrk): no throughput is measured");
+        }
+        Ok(Self {
+            plan,
+            xproxy: xproxy.to_owned(),
+            progress,
+            scratch: TempDir::new("bench")?,
+            wrk,
+        })
+    }
+
+    pub fn parameters(&self) -> Parameters {
+        let p = self.plan;
+        Parameters {
+            quick: p.quick,
+            modes: p.modes.clone(),
+            services: p.services.clone(),
+            seed: p.seed,
+            endpoints_per_service: (services::MIN_ENDPOINTS, services::MAX_ENDPOINTS),
+            backend_pods: services::PODS,
+            node_port_every: services::NODE_PORT_EVERY,
+            latency_connections: p.connections,
+            latency_rounds: p.rounds,
+            wrk: self.wrk.then(|| p.wrk.clone()),
+            endpoint_changes: p.changes,
+            endpoint_change_services: p.change_at,
+            server_threads: topology::server_workers(),
+            agent_config: agent::CONFIG.to_owned(),
+            paths: vec![
+                (
+                    "ClusterIP path".into(),
+                    "the client pod (10.244.0.100) -> ClusterIP:80 of the Service, through the node".into(),
+                ),
+                (
+                    "NodePort path".into(),
+                    "the outside client (172.30.0.1) -> 172.30.0.2:NodePort, through the node's uplink".into(),
+                ),
+                (
+                    "baseline, direct".into(),
+                    "the same clients -> an endpoint's address of the last Service, no Service involved".into(),
+                ),
+            ],
+        }
+    }
+
+    pub fn run(&self) -> Outcome {
+        let modes = self.plan.modes.iter().map(|mode| self.mode(mode)).collect();
+        let scale = self.scale_runs();
+        let per_packet = self.plan.per_packet.then(|| {
+            let result = self.progress.part("per-packet (BPF_PROG_TEST_RUN)", || {
+                packet_cost::measure(self.plan.quick, &|m| self.progress.message(m))
+            });
+            self.progress.step();
+            result
+        });
+        Outcome {
+            modes,
+            scale,
+            per_packet,
+        }
+    }
+
+    fn say(&self, line: &str) {
+        self.progress.say(line);
+    }
+
+    // -----------------------------------------------------------------------
+    // One mode.
+
+    fn mode(&self, mode: &str) -> ModeResult {
+        let mut result = ModeResult {
+            mode: mode.to_owned(),
+            status: ModeStatus::Ran,
+            baseline: None,
+            runs: Vec::new(),
+        };
+        match self.available(mode) {
+            Ok(None) => {}
+            Ok(Some(reason)) => {
+                self.say(&format!("{mode}: skipped: {reason}"));
+                result.status = ModeStatus::Skipped { reason };
+                self.progress.step();
+                return result;
+            }
+            Err(e) => {
+                result.status = ModeStatus::Skipped {
+                    reason: format!("the agent did not start: {e:#}"),
+                };
+                return result;
+            }
+        }
+        // A node of its own for every N: nothing of one agent is left for
+        // the next (conntrack entries, rules), and no cleanup has to run.
+        let mut gave_up: Option<String> = None;
+        for (i, &n) in self.plan.services.iter().enumerate() {
+            let started = std::time::Instant::now();
+            let mut run = empty_run(n, self.plan.seed);
+            if let Some(why) = &gave_up {
+                run.note = Some(why.clone());
+            } else {
+                match self
+                    .progress
+                    .part(&format!("{mode} at {n} Services: topology"), BenchTopology::build)
+                {
+                    Ok(topo) => {
+                        if i == 0 {
+                            self.measure_baseline(&topo, mode, &mut result);
+                        }
+                        if let Err(e) = self.measure(&topo, mode, &mut run) {
+                            self.say(&format!("{mode} at {n} Services FAILED: {e:#}"));
+                            run.error = Some(format!("{e:#}"));
+                        }
+                    }
+                    Err(e) => run.error = Some(format!("building the topology: {e:#}")),
+                }
+                if let Some(timeout) = run.programming.as_ref().and_then(|p| p.timed_out_after_s) {
+                    gave_up = Some(format!(
+                        "not measured: {n} Services were not programmed within {timeout:.0} s"
+                    ));
+                }
+            }
+            run.seconds = started.elapsed().as_secs_f64();
+            result.runs.push(run);
+            self.progress.step();
+        }
+        result
+    }
+
+    /// The no-proxy baseline, in `topo` before any agent ran there.
+    fn measure_baseline(&self, topo: &BenchTopology, mode: &str, result: &mut ModeResult) {
+        match self
+            .progress
+            .part(&format!("{mode}: no-proxy baseline"), || self.baseline(topo))
+        {
+            Ok(b) => result.baseline = Some(b),
+            Err(e) => self.say(&format!("{mode}: baseline failed: {e:#}")),
+        }
+        self.progress.step();
+    }
+
+    /// `None` if `mode` runs here; else why not.
+    fn available(&self, mode: &str) -> Result<Option<String>> {
+        let topo = BenchTopology::build()?;
+        let api = NodeApiServer::start(&topo.node)?;
+        api.apply(&node())?;
+        let kubeconfig = self.scratch.path().join("kubeconfig-empty.yaml");
+        api.server().write_kubeconfig(&kubeconfig)?;
+        match BenchAgent::start(&self.xproxy, &topo.node, mode, &kubeconfig, self.scratch.path(), true)? {
+            Started::Running(mut agent) => {
+                agent.stop(libc::SIGTERM);
+                Ok(None)
+            }
+            Started::Unavailable(reason) => Ok(Some(match mode {
+                "ipvs" => format!(
+                    "this host's kernel has no IPVS (`xproxy run` exited 6: {reason}); the bench does not \
+                     run in the VM yet (`cargo xtask vm --tests mode_ipvs` tests the mode there)"
+                ),
+                _ => format!("`xproxy run` exited 6 (mode unavailable): {reason}"),
+            })),
+        }
+    }
+
+    fn baseline(&self, topo: &BenchTopology) -> Result<Baseline> {
+        // Straight to pod-1's address, from both clients.
+        let pod = SocketAddrV4::new(pod_ip(1), services::TARGET_PORT);
+        let mut from_pod = Target::new(pod, 0, 2);
+        let mut from_client = Target::new(pod, 1, 2);
+        let mut targets = [(&topo.client_pod.ns, &mut from_pod), (&topo.client, &mut from_client)];
+        let rounds = self.plan.rounds;
+        let mut found = latency::interleaved(&mut targets, rounds, self.plan.connections, &|m| {
+            self.progress.message(m)
+        })?;
+        let nodeport_path = found.pop().context("two results")?;
+        let clusterip_path = found.pop().context("two results")?;
+        Ok(Baseline {
+            clusterip_path,
+            nodeport_path,
+        })
+    }
+
+    // -----------------------------------------------------------------------
+    // One mode at one N.
+
+    fn start_api(&self, topo: &BenchTopology, set: &ServiceSet) -> Result<(NodeApiServer, PathBuf)> {
+        let api = NodeApiServer::start(&topo.node)?;
+        api.apply(&node())?;
+        for object in set.objects(pod_ip(0)) {
+            api.apply(&object)?;
+        }
+        let kubeconfig = self.scratch.path().join(format!("kubeconfig-{}.yaml", set.len()));
+        api.server()
+            .write_kubeconfig(&kubeconfig)
+            .context("writing the kubeconfig")?;
+        Ok((api, kubeconfig))
+    }
+
+    fn start_agent(&self, topo: &BenchTopology, mode: &str, kubeconfig: &Path) -> Result<BenchAgent> {
+        match BenchAgent::start(&self.xproxy, &topo.node, mode, kubeconfig, self.scratch.path(), false)? {
+            Started::Running(agent) => Ok(agent),
+            Started::Unavailable(reason) => bail!("the mode became unavailable: {reason}"),
+        }
+    }
+
+    fn measure(&self, topo: &BenchTopology, mode: &str, run: &mut Run) -> Result<()> {
+        let n = run.services;
+        let label = format!("{mode} at {n} Services");
+        let set = ServiceSet::generate(n, self.plan.seed)?;
+        let (api, kubeconfig) = self.progress.part(&format!("{label}: loading the API server"), || {
+            self.start_api(topo, &set)
+        })?;
+        let mut agent = self.start_agent(topo, mode, &kubeconfig)?;
+        let outcome = self.measure_with_agent(topo, &api, &mut agent, &set, &label, run);
+        if let Err(e) = outcome {
+            let log = agent.log_text();
+            let tail: Vec<&str> = log
+                .lines()
+                .rev()
+                .take(20)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
+            bail!("{e:#}\nthe agent's log (last lines):\n{}", tail.join("\n"));
+        }
+        // A sync that outlasts the probe logs its time later.
+        if let Some(p) = run.programming.as_mut()
+            && p.sync_s.is_none()
+        {
+            p.sync_s = agent::parse_log(&agent.log_text()).first_sync_with(n as u64 + 1);
+        }
+        // A sync that timed out is still running: stop it at once.
+        let timed_out = run.programming.as_ref().is_some_and(|p| p.timed_out_after_s.is_some());
+        self.progress.part(&format!("{label}: stopping"), || {
+            agent.stop(if timed_out { libc::SIGKILL } else { libc::SIGTERM });
+            drop(api);
+        });
+        Ok(())
+    }
+
+    fn measure_with_agent(
+        &self,
+        topo: &BenchTopology,
+        api: &NodeApiServer,
+        agent: &mut BenchAgent,
+        set: &ServiceSet,
+        label: &str,
+        run: &mut Run,
+    ) -> Result<()> {
+        let n = set.len();
+        let (first, last) = (set.first(), set.last());
+        let cluster = |s: &services::BenchService| SocketAddrV4::new(s.cluster_ip, PORT);
+        let node_port = |s: &services::BenchService| -> Result<SocketAddrV4> {
+            Ok(SocketAddrV4::new(NODE_IP, s.node_port.context("a NodePort")?))
+        };
+
+        let programming = self.progress.part(&format!("{label}: programming"), || {
+            programming::wait_programmed(
+                agent,
+                &topo.client_pod.ns,
+                cluster(last),
+                n + 1,
+                self.plan.program_timeout,
+            )
+        })?;
+        let timed_out = programming.timed_out_after_s;
+        self.say(&format!(
+            "{label}: delivered -> answering {}, agent's sync {}{}",
+            fmt_s(programming.delivered_to_answer_s),
+            fmt_s(programming.sync_s),
+            timed_out.map_or(String::new(), |t| format!(": NOT PROGRAMMED within {t:.0} s"))
+        ));
+        run.programming = Some(programming);
+        if timed_out.is_some() {
+            run.note = sync_failure(agent);
+            return Ok(());
+        }
+
+        let direct = SocketAddrV4::new(last.endpoints[0].ip, services::TARGET_PORT);
+        let addrs = [
+            (&topo.client_pod.ns, cluster(first)),
+            (&topo.client_pod.ns, cluster(last)),
+            (&topo.client_pod.ns, direct),
+            (&topo.client, node_port(first)?),
+            (&topo.client, node_port(last)?),
+            (&topo.client, direct),
+        ];
+        for (ns, addr) in &addrs {
+            ns.run_in(|| programming::probe(*addr, Duration::from_secs(1)))?
+                .map_err(|e| anyhow::anyhow!("{addr} from {}: {e}", ns.name()))?;
+        }
+        run.latency = Some(self.progress.part(&format!("{label}: latency"), || {
+            let mut targets: Vec<Target> = addrs
+                .iter()
+                .enumerate()
+                .map(|(i, (_, addr))| Target::new(*addr, i, addrs.len()))
+                .collect();
+            let needed = self.plan.rounds * self.plan.connections;
+            if needed > targets[0].capacity() {
+                bail!(
+                    "{needed} connections per target would reuse local ports ({}): fewer rounds or connections",
+                    targets[0].capacity()
+                );
+            }
+            let mut pairs: Vec<(&testbed::netns::Netns, &mut Target)> =
+                addrs.iter().map(|(ns, _)| *ns).zip(targets.iter_mut()).collect();
+            let found = latency::interleaved(&mut pairs, self.plan.rounds, self.plan.connections, &|m| {
+                self.progress.message(&format!("{label}: {m}"))
+            })?;
+            run_latency(found)
+        })?);
+        agent.alive()?;
+
+        if self.wrk {
+            let wrk = &self.plan.wrk;
+            let measured = self
+                .progress
+                .part(&format!("{label}: throughput (wrk)"), || -> Result<_> {
+                    let np = node_port(last)?;
+                    let cip = cluster(last);
+                    Ok(RunThroughput {
+                        nodeport_short: throughput::measure(&topo.client, np, false, wrk)?,
+                        nodeport_keepalive: throughput::measure(&topo.client, np, true, wrk)?,
+                        clusterip_short: throughput::measure(&topo.client_pod.ns, cip, false, wrk)?,
+                        clusterip_keepalive: throughput::measure(&topo.client_pod.ns, cip, true, wrk)?,
+                    })
+                });
+            // A load generator that misbehaves costs the throughput, not
+            // the rest of the run; the report says so.
+            match measured {
+                Ok(t) => run.throughput = Some(t),
+                Err(e) => {
+                    self.say(&format!("{label}: throughput not measured: {e:#}"));
+                    run.note = Some(format!("throughput not measured: {e:#}"));
+                }
+            }
+            agent.alive()?;
+        }
+
+        if n == self.plan.change_at {
+            let pods = [
+                EndpointPod {
+                    ip: pod_ip(0),
+                    name: pod_name(0),
+                },
+                EndpointPod {
+                    ip: pod_ip(1),
+                    name: pod_name(1),
+                },
+            ];
+            let addr = SocketAddrV4::new(CHANGE_CLUSTER_IP, PORT);
+            run.endpoint_change = Some(self.progress.part(&format!("{label}: endpoint changes"), || {
+                programming::endpoint_changes(api, &topo.client_pod.ns, addr, pods, n, self.plan.changes, &|m| {
+                    self.progress.message(&format!("{label}: {m}"))
+                })
+            })?);
+            agent.alive()?;
+        }
+
+        let pid = agent.pid().context("the agent's pid")?;
+        run.memory = Some(memory::measure(pid, agent.pin_path())?);
+        Ok(())
+    }
+
+    // -----------------------------------------------------------------------
+    // Scale runs.
+
+    fn scale_runs(&self) -> Vec<ScaleRun> {
+        if self.plan.scale.is_empty() {
+            return Vec::new();
+        }
+        let topo = match self.progress.part("scale: topology", BenchTopology::build) {
+            Ok(topo) => topo,
+            Err(e) => {
+                return self
+                    .plan
+                    .scale
+                    .iter()
+                    .map(|p| failed_scale(p, format!("the topology could not be built: {e:#}")))
+                    .collect();
+            }
+        };
+        self.plan
+            .scale
+            .iter()
+            .map(|point| {
+                let result = self.scale_run(&topo, point).unwrap_or_else(|e| {
+                    self.say(&format!("scale run at {} Services FAILED: {e:#}", point.services));
+                    failed_scale(point, format!("{e:#}"))
+                });
+                self.progress.step();
+                result
+            })
+            .collect()
+    }
+
+    fn scale_run(&self, topo: &BenchTopology, point: &ScalePoint) -> Result<ScaleRun> {
+        let mode = "ebpf";
+        let set = ServiceSet::generate_with(point.services, self.plan.seed, point.endpoints)?;
+        let label = format!(
+            "scale: {mode} at {} Services, {} endpoints",
+            set.len(),
+            set.endpoint_count()
+        );
+        let (api, kubeconfig) = self.progress.part(&format!("{label}: loading the API server"), || {
+            self.start_api(topo, &set)
+        })?;
+        let mut agent = self.start_agent(topo, mode, &kubeconfig)?;
+        let last = SocketAddrV4::new(set.last().cluster_ip, PORT);
+        let programming = self.progress.part(&format!("{label}: programming"), || {
+            programming::wait_programmed(
+                &mut agent,
+                &topo.client_pod.ns,
+                last,
+                set.len() + 1,
+                self.plan.program_timeout,
+            )
+        })?;
+        self.say(&format!(
+            "{label}: delivered -> answering {}, agent's sync {}",
+            fmt_s(programming.delivered_to_answer_s),
+            fmt_s(programming.sync_s)
+        ));
+        let pid = agent.pid().context("the agent's pid")?;
+        let memory = memory::measure(pid, agent.pin_path())?;
+        let timed_out = programming.timed_out_after_s.is_some();
+        let note = if timed_out { sync_failure(&agent) } else { None };
+        self.progress.part(&format!("{label}: stopping"), || {
+            agent.stop(if timed_out { libc::SIGKILL } else { libc::SIGTERM });
+            drop(api);
+        });
+        Ok(ScaleRun {
+            mode: mode.to_owned(),
+            services: set.len(),
+            endpoints: set.endpoint_count(),
+            programming: Some(programming),
+            memory: Some(memory),
+            note,
+            error: None,
+        })
+    }
+}
+
+/// Why the agent did not program the Services, if its log says.
+fn sync_failure(agent: &BenchAgent) -> Option<String> {
+    let failure = agent::parse_log(&agent.log_text()).last_sync_failure?;
+    Some(format!("the agent's syncs failed: {failure}"))
+}
+
+/// A run of `n` Services with nothing measured yet.
+fn empty_run(n: usize, seed: u64) -> Run {
+    let set = ServiceSet::generate(n, seed).ok();
+    Run::new(
+        n,
+        set.as_ref().map_or(0, ServiceSet::endpoint_count),
+        set.as_ref().map_or(0, ServiceSet::node_port_count),
+    )
+}
+
+fn failed_scale(point: &ScalePoint, error: String) -> ScaleRun {
+    ScaleRun {
+        mode: "ebpf".into(),
+        services: point.services,
+        endpoints: 0,
+        programming: None,
+        memory: None,
+        note: None,
+        error: Some(error),
+    }
+}
+
+fn run_latency(found: Vec<Latency>) -> Result<RunLatency> {
+    let [
+        clusterip_first,
+        clusterip_last,
+        clusterip_direct,
+        nodeport_first,
+        nodeport_last,
+        nodeport_direct,
+    ]: [Latency; 6] = found
+        .try_into()
+        .map_err(|v: Vec<Latency>| anyhow::anyhow!("{} latency results, want 6", v.len()))?;
+    Ok(RunLatency {
+        clusterip_first,
+        clusterip_last,
+        clusterip_direct,
+        nodeport_first,
+        nodeport_last,
+        nodeport_direct,
+    })
+}
+
+fn fmt_s(v: Option<f64>) -> String {
+    v.map_or_else(|| "?".into(), |s| format!("{:.1} ms", s * 1e3))
+}

@@ -1,0 +1,106 @@
+//! The bench's cluster: an outside client, a node, [`PODS`] backend pods
+//! and a client pod, in network namespaces, built from the testbed's pieces.
+//!
+//! ```text
+//!   client ns              node ns (ip_forward=1)               pod nss
+//!   172.30.0.1 ── veth ── 172.30.0.2     np* ═ eth0 pod-0 10.244.0.11, answers on 10.160.0.0/16
+//!   10.128.0.0/9 via node                ...
+//!                                        np* ═ eth0 pod-9 10.244.0.20, answers on 10.169.0.0/16
+//!                                        np* ═ eth0 client-pod 10.244.0.100
+//! ```
+//!
+//! Each backend pod answers on its primary address and on every address of
+//! its /16 (a `local` route in the pod, like AnyIP), so all endpoints of
+//! every Service are real and distinct. One multi-threaded server
+//! ([`PodServers`]) serves port 80 in every backend pod.
+
+use std::net::Ipv4Addr;
+
+use anyhow::{Context, Result};
+use testbed::{
+    netns::{self, Netns},
+    privileged::unique_name,
+    topology::{CLIENT_IP, NODE_IP, Pod, add_pod},
+};
+
+use crate::{
+    server::PodServers,
+    services::{PODS, TARGET_PORT, endpoint_block},
+};
+
+const POD_NAMES: [&str; PODS] = [
+    "pod-0", "pod-1", "pod-2", "pod-3", "pod-4", "pod-5", "pod-6", "pod-7", "pod-8", "pod-9",
+];
+const CLIENT_POD: (&str, Ipv4Addr) = ("client-pod", Ipv4Addr::new(10, 244, 0, 100));
+/// What the client routes through the node: the pods and their endpoint blocks.
+const CLIENT_ROUTE: &str = "10.128.0.0/9";
+/// Threads of the pods' server: as many as the machine has CPUs, at most 4.
+pub fn server_workers() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get().min(4))
+}
+
+/// A backend pod's primary address.
+pub fn pod_ip(pod: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 244, 0, 11 + pod as u8)
+}
+
+pub fn pod_name(pod: usize) -> &'static str {
+    POD_NAMES[pod]
+}
+
+/// Field order is drop order: the server (its sockets keep namespaces
+/// alive) before the pods, the pods before the node.
+pub struct BenchTopology {
+    _servers: PodServers,
+    _pods: Vec<Pod>,
+    pub client_pod: Pod,
+    pub node: Netns,
+    pub client: Netns,
+}
+
+impl BenchTopology {
+    pub fn build() -> Result<Self> {
+        let client = Netns::new("bc")?;
+        let node = Netns::new("bn")?;
+        // As the testbed's node: forwarding on, no reverse-path filter
+        // (rev-NATed replies come in on pod veths), no ICMP rate limit.
+        node.sysctl("net.ipv4.ip_forward", "1")?;
+        node.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
+        node.sysctl("net.ipv4.conf.default.rp_filter", "0")?;
+        node.sysctl("net.ipv4.icmp_ratelimit", "0")?;
+
+        let client_if = unique_name("bcu");
+        let uplink = unique_name("bnu");
+        netns::veth(&client, &client_if, &node, &uplink)?;
+        client.add_addr(&client_if, &format!("{CLIENT_IP}/24"))?;
+        node.add_addr(&uplink, &format!("{NODE_IP}/24"))?;
+        node.add_route(&["default", "via", &CLIENT_IP.to_string(), "dev", &uplink])?;
+        client.add_route(&[CLIENT_ROUTE, "via", &NODE_IP.to_string(), "dev", &client_if])?;
+        // What the uplink's XDP program sends back with XDP_TX needs a
+        // ring and a poll on the client end (see the testbed's topology).
+        client.ethtool_k(&client_if, "gro", true)?;
+        client.attach_xdp_pass(&client_if)?;
+
+        let servers = PodServers::new(server_workers())?;
+        let mut pods = Vec::with_capacity(PODS);
+        for (k, name) in POD_NAMES.iter().enumerate() {
+            let pod = add_pod(&node, name, pod_ip(k))?;
+            let (block, len) = endpoint_block(k);
+            let cidr = format!("{block}/{len}");
+            pod.ns
+                .ip(&["route", "add", "local", &cidr, "dev", "lo"])
+                .with_context(|| format!("{name}: answering on {cidr}"))?;
+            node.add_route(&[&cidr, "dev", &pod.node_if])?;
+            servers.serve(&pod.ns, TARGET_PORT, name)?;
+            pods.push(pod);
+        }
+        let client_pod = add_pod(&node, CLIENT_POD.0, CLIENT_POD.1)?;
+        Ok(Self {
+            _servers: servers,
+            _pods: pods,
+            client_pod,
+            node,
+            client,
+        })
+    }
+}

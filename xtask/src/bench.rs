@@ -1,0 +1,62 @@
+//! `cargo xtask bench`: builds the release binaries (the eBPF object, the
+//! agent `xproxy`, `xproxy-bench`) and runs `xproxy-bench run` as root,
+//! which measures every mode and writes `bench/results/<date>-<host>.*`.
+
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+
+use crate::{build_ebpf, command};
+
+#[derive(clap::Args, Debug)]
+pub struct Options {
+    /// Modes, comma-separated (ebpf,iptables,nftables,ipvs,userspace).
+    #[arg(long)]
+    pub modes: Option<String>,
+    /// Numbers of Services, comma-separated [default: 100,1000,10000,20000].
+    #[arg(long)]
+    pub services: Option<String>,
+    /// A smoke test: N = 100 and 1,000, few rounds, a few minutes.
+    #[arg(long)]
+    pub quick: bool,
+    /// More arguments for `xproxy-bench run`, after `--` (see `xproxy-bench run --help`).
+    #[arg(last = true)]
+    pub bench_args: Vec<String>,
+}
+
+pub fn bench(root: &Path, options: &Options) -> Result<()> {
+    if !testbed::privileged::is_root() {
+        bail!("the bench creates network namespaces and loads eBPF programs: run it as root");
+    }
+    build_ebpf::build_ebpf(root, &build_ebpf::Options::default())?;
+    command::run(command::workspace_cargo(root).args([
+        "build",
+        "--release",
+        "-p",
+        "proxy-userspace",
+        "-p",
+        "xproxy-bench",
+        "--bin",
+        "xproxy",
+        "--bin",
+        "xproxy-bench",
+    ]))
+    .context("building xproxy and xproxy-bench")?;
+    let release = root.join("target/release");
+    let mut cmd = std::process::Command::new(release.join("xproxy-bench"));
+    cmd.current_dir(root)
+        .arg("run")
+        .arg("--xproxy")
+        .arg(release.join("xproxy"));
+    if let Some(modes) = &options.modes {
+        cmd.args(["--modes", modes]);
+    }
+    if let Some(services) = &options.services {
+        cmd.args(["--services", services]);
+    }
+    if options.quick {
+        cmd.arg("--quick");
+    }
+    cmd.args(&options.bench_args);
+    command::run(&mut cmd)
+}
