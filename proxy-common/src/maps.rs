@@ -14,7 +14,10 @@ pub const STATS: &str = "XP_STATS";
 pub const SERVICES_MAX: u32 = 262_144;
 /// Backend slots over all sets; a swap briefly holds old and new set.
 pub const BACKEND_SLOTS_MAX: u32 = 1_048_576;
-pub const BACKENDS_MAX: u32 = 262_144;
+/// Distinct endpoints (address, port, protocol): 100,000 Services of a
+/// few endpoints each fit. The maps are not preallocated; only the bucket
+/// array (16 bytes a bucket) is charged up front.
+pub const BACKENDS_MAX: u32 = 1_048_576;
 pub const REV_NAT_MAX: u32 = 262_144;
 /// Tracked flows, two entries each; least recently used entries are evicted.
 pub const CONNTRACK_MAX: u32 = 524_288;
