@@ -2,7 +2,8 @@
 //!
 //! A Service port becomes several frontends: its ClusterIP, and for a NodePort
 //! Service every node IP with the node port. All frontends of one Service port
-//! share one backend set.
+//! share one backend set; each uses a contiguous run of its slots, so that a
+//! frontend with a `Local` traffic policy can use this node's backends only.
 
 use core::net::Ipv4Addr;
 
@@ -49,8 +50,10 @@ impl ServiceKey {
 pub struct ServiceValue {
     /// Id of the backend set in use: the first half of [`crate::BackendSlotKey`].
     pub backend_set: u32,
-    /// Number of slots in the set (slots `0..backend_count`); 0 means the
-    /// Service has no usable endpoints and new flows are rejected.
+    /// Number of slots this frontend picks from (slots `backend_offset..
+    /// backend_offset + backend_count`); 0 means the frontend has no usable
+    /// endpoint: new flows are dropped if a `*_LOCAL` flag is set, else
+    /// rejected.
     pub backend_count: u32,
     /// Reverse NAT entry replies are rewritten with (this frontend's address).
     pub rev_nat_id: u32,
@@ -58,12 +61,17 @@ pub struct ServiceValue {
     pub flags: u32,
     /// ClientIP session affinity timeout in seconds; 0 = no affinity.
     pub affinity_timeout_s: u32,
-    pub _reserved: u32,
+    /// The first slot of the set this frontend picks from. The set holds
+    /// this node's backends (for `Local` policies) first, then the others.
+    pub backend_offset: u32,
 }
 
 /// The frontend is a node IP with a node port (not a ClusterIP).
 pub const FLAG_NODE_PORT: u32 = 1 << 0;
-/// externalTrafficPolicy=Local: external traffic goes to node-local endpoints only.
+/// A node-port frontend with externalTrafficPolicy=Local: its slots are this
+/// node's backends only, flows keep the client's address (no SNAT), and
+/// with no slot new flows are dropped (not rejected). Set only while the
+/// Service has usable endpoints somewhere: one with none is rejected.
 pub const FLAG_EXTERNAL_LOCAL: u32 = 1 << 1;
 /// sessionAffinity=ClientIP (timeout in `affinity_timeout_s`).
 pub const FLAG_AFFINITY_CLIENT_IP: u32 = 1 << 2;
@@ -71,6 +79,13 @@ pub const FLAG_AFFINITY_CLIENT_IP: u32 = 1 << 2;
 pub const FLAG_SOURCE_RANGES: u32 = 1 << 3;
 /// Translated flows must also be source-NATed by the kernel fallback.
 pub const FLAG_NEEDS_SNAT: u32 = 1 << 4;
+/// A ClusterIP frontend with internalTrafficPolicy=Local: its slots are
+/// this node's backends only; with none new flows are dropped. Set only
+/// while the Service has usable endpoints somewhere, like
+/// [`FLAG_EXTERNAL_LOCAL`].
+pub const FLAG_INTERNAL_LOCAL: u32 = 1 << 5;
+/// Either `Local` policy flag: an empty frontend drops instead of rejecting.
+pub const FLAGS_LOCAL: u32 = FLAG_EXTERNAL_LOCAL | FLAG_INTERNAL_LOCAL;
 
 const _: () = assert!(core::mem::size_of::<ServiceKey>() == 8);
 const _: () = assert!(core::mem::size_of::<ServiceValue>() == 24);

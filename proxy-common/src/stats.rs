@@ -29,10 +29,14 @@ pub enum Verdict {
     /// The flow must also be source-NATed, which needs an skb (a mark for
     /// the kernel's masquerade rule): XDP passed it on to the tc hook.
     PassToTc = 8,
+    /// A frontend with a `Local` traffic policy and no endpoint on this
+    /// node (while the Service has some elsewhere): dropped, like
+    /// kube-proxy's DROP rule (not answered).
+    DropNoLocalBackend = 9,
 }
 
 impl Verdict {
-    pub const COUNT: u32 = 9;
+    pub const COUNT: u32 = 10;
     pub const ALL: [Verdict; Self::COUNT as usize] = [
         Verdict::PassNotService,
         Verdict::PassNotIpv4OrL4,
@@ -43,6 +47,7 @@ impl Verdict {
         Verdict::RejectNoBackend,
         Verdict::Error,
         Verdict::PassToTc,
+        Verdict::DropNoLocalBackend,
     ];
 
     /// Stable lower-case name used in metrics and `xproxy status`.
@@ -57,6 +62,7 @@ impl Verdict {
             Verdict::RejectNoBackend => "reject_no_backend",
             Verdict::Error => "error",
             Verdict::PassToTc => "pass_to_tc",
+            Verdict::DropNoLocalBackend => "drop_no_local_backend",
         }
     }
 }

@@ -3,7 +3,9 @@
 //! `parse` (Ethernet, IPv4, TCP/UDP; the malformed-input policy) ->
 //! `lookup` (is it for a Service frontend?) -> `conntrack` (a known flow?) ->
 //! `select` (a backend for a new flow) -> `nat` (DNAT, reverse NAT, checksums
-//! via `csum`) or `reject` (RST / ICMP when a Service has no backends).
+//! via `csum`) or `reject` (RST / ICMP when a Service has no backends; a
+//! frontend whose `Local` traffic policy finds no backend on this node
+//! drops instead, as kube-proxy does).
 //! `stats` counts every verdict; `context` hides the XDP / tc differences;
 //! `service` ties the steps together. The entry points below only map the
 //! outcome to each hook's return codes.

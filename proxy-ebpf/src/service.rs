@@ -3,7 +3,7 @@
 use proxy_common::{
     Backend, ServiceValue, Verdict,
     backend::FLAG_LOCAL,
-    service::{FLAG_NEEDS_SNAT, FLAG_NODE_PORT},
+    service::{FLAG_EXTERNAL_LOCAL, FLAG_NEEDS_SNAT, FLAG_NODE_PORT, FLAGS_LOCAL},
 };
 
 use crate::{
@@ -27,7 +27,8 @@ pub enum Outcome {
     ReverseTranslated,
     /// Rewritten into an answer: send it back where it came from.
     Reply,
-    /// Half-rewritten after a helper failed: must not go anywhere.
+    /// Must not go anywhere: half-rewritten after a helper failed, or for a
+    /// frontend whose `Local` traffic policy finds no backend on this node.
     Drop,
 }
 
@@ -68,6 +69,12 @@ fn to_service(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outc
         if svc.backend_count != 0 {
             return (Verdict::Error, Outcome::Pass);
         }
+        // kube-proxy drops what a Local policy leaves without endpoints
+        // (the Service has some elsewhere), and rejects only Services
+        // without any.
+        if svc.flags & FLAGS_LOCAL != 0 {
+            return (Verdict::DropNoLocalBackend, Outcome::Drop);
+        }
         return match reject::reject(ctx, flow) {
             Rejection::Answered => (Verdict::RejectNoBackend, Outcome::Reply),
             Rejection::NotAnswered => (Verdict::RejectNoBackend, Outcome::Pass),
@@ -101,16 +108,18 @@ fn to_service(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outc
 
 /// Whether the kernel must also source-NAT the flow, for its replies to come
 /// back through this node: a pod reaching itself through its Service
-/// (hairpin), a NodePort to a backend on another node, or masqueradeAll.
-/// Off when the agent configured no mark.
+/// (hairpin), a NodePort to a backend on another node (never with the
+/// `Local` external policy, which keeps the client's address), or
+/// masqueradeAll. Off when the agent configured no mark.
 #[inline(always)]
 fn needs_snat(flow: &Flow, svc: &ServiceValue, backend: &Backend) -> bool {
     if maps::snat_mark() == 0 {
         return false;
     }
+    let node_port_cluster = svc.flags & (FLAG_NODE_PORT | FLAG_EXTERNAL_LOCAL) == FLAG_NODE_PORT;
     svc.flags & FLAG_NEEDS_SNAT != 0
         || flow.saddr_be == backend.addr_be
-        || (svc.flags & FLAG_NODE_PORT != 0 && backend.flags & FLAG_LOCAL == 0)
+        || (node_port_cluster && backend.flags & FLAG_LOCAL == 0)
 }
 
 #[inline(always)]

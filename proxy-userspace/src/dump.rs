@@ -19,6 +19,9 @@ pub struct FrontendRow {
     pub addr: Ipv4Addr,
     pub port: u16,
     pub node_port: bool,
+    /// A `Local` traffic policy: the backends are this node's; with none,
+    /// new flows are dropped (not rejected).
+    pub local_only: bool,
     pub backends: Vec<BackendRow>,
 }
 
@@ -46,10 +49,11 @@ pub fn render_services(snapshot: &Snapshot) -> String {
     let _ = writeln!(out, "  -> RemoteAddress:Port           Flows");
     for f in &snapshot.frontends {
         let kind = if f.node_port { "NodePort" } else { "ClusterIP" };
-        let empty = if f.backends.is_empty() {
-            " (no endpoints: reject)"
-        } else {
-            ""
+        let empty = match (f.local_only, f.backends.is_empty()) {
+            (false, true) => " (no endpoints: reject)",
+            (true, true) => " (Local, no endpoint on this node: drop)",
+            (true, false) => " (Local: this node's endpoints)",
+            (false, false) => "",
         };
         let _ = writeln!(out, "{:<4} {}:{} {kind}{empty}", proto_name(f.proto), f.addr, f.port);
         for b in &f.backends {
@@ -96,6 +100,7 @@ mod tests {
                     addr: Ipv4Addr::new(10, 96, 0, 10),
                     port: 88,
                     node_port: false,
+                    local_only: false,
                     backends: vec![
                         BackendRow {
                             addr: Some((Ipv4Addr::new(10, 244, 0, 11), 80)),
@@ -109,6 +114,7 @@ mod tests {
                     addr: Ipv4Addr::new(10, 96, 0, 20),
                     port: 53,
                     node_port: false,
+                    local_only: false,
                     backends: vec![],
                 },
             ],

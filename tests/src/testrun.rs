@@ -16,6 +16,7 @@ use proxy_userspace::{
 
 use crate::privileged::PinDir;
 
+pub const XDP_DROP: u32 = 1;
 pub const XDP_PASS: u32 = 2;
 pub const XDP_TX: u32 = 3;
 pub const TC_ACT_OK: u32 = 0;
@@ -83,6 +84,7 @@ pub fn service(
         port,
         node_port,
         endpoints: endpoints.iter().map(|e| Endpoint::ready(*e.ip(), e.port())).collect(),
+        ..ServicePort::default()
     }
 }
 
@@ -157,6 +159,14 @@ impl Prog {
         match self {
             Prog::XdpUplink => XDP_PASS,
             Prog::TcIngress | Prog::TcEgress => TC_ACT_OK,
+        }
+    }
+
+    /// The code for "drop it".
+    pub fn drop(self) -> u32 {
+        match self {
+            Prog::XdpUplink => XDP_DROP,
+            Prog::TcIngress | Prog::TcEgress => TC_ACT_SHOT,
         }
     }
 

@@ -82,6 +82,7 @@ impl Cluster {
                 port: SEED_PORT,
                 node_port: Some(SEED_NODE_PORT),
                 endpoints: seed_endpoints.clone(),
+                ..ServicePort::default()
             })?;
             maps.sync_service(&ServicePort {
                 name: format!("default/empty-service:{suffix}"),
@@ -90,6 +91,7 @@ impl Cluster {
                 port: EMPTY_PORT,
                 node_port: Some(EMPTY_NODE_PORT),
                 endpoints: Vec::new(),
+                ..ServicePort::default()
             })?;
         }
         self.maps = Some(maps);

@@ -208,6 +208,7 @@ fn ipvs_virtual_servers_and_ipsets() {
         },
         timeouts: (900, 120, 300),
         strict_arp: true,
+        node_name: None,
     };
     let mut mode = ns
         .run_in(|| IpvsMode::start(options))

@@ -46,6 +46,7 @@ fn seed(endpoints: Vec<Endpoint>) -> ServicePort {
         port: 88,
         node_port: Some(30791),
         endpoints,
+        ..ServicePort::default()
     }
 }
 
@@ -61,6 +62,7 @@ fn options(scheduler: &str) -> IpvsOptions {
         },
         timeouts: (900, 120, 300),
         strict_arp: true,
+        node_name: None,
     }
 }
 

@@ -57,6 +57,7 @@ fn seed_port() -> ServicePort {
             .iter()
             .map(|(_, ip)| Endpoint::ready(*ip, TARGET_PORT))
             .collect(),
+        ..ServicePort::default()
     }
 }
 
@@ -68,6 +69,7 @@ fn empty_port() -> ServicePort {
         port: EMPTY_PORT,
         node_port: Some(EMPTY_NODE_PORT),
         endpoints: vec![],
+        ..ServicePort::default()
     }
 }
 
@@ -82,6 +84,7 @@ fn other_port(endpoints: &[u8]) -> ServicePort {
             .iter()
             .map(|e| Endpoint::ready(Ipv4Addr::new(10, 244, 1, *e), 8080))
             .collect(),
+        ..ServicePort::default()
     }
 }
 

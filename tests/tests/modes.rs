@@ -206,6 +206,7 @@ fn seed_port(protocol: Protocol, backends: &[Ipv4Addr]) -> ServicePort {
         port: SEED_PORT,
         node_port: Some(SEED_NODE_PORT),
         endpoints: backends.iter().map(|ip| Endpoint::ready(*ip, TARGET_PORT)).collect(),
+        ..ServicePort::default()
     }
 }
 

@@ -15,8 +15,9 @@ use proxy_common::{
     CtKey, Verdict, VerdictCounter,
     conntrack::{DIR_FORWARD, DIR_REPLY, FLAG_SNAT},
     proto,
+    service::{FLAG_EXTERNAL_LOCAL, FLAG_INTERNAL_LOCAL, FLAG_NEEDS_SNAT, FLAG_NODE_PORT},
 };
-use proxy_userspace::model::{Endpoint, Protocol, ServicePort};
+use proxy_userspace::model::{Endpoint, Protocol, ServicePort, TrafficPolicy};
 use xproxy_tests::{
     frame::{
         ETHERTYPE_QINQ, ETHERTYPE_VLAN, Frame, L4, Net, Strict, check, diff, expected_port_unreachable, expected_rst,
@@ -43,6 +44,8 @@ enum Expect {
     RevNat { frame: Frame, frontend: SocketAddrV4 },
     /// Answered with exactly this frame.
     Reject(Vec<u8>),
+    /// Dropped untouched, counted under this verdict.
+    Drop(Verdict),
 }
 
 #[derive(Clone, Debug)]
@@ -76,6 +79,10 @@ impl Case {
                 verdict,
             },
         )
+    }
+
+    fn drop(desc: impl Into<String>, frame: &Frame, verdict: Verdict) -> Self {
+        Self::new(desc, frame.build(), Expect::Drop(verdict))
     }
 
     fn rev_nat(desc: impl Into<String>, frame: Frame, frontend: SocketAddrV4) -> Self {
@@ -222,6 +229,15 @@ fn try_case(h: &mut Harness, prog: Prog, case: &Case) -> Option<Output> {
             );
             check(&out.frame).unwrap_or_else(|e| panic!("checksums: {e}{ctx}"));
             counted(Verdict::RejectNoBackend);
+        }
+        Expect::Drop(verdict) => {
+            assert_eq!(out.code, prog.drop(), "want the drop code{ctx}");
+            assert!(
+                out.frame == case.input,
+                "want the input untouched; differs at {}{ctx}",
+                diff(&case.input, &out.frame)
+            );
+            counted(*verdict);
         }
     }
     Some(out)
@@ -1463,6 +1479,7 @@ fn flows_needing_snat_go_from_xdp_to_tc() {
         port: SERVICE_PORT,
         node_port: Some(NODE_PORT),
         endpoints: remote,
+        ..ServicePort::default()
     });
 
     let to_node_port = Frame::tcp(external(&mut h), node_port(), SYN).build();
@@ -1539,4 +1556,290 @@ fn flows_needing_snat_go_from_xdp_to_tc() {
         }
     }
     assert!(left_to_tc > 0, "no hairpin flow was left to tc in 64 tries");
+}
+
+// ---------------------------------------------------------------------------
+// Traffic policies (externalTrafficPolicy / internalTrafficPolicy: Local).
+
+const THIS_NODE: &str = "this-node";
+const OTHER_NODE: &str = "other-node";
+const LOCAL_TCP: &str = "default/local:http";
+const LOCAL_UDP: &str = "default/local:dns";
+
+/// The seed backends, `BACKEND_IPS[i]` on `nodes[i]`.
+fn backends_on(nodes: [&str; 3]) -> Vec<Endpoint> {
+    BACKEND_IPS
+        .iter()
+        .zip(nodes)
+        .map(|(ip, node)| Endpoint {
+            node_name: Some(node.into()),
+            ..Endpoint::ready(*ip, BACKEND_PORT)
+        })
+        .collect()
+}
+
+/// The seed Service's addresses (TCP and UDP) with `endpoints` and the
+/// given policies, on a node named [`THIS_NODE`].
+fn sync_policy_service(h: &mut Harness, endpoints: Vec<Endpoint>, external: TrafficPolicy, internal: TrafficPolicy) {
+    h.maps.set_topology(Some(THIS_NODE.into()), false);
+    for (name, protocol) in [(LOCAL_TCP, Protocol::Tcp), (LOCAL_UDP, Protocol::Udp)] {
+        h.sync(&ServicePort {
+            name: name.into(),
+            protocol,
+            cluster_ip: CLUSTER_IP,
+            port: SERVICE_PORT,
+            node_port: Some(NODE_PORT),
+            endpoints: endpoints.clone(),
+            external_policy: external,
+            internal_policy: internal,
+        });
+    }
+}
+
+/// The backends a frontend picks from, as the maps hold them.
+fn frontend_backends(h: &Harness, to: SocketAddrV4, proto: u8) -> (u32, Vec<Ipv4Addr>) {
+    let value = h
+        .maps
+        .frontend(*to.ip(), to.port(), proto)
+        .unwrap_or_else(|| panic!("no frontend {to}"));
+    let backends = h.maps.backend_set(&value).expect("reading the backend set");
+    (value.flags, backends.iter().map(|b| b.addr()).collect())
+}
+
+fn new_flow(h: &mut Harness, from: fn(&mut Harness) -> SocketAddrV4, to: SocketAddrV4, protocol: Protocol) -> Frame {
+    let src = from(h);
+    match protocol {
+        Protocol::Tcp => Frame::tcp(src, to, SYN),
+        Protocol::Udp => Frame::udp(src, to, b"q"),
+    }
+}
+
+/// The backends `count` new flows from `from` to `to` through `prog`
+/// reached (every one must be DNATed to one of `allowed`).
+fn reached(
+    h: &mut Harness,
+    prog: Prog,
+    from: fn(&mut Harness) -> SocketAddrV4,
+    to: SocketAddrV4,
+    allowed: &[SocketAddrV4],
+    count: usize,
+) -> std::collections::BTreeSet<SocketAddrV4> {
+    let mut seen = std::collections::BTreeSet::new();
+    for protocol in [Protocol::Tcp, Protocol::Udp] {
+        for _ in 0..count {
+            let frame = new_flow(h, from, to, protocol);
+            let out = run_case(h, prog, &Case::dnat("new flow", frame, allowed, Verdict::DnatNew));
+            seen.insert(dnat_dst(&out));
+        }
+    }
+    seen
+}
+
+/// externalTrafficPolicy: Local: the node-port frontends pick from this
+/// node's backend only and keep the client's address (no SNAT: XDP DNATs
+/// them itself, tc marks nothing), though the SNAT fallback is on and the
+/// same flows to another node's backend would be masqueraded; the
+/// ClusterIP frontends still pick from every backend.
+#[test]
+fn external_local_node_port_picks_local_backends_without_snat() {
+    if !require_root("external_local_node_port_picks_local_backends_without_snat") {
+        return;
+    }
+    let mut h = Harness::with_snat_mark(vec![NODE_IP], 0x4000);
+    let nodes = [OTHER_NODE, THIS_NODE, OTHER_NODE];
+    sync_policy_service(&mut h, backends_on(nodes), TrafficPolicy::Local, TrafficPolicy::Cluster);
+    let local = addr(BACKEND_IPS[1], BACKEND_PORT);
+
+    for p in [proto::TCP, proto::UDP] {
+        assert_eq!(
+            frontend_backends(&h, node_port(), p),
+            (FLAG_NODE_PORT | FLAG_EXTERNAL_LOCAL, vec![BACKEND_IPS[1]]),
+            "the node port's frontend holds this node's backend only"
+        );
+        let (flags, mut all) = frontend_backends(&h, cluster_ip(), p);
+        all.sort();
+        assert_eq!((flags, all), (0, BACKEND_IPS.to_vec()), "the ClusterIP's holds all");
+    }
+
+    for prog in [Prog::XdpUplink, Prog::TcIngress] {
+        let seen = reached(&mut h, prog, external, node_port(), &[local], 16);
+        assert_eq!(seen, [local].into(), "{}", prog.name());
+    }
+    let tracked = h.conntrack();
+    assert!(!tracked.is_empty());
+    assert!(
+        tracked.iter().all(|(_, v)| v.flags & FLAG_SNAT == 0),
+        "no node-port flow may be marked for SNAT: {tracked:?}"
+    );
+
+    // ClusterIP traffic is not external: every backend, local or not.
+    let seen = reached(&mut h, Prog::TcIngress, client, cluster_ip(), &seed_backends(), 40);
+    assert_eq!(seen.len(), 3, "{seen:?}");
+
+    // The status read-back says so.
+    let status = proxy_userspace::dump::render_services(&h.maps.snapshot().expect("snapshot"));
+    assert!(
+        status.contains(&format!(
+            "TCP  {NODE_IP}:{NODE_PORT} NodePort (Local: this node's endpoints)\n  -> {local} "
+        )),
+        "{status}"
+    );
+}
+
+/// externalTrafficPolicy: Local on a node without a local backend: new
+/// node-port flows are dropped (XDP_DROP / TC_ACT_SHOT, no RST or ICMP
+/// answer), counted as drop_no_local_backend; the ClusterIP still reaches
+/// the other node's backends; a Local Service without any endpoint is
+/// rejected as before.
+#[test]
+fn external_local_without_local_backends_drops() {
+    if !require_root("external_local_without_local_backends_drops") {
+        return;
+    }
+    let mut h = Harness::with_snat_mark(vec![NODE_IP], 0x4000);
+    sync_policy_service(
+        &mut h,
+        backends_on([OTHER_NODE; 3]),
+        TrafficPolicy::Local,
+        TrafficPolicy::Cluster,
+    );
+    assert_eq!(
+        frontend_backends(&h, node_port(), proto::TCP),
+        (FLAG_NODE_PORT | FLAG_EXTERNAL_LOCAL, vec![])
+    );
+    for prog in Prog::ALL {
+        for protocol in [Protocol::Tcp, Protocol::Udp] {
+            let frame = new_flow(&mut h, external, node_port(), protocol);
+            run_case(
+                &mut h,
+                prog,
+                &Case::drop("new flow to a Local node port", &frame, Verdict::DropNoLocalBackend),
+            );
+        }
+        let c = client(&mut h);
+        let frame = Frame::tcp(c, node_port(), SYN);
+        run_case(
+            &mut h,
+            prog,
+            &Case::drop("a pod's flow to it too", &frame, Verdict::DropNoLocalBackend),
+        );
+    }
+    assert!(h.conntrack().is_empty(), "dropped flows are not tracked");
+    let seen = reached(&mut h, Prog::TcIngress, client, cluster_ip(), &seed_backends(), 40);
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    let status = proxy_userspace::dump::render_services(&h.maps.snapshot().expect("snapshot"));
+    assert!(
+        status.contains(&format!(
+            "TCP  {NODE_IP}:{NODE_PORT} NodePort (Local, no endpoint on this node: drop)\n"
+        )),
+        "{status}"
+    );
+
+    // No endpoint anywhere: rejected, whatever the policy (like kube-proxy).
+    sync_policy_service(&mut h, vec![], TrafficPolicy::Local, TrafficPolicy::Local);
+    assert_eq!(frontend_backends(&h, node_port(), proto::TCP), (FLAG_NODE_PORT, vec![]));
+    for prog in Prog::ALL {
+        let to_node_port = Frame::tcp(external(&mut h), node_port(), SYN);
+        run_case(&mut h, prog, &Case::reject("node port, no endpoints", &to_node_port));
+        let to_cluster_ip = Frame::udp(client(&mut h), cluster_ip(), b"q");
+        run_case(&mut h, prog, &Case::reject("ClusterIP, no endpoints", &to_cluster_ip));
+    }
+}
+
+/// internalTrafficPolicy: Local: the ClusterIP picks from this node's
+/// backend only, and drops without one; the node port (Cluster) still
+/// reaches every backend.
+#[test]
+fn internal_local_cluster_ip_picks_local_backends_or_drops() {
+    if !require_root("internal_local_cluster_ip_picks_local_backends_or_drops") {
+        return;
+    }
+    let mut h = Harness::new(vec![NODE_IP]);
+    let nodes = [THIS_NODE, OTHER_NODE, OTHER_NODE];
+    sync_policy_service(&mut h, backends_on(nodes), TrafficPolicy::Cluster, TrafficPolicy::Local);
+    let local = addr(BACKEND_IPS[0], BACKEND_PORT);
+    assert_eq!(
+        frontend_backends(&h, cluster_ip(), proto::UDP),
+        (FLAG_INTERNAL_LOCAL, vec![BACKEND_IPS[0]])
+    );
+    for prog in Prog::ALL {
+        let seen = reached(&mut h, prog, client, cluster_ip(), &[local], 8);
+        assert_eq!(seen, [local].into(), "{}", prog.name());
+    }
+    let seen = reached(&mut h, Prog::XdpUplink, external, node_port(), &seed_backends(), 40);
+    assert_eq!(seen.len(), 3, "the node port is not internal: {seen:?}");
+
+    sync_policy_service(
+        &mut h,
+        backends_on([OTHER_NODE; 3]),
+        TrafficPolicy::Cluster,
+        TrafficPolicy::Local,
+    );
+    for prog in Prog::ALL {
+        for protocol in [Protocol::Tcp, Protocol::Udp] {
+            let frame = new_flow(&mut h, client, cluster_ip(), protocol);
+            run_case(
+                &mut h,
+                prog,
+                &Case::drop("ClusterIP, no local backend", &frame, Verdict::DropNoLocalBackend),
+            );
+        }
+    }
+}
+
+/// masqueradeAll leaves the Local node port alone (the client's address is
+/// the point of the policy), as kube-proxy does; a backend reaching itself
+/// through it is still masqueraded (hairpin), else its reply would skip
+/// the reverse NAT.
+#[test]
+fn external_local_keeps_the_source_under_masquerade_all_but_not_for_hairpin() {
+    if !require_root("external_local_keeps_the_source_under_masquerade_all_but_not_for_hairpin") {
+        return;
+    }
+    let mut h = Harness::with_snat_mark(vec![NODE_IP], 0x4000);
+    sync_policy_service(
+        &mut h,
+        backends_on([THIS_NODE, OTHER_NODE, OTHER_NODE]),
+        TrafficPolicy::Local,
+        TrafficPolicy::Cluster,
+    );
+    h.maps.set_topology(Some(THIS_NODE.into()), true);
+    for (name, protocol) in [(LOCAL_TCP, Protocol::Tcp), (LOCAL_UDP, Protocol::Udp)] {
+        h.sync(&ServicePort {
+            name: name.into(),
+            protocol,
+            cluster_ip: CLUSTER_IP,
+            port: SERVICE_PORT,
+            node_port: Some(NODE_PORT),
+            endpoints: backends_on([THIS_NODE, OTHER_NODE, OTHER_NODE]),
+            external_policy: TrafficPolicy::Local,
+            internal_policy: TrafficPolicy::Cluster,
+        });
+    }
+    let (np_flags, _) = frontend_backends(&h, node_port(), proto::TCP);
+    assert_eq!(np_flags & FLAG_NEEDS_SNAT, 0, "node port: {np_flags:#x}");
+    let (cip_flags, _) = frontend_backends(&h, cluster_ip(), proto::TCP);
+    assert_ne!(cip_flags & FLAG_NEEDS_SNAT, 0, "ClusterIP: {cip_flags:#x}");
+
+    let local = addr(BACKEND_IPS[0], BACKEND_PORT);
+    let outside = Frame::tcp(external(&mut h), node_port(), SYN);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat("from outside", outside, &[local], Verdict::DnatNew),
+    );
+    let hairpin = Frame::tcp(addr(BACKEND_IPS[0], h.next_port()), node_port(), SYN);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat("from the backend itself", hairpin, &[local], Verdict::DnatNew),
+    );
+    let snat_of = |h: &Harness, src: Ipv4Addr| {
+        h.conntrack()
+            .iter()
+            .find(|(k, _)| k.dir == DIR_FORWARD && k.saddr() == src)
+            .map(|(_, v)| v.flags & FLAG_SNAT != 0)
+    };
+    assert_eq!(snat_of(&h, EXTERNAL_IP), Some(false), "the client's address is kept");
+    assert_eq!(snat_of(&h, BACKEND_IPS[0]), Some(true), "hairpin is masqueraded");
 }

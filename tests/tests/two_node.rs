@@ -24,29 +24,40 @@
 //! 5. Hairpin: a-1 (and b-1) through a Service whose only endpoint is itself
 //!    is answered by itself, TCP and UDP, and sees the node's pod gateway as
 //!    the source (the SNAT that makes the hairpin work).
-//! 6. `externalTrafficPolicy: Local`: what the modes do (below).
+//! 6. The `Local` traffic policies ([`check_external_local`],
+//!    [`check_internal_local`]), kube-proxy's behaviour in every mode:
+//!    - `externalTrafficPolicy: Local`, backends on both nodes: the client
+//!      through node-a's NodePort reaches only node-a's backends, through
+//!      node-b's only node-b's, TCP and UDP, and they see the client's own
+//!      address; the same Service's ClusterIP still reaches all four from a
+//!      pod (the policy is about external traffic only).
+//!    - `externalTrafficPolicy: Local`, backends on node-a only: node-a's
+//!      NodePort reaches them; node-b's drops the client's requests, TCP and
+//!      UDP (no answer at all: not refused), and a pod's on node-b too (no
+//!      `clusterCIDR` is configured, so pod traffic cannot be told apart and
+//!      is not short-circuited); the node's own request (below) differs.
+//!    - `internalTrafficPolicy: Local`: the ClusterIP from a-client reaches
+//!      only node-a's backends, from b-2 only node-b's; a Service whose
+//!      backends all run on node-a drops b-2's requests and answers
+//!      a-client's.
 //! 7. SIGTERM to both agents, `xproxy cleanup` on both nodes: no pins, no
 //!    programs on any interface, no chain or table of xproxy's in either
 //!    node, and every request ends as in the baseline.
 //!
 //! Where the modes differ, the difference is asserted per mode
-//! ([`Mode::local_node_port_source`], [`check_local_policy_ignored`]):
+//! ([`Mode::local_node_port_source`], [`Mode::own_local_node_port`]):
 //!
 //! | what                                                  | ebpf                       | iptables                   | nftables                   | kube-proxy (iptables)
 //! |-------------------------------------------------------|----------------------------|----------------------------|----------------------------|----------------------
 //! | NodePort: source a backend on the OTHER node sees      | the entry node's IP (the programs DNAT and mark, the kernel masquerades) | the entry node's IP (masquerade) | the entry node's IP | the entry node's IP
 //! | NodePort: source a backend on the entry node sees      | the client's (DNAT only: its replies pass the entry node anyway) | the entry node's pod gateway (masquerade) | the same as iptables | the node's (masquerade)
-//! | NodePort with `externalTrafficPolicy: Local`           | treated as Cluster: both nodes' backends answer, remote ones see the entry node | treated as Cluster | treated as Cluster | local endpoints only, the client's source kept; a node without local endpoints drops
-//!
-//! The last row is a gap of every mode, not a design choice: the agent's
-//! model (`proxy-userspace/src/model`) does not read
-//! `spec.externalTrafficPolicy` at all, so no mode can tell a Local Service
-//! from a Cluster one. The test asserts what the modes do today so that the
-//! day the policy is implemented, this row is rewritten on purpose.
+//! | NodePort with `externalTrafficPolicy: Local`           | this node's backends only, the client's source kept; none here: dropped | the same (KUBE-EXT -> KUBE-SVL; DROP in KUBE-EXTERNAL-SERVICES) | the same (external-… -> local-…; drop-external-chain) | the same
+//! | the node's own request to its NodePort with `Local` and no backend on it | refused: the node's own traffic to a local address never passes the programs | short-circuited: answered by the other node's backends, which see the node's IP (masquerade) | the same | the same as iptables
 //!
 //! The same in every mode (asserted): the client reaches every backend
 //! through the NodePort of either node; pod-to-pod Service traffic keeps the
-//! pod's address across nodes; hairpin works on both nodes; cleanup leaves
+//! pod's address across nodes; hairpin works on both nodes; the `Local`
+//! policies (step 6, but for the node's own request); cleanup leaves
 //! nothing.
 //!
 //! Every stage opens its flows from local ports of its own ([`new_flows`]),
@@ -66,7 +77,9 @@ use xproxy_tests::{
     agent_harness::{READY_WITHIN, frontends, yaml_documents},
     netns::{self, Netns},
     privileged::require_root,
-    scenario::{Checks, Outcome, PROTOCOLS, expect_backends, fresh_ports, outcome, proto_name, request},
+    scenario::{
+        Checks, Outcome, PROTOCOLS, expect_backends, expect_outcome, fresh_ports, outcome, proto_name, request,
+    },
     topology::Offloads,
     two_node::{CLIENT_IP, NODE_A, NODE_B, Node, PEER_PORT, TARGET_PORT, TwoNodes},
     two_node_bed::{PortDef, TrafficPolicy, TwoNodeBed, endpoints_of, service, slice},
@@ -106,10 +119,17 @@ const LOCAL_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 1, 84);
 const LOCAL_PORT: u16 = 84;
 const LOCAL_NODE_PORT: u16 = 30884;
 /// `externalTrafficPolicy: Local`, node-a's backends only (so node-b has no
-/// local endpoint): TCP and UDP to [`TARGET_PORT`].
+/// local endpoint): TCP to [`PEER_PORT`], UDP to [`TARGET_PORT`].
 const LOCAL_A_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 1, 85);
 const LOCAL_A_PORT: u16 = 85;
 const LOCAL_A_NODE_PORT: u16 = 30885;
+/// `internalTrafficPolicy: Local` (a ClusterIP Service), every backend of
+/// both nodes: TCP and UDP to [`TARGET_PORT`].
+const ITP_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 1, 86);
+const ITP_PORT: u16 = 86;
+/// `internalTrafficPolicy: Local`, node-a's backends only.
+const ITP_A_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 1, 87);
+const ITP_A_PORT: u16 = 87;
 
 const MANIFEST: &str = "services.yaml";
 
@@ -155,8 +175,17 @@ fn objects(topo: &TwoNodes) -> Result<Vec<Value>> {
     add("hairpin-b", HAIRPIN_B_IP, &hairpin, TrafficPolicy::Cluster, &["b-1"])?;
     let local = tcp_udp(LOCAL_PORT, PEER_PORT, TARGET_PORT, Some(LOCAL_NODE_PORT));
     add("local", LOCAL_IP, &local, TrafficPolicy::Local, &BACKENDS)?;
-    let local_a = tcp_udp(LOCAL_A_PORT, TARGET_PORT, TARGET_PORT, Some(LOCAL_A_NODE_PORT));
+    let local_a = tcp_udp(LOCAL_A_PORT, PEER_PORT, TARGET_PORT, Some(LOCAL_A_NODE_PORT));
     add("local-a", LOCAL_A_IP, &local_a, TrafficPolicy::Local, &NODE_A_BACKENDS)?;
+    let itp = tcp_udp(ITP_PORT, TARGET_PORT, TARGET_PORT, None);
+    add("itp", ITP_IP, &itp, TrafficPolicy::Cluster, &BACKENDS)?;
+    let itp_a = tcp_udp(ITP_A_PORT, TARGET_PORT, TARGET_PORT, None);
+    add("itp-a", ITP_A_IP, &itp_a, TrafficPolicy::Cluster, &NODE_A_BACKENDS)?;
+    for svc in out.iter_mut().filter(|o| o["kind"] == "Service") {
+        if svc["metadata"]["name"].as_str().is_some_and(|n| n.starts_with("itp")) {
+            svc["spec"]["internalTrafficPolicy"] = serde_json::json!("Local");
+        }
+    }
     Ok(out)
 }
 
@@ -188,6 +217,18 @@ impl Mode {
             // KUBE-EXT / external-* chains mark every NodePort flow for
             // masquerade: the address of the interface towards the pod.
             Mode::Iptables | Mode::Nftables => entry.spec.gateway,
+        }
+    }
+
+    /// What the node's own request to its NodePort of a Service with
+    /// `externalTrafficPolicy: Local` and no backend on it ends as: the
+    /// answering backend and the source it saw, or `None` if refused.
+    fn own_local_node_port(self, node: &Node) -> Option<Ipv4Addr> {
+        match self {
+            // The node's own traffic to a local address passes no program.
+            Mode::Ebpf => None,
+            // kube-proxy's short-circuit: masqueraded, to any backend.
+            Mode::Iptables | Mode::Nftables => Some(node.ip()),
         }
     }
 }
@@ -420,7 +461,8 @@ fn scenario_steps(mode: Mode, bed: &mut TwoNodeBed, checks: &mut Checks) -> Resu
     check_node_port_sources(mode, bed, checks);
     check_cluster_ip(bed, checks);
     check_hairpin(bed, checks);
-    check_local_policy_ignored(mode, bed, checks);
+    check_external_local(mode, bed, checks);
+    check_internal_local(bed, checks);
     if mode == Mode::Ebpf {
         for i in 0..bed.topo.nodes.len() {
             checks.check(
@@ -622,37 +664,148 @@ fn check_hairpin(bed: &TwoNodeBed, checks: &mut Checks) {
     }
 }
 
-/// Step 6: `externalTrafficPolicy: Local`, which no mode honours yet (see the
-/// table at the top): both nodes' backends answer through either node,
-/// remote ones behind SNAT, and a node without local endpoints forwards to
-/// the other node's.
-fn check_local_policy_ignored(mode: Mode, bed: &TwoNodeBed, checks: &mut Checks) {
+/// Sends `count` requests from `from` to `to` at the same time; every one
+/// must get no answer at all within [`PROBE_TIMEOUT`] (dropped: a refusal
+/// or an answer fails the check).
+fn expect_dropped(from: &Netns, protocol: Protocol, to: SocketAddrV4, count: usize) -> Result<String> {
+    let outcomes: Vec<Outcome> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..count)
+            .map(|_| scope.spawn(move || outcome(from, protocol, to, PROBE_TIMEOUT)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| bail!("a request thread panicked")))
+            .collect::<Result<_>>()
+    })?;
+    let other: Vec<&Outcome> = outcomes.iter().filter(|o| **o != Outcome::NoAnswer).collect();
+    ensure!(other.is_empty(), "not dropped: {other:?}");
+    Ok(format!("{count} requests got no answer"))
+}
+
+/// Requests per "dropped" check (each waits [`PROBE_TIMEOUT`], all at once).
+const DROPPED_REQUESTS: usize = 4;
+
+/// Step 6, external: NodePorts of `externalTrafficPolicy: Local` Services
+/// reach the entry node's backends only, which see the client's address;
+/// a node without one drops; the ClusterIP is not affected.
+fn check_external_local(mode: Mode, bed: &TwoNodeBed, checks: &mut Checks) {
     let topo = &bed.topo;
     for entry in &topo.nodes {
         let to = node_port(entry, LOCAL_NODE_PORT);
-        let expected = |backend: &str| node_port_source(mode, topo, entry, backend);
+        let local: Vec<&str> = entry.backends.iter().map(|p| p.name).collect();
         checks.check(
             &format!(
-                "TCP client -> {to} (Local policy, NodePort on {}): as with Cluster in {} mode",
-                entry.name(),
-                mode.name()
+                "TCP client -> {to} (Local, NodePort on {}): only {local:?} answer, and see {CLIENT_IP}",
+                entry.name()
             ),
-            sources_seen(&topo.client, to, &BACKENDS, REQUESTS).and_then(|seen| expect_sources(&seen, expected)),
+            sources_seen(&topo.client, to, &local, REQUESTS).and_then(|seen| expect_sources(&seen, |_| CLIENT_IP)),
         );
         checks.check(
-            &format!("UDP client -> {to} (Local policy): every backend of both nodes answers"),
-            expect_backends(&topo.client, Protocol::Udp, to, &BACKENDS, REQUESTS),
+            &format!("UDP client -> {to} (Local): only {local:?} answer"),
+            expect_backends(&topo.client, Protocol::Udp, to, &local, REQUESTS),
         );
     }
-    let to = node_port(topo.node_b(), LOCAL_A_NODE_PORT);
+    let Some((_, a_client)) = topo.find_pod("a-client") else {
+        checks.check("pod a-client", Err(anyhow::anyhow!("no such pod")));
+        return;
+    };
+    checks.check(
+        &format!(
+            "UDP a-client -> {} (ClusterIP of the Local NodePort Service) reaches {BACKENDS:?}",
+            addr(LOCAL_IP, LOCAL_PORT)
+        ),
+        expect_backends(
+            &a_client.ns,
+            Protocol::Udp,
+            addr(LOCAL_IP, LOCAL_PORT),
+            &BACKENDS,
+            REQUESTS,
+        ),
+    );
+
+    let (node_a, node_b) = (topo.node_a(), topo.node_b());
+    let to = node_port(node_a, LOCAL_A_NODE_PORT);
+    checks.check(
+        &format!("TCP client -> {to} (Local, node-a's backends only): {NODE_A_BACKENDS:?} answer, see {CLIENT_IP}"),
+        sources_seen(&topo.client, to, &NODE_A_BACKENDS, REQUESTS)
+            .and_then(|seen| expect_sources(&seen, |_| CLIENT_IP)),
+    );
+    let to = node_port(node_b, LOCAL_A_NODE_PORT);
     for protocol in PROTOCOLS {
         checks.check(
             &format!(
-                "{} client -> {to} (Local policy, no endpoint on node-b): node-a's backends answer in {} mode",
-                proto_name(protocol),
-                mode.name()
+                "{} client -> {to} (Local, no backend on node-b): dropped, not refused",
+                proto_name(protocol)
             ),
-            expect_backends(&topo.client, protocol, to, &NODE_A_BACKENDS, REQUESTS),
+            expect_dropped(&topo.client, protocol, to, DROPPED_REQUESTS),
+        );
+    }
+    if let Some((_, b_1)) = topo.find_pod("b-1") {
+        checks.check(
+            &format!("TCP b-1 -> {to} (a pod on node-b, not told apart without clusterCIDR): dropped"),
+            expect_dropped(&b_1.ns, Protocol::Tcp, to, DROPPED_REQUESTS),
+        );
+    }
+    let expected = mode.own_local_node_port(node_b);
+    checks.check(
+        &format!(
+            "TCP node-b -> {to} (its own NodePort, Local, no backend on it) in {} mode: {}",
+            mode.name(),
+            match expected {
+                Some(source) => format!("{NODE_A_BACKENDS:?} answer, see {source}"),
+                None => "refused".into(),
+            }
+        ),
+        match expected {
+            Some(source) => sources_seen(&node_b.ns, to, &NODE_A_BACKENDS, REQUESTS)
+                .and_then(|seen| expect_sources(&seen, |_| source)),
+            None => expect_outcome(&node_b.ns, Protocol::Tcp, to, &Outcome::Refused),
+        },
+    );
+}
+
+/// Step 6, internal: `internalTrafficPolicy: Local` ClusterIPs reach the
+/// client pod's node's backends only; none there: dropped.
+fn check_internal_local(bed: &TwoNodeBed, checks: &mut Checks) {
+    let topo = &bed.topo;
+    for from in ["a-client", "b-2"] {
+        let Some((node, pod)) = topo.find_pod(from) else {
+            checks.check(&format!("pod {from}"), Err(anyhow::anyhow!("no such pod")));
+            continue;
+        };
+        let local: Vec<&str> = node.backends.iter().map(|p| p.name).collect();
+        let to = addr(ITP_IP, ITP_PORT);
+        for protocol in PROTOCOLS {
+            checks.check(
+                &format!(
+                    "{} {from} (on {}) -> {to} (internalTrafficPolicy: Local) reaches only {local:?}",
+                    proto_name(protocol),
+                    node.name()
+                ),
+                expect_backends(&pod.ns, protocol, to, &local, REQUESTS),
+            );
+        }
+        let to = addr(ITP_A_IP, ITP_A_PORT);
+        let check = if node.name() == NODE_A.name {
+            expect_backends(&pod.ns, Protocol::Tcp, to, &NODE_A_BACKENDS, REQUESTS)
+        } else {
+            expect_dropped(&pod.ns, Protocol::Tcp, to, DROPPED_REQUESTS).and_then(|tcp| {
+                Ok(format!(
+                    "{tcp}; UDP: {}",
+                    expect_dropped(&pod.ns, Protocol::Udp, to, DROPPED_REQUESTS)?
+                ))
+            })
+        };
+        checks.check(
+            &format!(
+                "{from} -> {to} (internalTrafficPolicy: Local, backends on node-a only): {}",
+                if node.name() == NODE_A.name {
+                    "node-a's backends answer"
+                } else {
+                    "dropped, TCP and UDP"
+                }
+            ),
+            check,
         );
     }
 }
@@ -661,7 +814,9 @@ fn check_local_policy_ignored(mode: Mode, bed: &TwoNodeBed, checks: &mut Checks)
 // Read-backs.
 
 /// Node `i`'s `xproxy status`: its own node IP carries the NodePorts, with
-/// the backends of both nodes; the other node's IP carries none.
+/// the backends of both nodes (of this node only for `Local` ones, none for
+/// node-b's `local-a`, marked as dropping); the other node's IP carries
+/// none.
 fn ebpf_read_back(bed: &TwoNodeBed, i: usize) -> Result<String> {
     let node = &bed.topo.nodes[i];
     let other = &bed.topo.nodes[1 - i];
@@ -678,6 +833,36 @@ fn ebpf_read_back(bed: &TwoNodeBed, i: usize) -> Result<String> {
                 got == Some((kind, BACKENDS.len())),
                 "{frontend}: expected {kind} with {} backends, got {got:?}:\n{status}",
                 BACKENDS.len()
+            );
+        }
+    }
+    let local_a = if node.name() == NODE_A.name {
+        NODE_A_BACKENDS.len()
+    } else {
+        0
+    };
+    for protocol in PROTOCOLS {
+        let p = proto_name(protocol);
+        for (to, backends) in [
+            (node_port(node, LOCAL_NODE_PORT), node.backends.len()),
+            (node_port(node, LOCAL_A_NODE_PORT), local_a),
+        ] {
+            let frontend = format!("{p} {to}");
+            let got = seen.get(&frontend).map(|(k, n)| (k.as_str(), *n));
+            ensure!(
+                got == Some(("NodePort", backends)),
+                "{frontend}: expected NodePort with {backends} backends, got {got:?}:\n{status}"
+            );
+            let marked = if backends == 0 {
+                "drop"
+            } else {
+                "Local: this node's endpoints"
+            };
+            ensure!(
+                status
+                    .lines()
+                    .any(|l| l.starts_with(&format!("{p:<4} {to} NodePort")) && l.contains(marked)),
+                "{frontend} is not marked {marked:?}:\n{status}"
             );
         }
     }

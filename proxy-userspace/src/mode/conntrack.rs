@@ -157,6 +157,7 @@ mod tests {
             port: 53,
             node_port,
             endpoints: endpoints.iter().map(|e| Endpoint::ready(pod(*e), 5353)).collect(),
+            ..ServicePort::default()
         }
     }
 

@@ -123,6 +123,8 @@ impl Cluster {
                     port: spec.port,
                     node_port: spec.node_port,
                     endpoints: endpoints_for(slices, &spec.port_name, spec.protocol),
+                    external_policy: spec.external_policy,
+                    internal_policy: spec.internal_policy,
                 };
                 desired.ports.insert(name, port);
             }
@@ -335,5 +337,58 @@ mod tests {
         let desired = cluster.desired();
         assert_eq!(desired.ports["default/dns:dns"].endpoints[0].port, 5353);
         assert_eq!(desired.ports["default/dns:dns-tcp"].endpoints[0].port, 5354);
+    }
+
+    #[test]
+    fn traffic_policies_are_read_and_the_external_one_only_where_it_counts() {
+        use crate::model::TrafficPolicy::{Cluster as C, Local as L};
+        let mut cluster = Cluster::default();
+        let cases = [
+            (
+                "np-local",
+                json!({"type": "NodePort", "externalTrafficPolicy": "Local"}),
+                (L, C),
+            ),
+            (
+                "lb-local",
+                json!({"type": "LoadBalancer", "externalTrafficPolicy": "Local", "internalTrafficPolicy": "Local"}),
+                (L, L),
+            ),
+            // The API server refuses eTP on a ClusterIP Service; a manifest may not.
+            (
+                "cip",
+                json!({"externalTrafficPolicy": "Local", "internalTrafficPolicy": "Local"}),
+                (C, L),
+            ),
+            ("defaults", json!({"type": "NodePort"}), (C, C)),
+        ];
+        for (i, (name, mut spec, _)) in cases.clone().into_iter().enumerate() {
+            spec["clusterIP"] = json!(format!("10.96.0.{}", 100 + i));
+            let node_port = if spec.get("type").is_some() {
+                json!(30100 + i)
+            } else {
+                json!(null)
+            };
+            spec["ports"] = json!([{"port": 80, "nodePort": node_port}]);
+            assert!(cluster.upsert_service(&service(name, spec)).is_empty(), "{name}");
+        }
+        let desired = cluster.desired();
+        for (name, _, (external, internal)) in cases {
+            let port = &desired.ports[&format!("default/{name}")];
+            assert_eq!(
+                (port.external_policy, port.internal_policy),
+                (external, internal),
+                "{name}"
+            );
+        }
+
+        let problems = cluster.upsert_service(&service(
+            "typo",
+            json!({"type": "NodePort", "clusterIP": "10.96.0.120", "externalTrafficPolicy": "Locale",
+                   "ports": [{"port": 80, "nodePort": 30120}]}),
+        ));
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].reason.contains("\"Locale\""), "{}", problems[0]);
+        assert_eq!(cluster.desired().ports["default/typo"].external_policy, C);
     }
 }

@@ -60,7 +60,22 @@ impl Protocol {
     }
 }
 
+/// Which endpoints a kind of traffic may reach (`spec.externalTrafficPolicy`,
+/// `spec.internalTrafficPolicy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum TrafficPolicy {
+    /// Every usable endpoint, wherever it runs.
+    #[default]
+    Cluster,
+    /// Only endpoints on this node (their `nodeName` is the agent's node
+    /// name); none there means the traffic is dropped.
+    Local,
+}
+
 /// One port of one Service, with the endpoints that serve it.
+///
+/// `Default` is an empty TCP port on 0.0.0.0 with both policies `Cluster`,
+/// for building ports field by field (`..ServicePort::default()`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServicePort {
     /// `namespace/name:portname`, as kube-proxy names it in logs and comments.
@@ -71,6 +86,39 @@ pub struct ServicePort {
     /// Set for NodePort (and LoadBalancer) Services.
     pub node_port: Option<u16>,
     pub endpoints: Vec<Endpoint>,
+    /// Where traffic to the node port goes; always `Cluster` without a node
+    /// port (kube-proxy ignores the field for Services nothing outside
+    /// reaches).
+    pub external_policy: TrafficPolicy,
+    /// Where traffic to the ClusterIP goes.
+    pub internal_policy: TrafficPolicy,
+}
+
+impl Default for ServicePort {
+    fn default() -> Self {
+        Self {
+            name: String::new(),
+            protocol: Protocol::Tcp,
+            cluster_ip: Ipv4Addr::UNSPECIFIED,
+            port: 0,
+            node_port: None,
+            endpoints: Vec::new(),
+            external_policy: TrafficPolicy::Cluster,
+            internal_policy: TrafficPolicy::Cluster,
+        }
+    }
+}
+
+impl ServicePort {
+    /// Whether node-port traffic goes to this node's endpoints only.
+    pub fn external_local(&self) -> bool {
+        self.node_port.is_some() && self.external_policy == TrafficPolicy::Local
+    }
+
+    /// Whether ClusterIP traffic goes to this node's endpoints only.
+    pub fn internal_local(&self) -> bool {
+        self.internal_policy == TrafficPolicy::Local
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -86,6 +134,13 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
+    /// Whether the endpoint runs on node `node` (kube-proxy's `IsLocal`:
+    /// its `nodeName` is the node's name; one without a `nodeName`, or
+    /// with no node name known, is on no node).
+    pub fn is_on(&self, node: Option<&str>) -> bool {
+        node.is_some() && self.node_name.as_deref() == node
+    }
+
     /// A ready endpoint on no particular node (what tests and manifests without
     /// conditions mean).
     pub fn ready(addr: Ipv4Addr, port: u16) -> Self {

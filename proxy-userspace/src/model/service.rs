@@ -7,7 +7,7 @@ use std::{collections::BTreeSet, net::Ipv4Addr};
 
 use k8s_openapi::api::core::v1::Service;
 
-use super::{Problem, Protocol};
+use super::{Problem, Protocol, TrafficPolicy};
 
 /// Services carrying this label belong to another proxy (kube-proxy skips them too).
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
@@ -22,6 +22,10 @@ pub struct PortSpec {
     pub cluster_ip: Ipv4Addr,
     pub port: u16,
     pub node_port: Option<u16>,
+    /// `Cluster` unless the Service is reachable from outside (NodePort,
+    /// LoadBalancer) and asks for `Local`.
+    pub external_policy: TrafficPolicy,
+    pub internal_policy: TrafficPolicy,
 }
 
 /// What a Service contributes to the desired state.
@@ -77,6 +81,7 @@ pub fn service_info(svc: &Service) -> Result<(ServiceInfo, Vec<Problem>), Skip> 
     };
 
     let mut problems = Vec::new();
+    let (external_policy, internal_policy) = traffic_policies(spec, &object, &mut problems);
     let mut ports = Vec::new();
     let mut seen = BTreeSet::new();
     for p in spec.ports.iter().flatten() {
@@ -114,9 +119,42 @@ pub fn service_info(svc: &Service) -> Result<(ServiceInfo, Vec<Problem>), Skip> 
             cluster_ip,
             port,
             node_port,
+            external_policy,
+            internal_policy,
         });
     }
     Ok((ServiceInfo { ports }, problems))
+}
+
+/// `(external, internal)` traffic policy of a Service, as kube-proxy reads
+/// them: the external one counts only for Services reachable from outside
+/// the cluster. A value the API server would refuse is a problem and taken
+/// as `Cluster`.
+fn traffic_policies(
+    spec: &k8s_openapi::api::core::v1::ServiceSpec,
+    object: &str,
+    problems: &mut Vec<Problem>,
+) -> (TrafficPolicy, TrafficPolicy) {
+    let mut policy = |field: &str, value: Option<&str>| match value {
+        None | Some("Cluster") => TrafficPolicy::Cluster,
+        Some("Local") => TrafficPolicy::Local,
+        Some(other) => {
+            problems.push(Problem::new(
+                object,
+                format!("{field} {other:?} is neither Cluster nor Local; using Cluster"),
+            ));
+            TrafficPolicy::Cluster
+        }
+    };
+    let external = policy("externalTrafficPolicy", spec.external_traffic_policy.as_deref());
+    let internal = policy("internalTrafficPolicy", spec.internal_traffic_policy.as_deref());
+    let reachable_from_outside = matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer"));
+    let external = if reachable_from_outside {
+        external
+    } else {
+        TrafficPolicy::Cluster
+    };
+    (external, internal)
 }
 
 pub fn valid_port(port: i32) -> Option<u16> {

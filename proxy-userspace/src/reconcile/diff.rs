@@ -69,6 +69,7 @@ mod tests {
                 .iter()
                 .map(|e| Endpoint::ready(Ipv4Addr::new(10, 244, 0, *e), 8080))
                 .collect(),
+            ..ServicePort::default()
         }
     }
 

@@ -326,6 +326,7 @@ mod tests {
                 .iter()
                 .map(|e| Endpoint::ready(Ipv4Addr::new(10, 244, 0, *e), 80))
                 .collect(),
+            ..ServicePort::default()
         };
         BTreeMap::from([(port.name.clone(), port)])
     }

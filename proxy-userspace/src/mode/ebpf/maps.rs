@@ -25,10 +25,13 @@ use proxy_common::{
     Backend, BackendSlotKey, CtKey, CtValue, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter,
     backend::FLAG_LOCAL,
     maps,
-    service::{FLAG_NEEDS_SNAT, FLAG_NODE_PORT},
+    service::{FLAG_EXTERNAL_LOCAL, FLAG_INTERNAL_LOCAL, FLAG_NEEDS_SNAT, FLAG_NODE_PORT, FLAGS_LOCAL},
 };
 
-use crate::{mode::usable_endpoints, model::ServicePort};
+use crate::{
+    mode::EndpointSets,
+    model::{Endpoint, ServicePort},
+};
 
 /// What was written for one Service port, to diff the next write against.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -65,7 +68,9 @@ pub struct ServiceMaps {
     stats: PerCpuArray<MapData, VerdictCounter>,
     node_ips: Vec<Ipv4Addr>,
     /// Endpoints on this node (by their nodeName) are local backends; if
-    /// `None`, or an endpoint names no node, it is taken to be local.
+    /// `None`, or an endpoint names no node, it is taken to be local (for
+    /// the SNAT decision only: the `Local` traffic policies reach only
+    /// endpoints that name this node, see [`EndpointSets`]).
     node_name: Option<String>,
     /// kube-proxy's masqueradeAll: every frontend asks for SNAT.
     masquerade_all: bool,
@@ -132,11 +137,17 @@ impl ServiceMaps {
             groups.entry(value.backend_set).or_default().push((key, value));
         }
         for (set, members) in groups {
-            let (cluster_key, cluster_value) = *members
+            let (cluster_key, _) = *members
                 .iter()
                 .find(|(_, v)| v.flags & FLAG_NODE_PORT == 0)
                 .unwrap_or(&members[0]);
-            let backends = self.adopt_backend_set(set, cluster_value.backend_count);
+            // The frontends use runs of one set: it ends where the last run does.
+            let len = members
+                .iter()
+                .map(|(_, v)| v.backend_offset.saturating_add(v.backend_count))
+                .max()
+                .unwrap_or(0);
+            let backends = self.adopt_backend_set(set, len);
             let frontends = members
                 .iter()
                 .map(|(k, v)| (ServiceKeyOrd::from(*k), v.rev_nat_id))
@@ -207,8 +218,9 @@ impl ServiceMaps {
     }
 
     /// Programs one Service port: its frontends (ClusterIP, and every node IP
-    /// with the node port) and its backend set. Writes nothing if it is
-    /// already programmed as asked.
+    /// with the node port) and its backend set, laid out for its traffic
+    /// policies (`SlotLayout`). Writes nothing if it is already programmed
+    /// as asked.
     pub fn sync_service(&mut self, svc: &ServicePort) -> Result<()> {
         let proto = svc.protocol.number();
         let id = ServiceKeyOrd::from(ServiceKey::new(svc.cluster_ip, svc.port, proto));
@@ -219,8 +231,10 @@ impl ServiceMaps {
         }
         let old = self.applied.get(&id).cloned().unwrap_or_default();
 
+        let sets = EndpointSets::of(svc, self.node_name.as_deref());
+        let layout = SlotLayout::of(&sets)?;
         let mut backends = Vec::new();
-        for ep in usable_endpoints(&svc.endpoints) {
+        for ep in &layout.slots {
             let local = self.is_local(ep);
             backends.push(self.acquire_backend(ep.addr, ep.port, proto, local)?);
         }
@@ -230,7 +244,6 @@ impl ServiceMaps {
             self.write_backend_set(&backends)?
         };
 
-        let count = u32::try_from(backends.len()).context("too many endpoints")?;
         let mut frontends = BTreeMap::new();
         for (key, is_node_port) in self.frontends_of(svc) {
             let ord = ServiceKeyOrd::from(key);
@@ -238,14 +251,14 @@ impl ServiceMaps {
                 Some(&id) => id,
                 None => self.new_rev_nat(key)?,
             };
+            let (backend_offset, backend_count, flags) = self.frontend_use(svc, &sets, &layout, is_node_port);
             let value = ServiceValue {
                 backend_set,
-                backend_count: count,
+                backend_count,
                 rev_nat_id,
-                flags: if is_node_port { FLAG_NODE_PORT } else { 0 }
-                    | if self.masquerade_all { FLAG_NEEDS_SNAT } else { 0 },
+                flags,
                 affinity_timeout_s: 0,
-                _reserved: 0,
+                backend_offset,
             };
             if self.services.get(&key, 0).ok() != Some(value) {
                 self.services
@@ -277,6 +290,34 @@ impl ServiceMaps {
             },
         );
         Ok(())
+    }
+
+    /// `(offset, count, flags)` of a frontend of `svc`: the run of slots its
+    /// traffic policy picks from, and how the programs treat it.
+    fn frontend_use(
+        &self,
+        svc: &ServicePort,
+        sets: &EndpointSets<'_>,
+        layout: &SlotLayout<'_>,
+        is_node_port: bool,
+    ) -> (u32, u32, u32) {
+        let (local_policy, kind, local_flag) = if is_node_port {
+            (svc.external_local(), FLAG_NODE_PORT, FLAG_EXTERNAL_LOCAL)
+        } else {
+            (svc.internal_local(), 0, FLAG_INTERNAL_LOCAL)
+        };
+        let (offset, count) = if local_policy { layout.local } else { layout.cluster };
+        let mut flags = kind;
+        // A Service without any endpoint is rejected, whatever its policies.
+        if local_policy && sets.has_any() {
+            flags |= local_flag;
+        }
+        // masqueradeAll, like kube-proxy's, leaves the client's address to
+        // the Local external policy.
+        if self.masquerade_all && !(is_node_port && local_policy) {
+            flags |= FLAG_NEEDS_SNAT;
+        }
+        (offset, count, flags)
     }
 
     /// Removes a Service port programmed by [`Self::sync_service`].
@@ -388,7 +429,15 @@ impl ServiceMaps {
     pub fn verdict_counts(&self) -> Result<Vec<(Verdict, VerdictCounter)>> {
         let mut out = Vec::new();
         for verdict in Verdict::ALL {
-            let per_cpu = self.stats.get(&(verdict as u32), 0)?;
+            let per_cpu = match self.stats.get(&(verdict as u32), 0) {
+                Ok(per_cpu) => per_cpu,
+                // A map pinned by an older agent knows fewer verdicts.
+                Err(aya::maps::MapError::OutOfBounds { .. }) => {
+                    out.push((verdict, VerdictCounter::default()));
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
             let mut sum = VerdictCounter::default();
             for c in per_cpu.iter() {
                 sum.packets += c.packets;
@@ -423,7 +472,7 @@ impl ServiceMaps {
         for entry in self.services.iter() {
             let (key, value) = entry?;
             let mut backends = Vec::new();
-            for slot in 0..value.backend_count {
+            for slot in run(&value) {
                 let slot_key = BackendSlotKey {
                     backend_set: value.backend_set,
                     slot,
@@ -447,6 +496,7 @@ impl ServiceMaps {
                 addr: key.addr(),
                 port: key.port(),
                 node_port: value.flags & FLAG_NODE_PORT != 0,
+                local_only: value.flags & FLAGS_LOCAL != 0,
                 backends,
             });
         }
@@ -464,9 +514,9 @@ impl ServiceMaps {
         self.services.get(&ServiceKey::new(addr, port, proto), 0).ok()
     }
 
-    /// Reads one backend set back, in slot order.
+    /// Reads the backends a frontend picks from back, in slot order.
     pub fn backend_set(&self, value: &ServiceValue) -> Result<Vec<Backend>> {
-        (0..value.backend_count)
+        run(value)
             .map(|slot| {
                 let id = self.slots.get(
                     &BackendSlotKey {
@@ -575,6 +625,49 @@ impl ServiceMaps {
     }
 }
 
+/// The slots a frontend picks from.
+fn run(value: &ServiceValue) -> std::ops::Range<u32> {
+    value.backend_offset..value.backend_offset.saturating_add(value.backend_count)
+}
+
+/// The endpoints of a Service port's backend set in slot order, and the run
+/// of slots each traffic policy uses. This node's endpoints come first, so
+/// that `Local` frontends use slots `0..local`; the `Cluster` run is
+/// `0..all` when it includes them (they are ready, or nothing is ready
+/// anywhere), else it follows them (only terminating endpoints are here,
+/// ready ones elsewhere). A port with both policies `Cluster` gets its
+/// usable endpoints in order, as before the policies existed.
+struct SlotLayout<'a> {
+    slots: Vec<&'a Endpoint>,
+    /// `(offset, count)` of the `Cluster` run.
+    cluster: (u32, u32),
+    /// `(offset, count)` of the `Local` run.
+    local: (u32, u32),
+}
+
+impl<'a> SlotLayout<'a> {
+    fn of(sets: &EndpointSets<'a>) -> Result<Self> {
+        let cluster: &[&Endpoint] = if sets.uses_cluster() { &sets.cluster } else { &[] };
+        let local: &[&Endpoint] = if sets.uses_local() { &sets.local } else { &[] };
+        let same = |a: &&Endpoint, b: &&Endpoint| (a.addr, a.port) == (b.addr, b.port);
+        let in_cluster = |ep: &&Endpoint| cluster.iter().any(|c| same(c, ep));
+        let mut slots: Vec<&Endpoint> = local.to_vec();
+        let cluster_offset = if cluster.is_empty() || local.iter().all(in_cluster) {
+            slots.extend(cluster.iter().filter(|c| !local.iter().any(|l| same(l, c))));
+            0
+        } else {
+            slots.extend(cluster);
+            local.len()
+        };
+        let count = |n: usize| u32::try_from(n).context("too many endpoints");
+        Ok(Self {
+            cluster: (count(cluster_offset)?, count(cluster.len())?),
+            local: (0, count(local.len())?),
+            slots,
+        })
+    }
+}
+
 /// Hands out map ids (backends, backend sets, reverse NAT entries).
 ///
 /// Ids move forward and wrap only after 2^32 - 1 of them: a freed id is not
@@ -626,7 +719,7 @@ fn remove_if_present<K: aya::Pod, V: aya::Pod>(map: &mut HashMap<MapData, K, V>,
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::Endpoint;
+    use crate::mode::usable_endpoints;
 
     #[test]
     fn freed_ids_are_not_handed_out_again_soon() {
@@ -660,5 +753,62 @@ mod tests {
         let ready = Endpoint::ready(Ipv4Addr::new(10, 0, 0, 2), 80);
         assert_eq!(usable_endpoints(&[draining.clone(), ready.clone()]), vec![&ready]);
         assert_eq!(usable_endpoints(std::slice::from_ref(&draining)), vec![&draining]);
+    }
+
+    fn on(node: &str, last: u8, ready: bool) -> Endpoint {
+        Endpoint {
+            ready,
+            terminating: !ready,
+            node_name: Some(node.into()),
+            ..Endpoint::ready(Ipv4Addr::new(10, 244, 0, last), 80)
+        }
+    }
+
+    fn layout_of(port: &ServicePort, node: &str) -> (Vec<u8>, (u32, u32), (u32, u32)) {
+        let sets = EndpointSets::of(port, Some(node));
+        let layout = SlotLayout::of(&sets).expect("layout");
+        let slots = layout.slots.iter().map(|e| e.addr.octets()[3]).collect();
+        (slots, layout.cluster, layout.local)
+    }
+
+    /// The set holds this node's endpoints first; `Cluster` frontends use
+    /// all of it, `Local` ones the first run; a port without `Local` policy
+    /// keeps its endpoints' order.
+    #[test]
+    fn slot_layout_puts_local_endpoints_first() {
+        let endpoints = vec![on("b", 1, true), on("a", 2, true), on("b", 3, true), on("a", 4, true)];
+        let cluster = ServicePort {
+            node_port: Some(30000),
+            endpoints,
+            ..ServicePort::default()
+        };
+        assert_eq!(layout_of(&cluster, "a"), (vec![1, 2, 3, 4], (0, 4), (0, 0)));
+        let local = ServicePort {
+            external_policy: crate::model::TrafficPolicy::Local,
+            ..cluster.clone()
+        };
+        assert_eq!(layout_of(&local, "a"), (vec![2, 4, 1, 3], (0, 4), (0, 2)));
+        assert_eq!(layout_of(&local, "c"), (vec![1, 2, 3, 4], (0, 4), (0, 0)));
+    }
+
+    /// A node whose only endpoint is draining while others are ready
+    /// elsewhere: the `Local` run is that endpoint, the `Cluster` run the
+    /// ready ones after it.
+    #[test]
+    fn slot_layout_with_a_draining_local_endpoint() {
+        let port = ServicePort {
+            node_port: Some(30000),
+            endpoints: vec![on("b", 1, true), on("a", 2, false), on("b", 3, true)],
+            external_policy: crate::model::TrafficPolicy::Local,
+            ..ServicePort::default()
+        };
+        assert_eq!(layout_of(&port, "a"), (vec![2, 1, 3], (1, 2), (0, 1)));
+        let internal_only = ServicePort {
+            node_port: None,
+            external_policy: crate::model::TrafficPolicy::Cluster,
+            internal_policy: crate::model::TrafficPolicy::Local,
+            ..port
+        };
+        assert_eq!(layout_of(&internal_only, "a"), (vec![2], (0, 0), (0, 1)));
     }
 }

@@ -1,5 +1,18 @@
 //! The eBPF data path: XDP and tc programs that DNAT Service traffic using
 //! maps pinned under bpffs.
+//!
+//! The `Local` traffic policies: a frontend with one picks from this node's
+//! backends only (a run of its Service port's backend set, see
+//! `maps::SlotLayout`), keeps the client's address (no SNAT mark, unless a
+//! backend reaches itself) and drops new flows when it has none (XDP_DROP /
+//! TC_ACT_SHOT, verdict `drop_no_local_backend`); a Service without any
+//! endpoint is still rejected. Where kube-proxy tells traffic apart by its
+//! origin, the programs do not: a pod's request to a `Local` node port is
+//! treated like the outside client's (this node's backends, or dropped),
+//! which is what kube-proxy does when it cannot recognise pod traffic (no
+//! `clusterCIDR`), not its short-circuit to every backend; the node's own
+//! requests to its node ports never pass the programs at all (refused, as
+//! with the `Cluster` policy).
 
 mod interfaces;
 mod loader;

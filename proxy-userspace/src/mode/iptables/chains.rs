@@ -31,13 +31,16 @@ pub const FIREWALL: &str = "KUBE-FIREWALL";
 
 /// Per service port: dispatch to the endpoints (`Cluster` traffic policy).
 pub const SVC_PREFIX: &str = "KUBE-SVC-";
-/// Per service port: external traffic (NodePort), marked for masquerade.
+/// Per service port: dispatch to this node's endpoints (`Local` traffic policy).
+pub const SVL_PREFIX: &str = "KUBE-SVL-";
+/// Per service port: external traffic (NodePort): marked for masquerade
+/// (`Cluster` policy) or kept apart by origin (`Local`).
 pub const EXT_PREFIX: &str = "KUBE-EXT-";
 /// Per endpoint of a service port: the DNAT.
 pub const SEP_PREFIX: &str = "KUBE-SEP-";
-/// kube-proxy's `Local` policy and load-balancer firewall chains: never
-/// written by xproxy, but removed like the others when found stale.
-const OTHER_SERVICE_PREFIXES: [&str; 2] = ["KUBE-SVL-", "KUBE-FW-"];
+/// kube-proxy's load-balancer firewall chains: never written by xproxy,
+/// but removed like the others when found stale.
+const OTHER_SERVICE_PREFIXES: [&str; 1] = ["KUBE-FW-"];
 
 /// Every fixed chain xproxy's iptables mode may create, by table.
 pub const NAT_CHAINS: [&str; 4] = [SERVICES, NODE_PORTS, POSTROUTING, MARK_MASQ];
@@ -46,7 +49,7 @@ pub const FILTER_CHAINS: [&str; 5] = [NODE_PORTS, SERVICES, EXTERNAL_SERVICES, F
 /// Whether `chain` is a per-service chain (of xproxy or kube-proxy): one
 /// found in the kernel but not wanted is stale and deleted.
 pub fn is_service_chain(chain: &str) -> bool {
-    [SVC_PREFIX, EXT_PREFIX, SEP_PREFIX]
+    [SVC_PREFIX, SVL_PREFIX, EXT_PREFIX, SEP_PREFIX]
         .into_iter()
         .chain(OTHER_SERVICE_PREFIXES)
         .any(|prefix| chain.starts_with(prefix))
@@ -82,6 +85,11 @@ pub fn svc_chain(name: &str, protocol: Protocol) -> String {
     format!("{SVC_PREFIX}{}", hash16(&format!("{name}{}", self::protocol(protocol))))
 }
 
+/// `KUBE-SVL-…`: the same hash as the service's `KUBE-SVC-` chain.
+pub fn svl_chain(name: &str, protocol: Protocol) -> String {
+    format!("{SVL_PREFIX}{}", hash16(&format!("{name}{}", self::protocol(protocol))))
+}
+
 /// `KUBE-EXT-…`: the same hash as the service's `KUBE-SVC-` chain.
 pub fn ext_chain(name: &str, protocol: Protocol) -> String {
     format!("{EXT_PREFIX}{}", hash16(&format!("{name}{}", self::protocol(protocol))))
@@ -99,6 +107,7 @@ pub fn sep_chain(name: &str, protocol: Protocol, endpoint: &str) -> String {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PortChains {
     pub svc: String,
+    pub svl: String,
     pub ext: String,
 }
 
@@ -106,6 +115,7 @@ impl PortChains {
     pub fn of(port: &ServicePort) -> Self {
         Self {
             svc: svc_chain(&port.name, port.protocol),
+            svl: svl_chain(&port.name, port.protocol),
             ext: ext_chain(&port.name, port.protocol),
         }
     }
@@ -135,6 +145,7 @@ mod tests {
             assert_eq!(svc_chain(name, Protocol::Tcp), want, "{name}");
         }
         assert_eq!(ext_chain("ns2/svc2:p80", Protocol::Tcp), "KUBE-EXT-GNZBNJ2PO5MGZ6GT");
+        assert_eq!(svl_chain("ns2/svc2:p80", Protocol::Tcp), "KUBE-SVL-GNZBNJ2PO5MGZ6GT");
         let seps = [
             ("ns1/svc1:p80", "10.180.0.1:80", "KUBE-SEP-SXIVWICOYRO3J4NJ"),
             ("ns2/svc2:p80", "10.180.0.2:80", "KUBE-SEP-RS4RBKLTHTF2IUXJ"),

@@ -131,9 +131,9 @@ impl Dataplane for IptablesMode {
         let mut gone = BTreeSet::new();
         let mut undo: Vec<(String, Option<ServicePort>)> = Vec::new();
         for port in &plan.remove {
-            gone.extend(port_chains(port));
+            gone.extend(port_chains(&self.opts, port));
             if let Some(old) = self.state.remove(&port.name) {
-                gone.extend(port_chains(&old));
+                gone.extend(port_chains(&self.opts, &old));
                 undo.push((port.name.clone(), Some(old)));
             }
         }
@@ -141,7 +141,7 @@ impl Dataplane for IptablesMode {
         for port in &plan.upsert {
             let old = self.state.insert(port.name.clone(), port.clone());
             if let Some(old) = &old {
-                gone.extend(port_chains(old));
+                gone.extend(port_chains(&self.opts, old));
             }
             undo.push((port.name.clone(), old));
             changed.insert(port.name.clone());
@@ -149,7 +149,7 @@ impl Dataplane for IptablesMode {
         let active: BTreeSet<String> = changed
             .iter()
             .filter_map(|name| self.state.get(name))
-            .flat_map(port_chains)
+            .flat_map(|port| port_chains(&self.opts, port))
             .collect();
         let delete: BTreeSet<String> = gone.difference(&active).cloned().collect();
         let rendered = render(
@@ -183,7 +183,7 @@ impl Dataplane for IptablesMode {
 
     fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()> {
         let saved = Saved::parse(&self.iptables.save().context("reading the current rules")?);
-        let active: BTreeSet<String> = desired.values().flat_map(port_chains).collect();
+        let active: BTreeSet<String> = desired.values().flat_map(|p| port_chains(&self.opts, p)).collect();
         let stale: BTreeSet<String> = saved
             .table("nat")
             .map(|nat| {
@@ -332,6 +332,7 @@ pub fn rule_options(config: &Config) -> Result<RuleOptions> {
         local_traffic: LocalTraffic::from_config(config, "iptables"),
         node_ports,
         drop_invalid: !be_liberal,
+        node_name: Some(config.node_name.clone()),
     })
 }
 

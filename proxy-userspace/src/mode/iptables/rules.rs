@@ -15,6 +15,20 @@
 //!          REJECT for ports without endpoints; FORWARD -> KUBE-FORWARD
 //! ```
 //!
+//! The `Local` traffic policies, as kube-proxy lays them out:
+//!
+//! ```text
+//! internalTrafficPolicy: Local   KUBE-SERVICES: -d CLUSTER_IP --dport PORT -> KUBE-SVL-x
+//!                                (the off-cluster masquerade rule moves there too)
+//! externalTrafficPolicy: Local   KUBE-EXT-x: from a local pod -> KUBE-SVC-x
+//!                                            --src-type LOCAL -> KUBE-MARK-MASQ
+//!                                            --src-type LOCAL -> KUBE-SVC-x
+//!                                            -> KUBE-SVL-x (no masquerade)
+//! KUBE-SVL-x: like KUBE-SVC-x, over this node's endpoints only
+//! no local endpoint (but some elsewhere): no jump to KUBE-SVL-x; filter
+//!   KUBE-SERVICES / KUBE-EXTERNAL-SERVICES DROP "... has no local endpoints"
+//! ```
+//!
 //! The input is laid out like kube-proxy's: per table the chain lines
 //! (`:CHAIN - [0:0]` creates or flushes a chain), then jump rules into the
 //! built-in chains that are missing, then the rules, then `-X` for chains to
@@ -29,16 +43,21 @@ use std::{
 
 use super::chains::{self, PortChains, endpoint_string, sep_chain};
 use crate::{
-    mode::{options::LocalTraffic, usable_endpoints},
-    model::ServicePort,
+    mode::{EndpointSets, options::LocalTraffic},
+    model::{Endpoint, ServicePort},
 };
 
 /// The match for "not from a local pod".
 fn if_not_local(local: &LocalTraffic) -> String {
+    format!("! {}", if_local(local))
+}
+
+/// The match for "from a local pod".
+fn if_local(local: &LocalTraffic) -> String {
     match local {
-        LocalTraffic::Cidr(cidr) => format!("! -s {}/{}", cidr.addr(), cidr.prefix_len()),
-        LocalTraffic::Bridge(name) => format!("! -i {name}"),
-        LocalTraffic::InterfacePrefix(prefix) => format!("! -i {prefix}+"),
+        LocalTraffic::Cidr(cidr) => format!("-s {}/{}", cidr.addr(), cidr.prefix_len()),
+        LocalTraffic::Bridge(name) => format!("-i {name}"),
+        LocalTraffic::InterfacePrefix(prefix) => format!("-i {prefix}+"),
     }
 }
 
@@ -77,6 +96,9 @@ pub struct RuleOptions {
     /// Drop forwarded packets conntrack finds INVALID (kube-proxy does
     /// unless `nf_conntrack_tcp_be_liberal` is set).
     pub drop_invalid: bool,
+    /// This node's name: endpoints naming it are the ones the `Local`
+    /// traffic policies reach. `None`: no endpoint is local.
+    pub node_name: Option<String>,
 }
 
 impl Default for RuleOptions {
@@ -88,6 +110,7 @@ impl Default for RuleOptions {
             local_traffic: None,
             node_ports: NodePortDestinations::AllLocal { localhost: true },
             drop_invalid: true,
+            node_name: None,
         }
     }
 }
@@ -271,18 +294,23 @@ pub struct Rendered {
 }
 
 /// The nat chains one port needs (for stale-chain bookkeeping).
-pub fn port_chains(port: &ServicePort) -> BTreeSet<String> {
-    let endpoints = usable_endpoints(&port.endpoints);
+pub fn port_chains(opts: &RuleOptions, port: &ServicePort) -> BTreeSet<String> {
+    let sets = EndpointSets::of(port, opts.node_name.as_deref());
     let mut out = BTreeSet::new();
-    if endpoints.is_empty() {
+    if !sets.has_any() {
         return out;
     }
     let names = PortChains::of(port);
-    out.insert(names.svc);
+    if sets.uses_cluster() {
+        out.insert(names.svc);
+    }
+    if sets.uses_local() {
+        out.insert(names.svl);
+    }
     if port.node_port.is_some() {
         out.insert(names.ext);
     }
-    for ep in endpoints {
+    for ep in sets.reachable() {
         out.insert(sep_chain(&port.name, port.protocol, &endpoint_string(ep)));
     }
     out
@@ -442,106 +470,101 @@ pub fn render(opts: &RuleOptions, input: &SyncInput<'_>) -> Rendered {
 }
 
 /// One port's rules: always its entries in the top-level chains, and its
-/// own chains if `own_chains`.
+/// own chains if `own_chains`. Laid out like kube-proxy's for both traffic
+/// policies: ClusterIP traffic enters the internal policy's chain
+/// (`KUBE-SVC` or `KUBE-SVL`), node-port traffic `KUBE-EXT`, which for the
+/// `Local` policy masquerades and short-circuits only the node's (and its
+/// pods') own traffic before it enters `KUBE-SVL`.
 fn render_port(opts: &RuleOptions, port: &ServicePort, own_chains: bool, filter: &mut Table, nat: &mut Table) {
     let name = &port.name;
     let proto = chains::protocol(port.protocol);
-    let endpoints = usable_endpoints(&port.endpoints);
+    let sets = EndpointSets::of(port, opts.node_name.as_deref());
     let names = PortChains::of(port);
+    let internal_chain = if port.internal_local() { &names.svl } else { &names.svc };
     let cluster_ip_match = format!(
         "-m comment --comment {} -m {proto} -p {proto} -d {} --dport {}",
         quote(&format!("{name} cluster IP")),
         port.cluster_ip,
         port.port
     );
+    // Traffic with no endpoint to go to: rejected if the port has none at
+    // all, dropped if only its traffic policy leaves it none (kube-proxy).
+    let (target, comment) = if sets.has_any() {
+        ("DROP", quote(&format!("{name} has no local endpoints")))
+    } else {
+        ("REJECT", quote(&format!("{name} has no endpoints")))
+    };
 
-    if endpoints.is_empty() {
-        let comment = quote(&format!("{name} has no endpoints"));
+    if sets.internal().is_empty() {
         filter.rule(
             chains::SERVICES,
             format!(
-                "-m comment --comment {comment} -m {proto} -p {proto} -d {} --dport {} -j REJECT",
+                "-m comment --comment {comment} -m {proto} -p {proto} -d {} --dport {} -j {target}",
                 port.cluster_ip, port.port
             ),
         );
-        if let Some(node_port) = port.node_port {
-            filter.rule(
-                chains::EXTERNAL_SERVICES,
+    } else {
+        nat.rule(chains::SERVICES, format!("{cluster_ip_match} -j {internal_chain}"));
+    }
+    if let Some(node_port) = port.node_port {
+        if sets.has_any() {
+            nat.rule(
+                chains::NODE_PORTS,
                 format!(
-                    "-m comment --comment {comment} -m addrtype --dst-type LOCAL -m {proto} -p {proto} --dport {node_port} -j REJECT"
+                    "-m comment --comment {} -m {proto} -p {proto} --dport {node_port} -j {}",
+                    quote(name),
+                    names.ext
                 ),
             );
         }
+        if sets.external().is_empty() {
+            filter.rule(
+                chains::EXTERNAL_SERVICES,
+                format!(
+                    "-m comment --comment {comment} -m addrtype --dst-type LOCAL -m {proto} -p {proto} --dport {node_port} -j {target}"
+                ),
+            );
+        }
+    }
+    if !own_chains || !sets.has_any() {
         return;
     }
 
-    nat.rule(chains::SERVICES, format!("{cluster_ip_match} -j {}", names.svc));
-    if let Some(node_port) = port.node_port {
-        nat.rule(
-            chains::NODE_PORTS,
-            format!(
-                "-m comment --comment {} -m {proto} -p {proto} --dport {node_port} -j {}",
-                quote(name),
-                names.ext
-            ),
-        );
+    if sets.uses_cluster() {
+        nat.chain(&names.svc);
     }
-    if !own_chains {
-        return;
+    if sets.uses_local() {
+        nat.chain(&names.svl);
     }
-
-    nat.chain(&names.svc);
-    if opts.masquerade_all {
-        nat.rule(&names.svc, format!("{cluster_ip_match} -j {}", chains::MARK_MASQ));
-    } else if let Some(local) = &opts.local_traffic {
-        // Off-cluster traffic to a ClusterIP (a route to the service range
-        // via this node) may leave the node again: masquerade it.
-        nat.rule(
-            &names.svc,
-            format!("{cluster_ip_match} {} -j {}", if_not_local(local), chains::MARK_MASQ),
-        );
+    if !sets.internal().is_empty() {
+        if opts.masquerade_all {
+            nat.rule(internal_chain, format!("{cluster_ip_match} -j {}", chains::MARK_MASQ));
+        } else if let Some(local) = &opts.local_traffic {
+            // Off-cluster traffic to a ClusterIP (a route to the service range
+            // via this node) may leave the node again: masquerade it.
+            nat.rule(
+                internal_chain,
+                format!("{cluster_ip_match} {} -j {}", if_not_local(local), chains::MARK_MASQ),
+            );
+        }
     }
-
     if port.node_port.is_some() {
         nat.chain(&names.ext);
-        nat.rule(
-            &names.ext,
-            format!(
-                "-m comment --comment {} -j {}",
-                quote(&format!("masquerade traffic for {name} external destinations")),
-                chains::MARK_MASQ
-            ),
-        );
-        nat.rule(&names.ext, format!("-j {}", names.svc));
+        external_rules(opts, port, &names, !sets.external().is_empty(), nat);
     }
-
-    let seps: Vec<(String, String)> = endpoints
-        .iter()
-        .map(|ep| {
-            let endpoint = endpoint_string(ep);
-            (sep_chain(name, port.protocol, &endpoint), endpoint)
-        })
-        .collect();
-    let n = seps.len();
-    for (i, (sep, endpoint)) in seps.iter().enumerate() {
-        let comment = quote(&format!("{name} -> {endpoint}"));
-        // Each rule takes 1/(remaining) of what reaches it; the last takes all.
-        let statistic = if i + 1 < n {
-            format!(" -m statistic --mode random --probability {}", probability(n - i))
-        } else {
-            String::new()
-        };
-        nat.rule(
-            &names.svc,
-            format!("-m comment --comment {comment}{statistic} -j {sep}"),
-        );
+    if sets.uses_cluster() {
+        dispatch(nat, &names.svc, port, &sets.cluster);
     }
-    for ((sep, endpoint), ep) in seps.iter().zip(&endpoints) {
-        nat.chain(sep);
+    if sets.uses_local() {
+        dispatch(nat, &names.svl, port, &sets.local);
+    }
+    for ep in sets.reachable() {
+        let sep = sep_chain(name, port.protocol, &endpoint_string(ep));
+        nat.chain(&sep);
         // A pod reaching itself through its Service: masquerade, or the
         // reply would bypass the DNAT.
         nat.rule(
-            sep,
+            &sep,
             format!(
                 "-m comment --comment {} -s {} -j {}",
                 quote(name),
@@ -550,12 +573,83 @@ fn render_port(opts: &RuleOptions, port: &ServicePort, own_chains: bool, filter:
             ),
         );
         nat.rule(
-            sep,
+            &sep,
             format!(
-                "-m comment --comment {} -m {proto} -p {proto} -j DNAT --to-destination {endpoint}",
-                quote(name)
+                "-m comment --comment {} -m {proto} -p {proto} -j DNAT --to-destination {}",
+                quote(name),
+                endpoint_string(ep)
             ),
         );
+    }
+}
+
+/// `KUBE-EXT-x`: with the `Cluster` policy every node-port flow may cross
+/// to another node, so all are masqueraded; with `Local` the client's
+/// source is kept, except for traffic from this node's pods (to every
+/// endpoint, as if it had gone out to a load balancer and come back) and
+/// from the node itself (masqueraded: its source is a node address).
+fn external_rules(opts: &RuleOptions, port: &ServicePort, names: &PortChains, has_external: bool, nat: &mut Table) {
+    let name = &port.name;
+    let ext = &names.ext;
+    if !port.external_local() {
+        nat.rule(
+            ext,
+            format!(
+                "-m comment --comment {} -j {}",
+                quote(&format!("masquerade traffic for {name} external destinations")),
+                chains::MARK_MASQ
+            ),
+        );
+        nat.rule(ext, format!("-j {}", names.svc));
+        return;
+    }
+    if let Some(local) = &opts.local_traffic {
+        nat.rule(
+            ext,
+            format!(
+                "-m comment --comment {} {} -j {}",
+                quote(&format!("pod traffic for {name} external destinations")),
+                if_local(local),
+                names.svc
+            ),
+        );
+    }
+    nat.rule(
+        ext,
+        format!(
+            "-m comment --comment {} -m addrtype --src-type LOCAL -j {}",
+            quote(&format!("masquerade LOCAL traffic for {name} external destinations")),
+            chains::MARK_MASQ
+        ),
+    );
+    nat.rule(
+        ext,
+        format!(
+            "-m comment --comment {} -m addrtype --src-type LOCAL -j {}",
+            quote(&format!("route LOCAL traffic for {name} external destinations")),
+            names.svc
+        ),
+    );
+    if has_external {
+        nat.rule(ext, format!("-j {}", names.svl));
+    }
+}
+
+/// The rules of a policy chain (`KUBE-SVC` / `KUBE-SVL`): each takes
+/// 1/(remaining) of what reaches it to an endpoint's chain; the last takes
+/// all.
+fn dispatch(nat: &mut Table, chain: &str, port: &ServicePort, endpoints: &[&Endpoint]) {
+    let n = endpoints.len();
+    for (i, ep) in endpoints.iter().enumerate() {
+        let endpoint = endpoint_string(ep);
+        let sep = sep_chain(&port.name, port.protocol, &endpoint);
+        let comment = quote(&format!("{} -> {endpoint}", port.name));
+        let statistic = if i + 1 < n {
+            format!(" -m statistic --mode random --probability {}", probability(n - i))
+        } else {
+            String::new()
+        };
+        nat.rule(chain, format!("-m comment --comment {comment}{statistic} -j {sep}"));
     }
 }
 
@@ -564,7 +658,10 @@ mod tests {
     use std::path::PathBuf;
 
     use super::*;
-    use crate::model::{Endpoint, Protocol};
+    use crate::{
+        mode::fixtures::policy_port,
+        model::{Endpoint, Protocol},
+    };
 
     fn seed_port() -> ServicePort {
         ServicePort {
@@ -576,6 +673,7 @@ mod tests {
             endpoints: (11..=13)
                 .map(|i| Endpoint::ready(Ipv4Addr::new(10, 244, 0, i), 80))
                 .collect(),
+            ..ServicePort::default()
         }
     }
 
@@ -743,13 +841,13 @@ mod tests {
             ep.terminating = true;
         }
         port.endpoints[2].serving = false;
-        let chains = port_chains(&port);
+        let chains = port_chains(&RuleOptions::default(), &port);
         // SVC, EXT and the two serving endpoints.
         assert_eq!(chains.len(), 4, "{chains:?}");
         port.endpoints[0].ready = true;
-        assert_eq!(port_chains(&port).len(), 3);
+        assert_eq!(port_chains(&RuleOptions::default(), &port).len(), 3);
         port.endpoints.clear();
-        assert!(port_chains(&port).is_empty());
+        assert!(port_chains(&RuleOptions::default(), &port).is_empty());
     }
 
     #[test]
@@ -771,7 +869,7 @@ mod tests {
                 jumps: &[],
             },
         );
-        let a_chains = port_chains(&a);
+        let a_chains = port_chains(&RuleOptions::default(), &a);
         for chain in &a_chains {
             assert!(
                 !rendered.text.contains(&format!(":{chain} ")),
@@ -788,7 +886,7 @@ mod tests {
         let a_svc = PortChains::of(&a);
         assert!(rendered.text.contains(&format!("-j {}\n", a_svc.svc)));
         assert!(rendered.text.contains(&format!("-j {}\n", a_svc.ext)));
-        for chain in port_chains(&b) {
+        for chain in port_chains(&RuleOptions::default(), &b) {
             assert!(rendered.text.contains(&format!(":{chain} - [0:0]")), "{chain}");
         }
         assert!(rendered.text.contains(":KUBE-SEP-OLD - [0:0]\n"));
@@ -798,5 +896,177 @@ mod tests {
             rendered.text
         );
         assert!(!rendered.text.contains("-I "), "no jumps in a partial sync");
+    }
+
+    fn node_a_options() -> RuleOptions {
+        RuleOptions {
+            local_traffic: Some(LocalTraffic::Cidr("10.244.0.0/16".parse().expect("cidr"))),
+            node_name: Some("node-a".into()),
+            ..RuleOptions::default()
+        }
+    }
+
+    /// The rules of `chain` in `text`, without the `-A CHAIN ` prefix.
+    fn rules_of<'a>(text: &'a str, chain: &str) -> Vec<&'a str> {
+        let prefix = format!("-A {chain} ");
+        text.lines().filter_map(|l| l.strip_prefix(prefix.as_str())).collect()
+    }
+
+    fn declared(text: &str, chain: &str) -> bool {
+        text.contains(&format!(":{chain} - [0:0]\n"))
+    }
+
+    /// externalTrafficPolicy: Local with endpoints on both nodes, on
+    /// node-a: KUBE-EXT keeps the client's address for outside traffic and
+    /// sends it to KUBE-SVL (node-a's endpoint); pod and node traffic go
+    /// to KUBE-SVC (every endpoint), the node's masqueraded.
+    #[test]
+    fn external_local_policy_like_kube_proxy() {
+        let mut port = policy_port("web", 1, Some(30884), &[(11, "node-a"), (11, "node-b")]);
+        port.external_policy = crate::model::TrafficPolicy::Local;
+        let text = full(&node_a_options(), &state(&[port.clone()])).text;
+        let names = PortChains::of(&port);
+        assert_eq!(
+            rules_of(&text, &names.ext),
+            [
+                format!(
+                    "-m comment --comment \"pod traffic for default/web external destinations\" -s 10.244.0.0/16 -j {}",
+                    names.svc
+                ),
+                "-m comment --comment \"masquerade LOCAL traffic for default/web external destinations\" -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ".to_owned(),
+                format!(
+                    "-m comment --comment \"route LOCAL traffic for default/web external destinations\" -m addrtype --src-type LOCAL -j {}",
+                    names.svc
+                ),
+                format!("-j {}", names.svl),
+            ],
+            "{text}"
+        );
+        let local_sep = sep_chain(&port.name, port.protocol, "10.244.1.11:8080");
+        let remote_sep = sep_chain(&port.name, port.protocol, "10.244.2.11:8080");
+        assert_eq!(
+            rules_of(&text, &names.svl),
+            [format!(
+                "-m comment --comment \"default/web -> 10.244.1.11:8080\" -j {local_sep}"
+            )],
+            "KUBE-SVL holds node-a's endpoint only:\n{text}"
+        );
+        let svc = rules_of(&text, &names.svc);
+        assert_eq!(svc.len(), 3, "masquerade rule and both endpoints: {svc:#?}");
+        assert!(svc[0].ends_with("! -s 10.244.0.0/16 -j KUBE-MARK-MASQ"), "{svc:#?}");
+        assert!(svc[1].contains("--probability 0.5000000000") && svc[1].ends_with(&local_sep));
+        assert!(svc[2].ends_with(&remote_sep));
+        assert!(declared(&text, &local_sep) && declared(&text, &remote_sep));
+        // ClusterIP traffic is not affected by the external policy.
+        assert!(
+            rules_of(&text, chains::SERVICES)
+                .iter()
+                .any(|r| r.ends_with(&format!("-j {}", names.svc)))
+        );
+        assert!(!text.contains("has no local endpoints"), "{text}");
+        assert_eq!(
+            port_chains(&node_a_options(), &port),
+            [names.svc, names.svl, names.ext, local_sep, remote_sep]
+                .into_iter()
+                .collect()
+        );
+    }
+
+    /// On a node without a local endpoint: no KUBE-SVL; KUBE-EXT still
+    /// short-circuits pod and node traffic, everything else falls through
+    /// and is dropped (not rejected) in filter KUBE-EXTERNAL-SERVICES.
+    #[test]
+    fn external_local_policy_without_local_endpoints_drops() {
+        let mut port = policy_port("web", 1, Some(30884), &[(11, "node-b"), (12, "node-b")]);
+        port.external_policy = crate::model::TrafficPolicy::Local;
+        let text = full(&node_a_options(), &state(&[port.clone()])).text;
+        let names = PortChains::of(&port);
+        assert!(!declared(&text, &names.svl), "{text}");
+        let ext = rules_of(&text, &names.ext);
+        assert_eq!(ext.len(), 3, "{ext:#?}");
+        assert!(ext.iter().all(|r| !r.contains("KUBE-SVL")), "{ext:#?}");
+        assert!(
+            rules_of(&text, chains::NODE_PORTS)
+                .iter()
+                .any(|r| r.ends_with(&format!("--dport 30884 -j {}", names.ext))),
+            "{text}"
+        );
+        assert_eq!(
+            rules_of(&text, chains::EXTERNAL_SERVICES),
+            [
+                "-m comment --comment \"default/web has no local endpoints\" -m addrtype --dst-type LOCAL -m tcp -p tcp --dport 30884 -j DROP"
+            ],
+            "{text}"
+        );
+        // The ClusterIP still reaches both endpoints.
+        assert!(!rules_of(&text, chains::SERVICES).iter().any(|r| r.contains("DROP")));
+        assert_eq!(
+            rules_of(&text, &names.svc).len(),
+            3,
+            "masquerade rule and 2 endpoints:\n{text}"
+        );
+    }
+
+    /// internalTrafficPolicy: Local: ClusterIP traffic enters KUBE-SVL
+    /// (with the off-cluster masquerade rule); no KUBE-SVC without a node
+    /// port; with no local endpoint the ClusterIP is dropped.
+    #[test]
+    fn internal_local_policy_like_kube_proxy() {
+        let mut here = policy_port("itp", 2, None, &[(21, "node-a"), (21, "node-b")]);
+        here.internal_policy = crate::model::TrafficPolicy::Local;
+        let mut elsewhere = policy_port("itp-elsewhere", 3, None, &[(22, "node-b")]);
+        elsewhere.internal_policy = crate::model::TrafficPolicy::Local;
+        let text = full(&node_a_options(), &state(&[here.clone(), elsewhere.clone()])).text;
+        let names = PortChains::of(&here);
+        assert!(
+            rules_of(&text, chains::SERVICES).contains(
+                &format!(
+                    "-m comment --comment \"default/itp cluster IP\" -m tcp -p tcp -d 10.96.1.2 --dport 80 -j {}",
+                    names.svl
+                )
+                .as_str()
+            ),
+            "{text}"
+        );
+        assert!(!declared(&text, &names.svc), "{text}");
+        let svl = rules_of(&text, &names.svl);
+        assert_eq!(svl.len(), 2, "{svl:#?}");
+        assert!(svl[0].ends_with("! -s 10.244.0.0/16 -j KUBE-MARK-MASQ"));
+        assert!(svl[1].contains("10.244.1.21:8080"));
+        assert!(
+            !text.contains("10.244.2.21"),
+            "node-b's endpoint is unreachable from node-a:\n{text}"
+        );
+        let other = PortChains::of(&elsewhere);
+        assert!(!declared(&text, &other.svl) && !declared(&text, &other.svc), "{text}");
+        assert!(
+            text.contains(
+                "-A KUBE-SERVICES -m comment --comment \"default/itp-elsewhere has no local endpoints\" -m tcp -p tcp -d 10.96.1.3 --dport 80 -j DROP\n"
+            ),
+            "{text}"
+        );
+        assert!(port_chains(&node_a_options(), &elsewhere).is_empty());
+    }
+
+    /// A Service without any endpoint is rejected whatever its policies;
+    /// without a node name no endpoint is local.
+    #[test]
+    fn local_policies_reject_services_without_endpoints_and_need_a_node_name() {
+        let mut empty = policy_port("empty", 4, Some(30886), &[]);
+        empty.external_policy = crate::model::TrafficPolicy::Local;
+        empty.internal_policy = crate::model::TrafficPolicy::Local;
+        let text = full(&node_a_options(), &state(&[empty])).text;
+        assert_eq!(text.matches("has no endpoints\"").count(), 2, "{text}");
+        assert!(!text.contains("no local endpoints"), "{text}");
+
+        let mut port = policy_port("web", 1, Some(30884), &[(11, "node-a")]);
+        port.external_policy = crate::model::TrafficPolicy::Local;
+        let nameless = RuleOptions {
+            node_name: None,
+            ..node_a_options()
+        };
+        let text = full(&nameless, &state(&[port.clone()])).text;
+        assert!(!declared(&text, &PortChains::of(&port).svl), "{text}");
+        assert!(text.contains("default/web has no local endpoints"), "{text}");
     }
 }

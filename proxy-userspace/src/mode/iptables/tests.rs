@@ -173,7 +173,13 @@ fn port(name: &str, ip: u8, node_port: Option<u16>, endpoints: &[u8]) -> Service
             .iter()
             .map(|e| Endpoint::ready(Ipv4Addr::new(10, 244, 0, *e), 8080))
             .collect(),
+        ..ServicePort::default()
     }
+}
+
+/// The nat chains `p` needs with the default options (no node name).
+fn port_chains(p: &ServicePort) -> BTreeSet<String> {
+    rules::port_chains(&RuleOptions::default(), p)
 }
 
 fn state<'a>(ports: impl IntoIterator<Item = &'a ServicePort>) -> BTreeMap<String, ServicePort> {
@@ -332,6 +338,55 @@ fn partial_sync_removes_ports_and_handles_a_new_frontend() {
     .expect("no node port");
     assert_eq!(service_chains(&kernel), port_chains(&a3));
     assert!(kernel.rules("nat", "KUBE-NODEPORTS").is_empty());
+}
+
+/// A policy change is a partial sync like any other: `Local` adds
+/// KUBE-SVL (and its DROP rule once node-a's endpoint leaves), `Cluster`
+/// again deletes it, in the kernel too.
+#[test]
+fn switching_the_external_policy_creates_and_deletes_the_local_chain() {
+    let kernel = FakeKernel::default();
+    let opts = RuleOptions {
+        node_name: Some("node-a".into()),
+        ..RuleOptions::default()
+    };
+    let mut mode = IptablesMode::new(opts.clone(), Box::new(kernel.clone()));
+    let mut cluster = port("a", 1, Some(30001), &[11, 12]);
+    cluster.endpoints[0].node_name = Some("node-a".into());
+    cluster.endpoints[1].node_name = Some("node-b".into());
+    mode.apply_full(&state([&cluster])).expect("full sync");
+    let svl = chains::PortChains::of(&cluster).svl;
+    assert!(!service_chains(&kernel).contains(&svl));
+
+    let local = ServicePort {
+        external_policy: crate::model::TrafficPolicy::Local,
+        ..cluster.clone()
+    };
+    let upsert = |mode: &mut IptablesMode, p: &ServicePort| {
+        mode.apply(&Plan {
+            upsert: vec![p.clone()],
+            remove: vec![],
+        })
+        .expect("partial sync")
+    };
+    upsert(&mut mode, &local);
+    assert_eq!(service_chains(&kernel), rules::port_chains(&opts, &local));
+    assert_eq!(kernel.rules("nat", &svl).len(), 1, "node-a's endpoint only");
+    assert!(kernel.rules("filter", "KUBE-EXTERNAL-SERVICES").is_empty());
+
+    let mut remote_only = local.clone();
+    remote_only.endpoints.remove(0);
+    upsert(&mut mode, &remote_only);
+    assert!(!service_chains(&kernel).contains(&svl), "{:?}", service_chains(&kernel));
+    let filter = kernel.rules("filter", "KUBE-EXTERNAL-SERVICES");
+    assert!(
+        filter.len() == 1 && filter[0].contains("has no local endpoints") && filter[0].ends_with("-j DROP"),
+        "{filter:?}"
+    );
+
+    upsert(&mut mode, &cluster);
+    assert_eq!(service_chains(&kernel), rules::port_chains(&opts, &cluster));
+    assert!(kernel.rules("filter", "KUBE-EXTERNAL-SERVICES").is_empty());
 }
 
 #[test]

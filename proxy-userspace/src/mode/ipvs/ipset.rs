@@ -15,7 +15,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 
 use crate::{
-    mode::usable_endpoints,
+    mode::EndpointSets,
     model::{Protocol, ServicePort},
 };
 
@@ -25,15 +25,21 @@ pub const CLUSTER_IP: &str = "KUBE-CLUSTER-IP";
 pub const NODE_PORT_TCP: &str = "KUBE-NODE-PORT-TCP";
 /// UDP NodePorts: `PORT`.
 pub const NODE_PORT_UDP: &str = "KUBE-NODE-PORT-UDP";
+/// TCP NodePorts with `externalTrafficPolicy: Local` (not masqueraded): `PORT`.
+pub const NODE_PORT_LOCAL_TCP: &str = "KUBE-NODE-PORT-LOCAL-TCP";
+/// UDP NodePorts with `externalTrafficPolicy: Local`: `PORT`.
+pub const NODE_PORT_LOCAL_UDP: &str = "KUBE-NODE-PORT-LOCAL-UDP";
 /// Endpoints that may reach themselves through their Service (hairpin,
 /// masqueraded): `IP,PROTO:PORT,IP`.
 pub const LOOP_BACK: &str = "KUBE-LOOP-BACK";
 
 /// The sets: name and `ipset create` type and options.
-pub const SETS: [(&str, &str); 4] = [
+pub const SETS: [(&str, &str); 6] = [
     (CLUSTER_IP, "hash:ip,port family inet hashsize 1024 maxelem 65536"),
     (NODE_PORT_TCP, "bitmap:port range 0-65535"),
     (NODE_PORT_UDP, "bitmap:port range 0-65535"),
+    (NODE_PORT_LOCAL_TCP, "bitmap:port range 0-65535"),
+    (NODE_PORT_LOCAL_UDP, "bitmap:port range 0-65535"),
     (LOOP_BACK, "hash:ip,port,ip family inet hashsize 1024 maxelem 65536"),
 ];
 
@@ -50,8 +56,8 @@ fn proto(p: Protocol) -> &'static str {
     }
 }
 
-/// What the sets hold for `ports`.
-pub fn entries<'a>(ports: impl IntoIterator<Item = &'a ServicePort>) -> Entries {
+/// What the sets hold for `ports` on the node named `node`.
+pub fn entries<'a>(ports: impl IntoIterator<Item = &'a ServicePort>, node: Option<&str>) -> Entries {
     let mut sets: Entries = SETS.iter().map(|(name, _)| (*name, BTreeSet::new())).collect();
     for port in ports {
         let p = proto(port.protocol);
@@ -59,13 +65,16 @@ pub fn entries<'a>(ports: impl IntoIterator<Item = &'a ServicePort>) -> Entries 
             .or_default()
             .insert(format!("{},{p}:{}", port.cluster_ip, port.port));
         if let Some(node_port) = port.node_port {
-            let set = match port.protocol {
-                Protocol::Tcp => NODE_PORT_TCP,
-                Protocol::Udp => NODE_PORT_UDP,
+            let (set, local_set) = match port.protocol {
+                Protocol::Tcp => (NODE_PORT_TCP, NODE_PORT_LOCAL_TCP),
+                Protocol::Udp => (NODE_PORT_UDP, NODE_PORT_LOCAL_UDP),
             };
             sets.entry(set).or_default().insert(node_port.to_string());
+            if port.external_local() {
+                sets.entry(local_set).or_default().insert(node_port.to_string());
+            }
         }
-        for endpoint in usable_endpoints(&port.endpoints) {
+        for endpoint in EndpointSets::of(port, node).reachable() {
             sets.entry(LOOP_BACK)
                 .or_default()
                 .insert(format!("{},{p}:{},{}", endpoint.addr, endpoint.port, endpoint.addr));
@@ -191,12 +200,13 @@ mod tests {
             port: 88,
             node_port: Some(30791),
             endpoints: vec![Endpoint::ready(Ipv4Addr::new(10, 244, 0, 11), 80)],
+            ..ServicePort::default()
         }
     }
 
     #[test]
     fn the_seed_fills_cluster_ip_node_port_and_loop_back() {
-        let sets = entries([&seed()]);
+        let sets = entries([&seed()], None);
         assert_eq!(sets[CLUSTER_IP], BTreeSet::from(["10.96.0.88,tcp:88".to_owned()]));
         assert_eq!(sets[NODE_PORT_TCP], BTreeSet::from(["30791".to_owned()]));
         assert!(sets[NODE_PORT_UDP].is_empty());
@@ -208,7 +218,7 @@ mod tests {
 
     #[test]
     fn only_changed_sets_are_swapped() {
-        let desired = entries([&seed()]);
+        let desired = entries([&seed()], None);
         let current = parse_save(
             "create KUBE-CLUSTER-IP hash:ip,port family inet hashsize 1024 maxelem 65536\n\
              add KUBE-CLUSTER-IP 10.96.0.88,tcp:88\n\
@@ -222,5 +232,33 @@ mod tests {
         assert!(input.contains("add KUBE-LOOP-BACK-NEW 10.244.0.11,tcp:80,10.244.0.11\n"));
         assert!(input.contains("swap KUBE-LOOP-BACK-NEW KUBE-LOOP-BACK\ndestroy KUBE-LOOP-BACK-NEW\n"));
         assert_eq!(render(&desired, &desired), "");
+    }
+
+    /// kube-proxy's `KUBE-NODE-PORT-LOCAL-TCP/UDP`: the node ports of
+    /// externalTrafficPolicy: Local ports (besides `KUBE-NODE-PORT-*`).
+    #[test]
+    fn local_node_ports_fill_their_own_sets() {
+        let tcp = ServicePort {
+            external_policy: crate::model::TrafficPolicy::Local,
+            ..seed()
+        };
+        let udp = ServicePort {
+            name: "default/dns".into(),
+            protocol: Protocol::Udp,
+            node_port: Some(30053),
+            ..tcp.clone()
+        };
+        let cluster = ServicePort {
+            name: "default/other".into(),
+            node_port: Some(30800),
+            ..seed()
+        };
+        let sets = entries([&tcp, &udp, &cluster], Some("node-a"));
+        assert_eq!(sets[NODE_PORT_LOCAL_TCP], BTreeSet::from(["30791".to_owned()]));
+        assert_eq!(sets[NODE_PORT_LOCAL_UDP], BTreeSet::from(["30053".to_owned()]));
+        assert_eq!(
+            sets[NODE_PORT_TCP],
+            BTreeSet::from(["30791".to_owned(), "30800".to_owned()])
+        );
     }
 }

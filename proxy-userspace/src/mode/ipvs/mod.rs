@@ -11,9 +11,15 @@
 //! - [`rules`]: the constant iptables chains, one `iptables-restore`.
 //!
 //! Real servers get weight 1; an endpoint that is terminating and not used
-//! any more ([`usable_endpoints`]) stays with weight 0, so established
+//! any more ([`super::usable_endpoints`]) stays with weight 0, so established
 //! connections drain while no new ones reach it (kube-proxy's graceful
-//! termination). A partial sync touches only the virtual servers of the
+//! termination). The `Local` traffic policies work as in kube-proxy's IPVS
+//! mode: the ClusterIP's virtual server (`internalTrafficPolicy`) or the
+//! node ports' (`externalTrafficPolicy`) get this node's endpoints only, and
+//! `Local` node ports go into `KUBE-NODE-PORT-LOCAL-TCP/UDP`, which exempt
+//! them from masquerade. A virtual server left without real servers is
+//! answered by IPVS itself (ICMP port unreachable), not silently dropped as
+//! in the iptables and nftables modes; kube-proxy's IPVS mode does the same. A partial sync touches only the virtual servers of the
 //! changed ports, and within those only the real servers that changed; a
 //! full sync reads the whole table and removes the unwanted virtual servers
 //! that are the mode's (on a `kube-ipvs0` address or a node IP, outside
@@ -35,11 +41,11 @@ pub use netlink::NoIpvs;
 use netlink::{IPVS_CMD_DEL_DEST, IPVS_CMD_NEW_DEST, IPVS_CMD_SET_DEST, Ipvs, VirtualKey, VirtualServer};
 use tracing::{debug, info};
 
-use super::{Dataplane, options::LocalTraffic, usable_endpoints};
+use super::{Dataplane, EndpointSets, options::LocalTraffic};
 use crate::{
     config::{Cidr, Config},
     mode::iptables::SystemIptables,
-    model::ServicePort,
+    model::{Endpoint, ServicePort},
     reconcile::Plan,
 };
 
@@ -61,6 +67,9 @@ pub struct IpvsOptions {
     /// kube-proxy's `strictARP`: only the uplink answers ARP for its own
     /// addresses, not for the ClusterIPs on `kube-ipvs0`.
     pub strict_arp: bool,
+    /// This node's name: endpoints naming it are the ones the `Local`
+    /// traffic policies reach. `None`: no endpoint is local.
+    pub node_name: Option<String>,
 }
 
 pub struct IpvsMode {
@@ -91,39 +100,65 @@ pub fn start(config: &Config) -> Result<Box<dyn Dataplane>> {
             seconds(config.ipvs.udp_timeout),
         ),
         strict_arp: config.ipvs.strict_arp,
+        node_name: Some(config.node_name.clone()),
     };
     Ok(Box::new(IpvsMode::start(opts)?))
 }
 
-/// The virtual servers `port` needs on a node with `node_ips`, with their
-/// real servers.
-pub fn virtual_servers(port: &ServicePort, node_ips: &[Ipv4Addr], scheduler: &str) -> Vec<(VirtualKey, VirtualServer)> {
-    let usable = usable_endpoints(&port.endpoints);
+/// The virtual servers `port` needs on a node named `node` with `node_ips`,
+/// with their real servers: for the ClusterIP those of the internal traffic
+/// policy, for the node ports those of the external one.
+pub fn virtual_servers(
+    port: &ServicePort,
+    node_ips: &[Ipv4Addr],
+    scheduler: &str,
+    node: Option<&str>,
+) -> Vec<(VirtualKey, VirtualServer)> {
+    let sets = EndpointSets::of(port, node);
+    let server = |local_only: bool, usable: &[&Endpoint]| VirtualServer {
+        scheduler: scheduler.to_owned(),
+        reals: real_servers(port, usable, local_only, node),
+    };
+    let mut out = vec![(
+        VirtualKey {
+            protocol: port.protocol,
+            addr: port.cluster_ip,
+            port: port.port,
+        },
+        server(port.internal_local(), sets.internal()),
+    )];
+    if let Some(node_port) = port.node_port {
+        let external = server(port.external_local(), sets.external());
+        out.extend(node_ips.iter().map(|ip| {
+            let key = VirtualKey {
+                protocol: port.protocol,
+                addr: *ip,
+                port: node_port,
+            };
+            (key, external.clone())
+        }));
+    }
+    out
+}
+
+/// `usable` with weight 1, and the other terminating endpoints (those on
+/// `node` only, if `local_only`) with weight 0, draining.
+fn real_servers(
+    port: &ServicePort,
+    usable: &[&Endpoint],
+    local_only: bool,
+    node: Option<&str>,
+) -> BTreeMap<(Ipv4Addr, u16), u32> {
     let mut reals = BTreeMap::new();
-    for endpoint in &port.endpoints {
+    let candidates = port.endpoints.iter().filter(|e| !local_only || e.is_on(node));
+    for endpoint in candidates {
         if usable.contains(&endpoint) {
             reals.insert((endpoint.addr, endpoint.port), WEIGHT);
         } else if endpoint.terminating {
             reals.entry((endpoint.addr, endpoint.port)).or_insert(0);
         }
     }
-    let server = VirtualServer {
-        scheduler: scheduler.to_owned(),
-        reals,
-    };
-    let mut keys = vec![VirtualKey {
-        protocol: port.protocol,
-        addr: port.cluster_ip,
-        port: port.port,
-    }];
-    if let Some(node_port) = port.node_port {
-        keys.extend(node_ips.iter().map(|ip| VirtualKey {
-            protocol: port.protocol,
-            addr: *ip,
-            port: node_port,
-        }));
-    }
-    keys.into_iter().map(|key| (key, server.clone())).collect()
+    reals
 }
 
 /// IPVS sysctls kube-proxy sets (per network namespace): conntrack for
@@ -189,7 +224,14 @@ impl IpvsMode {
     fn desired(&self, ports: &[&ServicePort]) -> BTreeMap<VirtualKey, VirtualServer> {
         ports
             .iter()
-            .flat_map(|p| virtual_servers(p, &self.opts.node_ips, &self.opts.scheduler))
+            .flat_map(|p| {
+                virtual_servers(
+                    p,
+                    &self.opts.node_ips,
+                    &self.opts.scheduler,
+                    self.opts.node_name.as_deref(),
+                )
+            })
             .collect()
     }
 
@@ -270,7 +312,7 @@ impl IpvsMode {
     /// Rewrites the ipsets that differ from the state (read from the
     /// kernel when `read`, else assumed right when unchanged).
     fn write_sets(&mut self, read: bool) -> Result<()> {
-        let desired = ipset::entries(self.state.values());
+        let desired = ipset::entries(self.state.values(), self.opts.node_name.as_deref());
         let current = if read { ipset::save()? } else { ipset::Entries::new() };
         let input = ipset::render(&desired, &current);
         if !input.is_empty() {
@@ -424,13 +466,14 @@ mod tests {
             port: 88,
             node_port: Some(30791),
             endpoints,
+            ..ServicePort::default()
         }
     }
 
     #[test]
     fn one_virtual_server_per_cluster_ip_and_node_ip() {
         let port = seed(vec![endpoint(11, true, true, false), endpoint(12, true, true, false)]);
-        let servers = virtual_servers(&port, &[Ipv4Addr::new(172, 30, 0, 2)], "rr");
+        let servers = virtual_servers(&port, &[Ipv4Addr::new(172, 30, 0, 2)], "rr", None);
         let keys: Vec<String> = servers.iter().map(|(k, _)| k.to_string()).collect();
         assert_eq!(keys, ["TCP 10.96.0.88:88", "TCP 172.30.0.2:30791"]);
         for (_, server) in &servers {
@@ -446,7 +489,7 @@ mod tests {
             endpoint(12, false, true, true),
             endpoint(13, false, false, false),
         ]);
-        let (_, server) = &virtual_servers(&port, &[], "lc")[0];
+        let (_, server) = &virtual_servers(&port, &[], "lc", None)[0];
         let weights: Vec<(u8, u32)> = server.reals.iter().map(|((a, _), w)| (a.octets()[3], *w)).collect();
         assert_eq!(weights, [(11, 1), (12, 0)]);
     }
@@ -454,8 +497,60 @@ mod tests {
     #[test]
     fn serving_terminating_endpoints_are_used_when_nothing_is_ready() {
         let port = seed(vec![endpoint(12, false, true, true), endpoint(13, false, false, true)]);
-        let (_, server) = &virtual_servers(&port, &[], "rr")[0];
+        let (_, server) = &virtual_servers(&port, &[], "rr", None)[0];
         let weights: Vec<(u8, u32)> = server.reals.iter().map(|((a, _), w)| (a.octets()[3], *w)).collect();
         assert_eq!(weights, [(12, 1), (13, 0)]);
+    }
+
+    fn on(node: &str, endpoint: Endpoint) -> Endpoint {
+        Endpoint {
+            node_name: Some(node.into()),
+            ..endpoint
+        }
+    }
+
+    fn weights(server: &VirtualServer) -> Vec<(u8, u32)> {
+        server.reals.iter().map(|((a, _), w)| (a.octets()[3], *w)).collect()
+    }
+
+    /// kube-proxy's IPVS mode: the node ports of an externalTrafficPolicy:
+    /// Local port get this node's real servers only (a draining one of this
+    /// node's too), the ClusterIP all of them; internalTrafficPolicy: Local
+    /// does the same to the ClusterIP.
+    #[test]
+    fn local_policies_give_virtual_servers_this_nodes_real_servers() {
+        let mut port = seed(vec![
+            on("node-a", endpoint(11, true, true, false)),
+            on("node-b", endpoint(12, true, true, false)),
+            on("node-a", endpoint(13, false, true, true)),
+            on("node-b", endpoint(14, false, true, true)),
+        ]);
+        port.external_policy = crate::model::TrafficPolicy::Local;
+        let node_ip = Ipv4Addr::new(172, 30, 0, 2);
+        let servers = virtual_servers(&port, &[node_ip], "rr", Some("node-a"));
+        assert_eq!(
+            weights(&servers[0].1),
+            [(11, 1), (12, 1), (13, 0), (14, 0)],
+            "ClusterIP"
+        );
+        assert_eq!(servers[1].0.addr, node_ip);
+        assert_eq!(weights(&servers[1].1), [(11, 1), (13, 0)], "node port");
+
+        port.external_policy = crate::model::TrafficPolicy::Cluster;
+        port.internal_policy = crate::model::TrafficPolicy::Local;
+        let servers = virtual_servers(&port, &[node_ip], "rr", Some("node-a"));
+        assert_eq!(weights(&servers[0].1), [(11, 1), (13, 0)], "ClusterIP");
+        assert_eq!(
+            weights(&servers[1].1),
+            [(11, 1), (12, 1), (13, 0), (14, 0)],
+            "node port"
+        );
+
+        // On node-b's only draining endpoint, or on no known node.
+        port.endpoints.remove(1);
+        let servers = virtual_servers(&port, &[], "rr", Some("node-b"));
+        assert_eq!(weights(&servers[0].1), [(14, 1)], "the local draining endpoint serves");
+        let servers = virtual_servers(&port, &[], "rr", None);
+        assert!(servers[0].1.reals.is_empty(), "{servers:?}");
     }
 }

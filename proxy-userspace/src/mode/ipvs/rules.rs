@@ -8,7 +8,8 @@
 //!   a local address goes on to `KUBE-NODE-PORT`; ClusterIP traffic is
 //!   accepted.
 //! - nat `KUBE-NODE-PORT`: NodePort traffic (`KUBE-NODE-PORT-TCP/UDP`) is
-//!   marked.
+//!   marked, except to node ports with `externalTrafficPolicy: Local`
+//!   (`KUBE-NODE-PORT-LOCAL-TCP/UDP`), which keep the client's address.
 //! - nat `KUBE-POSTROUTING`: hairpin (`KUBE-LOOP-BACK`) and marked traffic
 //!   is masqueraded.
 //! - nat `KUBE-MARK-MASQ`: sets the mark bit.
@@ -29,7 +30,7 @@ use crate::mode::{
     options::LocalTraffic,
 };
 
-use super::ipset::{CLUSTER_IP, LOOP_BACK, NODE_PORT_TCP, NODE_PORT_UDP};
+use super::ipset::{CLUSTER_IP, LOOP_BACK, NODE_PORT_LOCAL_TCP, NODE_PORT_LOCAL_UDP, NODE_PORT_TCP, NODE_PORT_UDP};
 
 pub const SERVICES: &str = "KUBE-SERVICES";
 pub const NODE_PORT: &str = "KUBE-NODE-PORT";
@@ -92,7 +93,15 @@ pub fn render(opts: &RuleOptions, missing: &[(&str, &str, &str, &str)]) -> Strin
     nat.push(format!(
         "-A {SERVICES} -m set --match-set {CLUSTER_IP} dst,dst -j ACCEPT"
     ));
-    for (proto, set) in [("tcp", NODE_PORT_TCP), ("udp", NODE_PORT_UDP)] {
+    for (proto, set, local_set) in [
+        ("tcp", NODE_PORT_TCP, NODE_PORT_LOCAL_TCP),
+        ("udp", NODE_PORT_UDP, NODE_PORT_LOCAL_UDP),
+    ] {
+        nat.push(format!(
+            "-A {NODE_PORT} -p {proto} -m comment --comment \"Kubernetes nodeport {} port with externalTrafficPolicy=local\" \
+             -m set --match-set {local_set} dst -j RETURN",
+            proto.to_uppercase()
+        ));
         nat.push(format!(
             "-A {NODE_PORT} -p {proto} -m comment --comment \"Kubernetes nodeport {} port for masquerade purpose\" \
              -m set --match-set {set} dst -j {MARK_MASQ}",
@@ -202,6 +211,7 @@ mod tests {
         for line in [
             "-A KUBE-SERVICES ! -s 10.244.0.0/16 -m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" -m set --match-set KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ",
             "-A KUBE-SERVICES -m addrtype --dst-type LOCAL -j KUBE-NODE-PORT",
+            "-A KUBE-NODE-PORT -p tcp -m comment --comment \"Kubernetes nodeport TCP port with externalTrafficPolicy=local\" -m set --match-set KUBE-NODE-PORT-LOCAL-TCP dst -j RETURN",
             "-A KUBE-NODE-PORT -p tcp -m comment --comment \"Kubernetes nodeport TCP port for masquerade purpose\" -m set --match-set KUBE-NODE-PORT-TCP dst -j KUBE-MARK-MASQ",
             "-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN",
             "-A KUBE-MARK-MASQ -j MARK --or-mark 0x4000",
@@ -211,6 +221,24 @@ mod tests {
             assert!(text.lines().any(|l| l == line), "missing {line} in\n{text}");
         }
         assert_eq!(text.matches("COMMIT").count(), 2);
+        // Local node ports return before the masquerade rule marks them.
+        let node_port: Vec<&str> = text.lines().filter(|l| l.starts_with("-A KUBE-NODE-PORT ")).collect();
+        assert_eq!(node_port.len(), 4, "{node_port:#?}");
+        for (i, set) in [
+            "KUBE-NODE-PORT-LOCAL-TCP",
+            "KUBE-NODE-PORT-TCP",
+            "KUBE-NODE-PORT-LOCAL-UDP",
+            "KUBE-NODE-PORT-UDP",
+        ]
+        .iter()
+        .enumerate()
+        {
+            let target = if i % 2 == 0 { "RETURN" } else { "KUBE-MARK-MASQ" };
+            assert!(
+                node_port[i].contains(&format!("--match-set {set} dst -j {target}")),
+                "{node_port:#?}"
+            );
+        }
     }
 
     #[test]

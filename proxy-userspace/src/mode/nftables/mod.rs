@@ -319,6 +319,7 @@ pub fn options(config: &Config) -> Options {
         masquerade_all: config.masquerade.all,
         local_traffic: LocalTraffic::from_config(config, "nftables"),
         node_ports,
+        node_name: Some(config.node_name.clone()),
     }
 }
 

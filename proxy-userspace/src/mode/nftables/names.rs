@@ -32,6 +32,11 @@ pub const SERVICES: &str = "services";
 pub const ENDPOINTS_CHECK: &str = "endpoints-check";
 /// Where the no-endpoint maps send packets.
 pub const REJECT_CHAIN: &str = "reject-chain";
+/// Where `@no-endpoint-nodeports` sends node-port packets of Services
+/// whose `Local` external traffic policy finds no endpoint on this node:
+/// dropped, unless they come from the node itself (the filter chains run
+/// before the DNAT of `nat-output`, which sends those to any endpoint).
+pub const DROP_EXTERNAL_CHAIN: &str = "drop-external-chain";
 /// Sets the masquerade bit.
 pub const MARK_MASQ: &str = "mark-for-masquerade";
 /// postrouting: masquerades marked packets.
@@ -52,6 +57,8 @@ pub const NODEPORT_CIDRS: &str = "nodeport-cidrs";
 
 /// Per service port: picks an endpoint (`Cluster` traffic policy).
 pub const SERVICE_PREFIX: &str = "service-";
+/// Per service port: picks one of this node's endpoints (`Local` policy).
+pub const LOCAL_PREFIX: &str = "local-";
 /// Per service port: NodePort traffic, marked for masquerade first.
 pub const EXTERNAL_PREFIX: &str = "external-";
 /// Per endpoint of a service port: the DNAT.
@@ -110,6 +117,11 @@ pub fn service_chain(port: &ServicePort) -> String {
     format!("{SERVICE_PREFIX}{}", hashed(&port_path(port)))
 }
 
+/// `local-HASH-ns/svc/proto/port`: the same HASH as the service chain.
+pub fn local_chain(port: &ServicePort) -> String {
+    format!("{LOCAL_PREFIX}{}", hashed(&port_path(port)))
+}
+
 /// `external-HASH-ns/svc/proto/port`: the same HASH as the service chain.
 pub fn external_chain(port: &ServicePort) -> String {
     format!("{EXTERNAL_PREFIX}{}", hashed(&port_path(port)))
@@ -135,6 +147,7 @@ mod tests {
             port: 80,
             node_port: None,
             endpoints: vec![],
+            ..ServicePort::default()
         }
     }
 
@@ -155,6 +168,7 @@ mod tests {
             external_chain(&port("ns2/svc2:p80")),
             "external-42NFTM6N-ns2/svc2/tcp/p80"
         );
+        assert_eq!(local_chain(&port("ns2/svc2:p80")), "local-42NFTM6N-ns2/svc2/tcp/p80");
         let endpoints = [
             (
                 "ns1/svc1:p80",

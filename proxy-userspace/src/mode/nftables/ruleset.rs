@@ -14,6 +14,17 @@
 //! nat-postrouting (srcnat, 100) -> masquerading: marked -> clear the bit, masquerade
 //! ```
 //!
+//! The `Local` traffic policies, as kube-proxy's nftables mode lays them out:
+//!
+//! ```text
+//! internalTrafficPolicy: Local  @service-ips -> local-HASH-… (this node's endpoints)
+//! externalTrafficPolicy: Local  external-…: from a local pod -> goto service-…
+//!                                            fib saddr type local -> mark-for-masquerade, goto service-…
+//!                                            goto local-… (the client's address kept)
+//! no local endpoint (but some elsewhere): @no-endpoint-services -> drop;
+//!   @no-endpoint-nodeports -> drop-external-chain (drops all but the node's own traffic)
+//! ```
+//!
 //! NODEPORT-DEST is `fib daddr type local` (every local address but
 //! 127.0.0.0/8), a set of node IPs, or local addresses inside a set of CIDRs.
 //!
@@ -26,17 +37,13 @@
 //! new elements are added, and chains nothing refers to any more go last.
 //! The same input always gives the same text.
 
-use std::{
-    collections::{BTreeMap, BTreeSet},
-    fmt::Write as _,
-    net::Ipv4Addr,
-};
+use std::{collections::BTreeMap, fmt::Write as _, net::Ipv4Addr};
 
 use super::names::{self, FAMILY, TABLE};
 use crate::{
     config::Cidr,
-    mode::{options::LocalTraffic, usable_endpoints},
-    model::ServicePort,
+    mode::{EndpointSets, options::LocalTraffic},
+    model::{Endpoint, ServicePort},
 };
 
 const TABLE_COMMENT: &str = "rules for xproxy (kube-proxy's nftables layout)";
@@ -53,6 +60,15 @@ fn if_not_local(local: &LocalTraffic) -> String {
         LocalTraffic::Cidr(cidr) => format!("ip saddr != {cidr}"),
         LocalTraffic::Bridge(name) => format!("iifname != {}", quote(name)),
         LocalTraffic::InterfacePrefix(prefix) => format!("iifname != {}", quote(&format!("{prefix}*"))),
+    }
+}
+
+/// The match for "from a local pod".
+fn if_local(local: &LocalTraffic) -> String {
+    match local {
+        LocalTraffic::Cidr(cidr) => format!("ip saddr {cidr}"),
+        LocalTraffic::Bridge(name) => format!("iifname {}", quote(name)),
+        LocalTraffic::InterfacePrefix(prefix) => format!("iifname {}", quote(&format!("{prefix}*"))),
     }
 }
 
@@ -79,6 +95,9 @@ pub struct Options {
     /// hairpin traffic is masqueraded (unless `masquerade_all`).
     pub local_traffic: Option<LocalTraffic>,
     pub node_ports: NodePorts,
+    /// This node's name: endpoints naming it are the ones the `Local`
+    /// traffic policies reach. `None`: no endpoint is local.
+    pub node_name: Option<String>,
 }
 
 impl Default for Options {
@@ -89,6 +108,7 @@ impl Default for Options {
             masquerade_all: false,
             local_traffic: None,
             node_ports: NodePorts::AllLocal,
+            node_name: None,
         }
     }
 }
@@ -118,6 +138,7 @@ impl Options {
 pub enum ChainKind {
     Endpoint,
     Service,
+    Local,
     External,
 }
 
@@ -144,48 +165,39 @@ pub struct Element {
 /// What one service port puts into the table.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PortRules {
-    /// Endpoint chains, then the service chain, then the external one.
+    /// Endpoint chains, then the service and local chains, then the
+    /// external one.
     pub chains: Vec<Chain>,
     pub elements: Vec<Element>,
 }
 
-/// The rendering of `port`: kube-proxy's chains and elements for the
-/// `Cluster` traffic policy, or reject elements if no endpoint is usable.
+/// The rendering of `port`: kube-proxy's chains and elements for both
+/// traffic policies. ClusterIP traffic goes to the internal policy's chain
+/// (`service-…` or `local-…`); node-port traffic to `external-…`, which
+/// masquerades everything (`Cluster`) or, with the `Local` policy, sends
+/// this node's pods' and the node's own traffic (masqueraded) to every
+/// endpoint and the rest, unmasqueraded, to `local-…`. Traffic left with no
+/// endpoint is rejected if the port has none at all, else dropped.
 pub fn port_rules(opts: &Options, port: &ServicePort) -> PortRules {
     let proto = names::protocol(port.protocol);
-    let mut endpoints = usable_endpoints(&port.endpoints);
-    // Overlapping EndpointSlices may list an address twice: one chain.
-    let mut seen = BTreeSet::new();
-    endpoints.retain(|e| seen.insert((e.addr, e.port)));
+    let sets = EndpointSets::of(port, opts.node_name.as_deref());
     let cluster_key = format!("{} . {proto} . {}", port.cluster_ip, port.port);
     let node_key = port.node_port.map(|np| format!("{proto} . {np}"));
+    let service = names::service_chain(port);
+    let local = names::local_chain(port);
+    let internal_chain = if port.internal_local() { &local } else { &service };
+    let comment = Some(quote(&port.name));
+    let reject = format!("goto {}", names::REJECT_CHAIN);
+    let (internal_none, external_none) = if sets.has_any() {
+        ("drop".to_owned(), format!("goto {}", names::DROP_EXTERNAL_CHAIN))
+    } else {
+        (reject.clone(), reject)
+    };
     let mut out = PortRules::default();
 
-    if endpoints.is_empty() {
-        let comment = Some(quote(&port.name));
-        let reject = format!("goto {}", names::REJECT_CHAIN);
-        out.elements.push(Element {
-            map: names::NO_ENDPOINT_SERVICES,
-            key: cluster_key,
-            comment: comment.clone(),
-            verdict: reject.clone(),
-        });
-        if let Some(key) = node_key {
-            out.elements.push(Element {
-                map: names::NO_ENDPOINT_NODEPORTS,
-                key,
-                comment,
-                verdict: reject,
-            });
-        }
-        return out;
-    }
-
-    let mut targets = Vec::with_capacity(endpoints.len());
-    for ep in &endpoints {
-        let name = names::endpoint_chain(port, ep);
+    for ep in sets.reachable() {
         out.chains.push(Chain {
-            name: name.clone(),
+            name: names::endpoint_chain(port, ep),
             kind: ChainKind::Endpoint,
             rules: vec![
                 // A pod reaching itself through its Service: without SNAT
@@ -194,60 +206,127 @@ pub fn port_rules(opts: &Options, port: &ServicePort) -> PortRules {
                 format!("meta l4proto {proto} dnat to {}:{}", ep.addr, ep.port),
             ],
         });
-        targets.push(name);
+    }
+    for (chain, kind, used, endpoints) in [
+        (&service, ChainKind::Service, sets.uses_cluster(), &sets.cluster),
+        (&local, ChainKind::Local, sets.uses_local(), &sets.local),
+    ] {
+        if !used {
+            continue;
+        }
+        let mut rules = Vec::new();
+        if chain == internal_chain {
+            rules.extend(internal_masquerade(opts, port));
+        }
+        rules.push(dispatch(port, endpoints));
+        out.chains.push(Chain {
+            name: chain.clone(),
+            kind,
+            rules,
+        });
     }
 
-    let service = names::service_chain(port);
-    let mut rules = Vec::new();
-    let destination = format!("ip daddr {} {proto} dport {}", port.cluster_ip, port.port);
-    if opts.masquerade_all {
-        rules.push(format!("{destination} jump {}", names::MARK_MASQ));
-    } else if let Some(local) = &opts.local_traffic {
-        rules.push(format!(
-            "{destination} {} jump {}",
-            if_not_local(local),
-            names::MARK_MASQ
-        ));
+    if sets.internal().is_empty() {
+        out.elements.push(Element {
+            map: names::NO_ENDPOINT_SERVICES,
+            key: cluster_key,
+            comment: comment.clone(),
+            verdict: internal_none,
+        });
+    } else {
+        out.elements.push(Element {
+            map: names::SERVICE_IPS,
+            key: cluster_key,
+            comment: None,
+            verdict: format!("goto {internal_chain}"),
+        });
     }
-    let choices: Vec<String> = targets
-        .iter()
-        .enumerate()
-        .map(|(i, target)| format!("{i} : goto {target}"))
-        .collect();
-    rules.push(format!(
-        "numgen random mod {} vmap {{ {} }}",
-        targets.len(),
-        choices.join(", ")
-    ));
-    out.chains.push(Chain {
-        name: service.clone(),
-        kind: ChainKind::Service,
-        rules,
-    });
-    out.elements.push(Element {
-        map: names::SERVICE_IPS,
-        key: cluster_key,
-        comment: None,
-        verdict: format!("goto {service}"),
-    });
-
-    if let Some(key) = node_key {
+    let Some(key) = node_key else {
+        return out;
+    };
+    if sets.has_any() {
         let external = names::external_chain(port);
         out.chains.push(Chain {
             name: external.clone(),
             kind: ChainKind::External,
-            // NodePort traffic may come from anywhere: masquerade it so
-            // replies come back through this node.
-            rules: vec![format!("jump {}", names::MARK_MASQ), format!("goto {service}")],
+            rules: external_rules(opts, port, &sets),
         });
         out.elements.push(Element {
             map: names::SERVICE_NODEPORTS,
-            key,
+            key: key.clone(),
             comment: None,
             verdict: format!("goto {external}"),
         });
     }
+    if sets.external().is_empty() {
+        out.elements.push(Element {
+            map: names::NO_ENDPOINT_NODEPORTS,
+            key,
+            comment,
+            verdict: external_none,
+        });
+    }
     out
+}
+
+/// The first rule of the internal policy's chain: which ClusterIP traffic
+/// to masquerade (all, off-cluster traffic, or none if local traffic
+/// cannot be told apart).
+fn internal_masquerade(opts: &Options, port: &ServicePort) -> Option<String> {
+    let proto = names::protocol(port.protocol);
+    let destination = format!("ip daddr {} {proto} dport {}", port.cluster_ip, port.port);
+    if opts.masquerade_all {
+        Some(format!("{destination} jump {}", names::MARK_MASQ))
+    } else {
+        opts.local_traffic
+            .as_ref()
+            .map(|local| format!("{destination} {} jump {}", if_not_local(local), names::MARK_MASQ))
+    }
+}
+
+/// `numgen random` over the endpoint chains of `endpoints`.
+fn dispatch(port: &ServicePort, endpoints: &[&Endpoint]) -> String {
+    let choices: Vec<String> = endpoints
+        .iter()
+        .enumerate()
+        .map(|(i, ep)| format!("{i} : goto {}", names::endpoint_chain(port, ep)))
+        .collect();
+    format!(
+        "numgen random mod {} vmap {{ {} }}",
+        endpoints.len(),
+        choices.join(", ")
+    )
+}
+
+/// The rules of `external-…`.
+fn external_rules(opts: &Options, port: &ServicePort, sets: &EndpointSets<'_>) -> Vec<String> {
+    let service = names::service_chain(port);
+    if !port.external_local() {
+        // NodePort traffic may come from anywhere: masquerade it so
+        // replies come back through this node.
+        return vec![format!("jump {}", names::MARK_MASQ), format!("goto {service}")];
+    }
+    let mut rules = Vec::new();
+    if let Some(local) = &opts.local_traffic {
+        rules.push(format!(
+            "{} goto {service} comment {}",
+            if_local(local),
+            quote("short-circuit pod traffic")
+        ));
+    }
+    rules.push(format!(
+        "fib saddr type local jump {} comment {}",
+        names::MARK_MASQ,
+        quote("masquerade local traffic")
+    ));
+    rules.push(format!(
+        "fib saddr type local goto {service} comment {}",
+        quote("short-circuit local traffic")
+    ));
+    if !sets.external().is_empty() {
+        rules.push(format!("goto {}", names::local_chain(port)));
+    }
+    rules
 }
 
 /// The chains and elements of a set of service ports, by name and key.
@@ -366,6 +445,14 @@ fn base(opts: &Options, s: &mut Script) {
             quote("helper for @no-endpoint-services / @no-endpoint-nodeports")
         ),
     );
+    s.cmd(
+        1,
+        format_args!(
+            "add chain {FAMILY} {TABLE} {} {{ comment {} ; }}",
+            names::DROP_EXTERNAL_CHAIN,
+            quote("helper for @no-endpoint-nodeports: Local policy without local endpoints")
+        ),
+    );
     for (name, key, comment) in [
         (
             names::SERVICE_IPS,
@@ -441,6 +528,10 @@ fn base(opts: &Options, s: &mut Script) {
         (names::MASQUERADING, format!("meta mark set meta mark xor {mark}")),
         (names::MASQUERADING, "masquerade fully-random".to_owned()),
         (names::REJECT_CHAIN, "reject".to_owned()),
+        // The filter chains see the node's own traffic before nat-output
+        // DNATs it to any endpoint (kube-proxy's short-circuit): let it be.
+        (names::DROP_EXTERNAL_CHAIN, "fib saddr type local return".to_owned()),
+        (names::DROP_EXTERNAL_CHAIN, "drop".to_owned()),
         (
             names::ENDPOINTS_CHECK,
             format!(

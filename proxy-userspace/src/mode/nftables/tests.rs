@@ -12,7 +12,10 @@ use std::{
 };
 
 use super::*;
-use crate::model::{Endpoint, Protocol};
+use crate::{
+    mode::fixtures::policy_port,
+    model::{Endpoint, Protocol},
+};
 
 const SEED: &str = "default/nginx-service";
 
@@ -27,6 +30,7 @@ fn seed(last_octets: &[u8]) -> ServicePort {
             .iter()
             .map(|o| Endpoint::ready(Ipv4Addr::new(10, 244, 0, *o), 80))
             .collect(),
+        ..ServicePort::default()
     }
 }
 
@@ -38,6 +42,7 @@ fn empty_service() -> ServicePort {
         port: 89,
         node_port: Some(30792),
         endpoints: vec![],
+        ..ServicePort::default()
     }
 }
 
@@ -52,6 +57,7 @@ fn dns(endpoints: &[u8]) -> ServicePort {
             .iter()
             .map(|o| Endpoint::ready(Ipv4Addr::new(10, 244, 1, *o), 53))
             .collect(),
+        ..ServicePort::default()
     }
 }
 
@@ -594,4 +600,170 @@ fn options_from_the_configuration() {
         "detectLocalMode: InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: veth}\n",
     ));
     assert_eq!(o.local_traffic, Some(LocalTraffic::InterfacePrefix("veth".into())));
+}
+
+// ---------------------------------------------------------------------------
+// Traffic policies.
+
+fn node_a() -> Options {
+    Options {
+        node_name: Some("node-a".into()),
+        ..opts()
+    }
+}
+
+fn chain<'a>(rules: &'a PortRules, name: &str) -> Option<&'a ruleset::Chain> {
+    rules.chains.iter().find(|c| c.name == name)
+}
+
+fn element<'a>(rules: &'a PortRules, map: &str) -> Option<&'a ruleset::Element> {
+    rules.elements.iter().find(|e| e.map == map)
+}
+
+/// externalTrafficPolicy: Local on node-a: `external-…` short-circuits
+/// pod and node traffic to `service-…` (every endpoint) and sends the rest,
+/// unmasqueraded, to `local-…` (node-a's endpoint), like kube-proxy.
+#[test]
+fn external_local_policy_like_kube_proxy() {
+    let mut port = policy_port("web", 1, Some(30884), &[(11, "node-a"), (11, "node-b")]);
+    port.external_policy = crate::model::TrafficPolicy::Local;
+    let rules = port_rules(&node_a(), &port);
+    let (service, local) = (names::service_chain(&port), names::local_chain(&port));
+    let external = chain(&rules, &names::external_chain(&port)).expect("external chain");
+    assert_eq!(
+        external.rules,
+        [
+            format!("ip saddr 10.244.0.0/16 goto {service} comment \"short-circuit pod traffic\""),
+            "fib saddr type local jump mark-for-masquerade comment \"masquerade local traffic\"".to_owned(),
+            format!("fib saddr type local goto {service} comment \"short-circuit local traffic\""),
+            format!("goto {local}"),
+        ]
+    );
+    let local_chain = chain(&rules, &local).expect("local chain");
+    assert_eq!(local_chain.kind, ruleset::ChainKind::Local);
+    assert_eq!(
+        local_chain.rules,
+        [format!(
+            "numgen random mod 1 vmap {{ 0 : goto {} }}",
+            names::endpoint_chain(&port, &port.endpoints[0])
+        )]
+    );
+    let service_chain = chain(&rules, &service).expect("service chain");
+    assert!(service_chain.rules[0].contains("ip saddr != 10.244.0.0/16 jump mark-for-masquerade"));
+    assert!(service_chain.rules[1].starts_with("numgen random mod 2 "));
+    assert_eq!(
+        element(&rules, names::SERVICE_IPS).expect("cluster IP").verdict,
+        format!("goto {service}")
+    );
+    assert!(element(&rules, names::NO_ENDPOINT_NODEPORTS).is_none());
+    assert_eq!(
+        rules
+            .chains
+            .iter()
+            .filter(|c| c.kind == ruleset::ChainKind::Endpoint)
+            .count(),
+        2
+    );
+}
+
+/// On a node without a local endpoint: no `local-…` chain; the node port
+/// still enters `external-…` (short-circuits), and what falls through is
+/// dropped by `drop-external-chain` in the filter hooks.
+#[test]
+fn external_local_policy_without_local_endpoints_drops() {
+    let mut port = policy_port("web", 1, Some(30884), &[(11, "node-b")]);
+    port.external_policy = crate::model::TrafficPolicy::Local;
+    let rules = port_rules(&node_a(), &port);
+    assert!(chain(&rules, &names::local_chain(&port)).is_none(), "{rules:#?}");
+    let external = chain(&rules, &names::external_chain(&port)).expect("external chain");
+    assert_eq!(external.rules.len(), 3, "{external:#?}");
+    assert!(element(&rules, names::SERVICE_NODEPORTS).is_some());
+    let drop = element(&rules, names::NO_ENDPOINT_NODEPORTS).expect("no-endpoint element");
+    assert_eq!(drop.key, "tcp . 30884");
+    assert_eq!(drop.verdict, format!("goto {}", names::DROP_EXTERNAL_CHAIN));
+    assert!(
+        element(&rules, names::NO_ENDPOINT_SERVICES).is_none(),
+        "ClusterIP unaffected"
+    );
+}
+
+/// internalTrafficPolicy: Local: the ClusterIP goes to `local-…`, which
+/// carries the off-cluster masquerade rule; without a node port there is no
+/// `service-…`; with no local endpoint the ClusterIP is dropped.
+#[test]
+fn internal_local_policy_like_kube_proxy() {
+    let mut port = policy_port("itp", 2, None, &[(21, "node-a"), (21, "node-b")]);
+    port.internal_policy = crate::model::TrafficPolicy::Local;
+    let rules = port_rules(&node_a(), &port);
+    let local = names::local_chain(&port);
+    assert_eq!(
+        element(&rules, names::SERVICE_IPS).expect("cluster IP").verdict,
+        format!("goto {local}")
+    );
+    assert!(chain(&rules, &names::service_chain(&port)).is_none(), "{rules:#?}");
+    let local_chain = chain(&rules, &local).expect("local chain");
+    assert!(local_chain.rules[0].ends_with("ip saddr != 10.244.0.0/16 jump mark-for-masquerade"));
+    assert!(local_chain.rules[1].starts_with("numgen random mod 1 "));
+    assert_eq!(rules.chains.len(), 2, "node-b's endpoint has no chain: {rules:#?}");
+
+    port.endpoints.remove(0);
+    let rules = port_rules(&node_a(), &port);
+    assert!(rules.chains.is_empty(), "{rules:#?}");
+    let drop = element(&rules, names::NO_ENDPOINT_SERVICES).expect("no-endpoint element");
+    assert_eq!(
+        (drop.verdict.as_str(), drop.comment.as_deref()),
+        ("drop", Some("\"default/itp\""))
+    );
+
+    // No endpoint anywhere: rejected, as without a policy.
+    port.endpoints.clear();
+    let rules = port_rules(&node_a(), &port);
+    assert_eq!(
+        element(&rules, names::NO_ENDPOINT_SERVICES).expect("element").verdict,
+        format!("goto {}", names::REJECT_CHAIN)
+    );
+}
+
+/// The policies through the mode: a full sync with every case, then a
+/// partial sync turning a Cluster port Local and back; the kernel accepts
+/// every script, and the partial ones add and remove the `local-…` chain.
+#[test]
+fn policy_scripts_pass_the_kernel_check() {
+    let fake = FakeNft::default();
+    let mut mode = NftablesMode::new(node_a(), Box::new(fake.clone()));
+    let mut etp = policy_port("etp", 1, Some(30884), &[(11, "node-a"), (11, "node-b")]);
+    etp.external_policy = crate::model::TrafficPolicy::Local;
+    let mut etp_none = policy_port("etp-none", 2, Some(30885), &[(12, "node-b")]);
+    etp_none.external_policy = crate::model::TrafficPolicy::Local;
+    let mut itp = policy_port("itp", 3, None, &[(13, "node-a")]);
+    itp.internal_policy = crate::model::TrafficPolicy::Local;
+    let mut itp_none = policy_port("itp-none", 4, None, &[(14, "node-b")]);
+    itp_none.internal_policy = crate::model::TrafficPolicy::Local;
+    let cluster = policy_port("cluster", 5, Some(30886), &[(15, "node-a"), (15, "node-b")]);
+    mode.apply_full(&state(&[etp, etp_none, itp, itp_none, cluster.clone()]))
+        .expect("full sync");
+    let full = fake.last();
+    expect_kernel_accepts("full script with traffic policies", &full);
+
+    let local = ServicePort {
+        external_policy: crate::model::TrafficPolicy::Local,
+        ..cluster.clone()
+    };
+    let local_chain = names::local_chain(&local);
+    let mut scripts = full.clone();
+    for (port, adds) in [(&local, true), (&cluster, false)] {
+        mode.apply(&Plan {
+            upsert: vec![port.clone()],
+            remove: vec![],
+        })
+        .expect("partial sync");
+        let partial = fake.last();
+        let verb = if adds { "add" } else { "delete" };
+        assert!(
+            partial.contains(&format!("{verb} chain ip xproxy {local_chain}")),
+            "{partial}"
+        );
+        scripts.push_str(&partial);
+        expect_kernel_accepts("full + partial scripts", &scripts);
+    }
 }

@@ -170,6 +170,7 @@ mod tests {
                 Endpoint::ready(Ipv4Addr::new(10, 244, 0, 1), 80),
                 Endpoint::ready(Ipv4Addr::new(10, 244, 0, 2), 80),
             ],
+            ..ServicePort::default()
         };
         assert_eq!(endpoint_addrs(&port), [ep(1), ep(2)]);
         let draining = ServicePort {

@@ -149,6 +149,7 @@ mod tests {
             port: 80,
             node_port: None,
             endpoints: vec![Endpoint::ready(Ipv4Addr::LOCALHOST, 9)],
+            ..ServicePort::default()
         }
     }
 

@@ -16,6 +16,13 @@
 //! rules are removed when the mode is dropped (SIGTERM), and `xproxy
 //! cleanup` removes them after a crash, when they point at ports nobody
 //! listens on any more.
+//!
+//! The traffic policies (`externalTrafficPolicy`, `internalTrafficPolicy:
+//! Local`) are not supported, as in kube-proxy's legacy userspace mode,
+//! which predates them: a Service port's ClusterIP and node port share one
+//! listener and every connection goes to any endpoint. Nor could the
+//! client's address be kept: the backend's peer is always the agent. A
+//! port asking for `Local` is proxied as `Cluster`, with a warning.
 
 pub mod balancer;
 pub mod listener;
@@ -123,6 +130,12 @@ impl UserspaceMode {
         let proxy = PortProxy::open(&self.runtime, &self.opts.listen, service)
             .with_context(|| format!("listening for {}", service.name))?;
         info!(port = service.name, protocol = %service.protocol, listener = proxy.port(), "proxying");
+        if service.external_local() || service.internal_local() {
+            warn!(
+                port = service.name,
+                "the userspace mode does not support the Local traffic policies: every endpoint serves"
+            );
+        }
         Ok(self.proxies.insert(service.name.clone(), proxy))
     }
 

@@ -328,6 +328,7 @@ mod tests {
             port: u16::from(last),
             node_port,
             endpoints: vec![Endpoint::ready(Ipv4Addr::new(10, 244, 0, 11), 80)],
+            ..ServicePort::default()
         }
     }
 

@@ -165,6 +165,7 @@ fn service(name: &str, protocol: Protocol, endpoints: &[SocketAddrV4]) -> Servic
         port: 88,
         node_port: Some(30791),
         endpoints: endpoints.iter().map(|e| Endpoint::ready(*e.ip(), e.port())).collect(),
+        ..ServicePort::default()
     }
 }
 

@@ -1,0 +1,27 @@
+//! Service ports the modes' unit tests share.
+
+use std::net::Ipv4Addr;
+
+use crate::model::{Endpoint, ServicePort};
+
+/// A port of `default/NAME` on 10.96.1.IP:80 with ready endpoints
+/// `(last octet, node)`: 10.244.1.x on node-a, 10.244.2.x on node-b.
+pub fn policy_port(name: &str, ip: u8, node_port: Option<u16>, endpoints: &[(u8, &str)]) -> ServicePort {
+    ServicePort {
+        name: format!("default/{name}"),
+        cluster_ip: Ipv4Addr::new(10, 96, 1, ip),
+        port: 80,
+        node_port,
+        endpoints: endpoints
+            .iter()
+            .map(|(last, node)| {
+                let subnet = if *node == "node-a" { 1 } else { 2 };
+                Endpoint {
+                    node_name: Some((*node).to_owned()),
+                    ..Endpoint::ready(Ipv4Addr::new(10, 244, subnet, *last), 8080)
+                }
+            })
+            .collect(),
+        ..ServicePort::default()
+    }
+}
