@@ -155,6 +155,13 @@ pub fn fresh_port_range(ns: &Netns, first: u16, count: u16) -> Result<()> {
     let Some(last) = last.filter(|_| first >= 1024) else {
         bail!("no port range of {count} from {first}");
     };
+    // Kubernetes' advice for nodes whose ephemeral range overlaps the
+    // NodePort range: reserve it. Otherwise the node's own connection from,
+    // say, port 30791 gets replies addressed to NODE_IP:30791, which the
+    // ebpf programs take for NodePort traffic: they look the frontend up
+    // before the reply entry (the kernel modes do not, as their NAT rules
+    // see only a connection's first packet). A known gap of the ebpf mode.
+    ns.sysctl("net.ipv4.ip_local_reserved_ports", "30000-32767")?;
     ns.sysctl("net.ipv4.ip_local_port_range", &format!("{first} {last}"))
 }
 
