@@ -40,12 +40,31 @@ pub fn run(flags: &RunFlags) -> Result<(), Failure> {
             anyhow!("xproxy run needs root (CAP_BPF, CAP_NET_ADMIN and CAP_SYS_ADMIN for bpffs)"),
         ));
     }
+    raise_open_file_limit();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")
         .exit_code(ExitCode::Error)?;
     runtime.block_on(run_agent(config))
+}
+
+/// Raises the soft limit of open files to the hard one, as Go programs
+/// (kube-proxy among them) do at start: the userspace mode holds a socket
+/// per service port and per connection, and 1024 (the usual soft limit)
+/// ran out at 20,000 Services in the benchmark.
+fn raise_open_file_limit() {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit only read and write the struct passed.
+    let raised = unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0
+        }
+    };
+    if !raised {
+        warn!(error = %std::io::Error::last_os_error(), "could not raise the open file limit");
+    }
 }
 
 async fn run_agent(config: Config) -> Result<(), Failure> {
