@@ -54,7 +54,10 @@ pub fn run(flags: &RunFlags) -> Result<(), Failure> {
 /// per service port and per connection, and 1024 (the usual soft limit)
 /// ran out at 20,000 Services in the benchmark.
 fn raise_open_file_limit() {
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: getrlimit/setrlimit only read and write the struct passed.
     let raised = unsafe {
         libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && {

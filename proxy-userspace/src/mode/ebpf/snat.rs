@@ -55,13 +55,9 @@ pub fn install(iptables: &mut dyn Iptables, mark: u32) -> Result<()> {
 
 /// Removes the chain and every jump to it; false if there was none.
 pub fn remove(iptables: &mut dyn Iptables) -> Result<bool> {
-    let saved = Saved::parse(&iptables.save().context("reading the current rules")?);
-    let (input, _) = restore::removal(&saved, |table, chain| table == "nat" && chain == CHAIN);
-    if input.is_empty() {
-        return Ok(false);
-    }
-    iptables.restore(&input).context("removing the SNAT fallback rules")?;
-    Ok(true)
+    let removed = restore::remove_chains(iptables, |table, chain| table == "nat" && chain == CHAIN)
+        .context("removing the SNAT fallback rules")?;
+    Ok(removed > 0)
 }
 
 /// [`remove`] with the system's iptables; nothing to do without iptables.

@@ -202,7 +202,7 @@ impl Dataplane for IptablesMode {
                     .is_some_and(|t| t.rules.iter().any(|r| jump.matches_saved(r)))
             })
             .collect();
-        let ours_now = ours(&saved);
+        let ours_now = restore::owned_lines(&saved, chains::is_ours);
         let unchanged = self
             .verified
             .as_ref()
@@ -235,7 +235,7 @@ impl Dataplane for IptablesMode {
             Ok(after) => {
                 self.verified = Some(Verified {
                     desired: desired.clone(),
-                    ours: ours(&Saved::parse(&after)),
+                    ours: restore::owned_lines(&Saved::parse(&after), chains::is_ours),
                 });
             }
             Err(e) => warn!(
@@ -249,25 +249,6 @@ impl Dataplane for IptablesMode {
     fn kernel_writes(&self) -> u64 {
         self.writes
     }
-}
-
-/// The lines of `saved` that belong to the iptables mode: its chains, their
-/// rules, and the rules jumping into them, by table.
-fn ours(saved: &Saved) -> Vec<String> {
-    let mut out = Vec::new();
-    for (name, table) in &saved.tables {
-        for chain in table.chains.iter().filter(|c| chains::is_ours(name, c)) {
-            out.push(format!("{name} :{chain}"));
-        }
-        for rule in &table.rules {
-            let in_ours = restore::rule_chain(rule).is_some_and(|c| chains::is_ours(name, c));
-            let into_ours = restore::rule_target(rule).is_some_and(|t| chains::is_ours(name, t));
-            if in_ours || into_ours {
-                out.push(format!("{name} {rule}"));
-            }
-        }
-    }
-    out
 }
 
 /// Removes every chain of the iptables mode (and of kube-proxy's, which has
@@ -292,13 +273,7 @@ pub fn cleanup() -> Result<usize> {
 
 /// [`cleanup`] through `iptables`.
 pub fn cleanup_with(iptables: &mut dyn Iptables) -> Result<usize> {
-    let saved = Saved::parse(&iptables.save().context("reading the current rules")?);
-    let (input, removed) = restore::removal(&saved, chains::is_ours);
-    if input.is_empty() {
-        return Ok(0);
-    }
-    iptables.restore(&input).context("removing the chains")?;
-    Ok(removed)
+    restore::remove_chains(iptables, chains::is_ours)
 }
 
 /// The rule options `config` asks for, completed from the kernel.

@@ -192,6 +192,39 @@ pub fn rule_target(rule: &str) -> Option<&str> {
     None
 }
 
+/// The lines of `saved` that belong to a mode: the chains `is_ours(table,
+/// chain)` accepts, their rules, and the rules jumping into them, by table.
+/// A mode compares them before and after a write to see whether anyone
+/// else changed its rules.
+pub fn owned_lines(saved: &Saved, is_ours: impl Fn(&str, &str) -> bool) -> Vec<String> {
+    let mut out = Vec::new();
+    for (name, table) in &saved.tables {
+        for chain in table.chains.iter().filter(|c| is_ours(name, c)) {
+            out.push(format!("{name} :{chain}"));
+        }
+        for rule in &table.rules {
+            let in_ours = rule_chain(rule).is_some_and(|c| is_ours(name, c));
+            let into_ours = rule_target(rule).is_some_and(|t| is_ours(name, t));
+            if in_ours || into_ours {
+                out.push(format!("{name} {rule}"));
+            }
+        }
+    }
+    out
+}
+
+/// Removes the chains `is_ours` accepts and the jumps into them through
+/// `iptables` ([`removal`]); returns how many chains went.
+pub fn remove_chains(iptables: &mut dyn Iptables, is_ours: impl Fn(&str, &str) -> bool) -> Result<usize> {
+    let saved = Saved::parse(&iptables.save().context("reading the current rules")?);
+    let (input, removed) = removal(&saved, is_ours);
+    if input.is_empty() {
+        return Ok(0);
+    }
+    iptables.restore(&input).context("removing the chains")?;
+    Ok(removed)
+}
+
 /// `iptables-restore --noflush` input that removes the chains `is_ours`
 /// picks (by table and chain name) and every rule elsewhere that jumps to
 /// them: chains are flushed first so none is referenced when deleted.

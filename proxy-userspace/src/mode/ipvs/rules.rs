@@ -25,7 +25,7 @@ use anyhow::{Context, Result};
 use crate::mode::{
     iptables::{
         Iptables, SystemIptables,
-        restore::{Saved, removal, rule_chain, rule_target},
+        restore::{Saved, remove_chains, rule_chain, rule_target},
     },
     options::LocalTraffic,
 };
@@ -184,13 +184,8 @@ pub fn cleanup() -> Result<usize> {
     if system.check().is_err() {
         return Ok(0);
     }
-    let saved = Saved::parse(&system.save().context("reading the current rules")?);
     let is_ours = |table: &str, chain: &str| CHAINS.iter().any(|(t, chains)| *t == table && chains.contains(&chain));
-    let (input, removed) = removal(&saved, is_ours);
-    if !input.is_empty() {
-        system.restore(&input).context("removing the IPVS mode's chains")?;
-    }
-    Ok(removed)
+    remove_chains(&mut system, is_ours).context("removing the IPVS mode's chains")
 }
 
 #[cfg(test)]

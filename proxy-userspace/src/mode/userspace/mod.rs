@@ -225,7 +225,10 @@ impl Dataplane for UserspaceMode {
         let body = self.rules_for(&[]);
         let unchanged = missing.is_empty()
             && self.written.as_deref() == Some(body.text.as_str())
-            && self.verified.as_ref().is_some_and(|v| *v == ours(&saved));
+            && self
+                .verified
+                .as_ref()
+                .is_some_and(|v| *v == restore::owned_lines(&saved, rules::is_ours));
         if unchanged {
             debug!("full userspace sync: the kernel holds what the last full sync wrote");
             drop(retired);
@@ -236,7 +239,7 @@ impl Dataplane for UserspaceMode {
         self.written = Some(body.text);
         drop(retired);
         match self.iptables.save() {
-            Ok(after) => self.verified = Some(ours(&Saved::parse(&after))),
+            Ok(after) => self.verified = Some(restore::owned_lines(&Saved::parse(&after), rules::is_ours)),
             Err(e) => warn!(
                 error = format!("{e:#}"),
                 "cannot read the rules back; the next full sync rewrites them"
@@ -269,25 +272,6 @@ impl Drop for UserspaceMode {
     }
 }
 
-/// The lines of `saved` that belong to the userspace mode: its chains,
-/// their rules and the rules jumping into them.
-fn ours(saved: &Saved) -> Vec<String> {
-    let mut out = Vec::new();
-    for (name, table) in &saved.tables {
-        for chain in table.chains.iter().filter(|c| rules::is_ours(name, c)) {
-            out.push(format!("{name} :{chain}"));
-        }
-        for rule in &table.rules {
-            let in_ours = restore::rule_chain(rule).is_some_and(|c| rules::is_ours(name, c));
-            let into_ours = restore::rule_target(rule).is_some_and(|t| rules::is_ours(name, t));
-            if in_ours || into_ours {
-                out.push(format!("{name} {rule}"));
-            }
-        }
-    }
-    out
-}
-
 /// Removes the userspace mode's chains (and kube-proxy's userspace ones)
 /// and the jumps into them, in the calling thread's network namespace.
 /// Idempotent; nothing happens without iptables installed. Returns how many
@@ -308,15 +292,7 @@ pub fn cleanup() -> Result<usize> {
 
 /// [`cleanup`] through `iptables`.
 pub fn cleanup_with(iptables: &mut dyn Iptables) -> Result<usize> {
-    let saved = Saved::parse(&iptables.save().context("reading the current rules")?);
-    let (input, removed) = restore::removal(&saved, rules::is_ours);
-    if input.is_empty() {
-        return Ok(0);
-    }
-    iptables
-        .restore(&input)
-        .context("removing the userspace mode's chains")?;
-    Ok(removed)
+    restore::remove_chains(iptables, rules::is_ours)
 }
 
 #[cfg(test)]
