@@ -252,7 +252,7 @@ impl Netns {
                 if ifindex == 0 {
                     bail!("no interface {dev}: {}", io::Error::last_os_error());
                 }
-                let prog = bpf::load_xdp_pass().context("loading an XDP_PASS program")?;
+                let prog = bpf::load_pass(bpf::Pass::Xdp).context("loading an XDP_PASS program")?;
                 bpf::link_xdp(&prog, ifindex).with_context(|| format!("attaching XDP_PASS to {dev} in native mode"))
             })?
             .with_context(|| format!("netns {}", self.name))?;
@@ -762,7 +762,10 @@ fn internet_checksum(data: &[u8]) -> u16 {
 }
 
 /// The few bpf(2) calls the harness makes itself.
-mod bpf {
+/// The two bpf(2) calls the test bed needs that do not warrant aya: a
+/// program that only returns a pass code (the XDP peer of a veth, the
+/// benchmarks' baselines) and an XDP link for it.
+pub mod bpf {
     use std::{
         io,
         os::fd::{AsRawFd, FromRawFd, OwnedFd},
@@ -812,23 +815,55 @@ mod bpf {
         Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
     }
 
-    /// `r0 = XDP_PASS; exit`.
-    pub(super) fn load_xdp_pass() -> io::Result<OwnedFd> {
-        #[rustfmt::skip]
-        static INSNS: [u8; 16] = [
-            0xb7, 0x00, 0x00, 0x00, 0x02, 0x00, 0x00, 0x00, // mov64 r0, 2 (XDP_PASS)
-            0x95, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // exit
-        ];
+    const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
+
+    /// A program that only returns its hook's "pass" code.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Pass {
+        /// `return XDP_PASS` (2).
+        Xdp,
+        /// `return TC_ACT_OK` (0), a tc classifier.
+        Tc,
+    }
+
+    impl Pass {
+        /// The code the program returns.
+        pub fn code(self) -> u32 {
+            match self {
+                Pass::Xdp => 2,
+                Pass::Tc => 0,
+            }
+        }
+
+        /// The code's name, for reports.
+        pub fn name(self) -> &'static str {
+            match self {
+                Pass::Xdp => "XDP_PASS",
+                Pass::Tc => "TC_ACT_OK",
+            }
+        }
+    }
+
+    /// Loads `r0 = <pass code>; exit` as the program type of `pass`.
+    pub fn load_pass(pass: Pass) -> io::Result<OwnedFd> {
+        let mut insns = [0u8; 16];
+        insns[0] = 0xb7; // mov64 r0, imm
+        insns[4..8].copy_from_slice(&pass.code().to_le_bytes());
+        insns[8] = 0x95; // exit
         static LICENSE: &[u8] = b"GPL\0";
         let mut name = [0u8; 16];
         name[..9].copy_from_slice(b"test_pass");
+        let (prog_type, expected_attach_type) = match pass {
+            Pass::Xdp => (BPF_PROG_TYPE_XDP, BPF_XDP),
+            Pass::Tc => (BPF_PROG_TYPE_SCHED_CLS, 0),
+        };
         let mut attr = ProgLoadAttr {
-            prog_type: BPF_PROG_TYPE_XDP,
+            prog_type,
             insn_cnt: 2,
-            insns: INSNS.as_ptr() as u64,
+            insns: insns.as_ptr() as u64,
             license: LICENSE.as_ptr() as u64,
             prog_name: name,
-            expected_attach_type: BPF_XDP,
+            expected_attach_type,
             ..Default::default()
         };
         bpf(BPF_PROG_LOAD, &mut attr)

@@ -1,5 +1,5 @@
-//! The bpf(2) commands this module needs beyond what aya offers: loading a
-//! program from raw instructions (the baselines), BPF_PROG_TEST_RUN on any
+//! The bpf(2) commands this module needs beyond what aya offers:
+//! BPF_PROG_TEST_RUN on any
 //! program descriptor (so baselines and the real programs are timed through
 //! the very same call), and opening a pinned object.
 
@@ -13,58 +13,11 @@ use std::{
     path::Path,
 };
 
-const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_PROG_TEST_RUN: libc::c_long = 10;
 
-const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
-const BPF_PROG_TYPE_XDP: u32 = 6;
-const BPF_XDP: u32 = 37;
-
-/// A program that only returns its hook's "pass" code: what is left of a
-/// test run when the program itself costs (next to) nothing.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PassProgram {
-    /// `return XDP_PASS` (2).
-    Xdp,
-    /// `return TC_ACT_OK` (0), a tc classifier.
-    Tc,
-}
-
-impl PassProgram {
-    /// The code the program returns.
-    pub fn code(self) -> u32 {
-        match self {
-            PassProgram::Xdp => 2,
-            PassProgram::Tc => 0,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            PassProgram::Xdp => "XDP_PASS",
-            PassProgram::Tc => "TC_ACT_OK",
-        }
-    }
-}
-
-/// The `BPF_PROG_LOAD` part of `union bpf_attr`, up to `expected_attach_type`.
-#[repr(C)]
-#[derive(Default)]
-struct ProgLoadAttr {
-    prog_type: u32,
-    insn_cnt: u32,
-    insns: u64,
-    license: u64,
-    log_level: u32,
-    log_size: u32,
-    log_buf: u64,
-    kern_version: u32,
-    prog_flags: u32,
-    prog_name: [u8; 16],
-    prog_ifindex: u32,
-    expected_attach_type: u32,
-}
+/// The pass-only baselines are the test bed's.
+pub use testbed::netns::bpf::{Pass as PassProgram, load_pass};
 
 /// The `BPF_PROG_TEST_RUN` part of `union bpf_attr`.
 #[repr(C)]
@@ -112,31 +65,6 @@ fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
 fn owned_fd(ret: libc::c_long) -> OwnedFd {
     // SAFETY: the call succeeded and returned a new descriptor nobody else owns.
     unsafe { OwnedFd::from_raw_fd(ret as i32) }
-}
-
-/// Loads `mov64 r0, <code>; exit` as the given program type.
-pub fn load_pass(kind: PassProgram) -> io::Result<OwnedFd> {
-    let mut insns = [0u8; 16];
-    insns[0] = 0xb7; // mov64 r0, imm
-    insns[4..8].copy_from_slice(&kind.code().to_le_bytes());
-    insns[8] = 0x95; // exit
-    static LICENSE: &[u8] = b"GPL\0";
-    let mut name = [0u8; 16];
-    name[..10].copy_from_slice(b"bench_pass");
-    let (prog_type, expected_attach_type) = match kind {
-        PassProgram::Xdp => (BPF_PROG_TYPE_XDP, BPF_XDP),
-        PassProgram::Tc => (BPF_PROG_TYPE_SCHED_CLS, 0),
-    };
-    let mut attr = ProgLoadAttr {
-        prog_type,
-        insn_cnt: 2,
-        insns: insns.as_ptr() as u64,
-        license: LICENSE.as_ptr() as u64,
-        prog_name: name,
-        expected_attach_type,
-        ..Default::default()
-    };
-    bpf(BPF_PROG_LOAD, &mut attr).map(owned_fd)
 }
 
 /// What one BPF_PROG_TEST_RUN reported.
