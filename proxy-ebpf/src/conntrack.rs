@@ -69,6 +69,8 @@ pub struct Forward {
     pub snat: bool,
     /// XDP picked the backend and left the packet to tc (see [`FLAG_HANDED_TO_TC`]).
     pub handed_to_tc: bool,
+    /// The entry itself, so [`taken_over`] needs no second lookup.
+    entry: *mut CtValue,
 }
 
 #[inline(always)]
@@ -80,16 +82,17 @@ pub fn forward(flow: &Flow) -> Option<Forward> {
         backend_id,
         snat: flags & FLAG_SNAT != 0,
         handed_to_tc: flags & FLAG_HANDED_TO_TC != 0,
+        entry,
     })
 }
 
 /// The tc hook took over a flow XDP handed to it: later packets are
 /// established ones.
 #[inline(always)]
-pub fn taken_over(flow: &Flow) {
-    if let Some(entry) = CONNTRACK.get_ptr_mut(key_of(flow, DIR_FORWARD)) {
-        unsafe { (*entry).flags &= !FLAG_HANDED_TO_TC };
-    }
+pub fn taken_over(tracked: &Forward) {
+    // SAFETY: the pointer came from the map lookup of this same packet's
+    // run; map values stay valid for the program's run (RCU).
+    unsafe { (*tracked.entry).flags &= !FLAG_HANDED_TO_TC };
 }
 
 /// The reverse NAT id of a tracked flow in the reply (backend -> client) direction.

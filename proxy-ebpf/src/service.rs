@@ -60,7 +60,7 @@ fn to_service(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outc
         }
         if tracked.handed_to_tc {
             // The first packet of a flow XDP picked a backend for: new.
-            conntrack::taken_over(flow);
+            conntrack::taken_over(&tracked);
             return translated(nat::dnat(ctx, flow, &backend), Verdict::DnatNew);
         }
         return translated(nat::dnat(ctx, flow, &backend), Verdict::DnatEstablished);
