@@ -156,14 +156,16 @@ impl Agent {
 
     fn sync(&mut self) {
         let now = Instant::now();
-        let desired = self.cluster.desired();
-        if desired.problems != self.logged_problems {
-            self.report_problems(&desired.problems);
-            self.logged_problems = desired.problems.clone();
+        let changed = self.cluster.refresh();
+        let problems = self.cluster.problems();
+        if problems != self.logged_problems {
+            self.report_problems(&problems);
+            self.logged_problems = problems;
         }
         let full = self.schedule.full_due(now);
         let oldest_change = self.schedule.pending_since();
-        let result = tokio::task::block_in_place(|| self.reconciler.sync(&desired.ports, full));
+        let desired = self.cluster.ports();
+        let result = tokio::task::block_in_place(|| self.reconciler.sync(desired, &changed, full));
         let took = now.elapsed();
         self.schedule.record(now, full, result.is_ok());
         match result {
@@ -172,7 +174,7 @@ impl Agent {
                     info!(
                         mode = self.reconciler.mode_name(),
                         full,
-                        services = desired.ports.len(),
+                        services = desired.len(),
                         changed = report.service_changes,
                         kernel_writes = report.kernel_writes,
                         stale_udp_flow_deletions = report.stale_flow_deletions,

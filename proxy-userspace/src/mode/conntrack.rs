@@ -74,10 +74,33 @@ pub fn stale_flows(
     applied: &BTreeMap<String, ServicePort>,
     desired: &BTreeMap<String, ServicePort>,
 ) -> BTreeSet<StaleFlows> {
+    let names: BTreeSet<&String> = applied.keys().chain(desired.keys()).collect();
     let mut stale = BTreeSet::new();
-    for (name, old) in applied.iter().filter(|(_, p)| p.protocol == Protocol::Udp) {
-        let new = desired.get(name).filter(|new| same_frontends(old, new));
+    for name in names {
+        stale_flows_of_port(applied.get(name), desired.get(name), &mut stale);
+    }
+    stale
+}
+
+/// [`stale_flows`] of the ports named in `changed` only (the others are
+/// the same in both states).
+pub fn stale_flows_of(
+    changed: &BTreeSet<String>,
+    applied: &BTreeMap<String, ServicePort>,
+    desired: &BTreeMap<String, ServicePort>,
+) -> BTreeSet<StaleFlows> {
+    let mut stale = BTreeSet::new();
+    for name in changed {
+        stale_flows_of_port(applied.get(name), desired.get(name), &mut stale);
+    }
+    stale
+}
+
+/// The flows one port's change from `old` to `new` left stale.
+fn stale_flows_of_port(old: Option<&ServicePort>, new: Option<&ServicePort>, stale: &mut BTreeSet<StaleFlows>) {
+    if let Some(old) = old.filter(|p| p.protocol == Protocol::Udp) {
         let still_used: BTreeSet<Ipv4Addr> = new
+            .filter(|new| same_frontends(old, new))
             .map(|new| usable_endpoints(&new.endpoints).iter().map(|e| e.addr).collect())
             .unwrap_or_default();
         for endpoint in usable_endpoints(&old.endpoints) {
@@ -96,10 +119,8 @@ pub fn stale_flows(
             }
         }
     }
-    for (name, new) in desired.iter().filter(|(_, p)| p.protocol == Protocol::Udp) {
-        let had_none = applied
-            .get(name)
-            .is_none_or(|old| usable_endpoints(&old.endpoints).is_empty());
+    if let Some(new) = new.filter(|p| p.protocol == Protocol::Udp) {
+        let had_none = old.is_none_or(|old| usable_endpoints(&old.endpoints).is_empty());
         if had_none && !usable_endpoints(&new.endpoints).is_empty() {
             stale.insert(StaleFlows::AllToClusterIp {
                 cluster_ip: new.cluster_ip,
@@ -109,7 +130,6 @@ pub fn stale_flows(
             }
         }
     }
-    stale
 }
 
 /// Whether `new` is still reached at `old`'s addresses (else every flow of

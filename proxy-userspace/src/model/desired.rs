@@ -8,6 +8,7 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use super::{
     Endpoint, Problem, ServicePort,
     endpoint::{SliceInfo, slice_info},
+    join::Joined,
     service::{ServiceInfo, Skip, service_info},
 };
 
@@ -15,11 +16,18 @@ use super::{
 pub type ObjectKey = (String, String);
 
 /// The Services and EndpointSlices known now, one entry per object, so an
-/// update replaces exactly what the object said before.
+/// update replaces exactly what the object said before; and the Service
+/// ports joined from them, brought up to date by [`Cluster::refresh`] for
+/// the Services whose objects changed since.
 #[derive(Clone, Debug, Default)]
 pub struct Cluster {
     services: BTreeMap<ObjectKey, ServiceInfo>,
     slices: BTreeMap<ObjectKey, SliceInfo>,
+    /// The slices of each Service (a slice names its Service by label).
+    slices_of: BTreeMap<ObjectKey, BTreeSet<ObjectKey>>,
+    /// Services whose ports must be joined again.
+    dirty: BTreeSet<ObjectKey>,
+    joined: Joined,
 }
 
 /// Service ports by name (`namespace/service:port`), plus what was left out.
@@ -40,6 +48,7 @@ impl Cluster {
     /// Adds or replaces a Service; returns what was wrong with it.
     pub fn upsert_service(&mut self, svc: &Service) -> Vec<Problem> {
         let key = object_key(&svc.metadata);
+        self.dirty.insert(key.clone());
         match service_info(svc) {
             Ok((info, problems)) => {
                 self.services.insert(key, info);
@@ -57,79 +66,115 @@ impl Cluster {
 
     pub fn delete_service(&mut self, key: &ObjectKey) {
         self.services.remove(key);
+        self.dirty.insert(key.clone());
     }
 
     /// Replaces every Service at once (a relist): objects missing from
     /// `all` were deleted while nobody was watching.
     pub fn replace_services(&mut self, all: &[Service]) -> Vec<Problem> {
-        self.services.clear();
+        let gone = std::mem::take(&mut self.services);
+        self.dirty.extend(gone.into_keys());
         all.iter().flat_map(|svc| self.upsert_service(svc)).collect()
     }
 
     pub fn upsert_slice(&mut self, slice: &EndpointSlice) -> Vec<Problem> {
         let key = object_key(&slice.metadata);
         let (info, problems) = slice_info(slice);
-        match info {
-            Some(info) => self.slices.insert(key, info),
-            None => self.slices.remove(&key),
-        };
+        self.remove_slice(&key);
+        if let Some(info) = info {
+            let service = (key.0.clone(), info.service.clone());
+            self.slices_of.entry(service.clone()).or_default().insert(key.clone());
+            self.dirty.insert(service);
+            self.slices.insert(key, info);
+        }
         problems
     }
 
     pub fn delete_slice(&mut self, key: &ObjectKey) {
-        self.slices.remove(key);
+        self.remove_slice(key);
     }
 
     pub fn replace_slices(&mut self, all: &[EndpointSlice]) -> Vec<Problem> {
-        self.slices.clear();
+        let gone: Vec<ObjectKey> = self.slices.keys().cloned().collect();
+        for key in &gone {
+            self.remove_slice(key);
+        }
         all.iter().flat_map(|slice| self.upsert_slice(slice)).collect()
+    }
+
+    /// Forgets a slice and marks the Service it belonged to.
+    fn remove_slice(&mut self, key: &ObjectKey) {
+        let Some(old) = self.slices.remove(key) else { return };
+        let service = (key.0.clone(), old.service);
+        if let Some(slices) = self.slices_of.get_mut(&service) {
+            slices.remove(key);
+            if slices.is_empty() {
+                self.slices_of.remove(&service);
+            }
+        }
+        self.dirty.insert(service);
     }
 
     pub fn service_count(&self) -> usize {
         self.services.len()
     }
 
-    /// Joins Services with their EndpointSlices into Service ports.
-    pub fn desired(&self) -> Desired {
-        let mut slices_of: BTreeMap<ObjectKey, Vec<&SliceInfo>> = BTreeMap::new();
-        for ((ns, _), slice) in &self.slices {
-            slices_of
-                .entry((ns.clone(), slice.service.clone()))
-                .or_default()
-                .push(slice);
+    /// Joins the Services marked since the last call again; returns the
+    /// names of the ports that changed (added, changed or removed).
+    pub fn refresh(&mut self) -> BTreeSet<String> {
+        while let Some(key) = self.dirty.pop_first() {
+            let ports = self.ports_of(&key);
+            let displaced = self.joined.replace(&key, ports);
+            self.dirty.extend(displaced);
         }
-        let mut desired = Desired::default();
-        let mut frontends = BTreeSet::new();
-        for (key, info) in &self.services {
-            let slices = slices_of.get(key).map(Vec::as_slice).unwrap_or_default();
-            for spec in &info.ports {
-                let name = port_name(key, &spec.port_name);
-                // Two Services cannot share a ClusterIP:port; the API server
-                // prevents it, a hand-written manifest may not.
-                if !frontends.insert((spec.cluster_ip, spec.port, spec.protocol)) {
-                    desired.problems.push(Problem::new(
-                        &name,
-                        format!(
-                            "{}:{}/{} is already used by another Service",
-                            spec.cluster_ip, spec.port, spec.protocol
-                        ),
-                    ));
-                    continue;
-                }
-                let port = ServicePort {
-                    name: name.clone(),
-                    protocol: spec.protocol,
-                    cluster_ip: spec.cluster_ip,
-                    port: spec.port,
-                    node_port: spec.node_port,
-                    endpoints: endpoints_for(slices, &spec.port_name, spec.protocol),
-                    external_policy: spec.external_policy,
-                    internal_policy: spec.internal_policy,
-                };
-                desired.ports.insert(name, port);
-            }
+        self.joined.take_changed()
+    }
+
+    /// The joined ports as of the last [`Cluster::refresh`].
+    pub fn ports(&self) -> &BTreeMap<String, ServicePort> {
+        self.joined.ports()
+    }
+
+    /// Ports left out as of the last [`Cluster::refresh`].
+    pub fn problems(&self) -> Vec<Problem> {
+        self.joined.problems()
+    }
+
+    /// Brings everything up to date and returns a copy (for tests and
+    /// one-shot commands; the agent uses `refresh` and `ports`).
+    pub fn desired(&mut self) -> Desired {
+        self.refresh();
+        Desired {
+            ports: self.ports().clone(),
+            problems: self.problems(),
         }
-        desired
+    }
+
+    /// One Service's ports with the endpoints of its slices.
+    fn ports_of(&self, key: &ObjectKey) -> Vec<ServicePort> {
+        let Some(info) = self.services.get(key) else {
+            return Vec::new();
+        };
+        let slices: Vec<&SliceInfo> = self
+            .slices_of
+            .get(key)
+            .into_iter()
+            .flatten()
+            .filter_map(|slice| self.slices.get(slice))
+            .collect();
+        info.ports
+            .iter()
+            .map(|spec| ServicePort {
+                name: port_name(key, &spec.port_name),
+                protocol: spec.protocol,
+                cluster_ip: spec.cluster_ip,
+                port: spec.port,
+                node_port: spec.node_port,
+                endpoints: endpoints_for(&slices, &spec.port_name, spec.protocol),
+                external_policy: spec.external_policy,
+                internal_policy: spec.internal_policy,
+            })
+            .collect()
     }
 }
 
@@ -390,5 +435,104 @@ mod tests {
         assert_eq!(problems.len(), 1, "{problems:?}");
         assert!(problems[0].reason.contains("\"Locale\""), "{}", problems[0]);
         assert_eq!(cluster.desired().ports["default/typo"].external_policy, C);
+    }
+
+    /// The join done the plain way, as a reference: every Service in key
+    /// order, the first to claim a frontend keeps it.
+    fn joined_afresh(services: &BTreeMap<String, Service>, slices: &BTreeMap<String, EndpointSlice>) -> Desired {
+        let mut objects = Cluster::default();
+        objects.replace_services(&services.values().cloned().collect::<Vec<_>>());
+        objects.replace_slices(&slices.values().cloned().collect::<Vec<_>>());
+        let mut desired = Desired::default();
+        let mut frontends = BTreeSet::new();
+        for key in objects.services.keys() {
+            for port in objects.ports_of(key) {
+                if frontends.insert((port.cluster_ip, port.port, port.protocol)) {
+                    desired.ports.insert(port.name.clone(), port);
+                } else {
+                    let reason = format!(
+                        "{}:{}/{} is already used by another Service",
+                        port.cluster_ip, port.port, port.protocol
+                    );
+                    desired.problems.push(Problem::new(&port.name, reason));
+                }
+            }
+        }
+        desired.problems.sort_by(|a, b| a.object.cmp(&b.object));
+        desired
+    }
+
+    /// Random updates, deletions and relists (a fixed seed): after each
+    /// refresh the incremental state equals a fresh join, and replaying
+    /// only the changed names onto a copy yields it too (what the
+    /// reconciler relies on). Few ClusterIPs, so frontends collide often.
+    #[test]
+    fn incremental_join_equals_a_fresh_join_after_every_change() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let mut cluster = Cluster::default();
+        let mut services: BTreeMap<String, Service> = BTreeMap::new();
+        let mut slices: BTreeMap<String, EndpointSlice> = BTreeMap::new();
+        let mut replayed: BTreeMap<String, ServicePort> = BTreeMap::new();
+        let mut conflicts_seen = 0;
+        for step in 0..600 {
+            let svc_name = format!("s{}", next(6));
+            match next(7) {
+                0 | 1 => {
+                    let spec = json!({"clusterIP": format!("10.96.0.{}", next(3)),
+                        "ports": [{"name": "a", "port": 80 + next(2)}, {"name": "b", "port": 90}]});
+                    let svc = service(&svc_name, spec);
+                    cluster.upsert_service(&svc);
+                    services.insert(svc_name, svc);
+                }
+                2 => {
+                    cluster.delete_service(&("default".into(), svc_name.clone()));
+                    services.remove(&svc_name);
+                }
+                3 | 4 => {
+                    let name = format!("{svc_name}-{}", next(2));
+                    let eps: Vec<_> = (0..next(4))
+                        .map(|i| json!({"addresses": [format!("10.244.0.{}", i + next(3))]}))
+                        .collect();
+                    let sl = slice(&name, &svc_name, json!([{"name": "a", "port": 8080}, {"name": "b", "port": 9090}]), json!(eps));
+                    cluster.upsert_slice(&sl);
+                    slices.insert(name, sl);
+                }
+                5 => {
+                    if let Some(name) = slices.keys().nth(next(slices.len().max(1) as u64) as usize).cloned() {
+                        cluster.delete_slice(&("default".into(), name.clone()));
+                        slices.remove(&name);
+                    }
+                }
+                _ => {
+                    if next(2) == 0 {
+                        cluster.replace_services(&services.values().cloned().collect::<Vec<_>>());
+                    } else {
+                        cluster.replace_slices(&slices.values().cloned().collect::<Vec<_>>());
+                    }
+                }
+            }
+            if next(3) > 0 {
+                continue; // let changes pile up between refreshes too
+            }
+            let changed = cluster.refresh();
+            for name in &changed {
+                match cluster.ports().get(name) {
+                    Some(port) => replayed.insert(name.clone(), port.clone()),
+                    None => replayed.remove(name),
+                };
+            }
+            let fresh = joined_afresh(&services, &slices);
+            assert_eq!(cluster.ports(), &fresh.ports, "step {step}");
+            assert_eq!(cluster.problems(), fresh.problems, "step {step}");
+            assert_eq!(&replayed, cluster.ports(), "step {step}: a change was not reported");
+            conflicts_seen += fresh.problems.len();
+        }
+        assert!(conflicts_seen > 0, "the run never made two Services share a frontend");
     }
 }

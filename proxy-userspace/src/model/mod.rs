@@ -5,6 +5,7 @@
 //! keeps those facts per object and joins them into [`ServicePort`]s.
 
 mod desired;
+mod join;
 pub mod endpoint;
 pub mod service;
 

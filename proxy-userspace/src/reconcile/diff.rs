@@ -1,6 +1,6 @@
 //! `diff(desired, applied) -> Plan`: what a partial sync must change.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::model::ServicePort;
 
@@ -35,16 +35,38 @@ fn identity(port: &ServicePort) -> (std::net::Ipv4Addr, u16, crate::model::Proto
     (port.cluster_ip, port.port, port.protocol)
 }
 
+/// Every change from `applied` to `desired`.
 pub fn diff(desired: &BTreeMap<String, ServicePort>, applied: &BTreeMap<String, ServicePort>) -> Plan {
+    let names: BTreeSet<&String> = desired.keys().chain(applied.keys()).collect();
+    plan_for(names, desired, applied)
+}
+
+/// The changes to the ports named in `changed` only: what a partial sync
+/// needs when the model tracks which ports it touched.
+pub fn diff_of(
+    changed: &BTreeSet<String>,
+    desired: &BTreeMap<String, ServicePort>,
+    applied: &BTreeMap<String, ServicePort>,
+) -> Plan {
+    plan_for(changed.iter(), desired, applied)
+}
+
+fn plan_for<'a>(
+    names: impl IntoIterator<Item = &'a String>,
+    desired: &BTreeMap<String, ServicePort>,
+    applied: &BTreeMap<String, ServicePort>,
+) -> Plan {
     let mut plan = Plan::default();
-    for (name, old) in applied {
-        match desired.get(name) {
-            Some(new) if identity(new) == identity(old) => {}
-            _ => plan.remove.push(old.clone()),
+    for name in names {
+        let (new, old) = (desired.get(name), applied.get(name));
+        if let Some(old) = old
+            && new.is_none_or(|new| identity(new) != identity(old))
+        {
+            plan.remove.push(old.clone());
         }
-    }
-    for (name, new) in desired {
-        if applied.get(name) != Some(new) {
+        if let Some(new) = new
+            && old != Some(new)
+        {
             plan.upsert.push(new.clone());
         }
     }

@@ -4,4 +4,4 @@
 pub mod diff;
 pub mod runner;
 
-pub use diff::{Plan, diff};
+pub use diff::{Plan, diff, diff_of};

@@ -8,14 +8,14 @@
 //! source has delivered its first complete list.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     time::{Duration, Instant},
 };
 
 use anyhow::Result;
 use tracing::warn;
 
-use super::diff;
+use super::{diff, diff_of};
 use crate::{
     mode::{Dataplane, conntrack},
     model::ServicePort,
@@ -173,11 +173,21 @@ impl Reconciler {
         self.mode.name()
     }
 
-    /// Brings the mode to `desired`: everything if `full`, else the diff
-    /// against the last successful sync. After a failure nothing is assumed
-    /// about the kernel: the caller makes the next sync a full one.
-    pub fn sync(&mut self, desired: &BTreeMap<String, ServicePort>, full: bool) -> Result<SyncReport> {
-        let plan = diff(desired, &self.applied);
+    /// Brings the mode to `desired`: everything if `full`, else the ports
+    /// named in `changed` (every port whose entry differs from the last
+    /// successful sync must be named there). After a failure nothing is
+    /// assumed about the kernel: the caller makes the next sync a full one.
+    pub fn sync(
+        &mut self,
+        desired: &BTreeMap<String, ServicePort>,
+        changed: &BTreeSet<String>,
+        full: bool,
+    ) -> Result<SyncReport> {
+        let plan = if full {
+            diff(desired, &self.applied)
+        } else {
+            diff_of(changed, desired, &self.applied)
+        };
         let mut report = SyncReport {
             full,
             service_changes: plan.upsert.len() + plan.remove.len(),
@@ -193,43 +203,57 @@ impl Reconciler {
         } else {
             self.mode.apply(&plan)
         };
-        match result {
-            Ok(()) => {
-                report.kernel_writes = self.mode.kernel_writes() - writes_before;
-                report.stale_flow_deletions = self.delete_stale_flows(desired);
-                self.applied = desired.clone();
-                self.applied_known = true;
-                Ok(report)
-            }
-            Err(e) => {
-                self.applied.clear();
-                self.applied_known = false;
-                Err(e)
+        if let Err(e) = result {
+            self.applied.clear();
+            self.applied_known = false;
+            return Err(e);
+        }
+        report.kernel_writes = self.mode.kernel_writes() - writes_before;
+        if self.flushes_stale_flows() {
+            let stale = if full {
+                conntrack::stale_flows(&self.applied, desired)
+            } else {
+                conntrack::stale_flows_of(changed, &self.applied, desired)
+            };
+            report.stale_flow_deletions = delete_stale_flows(&stale);
+        }
+        if full {
+            self.applied = desired.clone();
+        } else {
+            for name in changed {
+                match desired.get(name) {
+                    Some(port) => self.applied.insert(name.clone(), port.clone()),
+                    None => self.applied.remove(name),
+                };
             }
         }
+        self.applied_known = true;
+        Ok(report)
     }
 }
 
 impl Reconciler {
-    /// Deletes the kernel's conntrack entries of UDP flows whose endpoint
-    /// left (after the new state is in place, so the flows' next packets
-    /// pick a current endpoint). Skipped after a restart or a failure, when
-    /// nothing is known of the state before. A failure here is logged, not
-    /// fatal: the flows still expire on their own.
-    fn delete_stale_flows(&self, desired: &BTreeMap<String, ServicePort>) -> u64 {
-        if !self.mode.nat_in_kernel_conntrack() || !self.applied_known {
-            return 0;
-        }
-        let stale = conntrack::stale_flows(&self.applied, desired);
-        if stale.is_empty() {
-            return 0;
-        }
-        match conntrack::delete(&stale) {
-            Ok(calls) => calls,
-            Err(e) => {
-                warn!(error = format!("{e:#}"), "deleting stale UDP flows");
-                0
-            }
+    /// Whether a sync deletes the kernel's conntrack entries of UDP flows
+    /// whose endpoint left: in the modes that translate in netfilter, and
+    /// only when the state before the sync is known (not after a restart or
+    /// a failure, when every port would look new).
+    fn flushes_stale_flows(&self) -> bool {
+        self.mode.nat_in_kernel_conntrack() && self.applied_known
+    }
+}
+
+/// Deletes `stale` flows (after the new state is in place, so the flows'
+/// next packets pick a current endpoint). A failure is logged, not fatal:
+/// the flows still expire on their own.
+fn delete_stale_flows(stale: &BTreeSet<conntrack::StaleFlows>) -> u64 {
+    if stale.is_empty() {
+        return 0;
+    }
+    match conntrack::delete(stale) {
+        Ok(calls) => calls,
+        Err(e) => {
+            warn!(error = format!("{e:#}"), "deleting stale UDP flows");
+            0
         }
     }
 }
@@ -335,17 +359,19 @@ mod tests {
     fn partial_syncs_send_only_the_diff_and_failures_force_a_full_sync() {
         let fake = Fake::default();
         let mut r = Reconciler::new(Box::new(fake.clone()));
-        r.sync(&desired(&[1]), true).unwrap();
-        r.sync(&desired(&[1]), false).unwrap();
+        let web = BTreeSet::from(["default/web".to_string()]);
+        let none = BTreeSet::new();
+        r.sync(&desired(&[1]), &none, true).unwrap();
+        r.sync(&desired(&[1]), &none, false).unwrap();
         assert_eq!(fake.calls().len(), 1, "an unchanged state is not sent again");
-        let report = r.sync(&desired(&[1, 2]), false).unwrap();
+        let report = r.sync(&desired(&[1, 2]), &web, false).unwrap();
         assert_eq!((report.service_changes, report.endpoint_changes), (1, 2));
         assert!(matches!(&fake.calls()[1], Call::Apply(plan) if plan.upsert.len() == 1));
 
         fake.fail_next(1);
-        assert!(r.sync(&desired(&[2]), false).is_err());
+        assert!(r.sync(&desired(&[2]), &web, false).is_err());
         // The caller retries with a full sync; the fake kernel ends up right.
-        r.sync(&desired(&[2]), true).unwrap();
+        r.sync(&desired(&[2]), &none, true).unwrap();
         assert_eq!(fake.programmed(), desired(&[2]));
         assert!(matches!(fake.calls().last(), Some(Call::ApplyFull(state)) if state == &desired(&[2])));
     }
