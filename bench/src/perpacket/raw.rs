@@ -1,19 +1,15 @@
 //! The bpf(2) commands this module needs beyond what aya offers:
 //! BPF_PROG_TEST_RUN on any
 //! program descriptor (so baselines and the real programs are timed through
-//! the very same call), and opening a pinned object.
+//! the very same call), and opening a pinned object (the agent's).
 
 use std::{
-    ffi::CString,
     io,
-    os::{
-        fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
-        unix::ffi::OsStrExt,
-    },
-    path::Path,
+    os::fd::{AsRawFd, BorrowedFd},
 };
 
-const BPF_OBJ_GET: libc::c_long = 7;
+pub use proxy_userspace::mode::ebpf::sys::obj_get;
+
 const BPF_PROG_TEST_RUN: libc::c_long = 10;
 
 /// The pass-only baselines are the test bed's.
@@ -41,15 +37,6 @@ struct TestRunAttr {
     _pad: u32,
 }
 
-/// The `BPF_OBJ_GET` part of `union bpf_attr`.
-#[repr(C)]
-#[derive(Default)]
-struct ObjGetAttr {
-    pathname: u64,
-    bpf_fd: u32,
-    file_flags: u32,
-}
-
 /// Calls bpf(2) with `attr`; returns its non-negative result.
 fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
     // SAFETY: attr is a fully initialised bpf_attr prefix of the size
@@ -59,12 +46,6 @@ fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
         return Err(io::Error::last_os_error());
     }
     Ok(ret)
-}
-
-/// Takes ownership of the descriptor a successful bpf(2) call returned.
-fn owned_fd(ret: libc::c_long) -> OwnedFd {
-    // SAFETY: the call succeeded and returned a new descriptor nobody else owns.
-    unsafe { OwnedFd::from_raw_fd(ret as i32) }
 }
 
 /// What one BPF_PROG_TEST_RUN reported.
@@ -96,14 +77,4 @@ pub fn test_run(prog: BorrowedFd<'_>, data_in: &[u8], data_out: &mut [u8]) -> io
         duration_ns: attr.duration,
         out_len: attr.data_size_out as usize,
     })
-}
-
-/// Opens the object (map, program, link) pinned at `path`.
-pub fn obj_get(path: &Path) -> io::Result<OwnedFd> {
-    let path = CString::new(path.as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    let mut attr = ObjGetAttr {
-        pathname: path.as_ptr() as u64,
-        ..Default::default()
-    };
-    bpf(BPF_OBJ_GET, &mut attr).map(owned_fd)
 }

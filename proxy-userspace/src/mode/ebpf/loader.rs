@@ -19,7 +19,7 @@ use aya::{
 use proxy_common::maps;
 use tracing::info;
 
-use super::object_bytes;
+use super::{object_bytes, sys};
 
 /// Where on a node an interface sits, which decides the programs it gets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -313,64 +313,6 @@ pub fn detach_pinned_links(pin_path: &Path) -> Result<usize> {
         }
     }
     Ok(detached)
-}
-
-/// The two bpf(2) commands aya does not offer.
-mod sys {
-    use std::{
-        ffi::CString,
-        io,
-        os::fd::{AsRawFd, FromRawFd, OwnedFd},
-        path::Path,
-    };
-
-    const BPF_OBJ_GET: libc::c_long = 7;
-    const BPF_LINK_DETACH: libc::c_long = 34;
-
-    /// `union bpf_attr` for BPF_OBJ_GET (the kernel takes a prefix).
-    #[repr(C)]
-    struct ObjGet {
-        pathname: u64,
-        bpf_fd: u32,
-        file_flags: u32,
-    }
-
-    /// `union bpf_attr` for BPF_LINK_DETACH.
-    #[repr(C)]
-    struct LinkDetach {
-        link_fd: u32,
-    }
-
-    fn bpf<T>(cmd: libc::c_long, attr: &T) -> io::Result<libc::c_long> {
-        // SAFETY: `attr` is a live, initialised prefix of `union bpf_attr`
-        // for `cmd`, and its size is passed along.
-        let ret = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *const T, std::mem::size_of::<T>()) };
-        if ret < 0 {
-            Err(io::Error::last_os_error())
-        } else {
-            Ok(ret)
-        }
-    }
-
-    /// Opens the link pinned at `pin` and detaches it (BPF_LINK_DETACH).
-    pub fn detach_pinned_link(pin: &Path) -> io::Result<()> {
-        let path = CString::new(pin.as_os_str().as_encoded_bytes())
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-        let fd = bpf(
-            BPF_OBJ_GET,
-            &ObjGet {
-                pathname: path.as_ptr() as u64,
-                bpf_fd: 0,
-                file_flags: 0,
-            },
-        )?;
-        let fd = i32::try_from(fd).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-        // SAFETY: BPF_OBJ_GET returned a new descriptor that nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let link_fd = u32::try_from(fd.as_raw_fd()).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-        bpf(BPF_LINK_DETACH, &LinkDetach { link_fd })?;
-        Ok(())
-    }
 }
 
 fn open_pinned_link(pin: &Path) -> Result<Option<FdLink>> {

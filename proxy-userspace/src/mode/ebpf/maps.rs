@@ -1,33 +1,42 @@
-//! Writes the model into the pinned maps, one Service port at a time.
+//! Writes the model into the pinned maps.
 //!
 //! This is the only code that writes the Service maps: the agent's ebpf mode
-//! and the tests go through it. Writes are ordered so that a packet never sees
-//! a half-programmed Service:
+//! and the tests go through it. Writes are staged and reach the kernel in
+//! batches ([`ServiceMaps::batch`]; every public write method is one batch
+//! of its own unless called inside one), ordered so that a packet never
+//! sees a half-programmed Service (see [`FLUSH_STAGES`]):
 //! - backends before the slots that name them, slots before the service
 //!   entry that points at them (a whole new set under a fresh id);
 //! - the service entry is swapped in one update (atomic for readers);
-//! - old slots, then unreferenced backends, are deleted last.
+//! - removed service entries, then old slots, then unreferenced backends,
+//!   are deleted last.
 //!
 //! A Service port is known by its ClusterIP frontend. On open, whatever an
 //! earlier agent left in the pinned maps is read back as applied state
 //! ("adopted"), so syncing the same Services again writes nothing, and
-//! [`ServiceMaps::retain`] removes only what is no longer wanted.
+//! [`ServiceMaps::retain`] removes only what is no longer wanted. After a
+//! failed batch nothing is assumed: the next one reads the maps back first.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap as StdHashMap},
+    hash::Hash,
     net::Ipv4Addr,
+    os::fd::{AsFd, BorrowedFd},
     path::Path,
+    sync::atomic::{AtomicBool, AtomicU64, Ordering},
 };
 
 use anyhow::{Context, Result, bail};
-use aya::maps::{HashMap, Map, MapData, PerCpuArray};
+use aya::maps::{HashMap, IterableMap, Map, MapData, PerCpuArray};
 use proxy_common::{
     Backend, BackendSlotKey, CtKey, CtValue, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter,
     backend::FLAG_LOCAL,
     maps,
     service::{FLAG_EXTERNAL_LOCAL, FLAG_INTERNAL_LOCAL, FLAG_NEEDS_SNAT, FLAG_NODE_PORT, FLAGS_LOCAL},
 };
+use tracing::info;
 
+use super::sys::{self, BatchError};
 use crate::{
     mode::EndpointSets,
     model::{Endpoint, ServicePort},
@@ -36,8 +45,8 @@ use crate::{
 /// What was written for one Service port, to diff the next write against.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Applied {
-    /// Frontend key -> its reverse NAT id.
-    frontends: BTreeMap<ServiceKeyOrd, u32>,
+    /// Frontend key -> the service entry written for it.
+    frontends: BTreeMap<ServiceKeyOrd, ServiceValue>,
     backend_set: u32,
     /// Backend ids in slot order.
     backends: Vec<u32>,
@@ -85,9 +94,17 @@ pub struct ServiceMaps {
     backend_ids: IdAllocator,
     set_ids: IdAllocator,
     rev_nat_ids: IdAllocator,
-    /// Map updates and deletes issued so far (a sync that finds everything
-    /// in place adds none).
-    writes: u64,
+    /// Entries found in the maps that no adopted Service port references
+    /// (left by an agent that died halfway through a sync, or by a failed
+    /// batch): [`Self::retain`] deletes them.
+    leftovers: Leftovers,
+    /// Writes of the batch under way, not in the kernel yet.
+    staged: Staged,
+    /// Inside [`Self::batch`]: writes wait for its end.
+    batching: bool,
+    /// A batch failed: the bookkeeping above may not match the maps.
+    must_read_back: bool,
+    writer: Writer,
 }
 
 fn open<K: aya::Pod, V: aya::Pod>(pin_path: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
@@ -120,11 +137,30 @@ impl ServiceMaps {
             backend_ids: IdAllocator::default(),
             set_ids: IdAllocator::default(),
             rev_nat_ids: IdAllocator::default(),
-            writes: 0,
+            leftovers: Leftovers::default(),
+            staged: Staged::default(),
+            batching: false,
+            must_read_back: false,
+            writer: Writer::default(),
         };
-        this.reserve_ids_in_use()?;
-        this.adopt()?;
+        this.read_back()?;
         Ok(this)
+    }
+
+    /// Rebuilds the bookkeeping from the maps: the ids in use, the adopted
+    /// Service ports and the leftovers. Port names and where the id
+    /// allocators got to are kept.
+    fn read_back(&mut self) -> Result<()> {
+        self.applied.clear();
+        self.backend_refs.clear();
+        self.backend_addrs.clear();
+        for ids in [&mut self.backend_ids, &mut self.set_ids, &mut self.rev_nat_ids] {
+            ids.forget_used();
+        }
+        let found = self.reserve_ids_in_use()?;
+        self.adopt()?;
+        self.leftovers = self.unreferenced(found);
+        Ok(())
     }
 
     /// Reads the frontends in the maps back into `applied`, grouped by the
@@ -148,10 +184,7 @@ impl ServiceMaps {
                 .max()
                 .unwrap_or(0);
             let backends = self.adopt_backend_set(set, len);
-            let frontends = members
-                .iter()
-                .map(|(k, v)| (ServiceKeyOrd::from(*k), v.rev_nat_id))
-                .collect();
+            let frontends = members.iter().map(|(k, v)| (ServiceKeyOrd::from(*k), *v)).collect();
             let (backend_set, backends) = match backends {
                 Some(ids) => (set, ids),
                 None => (0, Vec::new()),
@@ -168,25 +201,25 @@ impl ServiceMaps {
         Ok(())
     }
 
-    /// The backend ids in a pinned set, taking a reference on each.
+    /// The backend ids in a pinned set, taking a reference on each; `None`
+    /// (and no reference taken) if the set is incomplete.
     fn adopt_backend_set(&mut self, set: u32, count: u32) -> Option<Vec<u32>> {
-        let mut ids = Vec::new();
+        let mut members = Vec::new();
         for slot in 0..count {
             let id = self.slots.get(&BackendSlotKey { backend_set: set, slot }, 0).ok()?;
             let backend = self.backends.get(&id, 0).ok()?;
-            let addr = (backend.addr(), backend.port(), backend.proto);
-            match self.backend_refs.get_mut(&addr) {
-                Some((held, refs)) if *held == id => *refs += 1,
-                // The same address under two ids: let the next sync rewrite it.
-                Some(_) => return None,
-                None => {
-                    self.backend_refs.insert(addr, (id, 1));
-                    self.backend_addrs.insert(id, addr);
-                }
-            }
-            ids.push(id);
+            members.push((id, (backend.addr(), backend.port(), backend.proto)));
         }
-        Some(ids)
+        // The same address under two ids: let the next sync rewrite it.
+        let aliased = |(id, addr): &(u32, _)| self.backend_refs.get(addr).is_some_and(|(held, _)| held != id);
+        if members.iter().any(aliased) {
+            return None;
+        }
+        for (id, addr) in &members {
+            self.backend_refs.entry(*addr).or_insert((*id, 0)).1 += 1;
+            self.backend_addrs.insert(*id, *addr);
+        }
+        Some(members.into_iter().map(|(id, _)| id).collect())
     }
 
     /// Sets which endpoints are local (see the field) and masqueradeAll.
@@ -204,17 +237,64 @@ impl ServiceMaps {
 
     /// Ids already present in the maps (left by an earlier agent) are never
     /// handed out again, so a new write cannot alias an entry still in use.
-    fn reserve_ids_in_use(&mut self) -> Result<()> {
+    /// Returns the keys found.
+    fn reserve_ids_in_use(&mut self) -> Result<Leftovers> {
+        let mut found = Leftovers::default();
         for id in self.backends.keys() {
-            self.backend_ids.reserve(id?);
+            let id = id?;
+            self.backend_ids.reserve(id);
+            found.backends.push(id);
         }
         for id in self.rev_nat.keys() {
-            self.rev_nat_ids.reserve(id?);
+            let id = id?;
+            self.rev_nat_ids.reserve(id);
+            found.rev_nats.push(id);
         }
         for key in self.slots.keys() {
-            self.set_ids.reserve(key?.backend_set);
+            let key = key?;
+            self.set_ids.reserve(key.backend_set);
+            found.slots.push(key);
         }
-        Ok(())
+        Ok(found)
+    }
+
+    /// The part of `found` that no adopted Service port references.
+    fn unreferenced(&self, mut found: Leftovers) -> Leftovers {
+        let sets: BTreeSet<u32> = self.applied.values().map(|a| a.backend_set).collect();
+        let rev_nats: BTreeSet<u32> = self
+            .applied
+            .values()
+            .flat_map(|a| a.frontends.values().map(|v| v.rev_nat_id))
+            .collect();
+        found.slots.retain(|k| !sets.contains(&k.backend_set));
+        found.backends.retain(|id| !self.backend_addrs.contains_key(id));
+        found.rev_nats.retain(|id| !rev_nats.contains(id));
+        found
+    }
+
+    /// Runs `f` (calls of this handle's write methods) and writes what it
+    /// staged in one go: one batch call per map and chunk of entries, in
+    /// [`FLUSH_STAGES`]. What `f` staged before failing is written all the
+    /// same; after any failure the next batch reads the maps back first.
+    /// Inside a batch, a nested one is part of it.
+    pub fn batch<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        if self.batching {
+            let result = f(self);
+            self.must_read_back |= result.is_err();
+            return result;
+        }
+        if self.must_read_back {
+            self.read_back().context("reading the maps back after a failed write")?;
+            self.must_read_back = false;
+        }
+        self.batching = true;
+        let result = f(self);
+        self.batching = false;
+        let flushed = self.flush();
+        self.must_read_back = result.is_err() || flushed.is_err();
+        let value = result?;
+        flushed?;
+        Ok(value)
     }
 
     /// Programs one Service port: its frontends (ClusterIP, and every node IP
@@ -222,6 +302,10 @@ impl ServiceMaps {
     /// policies (`SlotLayout`). Writes nothing if it is already programmed
     /// as asked.
     pub fn sync_service(&mut self, svc: &ServicePort) -> Result<()> {
+        self.batch(|this| this.stage_service(svc))
+    }
+
+    fn stage_service(&mut self, svc: &ServicePort) -> Result<()> {
         let proto = svc.protocol.number();
         let id = ServiceKeyOrd::from(ServiceKey::new(svc.cluster_ip, svc.port, proto));
         if let Some(previous) = self.names.insert(svc.name.clone(), id)
@@ -233,7 +317,7 @@ impl ServiceMaps {
 
         let sets = EndpointSets::of(svc, self.node_name.as_deref());
         let layout = SlotLayout::of(&sets)?;
-        let mut backends = Vec::new();
+        let mut backends = Vec::with_capacity(layout.slots.len());
         for ep in &layout.slots {
             let local = self.is_local(ep);
             backends.push(self.acquire_backend(ep.addr, ep.port, proto, local)?);
@@ -247,8 +331,9 @@ impl ServiceMaps {
         let mut frontends = BTreeMap::new();
         for (key, is_node_port) in self.frontends_of(svc) {
             let ord = ServiceKeyOrd::from(key);
-            let rev_nat_id = match old.frontends.get(&ord) {
-                Some(&id) => id,
+            let written = old.frontends.get(&ord);
+            let rev_nat_id = match written {
+                Some(value) => value.rev_nat_id,
                 None => self.new_rev_nat(key)?,
             };
             let (backend_offset, backend_count, flags) = self.frontend_use(svc, &sets, &layout, is_node_port);
@@ -260,23 +345,22 @@ impl ServiceMaps {
                 affinity_timeout_s: 0,
                 backend_offset,
             };
-            if self.services.get(&key, 0).ok() != Some(value) {
-                self.services
-                    .insert(key, value, 0)
-                    .with_context(|| format!("writing frontend of {}", svc.name))?;
-                self.writes += 1;
+            // The bookkeeping, not a read of the map: it matches the map
+            // (read back after any failure), and a read per frontend costs.
+            if written != Some(&value) {
+                self.staged.services.write(key, value);
             }
-            frontends.insert(ord, rev_nat_id);
+            frontends.insert(ord, value);
         }
 
         // Everything below removes what the new state no longer references.
-        for (ord, rev_nat_id) in &old.frontends {
+        for (ord, value) in &old.frontends {
             if !frontends.contains_key(ord) {
-                self.remove_frontend((*ord).into(), *rev_nat_id)?;
+                self.remove_frontend((*ord).into(), value.rev_nat_id);
             }
         }
         if old.backend_set != 0 && old.backend_set != backend_set {
-            self.delete_backend_set(old.backend_set, old.backends.len())?;
+            self.delete_backend_set(old.backend_set, old.backends.len());
         }
         for id in &old.backends {
             self.release_backend(*id)?;
@@ -322,87 +406,69 @@ impl ServiceMaps {
 
     /// Removes a Service port programmed by [`Self::sync_service`].
     pub fn remove_service(&mut self, name: &str) -> Result<()> {
-        match self.names.remove(name) {
-            Some(id) => self.remove_by_key(id),
+        self.batch(|this| match this.names.remove(name) {
+            Some(id) => this.remove_by_key(id),
             None => Ok(()),
-        }
+        })
     }
 
     /// Removes a Service port by its frontend, whoever programmed it.
     pub fn remove_port(&mut self, port: &ServicePort) -> Result<()> {
         let id = ServiceKeyOrd::from(ServiceKey::new(port.cluster_ip, port.port, port.protocol.number()));
-        if self.names.get(&port.name) == Some(&id) {
-            self.names.remove(&port.name);
-        }
-        self.remove_by_key(id)
+        self.batch(|this| {
+            if this.names.get(&port.name) == Some(&id) {
+                this.names.remove(&port.name);
+            }
+            this.remove_by_key(id)
+        })
     }
 
     /// Removes every Service port not in `keep` (adopted ones included), then
-    /// whatever the maps hold that no Service port references.
+    /// whatever the maps held at open (or after a failed write) that no
+    /// Service port references.
     pub fn retain(&mut self, keep: &[&ServicePort]) -> Result<()> {
         let keep: BTreeSet<ServiceKeyOrd> = keep
             .iter()
             .map(|p| ServiceKey::new(p.cluster_ip, p.port, p.protocol.number()).into())
             .collect();
-        let stale: Vec<ServiceKeyOrd> = self.applied.keys().filter(|k| !keep.contains(k)).copied().collect();
-        for id in stale {
-            self.remove_by_key(id)?;
-        }
-        self.names.retain(|_, id| keep.contains(id));
-        self.remove_orphans()
+        self.batch(|this| {
+            let stale: Vec<ServiceKeyOrd> = this.applied.keys().filter(|k| !keep.contains(k)).copied().collect();
+            for id in stale {
+                this.remove_by_key(id)?;
+            }
+            this.names.retain(|_, id| keep.contains(id));
+            this.remove_leftovers();
+            Ok(())
+        })
     }
 
-    /// Deletes slots, backends and reverse NAT entries nothing points at
-    /// (left behind by an agent that died halfway through a sync).
-    fn remove_orphans(&mut self) -> Result<()> {
-        let sets: BTreeSet<u32> = self.applied.values().map(|a| a.backend_set).collect();
-        let rev_nats: BTreeSet<u32> = self
-            .applied
-            .values()
-            .flat_map(|a| a.frontends.values().copied())
-            .collect();
-        let orphan_slots: Vec<BackendSlotKey> = self
-            .slots
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|k| !sets.contains(&k.backend_set))
-            .collect();
-        for key in orphan_slots {
-            self.writes += remove_if_present(&mut self.slots, &key)?;
+    /// Deletes the leftovers found when the maps were read back. Their ids
+    /// were reserved then, so nothing written since can be among them.
+    fn remove_leftovers(&mut self) {
+        let leftovers = std::mem::take(&mut self.leftovers);
+        for key in leftovers.slots {
+            self.staged.slots.delete(key);
             self.set_ids.release(key.backend_set);
         }
-        let orphan_backends: Vec<u32> = self
-            .backends
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|id| !self.backend_addrs.contains_key(id))
-            .collect();
-        for id in orphan_backends {
-            self.writes += remove_if_present(&mut self.backends, &id)?;
+        for id in leftovers.backends {
+            self.staged.backends.delete(id);
             self.backend_ids.release(id);
         }
-        let orphan_rev_nats: Vec<u32> = self
-            .rev_nat
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|id| !rev_nats.contains(id))
-            .collect();
-        for id in orphan_rev_nats {
-            self.writes += remove_if_present(&mut self.rev_nat, &id)?;
+        for id in leftovers.rev_nats {
+            self.staged.rev_nat.delete(id);
             self.rev_nat_ids.release(id);
         }
-        Ok(())
     }
 
     fn remove_by_key(&mut self, id: ServiceKeyOrd) -> Result<()> {
         let Some(old) = self.applied.remove(&id) else {
             return Ok(());
         };
-        for (ord, rev_nat_id) in &old.frontends {
-            self.remove_frontend((*ord).into(), *rev_nat_id)?;
+        for (ord, value) in &old.frontends {
+            self.remove_frontend((*ord).into(), value.rev_nat_id);
         }
         if old.backend_set != 0 {
-            self.delete_backend_set(old.backend_set, old.backends.len())?;
+            self.delete_backend_set(old.backend_set, old.backends.len());
         }
         for id in &old.backends {
             self.release_backend(*id)?;
@@ -410,14 +476,45 @@ impl ServiceMaps {
         Ok(())
     }
 
+    /// Writes everything staged, stage after stage of [`FLUSH_STAGES`]. On
+    /// failure the rest is dropped (the caller reads the maps back).
+    fn flush(&mut self) -> Result<()> {
+        let staged = std::mem::take(&mut self.staged).split();
+        for stage in FLUSH_STAGES {
+            let jobs = (stage.iter().copied())
+                .filter(|step| staged.entries_of(*step) > 0)
+                .map(|step| (step, self.job(step, &staged)))
+                .collect();
+            run_stage(jobs, staged.entries(stage) >= SPREAD_FROM)?;
+        }
+        Ok(())
+    }
+
+    /// What `step` writes of `staged`, ready to run on any thread.
+    fn job<'a>(&'a self, step: Step, staged: &'a SplitStaged) -> Job<'a> {
+        let writer = &self.writer;
+        match step {
+            Step::Write(Table::Backends) => writer.write_job(fd_of(&self.backends), &staged.backends),
+            Step::Write(Table::Slots) => writer.write_job(fd_of(&self.slots), &staged.slots),
+            Step::Write(Table::RevNat) => writer.write_job(fd_of(&self.rev_nat), &staged.rev_nat),
+            Step::Write(Table::Services) => writer.write_job(fd_of(&self.services), &staged.services),
+            Step::Delete(Table::Backends) => writer.delete_job(fd_of(&self.backends), &staged.backends),
+            Step::Delete(Table::Slots) => writer.delete_job(fd_of(&self.slots), &staged.slots),
+            Step::Delete(Table::RevNat) => writer.delete_job(fd_of(&self.rev_nat), &staged.rev_nat),
+            Step::Delete(Table::Services) => writer.delete_job(fd_of(&self.services), &staged.services),
+        }
+    }
+
     /// Names of the Service ports programmed through this handle.
     pub fn service_names(&self) -> impl Iterator<Item = &str> {
         self.names.keys().map(String::as_str)
     }
 
-    /// Map updates and deletes issued through this handle so far.
+    /// Map entries written and deleted through this handle so far (a sync
+    /// that finds everything in place adds none; batch calls count their
+    /// entries).
     pub fn writes(&self) -> u64 {
-        self.writes
+        self.writer.writes.load(Ordering::Relaxed)
     }
 
     /// Number of Service ports in the maps, adopted ones included.
@@ -545,23 +642,17 @@ impl ServiceMaps {
 
     fn write_backend_set(&mut self, backends: &[u32]) -> Result<u32> {
         let set = self.set_ids.allocate()?;
-        for (slot, id) in backends.iter().enumerate() {
-            let key = BackendSlotKey {
-                backend_set: set,
-                slot: slot as u32,
-            };
-            self.slots.insert(key, id, 0).context("writing a backend slot")?;
-            self.writes += 1;
+        for (slot, id) in (0u32..).zip(backends) {
+            self.staged.slots.write(BackendSlotKey { backend_set: set, slot }, *id);
         }
         Ok(set)
     }
 
-    fn delete_backend_set(&mut self, set: u32, len: usize) -> Result<()> {
-        for slot in 0..len as u32 {
-            self.writes += remove_if_present(&mut self.slots, &BackendSlotKey { backend_set: set, slot })?;
+    fn delete_backend_set(&mut self, set: u32, len: usize) {
+        for slot in (0u32..).take(len) {
+            self.staged.slots.delete(BackendSlotKey { backend_set: set, slot });
         }
         self.set_ids.release(set);
-        Ok(())
     }
 
     fn new_rev_nat(&mut self, key: ServiceKey) -> Result<u32> {
@@ -571,18 +662,14 @@ impl ServiceMaps {
             port_be: key.port_be,
             _pad: 0,
         };
-        self.rev_nat
-            .insert(id, value, 0)
-            .context("writing a reverse NAT entry")?;
-        self.writes += 1;
+        self.staged.rev_nat.write(id, value);
         Ok(id)
     }
 
-    fn remove_frontend(&mut self, key: ServiceKey, rev_nat_id: u32) -> Result<()> {
-        self.writes += remove_if_present(&mut self.services, &key)?;
-        self.writes += remove_if_present(&mut self.rev_nat, &rev_nat_id)?;
+    fn remove_frontend(&mut self, key: ServiceKey, rev_nat_id: u32) {
+        self.staged.services.delete(key);
+        self.staged.rev_nat.delete(rev_nat_id);
         self.rev_nat_ids.release(rev_nat_id);
-        Ok(())
     }
 
     fn acquire_backend(&mut self, addr: Ipv4Addr, port: u16, proto: u8, local: bool) -> Result<u32> {
@@ -591,17 +678,11 @@ impl ServiceMaps {
             return Ok(*id);
         }
         let id = self.backend_ids.allocate()?;
-        self.backends
-            .insert(
-                id,
-                Backend {
-                    flags: if local { FLAG_LOCAL } else { 0 },
-                    ..Backend::new(addr, port, proto)
-                },
-                0,
-            )
-            .context("writing a backend")?;
-        self.writes += 1;
+        let backend = Backend {
+            flags: if local { FLAG_LOCAL } else { 0 },
+            ..Backend::new(addr, port, proto)
+        };
+        self.staged.backends.write(id, backend);
         self.backend_refs.insert((addr, port, proto), (id, 1));
         self.backend_addrs.insert(id, (addr, port, proto));
         Ok(id)
@@ -618,7 +699,7 @@ impl ServiceMaps {
         if entry.1 == 0 {
             self.backend_refs.remove(&addr_key);
             self.backend_addrs.remove(&id);
-            self.writes += remove_if_present(&mut self.backends, &id)?;
+            self.staged.backends.delete(id);
             self.backend_ids.release(id);
         }
         Ok(())
@@ -704,16 +785,387 @@ impl IdAllocator {
     fn release(&mut self, id: u32) {
         self.used.remove(&id);
     }
+
+    /// Forgets which ids are taken (before reading the maps back), but not
+    /// where allocation got to: freed ids stay out of reach.
+    fn forget_used(&mut self) {
+        self.used.clear();
+    }
 }
 
-/// Deletes `key`; 1 if it was there, 0 if not.
-fn remove_if_present<K: aya::Pod, V: aya::Pod>(map: &mut HashMap<MapData, K, V>, key: &K) -> Result<u64> {
-    match map.remove(key) {
-        Ok(()) => Ok(1),
-        Err(aya::maps::MapError::KeyNotFound) => Ok(0),
-        Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(0),
-        Err(e) => Err(e.into()),
+/// Keys found in the maps, by map.
+#[derive(Debug, Default)]
+struct Leftovers {
+    slots: Vec<BackendSlotKey>,
+    backends: Vec<u32>,
+    rev_nats: Vec<u32>,
+}
+
+/// The writes of one batch, per map.
+#[derive(Default)]
+struct Staged {
+    services: Pending<ServiceKey, ServiceValue>,
+    slots: Pending<BackendSlotKey, u32>,
+    backends: Pending<u32, Backend>,
+    rev_nat: Pending<u32, RevNat>,
+}
+
+impl Staged {
+    fn split(self) -> SplitStaged {
+        SplitStaged {
+            services: self.services.split(),
+            slots: self.slots.split(),
+            backends: self.backends.split(),
+            rev_nat: self.rev_nat.split(),
+        }
     }
+}
+
+/// [`Staged`] as it goes to the kernel.
+struct SplitStaged {
+    services: Split<ServiceKey, ServiceValue>,
+    slots: Split<BackendSlotKey, u32>,
+    backends: Split<u32, Backend>,
+    rev_nat: Split<u32, RevNat>,
+}
+
+impl SplitStaged {
+    /// Entries the steps of `stage` write or delete.
+    fn entries(&self, stage: &[Step]) -> usize {
+        stage.iter().map(|step| self.entries_of(*step)).sum()
+    }
+
+    fn entries_of(&self, step: Step) -> usize {
+        match step.table() {
+            Table::Backends => self.backends.entries_of(step),
+            Table::Slots => self.slots.entries_of(step),
+            Table::RevNat => self.rev_nat.entries_of(step),
+            Table::Services => self.services.entries_of(step),
+        }
+    }
+}
+
+/// One map's staged writes, in the order they were staged: `Some` writes
+/// the value, `None` deletes the key.
+struct Pending<K, V> {
+    ops: Vec<(K, Option<V>)>,
+    deletes: usize,
+}
+
+impl<K, V> Default for Pending<K, V> {
+    fn default() -> Self {
+        Self {
+            ops: Vec::new(),
+            deletes: 0,
+        }
+    }
+}
+
+/// A map's staged writes as they go to the kernel: the last operation
+/// staged per key, writes and deletes apart, each in staging order.
+#[derive(Debug, PartialEq, Eq)]
+struct Split<K, V> {
+    keys: Vec<K>,
+    values: Vec<V>,
+    deletes: Vec<K>,
+}
+
+impl<K, V> Split<K, V> {
+    /// Entries `step` (a step on this map) writes or deletes.
+    fn entries_of(&self, step: Step) -> usize {
+        match step {
+            Step::Write(_) => self.keys.len(),
+            Step::Delete(_) => self.deletes.len(),
+        }
+    }
+}
+
+impl<K: Copy + Eq + Hash, V: Copy> Pending<K, V> {
+    fn write(&mut self, key: K, value: V) {
+        self.ops.push((key, Some(value)));
+    }
+
+    fn delete(&mut self, key: K) {
+        self.ops.push((key, None));
+        self.deletes += 1;
+    }
+
+    /// Writes and deletes go to the kernel in separate steps, so a key
+    /// staged both ways (a frontend that moved from a removed Service port
+    /// to a new one) must keep only its last operation. Repeated writes
+    /// alone, or repeated deletes alone, end the same in staging order.
+    fn split(self) -> Split<K, V> {
+        let mixed = self.deletes > 0 && self.deletes < self.ops.len();
+        let last: StdHashMap<K, usize> = if mixed {
+            self.ops.iter().enumerate().map(|(i, (k, _))| (*k, i)).collect()
+        } else {
+            StdHashMap::new()
+        };
+        let mut out = Split {
+            keys: Vec::with_capacity(self.ops.len() - self.deletes),
+            values: Vec::with_capacity(self.ops.len() - self.deletes),
+            deletes: Vec::with_capacity(self.deletes),
+        };
+        for (i, (key, op)) in self.ops.into_iter().enumerate() {
+            if mixed && last.get(&key) != Some(&i) {
+                continue;
+            }
+            match op {
+                Some(value) => {
+                    out.keys.push(key);
+                    out.values.push(value);
+                }
+                None => out.deletes.push(key),
+            }
+        }
+        out
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Table {
+    Backends,
+    Slots,
+    RevNat,
+    Services,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Step {
+    Write(Table),
+    Delete(Table),
+}
+
+impl Step {
+    fn table(self) -> Table {
+        match self {
+            Step::Write(t) | Step::Delete(t) => t,
+        }
+    }
+}
+
+impl std::fmt::Display for Step {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (verb, table) = match self {
+            Step::Write(t) => ("writing", t),
+            Step::Delete(t) => ("deleting", t),
+        };
+        let what = match table {
+            Table::Backends => "backends",
+            Table::Slots => "backend slots",
+            Table::RevNat => "reverse NAT entries",
+            Table::Services => "frontends",
+        };
+        write!(f, "{verb} {what}")
+    }
+}
+
+/// The order a batch reaches the kernel in: stage after stage, the steps
+/// of a stage possibly at the same time. Whatever a frontend will point at
+/// is in place before the frontend is written (the first stage writes
+/// fresh ids nothing points at yet, so its maps can fill side by side); a
+/// frontend stops pointing at something (rewritten or deleted) before that
+/// goes: old slots before the backends they name. Reverse NAT entries go
+/// after their frontend, as conntrack entries of its flows still use them
+/// until then.
+const FLUSH_STAGES: [&[Step]; 6] = [
+    &[
+        Step::Write(Table::Backends),
+        Step::Write(Table::Slots),
+        Step::Write(Table::RevNat),
+    ],
+    &[Step::Write(Table::Services)],
+    &[Step::Delete(Table::Services)],
+    &[Step::Delete(Table::RevNat)],
+    &[Step::Delete(Table::Slots)],
+    &[Step::Delete(Table::Backends)],
+];
+
+/// Entries per batch call: enough to make the call's own cost vanish,
+/// bounded so one call never holds the CPU in the kernel for long.
+const BATCH_CHUNK: usize = 4096;
+
+/// A stage with this many entries runs its steps on threads of their own:
+/// the kernel's cost per entry dominates a large sync (an allocation and a
+/// hash insert each), and the maps of one stage do not share locks.
+const SPREAD_FROM: usize = 4 * BATCH_CHUNK;
+
+/// One step of a flush, borrowing the staged entries and the map's fd.
+type Job<'a> = Box<dyn FnOnce() -> Result<()> + Send + 'a>;
+
+/// Runs the steps of a stage: one after another, or each on a thread if
+/// `spread`. The first failure is returned, after every step has ended.
+fn run_stage(jobs: Vec<(Step, Job<'_>)>, spread: bool) -> Result<()> {
+    if !spread || jobs.len() < 2 {
+        for (step, job) in jobs {
+            job().with_context(|| step.to_string())?;
+        }
+        return Ok(());
+    }
+    std::thread::scope(|scope| {
+        let running: Vec<_> = jobs.into_iter().map(|(step, job)| (step, scope.spawn(job))).collect();
+        let mut outcome = Ok(());
+        for (step, thread) in running {
+            let result = thread
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+                .with_context(|| step.to_string());
+            outcome = outcome.and(result);
+        }
+        outcome
+    })
+}
+
+/// Writes entries to the kernel, in batches where it can; shared by the
+/// threads of a stage.
+#[derive(Default)]
+struct Writer {
+    /// Set when the kernel turns a batch call down (Linux < 5.6).
+    no_batches: AtomicBool,
+    /// Entries written or deleted so far.
+    writes: AtomicU64,
+}
+
+fn fd_of<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>) -> BorrowedFd<'_> {
+    IterableMap::map(map).fd().as_fd()
+}
+
+impl Writer {
+    fn write_job<'a, K: aya::Pod + Sync, V: aya::Pod + Sync>(
+        &'a self,
+        map: BorrowedFd<'a>,
+        split: &'a Split<K, V>,
+    ) -> Job<'a> {
+        Box::new(move || self.write(map, &split.keys, &split.values))
+    }
+
+    fn delete_job<'a, K: aya::Pod + Sync, V: Sync>(&'a self, map: BorrowedFd<'a>, split: &'a Split<K, V>) -> Job<'a> {
+        Box::new(move || self.delete(map, &split.deletes))
+    }
+
+    fn count(&self, entries: u64) {
+        self.writes.fetch_add(entries, Ordering::Relaxed);
+    }
+
+    fn write<K: aya::Pod, V: aya::Pod>(&self, map: BorrowedFd<'_>, keys: &[K], values: &[V]) -> Result<()> {
+        let (mut keys, mut values) = (keys, values);
+        if !self.no_batches.load(Ordering::Relaxed) {
+            let mut written = 0;
+            let stop = update_in_chunks(keys, values, &mut written, |k, v| sys::map_update_batch(map, k, v));
+            self.count(written);
+            match stop {
+                None => return Ok(()),
+                Some(stop) if stop.error.unsupported() => {
+                    self.batches_unsupported(&stop.error);
+                    (keys, values) = (&keys[stop.at..], &values[stop.at..]);
+                }
+                Some(stop) => return Err(stop.error.into()),
+            }
+        }
+        for (key, value) in keys.iter().zip(values) {
+            sys::map_update_elem(map, key, value)?;
+            self.count(1);
+        }
+        Ok(())
+    }
+
+    /// Deletes `keys`; a key that is not there is no error (and no write).
+    fn delete<K: aya::Pod>(&self, map: BorrowedFd<'_>, keys: &[K]) -> Result<()> {
+        let mut keys = keys;
+        if !self.no_batches.load(Ordering::Relaxed) {
+            let mut deleted = 0;
+            let stop = delete_in_chunks(keys, &mut deleted, |k| sys::map_delete_batch(map, k));
+            self.count(deleted);
+            match stop {
+                None => return Ok(()),
+                Some(stop) if stop.error.unsupported() => {
+                    self.batches_unsupported(&stop.error);
+                    keys = &keys[stop.at..];
+                }
+                Some(stop) => return Err(stop.error.into()),
+            }
+        }
+        for key in keys {
+            match sys::map_delete_elem(map, key) {
+                Ok(()) => self.count(1),
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    fn batches_unsupported(&self, error: &BatchError) {
+        if !self.no_batches.swap(true, Ordering::Relaxed) {
+            info!(error = %error.error, "no batch map operations in this kernel: writing entries one at a time");
+        }
+    }
+}
+
+/// Where a run of batch calls stopped: the entry at `at` failed.
+#[derive(Debug)]
+struct Stopped {
+    at: usize,
+    error: BatchError,
+}
+
+/// Writes `keys[i] -> values[i]` by `BATCH_CHUNK` entries through `call`,
+/// counting the entries written into `written`; stops at the first failure.
+fn update_in_chunks<K, V>(
+    keys: &[K],
+    values: &[V],
+    written: &mut u64,
+    mut call: impl FnMut(&[K], &[V]) -> Result<(), BatchError>,
+) -> Option<Stopped> {
+    let mut at = 0;
+    for (k, v) in keys.chunks(BATCH_CHUNK).zip(values.chunks(BATCH_CHUNK)) {
+        match call(k, v) {
+            Ok(()) => {
+                *written += k.len() as u64;
+                at += k.len();
+            }
+            Err(error) => {
+                *written += error.done as u64;
+                return Some(Stopped {
+                    at: at + error.done,
+                    error,
+                });
+            }
+        }
+    }
+    None
+}
+
+/// Deletes `keys` by `BATCH_CHUNK` through `call`, counting the entries
+/// deleted into `deleted`. The kernel stops a batch at a key that is not
+/// there: that key is stepped over and the batch goes on after it.
+fn delete_in_chunks<K>(
+    keys: &[K],
+    deleted: &mut u64,
+    mut call: impl FnMut(&[K]) -> Result<(), BatchError>,
+) -> Option<Stopped> {
+    let mut at = 0;
+    while at < keys.len() {
+        let chunk = &keys[at..keys.len().min(at + BATCH_CHUNK)];
+        match call(chunk) {
+            Ok(()) => {
+                *deleted += chunk.len() as u64;
+                at += chunk.len();
+            }
+            Err(error) if error.not_found() => {
+                *deleted += error.done as u64;
+                at += error.done + 1;
+            }
+            Err(error) => {
+                *deleted += error.done as u64;
+                return Some(Stopped {
+                    at: at + error.done,
+                    error,
+                });
+            }
+        }
+    }
+    None
 }
 
 #[cfg(test)]
@@ -810,5 +1262,244 @@ mod tests {
             ..port
         };
         assert_eq!(layout_of(&internal_only, "a"), (vec![2], (0, 0), (0, 1)));
+    }
+
+    fn pending(ops: &[(u32, Option<u32>)]) -> Pending<u32, u32> {
+        let mut p = Pending::default();
+        for (k, v) in ops {
+            match v {
+                Some(v) => p.write(*k, *v),
+                None => p.delete(*k),
+            }
+        }
+        p
+    }
+
+    /// A frontend deleted (its port removed) and written again (by the port
+    /// it moved to) in one batch ends up written, and the other way round.
+    #[test]
+    fn the_last_operation_staged_per_key_wins() {
+        let split = pending(&[(1, None), (2, Some(20)), (1, Some(10)), (3, Some(30)), (3, None)]).split();
+        assert_eq!(
+            split,
+            Split {
+                keys: vec![2, 1],
+                values: vec![20, 10],
+                deletes: vec![3],
+            }
+        );
+    }
+
+    #[test]
+    fn writes_alone_keep_their_order() {
+        let split = pending(&[(5, Some(1)), (4, Some(2)), (5, Some(3))]).split();
+        assert_eq!((split.keys, split.values), (vec![5, 4, 5], vec![1, 2, 3]));
+        assert!(split.deletes.is_empty());
+    }
+
+    /// Backends and slots are written before the frontends that point at
+    /// them, frontends go before what they pointed at, old slots before the
+    /// backends they name, reverse NAT entries outlive their frontend; every
+    /// step is there once.
+    #[test]
+    fn flush_stages_keep_every_frontend_pointing_at_entries_in_place() {
+        let stage_of = |step| {
+            let stages = FLUSH_STAGES.iter().enumerate();
+            let mut found = stages.filter(|(_, steps)| steps.contains(&step)).map(|(i, _)| i);
+            let stage = found.next().expect("every step is in a stage");
+            assert!(found.next().is_none(), "{step} is in one stage only");
+            stage
+        };
+        let before = |a, b| assert!(stage_of(a) < stage_of(b), "{a} must end before {b} starts");
+        for table in [Table::Backends, Table::Slots, Table::RevNat] {
+            before(Step::Write(table), Step::Write(Table::Services));
+            before(Step::Delete(Table::Services), Step::Delete(table));
+        }
+        before(Step::Write(Table::Services), Step::Delete(Table::Services));
+        before(Step::Delete(Table::Slots), Step::Delete(Table::Backends));
+        assert_eq!(FLUSH_STAGES.iter().map(|s| s.len()).sum::<usize>(), 8);
+    }
+
+    #[test]
+    fn a_spread_stage_runs_every_step_and_reports_a_failure() {
+        let ran = &AtomicU64::new(0);
+        let step = |fails: bool| -> Job<'_> {
+            Box::new(move || {
+                ran.fetch_add(1, Ordering::Relaxed);
+                if fails { bail!("no room") } else { Ok(()) }
+            })
+        };
+        let jobs = vec![
+            (Step::Write(Table::Backends), step(false)),
+            (Step::Write(Table::Slots), step(true)),
+            (Step::Write(Table::RevNat), step(false)),
+        ];
+        let error = run_stage(jobs, true).expect_err("the slots failed");
+        assert_eq!(format!("{error:#}"), "writing backend slots: no room");
+        assert_eq!(ran.load(Ordering::Relaxed), 3, "the other steps still ran");
+    }
+
+    fn batch_error(done: usize, errno: i32) -> BatchError {
+        BatchError {
+            done,
+            error: std::io::Error::from_raw_os_error(errno),
+        }
+    }
+
+    #[test]
+    fn writes_go_in_chunks_and_stop_at_the_entry_that_failed() {
+        let keys: Vec<u32> = (0..(2 * BATCH_CHUNK + 3) as u32).collect();
+        let mut calls = Vec::new();
+        let mut written = 0;
+        let stop = update_in_chunks(&keys, &keys, &mut written, |k, v| {
+            assert_eq!(k, v);
+            calls.push(k.len());
+            Ok(())
+        });
+        assert!(stop.is_none());
+        assert_eq!(calls, vec![BATCH_CHUNK, BATCH_CHUNK, 3]);
+        assert_eq!(written, keys.len() as u64);
+
+        let mut written = 0;
+        let mut call = 0;
+        let stop = update_in_chunks(&keys, &keys, &mut written, |_, _| {
+            call += 1;
+            if call == 2 {
+                Err(batch_error(7, libc::E2BIG))
+            } else {
+                Ok(())
+            }
+        })
+        .expect("the second call failed");
+        assert_eq!((stop.at, written), (BATCH_CHUNK + 7, (BATCH_CHUNK + 7) as u64));
+    }
+
+    /// A fake BPF_MAP_DELETE_BATCH over a set: stops with ENOENT at the
+    /// first key that is not there, like the kernel.
+    fn delete_from(map: &mut BTreeSet<u32>) -> impl FnMut(&[u32]) -> Result<(), BatchError> + '_ {
+        |keys| {
+            for (done, key) in keys.iter().enumerate() {
+                if !map.remove(key) {
+                    return Err(batch_error(done, libc::ENOENT));
+                }
+            }
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn deletes_step_over_keys_that_are_gone() {
+        let mut map: BTreeSet<u32> = (0..BATCH_CHUNK as u32 + 10).filter(|k| k % 3 != 0).collect();
+        let present = map.len() as u64;
+        let keys: Vec<u32> = (0..BATCH_CHUNK as u32 + 10).collect();
+        let mut deleted = 0;
+        assert!(delete_in_chunks(&keys, &mut deleted, delete_from(&mut map)).is_none());
+        assert!(map.is_empty());
+        assert_eq!(deleted, present, "only keys that were there count");
+    }
+
+    #[test]
+    fn a_kernel_without_batches_is_found_out_before_anything_is_written() {
+        let unsupported = batch_error(0, 524);
+        assert!(unsupported.unsupported());
+        assert!(
+            !batch_error(3, libc::EINVAL).unsupported(),
+            "a failure after some entries is real"
+        );
+        let mut deleted = 0;
+        let stop = delete_in_chunks(&[1u32, 2], &mut deleted, |_| Err(batch_error(0, libc::EINVAL))).expect("stopped");
+        assert_eq!((stop.at, deleted), (0, 0));
+        assert!(stop.error.unsupported());
+    }
+
+    /// CPU time of this process (the flush's threads included), in ms: wall
+    /// time means little on a busy machine.
+    fn process_cpu_ms() -> f64 {
+        // SAFETY: an all-zero rusage is a valid value of the plain C struct.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: getrusage only writes into the struct passed.
+        unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+        let ms = |t: libc::timeval| t.tv_sec as f64 * 1e3 + t.tv_usec as f64 / 1e3;
+        ms(usage.ru_utime) + ms(usage.ru_stime)
+    }
+
+    /// The first full sync of 10,000 Service ports x 10 endpoints (a quarter
+    /// with a node port) on fresh maps, timed. Needs root and bpffs:
+    /// `cargo test --release -p proxy-userspace --lib -- --ignored full_sync_at_scale --nocapture`.
+    #[test]
+    #[ignore = "a measurement; needs root, bpffs and the eBPF object"]
+    fn full_sync_at_scale() {
+        let pin = std::path::PathBuf::from(format!("/sys/fs/bpf/xproxy-maps-scale-{}", std::process::id()));
+        let result = (|| -> Result<()> {
+            let _datapath = super::super::Datapath::load(&pin)?;
+            let mut maps = ServiceMaps::open(&pin, vec![Ipv4Addr::new(192, 0, 2, 1)])?;
+            let ports: Vec<ServicePort> = (0..10_000u32)
+                .map(|i| ServicePort {
+                    name: format!("ns/svc-{i}:http"),
+                    cluster_ip: Ipv4Addr::from(0x0a60_0000 + i),
+                    port: 80,
+                    node_port: (i % 4 == 0).then(|| 30000 + (i / 4) as u16),
+                    endpoints: (0..10)
+                        .map(|e| Endpoint::ready(Ipv4Addr::from(0x0af4_0000 + i * 16 + e), 8080))
+                        .collect(),
+                    ..ServicePort::default()
+                })
+                .collect();
+            let refs: Vec<&ServicePort> = ports.iter().collect();
+            let (started, cpu) = (std::time::Instant::now(), process_cpu_ms());
+            maps.batch(|m| {
+                m.retain(&refs)?;
+                refs.iter().try_for_each(|p| m.sync_service(p))
+            })?;
+            eprintln!(
+                "full sync of {} ports: {:.1} ms wall, {:.1} ms cpu, {} entries written",
+                ports.len(),
+                started.elapsed().as_secs_f64() * 1e3,
+                process_cpu_ms() - cpu,
+                maps.writes()
+            );
+            let again = maps.writes();
+            maps.batch(|m| refs.iter().try_for_each(|p| m.sync_service(p)))?;
+            assert_eq!(maps.writes(), again, "a second sync writes nothing");
+            // What a failed batch leads to: the maps read back match the bookkeeping.
+            maps.must_read_back = true;
+            maps.batch(|m| refs.iter().try_for_each(|p| m.sync_service(p)))?;
+            assert_eq!(maps.writes(), again, "a sync after reading back writes nothing");
+            assert!(maps.leftovers.backends.is_empty() && maps.leftovers.slots.is_empty());
+
+            // Entries per port: a service and a reverse NAT entry per frontend, 10 backends, 10 slots.
+            let entries = |ports: &[&ServicePort]| -> usize {
+                ports
+                    .iter()
+                    .map(|p| 2 * (1 + usize::from(p.node_port.is_some())) + 20)
+                    .sum()
+            };
+            let half = &refs[..refs.len() / 2];
+            let before = maps.writes();
+            maps.batch(|m| m.retain(half))?;
+            assert_eq!(maps.writes() - before, (entries(&refs) - entries(half)) as u64);
+            let in_maps = maps.services.keys().count()
+                + maps.rev_nat.keys().count()
+                + maps.slots.keys().count()
+                + maps.backends.keys().count();
+            assert_eq!(in_maps, entries(half));
+
+            let mut restarted = ServiceMaps::open(&pin, vec![Ipv4Addr::new(192, 0, 2, 1)])?;
+            assert_eq!(restarted.service_port_count(), half.len());
+            assert!(restarted.leftovers.rev_nats.is_empty() && restarted.leftovers.backends.is_empty());
+
+            // A kernel without batch operations: the same, one entry at a time.
+            restarted.writer.no_batches = AtomicBool::new(true);
+            let (before, few) = (restarted.writes(), &refs[..10]);
+            restarted.batch(|m| m.retain(few))?;
+            assert_eq!(restarted.writes() - before, (entries(half) - entries(few)) as u64);
+            restarted.batch(|m| m.retain(&[]))?;
+            assert_eq!(restarted.backends.keys().count() + restarted.services.keys().count(), 0);
+            restarted.sync_service(refs[0])?;
+            assert_eq!(restarted.slots.keys().count(), 10);
+            Ok(())
+        })();
+        let _ = std::fs::remove_dir_all(&pin);
+        result.expect("full sync at scale");
     }
 }

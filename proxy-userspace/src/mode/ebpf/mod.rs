@@ -19,6 +19,7 @@ mod loader;
 mod maps;
 mod object;
 pub mod snat;
+pub mod sys;
 
 use std::{
     collections::BTreeMap,
@@ -189,26 +190,31 @@ impl Dataplane for EbpfMode {
     }
 
     fn apply(&mut self, plan: &Plan) -> Result<()> {
-        for port in &plan.remove {
-            self.maps
-                .remove_port(port)
-                .with_context(|| format!("removing {}", port.name))?;
-        }
-        for port in &plan.upsert {
-            self.maps
-                .sync_service(port)
-                .with_context(|| format!("programming {}", port.name))?;
-        }
-        Ok(())
+        self.maps.batch(|maps| {
+            for port in &plan.remove {
+                maps.remove_port(port)
+                    .with_context(|| format!("removing {}", port.name))?;
+            }
+            for port in &plan.upsert {
+                maps.sync_service(port)
+                    .with_context(|| format!("programming {}", port.name))?;
+            }
+            Ok(())
+        })
     }
 
     fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()> {
-        for port in desired.values() {
-            self.maps
-                .sync_service(port)
-                .with_context(|| format!("programming {}", port.name))?;
-        }
-        self.maps.retain(&desired.values().collect::<Vec<_>>())
+        self.maps.batch(|maps| {
+            // Removals first, as in `apply`: a frontend a removed port
+            // shares with a desired one (a node port that moved) must end
+            // up written, not deleted.
+            maps.retain(&desired.values().collect::<Vec<_>>())?;
+            for port in desired.values() {
+                maps.sync_service(port)
+                    .with_context(|| format!("programming {}", port.name))?;
+            }
+            Ok(())
+        })
     }
 
     fn kernel_writes(&self) -> u64 {
