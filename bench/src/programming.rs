@@ -26,6 +26,32 @@ const PROBE_TIMEOUT: Duration = Duration::from_millis(5);
 /// Pause between probes of the bulk measurement: the agent, not the
 /// prober, should have the CPUs.
 const BULK_PROBE_PAUSE: Duration = Duration::from_millis(2);
+/// The pause grows with the wait, to this fraction of it: a mode that takes
+/// minutes is timed to half a percent all the same, and uses few local
+/// ports.
+const BULK_PROBE_BACKOFF: u32 = 200;
+/// The local ports the bulk measurement probes from, each at most once per
+/// [`UNANSWERED_FLOW_LIFETIME`]; no other connection of the bench uses them
+/// (the latency rounds bind ports from 2000 on, everything else takes the
+/// kernel's ephemeral ports, from 32768). Why: a probe that is not answered
+/// leaves an entry in the node's conntrack (SYN_SENT, and with no NAT: it
+/// came before the rules), and the next connection of the same addresses
+/// and ports matches that entry, is never NATed and goes unanswered until
+/// the entry expires. Probing from ephemeral ports, a long programming wait
+/// (the iptables mode at 10,000 Services: minutes, ~130 probes a second)
+/// left such entries on every ephemeral port: the check after it and wrk's
+/// new connections to the same Service hung on them.
+const BULK_PROBE_PORTS: std::ops::Range<u16> = 100..2_000;
+/// How long the node's conntrack keeps a flow whose SYN was never answered
+/// (`nf_conntrack_tcp_timeout_syn_sent`, 120 s by default), and a margin.
+const UNANSWERED_FLOW_LIFETIME: Duration = Duration::from_secs(150);
+/// How long the data path may take, after the bulk measurement saw the last
+/// Service answer, to answer every other address checked before the
+/// latency rounds (a mode may still be at work: the agent's sync of the
+/// iptables mode at 10,000 Services goes on after the last Service's rules
+/// are in): new connections, each given [`CHECK_CONNECT_TIMEOUT`].
+pub const CHECK_PATIENCE: Duration = Duration::from_secs(30);
+pub const CHECK_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// Pause between probes after an endpoint change (the resolution).
 const CHANGE_PROBE_PAUSE: Duration = Duration::from_micros(200);
 /// An agent whose syncs failed this often while the Services were being
@@ -38,7 +64,12 @@ const CHANGE_PATIENCE: Duration = Duration::from_secs(60);
 
 /// One connection: the answering pod's name, or why none answered.
 pub fn probe(addr: SocketAddrV4, timeout: Duration) -> Result<String, String> {
-    let mut stream = sock::connect_from(0, addr, timeout).map_err(|e| e.to_string())?;
+    probe_from(0, addr, timeout)
+}
+
+/// [`probe`] from local port `port` (0: an ephemeral one).
+fn probe_from(port: u16, addr: SocketAddrV4, timeout: Duration) -> Result<String, String> {
+    let mut stream = sock::connect_from(port, addr, timeout).map_err(|e| e.to_string())?;
     stream
         .set_read_timeout(Some(Duration::from_secs(2)))
         .map_err(|e| e.to_string())?;
@@ -49,6 +80,71 @@ pub fn probe(addr: SocketAddrV4, timeout: Duration) -> Result<String, String> {
         "" => Err("closed without an answer".into()),
         name => Ok(name.to_owned()),
     }
+}
+
+/// Probes `addr` with new connections (each given `timeout`) until one is
+/// answered, for at most `patience`: a connection that is not answered in
+/// time means "not yet", not a failure. The error says how often it was
+/// tried and the last reason.
+pub fn probe_patiently(addr: SocketAddrV4, timeout: Duration, patience: Duration) -> Result<String, String> {
+    let started = Instant::now();
+    let mut tries = 0u32;
+    loop {
+        tries += 1;
+        match probe(addr, timeout) {
+            Ok(name) => return Ok(name),
+            Err(e) if started.elapsed() >= patience => {
+                return Err(format!(
+                    "not answered in {:.1} s ({tries} connections, each given {timeout:?}; the last: {e})",
+                    started.elapsed().as_secs_f64()
+                ));
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+/// The bulk measurement's local ports ([`BULK_PROBE_PORTS`]), taken in
+/// turn, none again within [`UNANSWERED_FLOW_LIFETIME`] of its last use.
+struct ProbePorts {
+    ports: std::ops::Range<u16>,
+    next: u16,
+    last_used: Vec<Option<Instant>>,
+}
+
+impl ProbePorts {
+    fn new(ports: std::ops::Range<u16>) -> Self {
+        Self {
+            next: ports.start,
+            last_used: vec![None; ports.len()],
+            ports,
+        }
+    }
+
+    /// The next port to probe from at `now`, or how long until it may be
+    /// used (then ask again).
+    fn take(&mut self, now: Instant) -> Result<u16, Duration> {
+        let port = self.next;
+        let slot = &mut self.last_used[usize::from(port - self.ports.start)];
+        if let Some(used) = *slot {
+            let free_at = used + UNANSWERED_FLOW_LIFETIME;
+            if now < free_at {
+                return Err(free_at - now);
+            }
+        }
+        *slot = Some(now);
+        self.next = if port + 1 >= self.ports.end {
+            self.ports.start
+        } else {
+            port + 1
+        };
+        Ok(port)
+    }
+}
+
+/// The pause after an unanswered probe, `waited` into the measurement.
+fn bulk_pause(waited: Duration) -> Duration {
+    BULK_PROBE_PAUSE.max(waited / BULK_PROBE_BACKOFF)
 }
 
 /// How the N Services were programmed, in seconds.
@@ -90,9 +186,18 @@ pub fn wait_programmed(
     patience: Duration,
 ) -> Result<Programming> {
     let mut attempts = 0u32;
+    let mut ports = ProbePorts::new(BULK_PROBE_PORTS);
+    let probing_since = Instant::now();
     let answered_at = loop {
+        let port = match ports.take(Instant::now()) {
+            Ok(port) => port,
+            Err(wait) => {
+                std::thread::sleep(wait);
+                continue;
+            }
+        };
         let attempt = SystemTime::now();
-        if ns.run_in(|| probe(last, PROBE_TIMEOUT))?.is_ok() {
+        if ns.run_in(|| probe_from(port, last, PROBE_TIMEOUT))?.is_ok() {
             break attempt;
         }
         agent.alive()?;
@@ -107,7 +212,7 @@ pub fn wait_programmed(
                 timed_out_after_s: Some(agent.started_at.elapsed().as_secs_f64()),
             });
         }
-        std::thread::sleep(BULK_PROBE_PAUSE);
+        std::thread::sleep(bulk_pause(probing_since.elapsed()));
     };
     let start_to_answer_s = seconds_between(agent.started, answered_at).unwrap_or(0.0);
     // The log line of the sync may be written just after the data path
@@ -205,4 +310,49 @@ fn wait_for_pod(addr: SocketAddrV4, pod: &str, since: Instant) -> Result<Duratio
         std::thread::sleep(CHANGE_PROBE_PAUSE);
     }
     bail!("{addr} not answered by {pod} within {CHANGE_PATIENCE:?} (last: {last})")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probe_ports_come_round_only_after_conntrack_forgot_them() {
+        let mut ports = ProbePorts::new(100..103);
+        let t0 = Instant::now();
+        let taken: Vec<u16> = (0..3).map(|i| ports.take(t0 + Duration::from_secs(i)).unwrap()).collect();
+        assert_eq!(taken, [100, 101, 102]);
+        // Port 100 again, but too early: wait until its flow is forgotten.
+        let early = t0 + Duration::from_secs(10);
+        assert_eq!(ports.take(early), Err(UNANSWERED_FLOW_LIFETIME - Duration::from_secs(10)));
+        assert_eq!(ports.take(t0 + UNANSWERED_FLOW_LIFETIME), Ok(100));
+        assert_eq!(ports.take(t0 + UNANSWERED_FLOW_LIFETIME), Err(Duration::from_secs(1)));
+    }
+
+    /// Probes as fast as the pacing allows (each failing at once, the worst
+    /// case): within any conntrack lifetime they need fewer ports than the
+    /// bulk measurement has, so it never has to wait for one; and the pause
+    /// stays a small share of the time waited.
+    #[test]
+    fn bulk_probe_pacing_fits_the_ports() {
+        let mut times = Vec::new();
+        let mut t = Duration::ZERO;
+        while t < Duration::from_secs(600) {
+            times.push(t);
+            t += bulk_pause(t);
+        }
+        let most_in_a_lifetime = times
+            .iter()
+            .enumerate()
+            .map(|(i, start)| times[i..].iter().take_while(|&&u| u < *start + UNANSWERED_FLOW_LIFETIME).count())
+            .max()
+            .unwrap();
+        assert!(
+            most_in_a_lifetime < BULK_PROBE_PORTS.len(),
+            "{most_in_a_lifetime} probes within {UNANSWERED_FLOW_LIFETIME:?}, {} ports",
+            BULK_PROBE_PORTS.len()
+        );
+        assert_eq!(bulk_pause(Duration::from_millis(300)), BULK_PROBE_PAUSE);
+        assert_eq!(bulk_pause(Duration::from_secs(100)), Duration::from_millis(500));
+    }
 }

@@ -11,7 +11,6 @@
 use std::{
     net::SocketAddrV4,
     path::{Path, PathBuf},
-    time::Duration,
 };
 
 use anyhow::{Context, Result, bail};
@@ -341,9 +340,18 @@ impl<'a> Runner<'a> {
             (&topo.client, node_port(last)?),
             (&topo.client, direct),
         ];
+        // Every address answers before the rounds start (the last Service
+        // did, in the bulk measurement; a mode may still be at work on the
+        // others).
         for (ns, addr) in &addrs {
-            ns.run_in(|| programming::probe(*addr, Duration::from_secs(1)))?
-                .map_err(|e| anyhow::anyhow!("{addr} from {}: {e}", ns.name()))?;
+            ns.run_in(|| {
+                programming::probe_patiently(
+                    *addr,
+                    programming::CHECK_CONNECT_TIMEOUT,
+                    programming::CHECK_PATIENCE,
+                )
+            })?
+            .map_err(|e| anyhow::anyhow!("{addr} from {}: {e}", ns.name()))?;
         }
         run.latency = Some(self.progress.part(&format!("{label}: latency"), || {
             let mut targets: Vec<Target> = addrs

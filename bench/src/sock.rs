@@ -57,8 +57,10 @@ pub fn bind(fd: RawFd, addr: SocketAddr) -> io::Result<()> {
 
 /// A blocking TCP connection to `to` from local port `from_port` (0: any):
 /// socket, bind, connect, in the calling thread's network namespace. The
-/// connect gives up after `timeout` (SO_SNDTIMEO), failing with
-/// `WouldBlock`/`TimedOut`.
+/// connect waits in the kernel (one syscall, nothing else inside what the
+/// latency rounds time) and gives up after `timeout` (SO_SNDTIMEO): then it
+/// fails with [`io::ErrorKind::TimedOut`], "no answer yet" to a caller that
+/// probes.
 pub fn connect_from(from_port: u16, to: SocketAddrV4, timeout: Duration) -> io::Result<TcpStream> {
     // SAFETY: plain socket(2); the fd is owned right away.
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
@@ -91,6 +93,62 @@ pub fn connect_from(from_port: u16, to: SocketAddrV4, timeout: Duration) -> io::
             (&sa as *const libc::sockaddr_in).cast(),
             std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
         )
-    })?;
+    })
+    .map_err(|e| connect_error(e, to, timeout))?;
     Ok(TcpStream::from(owned))
+}
+
+/// What a failed blocking connect means. When SO_SNDTIMEO runs out before
+/// the handshake completes, Linux returns EINPROGRESS (socket(7)): the SYN
+/// went out and nothing came back in time; the socket is closed right after,
+/// so nothing is "in progress" any more: that is a timeout.
+fn connect_error(e: io::Error, to: SocketAddrV4, timeout: Duration) -> io::Error {
+    match e.raw_os_error() {
+        Some(libc::EINPROGRESS | libc::EAGAIN) => io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("no answer from {to} within {timeout:?} (connect timed out)"),
+        ),
+        _ => e,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{Ipv4Addr, TcpListener};
+
+    use super::*;
+
+    /// A listener whose accept queue is full drops further SYNs (Linux, with
+    /// `tcp_abort_on_overflow` off as by default): a connect to it waits for
+    /// the SYN-ACK that never comes, as one to a Service not programmed yet.
+    #[test]
+    fn a_connect_without_answer_times_out() {
+        // SAFETY: plain socket calls on descriptors owned right away.
+        let listener = unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            check(fd).expect("socket");
+            let owned = OwnedFd::from_raw_fd(fd);
+            bind(fd, SocketAddr::from((Ipv4Addr::LOCALHOST, 0))).expect("bind");
+            check(libc::listen(fd, 0)).expect("listen");
+            TcpListener::from(owned)
+        };
+        let SocketAddr::V4(addr) = listener.local_addr().expect("address") else {
+            unreachable!("bound to IPv4")
+        };
+        // Fill the accept queue (never accepted) until a connect goes unanswered.
+        let mut held = Vec::new();
+        let timeout = Duration::from_millis(100);
+        let error = loop {
+            assert!(held.len() < 16, "the accept queue never filled up");
+            match connect_from(0, addr, timeout) {
+                Ok(stream) => held.push(stream),
+                Err(e) => break e,
+            }
+        };
+        assert_eq!(error.kind(), io::ErrorKind::TimedOut, "{error}");
+        assert!(error.to_string().contains("no answer"), "{error}");
+        // Other errors stay what they are.
+        let refused = connect_error(io::Error::from_raw_os_error(libc::ECONNREFUSED), addr, timeout);
+        assert_eq!(refused.kind(), io::ErrorKind::ConnectionRefused);
+    }
 }

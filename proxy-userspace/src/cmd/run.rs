@@ -41,6 +41,7 @@ pub fn run(flags: &RunFlags) -> Result<(), Failure> {
         ));
     }
     raise_open_file_limit();
+    tune_malloc();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -70,8 +71,64 @@ fn raise_open_file_limit() {
     }
 }
 
+/// glibc's malloc, set up for how the agent uses memory: a (re)list of
+/// every Service and EndpointSlice is decoded on the runtime's worker
+/// threads, turned into the agent's state and freed; the state stays.
+/// By default each thread gets an arena of its own, and memory freed in a
+/// worker's arena is kept there for that worker, never reused for the
+/// state (built on another thread): at 10,000 Services x 10 endpoints the
+/// freed lists held ~140 MiB of the 240 MiB resident. One arena lets the
+/// state reuse what the lists freed. Fixed thresholds stop glibc from
+/// raising them after a large block is freed (up to 32 MiB mapped blocks
+/// and a 64 MiB trim threshold), which kept freed memory resident too.
+/// Must run before any thread starts.
+fn tune_malloc() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only sets malloc parameters; no other thread exists yet.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 20);
+    }
+}
+
+/// How much more freed memory inside the heap (not at its end, which
+/// malloc returns by itself) makes [`release_freed_memory`] hand it back.
+#[cfg(target_env = "gnu")]
+const RELEASE_FREED_ABOVE: usize = 16 << 20;
+#[cfg(target_env = "gnu")]
+const RELEASE_CHECK_EVERY: Duration = Duration::from_secs(1);
+
+/// Hands memory freed inside the heap back to the kernel (`malloc_trim`)
+/// once enough of it piled up: after a (re)list has been turned into state,
+/// its objects are freed in between long-lived allocations, where malloc
+/// keeps the pages resident until something reuses them. Checks once a
+/// second (`mallinfo2`, cheap); trims only when the free memory grew by
+/// [`RELEASE_FREED_ABOVE`] since the last trim, so a steady agent never does.
+async fn release_freed_memory() {
+    #[cfg(target_env = "gnu")]
+    {
+        let mut free_after_trim = 0usize;
+        let mut every = tokio::time::interval(RELEASE_CHECK_EVERY);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            // SAFETY: mallinfo2 and malloc_trim only read and adjust malloc's own state.
+            let free = unsafe { libc::mallinfo2() }.fordblks;
+            if free >= free_after_trim + RELEASE_FREED_ABOVE {
+                // SAFETY: as above.
+                unsafe { libc::malloc_trim(0) };
+                free_after_trim = free;
+            } else {
+                free_after_trim = free_after_trim.min(free);
+            }
+        }
+    }
+}
+
 async fn run_agent(config: Config) -> Result<(), Failure> {
     info!(mode = %config.mode, node = config.node_name, source = ?config.source, "starting");
+    tokio::spawn(release_freed_memory());
     let stats_pin = (config.mode == Mode::Ebpf).then(|| config.pin_path.clone());
     let telemetry = Telemetry::new(config.mode.as_str(), config.sync.sync_period, stats_pin);
     start_servers(&config, &telemetry).await?;

@@ -61,15 +61,40 @@ pub fn spawn(client: Client, node_name: &str, events: mpsc::Sender<SourceEvent>)
         SourceEvent::Node,
     ));
     tokio::spawn(forward(
-        watcher(services, watcher::Config::default().labels(SERVICE_SELECTOR)),
+        watcher(services, watcher::Config::default().labels(SERVICE_SELECTOR)).modify(slim_service),
         events.clone(),
         SourceEvent::Services,
     ));
     tokio::spawn(forward(
-        watcher(slices, watcher::Config::default().labels(SLICE_SELECTOR)),
+        watcher(slices, watcher::Config::default().labels(SLICE_SELECTOR)).modify(slim_slice),
         events,
         SourceEvent::Slices,
     ));
+}
+
+/// Drops, as it arrives, what of a Service no proxy reads: a (re)list
+/// holds every object at once until it is complete (see [`forward`]).
+fn slim_service(svc: &mut Service) {
+    svc.metadata.managed_fields = None;
+}
+
+/// Drops, as it arrives, what of an EndpointSlice no proxy reads (kube-proxy
+/// neither): the server's field bookkeeping and, per endpoint, the
+/// reference to its Pod, its hostname and the deprecated topology; and
+/// gives back the spare capacity decoding left in the lists. The endpoints
+/// of a (re)list are its bulk (100,000 at 10,000 Services x 10) and all of
+/// them are held until the list is complete.
+fn slim_slice(slice: &mut EndpointSlice) {
+    slice.metadata.managed_fields = None;
+    for endpoint in slice.endpoints.iter_mut().flatten() {
+        endpoint.target_ref = None;
+        endpoint.hostname = None;
+        endpoint.deprecated_topology = None;
+        endpoint.addresses.shrink_to_fit();
+    }
+    if let Some(endpoints) = slice.endpoints.as_mut() {
+        endpoints.shrink_to_fit();
+    }
 }
 
 /// How a failed watch is retried: from 0.2 s, doubling up to 5 s, with
@@ -134,6 +159,7 @@ async fn forward<K>(
             }
             Ok(watcher::Event::InitDone) => {
                 info!(kind, objects = listing.len(), "listed");
+                listing.shrink_to_fit();
                 Update::Replace(std::mem::take(&mut listing))
             }
             Ok(watcher::Event::Apply(obj)) => Update::Apply(obj),
@@ -154,6 +180,36 @@ async fn forward<K>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn listed_objects_keep_what_the_model_reads() {
+        let mut slice: EndpointSlice = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "web-1", "namespace": "default",
+                "labels": {"kubernetes.io/service-name": "web"},
+                "annotations": {"endpoints.kubernetes.io/last-change-trigger-time": "2026-01-01T00:00:00Z"},
+                "managedFields": [{"manager": "kube-controller-manager", "operation": "Update"}]},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": [{"addresses": ["10.244.0.1"], "nodeName": "node-a", "zone": "z1",
+                "hostname": "web-0", "conditions": {"ready": true, "serving": true, "terminating": false},
+                "hints": {"forZones": [{"name": "z1"}]},
+                "deprecatedTopology": {"kubernetes.io/hostname": "node-a"},
+                "targetRef": {"kind": "Pod", "name": "web-0", "namespace": "default", "uid": "1234"}}]
+        }))
+        .unwrap();
+        let mut want = slice.clone();
+        want.metadata.managed_fields = None;
+        for endpoint in want.endpoints.iter_mut().flatten() {
+            endpoint.target_ref = None;
+            endpoint.hostname = None;
+            endpoint.deprecated_topology = None;
+        }
+        slim_slice(&mut slice);
+        // Everything else stays: labels, annotations (the trigger time),
+        // ports, addresses, conditions, node, zone, hints.
+        assert_eq!(slice, want);
+        assert!(want.endpoints.as_ref().unwrap()[0].hints.is_some());
+    }
 
     #[test]
     fn watch_retries_start_fast_grow_to_a_cap_and_reset() {
