@@ -956,6 +956,54 @@ fn replies_to_a_node_port_numbered_source_port_are_replies() {
     }
 }
 
+/// Conntrack entries an older agent's programs wrote (reply keys told
+/// apart by a direction byte, values with ids only) are rewritten at start
+/// (`legacy_ct`): the flow goes on both ways.
+#[test]
+fn an_older_agents_conntrack_entries_are_migrated() {
+    if !require_root("an_older_agents_conntrack_entries_are_migrated") {
+        return;
+    }
+    let mut h = Harness::seeded();
+    let syn = Frame::tcp(client(&mut h), cluster_ip(), SYN);
+    let out = run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat("SYN", syn.clone(), &seed_backends(), Verdict::DnatNew),
+    );
+    let backend = dnat_dst(&out);
+    // Turn the two entries into what the older programs wrote.
+    let path = h.pin_dir().join(proxy_common::maps::CONNTRACK);
+    let data = aya::maps::MapData::from_pin(&path).expect("pinned conntrack");
+    let mut ct: aya::maps::HashMap<_, CtKey, proxy_common::CtValue> =
+        aya::maps::HashMap::try_from(aya::maps::Map::from_map_data(data).expect("a map")).expect("a hash map");
+    for (key, mut value) in h.conntrack() {
+        ct.remove(&key).expect("delete");
+        let mut old_key = key;
+        old_key._pad[0] = u8::from(value.is_reply());
+        (value.nat_addr_be, value.nat_port_be) = (0, 0);
+        ct.insert(old_key, value, 0).expect("insert");
+    }
+    let migrated = proxy_userspace::mode::ebpf::legacy_ct::migrate(h.pin_dir()).expect("migrate");
+    assert_eq!(migrated, 2);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat(
+            "ACK after the upgrade",
+            syn.clone().with_tcp(|t| t.flags = ACK),
+            &[backend],
+            Verdict::DnatEstablished,
+        ),
+    );
+    let reply = Frame::tcp(backend, syn.src(), SYN | ACK);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::rev_nat("reply after the upgrade", reply, cluster_ip()),
+    );
+}
+
 /// A removed backend's id must not send its flows to whatever backend later
 /// gets the same id (here: another Service's): a TCP flow goes on to its
 /// own backend, whose address its conntrack entry holds.

@@ -23,6 +23,7 @@
 //! passes untranslated if the Service is gone.
 
 mod interfaces;
+pub mod legacy_ct;
 mod loader;
 mod maps;
 mod object;
@@ -127,6 +128,15 @@ impl EbpfMode {
                     "could not attach to pod interface"
                 );
             }
+        }
+        // Now that no older program writes old entries any more.
+        match legacy_ct::migrate(&opts.pin_path) {
+            Ok(0) => {}
+            Ok(n) => info!(entries = n, "conntrack entries of an older agent rewritten"),
+            Err(e) => warn!(
+                error = format!("{e:#}"),
+                "conntrack entries of an older agent not rewritten"
+            ),
         }
         let datapath = Arc::new(Mutex::new(datapath));
         spawn_pod_interface_watcher(datapath.clone(), uplinks)?;
