@@ -320,11 +320,16 @@ mod tests {
     fn probe_ports_come_round_only_after_conntrack_forgot_them() {
         let mut ports = ProbePorts::new(100..103);
         let t0 = Instant::now();
-        let taken: Vec<u16> = (0..3).map(|i| ports.take(t0 + Duration::from_secs(i)).unwrap()).collect();
+        let taken: Vec<u16> = (0..3)
+            .map(|i| ports.take(t0 + Duration::from_secs(i)).unwrap())
+            .collect();
         assert_eq!(taken, [100, 101, 102]);
         // Port 100 again, but too early: wait until its flow is forgotten.
         let early = t0 + Duration::from_secs(10);
-        assert_eq!(ports.take(early), Err(UNANSWERED_FLOW_LIFETIME - Duration::from_secs(10)));
+        assert_eq!(
+            ports.take(early),
+            Err(UNANSWERED_FLOW_LIFETIME - Duration::from_secs(10))
+        );
         assert_eq!(ports.take(t0 + UNANSWERED_FLOW_LIFETIME), Ok(100));
         assert_eq!(ports.take(t0 + UNANSWERED_FLOW_LIFETIME), Err(Duration::from_secs(1)));
     }
@@ -344,7 +349,12 @@ mod tests {
         let most_in_a_lifetime = times
             .iter()
             .enumerate()
-            .map(|(i, start)| times[i..].iter().take_while(|&&u| u < *start + UNANSWERED_FLOW_LIFETIME).count())
+            .map(|(i, start)| {
+                times[i..]
+                    .iter()
+                    .take_while(|&&u| u < *start + UNANSWERED_FLOW_LIFETIME)
+                    .count()
+            })
             .max()
             .unwrap();
         assert!(

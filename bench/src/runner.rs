@@ -345,11 +345,7 @@ impl<'a> Runner<'a> {
         // others).
         for (ns, addr) in &addrs {
             ns.run_in(|| {
-                programming::probe_patiently(
-                    *addr,
-                    programming::CHECK_CONNECT_TIMEOUT,
-                    programming::CHECK_PATIENCE,
-                )
+                programming::probe_patiently(*addr, programming::CHECK_CONNECT_TIMEOUT, programming::CHECK_PATIENCE)
             })?
             .map_err(|e| anyhow::anyhow!("{addr} from {}: {e}", ns.name()))?;
         }

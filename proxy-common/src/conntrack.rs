@@ -1,12 +1,18 @@
 //! Connection tracking: an LRU hash keyed by the 5-tuple as seen in a packet.
 //!
-//! Each translated flow has two entries. The forward entry is keyed by the
-//! client's tuple `client -> frontend` and pins the backend; the reply entry is
-//! keyed by the backend's reply tuple `backend -> client` and names the
-//! reverse NAT id that turns the reply's source back into the frontend. The
-//! key says which of the two it is: the same five numbers can be one flow's
-//! forward tuple and another flow's reply tuple (a pod that is a backend of
-//! one Service talks to another Service), and neither may overwrite the other.
+//! Each translated flow has two entries in one key space, so that a packet
+//! needs one lookup of its own tuple whichever way it goes. The forward
+//! entry is keyed by the client's tuple `client -> frontend` and holds the
+//! backend to DNAT to; the reply entry is keyed by the backend's reply
+//! tuple `backend -> client` and holds the frontend to rewrite the source
+//! back to. [`FLAG_REPLY`] in the value says which of the two it is.
+//!
+//! The same five numbers can be one flow's forward tuple and another flow's
+//! reply tuple only if a client uses a frontend's address and port as its
+//! source (the node connecting from a NodePort-numbered port to a pod that
+//! connects to that NodePort). Entries are inserted without overwriting
+//! (BPF_NOEXIST): the second flow is then not tracked, and neither loses
+//! its pin.
 
 use core::net::Ipv4Addr;
 
@@ -25,26 +31,18 @@ pub struct CtKey {
     pub dport_be: u16,
     /// IP protocol number.
     pub proto: u8,
-    /// [`DIR_FORWARD`] or [`DIR_REPLY`].
-    pub dir: u8,
-    pub _pad: [u8; 2],
+    pub _pad: [u8; 3],
 }
 
-/// The key of a forward entry (`client -> frontend`).
-pub const DIR_FORWARD: u8 = 0;
-/// The key of a reply entry (`backend -> client`).
-pub const DIR_REPLY: u8 = 1;
-
 impl CtKey {
-    pub fn new(saddr: Ipv4Addr, sport: u16, daddr: Ipv4Addr, dport: u16, proto: u8, dir: u8) -> Self {
+    pub fn new(saddr: Ipv4Addr, sport: u16, daddr: Ipv4Addr, dport: u16, proto: u8) -> Self {
         Self {
             saddr_be: u32::from_ne_bytes(saddr.octets()),
             daddr_be: u32::from_ne_bytes(daddr.octets()),
             sport_be: sport.to_be(),
             dport_be: dport.to_be(),
             proto,
-            dir,
-            _pad: [0; 2],
+            _pad: [0; 3],
         }
     }
     pub fn saddr(&self) -> Ipv4Addr {
@@ -64,9 +62,10 @@ impl CtKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct CtValue {
-    /// Backend the flow is pinned to (backends map key).
+    /// Backend the flow was pinned to (backends map key), for read-back
+    /// only: the programs translate with [`Self::nat_addr_be`].
     pub backend_id: u32,
-    /// Frontend the flow was addressed to (reverse NAT map key).
+    /// Frontend the flow was addressed to (reverse NAT map key), likewise.
     pub rev_nat_id: u32,
     /// `bpf_jiffies64()` of the last packet (the kernel's tick counter, HZ
     /// a second: a clock read costs some 35 ns a packet, this one nothing),
@@ -77,10 +76,28 @@ pub struct CtValue {
     pub flags: u8,
     /// TCP flags seen so far in this direction (`TCP_*` bits below).
     pub tcp_seen: u8,
-    pub _pad: [u8; 6],
+    /// The port the packet is rewritten to, network byte order: the
+    /// backend's (forward entry, destination) or the frontend's (reply
+    /// entry, source). Kept here so a tracked packet needs no other lookup.
+    pub nat_port_be: u16,
+    /// The address the packet is rewritten to, network byte order, likewise.
+    pub nat_addr_be: u32,
 }
 
-/// This is the reply entry (`backend -> client`), as its key says too.
+impl CtValue {
+    /// The address and port the entry rewrites to (see the fields).
+    pub fn nat(&self) -> (Ipv4Addr, u16) {
+        (
+            Ipv4Addr::from(self.nat_addr_be.to_ne_bytes()),
+            u16::from_be(self.nat_port_be),
+        )
+    }
+    pub fn is_reply(&self) -> bool {
+        self.flags & FLAG_REPLY != 0
+    }
+}
+
+/// This is the reply entry (`backend -> client`): reverse NAT to the frontend.
 pub const FLAG_REPLY: u8 = 1 << 0;
 /// The flow's packets carry the SNAT mark: the kernel masquerades them.
 pub const FLAG_SNAT: u8 = 1 << 1;
@@ -100,3 +117,4 @@ pub const LAST_SEEN_GRANULARITY_JIFFIES: u64 = 100;
 
 const _: () = assert!(core::mem::size_of::<CtKey>() == 16);
 const _: () = assert!(core::mem::size_of::<CtValue>() == 24);
+const _: () = assert!(core::mem::offset_of!(CtValue, nat_addr_be) == 20);

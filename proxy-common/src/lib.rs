@@ -14,12 +14,14 @@ pub mod backend;
 pub mod conntrack;
 pub mod maps;
 pub mod nat;
+pub mod ports;
 pub mod service;
 pub mod stats;
 
 pub use backend::{Backend, BackendSlotKey};
 pub use conntrack::{CtKey, CtValue};
 pub use nat::RevNat;
+pub use ports::PortBits;
 pub use service::{ServiceKey, ServiceValue};
 pub use stats::{Verdict, VerdictCounter};
 
@@ -44,5 +46,6 @@ impl_aya_pod!(
     CtKey,
     CtValue,
     RevNat,
+    PortBits,
     VerdictCounter
 );

@@ -9,6 +9,7 @@ pub const BACKENDS: &str = "XP_BACKENDS";
 pub const REV_NAT: &str = "XP_REV_NAT";
 pub const CONNTRACK: &str = "XP_CT";
 pub const STATS: &str = "XP_STATS";
+pub const PORTS: &str = "XP_PORTS";
 
 /// Frontends (service ports x frontend addresses).
 pub const SERVICES_MAX: u32 = 262_144;

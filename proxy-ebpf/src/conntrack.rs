@@ -1,11 +1,12 @@
-//! Connection tracking: pins a flow to its backend and finds replies.
+//! Connection tracking: one lookup of the packet's own tuple says whether
+//! it belongs to a tracked flow, which way it goes, and what to rewrite it
+//! to (see `proxy_common::conntrack`).
 
-use aya_ebpf::helpers::bpf_jiffies64;
+use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_jiffies64};
 use proxy_common::{
-    CtKey, CtValue,
+    Backend, CtKey, CtValue,
     conntrack::{
-        DIR_FORWARD, DIR_REPLY, FLAG_HANDED_TO_TC, FLAG_REPLY, FLAG_SNAT, LAST_SEEN_GRANULARITY_JIFFIES, TCP_ACK,
-        TCP_FIN, TCP_RST, TCP_SYN,
+        FLAG_HANDED_TO_TC, FLAG_REPLY, FLAG_SNAT, LAST_SEEN_GRANULARITY_JIFFIES, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
     },
 };
 
@@ -14,17 +15,16 @@ use crate::{
     parse::{Flow, TCP_FLAG_ACK, TCP_FLAG_FIN, TCP_FLAG_RST, TCP_FLAG_SYN},
 };
 
-/// The key of the packet's own tuple, as an entry of direction `dir`.
+/// The key of the packet's own tuple.
 #[inline(always)]
-fn key_of(flow: &Flow, dir: u8) -> CtKey {
+fn key_of(flow: &Flow) -> CtKey {
     CtKey {
         saddr_be: flow.saddr_be,
         daddr_be: flow.daddr_be,
         sport_be: flow.sport_be,
         dport_be: flow.dport_be,
         proto: flow.proto,
-        dir,
-        _pad: [0; 2],
+        _pad: [0; 3],
     }
 }
 
@@ -62,26 +62,34 @@ fn touch(entry: *mut CtValue, flow: &Flow, now: u64) {
     }
 }
 
-/// A tracked flow in the forward (client -> frontend) direction.
-pub struct Forward {
-    pub backend_id: u32,
-    /// The flow is source-NATed by the kernel (see [`FLAG_SNAT`]).
+/// The entry of a tracked flow the packet belongs to.
+pub struct Tracked {
+    /// A reply (`backend -> client`): reverse NAT the source to `nat`.
+    /// Else a forward packet (`client -> frontend`): DNAT to `nat`.
+    pub reply: bool,
+    /// `(address, port)`, network byte order.
+    pub nat: (u32, u16),
+    /// Forward only: the flow is source-NATed by the kernel (see [`FLAG_SNAT`]).
     pub snat: bool,
-    /// XDP picked the backend and left the packet to tc (see [`FLAG_HANDED_TO_TC`]).
+    /// Forward only: XDP picked the backend and left the packet to tc (see
+    /// [`FLAG_HANDED_TO_TC`]).
     pub handed_to_tc: bool,
     /// The entry itself, so [`taken_over`] needs no second lookup.
     entry: *mut CtValue,
 }
 
+/// The tracked flow the packet belongs to, in either direction.
 #[inline(always)]
-pub fn forward(flow: &Flow) -> Option<Forward> {
-    let entry = CONNTRACK.get_ptr_mut(key_of(flow, DIR_FORWARD))?;
+pub fn lookup(flow: &Flow) -> Option<Tracked> {
+    let entry = CONNTRACK.get_ptr_mut(key_of(flow))?;
     touch(entry, flow, unsafe { bpf_jiffies64() });
-    let (backend_id, flags) = unsafe { ((*entry).backend_id, (*entry).flags) };
-    Some(Forward {
-        backend_id,
-        snat: flags & FLAG_SNAT != 0,
-        handed_to_tc: flags & FLAG_HANDED_TO_TC != 0,
+    // SAFETY: map values stay valid for the program's run (RCU).
+    let value = unsafe { &*entry };
+    Some(Tracked {
+        reply: value.flags & FLAG_REPLY != 0,
+        nat: (value.nat_addr_be, value.nat_port_be),
+        snat: value.flags & FLAG_SNAT != 0,
+        handed_to_tc: value.flags & FLAG_HANDED_TO_TC != 0,
         entry,
     })
 }
@@ -89,54 +97,72 @@ pub fn forward(flow: &Flow) -> Option<Forward> {
 /// The tc hook took over a flow XDP handed to it: later packets are
 /// established ones.
 #[inline(always)]
-pub fn taken_over(tracked: &Forward) {
-    // SAFETY: the pointer came from the map lookup of this same packet's
-    // run; map values stay valid for the program's run (RCU).
+pub fn taken_over(tracked: &Tracked) {
+    // SAFETY: the pointer came from the map lookup of this same packet's run.
     unsafe { (*tracked.entry).flags &= !FLAG_HANDED_TO_TC };
 }
 
-/// The reverse NAT id of a tracked flow in the reply (backend -> client) direction.
-#[inline(always)]
-pub fn reply_rev_nat(flow: &Flow) -> Option<u32> {
-    let entry = CONNTRACK.get_ptr_mut(key_of(flow, DIR_REPLY))?;
-    touch(entry, flow, unsafe { bpf_jiffies64() });
-    Some(unsafe { (*entry).rev_nat_id })
-}
-
-/// Records a new flow to `backend` in both directions. The reply entry is
-/// written first: once the forward entry exists, later packets are DNATed
-/// and their replies must already be recognised. `handed_to_tc`: see
-/// [`FLAG_HANDED_TO_TC`].
+/// Records a new flow (the packet is its first, `client -> frontend`) to
+/// `backend` in both directions. The reply entry is written first: once the
+/// forward entry exists, later packets are DNATed and their replies must
+/// already be recognised. Neither insert overwrites another flow's entry;
+/// `Err` means the flow is not tracked (and must not be translated).
 #[inline(always)]
 pub fn create(
     flow: &Flow,
     backend_id: u32,
-    backend_addr_be: u32,
-    backend_port_be: u16,
+    backend: &Backend,
     rev_nat_id: u32,
     snat: bool,
     handed_to_tc: bool,
 ) -> Result<(), ()> {
     let now = unsafe { bpf_jiffies64() };
-    let mut value = CtValue {
+    let reply_key = CtKey {
+        saddr_be: backend.addr_be,
+        daddr_be: flow.saddr_be,
+        sport_be: backend.port_be,
+        dport_be: flow.sport_be,
+        proto: flow.proto,
+        _pad: [0; 3],
+    };
+    let reply = CtValue {
         backend_id,
         rev_nat_id,
         last_seen_jiffies: now,
         flags: FLAG_REPLY,
         tcp_seen: 0,
-        _pad: [0; 6],
+        nat_port_be: flow.dport_be,
+        nat_addr_be: flow.daddr_be,
     };
-    let reply = CtKey {
-        saddr_be: backend_addr_be,
-        daddr_be: flow.saddr_be,
-        sport_be: backend_port_be,
-        dport_be: flow.sport_be,
-        proto: flow.proto,
-        dir: DIR_REPLY,
-        _pad: [0; 2],
+    insert_reply(&reply_key, &reply)?;
+    let forward = CtValue {
+        flags: if snat { FLAG_SNAT } else { 0 } | if handed_to_tc { FLAG_HANDED_TO_TC } else { 0 },
+        tcp_seen: tcp_bits(flow.tcp_flags),
+        nat_port_be: backend.port_be,
+        nat_addr_be: backend.addr_be,
+        ..reply
     };
-    CONNTRACK.insert(&reply, &value, 0).map_err(|_| ())?;
-    value.flags = if snat { FLAG_SNAT } else { 0 } | if handed_to_tc { FLAG_HANDED_TO_TC } else { 0 };
-    value.tcp_seen = tcp_bits(flow.tcp_flags);
-    CONNTRACK.insert(&key_of(flow, DIR_FORWARD), &value, 0).map_err(|_| ())
+    // The lookup just missed, so this fails only if another CPU created the
+    // same flow meanwhile: its entries win, this packet passes.
+    if CONNTRACK.insert(&key_of(flow), &forward, BPF_NOEXIST as u64).is_err() {
+        let _ = CONNTRACK.remove(&reply_key);
+        return Err(());
+    }
+    Ok(())
+}
+
+/// Inserts a reply entry unless its tuple is another flow's forward entry.
+/// An older reply entry there (a flow the same client port had to the same
+/// backend, its forward entry evicted or gone) is replaced: its replies and
+/// the new flow's are the same packets.
+#[inline(always)]
+fn insert_reply(key: &CtKey, value: &CtValue) -> Result<(), ()> {
+    if CONNTRACK.insert(key, value, BPF_NOEXIST as u64).is_ok() {
+        return Ok(());
+    }
+    let existing = CONNTRACK.get_ptr(key).ok_or(())?;
+    if unsafe { (*existing).flags } & FLAG_REPLY == 0 {
+        return Err(());
+    }
+    CONNTRACK.insert(key, value, 0).map_err(|_| ())
 }

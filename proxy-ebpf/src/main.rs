@@ -1,8 +1,9 @@
 //! xproxy's kernel side. A packet's way through these files:
 //!
 //! `parse` (Ethernet, IPv4, TCP/UDP; the malformed-input policy) ->
-//! `lookup` (is it for a Service frontend?) -> `conntrack` (a known flow?) ->
-//! `select` (a backend for a new flow) -> `nat` (DNAT, reverse NAT, checksums
+//! `ports` (could it be Service traffic at all?) -> `conntrack` (a packet
+//! of a known flow, either way?) -> `lookup` (else: is it for a Service
+//! frontend?) -> `select` (a backend for a new flow) -> `nat` (DNAT, reverse NAT, checksums
 //! via `csum`) or `reject` (RST / ICMP when a Service has no backends; a
 //! frontend whose `Local` traffic policy finds no backend on this node
 //! drops instead, as kube-proxy does).
@@ -19,6 +20,7 @@ mod lookup;
 mod maps;
 mod nat;
 mod parse;
+mod ports;
 mod reject;
 mod select;
 mod service;

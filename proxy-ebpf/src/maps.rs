@@ -4,11 +4,12 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{HashMap, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    Backend, BackendSlotKey, CtKey, CtValue, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter,
+    Backend, BackendSlotKey, CtKey, CtValue, PortBits, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter,
     maps::{BACKEND_SLOTS_MAX, BACKENDS_MAX, CONNTRACK_MAX, REV_NAT_MAX, SERVICES_MAX},
+    ports::PORT_WORDS,
 };
 
 // Only user space writes these, so they need not be preallocated: memory
@@ -28,6 +29,10 @@ pub static REV_NAT: HashMap<u32, RevNat> = HashMap::pinned(REV_NAT_MAX, BPF_F_NO
 // Written from the data path on every new flow: LRU maps are preallocated.
 #[map(name = "XP_CT")]
 pub static CONNTRACK: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(CONNTRACK_MAX, 0);
+
+// Set by user space for every frontend and backend port.
+#[map(name = "XP_PORTS")]
+pub static PORTS: Array<PortBits> = Array::pinned(PORT_WORDS, 0);
 
 #[map(name = "XP_STATS")]
 pub static STATS: PerCpuArray<VerdictCounter> = PerCpuArray::pinned(Verdict::COUNT, 0);

@@ -28,6 +28,6 @@ pub fn random_backend(svc: &ServiceValue) -> Option<(u32, Backend)> {
 }
 
 #[inline(always)]
-pub fn backend(id: u32) -> Option<Backend> {
+fn backend(id: u32) -> Option<Backend> {
     unsafe { BACKENDS.get(&id).copied() }
 }

@@ -1,4 +1,5 @@
-//! The packet's way: parse -> lookup -> conntrack/select -> nat or reject.
+//! The packet's way: parse -> port filter -> conntrack -> (new flows:
+//! lookup -> select) -> nat or reject.
 
 use proxy_common::{
     Backend, ServiceValue, Verdict,
@@ -7,12 +8,11 @@ use proxy_common::{
 };
 
 use crate::{
-    conntrack,
+    conntrack::{self, Tracked},
     context::Ctx,
-    lookup,
-    maps::{self, REV_NAT},
-    nat,
+    lookup, maps, nat,
     parse::{self, Flow},
+    ports,
     reject::{self, Rejection},
     select, stats,
 };
@@ -32,39 +32,57 @@ pub enum Outcome {
     Drop,
 }
 
+/// Every hook sees both directions. The packet's own tuple is looked up
+/// once in conntrack: a tracked flow's packets are DNATed (forward) or
+/// reverse-NATed (reply) from the entry alone; only an untracked packet to
+/// a Service frontend is a new flow. Packets whose ports no Service uses
+/// pass before any hash lookup.
 #[inline(always)]
-/// Every hook sees both directions: packets to a Service frontend are
-/// DNATed, replies of tracked flows are reverse-NATed, the rest passes.
 pub fn process(ctx: &impl Ctx) -> Outcome {
     let len = ctx.frame_len();
     let (verdict, outcome) = match parse::parse(ctx) {
         Err(verdict) => (verdict, Outcome::Pass),
-        Ok(flow) => match lookup::frontend(&flow) {
-            Some(svc) => to_service(ctx, &flow, &svc),
-            None => from_backend(ctx, &flow),
+        Ok(flow) if !ports::may_be_service(&flow) => (Verdict::PassNotService, Outcome::Pass),
+        Ok(flow) => match conntrack::lookup(&flow) {
+            Some(tracked) if tracked.reply => reverse(ctx, &flow, &tracked),
+            Some(tracked) => established(ctx, &flow, &tracked),
+            None => match lookup::frontend(&flow) {
+                Some(svc) => new_flow(ctx, &flow, &svc),
+                None => (Verdict::PassNotService, Outcome::Pass),
+            },
         },
     };
     stats::count(len, verdict);
     outcome
 }
 
+/// A packet of a tracked flow, client -> frontend: to the flow's backend,
+/// whatever happened to the Service since (the agent deletes the entries
+/// of flows that must not go on).
 #[inline(always)]
-fn to_service(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outcome) {
-    // A tracked flow keeps its backend while that backend exists, whatever
-    // happened to the Service's backend set since.
-    if let Some(tracked) = conntrack::forward(flow)
-        && let Some(backend) = select::backend(tracked.backend_id)
-    {
-        if tracked.snat && !ctx.add_mark(maps::snat_mark()) {
-            return (Verdict::PassToTc, Outcome::Pass);
-        }
-        if tracked.handed_to_tc {
-            // The first packet of a flow XDP picked a backend for: new.
-            conntrack::taken_over(&tracked);
-            return translated(nat::dnat(ctx, flow, &backend), Verdict::DnatNew);
-        }
-        return translated(nat::dnat(ctx, flow, &backend), Verdict::DnatEstablished);
+fn established(ctx: &impl Ctx, flow: &Flow, tracked: &Tracked) -> (Verdict, Outcome) {
+    if tracked.snat && !ctx.add_mark(maps::snat_mark()) {
+        return (Verdict::PassToTc, Outcome::Pass);
     }
+    if tracked.handed_to_tc {
+        // The first packet of a flow XDP picked a backend for: new.
+        conntrack::taken_over(tracked);
+        return translated(nat::dnat(ctx, flow, tracked.nat), Verdict::DnatNew);
+    }
+    translated(nat::dnat(ctx, flow, tracked.nat), Verdict::DnatEstablished)
+}
+
+/// A backend's reply of a tracked flow: its source back to the frontend.
+#[inline(always)]
+fn reverse(ctx: &impl Ctx, flow: &Flow, tracked: &Tracked) -> (Verdict, Outcome) {
+    match nat::rev_nat(ctx, flow, tracked.nat) {
+        Ok(()) => (Verdict::RevNat, Outcome::ReverseTranslated),
+        Err(()) => (Verdict::Error, Outcome::Drop),
+    }
+}
+
+#[inline(always)]
+fn new_flow(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outcome) {
     let Some((id, backend)) = select::random_backend(svc) else {
         if svc.backend_count != 0 {
             return (Verdict::Error, Outcome::Pass);
@@ -88,22 +106,17 @@ fn to_service(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outc
     // every pick that needs SNAT (a backend on another node) and so favour
     // local backends, 3:1 with half the backends remote.
     let handed_to_tc = snat && !ctx.add_mark(maps::snat_mark());
-    let tracked = conntrack::create(
-        flow,
-        id,
-        backend.addr_be,
-        backend.port_be,
-        svc.rev_nat_id,
-        snat,
-        handed_to_tc,
-    );
-    if tracked.is_err() {
+    // Untracked, the flow's replies would not be recognised: pass it as is.
+    if conntrack::create(flow, id, &backend, svc.rev_nat_id, snat, handed_to_tc).is_err() {
         return (Verdict::Error, Outcome::Pass);
     }
     if handed_to_tc {
         return (Verdict::PassToTc, Outcome::Pass);
     }
-    translated(nat::dnat(ctx, flow, &backend), Verdict::DnatNew)
+    translated(
+        nat::dnat(ctx, flow, (backend.addr_be, backend.port_be)),
+        Verdict::DnatNew,
+    )
 }
 
 /// Whether the kernel must also source-NAT the flow, for its replies to come
@@ -120,20 +133,6 @@ fn needs_snat(flow: &Flow, svc: &ServiceValue, backend: &Backend) -> bool {
     svc.flags & FLAG_NEEDS_SNAT != 0
         || flow.saddr_be == backend.addr_be
         || (node_port_cluster && backend.flags & FLAG_LOCAL == 0)
-}
-
-#[inline(always)]
-fn from_backend(ctx: &impl Ctx, flow: &Flow) -> (Verdict, Outcome) {
-    let Some(rev_nat_id) = conntrack::reply_rev_nat(flow) else {
-        return (Verdict::PassNotService, Outcome::Pass);
-    };
-    let Some(frontend) = (unsafe { REV_NAT.get(&rev_nat_id) }) else {
-        return (Verdict::Error, Outcome::Pass);
-    };
-    match nat::rev_nat(ctx, flow, frontend) {
-        Ok(()) => (Verdict::RevNat, Outcome::ReverseTranslated),
-        Err(()) => (Verdict::Error, Outcome::Drop),
-    }
 }
 
 #[inline(always)]

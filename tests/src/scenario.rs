@@ -156,11 +156,14 @@ pub fn fresh_port_range(ns: &Netns, first: u16, count: u16) -> Result<()> {
         bail!("no port range of {count} from {first}");
     };
     // Kubernetes' advice for nodes whose ephemeral range overlaps the
-    // NodePort range: reserve it. Otherwise the node's own connection from,
-    // say, port 30791 gets replies addressed to NODE_IP:30791, which the
-    // ebpf programs take for NodePort traffic: they look the frontend up
-    // before the reply entry (the kernel modes do not, as their NAT rules
-    // see only a connection's first packet). A known gap of the ebpf mode.
+    // NodePort range: reserve it. The ebpf programs no longer need it for
+    // the node's connections to Services (they find a reply's conntrack
+    // entry before they look for a frontend; see the packet test
+    // replies_to_a_node_port_numbered_source_port_are_replies), but a
+    // connection from, say, port 30791 to anything else, which they do not
+    // track, still gets its replies to NODE_IP:30791 taken for NodePort
+    // traffic (the kernel modes' NAT rules see only a connection's first
+    // packet and do not).
     ns.sysctl("net.ipv4.ip_local_reserved_ports", "30000-32767")?;
     ns.sysctl("net.ipv4.ip_local_port_range", &format!("{first} {last}"))
 }

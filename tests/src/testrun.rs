@@ -305,6 +305,20 @@ impl Harness {
     pub fn conntrack(&self) -> Vec<(CtKey, CtValue)> {
         self.maps.conntrack_entries().expect("dumping conntrack")
     }
+
+    /// Takes a Service port out of the maps.
+    pub fn remove(&mut self, svc: &ServicePort) {
+        self.maps
+            .remove_port(svc)
+            .unwrap_or_else(|e| panic!("removing {}: {e:#}", svc.name));
+    }
+
+    /// What the ebpf mode does after each sync: deletes the conntrack
+    /// entries of UDP flows whose backend left; returns how many.
+    pub fn delete_stale_udp_flows(&self) -> u64 {
+        proxy_userspace::mode::ebpf::stale_flows::delete_stale_udp_flows(self.pin.path(), &self.maps)
+            .expect("deleting stale UDP flows")
+    }
 }
 
 /// Whether the kernel's BPF_PROG_TEST_RUN may refuse `frame` for `prog`

@@ -13,7 +13,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 
 use proxy_common::{
     CtKey, Verdict, VerdictCounter,
-    conntrack::{DIR_FORWARD, DIR_REPLY, FLAG_SNAT},
+    conntrack::FLAG_SNAT,
     proto,
     service::{FLAG_EXTERNAL_LOCAL, FLAG_INTERNAL_LOCAL, FLAG_NEEDS_SNAT, FLAG_NODE_PORT},
 };
@@ -482,15 +482,8 @@ fn dnat_creates_forward_and_reply_conntrack_entries() {
     );
     let backend = dnat_dst(&out);
     let keys: Vec<CtKey> = h.conntrack().into_iter().map(|(k, _)| k).collect();
-    let forward = CtKey::new(*cli.ip(), cli.port(), CLUSTER_IP, SERVICE_PORT, proto::TCP, DIR_FORWARD);
-    let reply = CtKey::new(
-        *backend.ip(),
-        backend.port(),
-        *cli.ip(),
-        cli.port(),
-        proto::TCP,
-        DIR_REPLY,
-    );
+    let forward = CtKey::new(*cli.ip(), cli.port(), CLUSTER_IP, SERVICE_PORT, proto::TCP);
+    let reply = CtKey::new(*backend.ip(), backend.port(), *cli.ip(), cli.port(), proto::TCP);
     assert!(keys.contains(&forward), "no forward entry {forward:?} in {keys:?}");
     assert!(keys.contains(&reply), "no reply entry {reply:?} in {keys:?}");
     assert_eq!(keys.len(), 2, "{keys:?}");
@@ -638,9 +631,12 @@ fn replies_are_reverse_nated() {
     }
 }
 
-/// A flow keeps its backend while the Service's backend set is replaced, as
-/// long as the backend is still in it; flows whose backend left move to a
-/// backend of the new set; new flows only use the new set.
+/// A TCP flow keeps its backend while the Service's backend set is
+/// replaced, also when its backend left the set: its conntrack entries hold
+/// the backend's address (kube-proxy's conntrack entries outlive its rules
+/// likewise; UDP flows are another matter, see
+/// [`udp_flows_of_a_removed_backend_move_tcp_flows_stay`]). New flows only
+/// use the new set.
 #[test]
 fn established_flows_keep_their_backend_across_set_changes() {
     if !require_root("established_flows_keep_their_backend_across_set_changes") {
@@ -702,7 +698,8 @@ fn established_flows_keep_their_backend_across_set_changes() {
         "30 new flows never reached the 20 new backends: {new_flow_backends:?}"
     );
 
-    // 2. Shrink: keep only the first seed backend plus the new ones.
+    // 2. Shrink: keep only the first seed backend plus the new ones. Every
+    // flow goes on to its backend, kept or not; new flows use the new set.
     let kept = seed[0];
     let mut shrunk = vec![kept];
     shrunk.extend(&fresh);
@@ -714,43 +711,163 @@ fn established_flows_keep_their_backend_across_set_changes() {
         Some(NODE_PORT),
         &shrunk,
     ));
-    let mut moved = 0;
+    assert_eq!(h.delete_stale_udp_flows(), 0, "TCP flows are never stale");
+    let mut on_removed = 0;
     for (prog, frame, backend) in &flows {
-        if *backend == kept {
-            run_case(
-                &mut h,
-                *prog,
-                &Case::dnat("ACK, backend kept", ack(frame), &[kept], Verdict::DnatEstablished),
-            );
+        let what = if *backend == kept {
+            "ACK, backend kept"
         } else {
-            // Its backend is gone: any backend of the current set will do, and
-            // the spec does not say whether that counts as new or established.
-            let input = ack(frame).build();
-            let out = h.run(*prog, &input);
-            assert!(prog.dnat_code_ok(out.code), "{}: code {}", prog.name(), out.code);
-            let dst = dnat_dst(&out);
-            assert!(
-                shrunk.contains(&dst),
-                "flow of a removed backend went to {dst}, not in {shrunk:?}; input {}",
-                hex(&input)
-            );
-            assert_eq!(out.frame, ack(frame).with_dst(dst).build());
-            moved += 1;
-        }
+            on_removed += 1;
+            "ACK, backend removed"
+        };
+        run_case(
+            &mut h,
+            *prog,
+            &Case::dnat(what, ack(frame), &[*backend], Verdict::DnatEstablished),
+        );
     }
     assert!(
-        moved > 0 && moved < flows.len(),
+        on_removed > 0 && on_removed < flows.len(),
         "24 random flows should not all have picked one backend"
+    );
+    for prog in progs {
+        let case = Case::dnat(
+            "new flow after shrinking",
+            Frame::tcp(client(&mut h), svc, SYN),
+            &shrunk,
+            Verdict::DnatNew,
+        );
+        run_case(&mut h, prog, &case);
+    }
+}
+
+/// After a backend leaves, the agent deletes the conntrack entries of the
+/// UDP flows on it (kube-proxy does so for UDP): their next packets pick a
+/// remaining backend, and the old backend's late replies are no longer
+/// reverse-NATed. UDP flows on other backends and TCP flows on it stay.
+#[test]
+fn udp_flows_of_a_removed_backend_move_tcp_flows_stay() {
+    if !require_root("udp_flows_of_a_removed_backend_move_tcp_flows_stay") {
+        return;
+    }
+    let mut h = Harness::seeded();
+    let seed = seed_backends();
+    let svc = cluster_ip();
+    let mut flows = Vec::new();
+    for i in 0..24 {
+        let udp = i % 2 == 0;
+        let frame = if udp {
+            Frame::udp(client(&mut h), svc, b"q")
+        } else {
+            Frame::tcp(client(&mut h), svc, SYN)
+        };
+        let out = run_case(
+            &mut h,
+            Prog::TcIngress,
+            &Case::dnat("first packet", frame.clone(), &seed, Verdict::DnatNew),
+        );
+        flows.push((udp, frame, dnat_dst(&out)));
+    }
+    let gone = flows[0].2;
+    let remaining: Vec<SocketAddrV4> = seed.iter().copied().filter(|b| *b != gone).collect();
+    for (name, protocol) in [(SEED_TCP, Protocol::Tcp), (SEED_UDP, Protocol::Udp)] {
+        h.sync(&service(
+            name,
+            protocol,
+            CLUSTER_IP,
+            SERVICE_PORT,
+            Some(NODE_PORT),
+            &remaining,
+        ));
+    }
+    let udp_on_gone = flows.iter().filter(|(udp, _, b)| *udp && *b == gone).count() as u64;
+    assert_eq!(h.delete_stale_udp_flows(), 2 * udp_on_gone, "both entries of each");
+    for (udp, frame, backend) in &flows {
+        let next = if *udp {
+            frame.clone().with_udp(|u| u.payload = b"again".to_vec())
+        } else {
+            frame.clone().with_tcp(|t| t.flags = ACK)
+        };
+        let case = if *udp && *backend == gone {
+            Case::dnat("UDP, backend removed", next, &remaining, Verdict::DnatNew)
+        } else {
+            Case::dnat("backend kept, or TCP", next, &[*backend], Verdict::DnatEstablished)
+        };
+        run_case(&mut h, Prog::TcIngress, &case);
+    }
+}
+
+/// kube-proxy's semantics for a deleted Service: established TCP flows go
+/// on (both ways), UDP flows are deleted and their next packets pass
+/// untranslated (nothing is addressed to the ClusterIP any more).
+#[test]
+fn a_deleted_services_tcp_flows_go_on_and_udp_flows_stop() {
+    if !require_root("a_deleted_services_tcp_flows_go_on_and_udp_flows_stop") {
+        return;
+    }
+    let mut h = Harness::seeded();
+    let seed = seed_backends();
+    let svc = cluster_ip();
+    let (tcp, udp) = (
+        Frame::tcp(client(&mut h), svc, SYN),
+        Frame::udp(client(&mut h), svc, b"q"),
+    );
+    let tcp_backend = dnat_dst(&run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat("TCP SYN", tcp.clone(), &seed, Verdict::DnatNew),
+    ));
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat("UDP", udp.clone(), &seed, Verdict::DnatNew),
+    );
+    for (name, protocol) in [(SEED_TCP, Protocol::Tcp), (SEED_UDP, Protocol::Udp)] {
+        h.remove(&service(
+            name,
+            protocol,
+            CLUSTER_IP,
+            SERVICE_PORT,
+            Some(NODE_PORT),
+            &seed,
+        ));
+    }
+    assert_eq!(h.delete_stale_udp_flows(), 2, "the UDP flow's two entries");
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat(
+            "TCP ACK after the Service left",
+            tcp.clone().with_tcp(|t| t.flags = ACK),
+            &[tcp_backend],
+            Verdict::DnatEstablished,
+        ),
+    );
+    let reply = Frame::tcp(tcp_backend, tcp.src(), SYN | ACK);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::rev_nat("TCP reply after the Service left", reply, svc),
+    );
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::pass(
+            "UDP after the Service left",
+            &udp.with_udp(|u| u.payload = b"again".to_vec()),
+            Verdict::PassNotService,
+        ),
     );
 }
 
-/// Conntrack holds forward entries (client -> frontend) and reply entries
-/// (backend -> client) under one 5-tuple key space. A flow whose client
-/// address is another flow's frontend must not lose its pin when that other
-/// flow's reply entry is written: here a hostNetwork process on the node
-/// talks from NODE_IP:30791 to a one-backend Service, so its reply entry is
-/// (10.244.0.11:80 -> NODE_IP:30791) - exactly the forward tuple of a pod
-/// 10.244.0.11 talking from port 80 to the NodePort.
+/// Forward entries (client -> frontend) and reply entries (backend ->
+/// client) share one key space. The same tuple can be both only if a
+/// client's source is a frontend: here a pod 10.244.0.11 talks from port
+/// 80 to the NodePort (forward tuple 10.244.0.11:80 -> NODE_IP:30791), then
+/// a hostNetwork process talks from NODE_IP:30791 to a one-backend Service
+/// whose backend is that pod (reply tuple: the same). The second flow is
+/// not tracked (passed untranslated, counted as an error) rather than
+/// overwrite the first one's pin.
 #[test]
 fn forward_and_reply_entries_do_not_collide() {
     if !require_root("forward_and_reply_entries_do_not_collide") {
@@ -782,7 +899,7 @@ fn forward_and_reply_entries_do_not_collide() {
         run_case(
             &mut h,
             prog,
-            &Case::dnat("node:30791 -> single", x, &[pod], Verdict::DnatNew),
+            &Case::pass("node:30791 -> single, not tracked", &x, Verdict::Error),
         );
         // 3. The pod's flow goes on: still established, still its backend.
         let next = y.with_udp(|u| u.payload = b"second".to_vec());
@@ -794,8 +911,102 @@ fn forward_and_reply_entries_do_not_collide() {
     }
 }
 
+/// The node's own connection to a Service from a port in the NodePort
+/// range gets its replies, addressed to `NODE_IP:30791`, reverse-NATed:
+/// the programs look the packet's own tuple up in conntrack before they
+/// look for a frontend, so the reply is not taken for a new NodePort flow.
+/// (The test bed still reserves the NodePort range, as Kubernetes advises.)
+#[test]
+fn replies_to_a_node_port_numbered_source_port_are_replies() {
+    if !require_root("replies_to_a_node_port_numbered_source_port_are_replies") {
+        return;
+    }
+    let mut h = Harness::seeded();
+    for (protocol, frame) in [
+        (Protocol::Tcp, Frame::tcp(node_port(), cluster_ip(), SYN)),
+        (Protocol::Udp, Frame::udp(node_port(), cluster_ip(), b"q")),
+    ] {
+        // The node's own traffic leaves through the uplink's tc egress.
+        let out = run_case(
+            &mut h,
+            Prog::TcEgress,
+            &Case::dnat(
+                format!("{protocol:?} from NODE_IP:30791 to the ClusterIP"),
+                frame,
+                &seed_backends(),
+                Verdict::DnatNew,
+            ),
+        );
+        let backend = dnat_dst(&out);
+        let reply = match protocol {
+            Protocol::Tcp => Frame::tcp(backend, node_port(), SYN | ACK),
+            _ => Frame::udp(backend, node_port(), b"a"),
+        };
+        for prog in [Prog::XdpUplink, Prog::TcIngress] {
+            run_case(
+                &mut h,
+                prog,
+                &Case::rev_nat(
+                    format!("{protocol:?} reply to NODE_IP:30791"),
+                    reply.clone(),
+                    cluster_ip(),
+                ),
+            );
+        }
+    }
+}
+
+/// Conntrack entries an older agent's programs wrote (reply keys told
+/// apart by a direction byte, values with ids only) are rewritten at start
+/// (`legacy_ct`): the flow goes on both ways.
+#[test]
+fn an_older_agents_conntrack_entries_are_migrated() {
+    if !require_root("an_older_agents_conntrack_entries_are_migrated") {
+        return;
+    }
+    let mut h = Harness::seeded();
+    let syn = Frame::tcp(client(&mut h), cluster_ip(), SYN);
+    let out = run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat("SYN", syn.clone(), &seed_backends(), Verdict::DnatNew),
+    );
+    let backend = dnat_dst(&out);
+    // Turn the two entries into what the older programs wrote.
+    let path = h.pin_dir().join(proxy_common::maps::CONNTRACK);
+    let data = aya::maps::MapData::from_pin(&path).expect("pinned conntrack");
+    let mut ct: aya::maps::HashMap<_, CtKey, proxy_common::CtValue> =
+        aya::maps::HashMap::try_from(aya::maps::Map::from_map_data(data).expect("a map")).expect("a hash map");
+    for (key, mut value) in h.conntrack() {
+        ct.remove(&key).expect("delete");
+        let mut old_key = key;
+        old_key._pad[0] = u8::from(value.is_reply());
+        (value.nat_addr_be, value.nat_port_be) = (0, 0);
+        ct.insert(old_key, value, 0).expect("insert");
+    }
+    let migrated = proxy_userspace::mode::ebpf::legacy_ct::migrate(h.pin_dir()).expect("migrate");
+    assert_eq!(migrated, 2);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat(
+            "ACK after the upgrade",
+            syn.clone().with_tcp(|t| t.flags = ACK),
+            &[backend],
+            Verdict::DnatEstablished,
+        ),
+    );
+    let reply = Frame::tcp(backend, syn.src(), SYN | ACK);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::rev_nat("reply after the upgrade", reply, cluster_ip()),
+    );
+}
+
 /// A removed backend's id must not send its flows to whatever backend later
-/// gets the same id (here: another Service's).
+/// gets the same id (here: another Service's): a TCP flow goes on to its
+/// own backend, whose address its conntrack entry holds.
 #[test]
 fn flows_of_a_removed_backend_never_reach_another_services_backend() {
     if !require_root("flows_of_a_removed_backend_never_reach_another_services_backend") {
@@ -839,15 +1050,7 @@ fn flows_of_a_removed_backend_never_reach_another_services_backend() {
         let input = frame.clone().with_tcp(|t| t.flags = ACK).build();
         let out = h.run(Prog::TcIngress, &input);
         let dst = dnat_dst(&out);
-        if *backend != gone {
-            assert_eq!(dst, *backend, "flow lost its remaining backend; input {}", hex(&input));
-        } else {
-            assert!(
-                remaining.contains(&dst),
-                "flow of removed backend {gone} went to {dst} (want one of {remaining:?}); input {}",
-                hex(&input)
-            );
-        }
+        assert_eq!(dst, *backend, "flow changed backend; input {}", hex(&input));
     }
 }
 
@@ -1498,14 +1701,14 @@ fn flows_needing_snat_go_from_xdp_to_tc() {
     // that tc DNATs it there instead of picking again (which would favour
     // backends that need no SNAT).
     let tracked = h.conntrack();
-    let forward = tracked.iter().find(|(k, _)| k.dir == DIR_FORWARD);
+    let forward = tracked.iter().find(|(_, v)| !v.is_reply());
     assert!(
         forward.is_some_and(|(_, v)| v.flags & FLAG_SNAT != 0),
         "XDP must track the flow it leaves to tc, marked for SNAT: {tracked:?}"
     );
     let picked = tracked
         .iter()
-        .find(|(k, _)| k.dir == DIR_REPLY)
+        .find(|(_, v)| v.is_reply())
         .map(|(k, _)| k.saddr())
         .expect("a reply entry names the backend XDP picked");
 
@@ -1837,7 +2040,7 @@ fn external_local_keeps_the_source_under_masquerade_all_but_not_for_hairpin() {
     let snat_of = |h: &Harness, src: Ipv4Addr| {
         h.conntrack()
             .iter()
-            .find(|(k, _)| k.dir == DIR_FORWARD && k.saddr() == src)
+            .find(|(k, v)| !v.is_reply() && k.saddr() == src)
             .map(|(_, v)| v.flags & FLAG_SNAT != 0)
     };
     assert_eq!(snat_of(&h, EXTERNAL_IP), Some(false), "the client's address is kept");

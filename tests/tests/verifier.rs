@@ -20,6 +20,7 @@ fn every_program_loads_and_pins_its_maps() {
         maps::REV_NAT,
         maps::CONNTRACK,
         maps::STATS,
+        maps::PORTS,
     ] {
         assert!(pins.path().join(name).exists(), "map {name} is not pinned");
     }

@@ -7,11 +7,7 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail, ensure};
-use proxy_common::{
-    CtKey, Verdict,
-    conntrack::{DIR_FORWARD, DIR_REPLY},
-    proto,
-};
+use proxy_common::{CtKey, Verdict, proto};
 use rand::{SeedableRng, rngs::StdRng, seq::SliceRandom};
 use serde::Serialize;
 use xproxy_tests::{
@@ -388,22 +384,8 @@ fn conntrack_keys(input: &[u8], output: &[u8]) -> Result<[CtKey; 2]> {
     };
     let (client, frontend, backend) = (before.src, before.dst, after.dst);
     Ok([
-        CtKey::new(
-            *client.ip(),
-            client.port(),
-            *frontend.ip(),
-            frontend.port(),
-            proto::TCP,
-            DIR_FORWARD,
-        ),
-        CtKey::new(
-            *backend.ip(),
-            backend.port(),
-            *client.ip(),
-            client.port(),
-            proto::TCP,
-            DIR_REPLY,
-        ),
+        CtKey::new(*client.ip(), client.port(), *frontend.ip(), frontend.port(), proto::TCP),
+        CtKey::new(*backend.ip(), backend.port(), *client.ip(), client.port(), proto::TCP),
     ])
 }
 

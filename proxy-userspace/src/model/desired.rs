@@ -499,7 +499,12 @@ mod tests {
                     let eps: Vec<_> = (0..next(4))
                         .map(|i| json!({"addresses": [format!("10.244.0.{}", i + next(3))]}))
                         .collect();
-                    let sl = slice(&name, &svc_name, json!([{"name": "a", "port": 8080}, {"name": "b", "port": 9090}]), json!(eps));
+                    let sl = slice(
+                        &name,
+                        &svc_name,
+                        json!([{"name": "a", "port": 8080}, {"name": "b", "port": 9090}]),
+                        json!(eps),
+                    );
                     cluster.upsert_slice(&sl);
                     slices.insert(name, sl);
                 }

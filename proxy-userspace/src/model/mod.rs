@@ -5,8 +5,8 @@
 //! keeps those facts per object and joins them into [`ServicePort`]s.
 
 mod desired;
-mod join;
 pub mod endpoint;
+mod join;
 pub mod service;
 
 use std::{fmt, net::Ipv4Addr};

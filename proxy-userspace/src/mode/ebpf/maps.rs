@@ -36,7 +36,10 @@ use proxy_common::{
 };
 use tracing::info;
 
-use super::sys::{self, BatchError};
+use super::{
+    port_filter::PortFilter,
+    sys::{self, BatchError},
+};
 use crate::{
     mode::EndpointSets,
     model::{Endpoint, ServicePort},
@@ -75,6 +78,8 @@ pub struct ServiceMaps {
     rev_nat: HashMap<MapData, u32, RevNat>,
     conntrack: HashMap<MapData, CtKey, CtValue>,
     stats: PerCpuArray<MapData, VerdictCounter>,
+    /// Ports of every frontend and backend written (see `port_filter`).
+    port_filter: PortFilter,
     node_ips: Vec<Ipv4Addr>,
     /// Endpoints on this node (by their nodeName) are local backends; if
     /// `None`, or an endpoint names no node, it is taken to be local (for
@@ -127,6 +132,7 @@ impl ServiceMaps {
             rev_nat: open(pin_path, maps::REV_NAT)?,
             conntrack: open(pin_path, maps::CONNTRACK)?,
             stats: PerCpuArray::try_from(Map::from_map_data(stats_data)?)?,
+            port_filter: PortFilter::open(pin_path)?,
             node_ips,
             node_name: None,
             masquerade_all: false,
@@ -328,6 +334,8 @@ impl ServiceMaps {
             self.write_backend_set(&backends)?
         };
 
+        let ports = self.frontends_of(svc).into_iter().map(|(key, _)| key.port());
+        self.port_filter.allow(ports, layout.slots.iter().map(|ep| ep.port))?;
         let mut frontends = BTreeMap::new();
         for (key, is_node_port) in self.frontends_of(svc) {
             let ord = ServiceKeyOrd::from(key);

@@ -13,12 +13,23 @@
 //! `clusterCIDR`), not its short-circuit to every backend; the node's own
 //! requests to its node ports never pass the programs at all (refused, as
 //! with the `Cluster` policy).
+//!
+//! Tracked flows follow kube-proxy: a flow's conntrack entries hold its
+//! backend (and its frontend, for the replies), so a TCP flow goes on to
+//! its backend after the backend or the whole Service is removed, until the
+//! flow ends or its entries are evicted; after every sync the agent deletes
+//! the entries of UDP flows whose backend left their frontend
+//! (`stale_flows`), so their next datagram picks a current backend, or
+//! passes untranslated if the Service is gone.
 
 mod interfaces;
+pub mod legacy_ct;
 mod loader;
 mod maps;
 mod object;
+mod port_filter;
 pub mod snat;
+pub mod stale_flows;
 pub mod sys;
 
 use std::{
@@ -36,7 +47,11 @@ pub use object::object_bytes;
 use tracing::{info, warn};
 
 use super::Dataplane;
-use crate::{config::XdpPolicy, model::ServicePort, reconcile::Plan};
+use crate::{
+    config::XdpPolicy,
+    model::{Protocol, ServicePort},
+    reconcile::Plan,
+};
 
 /// Where the ebpf mode attaches and what it programs NodePorts on.
 #[derive(Clone, Debug)]
@@ -66,6 +81,7 @@ pub struct EbpfMode {
     /// Shared with the task that attaches pod interfaces as they appear.
     datapath: Arc<Mutex<Datapath>>,
     node_ips: Vec<Ipv4Addr>,
+    pin_path: PathBuf,
 }
 
 impl EbpfMode {
@@ -114,6 +130,15 @@ impl EbpfMode {
                 );
             }
         }
+        // Now that no older program writes old entries any more.
+        match legacy_ct::migrate(&opts.pin_path) {
+            Ok(0) => {}
+            Ok(n) => info!(entries = n, "conntrack entries of an older agent rewritten"),
+            Err(e) => warn!(
+                error = format!("{e:#}"),
+                "conntrack entries of an older agent not rewritten"
+            ),
+        }
         let datapath = Arc::new(Mutex::new(datapath));
         spawn_pod_interface_watcher(datapath.clone(), uplinks)?;
         let mut maps = ServiceMaps::open(&opts.pin_path, node_ips.clone())?;
@@ -123,6 +148,7 @@ impl EbpfMode {
             maps,
             datapath,
             node_ips,
+            pin_path: opts.pin_path.clone(),
         })
     }
 
@@ -138,6 +164,18 @@ impl EbpfMode {
     pub fn with_datapath<T>(&self, f: impl FnOnce(&mut Datapath) -> T) -> T {
         let mut guard = self.datapath.lock().unwrap_or_else(|p| p.into_inner());
         f(&mut guard)
+    }
+}
+
+impl EbpfMode {
+    /// After a sync: deletes the tracked UDP flows whose backend left (see
+    /// `stale_flows`). Logged, not fatal: the flows still age out.
+    fn delete_stale_udp_flows(&self) {
+        match stale_flows::delete_stale_udp_flows(&self.pin_path, &self.maps) {
+            Ok(0) => {}
+            Ok(n) => info!(entries = n, "deleted conntrack entries of stale UDP flows"),
+            Err(e) => warn!(error = format!("{e:#}"), "deleting stale UDP flows"),
+        }
     }
 }
 
@@ -200,7 +238,18 @@ impl Dataplane for EbpfMode {
                     .with_context(|| format!("programming {}", port.name))?;
             }
             Ok(())
-        })
+        })?;
+        // After the batch is written: the flows' next packets then pick a
+        // current backend.
+        if plan
+            .remove
+            .iter()
+            .chain(&plan.upsert)
+            .any(|p| p.protocol == Protocol::Udp)
+        {
+            self.delete_stale_udp_flows();
+        }
+        Ok(())
     }
 
     fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()> {
@@ -214,7 +263,9 @@ impl Dataplane for EbpfMode {
                     .with_context(|| format!("programming {}", port.name))?;
             }
             Ok(())
-        })
+        })?;
+        self.delete_stale_udp_flows();
+        Ok(())
     }
 
     fn kernel_writes(&self) -> u64 {

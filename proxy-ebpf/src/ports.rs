@@ -1,0 +1,23 @@
+//! The port filter: packets whose ports no Service uses pass before any
+//! hash lookup (see `proxy_common::ports`).
+
+use proxy_common::ports;
+
+use crate::{maps::PORTS, parse::Flow};
+
+/// Whether the packet may be Service traffic: its destination port is a
+/// frontend's (a request) or its source port a backend's (a reply).
+#[inline(always)]
+pub fn may_be_service(flow: &Flow) -> bool {
+    has(u16::from_be(flow.dport_be), |b| b.frontend) || has(u16::from_be(flow.sport_be), |b| b.backend)
+}
+
+#[inline(always)]
+fn has(port: u16, bits: impl Fn(&ports::PortBits) -> u64) -> bool {
+    let (index, bit) = ports::slot(port);
+    // An ARRAY lookup: the verifier inlines it, no helper call.
+    match PORTS.get(index) {
+        Some(word) => bits(word) & bit != 0,
+        None => false,
+    }
+}

@@ -1,0 +1,58 @@
+//! Rewrites conntrack entries an older agent's programs wrote into today's
+//! layout, so that flows survive the upgrade.
+//!
+//! Before one key space held both directions, a key's 13th byte (now
+//! padding) was 1 for reply entries, and values held only ids: the backend
+//! (`XP_BACKENDS`) and the frontend (`XP_REV_NAT`). Today's programs look
+//! up keys with that byte 0 and translate with the address and port in the
+//! value. An entry without them (both 0, never a real translation) is an
+//! old one: it is filled in from the id maps, and an old reply entry moves
+//! to its new key. Runs once at start, right after today's programs
+//! replaced the old ones on the interfaces listed then (until it ran, an
+//! old flow's packets are mistranslated, as their entries say nothing).
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use aya::maps::{HashMap, Map, MapData};
+use proxy_common::{Backend, CtKey, CtValue, RevNat, maps};
+
+/// Migrates the old entries of the maps pinned under `pin_path`; returns
+/// how many were rewritten (entries whose ids are gone are deleted).
+pub fn migrate(pin_path: &Path) -> Result<u64> {
+    let mut conntrack: HashMap<MapData, CtKey, CtValue> = open(pin_path, maps::CONNTRACK)?;
+    let backends: HashMap<MapData, u32, Backend> = open(pin_path, maps::BACKENDS)?;
+    let rev_nat: HashMap<MapData, u32, RevNat> = open(pin_path, maps::REV_NAT)?;
+    let old: Vec<(CtKey, CtValue)> = conntrack
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(_, v)| v.nat_addr_be == 0 && v.nat_port_be == 0)
+        .collect();
+    let mut migrated = 0;
+    for (key, mut value) in old {
+        let nat = if value.is_reply() {
+            rev_nat.get(&value.rev_nat_id, 0).ok().map(|f| (f.addr_be, f.port_be))
+        } else {
+            backends.get(&value.backend_id, 0).ok().map(|b| (b.addr_be, b.port_be))
+        };
+        // Not atomic, but today's programs cannot use the entry as it is.
+        let _ = conntrack.remove(&key);
+        let Some((addr_be, port_be)) = nat else {
+            continue;
+        };
+        value.nat_addr_be = addr_be;
+        value.nat_port_be = port_be;
+        let new_key = CtKey { _pad: [0; 3], ..key };
+        conntrack
+            .insert(new_key, value, 0)
+            .context("rewriting an old conntrack entry")?;
+        migrated += 1;
+    }
+    Ok(migrated)
+}
+
+fn open<K: aya::Pod, V: aya::Pod>(pin_path: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
+    let path = pin_path.join(name);
+    let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
+    Ok(HashMap::try_from(Map::from_map_data(data)?)?)
+}
