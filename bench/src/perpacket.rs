@@ -772,18 +772,20 @@ mod tests {
             [
                 "XP_BACKENDS",
                 "XP_CT",
+                "XP_PORTS",
                 "XP_REV_NAT",
                 "XP_SERVICES",
                 "XP_SLOTS",
                 "XP_STATS"
             ]
         );
-        let ct = &maps[1];
+        let named = |name: &str| maps.iter().find(|m| m.name == name).expect("listed above");
+        let ct = named("XP_CT");
         assert_eq!((ct.map_type.as_str(), ct.key_size, ct.value_size), ("lru_hash", 16, 24));
         assert_eq!(ct.max_entries, CONNTRACK_MAX);
         assert_eq!(ct.payload_bytes, 40 * u64::from(CONNTRACK_MAX));
         assert!(ct.memlock_bytes >= ct.payload_bytes, "{ct:?}");
-        let services = &maps[3];
+        let services = named("XP_SERVICES");
         assert_eq!(services.map_flags & 1, 1, "XP_SERVICES is not preallocated");
         assert!(services.memlock_bytes < services.payload_bytes, "{services:?}");
     }
