@@ -14,8 +14,10 @@
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use aya::maps::{HashMap, Map, MapData};
+use aya::maps::{HashMap, MapData};
 use proxy_common::{Backend, CtKey, CtValue, RevNat, maps};
+
+use super::maps::open;
 
 /// Migrates the old entries of the maps pinned under `pin_path`; returns
 /// how many were rewritten (entries whose ids are gone are deleted).
@@ -49,10 +51,4 @@ pub fn migrate(pin_path: &Path) -> Result<u64> {
         migrated += 1;
     }
     Ok(migrated)
-}
-
-fn open<K: aya::Pod, V: aya::Pod>(pin_path: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
-    let path = pin_path.join(name);
-    let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
-    Ok(HashMap::try_from(Map::from_map_data(data)?)?)
 }

@@ -112,10 +112,16 @@ pub struct ServiceMaps {
     writer: Writer,
 }
 
-fn open<K: aya::Pod, V: aya::Pod>(pin_path: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
+/// The map pinned as `name` under `pin_path`.
+pub(super) fn pinned(pin_path: &Path, name: &str) -> Result<Map> {
     let path = pin_path.join(name);
     let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
-    HashMap::try_from(Map::from_map_data(data)?).with_context(|| format!("map {name} has an unexpected layout"))
+    Ok(Map::from_map_data(data)?)
+}
+
+/// The hash map pinned as `name` under `pin_path`.
+pub(super) fn open<K: aya::Pod, V: aya::Pod>(pin_path: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
+    HashMap::try_from(pinned(pin_path, name)?).with_context(|| format!("map {name} has an unexpected layout"))
 }
 
 impl ServiceMaps {

@@ -10,7 +10,9 @@
 use std::{collections::BTreeMap, path::Path};
 
 use anyhow::{Context, Result};
-use aya::maps::{Array, HashMap, Map, MapData};
+use aya::maps::{Array, HashMap, MapData};
+
+use super::maps::{open, pinned};
 use proxy_common::{Backend, PortBits, ServiceKey, ServiceValue, maps, ports};
 
 pub struct PortFilter {
@@ -31,9 +33,8 @@ impl PortFilter {
             .collect::<Result<Vec<_>, _>>()
             .context("reading the port filter")?;
         let mut this = Self { map, bits };
-        let services: HashMap<MapData, ServiceKey, ServiceValue> =
-            HashMap::try_from(pinned(pin_path, maps::SERVICES)?)?;
-        let backends: HashMap<MapData, u32, Backend> = HashMap::try_from(pinned(pin_path, maps::BACKENDS)?)?;
+        let services: HashMap<MapData, ServiceKey, ServiceValue> = open(pin_path, maps::SERVICES)?;
+        let backends: HashMap<MapData, u32, Backend> = open(pin_path, maps::BACKENDS)?;
         let frontend_ports = services
             .keys()
             .map(|k| k.map(|k| k.port()))
@@ -72,12 +73,6 @@ impl PortFilter {
         }
         Ok(())
     }
-}
-
-fn pinned(pin_path: &Path, name: &str) -> Result<Map> {
-    let path = pin_path.join(name);
-    let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
-    Ok(Map::from_map_data(data)?)
 }
 
 #[cfg(test)]

@@ -18,19 +18,17 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use aya::maps::{HashMap, Map, MapData, MapError};
+use aya::maps::{HashMap, MapData, MapError};
 use proxy_common::{CtKey, CtValue, maps, proto};
 
-use super::ServiceMaps;
+use super::{ServiceMaps, maps::open};
 
 type Endpoint = (Ipv4Addr, u16);
 
 /// Deletes the stale UDP entries of the conntrack map pinned under
 /// `pin_path`, judged against what `maps` programs now; returns how many.
 pub fn delete_stale_udp_flows(pin_path: &Path, maps: &ServiceMaps) -> Result<u64> {
-    let path = pin_path.join(maps::CONNTRACK);
-    let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
-    let mut conntrack: HashMap<MapData, CtKey, CtValue> = HashMap::try_from(Map::from_map_data(data)?)?;
+    let mut conntrack: HashMap<MapData, CtKey, CtValue> = open(pin_path, maps::CONNTRACK)?;
     let entries: Vec<(CtKey, CtValue)> = conntrack
         .iter()
         .filter_map(Result::ok)
