@@ -16,7 +16,7 @@ use super::{
     Shared,
     resources::{self, ResourceType},
     selector::{FieldSelector, LabelSelector, Selectors},
-    store::{ApiError, PatchType, UpdateMode, list_object},
+    store::{ApiError, PatchType, UpdateMode, list_object, list_object_with},
     table,
     watch::{self, WatchRequest},
 };
@@ -243,12 +243,23 @@ async fn resource_request(
         }
         (Method::GET, None) => {
             let sel = selectors(q)?;
-            let (items, rv) = store.list(r, t.namespace.as_deref(), &sel);
             if wants_table(&req) {
+                // Tables come whole: kubectl reads a table without `continue` as the end.
+                let (items, rv) = store.list(r, t.namespace.as_deref(), &sel);
                 let include = table::Include::from_query(q.get("includeObject"));
                 return Ok(json_response(200, &table::table(r, &items, Some(rv), include)));
             }
-            Ok(json_response(200, &list_object(r, items, rv)))
+            let limit = match q.get("limit") {
+                Some(l) => Some(
+                    l.parse::<usize>()
+                        .map_err(|_| ApiError::bad_request(format!("invalid limit {l:?}")))?,
+                ),
+                None => None,
+            };
+            let continue_token = q.get("continue").filter(|c| !c.is_empty());
+            let page = store.list_page(r, t.namespace.as_deref(), &sel, limit, continue_token)?;
+            let metadata = page.metadata();
+            Ok(json_response(200, &list_object_with(r, page.items, metadata)))
         }
         (Method::GET, Some(name)) => {
             let obj = store.get(r, &ns, name)?;

@@ -203,6 +203,11 @@ impl Selectors {
     pub fn matches(&self, object: &Value) -> bool {
         self.labels.matches(object) && self.fields.matches(object)
     }
+
+    /// Whether every object matches.
+    pub fn is_empty(&self) -> bool {
+        self.labels.is_empty() && self.fields.is_empty()
+    }
 }
 
 #[cfg(test)]

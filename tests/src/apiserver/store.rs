@@ -5,6 +5,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap, VecDeque},
     net::Ipv4Addr,
+    ops::Bound,
     sync::{Arc, Mutex, MutexGuard},
     time::{SystemTime, UNIX_EPOCH},
 };
@@ -633,15 +634,35 @@ impl Store {
     /// Objects of a type (in one namespace or all) that match, sorted by
     /// namespace and name, and the resourceVersion of the list.
     pub fn list(&self, r: &'static ResourceType, ns: Option<&str>, sel: &Selectors) -> (Vec<Value>, u64) {
+        let page = page_of(&self.lock(), r, ns, sel, usize::MAX, None);
+        (page.items, page.rv)
+    }
+
+    /// One page of [`Store::list`]: at most `limit` objects (all if `None`
+    /// or 0), after the one `continue_token` names. The API server serves
+    /// every page from the snapshot of the first; this store keeps no
+    /// snapshots, so a token from before any later change gets what the
+    /// API server answers once the snapshot is compacted: 410 Expired (the
+    /// client lists again from the start).
+    pub fn list_page(
+        &self,
+        r: &'static ResourceType,
+        ns: Option<&str>,
+        sel: &Selectors,
+        limit: Option<usize>,
+        continue_token: Option<&str>,
+    ) -> Result<ListPage, ApiError> {
         let st = self.lock();
-        let q = r.qualified();
-        let items = st
-            .objects
-            .iter()
-            .filter(|((res, ons, _), obj)| *res == q && ns.is_none_or(|n| n == ons) && sel.matches(obj))
-            .map(|(_, obj)| obj.clone())
-            .collect();
-        (items, st.rv)
+        let after = continue_token.map(ContinueToken::parse).transpose()?;
+        if after.as_ref().is_some_and(|token| token.rv != st.rv) {
+            return Err(ApiError::new(
+                410,
+                "Expired",
+                "the provided continue parameter is too old to display a consistent list result; list again",
+            ));
+        }
+        let limit = limit.filter(|&l| l > 0).unwrap_or(usize::MAX);
+        Ok(page_of(&st, r, ns, sel, limit, after.as_ref()))
     }
 
     /// Replaces an object (PUT); with a resourceVersion in the body it must
@@ -1087,13 +1108,117 @@ pub fn as_list_item(mut obj: Value) -> Value {
     obj
 }
 
+/// Up to `limit` matching objects of type `r` after `after`, in key order.
+fn page_of(
+    st: &State,
+    r: &'static ResourceType,
+    ns: Option<&str>,
+    sel: &Selectors,
+    limit: usize,
+    after: Option<&ContinueToken>,
+) -> ListPage {
+    let q = r.qualified();
+    let start = match after {
+        Some(token) => Bound::Excluded(key(r, &token.namespace, &token.name)),
+        None => Bound::Included((q.clone(), String::new(), String::new())),
+    };
+    let mut matching = st
+        .objects
+        .range((start, Bound::Unbounded))
+        .take_while(|((res, _, _), _)| *res == q)
+        .filter(|((_, ons, _), obj)| ns.is_none_or(|n| n == ons) && sel.matches(obj))
+        .peekable();
+    let mut items = Vec::new();
+    let mut last = None;
+    for ((_, namespace, name), obj) in matching.by_ref().take(limit) {
+        items.push(obj.clone());
+        last = Some((namespace, name));
+    }
+    // The API server counts what is left only for lists without selectors
+    // (it would have to filter the rest): the agent's lists have label
+    // selectors, and counting the rest at every page made a 100,000-object
+    // list quadratic.
+    let more = matching.peek().is_some();
+    let remaining = if more && sel.is_empty() { matching.count() } else { 0 };
+    let next = last.filter(|_| more).map(|(namespace, name)| {
+        ContinueToken {
+            rv: st.rv,
+            namespace: namespace.clone(),
+            name: name.clone(),
+        }
+        .encode()
+    });
+    ListPage {
+        items,
+        rv: st.rv,
+        next,
+        remaining,
+    }
+}
+
+/// One page of a list: its objects, the list's resourceVersion, and the
+/// token for the next page if there is one.
+pub struct ListPage {
+    pub items: Vec<Value>,
+    pub rv: u64,
+    pub next: Option<String>,
+    /// How many objects come after this page; counted (as by the API
+    /// server) only for lists without selectors, 0 otherwise.
+    pub remaining: usize,
+}
+
+impl ListPage {
+    /// The list's `metadata`: `continue` and `remainingItemCount` only
+    /// while there is more.
+    pub fn metadata(&self) -> Value {
+        let mut metadata = json!({"resourceVersion": self.rv.to_string()});
+        if let Some(next) = &self.next {
+            metadata["continue"] = json!(next);
+            if self.remaining > 0 {
+                metadata["remainingItemCount"] = json!(self.remaining);
+            }
+        }
+        metadata
+    }
+}
+
+/// Where the next page of a list starts: after `namespace/name`, in the
+/// list as it was at `rv`. Opaque to clients, as the API server's is.
+struct ContinueToken {
+    rv: u64,
+    namespace: String,
+    name: String,
+}
+
+impl ContinueToken {
+    fn encode(&self) -> String {
+        format!("{}:{}/{}", self.rv, self.namespace, self.name)
+    }
+
+    fn parse(token: &str) -> Result<Self, ApiError> {
+        let invalid = || ApiError::bad_request(format!("invalid continue token {token:?}"));
+        let (rv, rest) = token.split_once(':').ok_or_else(invalid)?;
+        let (namespace, name) = rest.split_once('/').ok_or_else(invalid)?;
+        Ok(Self {
+            rv: rv.parse().map_err(|_| invalid())?,
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+        })
+    }
+}
+
 /// A `...List` object.
 pub fn list_object(r: &ResourceType, items: Vec<Value>, rv: u64) -> Value {
+    list_object_with(r, items, json!({"resourceVersion": rv.to_string()}))
+}
+
+/// A `...List` object with `metadata` as given (a page of a list).
+pub fn list_object_with(r: &ResourceType, items: Vec<Value>, metadata: Value) -> Value {
     let items: Vec<Value> = items.into_iter().map(as_list_item).collect();
     let mut list = Map::new();
     list.insert("kind".into(), json!(r.list_kind()));
     list.insert("apiVersion".into(), json!(r.api_version()));
-    list.insert("metadata".into(), json!({"resourceVersion": rv.to_string()}));
+    list.insert("metadata".into(), metadata);
     list.insert("items".into(), Value::Array(items));
     Value::Object(list)
 }
@@ -1164,5 +1289,67 @@ mod tests {
             .events_since(rv0 + 1, &resources::ENDPOINTS, None, &sel)
             .expect("still in history");
         assert_eq!(events.len(), 2);
+    }
+
+    fn names(items: &[Value]) -> Vec<&str> {
+        items.iter().filter_map(|o| o["metadata"]["name"].as_str()).collect()
+    }
+
+    #[test]
+    fn paged_lists_go_on_where_the_last_page_ended() {
+        let store = Store::new(100, &Allocation::default());
+        for name in ["a", "b", "c", "d", "e"] {
+            let ep = json!({"metadata": {"name": name}, "subsets": []});
+            store
+                .create(&resources::ENDPOINTS, Some("default"), ep, false)
+                .expect("created");
+        }
+        let sel = Selectors::default();
+        let list = |limit, token: Option<&str>| store.list_page(&resources::ENDPOINTS, None, &sel, limit, token);
+
+        let first = list(Some(2), None).expect("first page");
+        assert_eq!(names(&first.items), ["a", "b"]);
+        assert_eq!(first.remaining, 3);
+        assert_eq!(first.metadata()["remainingItemCount"], 3);
+        let second = list(Some(2), first.next.as_deref()).expect("second page");
+        assert_eq!(names(&second.items), ["c", "d"]);
+        let last = list(Some(2), second.next.as_deref()).expect("last page");
+        assert_eq!(names(&last.items), ["e"]);
+        assert_eq!(last.next, None);
+        assert!(last.metadata().get("continue").is_none());
+        assert_eq!(last.rv, first.rv, "every page is the list at one resourceVersion");
+
+        let whole = list(Some(0), None).expect("limit 0 is no limit");
+        assert_eq!(names(&whole.items), ["a", "b", "c", "d", "e"]);
+        assert_eq!(whole.next, None);
+    }
+
+    #[test]
+    fn a_continue_token_from_before_a_change_expires() {
+        let store = Store::new(100, &Allocation::default());
+        for name in ["a", "b", "c"] {
+            let ep = json!({"metadata": {"name": name}, "subsets": []});
+            store
+                .create(&resources::ENDPOINTS, Some("default"), ep, false)
+                .expect("created");
+        }
+        let sel = Selectors::default();
+        let first = store
+            .list_page(&resources::ENDPOINTS, None, &sel, Some(1), None)
+            .expect("first page");
+        let ep = json!({"metadata": {"name": "z"}, "subsets": []});
+        store
+            .create(&resources::ENDPOINTS, Some("default"), ep, false)
+            .expect("created");
+        let err = store
+            .list_page(&resources::ENDPOINTS, None, &sel, Some(1), first.next.as_deref())
+            .err()
+            .expect("the snapshot of the first page is gone");
+        assert_eq!((err.code, err.reason), (410, "Expired"));
+        let err = store
+            .list_page(&resources::ENDPOINTS, None, &sel, Some(1), Some("garbage"))
+            .err()
+            .expect("a token this server never gave");
+        assert_eq!(err.code, 400);
     }
 }
