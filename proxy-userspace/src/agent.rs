@@ -56,6 +56,11 @@ pub struct Agent {
     /// Problems of the desired state last logged, so a standing problem is
     /// not logged again at every sync.
     logged_problems: Vec<Problem>,
+    /// A (re)list came in since the last successful sync.
+    relisted: bool,
+    /// Runs after a sync that took in a (re)list (the binary hands the
+    /// list's freed memory back to the kernel).
+    after_relist_synced: Option<Box<dyn Fn() + Send>>,
 }
 
 impl Agent {
@@ -68,7 +73,15 @@ impl Agent {
             slices_synced: false,
             observer,
             logged_problems: Vec::new(),
+            relisted: false,
+            after_relist_synced: None,
         }
+    }
+
+    /// Calls `hook` after each sync that took in a (re)list.
+    pub fn after_relist_synced(mut self, hook: impl Fn() + Send + 'static) -> Self {
+        self.after_relist_synced = Some(Box::new(hook));
+        self
     }
 
     /// Nothing is programmed before Services and EndpointSlices have both
@@ -105,6 +118,7 @@ impl Agent {
             SourceEvent::Services(update) => {
                 if matches!(update, Update::Replace(_)) {
                     self.services_synced = true;
+                    self.relisted = true;
                 }
                 match update {
                     Update::Apply(svc) => self.cluster.upsert_service(&svc),
@@ -118,6 +132,7 @@ impl Agent {
             SourceEvent::Slices(update) => {
                 if matches!(update, Update::Replace(_)) {
                     self.slices_synced = true;
+                    self.relisted = true;
                 }
                 match update {
                     Update::Apply(slice) => self.cluster.upsert_slice(&slice),
@@ -185,6 +200,11 @@ impl Agent {
                     debug!(took_ms = took.as_secs_f64() * 1e3, "synced, nothing changed");
                 }
                 self.observer.synced(&report, took, oldest_change);
+                if std::mem::take(&mut self.relisted)
+                    && let Some(hook) = &self.after_relist_synced
+                {
+                    hook();
+                }
             }
             Err(e) => {
                 warn!(error = format!("{e:#}"), "sync failed; retrying with a full sync");
@@ -271,6 +291,57 @@ mod tests {
 
         tx.send(SourceEvent::Services(Update::Delete(svc()))).await.unwrap();
         next_programmed(&fake, |f| f.programmed().is_empty()).await;
+        stop.send(()).unwrap();
+        task.await.unwrap().unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_relist_hook_runs_after_the_sync_that_took_the_lists_only() {
+        let fake = Fake::default();
+        let policy = SyncPolicy::new(Duration::from_millis(10), Duration::from_secs(30));
+        let hook_runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = hook_runs.clone();
+        let agent = Agent::new(Reconciler::new(Box::new(fake.clone())), policy, Arc::new(NullObserver))
+            .after_relist_synced(move || {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            });
+        let (tx, rx) = mpsc::channel(16);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(agent.run(rx, async move { stopped.await.unwrap_or(()) }));
+        let runs = || hook_runs.load(std::sync::atomic::Ordering::SeqCst);
+
+        tx.send(SourceEvent::Services(Update::Replace(vec![svc()])))
+            .await
+            .unwrap();
+        assert_eq!(runs(), 0, "nothing synced before both kinds are listed");
+        tx.send(SourceEvent::Slices(Update::Replace(vec![slice("10.244.0.1")])))
+            .await
+            .unwrap();
+        // The hook runs right after the programming: wait for it.
+        next_programmed(&fake, |f| f.programmed().contains_key("default/web") && runs() == 1).await;
+
+        // A watch event is no relist.
+        tx.send(SourceEvent::Slices(Update::Apply(slice("10.244.0.2"))))
+            .await
+            .unwrap();
+        next_programmed(&fake, |f| {
+            f.programmed()
+                .get("default/web")
+                .is_some_and(|p| p.endpoints[0].addr.to_string() == "10.244.0.2")
+        })
+        .await;
+        assert_eq!(runs(), 1);
+
+        tx.send(SourceEvent::Slices(Update::Replace(vec![slice("10.244.0.3")])))
+            .await
+            .unwrap();
+        next_programmed(&fake, |f| {
+            f.programmed()
+                .get("default/web")
+                .is_some_and(|p| p.endpoints[0].addr.to_string() == "10.244.0.3")
+                && runs() == 2
+        })
+        .await;
         stop.send(()).unwrap();
         task.await.unwrap().unwrap();
     }

@@ -92,43 +92,23 @@ fn tune_malloc() {
     }
 }
 
-/// How much more freed memory inside the heap (not at its end, which
-/// malloc returns by itself) makes [`release_freed_memory`] hand it back.
-#[cfg(target_env = "gnu")]
-const RELEASE_FREED_ABOVE: usize = 16 << 20;
-#[cfg(target_env = "gnu")]
-const RELEASE_CHECK_EVERY: Duration = Duration::from_secs(1);
-
-/// Hands memory freed inside the heap back to the kernel (`malloc_trim`)
-/// once enough of it piled up: after a (re)list has been turned into state,
-/// its objects are freed in between long-lived allocations, where malloc
-/// keeps the pages resident until something reuses them. Checks once a
-/// second (`mallinfo2`, cheap); trims only when the free memory grew by
-/// [`RELEASE_FREED_ABOVE`] since the last trim, so a steady agent never does.
-async fn release_freed_memory() {
+/// Hands memory freed inside the heap back to the kernel (`malloc_trim`).
+/// Called after a sync that took in a (re)list: the list's objects were
+/// freed in between long-lived allocations, where malloc keeps the pages
+/// resident until something reuses them. Only then: the trim walks the
+/// whole heap under the arena's lock. (Polling `mallinfo2` once a second
+/// instead walked the heap too: ~100 ms a call with the lock held at
+/// 100,000 Services, in the middle of the first sync.)
+fn release_freed_memory() {
     #[cfg(target_env = "gnu")]
-    {
-        let mut free_after_trim = 0usize;
-        let mut every = tokio::time::interval(RELEASE_CHECK_EVERY);
-        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            every.tick().await;
-            // SAFETY: mallinfo2 and malloc_trim only read and adjust malloc's own state.
-            let free = unsafe { libc::mallinfo2() }.fordblks;
-            if free >= free_after_trim + RELEASE_FREED_ABOVE {
-                // SAFETY: as above.
-                unsafe { libc::malloc_trim(0) };
-                free_after_trim = free;
-            } else {
-                free_after_trim = free_after_trim.min(free);
-            }
-        }
+    // SAFETY: malloc_trim only adjusts malloc's own state.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }
 
 async fn run_agent(config: Config) -> Result<(), Failure> {
     info!(mode = %config.mode, node = config.node_name, source = ?config.source, "starting");
-    tokio::spawn(release_freed_memory());
     let stats_pin = (config.mode == Mode::Ebpf).then(|| config.pin_path.clone());
     let telemetry = Telemetry::new(config.mode.as_str(), config.sync.sync_period, stats_pin);
     start_servers(&config, &telemetry).await?;
@@ -137,7 +117,9 @@ async fn run_agent(config: Config) -> Result<(), Failure> {
     start_source(&config, events).await?;
 
     let policy = SyncPolicy::new(config.sync.min_sync_period, config.sync.sync_period);
-    let agent = Agent::new(Reconciler::new(mode), policy, Arc::new(telemetry));
+    let agent = Agent::new(Reconciler::new(mode), policy, Arc::new(telemetry)).after_relist_synced(|| {
+        tokio::task::spawn_blocking(release_freed_memory);
+    });
     agent
         .run(receiver, shutdown_signal())
         .await
