@@ -17,7 +17,7 @@ pub fn policy_port(name: &str, ip: u8, node_port: Option<u16>, endpoints: &[(u8,
             .map(|(last, node)| {
                 let subnet = if *node == "node-a" { 1 } else { 2 };
                 Endpoint {
-                    node_name: Some((*node).to_owned()),
+                    node_name: Some((*node).into()),
                     ..Endpoint::ready(Ipv4Addr::new(10, 244, subnet, *last), 8080)
                 }
             })

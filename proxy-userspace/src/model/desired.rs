@@ -190,7 +190,7 @@ fn port_name((ns, name): &ObjectKey, port: &str) -> String {
 /// Endpoints of all slices that offer the named port, one per address and
 /// port (a pod listed by two slices during a rollout counts once, ready wins).
 fn endpoints_for(slices: &[&SliceInfo], port_name: &str, protocol: super::Protocol) -> Vec<Endpoint> {
-    let mut by_addr: BTreeMap<(std::net::Ipv4Addr, u16), Endpoint> = BTreeMap::new();
+    let mut endpoints = Vec::new();
     for slice in slices {
         let Some(port) = slice
             .ports
@@ -199,22 +199,16 @@ fn endpoints_for(slices: &[&SliceInfo], port_name: &str, protocol: super::Protoc
         else {
             continue;
         };
-        for ep in &slice.endpoints {
-            let ep = Endpoint {
-                port: port.port,
-                ..ep.clone()
-            };
-            by_addr
-                .entry((ep.addr, ep.port))
-                .and_modify(|old| {
-                    if ep.ready && !old.ready {
-                        *old = ep.clone();
-                    }
-                })
-                .or_insert(ep);
-        }
+        endpoints.extend(slice.endpoints.iter().map(|ep| Endpoint {
+            port: port.port,
+            ..ep.clone()
+        }));
     }
-    by_addr.into_values().collect()
+    // By address, a ready copy first, else the first one seen (the sort is
+    // stable); then one per address.
+    endpoints.sort_by_key(|ep| (ep.addr, ep.port, !ep.ready));
+    endpoints.dedup_by_key(|ep| (ep.addr, ep.port));
+    endpoints
 }
 
 #[cfg(test)]
@@ -359,6 +353,20 @@ mod tests {
             json!([{"addresses": ["10.244.0.14"]}, {"addresses": ["10.244.0.11"]}]),
         ));
         assert_eq!(cluster.desired().ports["default/nginx-service"].endpoints.len(), 4);
+        // A pod in two slices (a rollout): one endpoint, the ready copy.
+        cluster.upsert_slice(&slice(
+            "nginx-ghi",
+            "nginx-service",
+            json!([{"port": 80}]),
+            json!([{"addresses": ["10.244.0.13"], "conditions": {"ready": true}}]),
+        ));
+        let endpoints = &cluster.desired().ports["default/nginx-service"].endpoints;
+        let copies: Vec<_> = endpoints
+            .iter()
+            .filter(|e| e.addr.to_string() == "10.244.0.13")
+            .collect();
+        assert_eq!(copies.len(), 1);
+        assert!(copies[0].ready);
         cluster.replace_slices(&[]);
         assert!(cluster.desired().ports["default/nginx-service"].endpoints.is_empty());
         cluster.replace_services(&[]);

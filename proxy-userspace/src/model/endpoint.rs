@@ -1,6 +1,6 @@
 //! EndpointSlice objects -> the endpoints of a Service's ports.
 
-use std::net::Ipv4Addr;
+use std::{net::Ipv4Addr, sync::Arc};
 
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
@@ -32,11 +32,14 @@ pub struct SliceInfo {
 /// owning Service, IPv6 or FQDN addresses); problems are returned for the
 /// parts that were skipped.
 pub fn slice_info(slice: &EndpointSlice) -> (Option<SliceInfo>, Vec<Problem>) {
-    let object = format!(
-        "EndpointSlice {}/{}",
-        slice.metadata.namespace.as_deref().unwrap_or("default"),
-        slice.metadata.name.as_deref().unwrap_or("")
-    );
+    // Only a slice with a problem needs its name spelled out.
+    let object = || {
+        format!(
+            "EndpointSlice {}/{}",
+            slice.metadata.namespace.as_deref().unwrap_or("default"),
+            slice.metadata.name.as_deref().unwrap_or("")
+        )
+    };
     let Some(service) = slice.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL)) else {
         return (None, vec![]);
     };
@@ -55,7 +58,7 @@ pub fn slice_info(slice: &EndpointSlice) -> (Option<SliceInfo>, Vec<Problem>) {
         match p.port.and_then(valid_port) {
             Some(port) => ports.push(SlicePort { name, protocol, port }),
             None => problems.push(Problem::new(
-                &object,
+                &object(),
                 format!("port {name:?} has no valid port number ({:?})", p.port),
             )),
         }
@@ -66,7 +69,7 @@ pub fn slice_info(slice: &EndpointSlice) -> (Option<SliceInfo>, Vec<Problem>) {
         let Some(addr) = ep.addresses.first() else { continue };
         let Ok(addr) = addr.parse::<Ipv4Addr>() else {
             problems.push(Problem::new(
-                &object,
+                &object(),
                 format!("address {addr:?} is not an IPv4 address"),
             ));
             continue;
@@ -82,8 +85,8 @@ pub fn slice_info(slice: &EndpointSlice) -> (Option<SliceInfo>, Vec<Problem>) {
             ready,
             serving,
             terminating,
-            node_name: ep.node_name.clone(),
-            zone: ep.zone.clone(),
+            node_name: ep.node_name.as_deref().map(Arc::from),
+            zone: ep.zone.as_deref().map(Arc::from),
         });
     }
     (

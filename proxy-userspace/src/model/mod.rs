@@ -9,7 +9,7 @@ pub mod endpoint;
 mod join;
 pub mod service;
 
-use std::{fmt, net::Ipv4Addr};
+use std::{fmt, net::Ipv4Addr, sync::Arc};
 
 pub use desired::{Cluster, Desired, ObjectKey, object_key};
 
@@ -130,8 +130,10 @@ pub struct Endpoint {
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
-    pub node_name: Option<String>,
-    pub zone: Option<String>,
+    /// Shared, not owned: each endpoint is copied into the joined ports and
+    /// into each mode's bookkeeping, 100,000 of them at 10,000 Services.
+    pub node_name: Option<Arc<str>>,
+    pub zone: Option<Arc<str>>,
 }
 
 impl Endpoint {
