@@ -797,6 +797,45 @@ fn udp_flows_of_a_removed_backend_move_tcp_flows_stay() {
     }
 }
 
+/// The stale-flow sweep reads the conntrack map in batches: more flows
+/// than one batch holds are all judged, none twice.
+#[test]
+fn stale_udp_flows_are_found_across_read_batches() {
+    if !require_root("stale_udp_flows_are_found_across_read_batches") {
+        return;
+    }
+    let mut h = Harness::seeded();
+    let seed = seed_backends();
+    let svc = cluster_ip();
+    // Two entries a flow: 6,000 entries, more than a batch of 4,096.
+    const FLOWS: usize = 3_000;
+    for _ in 0..FLOWS {
+        let frame = Frame::udp(client(&mut h), svc, b"q").build();
+        let out = h.run(Prog::TcIngress, &frame);
+        assert_eq!(out.code, Prog::TcIngress.pass(), "a UDP flow through the ClusterIP");
+    }
+    let tcp = Frame::tcp(client(&mut h), svc, SYN);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat("TCP SYN", tcp, &seed, Verdict::DnatNew),
+    );
+    let udp_entries = |h: &Harness| h.conntrack().iter().filter(|(k, _)| k.proto == proto::UDP).count();
+    assert_eq!(udp_entries(&h), 2 * FLOWS, "every flow is tracked");
+    assert_eq!(h.delete_stale_udp_flows(), 0, "nothing left its Service yet");
+    h.remove(&service(
+        SEED_UDP,
+        Protocol::Udp,
+        CLUSTER_IP,
+        SERVICE_PORT,
+        Some(NODE_PORT),
+        &seed,
+    ));
+    assert_eq!(h.delete_stale_udp_flows(), 2 * FLOWS as u64);
+    assert_eq!(udp_entries(&h), 0);
+    assert_eq!(h.conntrack().len(), 2, "the TCP flow stays");
+}
+
 /// kube-proxy's semantics for a deleted Service: established TCP flows go
 /// on (both ways), UDP flows are deleted and their next packets pass
 /// untranslated (nothing is addressed to the ClusterIP any more).

@@ -29,9 +29,18 @@ struct FakeState {
     programmed: BTreeMap<String, ServicePort>,
     failures_left: usize,
     writes: u64,
+    flows_deleted: u64,
+    /// Flows the next apply deletes.
+    flows_to_delete: u64,
 }
 
 impl Fake {
+    /// The next call deletes `n` tracked flows of its own, as the ebpf
+    /// mode deletes stale UDP flows after a sync.
+    pub fn delete_flows_next(&self, n: u64) {
+        self.lock().flows_to_delete = n;
+    }
+
     /// The next `n` calls fail (after recording themselves).
     pub fn fail_next(&self, n: usize) {
         self.lock().failures_left = n;
@@ -68,6 +77,7 @@ impl Dataplane for Fake {
         let mut state = self.lock();
         state.calls.push(Call::Apply(plan.clone()));
         Self::fail_if_asked(&mut state)?;
+        state.flows_deleted += std::mem::take(&mut state.flows_to_delete);
         for port in &plan.remove {
             state.programmed.remove(&port.name);
         }
@@ -82,6 +92,7 @@ impl Dataplane for Fake {
         let mut state = self.lock();
         state.calls.push(Call::ApplyFull(desired.clone()));
         Self::fail_if_asked(&mut state)?;
+        state.flows_deleted += std::mem::take(&mut state.flows_to_delete);
         if state.programmed != *desired {
             state.writes += desired.len() as u64;
             state.programmed = desired.clone();
@@ -91,5 +102,9 @@ impl Dataplane for Fake {
 
     fn kernel_writes(&self) -> u64 {
         self.lock().writes
+    }
+
+    fn flows_deleted(&self) -> u64 {
+        self.lock().flows_deleted
     }
 }

@@ -153,6 +153,13 @@ pub trait Dataplane: Send {
     /// finds everything in place adds none.
     fn kernel_writes(&self) -> u64;
 
+    /// Tracked flows the mode deleted itself so far (the ebpf mode's UDP
+    /// flows whose endpoint left): counted in the sync report like the
+    /// kernel conntrack deletions the reconciler makes for the other modes.
+    fn flows_deleted(&self) -> u64 {
+        0
+    }
+
     /// Whether UDP flows are translated by the kernel's conntrack (netfilter
     /// NAT), so that the flows of an endpoint that left must be deleted
     /// after a sync ([`conntrack`]). The ebpf mode tracks its own flows.

@@ -146,7 +146,8 @@ pub struct SyncReport {
     pub endpoint_changes: usize,
     /// Kernel writes the mode issued (0 when everything was in place).
     pub kernel_writes: u64,
-    /// `conntrack -D` calls for UDP flows the sync left stale.
+    /// Deletions of UDP flows the sync left stale: `conntrack -D` calls
+    /// for the kernel modes, conntrack map entries for the ebpf mode.
     pub stale_flow_deletions: u64,
 }
 
@@ -196,6 +197,7 @@ impl Reconciler {
             stale_flow_deletions: 0,
         };
         let writes_before = self.mode.kernel_writes();
+        let flows_deleted_before = self.mode.flows_deleted();
         let result = if full {
             self.mode.apply_full(desired)
         } else if plan.is_empty() {
@@ -209,13 +211,14 @@ impl Reconciler {
             return Err(e);
         }
         report.kernel_writes = self.mode.kernel_writes() - writes_before;
+        report.stale_flow_deletions = self.mode.flows_deleted() - flows_deleted_before;
         if self.flushes_stale_flows() {
             let stale = if full {
                 conntrack::stale_flows(&self.applied, desired)
             } else {
                 conntrack::stale_flows_of(changed, &self.applied, desired)
             };
-            report.stale_flow_deletions = delete_stale_flows(&stale);
+            report.stale_flow_deletions += delete_stale_flows(&stale);
         }
         if full {
             self.applied = desired.clone();
@@ -374,5 +377,20 @@ mod tests {
         r.sync(&desired(&[2]), &none, true).unwrap();
         assert_eq!(fake.programmed(), desired(&[2]));
         assert!(matches!(fake.calls().last(), Some(Call::ApplyFull(state)) if state == &desired(&[2])));
+    }
+
+    #[test]
+    fn flows_the_mode_deleted_itself_are_in_the_report() {
+        let fake = Fake::default();
+        let mut r = Reconciler::new(Box::new(fake.clone()));
+        let web = BTreeSet::from(["default/web".to_string()]);
+        assert_eq!(r.sync(&desired(&[1]), &web, true).unwrap().stale_flow_deletions, 0);
+        fake.delete_flows_next(3);
+        assert_eq!(r.sync(&desired(&[2]), &web, false).unwrap().stale_flow_deletions, 3);
+        assert_eq!(
+            r.sync(&desired(&[3]), &web, false).unwrap().stale_flow_deletions,
+            0,
+            "each sync counts its own"
+        );
     }
 }

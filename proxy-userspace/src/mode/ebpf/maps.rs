@@ -1043,7 +1043,7 @@ struct Writer {
     writes: AtomicU64,
 }
 
-fn fd_of<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>) -> BorrowedFd<'_> {
+pub(super) fn fd_of<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>) -> BorrowedFd<'_> {
     IterableMap::map(map).fd().as_fd()
 }
 

@@ -44,7 +44,7 @@ pub use interfaces::{Interface, MissingInterface};
 pub use loader::{Datapath, Hook, LINKS_DIR, NotBpffs, detach_pinned_links, detach_tc_filters};
 pub use maps::ServiceMaps;
 pub use object::object_bytes;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::Dataplane;
 use crate::{
@@ -82,6 +82,8 @@ pub struct EbpfMode {
     datapath: Arc<Mutex<Datapath>>,
     node_ips: Vec<Ipv4Addr>,
     pin_path: PathBuf,
+    /// Conntrack entries of stale UDP flows deleted so far.
+    udp_flows_deleted: u64,
 }
 
 impl EbpfMode {
@@ -149,6 +151,7 @@ impl EbpfMode {
             datapath,
             node_ips,
             pin_path: opts.pin_path.clone(),
+            udp_flows_deleted: 0,
         })
     }
 
@@ -170,10 +173,13 @@ impl EbpfMode {
 impl EbpfMode {
     /// After a sync: deletes the tracked UDP flows whose backend left (see
     /// `stale_flows`). Logged, not fatal: the flows still age out.
-    fn delete_stale_udp_flows(&self) {
+    fn delete_stale_udp_flows(&mut self) {
         match stale_flows::delete_stale_udp_flows(&self.pin_path, &self.maps) {
             Ok(0) => {}
-            Ok(n) => info!(entries = n, "deleted conntrack entries of stale UDP flows"),
+            Ok(n) => {
+                self.udp_flows_deleted += n;
+                debug!(entries = n, "deleted conntrack entries of stale UDP flows");
+            }
             Err(e) => warn!(error = format!("{e:#}"), "deleting stale UDP flows"),
         }
     }
@@ -270,5 +276,9 @@ impl Dataplane for EbpfMode {
 
     fn kernel_writes(&self) -> u64 {
         self.maps.writes()
+    }
+
+    fn flows_deleted(&self) -> u64 {
+        self.udp_flows_deleted
     }
 }

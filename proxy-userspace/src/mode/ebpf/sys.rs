@@ -1,6 +1,7 @@
 //! The bpf(2) commands the agent calls itself, in one place: those aya 0.14
-//! does not offer (opening a pinned object, detaching a link, writing or
-//! deleting many map entries in one call: the batch commands of Linux 5.6)
+//! does not offer (opening a pinned object, detaching a link, reading,
+//! writing or deleting many map entries in one call: the batch commands of
+//! Linux 5.6)
 //! and the one-entry map writes they fall back to, which take a bare
 //! descriptor (aya's need its map handle borrowed mutably).
 
@@ -14,6 +15,7 @@ use std::{
 const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
 const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
 const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
 const BPF_LINK_DETACH: libc::c_long = 34;
@@ -202,6 +204,80 @@ fn batch<K: aya::Pod, V: aya::Pod>(
         Ok(_) => Ok(()),
         Err(error) => Err(fail(processed_before_failure(count, attr.count), error)),
     }
+}
+
+/// Where a walk with [`map_lookup_batch`] goes on. The kernel's token is
+/// opaque: a bucket index for hash maps, a key for others; this buffer is
+/// large enough for either with the keys the agent uses.
+#[derive(Default)]
+pub(super) struct BatchCursor {
+    token: [u64; 8],
+    started: bool,
+}
+
+impl BatchCursor {
+    /// Whether a call went through (a walk the kernel turned down at once
+    /// may fall back to another way).
+    pub fn started(&self) -> bool {
+        self.started
+    }
+}
+
+/// Reads the next entries of `map` (BPF_MAP_LOOKUP_BATCH) into `keys` and
+/// `values` (cleared first; their capacity is how many are asked for, at
+/// least one). Returns whether the walk is complete: then the entries read
+/// are the last ones. A hash bucket holds more entries than asked for:
+/// ENOSPC, ask again with more room.
+///
+/// `K` and `V` must have the map's key and value sizes, as for
+/// [`map_update_batch`].
+pub(super) fn map_lookup_batch<K: aya::Pod, V: aya::Pod>(
+    map: BorrowedFd<'_>,
+    cursor: &mut BatchCursor,
+    keys: &mut Vec<K>,
+    values: &mut Vec<V>,
+) -> Result<bool, BatchError> {
+    let fail = |error: io::Error| BatchError { done: 0, error };
+    if std::mem::size_of::<K>() > std::mem::size_of_val(&cursor.token) {
+        return Err(fail(io::Error::from(io::ErrorKind::InvalidInput)));
+    }
+    keys.clear();
+    values.clear();
+    let room = keys.capacity().min(values.capacity()).max(1);
+    keys.reserve(room);
+    values.reserve(room);
+    let mut next = [0u64; 8];
+    let mut attr = Batch {
+        in_batch: if cursor.started {
+            cursor.token.as_ptr() as u64
+        } else {
+            0
+        },
+        out_batch: next.as_mut_ptr() as u64,
+        keys: keys.as_mut_ptr() as u64,
+        values: values.as_mut_ptr() as u64,
+        count: u32::try_from(room).unwrap_or(u32::MAX),
+        map_fd: map_fd(map).map_err(fail)?,
+        ..Batch::default()
+    };
+    // The kernel writes at most `count` keys and values (the room reserved
+    // above) and a token into `next`.
+    let complete = match bpf(BPF_MAP_LOOKUP_BATCH, &mut attr) {
+        Ok(_) => false,
+        // The walk ran off the end; `count` says how many it read before.
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => true,
+        Err(error) => return Err(fail(error)),
+    };
+    let read = (attr.count as usize).min(room);
+    // SAFETY: the kernel initialised the first `read` keys and values
+    // (plain data: any bytes are valid `Pod` values).
+    unsafe {
+        keys.set_len(read);
+        values.set_len(read);
+    }
+    cursor.token = next;
+    cursor.started = true;
+    Ok(complete)
 }
 
 /// How many entries a failed batch call processed. The kernel writes back
