@@ -4,7 +4,7 @@
 //! and the tests go through it. Writes are staged and reach the kernel in
 //! batches ([`ServiceMaps::batch`]; every public write method is one batch
 //! of its own unless called inside one), ordered so that a packet never
-//! sees a half-programmed Service (see [`FLUSH_STAGES`]):
+//! sees a half-programmed Service (`write_batch`'s `FLUSH_STAGES`):
 //! - backends before the slots that name them, slots before the service
 //!   entry that points at them (a whole new set under a fresh id);
 //! - the service entry is swapped in one update (atomic for readers);
@@ -19,13 +19,19 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap as StdHashMap},
-    hash::Hash,
     net::Ipv4Addr,
     os::fd::{AsFd, BorrowedFd},
     path::Path,
-    sync::atomic::{AtomicBool, AtomicU64, Ordering},
 };
 
+use super::{
+    port_filter::PortFilter,
+    write_batch::{FLUSH_STAGES, Job, SPREAD_FROM, SplitStaged, Staged, Step, Table, Writer, run_stage},
+};
+use crate::{
+    mode::EndpointSets,
+    model::{Endpoint, ServicePort},
+};
 use anyhow::{Context, Result, bail};
 use aya::maps::{HashMap, IterableMap, Map, MapData, PerCpuArray};
 use proxy_common::{
@@ -33,16 +39,6 @@ use proxy_common::{
     backend::FLAG_LOCAL,
     maps,
     service::{FLAG_EXTERNAL_LOCAL, FLAG_INTERNAL_LOCAL, FLAG_NEEDS_SNAT, FLAG_NODE_PORT, FLAGS_LOCAL},
-};
-use tracing::info;
-
-use super::{
-    port_filter::PortFilter,
-    sys::{self, BatchError},
-};
-use crate::{
-    mode::EndpointSets,
-    model::{Endpoint, ServicePort},
 };
 
 /// What was written for one Service port, to diff the next write against.
@@ -289,7 +285,7 @@ impl ServiceMaps {
 
     /// Runs `f` (calls of this handle's write methods) and writes what it
     /// staged in one go: one batch call per map and chunk of entries, in
-    /// [`FLUSH_STAGES`]. What `f` staged before failing is written all the
+    /// `FLUSH_STAGES`. What `f` staged before failing is written all the
     /// same; after any failure the next batch reads the maps back first.
     /// Inside a batch, a nested one is part of it.
     pub fn batch<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
@@ -531,7 +527,7 @@ impl ServiceMaps {
     /// that finds everything in place adds none; batch calls count their
     /// entries).
     pub fn writes(&self) -> u64 {
-        self.writer.writes.load(Ordering::Relaxed)
+        self.writer.writes()
     }
 
     /// Number of Service ports in the maps, adopted ones included.
@@ -818,371 +814,8 @@ struct Leftovers {
     rev_nats: Vec<u32>,
 }
 
-/// The writes of one batch, per map.
-#[derive(Default)]
-struct Staged {
-    services: Pending<ServiceKey, ServiceValue>,
-    slots: Pending<BackendSlotKey, u32>,
-    backends: Pending<u32, Backend>,
-    rev_nat: Pending<u32, RevNat>,
-}
-
-impl Staged {
-    fn split(self) -> SplitStaged {
-        SplitStaged {
-            services: self.services.split(),
-            slots: self.slots.split(),
-            backends: self.backends.split(),
-            rev_nat: self.rev_nat.split(),
-        }
-    }
-}
-
-/// [`Staged`] as it goes to the kernel.
-struct SplitStaged {
-    services: Split<ServiceKey, ServiceValue>,
-    slots: Split<BackendSlotKey, u32>,
-    backends: Split<u32, Backend>,
-    rev_nat: Split<u32, RevNat>,
-}
-
-impl SplitStaged {
-    /// Entries the steps of `stage` write or delete.
-    fn entries(&self, stage: &[Step]) -> usize {
-        stage.iter().map(|step| self.entries_of(*step)).sum()
-    }
-
-    fn entries_of(&self, step: Step) -> usize {
-        match step.table() {
-            Table::Backends => self.backends.entries_of(step),
-            Table::Slots => self.slots.entries_of(step),
-            Table::RevNat => self.rev_nat.entries_of(step),
-            Table::Services => self.services.entries_of(step),
-        }
-    }
-}
-
-/// One map's staged writes, in the order they were staged: `Some` writes
-/// the value, `None` deletes the key.
-struct Pending<K, V> {
-    ops: Vec<(K, Option<V>)>,
-    deletes: usize,
-}
-
-impl<K, V> Default for Pending<K, V> {
-    fn default() -> Self {
-        Self {
-            ops: Vec::new(),
-            deletes: 0,
-        }
-    }
-}
-
-/// A map's staged writes as they go to the kernel: the last operation
-/// staged per key, writes and deletes apart, each in staging order.
-#[derive(Debug, PartialEq, Eq)]
-struct Split<K, V> {
-    keys: Vec<K>,
-    values: Vec<V>,
-    deletes: Vec<K>,
-}
-
-impl<K, V> Split<K, V> {
-    /// Entries `step` (a step on this map) writes or deletes.
-    fn entries_of(&self, step: Step) -> usize {
-        match step {
-            Step::Write(_) => self.keys.len(),
-            Step::Delete(_) => self.deletes.len(),
-        }
-    }
-}
-
-impl<K: Copy + Eq + Hash, V: Copy> Pending<K, V> {
-    fn write(&mut self, key: K, value: V) {
-        self.ops.push((key, Some(value)));
-    }
-
-    fn delete(&mut self, key: K) {
-        self.ops.push((key, None));
-        self.deletes += 1;
-    }
-
-    /// Writes and deletes go to the kernel in separate steps, so a key
-    /// staged both ways (a frontend that moved from a removed Service port
-    /// to a new one) must keep only its last operation. Repeated writes
-    /// alone, or repeated deletes alone, end the same in staging order.
-    fn split(self) -> Split<K, V> {
-        let mixed = self.deletes > 0 && self.deletes < self.ops.len();
-        let last: StdHashMap<K, usize> = if mixed {
-            self.ops.iter().enumerate().map(|(i, (k, _))| (*k, i)).collect()
-        } else {
-            StdHashMap::new()
-        };
-        let mut out = Split {
-            keys: Vec::with_capacity(self.ops.len() - self.deletes),
-            values: Vec::with_capacity(self.ops.len() - self.deletes),
-            deletes: Vec::with_capacity(self.deletes),
-        };
-        for (i, (key, op)) in self.ops.into_iter().enumerate() {
-            if mixed && last.get(&key) != Some(&i) {
-                continue;
-            }
-            match op {
-                Some(value) => {
-                    out.keys.push(key);
-                    out.values.push(value);
-                }
-                None => out.deletes.push(key),
-            }
-        }
-        out
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Table {
-    Backends,
-    Slots,
-    RevNat,
-    Services,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Step {
-    Write(Table),
-    Delete(Table),
-}
-
-impl Step {
-    fn table(self) -> Table {
-        match self {
-            Step::Write(t) | Step::Delete(t) => t,
-        }
-    }
-}
-
-impl std::fmt::Display for Step {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let (verb, table) = match self {
-            Step::Write(t) => ("writing", t),
-            Step::Delete(t) => ("deleting", t),
-        };
-        let what = match table {
-            Table::Backends => "backends",
-            Table::Slots => "backend slots",
-            Table::RevNat => "reverse NAT entries",
-            Table::Services => "frontends",
-        };
-        write!(f, "{verb} {what}")
-    }
-}
-
-/// The order a batch reaches the kernel in: stage after stage, the steps
-/// of a stage possibly at the same time. Whatever a frontend will point at
-/// is in place before the frontend is written (the first stage writes
-/// fresh ids nothing points at yet, so its maps can fill side by side); a
-/// frontend stops pointing at something (rewritten or deleted) before that
-/// goes: old slots before the backends they name. Reverse NAT entries go
-/// after their frontend, as conntrack entries of its flows still use them
-/// until then.
-const FLUSH_STAGES: [&[Step]; 6] = [
-    &[
-        Step::Write(Table::Backends),
-        Step::Write(Table::Slots),
-        Step::Write(Table::RevNat),
-    ],
-    &[Step::Write(Table::Services)],
-    &[Step::Delete(Table::Services)],
-    &[Step::Delete(Table::RevNat)],
-    &[Step::Delete(Table::Slots)],
-    &[Step::Delete(Table::Backends)],
-];
-
-/// Entries per batch call: enough to make the call's own cost vanish,
-/// bounded so one call never holds the CPU in the kernel for long.
-const BATCH_CHUNK: usize = 4096;
-
-/// A stage with this many entries runs its steps on threads of their own:
-/// the kernel's cost per entry dominates a large sync (an allocation and a
-/// hash insert each), and the maps of one stage do not share locks.
-const SPREAD_FROM: usize = 4 * BATCH_CHUNK;
-
-/// One step of a flush, borrowing the staged entries and the map's fd.
-type Job<'a> = Box<dyn FnOnce() -> Result<()> + Send + 'a>;
-
-/// Runs the steps of a stage: one after another, or each on a thread if
-/// `spread`. The first failure is returned, after every step has ended.
-fn run_stage(jobs: Vec<(Step, Job<'_>)>, spread: bool) -> Result<()> {
-    if !spread || jobs.len() < 2 {
-        for (step, job) in jobs {
-            job().with_context(|| step.to_string())?;
-        }
-        return Ok(());
-    }
-    std::thread::scope(|scope| {
-        let running: Vec<_> = jobs.into_iter().map(|(step, job)| (step, scope.spawn(job))).collect();
-        let mut outcome = Ok(());
-        for (step, thread) in running {
-            let result = thread
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-                .with_context(|| step.to_string());
-            outcome = outcome.and(result);
-        }
-        outcome
-    })
-}
-
-/// Writes entries to the kernel, in batches where it can; shared by the
-/// threads of a stage.
-#[derive(Default)]
-struct Writer {
-    /// Set when the kernel turns a batch call down (Linux < 5.6).
-    no_batches: AtomicBool,
-    /// Entries written or deleted so far.
-    writes: AtomicU64,
-}
-
 pub(super) fn fd_of<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>) -> BorrowedFd<'_> {
     IterableMap::map(map).fd().as_fd()
-}
-
-impl Writer {
-    fn write_job<'a, K: aya::Pod + Sync, V: aya::Pod + Sync>(
-        &'a self,
-        map: BorrowedFd<'a>,
-        split: &'a Split<K, V>,
-    ) -> Job<'a> {
-        Box::new(move || self.write(map, &split.keys, &split.values))
-    }
-
-    fn delete_job<'a, K: aya::Pod + Sync, V: Sync>(&'a self, map: BorrowedFd<'a>, split: &'a Split<K, V>) -> Job<'a> {
-        Box::new(move || self.delete(map, &split.deletes))
-    }
-
-    fn count(&self, entries: u64) {
-        self.writes.fetch_add(entries, Ordering::Relaxed);
-    }
-
-    fn write<K: aya::Pod, V: aya::Pod>(&self, map: BorrowedFd<'_>, keys: &[K], values: &[V]) -> Result<()> {
-        let (mut keys, mut values) = (keys, values);
-        if !self.no_batches.load(Ordering::Relaxed) {
-            let mut written = 0;
-            let stop = update_in_chunks(keys, values, &mut written, |k, v| sys::map_update_batch(map, k, v));
-            self.count(written);
-            match stop {
-                None => return Ok(()),
-                Some(stop) if stop.error.unsupported() => {
-                    self.batches_unsupported(&stop.error);
-                    (keys, values) = (&keys[stop.at..], &values[stop.at..]);
-                }
-                Some(stop) => return Err(stop.error.into()),
-            }
-        }
-        for (key, value) in keys.iter().zip(values) {
-            sys::map_update_elem(map, key, value)?;
-            self.count(1);
-        }
-        Ok(())
-    }
-
-    /// Deletes `keys`; a key that is not there is no error (and no write).
-    fn delete<K: aya::Pod>(&self, map: BorrowedFd<'_>, keys: &[K]) -> Result<()> {
-        let mut keys = keys;
-        if !self.no_batches.load(Ordering::Relaxed) {
-            let mut deleted = 0;
-            let stop = delete_in_chunks(keys, &mut deleted, |k| sys::map_delete_batch(map, k));
-            self.count(deleted);
-            match stop {
-                None => return Ok(()),
-                Some(stop) if stop.error.unsupported() => {
-                    self.batches_unsupported(&stop.error);
-                    keys = &keys[stop.at..];
-                }
-                Some(stop) => return Err(stop.error.into()),
-            }
-        }
-        for key in keys {
-            match sys::map_delete_elem(map, key) {
-                Ok(()) => self.count(1),
-                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Ok(())
-    }
-
-    fn batches_unsupported(&self, error: &BatchError) {
-        if !self.no_batches.swap(true, Ordering::Relaxed) {
-            info!(error = %error.error, "no batch map operations in this kernel: writing entries one at a time");
-        }
-    }
-}
-
-/// Where a run of batch calls stopped: the entry at `at` failed.
-#[derive(Debug)]
-struct Stopped {
-    at: usize,
-    error: BatchError,
-}
-
-/// Writes `keys[i] -> values[i]` by `BATCH_CHUNK` entries through `call`,
-/// counting the entries written into `written`; stops at the first failure.
-fn update_in_chunks<K, V>(
-    keys: &[K],
-    values: &[V],
-    written: &mut u64,
-    mut call: impl FnMut(&[K], &[V]) -> Result<(), BatchError>,
-) -> Option<Stopped> {
-    let mut at = 0;
-    for (k, v) in keys.chunks(BATCH_CHUNK).zip(values.chunks(BATCH_CHUNK)) {
-        match call(k, v) {
-            Ok(()) => {
-                *written += k.len() as u64;
-                at += k.len();
-            }
-            Err(error) => {
-                *written += error.done as u64;
-                return Some(Stopped {
-                    at: at + error.done,
-                    error,
-                });
-            }
-        }
-    }
-    None
-}
-
-/// Deletes `keys` by `BATCH_CHUNK` through `call`, counting the entries
-/// deleted into `deleted`. The kernel stops a batch at a key that is not
-/// there: that key is stepped over and the batch goes on after it.
-fn delete_in_chunks<K>(
-    keys: &[K],
-    deleted: &mut u64,
-    mut call: impl FnMut(&[K]) -> Result<(), BatchError>,
-) -> Option<Stopped> {
-    let mut at = 0;
-    while at < keys.len() {
-        let chunk = &keys[at..keys.len().min(at + BATCH_CHUNK)];
-        match call(chunk) {
-            Ok(()) => {
-                *deleted += chunk.len() as u64;
-                at += chunk.len();
-            }
-            Err(error) if error.not_found() => {
-                *deleted += error.done as u64;
-                at += error.done + 1;
-            }
-            Err(error) => {
-                *deleted += error.done as u64;
-                return Some(Stopped {
-                    at: at + error.done,
-                    error,
-                });
-            }
-        }
-    }
-    None
 }
 
 #[cfg(test)]
@@ -1281,154 +914,6 @@ mod tests {
         assert_eq!(layout_of(&internal_only, "a"), (vec![2], (0, 0), (0, 1)));
     }
 
-    fn pending(ops: &[(u32, Option<u32>)]) -> Pending<u32, u32> {
-        let mut p = Pending::default();
-        for (k, v) in ops {
-            match v {
-                Some(v) => p.write(*k, *v),
-                None => p.delete(*k),
-            }
-        }
-        p
-    }
-
-    /// A frontend deleted (its port removed) and written again (by the port
-    /// it moved to) in one batch ends up written, and the other way round.
-    #[test]
-    fn the_last_operation_staged_per_key_wins() {
-        let split = pending(&[(1, None), (2, Some(20)), (1, Some(10)), (3, Some(30)), (3, None)]).split();
-        assert_eq!(
-            split,
-            Split {
-                keys: vec![2, 1],
-                values: vec![20, 10],
-                deletes: vec![3],
-            }
-        );
-    }
-
-    #[test]
-    fn writes_alone_keep_their_order() {
-        let split = pending(&[(5, Some(1)), (4, Some(2)), (5, Some(3))]).split();
-        assert_eq!((split.keys, split.values), (vec![5, 4, 5], vec![1, 2, 3]));
-        assert!(split.deletes.is_empty());
-    }
-
-    /// Backends and slots are written before the frontends that point at
-    /// them, frontends go before what they pointed at, old slots before the
-    /// backends they name, reverse NAT entries outlive their frontend; every
-    /// step is there once.
-    #[test]
-    fn flush_stages_keep_every_frontend_pointing_at_entries_in_place() {
-        let stage_of = |step| {
-            let stages = FLUSH_STAGES.iter().enumerate();
-            let mut found = stages.filter(|(_, steps)| steps.contains(&step)).map(|(i, _)| i);
-            let stage = found.next().expect("every step is in a stage");
-            assert!(found.next().is_none(), "{step} is in one stage only");
-            stage
-        };
-        let before = |a, b| assert!(stage_of(a) < stage_of(b), "{a} must end before {b} starts");
-        for table in [Table::Backends, Table::Slots, Table::RevNat] {
-            before(Step::Write(table), Step::Write(Table::Services));
-            before(Step::Delete(Table::Services), Step::Delete(table));
-        }
-        before(Step::Write(Table::Services), Step::Delete(Table::Services));
-        before(Step::Delete(Table::Slots), Step::Delete(Table::Backends));
-        assert_eq!(FLUSH_STAGES.iter().map(|s| s.len()).sum::<usize>(), 8);
-    }
-
-    #[test]
-    fn a_spread_stage_runs_every_step_and_reports_a_failure() {
-        let ran = &AtomicU64::new(0);
-        let step = |fails: bool| -> Job<'_> {
-            Box::new(move || {
-                ran.fetch_add(1, Ordering::Relaxed);
-                if fails { bail!("no room") } else { Ok(()) }
-            })
-        };
-        let jobs = vec![
-            (Step::Write(Table::Backends), step(false)),
-            (Step::Write(Table::Slots), step(true)),
-            (Step::Write(Table::RevNat), step(false)),
-        ];
-        let error = run_stage(jobs, true).expect_err("the slots failed");
-        assert_eq!(format!("{error:#}"), "writing backend slots: no room");
-        assert_eq!(ran.load(Ordering::Relaxed), 3, "the other steps still ran");
-    }
-
-    fn batch_error(done: usize, errno: i32) -> BatchError {
-        BatchError {
-            done,
-            error: std::io::Error::from_raw_os_error(errno),
-        }
-    }
-
-    #[test]
-    fn writes_go_in_chunks_and_stop_at_the_entry_that_failed() {
-        let keys: Vec<u32> = (0..(2 * BATCH_CHUNK + 3) as u32).collect();
-        let mut calls = Vec::new();
-        let mut written = 0;
-        let stop = update_in_chunks(&keys, &keys, &mut written, |k, v| {
-            assert_eq!(k, v);
-            calls.push(k.len());
-            Ok(())
-        });
-        assert!(stop.is_none());
-        assert_eq!(calls, vec![BATCH_CHUNK, BATCH_CHUNK, 3]);
-        assert_eq!(written, keys.len() as u64);
-
-        let mut written = 0;
-        let mut call = 0;
-        let stop = update_in_chunks(&keys, &keys, &mut written, |_, _| {
-            call += 1;
-            if call == 2 {
-                Err(batch_error(7, libc::E2BIG))
-            } else {
-                Ok(())
-            }
-        })
-        .expect("the second call failed");
-        assert_eq!((stop.at, written), (BATCH_CHUNK + 7, (BATCH_CHUNK + 7) as u64));
-    }
-
-    /// A fake BPF_MAP_DELETE_BATCH over a set: stops with ENOENT at the
-    /// first key that is not there, like the kernel.
-    fn delete_from(map: &mut BTreeSet<u32>) -> impl FnMut(&[u32]) -> Result<(), BatchError> + '_ {
-        |keys| {
-            for (done, key) in keys.iter().enumerate() {
-                if !map.remove(key) {
-                    return Err(batch_error(done, libc::ENOENT));
-                }
-            }
-            Ok(())
-        }
-    }
-
-    #[test]
-    fn deletes_step_over_keys_that_are_gone() {
-        let mut map: BTreeSet<u32> = (0..BATCH_CHUNK as u32 + 10).filter(|k| k % 3 != 0).collect();
-        let present = map.len() as u64;
-        let keys: Vec<u32> = (0..BATCH_CHUNK as u32 + 10).collect();
-        let mut deleted = 0;
-        assert!(delete_in_chunks(&keys, &mut deleted, delete_from(&mut map)).is_none());
-        assert!(map.is_empty());
-        assert_eq!(deleted, present, "only keys that were there count");
-    }
-
-    #[test]
-    fn a_kernel_without_batches_is_found_out_before_anything_is_written() {
-        let unsupported = batch_error(0, 524);
-        assert!(unsupported.unsupported());
-        assert!(
-            !batch_error(3, libc::EINVAL).unsupported(),
-            "a failure after some entries is real"
-        );
-        let mut deleted = 0;
-        let stop = delete_in_chunks(&[1u32, 2], &mut deleted, |_| Err(batch_error(0, libc::EINVAL))).expect("stopped");
-        assert_eq!((stop.at, deleted), (0, 0));
-        assert!(stop.error.unsupported());
-    }
-
     /// CPU time of this process (the flush's threads included), in ms: wall
     /// time means little on a busy machine.
     fn process_cpu_ms() -> f64 {
@@ -1506,7 +991,7 @@ mod tests {
             assert!(restarted.leftovers.rev_nats.is_empty() && restarted.leftovers.backends.is_empty());
 
             // A kernel without batch operations: the same, one entry at a time.
-            restarted.writer.no_batches = AtomicBool::new(true);
+            restarted.writer.without_batches();
             let (before, few) = (restarted.writes(), &refs[..10]);
             restarted.batch(|m| m.retain(few))?;
             assert_eq!(restarted.writes() - before, (entries(half) - entries(few)) as u64);

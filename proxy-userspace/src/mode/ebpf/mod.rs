@@ -31,6 +31,7 @@ mod port_filter;
 pub mod snat;
 pub mod stale_flows;
 pub mod sys;
+mod write_batch;
 
 use std::{
     collections::BTreeMap,
