@@ -115,6 +115,7 @@ pub fn results() -> Results {
             memory_bytes: 8 << 30,
             git_commit: "0123456789abcdef".into(),
             git_dirty: false,
+            guest: None,
         },
         parameters: Parameters {
             quick: true,
@@ -134,6 +135,7 @@ pub fn results() -> Results {
             }),
             endpoint_changes: 3,
             endpoint_change_services: 1000,
+            probe_timeout_ms: 5,
             server_threads: 2,
             agent_config: "kind: KubeProxyConfiguration\n".into(),
             paths: vec![("ClusterIP".into(), "client pod -> ClusterIP".into())],

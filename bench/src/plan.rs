@@ -9,6 +9,11 @@ use crate::{services::EndpointCount, throughput::WrkOptions};
 pub const ALL_MODES: [&str; 5] = ["ebpf", "iptables", "nftables", "ipvs", "userspace"];
 const FULL_SERVICES: [usize; 4] = [100, 1_000, 10_000, 20_000];
 const QUICK_SERVICES: [usize; 2] = [100, 1_000];
+/// A probe of a Service that is not programmed yet gets no answer at all
+/// (its ClusterIP is routed out of the node and dropped): give up on it
+/// this soon and try again. A connection through the node takes well under
+/// a millisecond here.
+const DEFAULT_PROBE_TIMEOUT_MS: u64 = 5;
 /// The endpoint-change measurement runs at this many Services (or the
 /// largest number below it).
 const CHANGE_AT: usize = 10_000;
@@ -43,6 +48,12 @@ pub struct RunOptions {
     /// Seed of the Services' endpoint counts.
     #[arg(long, default_value_t = crate::services::DEFAULT_SEED)]
     pub seed: u64,
+    /// Milliseconds a probe of a Service that is not programmed yet waits
+    /// for an answer before trying again [default: 5]. Raise it where a
+    /// connection takes longer to set up (`cargo xtask bench --vm`: an
+    /// emulated guest).
+    #[arg(long)]
+    pub probe_timeout_ms: Option<u64>,
     /// Skip the ebpf scale runs (10,000 x 10 endpoints, 100,000 Services); --quick skips them.
     #[arg(long)]
     pub no_scale: bool,
@@ -78,6 +89,8 @@ pub struct Plan {
     pub wrk: WrkOptions,
     /// How long the agent may take to program the Services.
     pub program_timeout: std::time::Duration,
+    /// How long a probe of a Service not programmed yet waits for an answer.
+    pub probe_timeout: std::time::Duration,
     pub scale: Vec<ScalePoint>,
     pub per_packet: bool,
 }
@@ -142,6 +155,9 @@ impl Plan {
             },
             program_timeout: std::time::Duration::from_secs(
                 o.program_timeout.unwrap_or(if quick { 120 } else { 300 }).max(1),
+            ),
+            probe_timeout: std::time::Duration::from_millis(
+                o.probe_timeout_ms.unwrap_or(DEFAULT_PROBE_TIMEOUT_MS).max(1),
             ),
             scale,
             per_packet: !o.no_per_packet,

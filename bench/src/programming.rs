@@ -19,10 +19,6 @@ use crate::{
     stats::{Summary, percentile},
 };
 
-/// A probe of a Service that is not programmed yet gets no answer at all
-/// (its ClusterIP is routed out of the node and dropped): give up on it
-/// this soon and try again.
-const PROBE_TIMEOUT: Duration = Duration::from_millis(5);
 /// Pause between probes of the bulk measurement: the agent, not the
 /// prober, should have the CPUs.
 const BULK_PROBE_PAUSE: Duration = Duration::from_millis(2);
@@ -176,14 +172,15 @@ impl Programming {
 }
 
 /// Waits (at most `patience` from the agent's start) until `last` answers
-/// from `ns`, then reads the agent's log for when the Services were
-/// delivered and synced. Running out of patience is a result too.
+/// from `ns`, each probe given `probe_timeout`, then reads the agent's log
+/// for when the Services were delivered and synced. Running out of
+/// patience is a result too.
 pub fn wait_programmed(
     agent: &mut BenchAgent,
     ns: &Netns,
     last: SocketAddrV4,
     services: usize,
-    patience: Duration,
+    (probe_timeout, patience): (Duration, Duration),
 ) -> Result<Programming> {
     let mut attempts = 0u32;
     let mut ports = ProbePorts::new(BULK_PROBE_PORTS);
@@ -197,7 +194,7 @@ pub fn wait_programmed(
             }
         };
         let attempt = SystemTime::now();
-        if ns.run_in(|| probe_from(port, last, PROBE_TIMEOUT))?.is_ok() {
+        if ns.run_in(|| probe_from(port, last, probe_timeout))?.is_ok() {
             break attempt;
         }
         agent.alive()?;

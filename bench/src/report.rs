@@ -204,6 +204,13 @@ fn header(out: &mut String, r: &Results) {
             "a full run"
         },
     );
+    if let Some(guest) = &m.guest {
+        let _ = writeln!(
+            out,
+            "**Measured in a VM**: {guest}. Compare the modes of this report with each other; \
+             its absolute numbers are not the host's.\n"
+        );
+    }
     let skipped: Vec<String> = r
         .modes
         .iter()
@@ -956,8 +963,9 @@ fn parameters(out: &mut String, r: &Results) {
     );
     let _ = writeln!(
         out,
-        "- Latency: {} rounds × {} connections per target; endpoint changes: {} at {} Services.",
-        p.latency_rounds, p.latency_connections, p.endpoint_changes, p.endpoint_change_services
+        "- Latency: {} rounds × {} connections per target; endpoint changes: {} at {} Services; \
+         programming probes wait {} ms for an answer.",
+        p.latency_rounds, p.latency_connections, p.endpoint_changes, p.endpoint_change_services, p.probe_timeout_ms
     );
     match &p.wrk {
         Some(w) => {

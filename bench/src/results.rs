@@ -42,7 +42,17 @@ pub struct Machine {
     pub git_commit: String,
     /// Uncommitted changes in the work tree when the run started.
     pub git_dirty: bool,
+    /// Set when the run was not on the machine itself but in a guest it
+    /// started (`cargo xtask bench --vm`): which, and how it was emulated.
+    /// Its numbers compare with each other, not with the host's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest: Option<String>,
 }
+
+/// Set by whoever runs the bench in a guest: what the guest is (recorded as
+/// [`Machine::guest`]) and the commit it was built from (a guest has no git).
+pub const GUEST_ENV: &str = "XPROXY_BENCH_GUEST";
+pub const COMMIT_ENV: &str = "XPROXY_BENCH_COMMIT";
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Parameters {
@@ -60,6 +70,9 @@ pub struct Parameters {
     pub endpoint_changes: usize,
     /// The number of Services the endpoint changes are measured at.
     pub endpoint_change_services: usize,
+    /// How long a probe of a Service not programmed yet waited for an answer.
+    #[serde(default = "default_probe_timeout_ms")]
+    pub probe_timeout_ms: u64,
     pub server_threads: usize,
     /// The agent's KubeProxyConfiguration.
     pub agent_config: String,
@@ -225,6 +238,11 @@ impl ModeResult {
     }
 }
 
+/// What runs before `probe_timeout_ms` was recorded used.
+fn default_probe_timeout_ms() -> u64 {
+    5
+}
+
 impl Machine {
     /// This machine, now; the commit of the work tree at `root`.
     pub fn detect(root: &Path) -> Self {
@@ -266,8 +284,11 @@ impl Machine {
                         .ok()
                 })
                 .map_or(0, |kib| kib * 1024),
-            git_commit: git(&["rev-parse", "HEAD"]).unwrap_or_else(|| "unknown".into()),
+            git_commit: git(&["rev-parse", "HEAD"])
+                .or_else(|| std::env::var(COMMIT_ENV).ok())
+                .unwrap_or_else(|| "unknown".into()),
             git_dirty: git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty()),
+            guest: std::env::var(GUEST_ENV).ok().filter(|g| !g.is_empty()),
         }
     }
 

@@ -1,12 +1,14 @@
 //! `cargo xtask bench`: builds the release binaries (the eBPF object, the
 //! agent `xproxy`, `xproxy-bench`) and runs `xproxy-bench run` as root,
 //! which measures every mode and writes `bench/results/<date>-<host>.*`.
+//! With `--vm` the bench runs in the Debian guest of `cargo xtask vm`
+//! instead, for IPVS (`vm::bench_in_vm`).
 
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 
-use crate::{build_ebpf, command};
+use crate::{build_ebpf, command, vm};
 
 #[derive(clap::Args, Debug)]
 pub struct Options {
@@ -19,6 +21,13 @@ pub struct Options {
     /// A smoke test: N = 100 and 1,000, few rounds, a few minutes.
     #[arg(long)]
     pub quick: bool,
+    /// Run in the Debian 6.1 guest under qemu instead, where IPVS is
+    /// [default modes: ebpf,iptables,ipvs; Services: 100,1000]; writes
+    /// bench/results/<date>-<host>-guest.* (software emulation: slow).
+    #[arg(long)]
+    pub vm: bool,
+    #[command(flatten)]
+    pub guest: vm::BenchOptions,
     /// More arguments for `xproxy-bench run`, after `--` (see `xproxy-bench run --help`).
     #[arg(last = true)]
     pub bench_args: Vec<String>,
@@ -27,6 +36,18 @@ pub struct Options {
 pub fn bench(root: &Path, options: &Options) -> Result<()> {
     if !testbed::privileged::is_root() {
         bail!("the bench creates network namespaces and loads eBPF programs: run it as root");
+    }
+    if options.vm {
+        let mut extra = options.bench_args.clone();
+        if options.quick {
+            extra.push("--quick".into());
+        }
+        return vm::bench_in_vm(
+            root,
+            &options.guest,
+            (options.modes.as_deref(), options.services.as_deref()),
+            &extra,
+        );
     }
     build_ebpf::build_ebpf(root, &build_ebpf::Options::default())?;
     command::run(command::workspace_cargo(root).args([

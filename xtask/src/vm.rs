@@ -18,10 +18,13 @@
 //!    `/init` prints and libtest's `test result:` lines, and prints a summary
 //!    per test executable. Fails if a test failed or the VM timed out.
 
+mod bench;
 mod init;
 mod initramfs;
 mod kernel;
 mod run;
+
+pub use bench::{BenchOptions, bench_in_vm};
 
 use std::{
     env, fs,
@@ -113,6 +116,9 @@ pub struct Plan {
     pub helpers: Vec<Executable>,
     pub env: Vec<(String, String)>,
     pub args: Vec<String>,
+    /// A bench run after the tests (its argv, without `--out`): its
+    /// results are handed out on the console ([`init::FILE`]).
+    pub bench: Option<Vec<String>>,
 }
 
 /// Fetches the kernel, builds and packs the tests, boots them and fails
@@ -123,15 +129,7 @@ pub fn vm(root: &Path, options: &Options) -> Result<()> {
     let cache = cache_dir()?;
     fs::create_dir_all(&cache).with_context(|| format!("cannot create {}", cache.display()))?;
 
-    phase(&format!("kernel: the newest Debian {} cloud kernel", options.kernel));
-    let t = Instant::now();
-    let kernel = kernel::ensure(&cache, &options.kernel)?;
-    phase(&format!(
-        "kernel {} ({}) ready in {:.1} s",
-        kernel.release,
-        kernel.package_version,
-        t.elapsed().as_secs_f64()
-    ));
+    let kernel = guest_kernel(&cache, &options.kernel)?;
 
     phase("building the eBPF object and the test executables");
     let t = Instant::now();
@@ -146,40 +144,72 @@ pub fn vm(root: &Path, options: &Options) -> Result<()> {
         args: std::iter::once("--test-threads=1".to_owned())
             .chain(options.test_args.iter().cloned())
             .collect(),
+        bench: None,
     };
-
-    phase("initramfs");
-    let t = Instant::now();
-    let initrd = initramfs::ensure(root, &cache, &kernel, &plan, options.keep)?;
-    phase(&format!(
-        "initramfs {} ready in {:.1} s",
-        initrd.display(),
-        t.elapsed().as_secs_f64()
-    ));
-
-    phase(&format!(
-        "booting {} under qemu (TCG, {} MiB, timeout {} s)",
-        kernel.release, options.memory, options.timeout
-    ));
-    let log = cache.join("console.log");
-    let outcome = run::boot(&run::Boot {
-        kernel: &kernel.vmlinuz,
-        initrd: &initrd,
+    let guest = Guest {
         memory_mib: options.memory,
         timeout: Duration::from_secs(options.timeout),
-        log: &log,
-    })?;
-    println!();
-    print!("{}", outcome.summary());
-    println!(
-        "xtask vm: console log in {}; total {:.1} s",
-        log.display(),
-        started.elapsed().as_secs_f64()
-    );
+        keep: options.keep,
+    };
+    let outcome = guest.boot(root, &cache, &kernel, &plan)?;
+    println!("xtask vm: total {:.1} s", started.elapsed().as_secs_f64());
     if let Some(problem) = outcome.problem(&plan.tests.iter().map(|t| t.name.as_str()).collect::<Vec<_>>()) {
         bail!("VM tests failed: {problem}");
     }
     Ok(())
+}
+
+/// The newest Debian kernel of `series`, fetched once into `cache`.
+fn guest_kernel(cache: &Path, series: &str) -> Result<kernel::Kernel> {
+    phase(&format!("kernel: the newest Debian {series} cloud kernel"));
+    let t = Instant::now();
+    let kernel = kernel::ensure(cache, series)?;
+    phase(&format!(
+        "kernel {} ({}) ready in {:.1} s",
+        kernel.release,
+        kernel.package_version,
+        t.elapsed().as_secs_f64()
+    ));
+    Ok(kernel)
+}
+
+/// How the guest is booted.
+struct Guest {
+    memory_mib: u32,
+    timeout: Duration,
+    keep: bool,
+}
+
+impl Guest {
+    /// Packs `plan` for `kernel`, boots it and prints the summary.
+    fn boot(&self, root: &Path, cache: &Path, kernel: &kernel::Kernel, plan: &Plan) -> Result<run::Outcome> {
+        phase("initramfs");
+        let t = Instant::now();
+        let initrd = initramfs::ensure(root, cache, kernel, plan, self.keep)?;
+        phase(&format!(
+            "initramfs {} ready in {:.1} s",
+            initrd.display(),
+            t.elapsed().as_secs_f64()
+        ));
+        phase(&format!(
+            "booting {} under qemu (TCG, {} MiB, timeout {} s)",
+            kernel.release,
+            self.memory_mib,
+            self.timeout.as_secs()
+        ));
+        let log = cache.join("console.log");
+        let outcome = run::boot(&run::Boot {
+            kernel: &kernel.vmlinuz,
+            initrd: &initrd,
+            memory_mib: self.memory_mib,
+            timeout: self.timeout,
+            log: &log,
+        })?;
+        println!();
+        print!("{}", outcome.summary());
+        println!("xtask vm: console log in {}", log.display());
+        Ok(outcome)
+    }
 }
 
 fn phase(text: &str) {

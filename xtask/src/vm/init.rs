@@ -25,6 +25,14 @@ pub const BEGIN: &str = "BEGIN";
 pub const END: &str = "END";
 /// `XPROXY-VM: DONE`: every step ran; the guest powers off next.
 pub const DONE: &str = "DONE";
+/// `XPROXY-VM: FILE <name>`, the file's bytes in base64 lines, then
+/// `XPROXY-VM: FILE-END`: a result the guest hands to the host (it has no
+/// other way out: no network, no shared directory).
+pub const FILE: &str = "FILE";
+pub const FILE_END: &str = "FILE-END";
+
+/// Where the guest's bench writes its results (on tmpfs).
+pub const BENCH_OUT: &str = "/run/bench";
 
 /// The smoke check that IPVS works in the guest (after `modprobe ip_vs`).
 pub const IPVS_SMOKE: (&str, &[&str]) = ("ipvsadm -Ln", &["ipvsadm", "-Ln"]);
@@ -77,6 +85,18 @@ mark KERNEL "$(uname -r)"
             .chain(plan.args.iter().map(String::as_str))
             .chain(test.filter.as_deref());
         let _ = writeln!(s, "step {} {}", quote(&test.name), join_quoted(argv));
+    }
+    if let Some(bench) = &plan.bench {
+        let argv = std::iter::once("env")
+            .chain(env.iter().map(String::as_str))
+            .chain(bench.iter().map(String::as_str))
+            .chain(["--out", BENCH_OUT]);
+        let _ = writeln!(s, "step bench {}", join_quoted(argv));
+        let _ = writeln!(
+            s,
+            "for file in {BENCH_OUT}/*.json; do\n    [ -f \"$file\" ] || continue\n    \
+             mark {FILE} \"${{file##*/}}\"\n    base64 \"$file\"\n    mark {FILE_END}\ndone"
+        );
     }
     s.push_str("mark DONE\npoweroff -f\nsleep 5\necho o > /proc/sysrq-trigger\n");
     s
@@ -132,6 +152,7 @@ mod tests {
             helpers: vec![],
             env: vec![("XPROXY_PRIVILEGED_TESTS".into(), "1".into())],
             args: vec!["--test-threads=1".into(), "some filter".into()],
+            bench: None,
         };
         let script = script(&plan, &["veth".into(), "ip_vs".into()]);
         assert!(script.starts_with("#!/bin/sh\n"));
@@ -144,5 +165,24 @@ mod tests {
         ));
         assert!(script.contains("step 'ipvsadm -Ln' ipvsadm -Ln\n"));
         assert!(script.contains("mark DONE\npoweroff -f\n"));
+        assert!(!script.contains("step bench"));
+    }
+
+    #[test]
+    fn a_bench_step_hands_its_results_out_in_base64() {
+        let plan = Plan {
+            tests: vec![],
+            helpers: vec![],
+            env: vec![("XPROXY_BENCH_GUEST".into(), "a guest".into())],
+            args: vec![],
+            bench: Some(vec!["/w/target/release/xproxy-bench".into(), "run".into()]),
+        };
+        let script = script(&plan, &[]);
+        assert!(script.contains(
+            "step bench env 'XPROXY_BENCH_GUEST=a guest' /w/target/release/xproxy-bench run --out /run/bench\n"
+        ));
+        assert!(script.contains("mark FILE \"${file##*/}\"\n    base64 \"$file\"\n    mark FILE-END\n"));
+        let bench_at = script.find("step bench").expect("the bench step");
+        assert!(bench_at < script.find("mark DONE").expect("the end"));
     }
 }

@@ -107,6 +107,8 @@ const OPTIONAL_TOOLS: &[&str] = &[
     "ss",
     // The kernel modes delete stale UDP flows with it.
     "conntrack",
+    // The load generator of `cargo xtask bench --vm`.
+    "wrk",
 ];
 /// The iptables extensions (`libxt_*.so`, loaded with dlopen, so `ldd`
 /// does not list them), copied whole when present.

@@ -19,6 +19,7 @@ use std::{
 };
 
 use anyhow::{Context, Result};
+use base64::Engine as _;
 
 use super::init;
 use crate::command;
@@ -167,6 +168,9 @@ pub struct Outcome {
     /// qemu's exit status when it was not a success.
     pub qemu_failed: Option<String>,
     pub seconds: f64,
+    /// Files the guest handed out ([`init::FILE`]): name and bytes, or why
+    /// they could not be read.
+    pub files: Vec<(String, Result<Vec<u8>, String>)>,
 }
 
 impl Outcome {
@@ -253,12 +257,22 @@ impl Outcome {
 pub struct Parser {
     outcome: Outcome,
     current: Option<Step>,
+    /// A file being handed out: its name and base64 text so far.
+    file: Option<(String, String)>,
 }
 
 impl Parser {
     pub fn line(&mut self, line: &str, at: Duration) {
         if let Some(marker) = line.find(init::MARK).map(|at| line[at + init::MARK.len()..].trim()) {
             self.marker(marker, at);
+            return;
+        }
+        if let Some((_, text)) = self.file.as_mut() {
+            // A kernel message on the console is no base64 line: skip it.
+            let line = line.trim();
+            if line.bytes().all(|b| b.is_ascii_alphanumeric() || b"+/=".contains(&b)) {
+                text.push_str(line);
+            }
             return;
         }
         let Some(step) = self.current.as_mut() else { return };
@@ -300,6 +314,15 @@ impl Parser {
             init::DONE => {
                 self.close(at);
                 self.outcome.done = true;
+            }
+            init::FILE => self.file = Some((rest.to_owned(), String::new())),
+            init::FILE_END => {
+                if let Some((name, text)) = self.file.take() {
+                    let bytes = base64::engine::general_purpose::STANDARD
+                        .decode(text)
+                        .map_err(|e| format!("not base64: {e}"));
+                    self.outcome.files.push((name, bytes));
+                }
             }
             _ => {}
         }
@@ -403,6 +426,33 @@ mod tests {
         assert!(problem.contains("modprobe failed: act_bpf"), "{problem}");
         assert!(problem.contains("packet failed"), "{problem}");
         assert!(!problem.contains("verifier"), "{problem}");
+    }
+
+    #[test]
+    fn reads_files_handed_out_in_base64() {
+        let outcome = feed(&[
+            "XPROXY-VM: BEGIN bench",
+            "xproxy-bench: done",
+            "XPROXY-VM: END bench 0",
+            "XPROXY-VM: FILE results.json",
+            // "{\"a\": 1}\n" in two lines, a kernel message in between.
+            "eyJhIj",
+            "[   12.5] random: crng init done",
+            "ogMX0K",
+            "XPROXY-VM: FILE-END",
+            "XPROXY-VM: FILE broken.json",
+            "@@@@",
+            "e",
+            "XPROXY-VM: FILE-END",
+            "XPROXY-VM: DONE",
+        ]);
+        assert_eq!(outcome.steps.len(), 1);
+        assert!(outcome.steps[0].ok());
+        assert_eq!(outcome.files.len(), 2);
+        assert_eq!(outcome.files[0].0, "results.json");
+        assert_eq!(outcome.files[0].1.as_deref(), Ok(&b"{\"a\": 1}\n"[..]));
+        assert_eq!(outcome.files[1].0, "broken.json");
+        assert!(outcome.files[1].1.is_err());
     }
 
     #[test]
