@@ -50,19 +50,7 @@ pub fn bench(root: &Path, options: &Options) -> Result<()> {
         );
     }
     build_ebpf::build_ebpf(root, &build_ebpf::Options::default())?;
-    command::run(command::workspace_cargo(root).args([
-        "build",
-        "--release",
-        "-p",
-        "proxy-userspace",
-        "-p",
-        "xproxy-bench",
-        "--bin",
-        "xproxy",
-        "--bin",
-        "xproxy-bench",
-    ]))
-    .context("building xproxy and xproxy-bench")?;
+    build_release(root)?;
     let release = root.join("target/release");
     let mut cmd = std::process::Command::new(release.join("xproxy-bench"));
     cmd.current_dir(root)
@@ -80,4 +68,21 @@ pub fn bench(root: &Path, options: &Options) -> Result<()> {
     }
     cmd.args(&options.bench_args);
     command::run(&mut cmd)
+}
+
+/// The agent and the bench, release builds (the eBPF object is built first).
+pub fn build_release(root: &Path) -> Result<()> {
+    command::run(command::workspace_cargo(root).args([
+        "build",
+        "--release",
+        "-p",
+        "proxy-userspace",
+        "-p",
+        "xproxy-bench",
+        "--bin",
+        "xproxy",
+        "--bin",
+        "xproxy-bench",
+    ]))
+    .context("building xproxy and xproxy-bench")
 }

@@ -71,7 +71,7 @@ pub fn bench_in_vm(
 
     phase("building the eBPF object, xproxy and xproxy-bench (release)");
     build_ebpf::build_ebpf(root, &build_ebpf::Options::default())?;
-    build_release(root)?;
+    crate::bench::build_release(root)?;
     let release = root.join("target/release");
     let (bench, agent) = (release.join("xproxy-bench"), release.join("xproxy"));
 
@@ -125,22 +125,6 @@ pub fn bench_in_vm(
         bail!("the guest handed out no results (see the console log)");
     }
     Ok(())
-}
-
-fn build_release(root: &Path) -> Result<()> {
-    command::run(command::workspace_cargo(root).args([
-        "build",
-        "--release",
-        "-p",
-        "proxy-userspace",
-        "-p",
-        "xproxy-bench",
-        "--bin",
-        "xproxy",
-        "--bin",
-        "xproxy-bench",
-    ]))
-    .context("building xproxy and xproxy-bench")
 }
 
 fn executable(name: &str, path: &Path) -> Executable {
