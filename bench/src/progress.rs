@@ -12,14 +12,17 @@ use crate::results::PartTiming;
 
 pub struct Progress {
     bar: ProgressBar,
-    /// Without a terminal (CI) the bar is hidden: lines go to stderr.
+    /// Without a terminal (CI), or on one that cannot redraw (`TERM=dumb`:
+    /// the serial console of `cargo xtask bench --vm`), the bar is hidden:
+    /// lines go to stderr.
     plain: bool,
     timings: std::cell::RefCell<Vec<PartTiming>>,
 }
 
 impl Progress {
     pub fn new(steps: u64) -> Self {
-        let plain = !std::io::stderr().is_terminal();
+        let dumb = std::env::var("TERM").is_ok_and(|term| term == "dumb");
+        let plain = dumb || !std::io::stderr().is_terminal();
         let bar = if plain {
             ProgressBar::hidden()
         } else {

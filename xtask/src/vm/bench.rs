@@ -105,6 +105,8 @@ pub fn bench_in_vm(
             ("XPROXY_BENCH_GUEST".to_owned(), guest_name),
             ("XPROXY_BENCH_COMMIT".to_owned(), git_commit(root)),
             ("RUST_BACKTRACE".to_owned(), "1".to_owned()),
+            // The serial console cannot redraw a progress bar.
+            ("TERM".to_owned(), "dumb".to_owned()),
         ],
         args: Vec::new(),
         bench: Some(argv),
