@@ -67,7 +67,7 @@ impl BenchTopology {
         node.sysctl("net.ipv4.ip_forward", "1")?;
         node.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
         node.sysctl("net.ipv4.conf.default.rp_filter", "0")?;
-        node.sysctl("net.ipv4.icmp_ratelimit", "0")?;
+        testbed::topology::limit_no_icmp(&node)?;
 
         let client_if = unique_name("bcu");
         let uplink = unique_name("bnu");

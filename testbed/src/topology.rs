@@ -64,6 +64,12 @@ pub struct Topology {
     pub client_if: String,
 }
 
+/// Lifts the kernel's ICMP rate limits in `ns` (see [`Topology::build`]).
+pub fn limit_no_icmp(ns: &Netns) -> Result<()> {
+    ns.sysctl("net.ipv4.icmp_ratelimit", "0")?;
+    ns.sysctl("net.ipv4.icmp_ratemask", "0")
+}
+
 impl Topology {
     /// Builds the namespaces, links, addresses, routes and the backends'
     /// servers.
@@ -79,10 +85,14 @@ impl Topology {
         node.sysctl("net.ipv4.conf.default.rp_filter", "0")?;
         // The node's kernel answers a closed port, and the kernel modes'
         // REJECT rules answer a Service without endpoints, with ICMP errors
-        // that are rate-limited per destination (a burst of 6, then 1/s):
-        // a test refusing many requests in a row would see some silently
-        // dropped. The programs' own rejections are not limited.
-        node.sysctl("net.ipv4.icmp_ratelimit", "0")?;
+        // that are rate-limited per destination (a burst of 6, then 1/s)
+        // and in all (icmp_msgs_per_sec, a burst of 50; on older kernels
+        // one budget for every namespace, so tests running side by side
+        // spend each other's): a refused UDP probe would sometimes end with
+        // no answer instead. No ICMP type is rate-limited here
+        // (`icmp_ratemask` 0 lifts both limits). The programs' own
+        // rejections are not limited.
+        limit_no_icmp(&node)?;
 
         let client_if = unique_name("cu");
         let uplink = unique_name("nu");

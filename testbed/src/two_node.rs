@@ -211,7 +211,7 @@ fn build_node(segment: &Netns, spec: NodeSpec, other: &NodeSpec) -> Result<Node>
     // must not be rate-limited for tests that refuse many requests.
     ns.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
     ns.sysctl("net.ipv4.conf.default.rp_filter", "0")?;
-    ns.sysctl("net.ipv4.icmp_ratelimit", "0")?;
+    crate::topology::limit_no_icmp(&ns)?;
     // A NodePort flow to the other node's pod leaves by the interface it
     // came in on: no ICMP redirects to the client for that.
     ns.sysctl("net.ipv4.conf.all.send_redirects", "0")?;
