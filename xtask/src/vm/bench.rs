@@ -204,17 +204,13 @@ fn host_name() -> String {
 }
 
 fn git_commit(root: &Path) -> String {
-    std::process::Command::new("git")
-        .arg("-C")
-        .arg(root)
-        .args(["rev-parse", "HEAD"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map_or_else(
-            || "unknown".into(),
-            |o| String::from_utf8_lossy(&o.stdout).trim().to_owned(),
-        )
+    let rev_parse = command::stdout(
+        std::process::Command::new("git")
+            .arg("-C")
+            .arg(root)
+            .args(["rev-parse", "HEAD"]),
+    );
+    rev_parse.map_or_else(|_| "unknown".into(), |commit| commit.trim().to_owned())
 }
 
 #[cfg(test)]
