@@ -255,7 +255,11 @@ pub fn route_ifindex(ctx: &TcContext) -> Option<u32> {
     unsafe {
         params.family = AF_INET;
         params.l4_protocol = (*ip).proto;
-        params.__bindgen_anon_1.tot_len = u16::from_be((*ip).tot_len_be);
+        // tot_len stays 0: with a length given, the kernel compares it with
+        // the route's MTU and answers FRAG_NEEDED for every GSO/GRO super
+        // packet (a bulk transfer's), whose IPv4 length is the whole
+        // train's. Without one it checks the skb itself, segments included
+        // (is_skb_forwardable).
         params.__bindgen_anon_3.ipv4_src = (*ip).saddr_be;
         params.__bindgen_anon_4.ipv4_dst = (*ip).daddr_be;
         params.ifindex = (*ctx.skb.skb).ifindex;
