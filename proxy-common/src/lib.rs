@@ -19,7 +19,7 @@ pub mod service;
 pub mod stats;
 
 pub use backend::{Backend, BackendSlotKey};
-pub use conntrack::{CtKey, CtValue};
+pub use conntrack::{CtKey, CtTimeouts, CtValue};
 pub use nat::RevNat;
 pub use ports::PortBits;
 pub use service::{ServiceKey, ServiceValue};
@@ -45,6 +45,7 @@ impl_aya_pod!(
     Backend,
     CtKey,
     CtValue,
+    CtTimeouts,
     RevNat,
     PortBits,
     VerdictCounter

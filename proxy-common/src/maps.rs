@@ -10,6 +10,7 @@ pub const REV_NAT: &str = "XP_REV_NAT";
 pub const CONNTRACK: &str = "XP_CT";
 pub const STATS: &str = "XP_STATS";
 pub const PORTS: &str = "XP_PORTS";
+pub const CT_STATS: &str = "XP_CT_STATS";
 
 /// Frontends (service ports x frontend addresses).
 pub const SERVICES_MAX: u32 = 262_144;
@@ -20,7 +21,9 @@ pub const BACKEND_SLOTS_MAX: u32 = 1_048_576;
 /// array (16 bytes a bucket) is charged up front.
 pub const BACKENDS_MAX: u32 = 1_048_576;
 pub const REV_NAT_MAX: u32 = 262_144;
-/// Tracked flows, two entries each; least recently used entries are evicted.
+/// Tracked flows, two entries each; least recently used entries are
+/// evicted. The size the program object declares: the agent sizes the map
+/// from its `conntrack` configuration at load time.
 pub const CONNTRACK_MAX: u32 = 524_288;
 
 /// Program names (the entry points in `proxy-ebpf`).
@@ -35,3 +38,7 @@ pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/xproxy";
 /// bit that asks the kernel to masquerade a flow (kube-proxy's
 /// masqueradeBit as a mask); 0 disables the SNAT fallback.
 pub const GLOBAL_SNAT_MARK: &str = "SNAT_MARK";
+
+/// Name of the program constant holding the conntrack timeouts
+/// ([`crate::CtTimeouts`]), from the agent's `conntrack` configuration.
+pub const GLOBAL_CT_TIMEOUTS: &str = "CT_TIMEOUTS";

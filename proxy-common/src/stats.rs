@@ -75,5 +75,28 @@ pub struct VerdictCounter {
     pub bytes: u64,
 }
 
+/// The conntrack table's counters: a per-CPU array of `u64` indexed by
+/// these. The programs add to the first two; the agent's sweep writes the
+/// others (into CPU 0's slot; the other CPUs' stay 0), so that `/metrics`
+/// and `xproxy status` read one consistent picture from the pins.
+pub mod ct_stat {
+    /// Entries the programs inserted (two a flow; a replaced reply entry
+    /// is not counted again).
+    pub const INSERTED: u32 = 0;
+    /// Entries the programs removed (a flow that gave way to a new one on
+    /// its tuple; a half-created flow).
+    pub const REMOVED: u32 = 1;
+    /// Entries the agent removed (expired flows, stale UDP flows).
+    pub const AGENT_REMOVED: u32 = 2;
+    /// Of those, the expired ones (the periodic sweep).
+    pub const EXPIRED: u32 = 3;
+    /// Entries in the table at the last sweep.
+    pub const LIVE: u32 = 4;
+    /// Entries the kernel evicted (least recently used, table full) up to
+    /// the last sweep: inserted, less removed, less live.
+    pub const EVICTED: u32 = 5;
+    pub const COUNT: u32 = 6;
+}
+
 const _: () = assert!(core::mem::size_of::<VerdictCounter>() == 16);
 const _: () = assert!(Verdict::ALL.len() == Verdict::COUNT as usize);

@@ -1,18 +1,24 @@
 //! Connection tracking: one lookup of the packet's own tuple says whether
 //! it belongs to a tracked flow, which way it goes, and what to rewrite it
-//! to (see `proxy_common::conntrack`).
+//! to (see `proxy_common::conntrack`). The flow's state moves on with the
+//! packets of both directions; a flow that is over gives way to a packet
+//! that opens a new one on its tuple.
 
-use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_jiffies64};
+use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns};
 use proxy_common::{
     Backend, CtKey, CtValue,
     conntrack::{
-        FLAG_HANDED_TO_TC, FLAG_REPLY, FLAG_SNAT, LAST_SEEN_GRANULARITY_JIFFIES, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
+        FLAG_HANDED_TO_TC, FLAG_REPLY, FLAG_SNAT, FLAG_STATEFUL, FLOW_FLAGS, LAST_SEEN_GRANULARITY_NS, initial_state, is_closed,
+        next_state, opens_flow, tcp_flags,
     },
+    proto,
+    stats::ct_stat,
 };
 
 use crate::{
-    maps::CONNTRACK,
-    parse::{Flow, TCP_FLAG_ACK, TCP_FLAG_FIN, TCP_FLAG_RST, TCP_FLAG_SYN},
+    maps::{CONNTRACK, ct_timeouts},
+    parse::Flow,
+    stats::count_ct,
 };
 
 /// The key of the packet's own tuple.
@@ -28,38 +34,11 @@ fn key_of(flow: &Flow) -> CtKey {
     }
 }
 
+/// The clock of `CtValue::last_seen_ns`: CLOCK_MONOTONIC_COARSE, a read
+/// of the last tick's time (no clock source access, unlike ktime_get_ns).
 #[inline(always)]
-fn tcp_bits(flags: u8) -> u8 {
-    let mut bits = 0;
-    if flags & TCP_FLAG_SYN != 0 {
-        bits |= TCP_SYN;
-    }
-    if flags & TCP_FLAG_FIN != 0 {
-        bits |= TCP_FIN;
-    }
-    if flags & TCP_FLAG_RST != 0 {
-        bits |= TCP_RST;
-    }
-    if flags & TCP_FLAG_ACK != 0 {
-        bits |= TCP_ACK;
-    }
-    bits
-}
-
-/// Marks the entry as used now. Writes only when something changed or the
-/// timestamp is a second old, so a busy flow does not dirty its entry's
-/// cache line on every packet.
-#[inline(always)]
-fn touch(entry: *mut CtValue, flow: &Flow, now: u64) {
-    let bits = tcp_bits(flow.tcp_flags);
-    unsafe {
-        if (*entry).tcp_seen & bits != bits {
-            (*entry).tcp_seen |= bits;
-        }
-        if now.wrapping_sub((*entry).last_seen_jiffies) > LAST_SEEN_GRANULARITY_JIFFIES {
-            (*entry).last_seen_jiffies = now;
-        }
-    }
+fn now_ns() -> u64 {
+    unsafe { bpf_ktime_get_coarse_ns() }
 }
 
 /// The entry of a tracked flow the packet belongs to.
@@ -78,20 +57,90 @@ pub struct Tracked {
     entry: *mut CtValue,
 }
 
-/// The tracked flow the packet belongs to, in either direction.
+/// The tracked flow the packet belongs to, in either direction. `None`
+/// also when the packet opens a new flow on the tuple of one that is over
+/// (see [`is_over`]): its entry is removed, and the packet is what it
+/// would be on an untracked tuple (a forward one gets a fresh backend, a
+/// backend's is passed as no Service's).
 #[inline(always)]
 pub fn lookup(flow: &Flow) -> Option<Tracked> {
-    let entry = CONNTRACK.get_ptr_mut(key_of(flow))?;
-    touch(entry, flow, unsafe { bpf_jiffies64() });
+    let key = key_of(flow);
+    let entry = CONNTRACK.get_ptr_mut(&key)?;
+    let now = now_ns();
     // SAFETY: map values stay valid for the program's run (RCU).
     let value = unsafe { &*entry };
+    let reply = value.flags & FLAG_REPLY != 0;
+    if begins_anew(flow, reply) && is_over(&key, value, now) {
+        remove(&key);
+        return None;
+    }
+    advance(&key, entry, flow, reply, now);
+    let value = unsafe { &*entry };
     Some(Tracked {
-        reply: value.flags & FLAG_REPLY != 0,
+        reply,
         nat: (value.nat_addr_be, value.nat_port_be),
         snat: value.flags & FLAG_SNAT != 0,
         handed_to_tc: value.flags & FLAG_HANDED_TO_TC != 0,
         entry,
     })
+}
+
+/// Whether the packet would begin a connection on an unused tuple: the
+/// client's bare SYN or any datagram forward; a SYN (or SYN-ACK) or any
+/// datagram from the backend's side.
+#[inline(always)]
+fn begins_anew(flow: &Flow, reply: bool) -> bool {
+    if reply {
+        flow.proto != proto::TCP || flow.tcp_flags & tcp_flags::SYN != 0
+    } else {
+        opens_flow(flow.proto, flow.tcp_flags)
+    }
+}
+
+/// Whether the flow is over: closed (TIME_WAIT after a FIN each way,
+/// CLOSE after a RST), or idle past its state's timeout both ways (the
+/// other entry is read only when this one is idle: a reply-only stream
+/// keeps its flow alive).
+#[inline(always)]
+fn is_over(key: &CtKey, value: &CtValue, now: u64) -> bool {
+    if is_closed(value.state) {
+        return true;
+    }
+    let timeouts = ct_timeouts();
+    if !timeouts.idle_past(value.state, value.last_seen_ns, now) {
+        return false;
+    }
+    match CONNTRACK.get_ptr(&proxy_common::conntrack::partner_key(key, value)) {
+        Some(other) => timeouts.idle_past(value.state, unsafe { (*other).last_seen_ns }, now),
+        None => true,
+    }
+}
+
+/// Moves the flow's state on with the packet (in both entries: the rare
+/// packets that change it, SYN-ACK, FIN, RST and a first UDP reply, pay
+/// for a second lookup) and marks the entry as used. Writes only what
+/// changed, and the timestamp only when it is a second old, so a busy flow
+/// does not dirty its entry's cache line on every packet.
+#[inline(always)]
+fn advance(key: &CtKey, entry: *mut CtValue, flow: &Flow, reply: bool, now: u64) {
+    let value = unsafe { &mut *entry };
+    let flow_flags = value.flags & FLOW_FLAGS;
+    let (state, new_flags) = next_state(value.state, flow_flags, flow.proto, reply, flow.tcp_flags);
+    if state != value.state || new_flags != flow_flags {
+        set_state(value, state, new_flags);
+        if let Some(other) = CONNTRACK.get_ptr_mut(&proxy_common::conntrack::partner_key(key, value)) {
+            set_state(unsafe { &mut *other }, state, new_flags);
+        }
+    }
+    if now.wrapping_sub(value.last_seen_ns) > LAST_SEEN_GRANULARITY_NS {
+        value.last_seen_ns = now;
+    }
+}
+
+#[inline(always)]
+fn set_state(value: &mut CtValue, state: u8, flow_flags: u8) {
+    value.state = state;
+    value.flags = (value.flags & !FLOW_FLAGS) | flow_flags;
 }
 
 /// The tc hook took over a flow XDP handed to it: later packets are
@@ -116,7 +165,6 @@ pub fn create(
     snat: bool,
     handed_to_tc: bool,
 ) -> Result<(), ()> {
-    let now = unsafe { bpf_jiffies64() };
     let reply_key = CtKey {
         saddr_be: backend.addr_be,
         daddr_be: flow.saddr_be,
@@ -128,16 +176,15 @@ pub fn create(
     let reply = CtValue {
         backend_id,
         rev_nat_id,
-        last_seen_jiffies: now,
-        flags: FLAG_REPLY,
-        tcp_seen: 0,
+        last_seen_ns: now_ns(),
+        flags: FLAG_REPLY | FLAG_STATEFUL,
+        state: initial_state(flow.proto),
         nat_port_be: flow.dport_be,
         nat_addr_be: flow.daddr_be,
     };
     insert_reply(&reply_key, &reply)?;
     let forward = CtValue {
-        flags: if snat { FLAG_SNAT } else { 0 } | if handed_to_tc { FLAG_HANDED_TO_TC } else { 0 },
-        tcp_seen: tcp_bits(flow.tcp_flags),
+        flags: FLAG_STATEFUL | if snat { FLAG_SNAT } else { 0 } | if handed_to_tc { FLAG_HANDED_TO_TC } else { 0 },
         nat_port_be: backend.port_be,
         nat_addr_be: backend.addr_be,
         ..reply
@@ -145,19 +192,28 @@ pub fn create(
     // The lookup just missed, so this fails only if another CPU created the
     // same flow meanwhile: its entries win, this packet passes.
     if CONNTRACK.insert(&key_of(flow), &forward, BPF_NOEXIST as u64).is_err() {
-        let _ = CONNTRACK.remove(&reply_key);
+        remove(&reply_key);
         return Err(());
     }
+    count_ct(ct_stat::INSERTED);
     Ok(())
+}
+
+#[inline(always)]
+fn remove(key: &CtKey) {
+    if CONNTRACK.remove(key).is_ok() {
+        count_ct(ct_stat::REMOVED);
+    }
 }
 
 /// Inserts a reply entry unless its tuple is another flow's forward entry.
 /// An older reply entry there (a flow the same client port had to the same
-/// backend, its forward entry evicted or gone) is replaced: its replies and
+/// backend, over or its forward entry gone) is replaced: its replies and
 /// the new flow's are the same packets.
 #[inline(always)]
 fn insert_reply(key: &CtKey, value: &CtValue) -> Result<(), ()> {
     if CONNTRACK.insert(key, value, BPF_NOEXIST as u64).is_ok() {
+        count_ct(ct_stat::INSERTED);
         return Ok(());
     }
     let existing = CONNTRACK.get_ptr(key).ok_or(())?;

@@ -7,7 +7,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    Backend, BackendSlotKey, CtKey, CtValue, PortBits, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter,
+    Backend, BackendSlotKey, CtKey, CtTimeouts, CtValue, PortBits, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter,
     maps::{BACKEND_SLOTS_MAX, BACKENDS_MAX, CONNTRACK_MAX, REV_NAT_MAX, SERVICES_MAX},
     ports::PORT_WORDS,
 };
@@ -34,6 +34,10 @@ pub static CONNTRACK: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(CONNTRACK_
 #[map(name = "XP_PORTS")]
 pub static PORTS: Array<PortBits> = Array::pinned(PORT_WORDS, 0);
 
+/// Indexed by `proxy_common::stats::ct_stat`.
+#[map(name = "XP_CT_STATS")]
+pub static CT_STATS: PerCpuArray<u64> = PerCpuArray::pinned(proxy_common::stats::ct_stat::COUNT, 0);
+
 #[map(name = "XP_STATS")]
 pub static STATS: PerCpuArray<VerdictCounter> = PerCpuArray::pinned(Verdict::COUNT, 0);
 
@@ -46,4 +50,15 @@ static SNAT_MARK: u32 = 0;
 pub fn snat_mark() -> u32 {
     // Volatile: the value is patched into .rodata after compilation.
     unsafe { core::ptr::read_volatile(&SNAT_MARK) }
+}
+
+/// How long a flow may idle in each state; the agent sets it at load time
+/// from its `conntrack` configuration. A read-only global.
+#[unsafe(no_mangle)]
+static CT_TIMEOUTS: CtTimeouts = CtTimeouts::KERNEL;
+
+#[inline(always)]
+pub fn ct_timeouts() -> CtTimeouts {
+    // Volatile, as `snat_mark`: patched into .rodata after compilation.
+    unsafe { core::ptr::read_volatile(&CT_TIMEOUTS) }
 }

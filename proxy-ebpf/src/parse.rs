@@ -24,10 +24,9 @@ const ETH_P_8021AD: u16 = 0x88a8;
 const IP_MF: u16 = 0x2000;
 const IP_OFFSET_MASK: u16 = 0x1fff;
 
-pub const TCP_FLAG_FIN: u8 = 0x01;
-pub const TCP_FLAG_SYN: u8 = 0x02;
-pub const TCP_FLAG_RST: u8 = 0x04;
-pub const TCP_FLAG_ACK: u8 = 0x10;
+pub use proxy_common::conntrack::tcp_flags::{
+    ACK as TCP_FLAG_ACK, FIN as TCP_FLAG_FIN, RST as TCP_FLAG_RST, SYN as TCP_FLAG_SYN,
+};
 
 #[repr(C)]
 pub struct EthHdr {

@@ -2,7 +2,7 @@
 
 use proxy_common::Verdict;
 
-use crate::maps::STATS;
+use crate::maps::{CT_STATS, STATS};
 
 #[inline(always)]
 pub fn count(frame_len: usize, verdict: Verdict) {
@@ -11,5 +11,13 @@ pub fn count(frame_len: usize, verdict: Verdict) {
             (*counter).packets += 1;
             (*counter).bytes += frame_len as u64;
         }
+    }
+}
+
+/// Adds one to a conntrack counter (`proxy_common::stats::ct_stat`).
+#[inline(always)]
+pub fn count_ct(index: u32) {
+    if let Some(counter) = CT_STATS.get_ptr_mut(index) {
+        unsafe { *counter += 1 };
     }
 }

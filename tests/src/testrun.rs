@@ -10,7 +10,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use aya::programs::{ProgramError, TestRun, TestRunOptions};
 use proxy_common::{CtKey, CtValue, Verdict, VerdictCounter, maps};
 use proxy_userspace::{
-    mode::ebpf::{Datapath, ServiceMaps},
+    mode::ebpf::{Datapath, LoadOptions, ServiceMaps},
     model::{Endpoint, Protocol, ServicePort},
 };
 
@@ -215,8 +215,19 @@ impl Harness {
     /// [`Self::new`] with the SNAT fallback on: flows that need it are
     /// marked with `snat_mark` (tc) or left to tc (XDP).
     pub fn with_snat_mark(node_ips: Vec<Ipv4Addr>, snat_mark: u32) -> Self {
+        Self::with_options(
+            node_ips,
+            LoadOptions {
+                snat_mark,
+                ..LoadOptions::default()
+            },
+        )
+    }
+
+    /// [`Self::new`] with the programs loaded with `options`.
+    pub fn with_options(node_ips: Vec<Ipv4Addr>, options: LoadOptions) -> Self {
         let pin = PinDir::new();
-        let datapath = Datapath::load_with_snat_mark(pin.path(), snat_mark)
+        let datapath = Datapath::load_with(pin.path(), &options)
             .unwrap_or_else(|e| panic!("loading the data path into {}: {e:#}", pin.path().display()));
         let maps = ServiceMaps::open(pin.path(), node_ips)
             .unwrap_or_else(|e| panic!("opening the maps in {}: {e:#}", pin.path().display()));

@@ -12,12 +12,19 @@
 use std::net::{Ipv4Addr, SocketAddrV4};
 
 use proxy_common::{
-    CtKey, Verdict, VerdictCounter,
-    conntrack::FLAG_SNAT,
+    CtKey, CtTimeouts, Verdict, VerdictCounter,
+    conntrack::{FLAG_SNAT, FLAG_STATEFUL, state},
     proto,
     service::{FLAG_EXTERNAL_LOCAL, FLAG_INTERNAL_LOCAL, FLAG_NEEDS_SNAT, FLAG_NODE_PORT},
+    stats::ct_stat,
 };
-use proxy_userspace::model::{Endpoint, Protocol, ServicePort, TrafficPolicy};
+use proxy_userspace::{
+    mode::ebpf::{
+        LoadOptions,
+        conntrack::{self, CtSettings},
+    },
+    model::{Endpoint, Protocol, ServicePort, TrafficPolicy},
+};
 use xproxy_tests::{
     frame::{
         ETHERTYPE_QINQ, ETHERTYPE_VLAN, Frame, L4, Net, Strict, check, diff, expected_port_unreachable, expected_rst,
@@ -1021,10 +1028,20 @@ fn an_older_agents_conntrack_entries_are_migrated() {
         let mut old_key = key;
         old_key._pad[0] = u8::from(value.is_reply());
         (value.nat_addr_be, value.nat_port_be) = (0, 0);
+        // TCP flag bits where the state is now, jiffies for a timestamp.
+        value.flags &= !FLAG_STATEFUL;
+        value.state = 0b1001;
+        value.last_seen_ns = 4_295_000_000;
         ct.insert(old_key, value, 0).expect("insert");
     }
     let migrated = proxy_userspace::mode::ebpf::legacy_ct::migrate(h.pin_dir()).expect("migrate");
     assert_eq!(migrated, 2);
+    let now = proxy_userspace::mode::ebpf::conntrack::now_ns();
+    for (key, value) in h.conntrack() {
+        assert!(value.flags & FLAG_STATEFUL != 0, "{key:?} migrated: {value:?}");
+        assert_eq!(value.state, state::TCP_ESTABLISHED, "{key:?}");
+        assert!(now - value.last_seen_ns < 5_000_000_000, "{key:?} seen now: {value:?}");
+    }
     run_case(
         &mut h,
         Prog::TcIngress,
@@ -2084,4 +2101,311 @@ fn external_local_keeps_the_source_under_masquerade_all_but_not_for_hairpin() {
     };
     assert_eq!(snat_of(&h, EXTERNAL_IP), Some(false), "the client's address is kept");
     assert_eq!(snat_of(&h, BACKEND_IPS[0]), Some(true), "hairpin is masqueraded");
+}
+
+// ---------------------------------------------------------------------------
+// Conntrack states and timeouts (proxy_common::conntrack).
+
+/// The states of the flow `client -> frontend` (its two entries).
+fn flow_states(h: &Harness, client: SocketAddrV4) -> Vec<u8> {
+    let key_is_flows = |k: &CtKey| {
+        (k.saddr(), k.sport()) == (*client.ip(), client.port())
+            || (k.daddr(), k.dport()) == (*client.ip(), client.port())
+    };
+    h.conntrack()
+        .into_iter()
+        .filter(|(k, _)| key_is_flows(k))
+        .map(|(_, v)| v.state)
+        .collect()
+}
+
+/// Opens a TCP flow through tc ingress; returns its SYN and backend.
+fn open_tcp(h: &mut Harness, to: SocketAddrV4, backends: &[SocketAddrV4]) -> (Frame, SocketAddrV4) {
+    let syn = Frame::tcp(client(h), to, SYN);
+    let out = run_case(
+        h,
+        Prog::TcIngress,
+        &Case::dnat("SYN", syn.clone(), backends, Verdict::DnatNew),
+    );
+    (syn, dnat_dst(&out))
+}
+
+/// The flow's FIN each way (client first), as in a normal close.
+fn close_tcp(h: &mut Harness, syn: &Frame, backend: SocketAddrV4) {
+    let fin = syn.clone().with_tcp(|t| t.flags = FIN | ACK);
+    run_case(
+        h,
+        Prog::TcIngress,
+        &Case::dnat("client FIN", fin, &[backend], Verdict::DnatEstablished),
+    );
+    let reply_fin = Frame::tcp(backend, syn.src(), FIN | ACK);
+    run_case(h, Prog::TcIngress, &Case::rev_nat("backend FIN", reply_fin, syn.dst()));
+}
+
+#[test]
+fn tcp_flows_move_through_the_kernels_states() {
+    if !require_root("tcp_flows_move_through_the_kernels_states") {
+        return;
+    }
+    let mut h = Harness::seeded();
+    let (syn, backend) = open_tcp(&mut h, cluster_ip(), &seed_backends());
+    let client = syn.src();
+    assert_eq!(flow_states(&h, client), [state::TCP_SYN_SENT; 2]);
+    let syn_ack = Frame::tcp(backend, client, SYN | ACK);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::rev_nat("SYN-ACK", syn_ack, cluster_ip()),
+    );
+    assert_eq!(flow_states(&h, client), [state::TCP_ESTABLISHED; 2]);
+    let fin = syn.clone().with_tcp(|t| t.flags = FIN | ACK);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat("client FIN", fin.clone(), &[backend], Verdict::DnatEstablished),
+    );
+    assert_eq!(flow_states(&h, client), [state::TCP_FIN_WAIT; 2]);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat("FIN again", fin, &[backend], Verdict::DnatEstablished),
+    );
+    assert_eq!(
+        flow_states(&h, client),
+        [state::TCP_FIN_WAIT; 2],
+        "a retransmitted FIN closes nothing"
+    );
+    let reply_fin = Frame::tcp(backend, client, FIN | ACK);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::rev_nat("backend FIN", reply_fin, cluster_ip()),
+    );
+    assert_eq!(flow_states(&h, client), [state::TCP_TIME_WAIT; 2]);
+
+    let (syn, backend) = open_tcp(&mut h, cluster_ip(), &seed_backends());
+    let rst = Frame::tcp(backend, syn.src(), RST | ACK);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::rev_nat("backend RST", rst, cluster_ip()),
+    );
+    assert_eq!(flow_states(&h, syn.src()), [state::TCP_CLOSE; 2]);
+}
+
+/// A client port reused for a new connection (ports wrap within seconds
+/// under load) must not follow the old connection to its backend, which
+/// may have left the Service since: the new SYN gets a fresh pick among
+/// the current endpoints, as the kernel's conntrack gives a SYN in
+/// TIME_WAIT or CLOSE a new connection. A retransmitted SYN of a live flow
+/// keeps its backend.
+#[test]
+fn a_syn_on_a_closed_flows_tuple_picks_a_current_backend() {
+    if !require_root("a_syn_on_a_closed_flows_tuple_picks_a_current_backend") {
+        return;
+    }
+    let mut h = Harness::seeded();
+    let seed = seed_backends();
+    let (syn, backend) = open_tcp(&mut h, cluster_ip(), &seed);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat("SYN again", syn.clone(), &[backend], Verdict::DnatEstablished),
+    );
+    let (reset_syn, reset_backend) = open_tcp(&mut h, cluster_ip(), &seed);
+    let rst = reset_syn.clone().with_tcp(|t| t.flags = RST | ACK);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat("client RST", rst, &[reset_backend], Verdict::DnatEstablished),
+    );
+    close_tcp(&mut h, &syn, backend);
+    // Both backends leave; only the third one is left.
+    let remaining: Vec<SocketAddrV4> = seed
+        .iter()
+        .copied()
+        .filter(|b| *b != backend && *b != reset_backend)
+        .collect();
+    h.sync(&service(
+        SEED_TCP,
+        Protocol::Tcp,
+        CLUSTER_IP,
+        SERVICE_PORT,
+        Some(NODE_PORT),
+        &remaining,
+    ));
+    for (what, frame, old) in [
+        ("SYN after TIME_WAIT", syn, state::TCP_TIME_WAIT),
+        ("SYN after RST", reset_syn, state::TCP_CLOSE),
+    ] {
+        run_case(
+            &mut h,
+            Prog::TcIngress,
+            &Case::dnat(what, frame.clone(), &remaining, Verdict::DnatNew),
+        );
+        // The new flow's two entries, and the old flow's reply entry: late
+        // segments of the old connection are still reverse-NATed until it
+        // times out.
+        let mut states = flow_states(&h, frame.src());
+        states.sort();
+        assert_eq!(states, [state::TCP_SYN_SENT, state::TCP_SYN_SENT, old], "{what}");
+    }
+}
+
+/// The failure the seed scenario once showed: a client connects directly
+/// to a pod from a port an earlier, closed Service flow to that pod used.
+/// The pod's SYN-ACK is no Service's reply and must leave untranslated
+/// (it would reach the client from the Service's address); a late segment
+/// of the closed flow itself is still reverse-NATed, so the backend's
+/// address never leaks to the client.
+#[test]
+fn a_backends_syn_ack_on_a_closed_flows_tuple_is_not_the_flows() {
+    if !require_root("a_backends_syn_ack_on_a_closed_flows_tuple_is_not_the_flows") {
+        return;
+    }
+    let mut h = Harness::seeded();
+    let (syn, backend) = open_tcp(&mut h, cluster_ip(), &seed_backends());
+    let client = syn.src();
+    let syn_ack = Frame::tcp(backend, client, SYN | ACK);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::rev_nat("SYN-ACK", syn_ack.clone(), cluster_ip()),
+    );
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::rev_nat("SYN-ACK again (the ACK was lost)", syn_ack.clone(), cluster_ip()),
+    );
+    close_tcp(&mut h, &syn, backend);
+    let late = Frame::tcp(backend, client, ACK);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::rev_nat("late segment after close", late, cluster_ip()),
+    );
+    // The direct connection: the client's SYN to the pod is no Service's.
+    let direct_syn = Frame::tcp(client, backend, SYN);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::pass("direct SYN", &direct_syn, Verdict::PassNotService),
+    );
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::pass("the pod's SYN-ACK", &syn_ack, Verdict::PassNotService),
+    );
+    let direct_ack = Frame::tcp(backend, client, ACK);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::pass("the pod's next segment", &direct_ack, Verdict::PassNotService),
+    );
+}
+
+/// Timeouts of one second for every state.
+fn short_timeouts(seconds: u32) -> LoadOptions {
+    LoadOptions {
+        conntrack: CtSettings {
+            timeouts: CtTimeouts {
+                seconds: [seconds; state::COUNT],
+            },
+            ..CtSettings::default()
+        },
+        ..LoadOptions::default()
+    }
+}
+
+/// A UDP flow idle past its timeout both ways is over: the next datagram
+/// from its tuple gets a fresh pick. Replies alone keep it alive; so does
+/// any TCP segment of an idle connection (only a SYN starts over).
+#[test]
+fn idle_flows_start_over_only_with_a_packet_that_opens_one() {
+    if !require_root("idle_flows_start_over_only_with_a_packet_that_opens_one") {
+        return;
+    }
+    let mut h = Harness::with_options(vec![NODE_IP], short_timeouts(2));
+    for svc in seed_services() {
+        h.sync(&svc);
+    }
+    let seed = seed_backends();
+    let dns = addr(CLUSTER_IP, SERVICE_PORT);
+    let idle_udp = Frame::udp(client(&mut h), dns, b"q");
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat("idle UDP flow", idle_udp.clone(), &seed, Verdict::DnatNew),
+    );
+    let streamed = Frame::udp(client(&mut h), dns, b"q");
+    let out = run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat("streamed UDP flow", streamed.clone(), &seed, Verdict::DnatNew),
+    );
+    let stream_backend = dnat_dst(&out);
+    let (idle_tcp, tcp_backend) = open_tcp(&mut h, cluster_ip(), &seed);
+    // Replies every 0.4 s keep the stream's reply entry fresh (at most a
+    // second stale: LAST_SEEN_GRANULARITY_NS) while its forward way idles.
+    let started = std::time::Instant::now();
+    while started.elapsed() < std::time::Duration::from_millis(3200) {
+        let reply = Frame::udp(stream_backend, streamed.src(), b"a");
+        run_case(&mut h, Prog::TcIngress, &Case::rev_nat("streamed reply", reply, dns));
+        std::thread::sleep(std::time::Duration::from_millis(400));
+    }
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat("idle UDP flow, later", idle_udp, &seed, Verdict::DnatNew),
+    );
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat(
+            "streamed flow, later",
+            streamed,
+            &[stream_backend],
+            Verdict::DnatEstablished,
+        ),
+    );
+    let ack = idle_tcp.clone().with_tcp(|t| t.flags = ACK);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat("idle TCP, a segment", ack, &[tcp_backend], Verdict::DnatEstablished),
+    );
+}
+
+/// The agent's sweep deletes flows idle past their timeout and counts
+/// them; live flows stay.
+#[test]
+fn the_sweep_deletes_expired_flows_and_counts_them() {
+    if !require_root("the_sweep_deletes_expired_flows_and_counts_them") {
+        return;
+    }
+    let options = short_timeouts(1);
+    let mut h = Harness::with_options(vec![NODE_IP], options);
+    for svc in seed_services() {
+        h.sync(&svc);
+    }
+    let seed = seed_backends();
+    for _ in 0..5 {
+        open_tcp(&mut h, cluster_ip(), &seed);
+    }
+    let sweep = conntrack::sweep(h.pin_dir(), &options.conntrack.timeouts).expect("sweep");
+    assert_eq!((sweep.entries, sweep.expired), (10, 0), "nothing is idle yet");
+    std::thread::sleep(std::time::Duration::from_millis(2100));
+    let (live, _) = open_tcp(&mut h, cluster_ip(), &seed);
+    let sweep = conntrack::sweep(h.pin_dir(), &options.conntrack.timeouts).expect("sweep");
+    assert_eq!((sweep.entries, sweep.expired), (12, 10));
+    assert_eq!(flow_states(&h, live.src()).len(), 2, "the live flow stays");
+    assert_eq!(h.conntrack().len(), 2);
+    let counts = proxy_userspace::server::metrics::read_conntrack_counts(h.pin_dir())
+        .expect("counters")
+        .expect("the data path has conntrack counters");
+    assert_eq!(counts.get(ct_stat::INSERTED), 12);
+    assert_eq!(counts.get(ct_stat::EXPIRED), 10);
+    assert_eq!(counts.get(ct_stat::LIVE), 2);
+    assert_eq!(counts.get(ct_stat::EVICTED), 0);
+    assert_eq!(counts.max_entries, CtSettings::default().entries);
 }

@@ -12,7 +12,7 @@ use crate::{
     config::{self, Config, Mode, NodePortAddresses, RunFlags, Source},
     mode::{
         Dataplane,
-        ebpf::{EbpfMode, EbpfOptions, MissingInterface, NotBpffs},
+        ebpf::{EbpfMode, EbpfOptions, MissingInterface, NotBpffs, conntrack::CtSettings},
     },
     reconcile::runner::{Reconciler, SyncPolicy},
     server::{Telemetry, bind_healthz, bind_metrics},
@@ -176,6 +176,7 @@ async fn start_ebpf(config: &Config) -> Result<Box<dyn Dataplane>, Failure> {
         node_name: Some(config.node_name.clone()),
         masquerade_all: config.masquerade.all,
         xdp: config.xdp,
+        conntrack: CtSettings::from_config(&config.conntrack, online_cpus()),
     };
     let mode = EbpfMode::start(&options).await.map_err(|e| {
         let code = if e.is::<MissingInterface>() {
@@ -191,6 +192,11 @@ async fn start_ebpf(config: &Config) -> Result<Box<dyn Dataplane>, Failure> {
 }
 
 /// The configured node IPs that every mode programs (IPv4 only for now).
+/// CPUs the kernel runs (kube-proxy sizes conntrack by them).
+fn online_cpus() -> u32 {
+    std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX))
+}
+
 pub fn ipv4_node_ips(config: &Config) -> Vec<std::net::Ipv4Addr> {
     config
         .node_ips

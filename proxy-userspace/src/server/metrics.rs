@@ -21,12 +21,13 @@ use prometheus_client::{
         MetricType,
         counter::{ConstCounter, Counter},
         family::Family,
+        gauge::ConstGauge,
         gauge::Gauge,
         histogram::{Histogram, exponential_buckets},
     },
     registry::Registry,
 };
-use proxy_common::{Verdict, VerdictCounter, maps};
+use proxy_common::{Verdict, VerdictCounter, maps, stats::ct_stat};
 use tracing::warn;
 
 /// kube-proxy's sync duration buckets: 1ms doubling to ~16s.
@@ -44,8 +45,29 @@ const NETWORK_PROGRAMMING_BUCKETS: [f64; 17] = [
 /// One label, `code="200"`.
 pub(super) type CodeLabel = [(&'static str, &'static str); 1];
 
-/// Summed per-CPU verdict counters, or `None` when there is no data path to read.
-pub(super) type VerdictReader = Box<dyn Fn() -> Option<Vec<(Verdict, VerdictCounter)>> + Send + Sync>;
+/// What the data path's pinned counters say, or `None` when there is no
+/// data path to read.
+pub(super) type VerdictReader = Box<dyn Fn() -> Option<DatapathCounts> + Send + Sync>;
+
+/// The data path's counters, summed over CPUs.
+pub struct DatapathCounts {
+    pub verdicts: Vec<(Verdict, VerdictCounter)>,
+    /// `None` where the data path has no conntrack counters (an older one).
+    pub conntrack: Option<ConntrackCounts>,
+}
+
+/// The conntrack counters (indexed by `ct_stat`) and the table's size.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ConntrackCounts {
+    pub counters: [u64; ct_stat::COUNT as usize],
+    pub max_entries: u32,
+}
+
+impl ConntrackCounts {
+    pub fn get(&self, index: u32) -> u64 {
+        self.counters.get(index as usize).copied().unwrap_or(0)
+    }
+}
 
 /// Handles to every metric the agent updates.
 pub(super) struct Metrics {
@@ -179,22 +201,78 @@ impl fmt::Debug for DatapathStats {
 
 impl Collector for DatapathStats {
     fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
-        let Some(counts) = (self.read)() else {
+        let Some(DatapathCounts { verdicts, conntrack }) = (self.read)() else {
             return Ok(());
         };
         encode_per_verdict(
             &mut encoder,
             "xproxy_datapath_packets",
             "Packets seen by the eBPF programs, by verdict",
-            counts.iter().map(|(v, c)| (v.name(), c.packets)),
+            verdicts.iter().map(|(v, c)| (v.name(), c.packets)),
         )?;
         encode_per_verdict(
             &mut encoder,
             "xproxy_datapath_bytes",
             "Bytes (L3 length) seen by the eBPF programs, by verdict",
-            counts.iter().map(|(v, c)| (v.name(), c.bytes)),
-        )
+            verdicts.iter().map(|(v, c)| (v.name(), c.bytes)),
+        )?;
+        if let Some(ct) = conntrack {
+            encode_conntrack(&mut encoder, &ct)?;
+        }
+        Ok(())
     }
+}
+
+/// The conntrack table's size, fill and turnover (see `ct_stat`).
+fn encode_conntrack(encoder: &mut DescriptorEncoder, ct: &ConntrackCounts) -> fmt::Result {
+    let gauges = [
+        (
+            "xproxy_conntrack_entries",
+            "Entries in the eBPF conntrack table (two a flow) at the last sweep",
+            ct.get(ct_stat::LIVE),
+        ),
+        (
+            "xproxy_conntrack_max_entries",
+            "Size of the eBPF conntrack table (two entries a flow)",
+            u64::from(ct.max_entries),
+        ),
+    ];
+    for (name, help, value) in gauges {
+        let metric = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+        ConstGauge::new(value as i64).encode(metric)?;
+    }
+    let counters = [
+        (
+            "xproxy_conntrack_inserted",
+            "Conntrack entries the eBPF programs inserted",
+            ct_stat::INSERTED,
+        ),
+        (
+            "xproxy_conntrack_removed",
+            "Conntrack entries the eBPF programs removed (flows that gave way to a new one on their tuple)",
+            ct_stat::REMOVED,
+        ),
+        (
+            "xproxy_conntrack_gc_deleted",
+            "Conntrack entries of flows idle past their timeout that the agent's sweep deleted",
+            ct_stat::EXPIRED,
+        ),
+        (
+            "xproxy_conntrack_agent_deleted",
+            "Conntrack entries the agent deleted (expired flows, UDP flows of endpoints that left)",
+            ct_stat::AGENT_REMOVED,
+        ),
+        (
+            "xproxy_conntrack_evictions",
+            "Conntrack entries the kernel evicted from the full table (least recently used), up to the last sweep",
+            ct_stat::EVICTED,
+        ),
+    ];
+    for (name, help, index) in counters {
+        let metric = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+        ConstCounter::new(ct.get(index)).encode(metric)?;
+    }
+    Ok(())
 }
 
 fn encode_per_verdict(
@@ -216,7 +294,7 @@ fn encode_per_verdict(
 /// warned about once and left out too.
 pub(super) fn pinned_reader(pin_path: PathBuf) -> VerdictReader {
     let warned = AtomicBool::new(false);
-    Box::new(move || match read_verdict_counts(&pin_path) {
+    Box::new(move || match read_datapath_counts(&pin_path) {
         Ok(counts) => counts,
         Err(e) => {
             if !warned.swap(true, Ordering::Relaxed) {
@@ -228,6 +306,39 @@ pub(super) fn pinned_reader(pin_path: PathBuf) -> VerdictReader {
             None
         }
     })
+}
+
+/// The verdict and conntrack counters pinned under `pin_path`; `None`
+/// if no data path is pinned there.
+pub fn read_datapath_counts(pin_path: &Path) -> Result<Option<DatapathCounts>> {
+    let Some(verdicts) = read_verdict_counts(pin_path)? else {
+        return Ok(None);
+    };
+    Ok(Some(DatapathCounts {
+        verdicts,
+        conntrack: read_conntrack_counts(pin_path)?,
+    }))
+}
+
+/// The conntrack counters and the table's size; `None` if the data path
+/// pinned under `pin_path` has no conntrack counters.
+pub fn read_conntrack_counts(pin_path: &Path) -> Result<Option<ConntrackCounts>> {
+    let path = pin_path.join(maps::CT_STATS);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
+    let map: PerCpuArray<_, u64> = PerCpuArray::try_from(Map::from_map_data(data)?)?;
+    let mut counts = ConntrackCounts::default();
+    for (index, slot) in counts.counters.iter_mut().enumerate() {
+        let values = map.get(&(index as u32), 0).context("reading a conntrack counter")?;
+        *slot = values.iter().fold(0u64, |sum, v| sum.wrapping_add(*v));
+    }
+    let table = pin_path.join(maps::CONNTRACK);
+    counts.max_entries = aya::maps::MapInfo::from_pin(&table)
+        .with_context(|| format!("reading {}", table.display()))?
+        .max_entries();
+    Ok(Some(counts))
 }
 
 /// Sums the per-CPU verdict counters of the stats map pinned under

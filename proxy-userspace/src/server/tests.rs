@@ -2,7 +2,9 @@
 
 use std::net::{Ipv4Addr, SocketAddr};
 
-use proxy_common::{Verdict, VerdictCounter};
+use proxy_common::{Verdict, VerdictCounter, stats::ct_stat};
+
+use super::metrics::{ConntrackCounts, DatapathCounts};
 use serde_json::Value;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
@@ -123,20 +125,29 @@ fn datapath_counters_are_read_at_scrape_time() {
     let seen = reads.clone();
     let reader: VerdictReader = Box::new(move || {
         let n = seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-        Some(
-            Verdict::ALL
-                .iter()
-                .map(|&v| {
-                    (
-                        v,
-                        VerdictCounter {
-                            packets: n * v as u64,
-                            bytes: 100 * n,
-                        },
-                    )
-                })
-                .collect(),
-        )
+        let verdicts = Verdict::ALL
+            .iter()
+            .map(|&v| {
+                (
+                    v,
+                    VerdictCounter {
+                        packets: n * v as u64,
+                        bytes: 100 * n,
+                    },
+                )
+            })
+            .collect();
+        let mut conntrack = ConntrackCounts {
+            max_entries: 1000,
+            ..ConntrackCounts::default()
+        };
+        conntrack.counters[ct_stat::LIVE as usize] = 40;
+        conntrack.counters[ct_stat::EXPIRED as usize] = 7 * n;
+        conntrack.counters[ct_stat::EVICTED as usize] = 3;
+        Some(DatapathCounts {
+            verdicts,
+            conntrack: Some(conntrack),
+        })
     });
     let t = Telemetry::with_reader("ebpf", Duration::from_secs(60), Some(reader));
     let first = metrics(&t);
@@ -156,6 +167,11 @@ fn datapath_counters_are_read_at_scrape_time() {
         6.0
     );
     assert_eq!(reads.load(std::sync::atomic::Ordering::Relaxed), 2);
+    assert!(second.contains("# TYPE xproxy_conntrack_entries gauge\n"), "{second}");
+    assert_eq!(sample(&second, "xproxy_conntrack_entries"), 40.0);
+    assert_eq!(sample(&second, "xproxy_conntrack_max_entries"), 1000.0);
+    assert_eq!(sample(&second, "xproxy_conntrack_gc_deleted_total"), 14.0);
+    assert_eq!(sample(&second, "xproxy_conntrack_evictions_total"), 3.0);
 
     // A pin directory without a stats map: nothing exported, no error.
     let missing = std::env::temp_dir().join(format!("xproxy-telemetry-test-{}", std::process::id()));

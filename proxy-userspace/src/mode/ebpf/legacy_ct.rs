@@ -1,6 +1,12 @@
 //! Rewrites conntrack entries an older agent's programs wrote into today's
 //! layout, so that flows survive the upgrade.
 //!
+//! Before flows had states, the byte that is now `state` held TCP flag
+//! bits and `last_seen_ns` held jiffies (a different clock): such entries
+//! (without `FLAG_STATEFUL`) get the state their protocol's live flows have and today's
+//! time, else the sweep would take their far-past timestamps for idle
+//! flows and delete live connections.
+//!
 //! Before one key space held both directions, a key's 13th byte (now
 //! padding) was 1 for reply entries, and values held only ids: the backend
 //! (`XP_BACKENDS`) and the frontend (`XP_REV_NAT`). Today's programs look
@@ -15,9 +21,13 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use aya::maps::{HashMap, MapData};
-use proxy_common::{Backend, CtKey, CtValue, RevNat, maps};
+use proxy_common::{
+    Backend, CtKey, CtValue, RevNat,
+    conntrack::{FLAG_STATEFUL, state},
+    maps, proto,
+};
 
-use super::maps::open;
+use super::{conntrack::now_ns, maps::open};
 
 /// Migrates the old entries of the maps pinned under `pin_path`; returns
 /// how many were rewritten (entries whose ids are gone are deleted).
@@ -28,11 +38,14 @@ pub fn migrate(pin_path: &Path) -> Result<u64> {
     let old: Vec<(CtKey, CtValue)> = conntrack
         .iter()
         .filter_map(Result::ok)
-        .filter(|(_, v)| v.nat_addr_be == 0 && v.nat_port_be == 0)
+        .filter(|(_, v)| (v.nat_addr_be == 0 && v.nat_port_be == 0) || v.flags & FLAG_STATEFUL == 0)
         .collect();
+    let now = now_ns();
     let mut migrated = 0;
     for (key, mut value) in old {
-        let nat = if value.is_reply() {
+        let nat = if value.nat_addr_be != 0 || value.nat_port_be != 0 {
+            Some((value.nat_addr_be, value.nat_port_be))
+        } else if value.is_reply() {
             rev_nat.get(&value.rev_nat_id, 0).ok().map(|f| (f.addr_be, f.port_be))
         } else {
             backends.get(&value.backend_id, 0).ok().map(|b| (b.addr_be, b.port_be))
@@ -44,6 +57,11 @@ pub fn migrate(pin_path: &Path) -> Result<u64> {
         };
         value.nat_addr_be = addr_be;
         value.nat_port_be = port_be;
+        if value.flags & FLAG_STATEFUL == 0 {
+            value.state = live_state(key.proto);
+            value.last_seen_ns = now;
+            value.flags |= FLAG_STATEFUL;
+        }
         let new_key = CtKey { _pad: [0; 3], ..key };
         conntrack
             .insert(new_key, value, 0)
@@ -51,4 +69,13 @@ pub fn migrate(pin_path: &Path) -> Result<u64> {
         migrated += 1;
     }
     Ok(migrated)
+}
+
+/// The state an older agent's flow is taken to be in: live and answered.
+fn live_state(protocol: u8) -> u8 {
+    if protocol == proto::TCP {
+        state::TCP_ESTABLISHED
+    } else {
+        state::UDP_REPLIED
+    }
 }

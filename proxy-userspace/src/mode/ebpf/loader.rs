@@ -17,9 +17,9 @@ use aya::{
     util::KernelVersion,
 };
 use proxy_common::maps;
-use tracing::info;
+use tracing::{info, warn};
 
-use super::{object_bytes, sys};
+use super::{conntrack::CtSettings, object_bytes, sys};
 
 /// Where on a node an interface sits, which decides the programs it gets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,6 +39,15 @@ pub enum Hook {
     Pod,
 }
 
+/// What the programs are loaded with.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LoadOptions {
+    /// The skb mark bit that asks the kernel to masquerade a flow (0: never).
+    pub snat_mark: u32,
+    /// Conntrack timeouts and size.
+    pub conntrack: CtSettings,
+}
+
 /// The loaded programs and their maps, pinned under one directory of bpffs.
 pub struct Datapath {
     ebpf: Ebpf,
@@ -49,20 +58,25 @@ pub struct Datapath {
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
 impl Datapath {
-    /// Loads every program, with the SNAT fallback off. Maps already pinned
-    /// under `pin_path` (by an earlier agent) are reused as they are;
-    /// missing ones are created and pinned.
+    /// Loads every program with [`LoadOptions::default`]. Maps already
+    /// pinned under `pin_path` (by an earlier agent) are reused as they
+    /// are; missing ones are created and pinned.
     pub fn load(pin_path: &Path) -> Result<Self> {
-        Self::load_with_snat_mark(pin_path, 0)
+        Self::load_with(pin_path, &LoadOptions::default())
     }
 
-    /// [`Self::load`], with the skb mark bit that asks the kernel to
-    /// masquerade a flow (0: never).
-    pub fn load_with_snat_mark(pin_path: &Path, snat_mark: u32) -> Result<Self> {
+    /// [`Self::load`] with the program constants and the conntrack size of
+    /// `options`. A conntrack map pinned by an earlier agent keeps its size
+    /// (the kernel cannot resize a map; its flows would be lost): a
+    /// different configured size is warned about and takes effect after
+    /// `xproxy cleanup`.
+    pub fn load_with(pin_path: &Path, options: &LoadOptions) -> Result<Self> {
         ensure_bpffs_dir(pin_path)?;
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(pin_path)
-            .override_global(maps::GLOBAL_SNAT_MARK, &snat_mark, true)
+            .override_global(maps::GLOBAL_SNAT_MARK, &options.snat_mark, true)
+            .override_global(maps::GLOBAL_CT_TIMEOUTS, &options.conntrack.timeouts, true)
+            .map_max_entries(maps::CONNTRACK, options.conntrack.entries)
             .load(object_bytes()?)
             .context("loading the eBPF object (are you root, and is the kernel 6.1 or newer?)")?;
         let xdp: &mut Xdp = program(&mut ebpf, maps::PROG_XDP_UPLINK)?.try_into()?;
@@ -72,6 +86,7 @@ impl Datapath {
             let prog: &mut SchedClassifier = program(&mut ebpf, name)?.try_into()?;
             prog.load().with_context(|| format!("verifier rejected {name}"))?;
         }
+        warn_on_adopted_conntrack_size(pin_path, options.conntrack.entries);
         Ok(Self {
             ebpf,
             pin_path: pin_path.to_owned(),
@@ -370,4 +385,20 @@ fn is_bpffs(path: &Path) -> Result<bool> {
         return Err(err).with_context(|| format!("statfs {}", path.display()));
     }
     Ok(st.f_type == BPF_FS_MAGIC)
+}
+
+/// Says so when the pinned conntrack map (adopted from an earlier agent)
+/// is not `wanted` entries large.
+fn warn_on_adopted_conntrack_size(pin_path: &Path, wanted: u32) {
+    let path = pin_path.join(maps::CONNTRACK);
+    match aya::maps::MapInfo::from_pin(&path) {
+        Ok(info) if info.max_entries() != wanted => warn!(
+            entries = info.max_entries(),
+            configured = wanted,
+            "the conntrack map pinned by an earlier agent keeps its size (its flows with it); \
+             the configured size takes effect after `xproxy cleanup`"
+        ),
+        Ok(_) => {}
+        Err(e) => warn!(error = %e, "cannot read the conntrack map's size"),
+    }
 }

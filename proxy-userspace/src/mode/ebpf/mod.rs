@@ -22,6 +22,7 @@
 //! (`stale_flows`), so their next datagram picks a current backend, or
 //! passes untranslated if the Service is gone.
 
+pub mod conntrack;
 mod interfaces;
 pub mod legacy_ct;
 mod loader;
@@ -42,7 +43,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 pub use interfaces::{Interface, MissingInterface};
-pub use loader::{Datapath, Hook, LINKS_DIR, NotBpffs, detach_pinned_links, detach_tc_filters};
+pub use loader::{Datapath, Hook, LINKS_DIR, LoadOptions, NotBpffs, detach_pinned_links, detach_tc_filters};
 pub use maps::ServiceMaps;
 pub use object::object_bytes;
 use tracing::{debug, info, warn};
@@ -75,6 +76,8 @@ pub struct EbpfOptions {
     pub masquerade_all: bool,
     /// XDP on the uplinks, or tc only.
     pub xdp: XdpPolicy,
+    /// The conntrack table's size and timeouts.
+    pub conntrack: conntrack::CtSettings,
 }
 
 pub struct EbpfMode {
@@ -94,7 +97,11 @@ impl EbpfMode {
     /// runtime, in the node's network namespace.
     pub async fn start(opts: &EbpfOptions) -> Result<Self> {
         let snat_mark = install_snat_rules(opts.snat_mark);
-        let mut datapath = Datapath::load_with_snat_mark(&opts.pin_path, snat_mark)?;
+        let load = LoadOptions {
+            snat_mark,
+            conntrack: opts.conntrack,
+        };
+        let mut datapath = Datapath::load_with(&opts.pin_path, &load)?;
         let (conn, handle, _) = rtnetlink::new_connection().context("opening rtnetlink")?;
         tokio::spawn(conn);
         let all = interfaces::list(&handle).await?;
@@ -144,6 +151,7 @@ impl EbpfMode {
         }
         let datapath = Arc::new(Mutex::new(datapath));
         spawn_pod_interface_watcher(datapath.clone(), uplinks)?;
+        spawn_conntrack_sweeper(opts.pin_path.clone(), opts.conntrack);
         let mut maps = ServiceMaps::open(&opts.pin_path, node_ips.clone())?;
         maps.set_topology(opts.node_name.clone(), opts.masquerade_all);
         info!(adopted = maps.service_port_count(), ?node_ips, "ebpf data path ready");
@@ -204,6 +212,29 @@ fn install_snat_rules(mark: u32) -> u32 {
             0
         }
     }
+}
+
+/// Deletes expired flows from the conntrack table every
+/// [`conntrack::CtSettings::sweep_interval`] (see `conntrack`).
+fn spawn_conntrack_sweeper(pin_path: PathBuf, settings: conntrack::CtSettings) {
+    let interval = settings.sweep_interval();
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            let pin_path = pin_path.clone();
+            let swept = tokio::task::spawn_blocking(move || conntrack::sweep(&pin_path, &settings.timeouts)).await;
+            match swept {
+                Ok(Ok(sweep)) if sweep.expired > 0 => {
+                    debug!(entries = sweep.entries, expired = sweep.expired, "conntrack swept")
+                }
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => warn!(error = format!("{e:#}"), "sweeping the conntrack table"),
+                Err(e) => warn!(error = %e, "the conntrack sweep panicked"),
+            }
+        }
+    });
 }
 
 fn spawn_pod_interface_watcher(datapath: Arc<Mutex<Datapath>>, uplinks: Vec<Interface>) -> Result<()> {

@@ -18,80 +18,36 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use aya::maps::{HashMap, MapData, MapError};
-use proxy_common::{CtKey, CtValue, maps, proto};
+use aya::maps::{HashMap, MapData};
+use proxy_common::{CtKey, CtValue, maps, proto, stats::ct_stat};
 
 use super::{
     ServiceMaps,
-    maps::{fd_of, open},
-    sys::{BatchCursor, map_lookup_batch},
+    conntrack::{CtStats, read_entries, remove_all},
+    maps::open,
 };
 
 type Endpoint = (Ipv4Addr, u16);
-
-/// Entries read per bpf(2) call: 256 KiB of keys and values.
-const READ_BATCH: usize = 4096;
 
 /// Deletes the stale UDP entries of the conntrack map pinned under
 /// `pin_path`, judged against what `maps` programs now; returns how many.
 pub fn delete_stale_udp_flows(pin_path: &Path, maps: &ServiceMaps) -> Result<u64> {
     let mut conntrack: HashMap<MapData, CtKey, CtValue> = open(pin_path, maps::CONNTRACK)?;
-    let entries = udp_entries(&conntrack)?;
+    let entries = read_entries(&conntrack, |key, _| key.proto == proto::UDP)?;
     let mut backends_of: StdHashMap<Endpoint, HashSet<Endpoint>> = StdHashMap::new();
-    let mut deleted = 0;
+    let mut stale = Vec::new();
     for (key, value) in entries {
         let (frontend, backend) = ends(&key, &value);
         let backends = backends_of
             .entry(frontend)
             .or_insert_with(|| current_backends(maps, frontend));
-        if backends.contains(&backend) {
-            continue;
-        }
-        match conntrack.remove(&key) {
-            Ok(()) => deleted += 1,
-            // Evicted or deleted by someone else meanwhile.
-            Err(MapError::KeyNotFound) => {}
-            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
-            Err(e) => return Err(e).context("deleting a stale UDP flow"),
+        if !backends.contains(&backend) {
+            stale.push(key);
         }
     }
+    let deleted = remove_all(&mut conntrack, &stale).context("deleting stale UDP flows")?;
+    CtStats::open(pin_path)?.add(ct_stat::AGENT_REMOVED, deleted)?;
     Ok(deleted)
-}
-
-/// The UDP entries of the conntrack map, read [`READ_BATCH`] at a time
-/// (BPF_MAP_LOOKUP_BATCH). aya's iterator takes two syscalls an entry: a
-/// map of 100,000 flows cost 200,000 of them after every sync that touched
-/// a UDP port. Falls back to the iterator where the kernel has no batches.
-fn udp_entries(conntrack: &HashMap<MapData, CtKey, CtValue>) -> Result<Vec<(CtKey, CtValue)>> {
-    let mut udp = Vec::new();
-    let mut cursor = BatchCursor::default();
-    let mut keys: Vec<CtKey> = Vec::with_capacity(READ_BATCH);
-    let mut values: Vec<CtValue> = Vec::with_capacity(READ_BATCH);
-    loop {
-        match map_lookup_batch(fd_of(conntrack), &mut cursor, &mut keys, &mut values) {
-            Ok(complete) => {
-                let read = keys.drain(..).zip(values.drain(..));
-                udp.extend(read.filter(|(key, _)| key.proto == proto::UDP));
-                if complete {
-                    return Ok(udp);
-                }
-            }
-            // One hash bucket holds more flows than there was room for.
-            Err(e) if e.error.raw_os_error() == Some(libc::ENOSPC) => {
-                let room = keys.capacity() * 2;
-                keys.reserve(room);
-                values.reserve(room);
-            }
-            Err(e) if e.unsupported() && !cursor.started() => {
-                return Ok(conntrack
-                    .iter()
-                    .filter_map(Result::ok)
-                    .filter(|(key, _)| key.proto == proto::UDP)
-                    .collect());
-            }
-            Err(e) => return Err(e).context("reading the conntrack map"),
-        }
-    }
 }
 
 /// `(frontend, backend)` of a flow, from either of its entries.
