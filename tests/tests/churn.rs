@@ -1,0 +1,218 @@
+//! Endpoint churn under connection load: no new connection may reach an
+//! endpoint that left the Service more than a second before.
+//!
+//! The client opens short connections to the NodePort one after another,
+//! from an ephemeral port range of 1,000 ports, so its ports wrap within
+//! about a second and every new connection reuses the tuple of one that
+//! ended moments before (its flow in TIME_WAIT on the node; the client
+//! reuses its own TIME_WAIT ports, `tcp_tw_reuse`). Meanwhile
+//! the EndpointSlice changes 20 times a second: one pod is out for 2.5 s
+//! at a time while the other two come and go. A proxy that let a reused tuple follow its old flow sends
+//! the new connection to a pod that may have left long ago. After the
+//! churn, every connection reaches the final set.
+//!
+//! Each mode runs on a bed of its own (ebpf, iptables, nftables), with
+//! `minSyncPeriod: 100ms` so that a change is programmed well within the
+//! second the check allows. The kernel modes' conntrack gives a SYN in
+//! TIME_WAIT a new connection and a new NAT decision; the ebpf mode's does
+//! the same (`proxy_common::conntrack`).
+
+use std::{
+    net::Ipv4Addr,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, ensure};
+use xproxy_tests::{
+    agent_harness::{AgentBed, READY_WITHIN, seed_node_port, service, slice, yaml_documents},
+    privileged::require_root,
+    topology::BACKENDS,
+};
+
+const SEED_FILE: &str = "seed.yaml";
+const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 88);
+const NODE_PORT: u16 = 30791;
+const CHURN: Duration = Duration::from_secs(10);
+const CHANGE_EVERY: Duration = Duration::from_millis(50);
+/// How long after leaving the Service an endpoint may still get a new
+/// connection (the issue's bound: programming takes milliseconds here).
+const GRACE: Duration = Duration::from_secs(1);
+const FINAL_PROBES: usize = 40;
+
+/// How long one pod stays out of the Service while the others churn.
+const PHASE: Duration = Duration::from_millis(2500);
+
+/// The endpoints of change `i`: pod `phase % 3` is out for the whole
+/// phase; the other two alternate between both, one and the other.
+fn set_of(phase: usize, i: usize) -> Vec<usize> {
+    let others: Vec<usize> = (0..3).filter(|p| *p != phase % 3).collect();
+    match i % 3 {
+        0 => others,
+        k => vec![others[k - 1]],
+    }
+}
+
+/// A manifest change: the set in place from `at` on.
+struct Change {
+    at: Instant,
+    pods: Vec<&'static str>,
+}
+
+/// One connection of the load: when it started and who answered.
+struct Answer {
+    at: Instant,
+    pod: String,
+}
+
+fn manifest(pods: &[usize]) -> String {
+    let ips: Vec<Ipv4Addr> = pods.iter().map(|i| BACKENDS[*i].1).collect();
+    yaml_documents(&[
+        service("nginx-service", CLUSTER_IP, 88, 80, Some(NODE_PORT)),
+        slice("nginx-service-1", "nginx-service", 80, &ips),
+    ])
+}
+
+fn config(bed: &AgentBed) -> Result<Vec<String>> {
+    let path = bed.dir().join("proxy.yaml");
+    let text = "kind: KubeProxyConfiguration\napiVersion: kubeproxy.config.k8s.io/v1alpha1\n\
+                iptables: {minSyncPeriod: 100ms}\nnftables: {minSyncPeriod: 100ms}\n";
+    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    Ok(vec!["--config".into(), path.display().to_string()])
+}
+
+fn churn(mode: &str) {
+    let label = format!("churn_{mode}");
+    if !require_root(&label) {
+        return;
+    }
+    let mut bed = AgentBed::new(&label).unwrap_or_else(|e| panic!("{label}: test bed: {e:#}"));
+    if let Err(e) = run(&mut bed, mode) {
+        panic!("{label}: {e:#}\nagent log:\n{}", bed.log());
+    }
+}
+
+fn run(bed: &mut AgentBed, mode: &str) -> Result<()> {
+    bed.write_manifest(SEED_FILE, &manifest(&[0, 1, 2]))?;
+    let mut args = bed.manifest_args();
+    args.extend(config(bed)?);
+    bed.start_agent_in(mode, &args)?;
+    bed.wait_first_sync(READY_WITHIN)?;
+    bed.wait_answering(seed_node_port(), READY_WITHIN)?;
+    let client = &bed.topo.client;
+    // The client half-closes first, so its ports go through TIME_WAIT:
+    // reusing them after a second (with timestamps) keeps the load going.
+    client.sysctl("net.ipv4.ip_local_port_range", "40000 40999")?;
+    client.sysctl("net.ipv4.tcp_tw_reuse", "1")?;
+
+    let (changes, answers) = std::thread::scope(|scope| -> Result<_> {
+        let load = scope.spawn(|| client.run_in(|| connect_until(Instant::now() + CHURN)));
+        let changes = change_endpoints(bed, Instant::now() + CHURN);
+        let answers = load.join().map_err(|_| anyhow::anyhow!("the load thread panicked"))??;
+        Ok((changes?, answers))
+    })?;
+    ensure!(
+        answers.len() > 1000,
+        "the load made only {} connections in {CHURN:?}",
+        answers.len()
+    );
+    let late: Vec<String> = answers
+        .iter()
+        .filter(|a| !allowed(&changes, a))
+        .map(|a| format!("{} at +{:?}", a.pod, a.at - changes[0].at))
+        .collect();
+    ensure!(
+        late.is_empty(),
+        "{} of {} connections reached a pod that had left more than {GRACE:?} before: {:?}",
+        late.len(),
+        answers.len(),
+        &late[..late.len().min(10)]
+    );
+    eprintln!(
+        "[churn_{mode}] {} connections, {} changes, none late",
+        answers.len(),
+        changes.len()
+    );
+
+    // The final set alone, once the agent had a moment to program it.
+    let last = changes.last().context("no change made")?;
+    std::thread::sleep(GRACE);
+    let probes = client.run_in(|| connect_until_count(FINAL_PROBES))??;
+    let strays: Vec<&String> = probes.iter().filter(|pod| !last.pods.contains(&pod.as_str())).collect();
+    ensure!(
+        strays.is_empty(),
+        "after the churn, connections reached pods outside {:?}: {strays:?}",
+        last.pods
+    );
+    Ok(())
+}
+
+/// Rewrites the EndpointSlice every [`CHANGE_EVERY`] until `until`.
+fn change_endpoints(bed: &AgentBed, until: Instant) -> Result<Vec<Change>> {
+    let mut changes = vec![Change {
+        at: Instant::now(),
+        pods: BACKENDS.iter().map(|(name, _)| *name).collect(),
+    }];
+    let start = Instant::now();
+    for i in 0.. {
+        let now = Instant::now();
+        if now >= until {
+            break;
+        }
+        let phase = ((now - start).as_millis() / PHASE.as_millis()) as usize;
+        let set = set_of(phase, i);
+        let at = bed.write_manifest(SEED_FILE, &manifest(&set))?;
+        changes.push(Change {
+            at,
+            pods: set.iter().map(|i| BACKENDS[*i].0).collect(),
+        });
+        std::thread::sleep(CHANGE_EVERY);
+    }
+    Ok(changes)
+}
+
+/// Whether `answer`'s pod was in the Service at some moment of the
+/// [`GRACE`] before the connection started.
+fn allowed(changes: &[Change], answer: &Answer) -> bool {
+    let since = answer.at.checked_sub(GRACE).unwrap_or(answer.at);
+    changes.iter().enumerate().any(|(i, change)| {
+        let ended = changes.get(i + 1).map_or(answer.at, |next| next.at);
+        ended >= since && change.at <= answer.at && change.pods.contains(&answer.pod.as_str())
+    })
+}
+
+/// Connections to the NodePort, one after another, until `until`.
+/// Failures (a connection that found no backend) are not answers.
+fn connect_until(until: Instant) -> Vec<Answer> {
+    let mut answers = Vec::new();
+    while Instant::now() < until {
+        let at = Instant::now();
+        if let Ok(pod) = testbed::netns::tcp_request(seed_node_port(), Duration::from_secs(1)) {
+            answers.push(Answer { at, pod });
+        }
+    }
+    answers
+}
+
+fn connect_until_count(count: usize) -> Result<Vec<String>> {
+    (0..count)
+        .map(|_| {
+            testbed::netns::tcp_request(seed_node_port(), Duration::from_secs(2))
+                .context("a connection after the churn")
+        })
+        .collect()
+}
+
+#[test]
+fn churn_ebpf() {
+    churn("ebpf");
+}
+
+#[test]
+fn churn_iptables() {
+    churn("iptables");
+}
+
+#[test]
+fn churn_nftables() {
+    churn("nftables");
+}
