@@ -12,6 +12,7 @@
 
 pub mod backend;
 pub mod conntrack;
+pub mod fragment;
 pub mod maps;
 pub mod nat;
 pub mod ports;
@@ -20,6 +21,7 @@ pub mod stats;
 
 pub use backend::{Backend, BackendSlotKey};
 pub use conntrack::{CtKey, CtTimeouts, CtValue};
+pub use fragment::{FragKey, FragPorts};
 pub use nat::RevNat;
 pub use ports::PortBits;
 pub use service::{ServiceKey, ServiceValue};
@@ -27,6 +29,7 @@ pub use stats::{Verdict, VerdictCounter};
 
 /// IP protocol numbers of the L4 protocols a Service can use.
 pub mod proto {
+    pub const ICMP: u8 = 1;
     pub const TCP: u8 = 6;
     pub const UDP: u8 = 17;
 }
@@ -46,6 +49,8 @@ impl_aya_pod!(
     CtKey,
     CtValue,
     CtTimeouts,
+    FragKey,
+    FragPorts,
     RevNat,
     PortBits,
     VerdictCounter

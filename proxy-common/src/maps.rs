@@ -11,6 +11,7 @@ pub const CONNTRACK: &str = "XP_CT";
 pub const STATS: &str = "XP_STATS";
 pub const PORTS: &str = "XP_PORTS";
 pub const CT_STATS: &str = "XP_CT_STATS";
+pub const FRAGMENTS: &str = "XP_FRAGS";
 
 /// Frontends (service ports x frontend addresses).
 pub const SERVICES_MAX: u32 = 262_144;
@@ -25,6 +26,9 @@ pub const REV_NAT_MAX: u32 = 262_144;
 /// evicted. The size the program object declares: the agent sizes the map
 /// from its `conntrack` configuration at load time.
 pub const CONNTRACK_MAX: u32 = 524_288;
+
+/// Datagrams in flight whose first fragment's ports are remembered.
+pub const FRAGMENTS_MAX: u32 = 16_384;
 
 /// Program names (the entry points in `proxy-ebpf`).
 pub const PROG_XDP_UPLINK: &str = "xdp_uplink";

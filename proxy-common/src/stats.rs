@@ -9,10 +9,11 @@ use bytemuck::{Pod, Zeroable};
 pub enum Verdict {
     /// Not addressed to a Service and not a reply of a tracked flow: passed untouched.
     PassNotService = 0,
-    /// Not IPv4, or an L4 protocol Services do not use: passed untouched.
+    /// Not IPv4, or an L4 protocol Services do not use (ICMP other than
+    /// an error quoting TCP/UDP): passed untouched.
     PassNotIpv4OrL4 = 1,
-    /// Malformed or not fully parsed (truncated, options, fragment, VLAN,
-    /// port 0, bad length): passed untouched, never rewritten.
+    /// Malformed or not fully parsed (truncated, options, VLAN, port 0,
+    /// bad length): passed untouched, never rewritten.
     PassMalformed = 2,
     /// First packet of a flow to a Service: backend chosen, DNATed.
     DnatNew = 3,
@@ -33,10 +34,20 @@ pub enum Verdict {
     /// node (while the Service has some elsewhere): dropped, like
     /// kube-proxy's DROP rule (not answered).
     DropNoLocalBackend = 9,
+    /// A later IPv4 fragment (no L4 header) whose datagram's first fragment
+    /// was not seen as possible Service traffic, or whose flow is not
+    /// tracked: passed untouched (never translated as port 0, never
+    /// answered).
+    PassFragmentUntracked = 10,
+    /// An ICMP error (destination unreachable, time exceeded) quoting a
+    /// packet of a tracked flow: translated as the flow's packets going
+    /// its way (outer and quoted headers). Errors about other packets are
+    /// passed as not ours.
+    IcmpError = 11,
 }
 
 impl Verdict {
-    pub const COUNT: u32 = 10;
+    pub const COUNT: u32 = 12;
     pub const ALL: [Verdict; Self::COUNT as usize] = [
         Verdict::PassNotService,
         Verdict::PassNotIpv4OrL4,
@@ -48,6 +59,8 @@ impl Verdict {
         Verdict::Error,
         Verdict::PassToTc,
         Verdict::DropNoLocalBackend,
+        Verdict::PassFragmentUntracked,
+        Verdict::IcmpError,
     ];
 
     /// Stable lower-case name used in metrics and `xproxy status`.
@@ -63,6 +76,8 @@ impl Verdict {
             Verdict::Error => "error",
             Verdict::PassToTc => "pass_to_tc",
             Verdict::DropNoLocalBackend => "drop_no_local_backend",
+            Verdict::PassFragmentUntracked => "pass_fragment_untracked",
+            Verdict::IcmpError => "icmp_error",
         }
     }
 }

@@ -85,6 +85,22 @@ pub fn lookup(flow: &Flow) -> Option<Tracked> {
     })
 }
 
+/// The tracked flow an ICMP error is about (its flow's tuple is the
+/// direction it travels): the entry as it is, its state and age untouched
+/// (an error neither opens nor keeps a flow alive).
+#[inline(always)]
+pub fn lookup_related(flow: &Flow) -> Option<Tracked> {
+    let entry = CONNTRACK.get_ptr_mut(&key_of(flow))?;
+    let value = unsafe { &*entry };
+    Some(Tracked {
+        reply: value.flags & FLAG_REPLY != 0,
+        nat: (value.nat_addr_be, value.nat_port_be),
+        snat: value.flags & FLAG_SNAT != 0,
+        handed_to_tc: false,
+        entry,
+    })
+}
+
 /// Whether the packet would begin a connection on an unused tuple: the
 /// client's bare SYN or any datagram forward; a SYN (or SYN-ACK) or any
 /// datagram from the backend's side.

@@ -16,7 +16,7 @@ use proxy_common::proto;
 
 use crate::{
     csum,
-    parse::{IP_OFF, L4_OFF, ptr_at},
+    parse::{INNER_L4_OFF, IP_OFF, L4_OFF, ptr_at},
 };
 
 /// Which end of the flow a rewrite changes.
@@ -64,6 +64,22 @@ pub trait Ctx {
     /// Rewrites one end's address and port (both parsed before, so present)
     /// and updates the IPv4 and L4 checksums.
     fn rewrite(&self, l4_proto: u8, side: Side, old: (u32, u16), new: (u32, u16)) -> Result<(), ()>;
+    /// Rewrites one end's address only, and the IPv4 checksum: for a later
+    /// fragment, which has no L4 header (the IPv4 checksum is never
+    /// offloaded, so a direct write is right for XDP and tc alike).
+    #[inline(always)]
+    fn rewrite_addr(&self, side: Side, old: u32, new: u32) -> Result<(), ()>
+    where
+        Self: Sized,
+    {
+        let addr: *mut u32 = ptr_at(self, addr_off(side)).ok_or(())?;
+        let ip_check: *mut u16 = ptr_at(self, IP_CHECK_OFF).ok_or(())?;
+        unsafe {
+            *addr = new;
+            *ip_check = csum::replace32(*ip_check, old, new);
+        }
+        Ok(())
+    }
     /// Cuts the frame to `len` bytes (shorter than it is).
     fn truncate(&self, len: usize) -> Result<(), ()>;
     /// Makes 28 bytes of room right after the IPv4 header for an ICMP error:
@@ -147,10 +163,11 @@ impl Tc<'_> {
         self.0.skb.skb
     }
 
-    /// Makes sure the headers `parse` reads are in the linear part of the skb.
+    /// Makes sure the headers `parse` reads are in the linear part of the
+    /// skb: up to a TCP header, or an ICMP error's quoted TCP header.
     #[inline(always)]
     pub fn pull_headers(&self) {
-        const WANTED: usize = L4_OFF + 20;
+        const WANTED: usize = INNER_L4_OFF + 20;
         let len = self.frame_len();
         let want = if len < WANTED { len } else { WANTED };
         if self.data_end() - self.data() < want {

@@ -1,12 +1,15 @@
 //! xproxy's kernel side. A packet's way through these files:
 //!
 //! `parse` (Ethernet, IPv4, TCP/UDP; the malformed-input policy) ->
+//! `fragments` (a later IPv4 fragment gets its first's ports) ->
 //! `ports` (could it be Service traffic at all?) -> `conntrack` (a packet
 //! of a known flow, either way?) -> `lookup` (else: is it for a Service
 //! frontend?) -> `select` (a backend for a new flow) -> `nat` (DNAT, reverse NAT, checksums
 //! via `csum`) or `reject` (RST / ICMP when a Service has no backends; a
 //! frontend whose `Local` traffic policy finds no backend on this node
 //! drops instead, as kube-proxy does).
+//! An ICMP error quoting a tracked flow's packet is translated as the
+//! flow's packets are (`icmp_error`).
 //! `stats` counts every verdict; `context` hides the XDP / tc differences;
 //! `service` ties the steps together. The entry points below only map the
 //! outcome to each hook's return codes.
@@ -16,6 +19,8 @@
 mod conntrack;
 mod context;
 mod csum;
+mod fragments;
+mod icmp_error;
 mod lookup;
 mod maps;
 mod nat;

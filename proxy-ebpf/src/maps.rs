@@ -7,8 +7,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    Backend, BackendSlotKey, CtKey, CtTimeouts, CtValue, PortBits, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter,
-    maps::{BACKEND_SLOTS_MAX, BACKENDS_MAX, CONNTRACK_MAX, REV_NAT_MAX, SERVICES_MAX},
+    Backend, BackendSlotKey, CtKey, CtTimeouts, CtValue, FragKey, FragPorts, PortBits, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter,
+    maps::{BACKEND_SLOTS_MAX, BACKENDS_MAX, CONNTRACK_MAX, FRAGMENTS_MAX, REV_NAT_MAX, SERVICES_MAX},
     ports::PORT_WORDS,
 };
 
@@ -29,6 +29,10 @@ pub static REV_NAT: HashMap<u32, RevNat> = HashMap::pinned(REV_NAT_MAX, BPF_F_NO
 // Written from the data path on every new flow: LRU maps are preallocated.
 #[map(name = "XP_CT")]
 pub static CONNTRACK: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(CONNTRACK_MAX, 0);
+
+// The first fragment's ports of datagrams in flight.
+#[map(name = "XP_FRAGS")]
+pub static FRAGMENTS: LruHashMap<FragKey, FragPorts> = LruHashMap::pinned(FRAGMENTS_MAX, 0);
 
 // Set by user space for every frontend and backend port.
 #[map(name = "XP_PORTS")]

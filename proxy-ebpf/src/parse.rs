@@ -5,6 +5,11 @@
 //! counted; nothing here ever writes. Accepting only IHL = 5 (no IP options)
 //! and untagged frames keeps every header at a constant offset, which is also
 //! what keeps the verifier's job simple.
+//!
+//! IPv4 fragments: the first one is parsed like a whole datagram (its L4
+//! header is there; the datagram's length reaches into the later ones); a
+//! later one has no L4 header, and comes out with ports 0 and
+//! [`Fragment::Later`] for `fragments` to fill in.
 
 use proxy_common::{Verdict, proto};
 
@@ -71,6 +76,17 @@ pub struct UdpHdr {
     pub check: u16,
 }
 
+/// Where a packet stands among its datagram's IPv4 fragments.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Fragment {
+    /// A whole datagram.
+    None,
+    /// The first fragment: it has the L4 header.
+    First,
+    /// A later fragment: payload only; the ports are the first's.
+    Later,
+}
+
 /// What the rest of the program needs to know about a parsed packet.
 #[derive(Clone, Copy)]
 pub struct Flow {
@@ -86,6 +102,20 @@ pub struct Flow {
     pub tcp_ack: u32,
     /// L4 payload bytes after the TCP or UDP header.
     pub payload_len: u32,
+    pub fragment: Fragment,
+    /// IP identification, network byte order (ties fragments together).
+    pub ip_id_be: u16,
+    /// An ICMP error quoting a TCP/UDP packet: the tuple above is the
+    /// quoted packet's, reversed (see `icmp_error`), `proto` its protocol.
+    pub icmp_error: bool,
+}
+
+impl Flow {
+    /// A later fragment: there is no L4 header to read or rewrite.
+    #[inline(always)]
+    pub fn is_later_fragment(&self) -> bool {
+        self.fragment == Fragment::Later
+    }
 }
 
 /// Returns a pointer to a `T` at `off`, if the whole `T` is inside the
@@ -127,20 +157,107 @@ pub fn parse(ctx: &impl Ctx) -> Result<Flow, Verdict> {
     if tot_len < IP_LEN || tot_len > ctx.frame_len().saturating_sub(ETH_LEN) {
         return Err(Verdict::PassMalformed);
     }
-    if frag_off & (IP_MF | IP_OFFSET_MASK) != 0 {
-        return Err(Verdict::PassMalformed);
+    let (saddr_be, daddr_be, ip_id_be) = unsafe { ((*ip).saddr_be, (*ip).daddr_be, (*ip).id_be) };
+    if l4_proto == proto::ICMP && frag_off & (IP_MF | IP_OFFSET_MASK) == 0 {
+        return icmp_error(ctx, tot_len);
     }
-    let (saddr_be, daddr_be) = unsafe { ((*ip).saddr_be, (*ip).daddr_be) };
+    if l4_proto != proto::TCP && l4_proto != proto::UDP {
+        return Err(Verdict::PassNotIpv4OrL4);
+    }
+    let fragment = if frag_off & IP_OFFSET_MASK != 0 {
+        Fragment::Later
+    } else if frag_off & IP_MF != 0 {
+        Fragment::First
+    } else {
+        Fragment::None
+    };
     let l4_len = tot_len - IP_LEN;
-    let flow = match l4_proto {
-        proto::TCP => parse_tcp(ctx, l4_len)?,
-        proto::UDP => parse_udp(ctx, l4_len)?,
-        _ => return Err(Verdict::PassNotIpv4OrL4),
+    let flow = match (fragment, l4_proto) {
+        (Fragment::Later, _) => later_fragment(l4_proto),
+        (_, proto::TCP) => parse_tcp(ctx, l4_len)?,
+        _ => parse_udp(ctx, l4_len, fragment == Fragment::First)?,
     };
     Ok(Flow {
         saddr_be,
         daddr_be,
+        fragment,
+        ip_id_be,
+        icmp_error: false,
         ..flow
+    })
+}
+
+/// A later fragment's flow: no ports yet.
+#[inline(always)]
+fn later_fragment(l4_proto: u8) -> Flow {
+    Flow {
+        saddr_be: 0,
+        daddr_be: 0,
+        sport_be: 0,
+        dport_be: 0,
+        proto: l4_proto,
+        tcp_flags: 0,
+        tcp_seq: 0,
+        tcp_ack: 0,
+        payload_len: 0,
+        fragment: Fragment::Later,
+        ip_id_be: 0,
+        icmp_error: false,
+    }
+}
+
+/// ICMP destination unreachable (frag-needed included) and time exceeded.
+pub const ICMP_DEST_UNREACH: u8 = 3;
+pub const ICMP_TIME_EXCEEDED: u8 = 11;
+pub const ICMP_LEN: usize = 8;
+/// The quoted packet's IPv4 header and its first L4 bytes.
+pub const INNER_IP_OFF: usize = L4_OFF + ICMP_LEN;
+pub const INNER_L4_OFF: usize = INNER_IP_OFF + IP_LEN;
+
+/// An ICMP error quoting a TCP or UDP packet (IHL 5, a first or whole
+/// datagram, ports quoted) as the flow of that packet's answer: its tuple
+/// reversed, which is the conntrack key of the direction the error travels
+/// (see `icmp_error`). Anything else ICMP is not ours.
+#[inline(always)]
+fn icmp_error(ctx: &impl Ctx, tot_len: usize) -> Result<Flow, Verdict> {
+    let not_ours = Verdict::PassNotIpv4OrL4;
+    let icmp_type: *const u8 = ptr_at(ctx, L4_OFF).ok_or(not_ours)?;
+    let icmp_type = unsafe { *icmp_type };
+    if icmp_type != ICMP_DEST_UNREACH && icmp_type != ICMP_TIME_EXCEEDED {
+        return Err(not_ours);
+    }
+    let inner: *const Ipv4Hdr = ptr_at(ctx, INNER_IP_OFF).ok_or(not_ours)?;
+    let ports: *const [u16; 2] = ptr_at(ctx, INNER_L4_OFF).ok_or(not_ours)?;
+    if tot_len < INNER_L4_OFF + 4 - ETH_LEN {
+        return Err(not_ours);
+    }
+    let (version_ihl, frag_off, proto, saddr_be, daddr_be) = unsafe {
+        (
+            (*inner).version_ihl,
+            u16::from_be((*inner).frag_off_be),
+            (*inner).proto,
+            (*inner).saddr_be,
+            (*inner).daddr_be,
+        )
+    };
+    let [sport_be, dport_be] = unsafe { *ports };
+    let quoted_l4 = proto == proto::TCP || proto == proto::UDP;
+    if version_ihl != 0x45 || frag_off & IP_OFFSET_MASK != 0 || !quoted_l4 || sport_be == 0 || dport_be == 0 {
+        return Err(not_ours);
+    }
+    Ok(Flow {
+        saddr_be: daddr_be,
+        daddr_be: saddr_be,
+        sport_be: dport_be,
+        dport_be: sport_be,
+        proto,
+        tcp_flags: 0,
+        tcp_seq: 0,
+        tcp_ack: 0,
+        payload_len: 0,
+        fragment: Fragment::None,
+        ip_id_be: 0,
+        icmp_error: true,
     })
 }
 
@@ -172,15 +289,21 @@ fn parse_tcp(ctx: &impl Ctx, l4_len: usize) -> Result<Flow, Verdict> {
         tcp_seq: seq,
         tcp_ack: ack,
         payload_len: (l4_len - header_len) as u32,
+        fragment: Fragment::None,
+        ip_id_be: 0,
+        icmp_error: false,
     })
 }
 
+/// A first fragment holds the UDP header but only part of the datagram:
+/// its length may reach past this packet (not past the IPv4 maximum).
 #[inline(always)]
-fn parse_udp(ctx: &impl Ctx, l4_len: usize) -> Result<Flow, Verdict> {
+fn parse_udp(ctx: &impl Ctx, l4_len: usize, first_fragment: bool) -> Result<Flow, Verdict> {
     let udp: *const UdpHdr = ptr_at(ctx, L4_OFF).ok_or(Verdict::PassMalformed)?;
     let (sport_be, dport_be, udp_len) =
         unsafe { ((*udp).sport_be, (*udp).dport_be, u16::from_be((*udp).len_be) as usize) };
-    if udp_len < UDP_LEN || udp_len > l4_len {
+    let fits = udp_len <= l4_len || (first_fragment && l4_len >= UDP_LEN);
+    if udp_len < UDP_LEN || !fits {
         return Err(Verdict::PassMalformed);
     }
     check_ports(sport_be, dport_be)?;
@@ -194,6 +317,9 @@ fn parse_udp(ctx: &impl Ctx, l4_len: usize) -> Result<Flow, Verdict> {
         tcp_seq: 0,
         tcp_ack: 0,
         payload_len: (udp_len - UDP_LEN) as u32,
+        fragment: Fragment::None,
+        ip_id_be: 0,
+        icmp_error: false,
     })
 }
 

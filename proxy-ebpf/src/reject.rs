@@ -9,16 +9,14 @@ use crate::{
     context::Ctx,
     csum,
     parse::{
-        ETH_LEN, EthHdr, Flow, IP_LEN, IP_OFF, Ipv4Hdr, L4_OFF, TCP_FLAG_ACK, TCP_FLAG_FIN, TCP_FLAG_RST, TCP_FLAG_SYN,
-        TCP_LEN, TcpHdr, UDP_LEN, ptr_at,
+        ETH_LEN, EthHdr, Flow, ICMP_DEST_UNREACH, ICMP_LEN, IP_LEN, IP_OFF, Ipv4Hdr, L4_OFF, TCP_FLAG_ACK, TCP_FLAG_FIN,
+        TCP_FLAG_RST, TCP_FLAG_SYN, TCP_LEN, TcpHdr, UDP_LEN, ptr_at,
     },
 };
 
 const TTL: u8 = 64;
 const IP_DF_BE: u16 = 0x4000u16.to_be();
-const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
-const ICMP_LEN: usize = 8;
 /// The ICMP error quotes the offending IPv4 header and 8 bytes of UDP.
 const QUOTE_LEN: usize = IP_LEN + UDP_LEN;
 
@@ -167,7 +165,7 @@ fn icmp_port_unreachable(ctx: &impl Ctx, flow: &Flow) -> Rejection {
         core::ptr::write(eth, macs);
         *quote_out = quote;
     }
-    write_ipv4(ip, 1, IP_LEN + ICMP_LEN + QUOTE_LEN, 0, flow.daddr_be, flow.saddr_be);
+    write_ipv4(ip, proto::ICMP, IP_LEN + ICMP_LEN + QUOTE_LEN, 0, flow.daddr_be, flow.saddr_be);
     let mut header = [ICMP_DEST_UNREACH, ICMP_PORT_UNREACH, 0, 0, 0, 0, 0, 0];
     let sum = sum_words::<ICMP_LEN>(header.as_ptr().cast()) + sum_words::<QUOTE_LEN>(quote.as_ptr().cast());
     let check = (!csum::fold(sum)).to_ne_bytes();

@@ -1,5 +1,6 @@
-//! The packet's way: parse -> port filter -> conntrack -> (new flows:
-//! lookup -> select) -> nat or reject.
+//! The packet's way: parse -> fragments (a later fragment gets its first's
+//! ports) -> port filter -> conntrack -> (new flows: lookup -> select) ->
+//! nat or reject.
 
 use proxy_common::{
     Backend, ServiceValue, Verdict,
@@ -9,8 +10,8 @@ use proxy_common::{
 
 use crate::{
     conntrack::{self, Tracked},
-    context::Ctx,
-    lookup, maps, nat,
+    context::{Ctx, Side},
+    fragments, icmp_error, lookup, maps, nat,
     parse::{self, Flow},
     ports,
     reject::{self, Rejection},
@@ -40,20 +41,57 @@ pub enum Outcome {
 #[inline(always)]
 pub fn process(ctx: &impl Ctx) -> Outcome {
     let len = ctx.frame_len();
-    let (verdict, outcome) = match parse::parse(ctx) {
+    let (verdict, outcome) = match parse::parse(ctx).map(fragments::with_ports) {
         Err(verdict) => (verdict, Outcome::Pass),
-        Ok(flow) if !ports::may_be_service(&flow) => (Verdict::PassNotService, Outcome::Pass),
-        Ok(flow) => match conntrack::lookup(&flow) {
-            Some(tracked) if tracked.reply => reverse(ctx, &flow, &tracked),
-            Some(tracked) => established(ctx, &flow, &tracked),
-            None => match lookup::frontend(&flow) {
-                Some(svc) => new_flow(ctx, &flow, &svc),
-                None => (Verdict::PassNotService, Outcome::Pass),
-            },
-        },
+        Ok(None) => (Verdict::PassFragmentUntracked, Outcome::Pass),
+        Ok(Some(flow)) if !ports::may_be_service(&flow) => (Verdict::PassNotService, Outcome::Pass),
+        Ok(Some(flow)) => {
+            fragments::remember(&flow);
+            service_traffic(ctx, &flow)
+        }
     };
     stats::count(len, verdict);
     outcome
+}
+
+/// A packet that may be Service traffic: of a tracked flow, or a new one.
+/// Only a packet with an L4 header opens a flow (a later fragment of an
+/// untracked one is passed as it is).
+#[inline(always)]
+fn service_traffic(ctx: &impl Ctx, flow: &Flow) -> (Verdict, Outcome) {
+    if flow.icmp_error {
+        return icmp_error(ctx, flow);
+    }
+    match conntrack::lookup(flow) {
+        Some(tracked) if tracked.reply => reverse(ctx, flow, &tracked),
+        Some(tracked) => established(ctx, flow, &tracked),
+        None if flow.is_later_fragment() => (Verdict::PassFragmentUntracked, Outcome::Pass),
+        None => match lookup::frontend(flow) {
+            Some(svc) => new_flow(ctx, flow, &svc),
+            None => (Verdict::PassNotService, Outcome::Pass),
+        },
+    }
+}
+
+/// An ICMP error about a packet of a tracked flow, translated as the
+/// flow's packets going its way (see `icmp_error`); one about anything
+/// else is not ours.
+#[inline(always)]
+fn icmp_error(ctx: &impl Ctx, flow: &Flow) -> (Verdict, Outcome) {
+    let Some(tracked) = conntrack::lookup_related(flow) else {
+        return (Verdict::PassNotService, Outcome::Pass);
+    };
+    let (quoted, outer, old, outcome) = if tracked.reply {
+        let backend = (flow.saddr_be, flow.sport_be);
+        (Side::Destination, Side::Source, backend, Outcome::ReverseTranslated)
+    } else {
+        let frontend = (flow.daddr_be, flow.dport_be);
+        (Side::Source, Side::Destination, frontend, Outcome::Translated)
+    };
+    match icmp_error::translate(ctx, flow.proto, quoted, outer, old, tracked.nat) {
+        Ok(()) => (Verdict::IcmpError, outcome),
+        Err(()) => (Verdict::Error, Outcome::Drop),
+    }
 }
 
 /// A packet of a tracked flow, client -> frontend: to the flow's backend,

@@ -210,6 +210,16 @@ impl Frame {
         Self::ipv4(Ipv4::new(src, dst, L4::Icmp(icmp)))
     }
 
+    /// An ICMP error of `icmp_type` quoting `quote` (an IPv4 packet's
+    /// first bytes), from `src` to `dst`.
+    pub fn icmp_error(src: Ipv4Addr, dst: Ipv4Addr, icmp_type: Icmpv4Type, quote: &[u8]) -> Self {
+        let icmp = Icmp {
+            icmp_type,
+            payload: quote.to_vec(),
+        };
+        Self::ipv4(Ipv4::new(src, dst, L4::Icmp(icmp)))
+    }
+
     /// An ARP request (who has `target`, tell `sender`).
     pub fn arp_request(sender: Ipv4Addr, target: Ipv4Addr) -> Self {
         let mut payload = vec![0, 1, 8, 0, 6, 4, 0, 1];
@@ -710,6 +720,102 @@ pub fn parse_strict(frame: &[u8]) -> Strict {
         return Strict::Malformed("port 0");
     }
     Strict::Flow(flow)
+}
+
+/// Splits an untagged IPv4 frame without options into fragments of at
+/// most `chunk` payload bytes (a multiple of 8), as a sender's IP layer
+/// does: the same id in each, MF in all but the last, DF clear.
+pub fn fragments(frame: &Frame, chunk: usize) -> Vec<Frame> {
+    assert!(
+        chunk % 8 == 0 && chunk > 0,
+        "fragment payloads are multiples of 8 bytes"
+    );
+    let bytes = frame.build();
+    let proto = bytes[ETH_HLEN + 9];
+    let total = usize::from(u16::from_be_bytes([bytes[ETH_HLEN + 2], bytes[ETH_HLEN + 3]]));
+    let payload = &bytes[ETH_HLEN + Ipv4Header::MIN_LEN..ETH_HLEN + total];
+    let pieces = payload.len().div_ceil(chunk);
+    (0..pieces)
+        .map(|i| {
+            let part = &payload[i * chunk..((i + 1) * chunk).min(payload.len())];
+            frame.clone().with_ip(|ip| {
+                ip.df = false;
+                ip.mf = i + 1 < pieces;
+                ip.frag_offset = u16::try_from(i * chunk / 8).expect("offset fits");
+                ip.l4 = L4::Raw {
+                    proto,
+                    bytes: part.to_vec(),
+                };
+            })
+        })
+        .collect()
+}
+
+/// Reassembles IPv4 fragments (whole frames, in any order) as a receiver
+/// would and checks the datagram with etherparse: every fragment's header
+/// checksum, one id and pair of addresses, pieces that fill the datagram
+/// without gaps, and the UDP length and checksum (computed over the whole
+/// datagram with the addresses in the headers). Returns the datagram's
+/// source and destination.
+pub fn reassemble_udp(frames: &[Vec<u8>]) -> Result<(SocketAddrV4, SocketAddrV4), String> {
+    let mut first: Option<Ipv4Header> = None;
+    let mut pieces: Vec<(usize, bool, Vec<u8>)> = Vec::new();
+    for frame in frames {
+        let ip = check_ipv4_header(frame)?;
+        let payload = frame[ETH_HLEN + ip.header_len()..ETH_HLEN + usize::from(ip.total_len)].to_vec();
+        let offset = usize::from(ip.fragment_offset.value()) * 8;
+        if let Some(f) = &first {
+            if (f.identification, f.source, f.destination) != (ip.identification, ip.source, ip.destination) {
+                return Err(format!("fragments of different datagrams: {f:?} and {ip:?}"));
+            }
+        }
+        if offset == 0 || first.is_none() {
+            first = Some(ip.clone());
+        }
+        pieces.push((offset, ip.more_fragments, payload));
+    }
+    pieces.sort_by_key(|p| p.0);
+    let mut datagram = Vec::new();
+    for (offset, _, payload) in &pieces {
+        if *offset != datagram.len() {
+            return Err(format!("a gap or overlap at {offset} (have {} bytes)", datagram.len()));
+        }
+        datagram.extend_from_slice(payload);
+    }
+    if pieces.last().is_none_or(|p| p.1) {
+        return Err("no last fragment (MF clear)".into());
+    }
+    let ip = first.ok_or("no fragments")?;
+    let (udp, payload) = UdpHeader::from_slice(&datagram).map_err(|e| format!("UDP header: {e}"))?;
+    if usize::from(udp.length) != datagram.len() {
+        return Err(format!(
+            "UDP length {} for a {}-byte datagram",
+            udp.length,
+            datagram.len()
+        ));
+    }
+    let want = udp.calc_checksum_ipv4(&ip, payload).map_err(|e| e.to_string())?;
+    if udp.checksum != want {
+        return Err(format!("UDP checksum {:#06x}, should be {want:#06x}", udp.checksum));
+    }
+    Ok((
+        SocketAddrV4::new(ip.source.into(), udp.source_port),
+        SocketAddrV4::new(ip.destination.into(), udp.destination_port),
+    ))
+}
+
+/// The IPv4 header of an untagged frame, its checksum verified.
+fn check_ipv4_header(frame: &[u8]) -> Result<Ipv4Header, String> {
+    let (_, rest) = Ethernet2Header::from_slice(frame).map_err(|e| format!("Ethernet: {e}"))?;
+    let (ip, _) = Ipv4Header::from_slice(rest).map_err(|e| format!("IPv4 header: {e}"))?;
+    let want = ip.calc_header_checksum();
+    if !same_checksum(ip.header_checksum, want) {
+        return Err(format!(
+            "IPv4 header checksum {:#06x}, should be {want:#06x}",
+            ip.header_checksum
+        ));
+    }
+    Ok(ip)
 }
 
 /// The ones' complement checksum over the IPv4 header and over the L4

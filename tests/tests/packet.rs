@@ -28,7 +28,7 @@ use proxy_userspace::{
 use xproxy_tests::{
     frame::{
         ETHERTYPE_QINQ, ETHERTYPE_VLAN, Frame, L4, Net, Strict, check, diff, expected_port_unreachable, expected_rst,
-        hex, parse_strict, tcp_flags::*,
+        fragments, hex, parse_strict, reassemble_udp, tcp_flags::*,
     },
     privileged::require_root,
     testrun::*,
@@ -1450,38 +1450,28 @@ fn malformed_cases(h: &mut Harness) -> Vec<Case> {
                 .with_ip(|ip| ip.tot_len = Some(20 + 36)),
             m,
         ));
-        cases.push(Case::pass(
-            format!("{label}: MF set"),
-            &syn(h).with_ip(|ip| ip.mf = true),
-            m,
-        ));
-        cases.push(Case::pass(
-            format!("{label}: UDP, MF set, DF clear"),
-            &udp(h).with_ip(|ip| {
-                ip.mf = true;
-                ip.df = false;
-            }),
-            m,
-        ));
+        // A later fragment whose first was not seen: never taken for the
+        // ports its payload happens to hold (see `fragments_*` for the rest).
+        let untracked = Verdict::PassFragmentUntracked;
         for off in [1, 185, 8191] {
             cases.push(Case::pass(
-                format!("{label}: fragment offset {off}"),
+                format!("{label}: fragment offset {off}, first unseen"),
                 &syn(h).with_ip(|ip| ip.frag_offset = off),
-                m,
+                untracked,
             ));
             cases.push(Case::pass(
-                format!("{label}: UDP, fragment offset {off}"),
+                format!("{label}: UDP, fragment offset {off}, first unseen"),
                 &udp(h).with_ip(|ip| ip.frag_offset = off),
-                m,
+                untracked,
             ));
         }
         cases.push(Case::pass(
-            format!("{label}: MF and offset"),
+            format!("{label}: MF and offset, first unseen"),
             &syn(h).with_ip(|ip| {
                 ip.mf = true;
                 ip.frag_offset = 2;
             }),
-            m,
+            untracked,
         ));
         cases.push(Case::pass(
             format!("{label}: 802.1Q"),
@@ -1657,8 +1647,8 @@ fn counters_match_what_was_sent() {
                 Frame::icmp_echo(CLIENT_IP, CLUSTER_IP).build(),
                 Verdict::PassNotIpv4OrL4,
             );
-            let frag = Frame::tcp(c, cluster_ip(), SYN).with_ip(|ip| ip.mf = true);
-            send(&mut h, prog, frag.build(), Verdict::PassMalformed);
+            let frag = Frame::udp(client(&mut h), cluster_ip(), &[3; 64]).with_ip(|ip| ip.frag_offset = 100);
+            send(&mut h, prog, frag.build(), Verdict::PassFragmentUntracked);
             let empty = Frame::udp(client(&mut h), addr(EMPTY_IP, EMPTY_PORT), &vec![2; usize::from(i)]);
             send(&mut h, prog, empty.build(), Verdict::RejectNoBackend);
         }
@@ -2408,4 +2398,279 @@ fn the_sweep_deletes_expired_flows_and_counts_them() {
     assert_eq!(counts.get(ct_stat::LIVE), 2);
     assert_eq!(counts.get(ct_stat::EVICTED), 0);
     assert_eq!(counts.max_entries, CtSettings::default().entries);
+}
+
+// ---------------------------------------------------------------------------
+// IPv4 fragments (proxy-ebpf's `fragments`).
+
+/// Runs `frame` through `prog`: exactly `verdict` gains one packet.
+fn run_counted(h: &mut Harness, prog: Prog, frame: &[u8], verdict: Verdict, what: &str) -> Output {
+    let before = h.counts();
+    let out = h.run(prog, frame);
+    let after = h.counts();
+    let changed: Vec<(Verdict, u64)> = Verdict::ALL
+        .iter()
+        .map(|&v| (v, after[v as usize].packets - before[v as usize].packets))
+        .filter(|(_, n)| *n != 0)
+        .collect();
+    assert_eq!(changed, [(verdict, 1)], "{what} via {}", prog.name());
+    out
+}
+
+/// A UDP datagram of `len` payload bytes from `src` to `dst`, with an IP
+/// id of its own, in fragments of at most 1,480 bytes (MTU 1,500).
+fn fragmented(h: &mut Harness, src: SocketAddrV4, dst: SocketAddrV4, len: usize) -> Vec<Vec<u8>> {
+    let payload: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+    let id = h.next_port();
+    let datagram = Frame::udp(src, dst, &payload).with_ip(|ip| ip.id = id);
+    fragments(&datagram, 1480).iter().map(Frame::build).collect()
+}
+
+/// Runs fragments through `prog`, the first counted as `first`, the rest
+/// as `rest`; returns the outputs.
+fn run_fragments(h: &mut Harness, prog: Prog, frames: &[Vec<u8>], first: Verdict, rest: Verdict) -> Vec<Vec<u8>> {
+    frames
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            let verdict = if i == 0 { first } else { rest };
+            let out = run_counted(h, prog, f, verdict, &format!("fragment {i}"));
+            assert!(
+                prog.dnat_code_ok(out.code),
+                "fragment {i} via {}: code {}",
+                prog.name(),
+                out.code
+            );
+            out.frame
+        })
+        .collect()
+}
+
+/// A 4,000-byte datagram to the ClusterIP and a 3,000-byte answer, each in
+/// fragments, through every program: both arrive whole and translated
+/// (checked by reassembling them and verifying the UDP checksum over the
+/// whole datagram, with etherparse).
+#[test]
+fn fragmented_datagrams_are_translated_whole() {
+    if !require_root("fragmented_datagrams_are_translated_whole") {
+        return;
+    }
+    let mut h = Harness::seeded();
+    let seed = seed_backends();
+    for prog in Prog::ALL {
+        let c = client(&mut h);
+        let request = fragmented(&mut h, c, cluster_ip(), 4000);
+        assert_eq!(request.len(), 3);
+        let out = run_fragments(&mut h, prog, &request, Verdict::DnatNew, Verdict::DnatEstablished);
+        let (src, backend) = reassemble_udp(&out).unwrap_or_else(|e| panic!("request via {}: {e}", prog.name()));
+        assert_eq!(src, c);
+        assert!(seed.contains(&backend), "{backend} is no backend");
+        let answer = fragmented(&mut h, backend, c, 3000);
+        let out = run_fragments(&mut h, prog, &answer, Verdict::RevNat, Verdict::RevNat);
+        let (src, dst) = reassemble_udp(&out).unwrap_or_else(|e| panic!("answer via {}: {e}", prog.name()));
+        assert_eq!((src, dst), (cluster_ip(), c), "via {}", prog.name());
+    }
+    // The largest datagram, to a NodePort from outside, at XDP.
+    let e = external(&mut h);
+    let request = fragmented(&mut h, e, node_port(), 65_507);
+    assert_eq!(request.len(), 45);
+    let out = run_fragments(
+        &mut h,
+        Prog::XdpUplink,
+        &request,
+        Verdict::DnatNew,
+        Verdict::DnatEstablished,
+    );
+    let (_, backend) = reassemble_udp(&out).expect("a 64 KiB datagram");
+    assert!(seed.contains(&backend));
+}
+
+/// Fragments in every order: later ones before their first pass untouched
+/// (never translated as port 0; the receiver's reassembly then waits for
+/// the rest and drops the datagram, as it would drop a lost one); after
+/// the first, they are translated; a duplicated first fragment is
+/// translated alike; without a first, none is.
+#[test]
+fn fragments_in_any_order_are_never_taken_for_port_0() {
+    if !require_root("fragments_in_any_order_are_never_taken_for_port_0") {
+        return;
+    }
+    let mut h = Harness::seeded();
+    let untracked = Verdict::PassFragmentUntracked;
+    for prog in Prog::ALL {
+        let c = client(&mut h);
+        let frames = fragmented(&mut h, c, cluster_ip(), 4000);
+        for (i, later) in frames[1..].iter().enumerate() {
+            let out = run_counted(
+                &mut h,
+                prog,
+                later,
+                untracked,
+                &format!("fragment {} before the first", i + 1),
+            );
+            assert_eq!((out.code, &out.frame), (prog.pass(), later), "untouched");
+        }
+        let first = run_counted(&mut h, prog, &frames[0], Verdict::DnatNew, "the first");
+        let again = run_counted(&mut h, prog, &frames[0], Verdict::DnatEstablished, "the first again");
+        assert_eq!(first.frame, again.frame, "a duplicate is translated alike");
+        let mut out = vec![first.frame];
+        for (i, later) in frames[1..].iter().enumerate() {
+            let what = format!("fragment {} after the first", i + 1);
+            out.push(run_counted(&mut h, prog, later, Verdict::DnatEstablished, &what).frame);
+        }
+        reassemble_udp(&out).unwrap_or_else(|e| panic!("via {}: {e}", prog.name()));
+
+        let other = client(&mut h);
+        let lost_first = fragmented(&mut h, other, cluster_ip(), 4000);
+        for later in &lost_first[1..] {
+            let out = run_counted(&mut h, prog, later, untracked, "its first lost");
+            assert_eq!(&out.frame, later);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// ICMP errors of translated flows (proxy-ebpf's `icmp_error`).
+
+/// The IPv4 packet of a frame (no VLAN tag).
+fn ip_packet(frame: &[u8]) -> &[u8] {
+    &frame[14..]
+}
+
+/// Runs an ICMP error through `prog` and checks the outcome: counted as
+/// `icmp_error`, every checksum right (etherparse), the outer addresses
+/// `outer`, and the quote exactly `quote` (the packet as its sender sent
+/// it before any translation).
+fn check_icmp_error(h: &mut Harness, prog: Prog, error: &Frame, outer: (Ipv4Addr, Ipv4Addr), quote: &[u8], what: &str) {
+    let out = run_counted(h, prog, &error.build(), Verdict::IcmpError, what);
+    assert!(
+        out.code == prog.pass() || out.code == TC_ACT_REDIRECT,
+        "{what} via {}: code {}",
+        prog.name(),
+        out.code
+    );
+    let checked = check(&out.frame).unwrap_or_else(|e| panic!("{what} via {}: {e}\n{}", prog.name(), hex(&out.frame)));
+    assert_eq!(
+        (
+            Ipv4Addr::from(checked.ip.source),
+            Ipv4Addr::from(checked.ip.destination)
+        ),
+        outer,
+        "{what} via {}: outer addresses",
+        prog.name()
+    );
+    let inner = &out.frame[14 + 20 + 8..];
+    assert_eq!(hex(inner), hex(quote), "{what} via {}: the quote", prog.name());
+}
+
+/// Errors about a client's packet (sent by the backend or a router behind
+/// the DNAT) reach the client about the packet it sent; errors about a
+/// reply (sent by a router towards the frontend, as path MTU discovery
+/// does) reach the backend about the packet it sent. The quote is cut
+/// where ICMP senders cut it: 8 bytes of L4 (no TCP checksum) or more.
+#[test]
+fn icmp_errors_of_translated_flows_are_translated() {
+    if !require_root("icmp_errors_of_translated_flows_are_translated") {
+        return;
+    }
+    use etherparse::{Icmpv4Type, icmpv4::DestUnreachableHeader, icmpv4::TimeExceededCode};
+    let mut h = Harness::seeded();
+    let seed = seed_backends();
+    let port_unreachable = Icmpv4Type::DestinationUnreachable(DestUnreachableHeader::Port);
+    let frag_needed =
+        Icmpv4Type::DestinationUnreachable(DestUnreachableHeader::FragmentationNeeded { next_hop_mtu: 1400 });
+    let ttl = Icmpv4Type::TimeExceeded(TimeExceededCode::TtlExceededInTransit);
+    let router = Ipv4Addr::new(10, 244, 9, 9);
+    for prog in [Prog::TcIngress, Prog::XdpUplink] {
+        // A UDP request the backend refuses: the client gets the refusal
+        // from the Service's address, about its request to the Service.
+        let c = client(&mut h);
+        let request = Frame::udp(c, cluster_ip(), b"query").build();
+        let dnat = run_counted(&mut h, prog, &request, Verdict::DnatNew, "request").frame;
+        let backend = dnat_dst(&Output {
+            code: 0,
+            frame: dnat.clone(),
+        });
+        assert!(seed.contains(&backend));
+        let error = Frame::icmp_error(*backend.ip(), *c.ip(), port_unreachable.clone(), ip_packet(&dnat));
+        check_icmp_error(
+            &mut h,
+            prog,
+            &error,
+            (CLUSTER_IP, *c.ip()),
+            ip_packet(&request),
+            "port unreachable",
+        );
+        // A router's error keeps the router's address outside.
+        let error = Frame::icmp_error(router, *c.ip(), ttl.clone(), ip_packet(&dnat));
+        check_icmp_error(
+            &mut h,
+            prog,
+            &error,
+            (router, *c.ip()),
+            ip_packet(&request),
+            "time exceeded",
+        );
+
+        // TCP, quoted with 8 bytes of TCP (no checksum) and whole.
+        let c = client(&mut h);
+        let syn = Frame::tcp(c, cluster_ip(), SYN).build();
+        let dnat = run_counted(&mut h, prog, &syn, Verdict::DnatNew, "SYN").frame;
+        let backend = dnat_dst(&Output {
+            code: 0,
+            frame: dnat.clone(),
+        });
+        for len in [28, ip_packet(&dnat).len()] {
+            let error = Frame::icmp_error(*backend.ip(), *c.ip(), frag_needed.clone(), &ip_packet(&dnat)[..len]);
+            let what = format!("frag-needed quoting {len} bytes");
+            check_icmp_error(
+                &mut h,
+                prog,
+                &error,
+                (CLUSTER_IP, *c.ip()),
+                &ip_packet(&syn)[..len],
+                &what,
+            );
+        }
+
+        // Path MTU discovery through a NodePort: the reply left the node as
+        // NODE_IP:30791 -> client; a router's frag-needed about it comes
+        // back to NODE_IP and must reach the backend, about its own reply.
+        let e = external(&mut h);
+        let syn = Frame::tcp(e, node_port(), SYN).build();
+        let out = run_counted(&mut h, prog, &syn, Verdict::DnatNew, "NodePort SYN");
+        let backend = dnat_dst(&out);
+        let reply = Frame::tcp(backend, e, SYN | ACK)
+            .with_tcp(|t| t.payload = vec![7; 40])
+            .build();
+        let rev = run_counted(&mut h, prog, &reply, Verdict::RevNat, "SYN-ACK").frame;
+        let error = Frame::icmp_error(router, NODE_IP, frag_needed.clone(), ip_packet(&rev));
+        check_icmp_error(
+            &mut h,
+            prog,
+            &error,
+            (router, *backend.ip()),
+            ip_packet(&reply),
+            "frag-needed for a reply",
+        );
+    }
+    // About a flow nobody tracks, or not an error: not ours.
+    let stranger = Frame::udp(addr(EXTERNAL_IP, 5000), addr(Ipv4Addr::new(10, 244, 0, 11), 80), b"x").build();
+    let error = Frame::icmp_error(
+        Ipv4Addr::new(10, 244, 0, 11),
+        EXTERNAL_IP,
+        port_unreachable,
+        ip_packet(&stranger),
+    );
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::pass("an error about no flow", &error, Verdict::PassNotService),
+    );
+    let echo = Frame::icmp_echo(CLIENT_IP, CLUSTER_IP);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::pass("an echo request", &echo, Verdict::PassNotIpv4OrL4),
+    );
 }

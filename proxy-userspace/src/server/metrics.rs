@@ -357,9 +357,15 @@ pub fn read_verdict_counts(pin_path: &Path) -> Result<Option<Vec<(Verdict, Verdi
         .with_context(|| format!("{} is not the stats map", path.display()))?;
     let mut out = Vec::with_capacity(Verdict::ALL.len());
     for verdict in Verdict::ALL {
-        let per_cpu = stats
-            .get(&(verdict as u32), 0)
-            .with_context(|| format!("reading {}", verdict.name()))?;
+        let per_cpu = match stats.get(&(verdict as u32), 0) {
+            Ok(per_cpu) => per_cpu,
+            // A map pinned by an older agent knows fewer verdicts.
+            Err(aya::maps::MapError::OutOfBounds { .. }) => {
+                out.push((verdict, VerdictCounter::default()));
+                continue;
+            }
+            Err(e) => return Err(e).with_context(|| format!("reading {}", verdict.name())),
+        };
         let sum = per_cpu.iter().fold(VerdictCounter::default(), |sum, c| VerdictCounter {
             packets: sum.packets.wrapping_add(c.packets),
             bytes: sum.bytes.wrapping_add(c.bytes),
