@@ -12,6 +12,17 @@
 //!   connected socket (from the client pod via the ClusterIP, from the
 //!   outside client via the NodePort).
 //!
+//! - Path MTU discovery: a client two routers away, behind a 1,400-byte
+//!   hop, downloads 16 MiB through a NodePort and a ClusterIP. The first
+//!   full-size segments die at the hop, whose frag-needed goes to the
+//!   address the client sees (the node's, the ClusterIP); it must reach the
+//!   backend, whose TCP then sends smaller segments. Untranslated, the
+//!   download stalls for good.
+//!
+//! ```text
+//!   far ── r2 ══(MTU 1,400)══ r1 ── node ── pods
+//! ```
+//!
 //! The modes do not differ here: the kernel modes' conntrack reassembles
 //! fragments before NAT and translates ICMP errors of NATed flows; the ebpf
 //! mode translates each fragment (`fragments`) and the errors (`icmp_error`).
@@ -219,6 +230,183 @@ fn run(bed: &mut AgentBed, mode: &str, extra: &[&str]) -> Result<()> {
     }
     ensure!(bed.agent_alive().is_ok(), "the agent died");
     Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Path MTU discovery.
+
+const BULK_PORT: u16 = 8099;
+const BULK_NODE_PORT: u16 = 30799;
+const BULK_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 72);
+const BULK_BYTES: usize = 16 << 20;
+const NARROW_MTU: &str = "1400";
+/// The far client and its routers' networks.
+const FAR_IP: Ipv4Addr = Ipv4Addr::new(172, 29, 3, 2);
+
+/// A TCP Service to `BULK_PORT` on every pod, as a NodePort.
+fn bulk_service() -> [Value; 2] {
+    let [mut svc, mut slice] = udp_service("bulk", BULK_IP, BULK_PORT, BULK_PORT, BULK_NODE_PORT);
+    svc["spec"]["ports"][0]["protocol"] = json!("TCP");
+    slice["ports"][0]["protocol"] = json!("TCP");
+    [svc, slice]
+}
+
+/// The byte at `i` of every download.
+fn pattern(i: usize) -> u8 {
+    (i * 13 % 251) as u8
+}
+
+/// A TCP server in a pod that sends [`BULK_BYTES`] to whoever connects.
+fn serve_bulk(ns: &Netns, stop: Arc<AtomicBool>) -> Result<JoinHandle<()>> {
+    let path = ns.path().to_owned();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let thread = std::thread::spawn(move || {
+        let listener = netns::enter(&path)
+            .map_err(|e| format!("{e:#}"))
+            .and_then(|()| std::net::TcpListener::bind((Ipv4Addr::UNSPECIFIED, BULK_PORT)).map_err(|e| e.to_string()))
+            .and_then(|l| l.set_nonblocking(true).map(|()| l).map_err(|e| e.to_string()));
+        let listener = match listener {
+            Ok(listener) => {
+                let _ = ready_tx.send(Ok(()));
+                listener
+            }
+            Err(e) => {
+                let _ = ready_tx.send(Err(e));
+                return;
+            }
+        };
+        let data: Vec<u8> = (0..BULK_BYTES).map(pattern).collect();
+        while !stop.load(Ordering::Relaxed) {
+            match listener.accept() {
+                Ok((mut stream, _)) => {
+                    use std::io::Write;
+                    let _ = stream.set_nonblocking(false);
+                    let _ = stream.set_write_timeout(Some(Duration::from_secs(30)));
+                    let _ = stream.write_all(&data);
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    });
+    match ready_rx.recv_timeout(Duration::from_secs(10)) {
+        Ok(Ok(())) => Ok(thread),
+        Ok(Err(e)) => bail!("bulk server: {e}"),
+        Err(e) => bail!("bulk server did not start: {e}"),
+    }
+}
+
+/// Downloads from `from` and checks every byte; says how far it got.
+fn download(from: SocketAddrV4) -> Result<()> {
+    use std::io::Read;
+    let mut stream = std::net::TcpStream::connect_timeout(&from.into(), Duration::from_secs(5))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut got = 0usize;
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let n = match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) => bail!("stalled after {got} of {BULK_BYTES} bytes: {e}"),
+        };
+        if let Some(i) = (0..n).find(|i| buf[*i] != pattern(got + i)) {
+            bail!("byte {} differs", got + i);
+        }
+        got += n;
+    }
+    ensure!(
+        got == BULK_BYTES,
+        "the download ended after {got} of {BULK_BYTES} bytes"
+    );
+    Ok(())
+}
+
+/// Two routers between the node and a far client, the link between them
+/// narrow. Dropped in reverse order of creation (namespaces go with their
+/// links).
+struct FarClient {
+    far: Netns,
+    _r2: Netns,
+    _r1: Netns,
+}
+
+impl FarClient {
+    fn build(node: &Netns) -> Result<Self> {
+        let (r1, r2, far) = (Netns::new("xr1")?, Netns::new("xr2")?, Netns::new("xfar")?);
+        let node_if = testbed::privileged::unique_name("nr");
+        netns::veth(node, &node_if, &r1, "rw0")?;
+        netns::veth(&r1, "re0", &r2, "rw0")?;
+        netns::veth(&r2, "re0", &far, "eth0")?;
+        for (ns, dev) in [(&r1, "re0"), (&r2, "rw0")] {
+            ns.ip(&["link", "set", "dev", dev, "mtu", NARROW_MTU])?;
+        }
+        for ns in [&r1, &r2] {
+            ns.sysctl("net.ipv4.ip_forward", "1")?;
+            testbed::topology::limit_no_icmp(ns)?;
+        }
+        node.add_addr(&node_if, "172.29.1.2/24")?;
+        r1.add_addr("rw0", "172.29.1.1/24")?;
+        r1.add_addr("re0", "172.29.2.1/24")?;
+        r2.add_addr("rw0", "172.29.2.2/24")?;
+        r2.add_addr("re0", "172.29.3.1/24")?;
+        far.add_addr("eth0", &format!("{FAR_IP}/24"))?;
+        node.add_route(&["172.29.3.0/24", "via", "172.29.1.1", "dev", &node_if])?;
+        r1.add_route(&["172.29.3.0/24", "via", "172.29.2.2"])?;
+        r1.add_route(&["default", "via", "172.29.1.2"])?;
+        r2.add_route(&["default", "via", "172.29.2.1"])?;
+        far.add_route(&["default", "via", "172.29.3.1"])?;
+        Ok(Self { far, _r2: r2, _r1: r1 })
+    }
+}
+
+fn pmtud(label: &str, mode: &str) {
+    if !require_root(label) {
+        return;
+    }
+    let mut bed = AgentBed::new(label).unwrap_or_else(|e| panic!("{label}: test bed: {e:#}"));
+    let stop = Arc::new(AtomicBool::new(false));
+    let result = run_pmtud(&mut bed, mode, &stop);
+    stop.store(true, Ordering::Relaxed);
+    if let Err(e) = result {
+        panic!("{label}: {e:#}\nagent log:\n{}", bed.log());
+    }
+}
+
+fn run_pmtud(bed: &mut AgentBed, mode: &str, stop: &Arc<AtomicBool>) -> Result<()> {
+    for pod in &bed.topo.backends {
+        serve_bulk(&pod.ns, stop.clone())?;
+    }
+    let far = FarClient::build(&bed.topo.node)?;
+    bed.write_manifest("bulk.yaml", &yaml_documents(&bulk_service()))?;
+    bed.start_agent_in(mode, &bed.manifest_args())?;
+    bed.wait_first_sync(READY_WITHIN)?;
+    for (path, to) in [
+        ("NodePort", SocketAddrV4::new(NODE_IP, BULK_NODE_PORT)),
+        ("ClusterIP", SocketAddrV4::new(BULK_IP, BULK_PORT)),
+    ] {
+        // Fresh connections: each one's backend learns the path MTU anew
+        // only if it has not yet (three pods, so the first three do).
+        for round in 0..4 {
+            far.far
+                .run_in(|| download(to))?
+                .with_context(|| format!("far client -> {path} {to}, download {round}"))?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn pmtud_ebpf() {
+    pmtud("pmtud_ebpf", "ebpf");
+}
+
+#[test]
+fn pmtud_iptables() {
+    pmtud("pmtud_iptables", "iptables");
+}
+
+#[test]
+fn pmtud_nftables() {
+    pmtud("pmtud_nftables", "nftables");
 }
 
 #[test]
