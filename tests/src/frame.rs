@@ -764,10 +764,10 @@ pub fn reassemble_udp(frames: &[Vec<u8>]) -> Result<(SocketAddrV4, SocketAddrV4)
         let ip = check_ipv4_header(frame)?;
         let payload = frame[ETH_HLEN + ip.header_len()..ETH_HLEN + usize::from(ip.total_len)].to_vec();
         let offset = usize::from(ip.fragment_offset.value()) * 8;
-        if let Some(f) = &first {
-            if (f.identification, f.source, f.destination) != (ip.identification, ip.source, ip.destination) {
-                return Err(format!("fragments of different datagrams: {f:?} and {ip:?}"));
-            }
+        if let Some(f) = &first
+            && (f.identification, f.source, f.destination) != (ip.identification, ip.source, ip.destination)
+        {
+            return Err(format!("fragments of different datagrams: {f:?} and {ip:?}"));
         }
         if offset == 0 || first.is_none() {
             first = Some(ip.clone());
