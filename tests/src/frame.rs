@@ -727,7 +727,7 @@ pub fn parse_strict(frame: &[u8]) -> Strict {
 /// does: the same id in each, MF in all but the last, DF clear.
 pub fn fragments(frame: &Frame, chunk: usize) -> Vec<Frame> {
     assert!(
-        chunk % 8 == 0 && chunk > 0,
+        chunk.is_multiple_of(8) && chunk > 0,
         "fragment payloads are multiples of 8 bytes"
     );
     let bytes = frame.build();
