@@ -3,7 +3,9 @@
 
 use std::{fmt::Write, net::Ipv4Addr};
 
-use proxy_common::{Verdict, VerdictCounter, proto};
+use proxy_common::{Verdict, VerdictCounter, conntrack::state, proto, stats::ct_stat};
+
+use crate::mode::ebpf::conntrack::ConntrackCounts;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BackendRow {
@@ -31,6 +33,11 @@ pub struct Snapshot {
     pub frontends: Vec<FrontendRow>,
     pub forward_flows: u64,
     pub reply_flows: u64,
+    /// Tracked flows per state (`proxy_common::conntrack::state`), by
+    /// their forward entries.
+    pub flow_states: Vec<(u8, u64)>,
+    /// The conntrack table's counters, where the data path has them.
+    pub table: Option<ConntrackCounts>,
     pub verdicts: Vec<(Verdict, VerdictCounter)>,
 }
 
@@ -69,11 +76,34 @@ pub fn render_services(snapshot: &Snapshot) -> String {
 /// Everything: services, flow totals and verdict counters.
 pub fn render(snapshot: &Snapshot) -> String {
     let mut out = render_services(snapshot);
-    let _ = writeln!(
+    let _ = write!(
         out,
         "\nTracked flows: {} ({} reply entries)",
         snapshot.forward_flows, snapshot.reply_flows
     );
+    let states: Vec<String> = snapshot
+        .flow_states
+        .iter()
+        .map(|(s, n)| format!("{} {n}", state::name(*s)))
+        .collect();
+    if states.is_empty() {
+        let _ = writeln!(out);
+    } else {
+        let _ = writeln!(out, ": {}", states.join(", "));
+    }
+    if let Some(t) = &snapshot.table {
+        let _ = writeln!(
+            out,
+            "Conntrack table: {} of {} entries at the last sweep; {} inserted, {} removed by the programs, \
+             {} expired, {} evicted",
+            t.get(ct_stat::LIVE),
+            t.max_entries,
+            t.get(ct_stat::INSERTED),
+            t.get(ct_stat::REMOVED),
+            t.get(ct_stat::EXPIRED),
+            t.get(ct_stat::EVICTED)
+        );
+    }
     let _ = writeln!(out, "Verdicts:");
     for (verdict, counter) in &snapshot.verdicts {
         let _ = writeln!(
@@ -120,6 +150,11 @@ mod tests {
             ],
             forward_flows: 2,
             reply_flows: 2,
+            flow_states: vec![(state::TCP_ESTABLISHED, 1), (state::TCP_TIME_WAIT, 1)],
+            table: Some(ConntrackCounts {
+                counters: [10, 2, 4, 4, 4, 0],
+                max_entries: 262_144,
+            }),
             verdicts: vec![(Verdict::DnatNew, VerdictCounter { packets: 2, bytes: 148 })],
         };
         let expected = "\
@@ -130,7 +165,8 @@ TCP  10.96.0.10:88 ClusterIP
   -> <missing>                    0
 UDP  10.96.0.20:53 ClusterIP (no endpoints: reject)
 
-Tracked flows: 2 (2 reply entries)
+Tracked flows: 2 (2 reply entries): established 1, time_wait 1
+Conntrack table: 4 of 262144 entries at the last sweep; 10 inserted, 2 removed by the programs, 4 expired, 0 evicted
 Verdicts:
   dnat_new                          2 packets            148 bytes
 ";

@@ -1,6 +1,7 @@
 //! Datagrams larger than the MTU and ICMP errors through Services, in the
-//! ebpf (tc on the uplink, and native XDP), iptables and nftables modes,
-//! on the seed test bed (`testbed::topology`).
+//! ebpf (tc on the uplink, and native XDP), iptables, nftables and IPVS
+//! modes (IPVS where the kernel has it: `cargo xtask vm` runs
+//! `traffic:ipvs`), on the seed test bed (`testbed::topology`).
 //!
 //! - Fragments: 4,000- and 60,000-byte UDP datagrams (3 and 41 fragments
 //!   at MTU 1,500) from the client pod to a ClusterIP and from the outside
@@ -44,7 +45,7 @@ use serde_json::{Value, json};
 use xproxy_tests::{
     agent_harness::{AgentBed, READY_WITHIN, yaml_documents},
     netns::{self, Netns},
-    privileged::require_root,
+    privileged::{require_ipvs, require_root},
     topology::{BACKENDS, NODE_IP},
 };
 
@@ -156,8 +157,18 @@ fn refusal(to: SocketAddrV4) -> io::Result<String> {
     netns::udp_request(to, TIMEOUT)
 }
 
+/// Whether `mode` can run here (IPVS: only where the kernel has it, as in
+/// `cargo xtask vm`).
+fn available(label: &str, mode: &str) -> bool {
+    if mode == "ipvs" {
+        require_ipvs(label)
+    } else {
+        require_root(label)
+    }
+}
+
 fn traffic(label: &str, mode: &str, extra: &[&str]) {
-    if !require_root(label) {
+    if !available(label, mode) {
         return;
     }
     let mut bed = AgentBed::new(label).unwrap_or_else(|e| panic!("{label}: test bed: {e:#}"));
@@ -359,7 +370,7 @@ impl FarClient {
 }
 
 fn pmtud(label: &str, mode: &str) {
-    if !require_root(label) {
+    if !available(label, mode) {
         return;
     }
     let mut bed = AgentBed::new(label).unwrap_or_else(|e| panic!("{label}: test bed: {e:#}"));
@@ -410,6 +421,11 @@ fn pmtud_nftables() {
 }
 
 #[test]
+fn pmtud_ipvs() {
+    pmtud("pmtud_ipvs", "ipvs");
+}
+
+#[test]
 fn traffic_ebpf() {
     traffic("traffic_ebpf", "ebpf", &[]);
 }
@@ -427,4 +443,9 @@ fn traffic_iptables() {
 #[test]
 fn traffic_nftables() {
     traffic("traffic_nftables", "nftables", &[]);
+}
+
+#[test]
+fn traffic_ipvs() {
+    traffic("traffic_ipvs", "ipvs", &[]);
 }

@@ -5,7 +5,10 @@ use std::path::Path;
 use anyhow::anyhow;
 
 use super::{ExitCode, Failure, WithExitCode, is_root};
-use crate::{dump, mode::ebpf::ServiceMaps};
+use crate::{
+    dump,
+    mode::ebpf::{ServiceMaps, conntrack::read_conntrack_counts},
+};
 
 pub fn status(pin_path: &Path) -> Result<(), Failure> {
     if !is_root() {
@@ -24,7 +27,8 @@ pub fn status(pin_path: &Path) -> Result<(), Failure> {
         ));
     }
     let maps = ServiceMaps::open(pin_path, vec![]).exit_code(ExitCode::Error)?;
-    let snapshot = maps.snapshot().exit_code(ExitCode::Error)?;
+    let mut snapshot = maps.snapshot().exit_code(ExitCode::Error)?;
+    snapshot.table = read_conntrack_counts(pin_path).exit_code(ExitCode::Error)?;
     print!("{}", dump::render(&snapshot));
     Ok(())
 }

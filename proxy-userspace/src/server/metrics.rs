@@ -28,6 +28,8 @@ use prometheus_client::{
     registry::Registry,
 };
 use proxy_common::{Verdict, VerdictCounter, maps, stats::ct_stat};
+
+pub use crate::mode::ebpf::conntrack::{ConntrackCounts, read_conntrack_counts};
 use tracing::warn;
 
 /// kube-proxy's sync duration buckets: 1ms doubling to ~16s.
@@ -54,19 +56,6 @@ pub struct DatapathCounts {
     pub verdicts: Vec<(Verdict, VerdictCounter)>,
     /// `None` where the data path has no conntrack counters (an older one).
     pub conntrack: Option<ConntrackCounts>,
-}
-
-/// The conntrack counters (indexed by `ct_stat`) and the table's size.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ConntrackCounts {
-    pub counters: [u64; ct_stat::COUNT as usize],
-    pub max_entries: u32,
-}
-
-impl ConntrackCounts {
-    pub fn get(&self, index: u32) -> u64 {
-        self.counters.get(index as usize).copied().unwrap_or(0)
-    }
 }
 
 /// Handles to every metric the agent updates.
@@ -318,27 +307,6 @@ pub fn read_datapath_counts(pin_path: &Path) -> Result<Option<DatapathCounts>> {
         verdicts,
         conntrack: read_conntrack_counts(pin_path)?,
     }))
-}
-
-/// The conntrack counters and the table's size; `None` if the data path
-/// pinned under `pin_path` has no conntrack counters.
-pub fn read_conntrack_counts(pin_path: &Path) -> Result<Option<ConntrackCounts>> {
-    let path = pin_path.join(maps::CT_STATS);
-    if !path.exists() {
-        return Ok(None);
-    }
-    let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
-    let map: PerCpuArray<_, u64> = PerCpuArray::try_from(Map::from_map_data(data)?)?;
-    let mut counts = ConntrackCounts::default();
-    for (index, slot) in counts.counters.iter_mut().enumerate() {
-        let values = map.get(&(index as u32), 0).context("reading a conntrack counter")?;
-        *slot = values.iter().fold(0u64, |sum, v| sum.wrapping_add(*v));
-    }
-    let table = pin_path.join(maps::CONNTRACK);
-    counts.max_entries = aya::maps::MapInfo::from_pin(&table)
-        .with_context(|| format!("reading {}", table.display()))?
-        .max_entries();
-    Ok(Some(counts))
 }
 
 /// Sums the per-CPU verdict counters of the stats map pinned under

@@ -13,7 +13,7 @@
 use std::{path::Path, time::Duration};
 
 use anyhow::{Context, Result};
-use aya::maps::{HashMap, MapData, MapError, PerCpuArray, PerCpuValues};
+use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray, PerCpuValues};
 use proxy_common::{
     CtKey, CtTimeouts, CtValue,
     conntrack::{partner_key, state},
@@ -223,6 +223,40 @@ impl CtStats {
         let sum = self.get(index)?;
         self.set(index, sum.wrapping_add(n))
     }
+}
+
+/// The conntrack counters (indexed by `ct_stat`) and the table's size.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ConntrackCounts {
+    pub counters: [u64; ct_stat::COUNT as usize],
+    pub max_entries: u32,
+}
+
+impl ConntrackCounts {
+    pub fn get(&self, index: u32) -> u64 {
+        self.counters.get(index as usize).copied().unwrap_or(0)
+    }
+}
+
+/// The conntrack counters and the table's size; `None` if the data path
+/// pinned under `pin_path` has no conntrack counters.
+pub fn read_conntrack_counts(pin_path: &Path) -> Result<Option<ConntrackCounts>> {
+    let path = pin_path.join(maps::CT_STATS);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
+    let map: PerCpuArray<_, u64> = PerCpuArray::try_from(Map::from_map_data(data)?)?;
+    let mut counts = ConntrackCounts::default();
+    for (index, slot) in counts.counters.iter_mut().enumerate() {
+        let values = map.get(&(index as u32), 0).context("reading a conntrack counter")?;
+        *slot = values.iter().fold(0u64, |sum, v| sum.wrapping_add(*v));
+    }
+    let table = pin_path.join(maps::CONNTRACK);
+    counts.max_entries = aya::maps::MapInfo::from_pin(&table)
+        .with_context(|| format!("reading {}", table.display()))?
+        .max_entries();
+    Ok(Some(counts))
 }
 
 #[cfg(test)]

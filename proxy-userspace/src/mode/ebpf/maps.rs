@@ -568,6 +568,7 @@ impl ServiceMaps {
     pub fn snapshot(&self) -> Result<crate::dump::Snapshot> {
         use crate::dump::{BackendRow, FrontendRow, Snapshot};
         let mut flows: StdHashMap<(u32, u32), u64> = StdHashMap::new();
+        let mut states: std::collections::BTreeMap<u8, u64> = std::collections::BTreeMap::new();
         let (mut forward, mut reply) = (0, 0);
         for entry in self.conntrack.iter() {
             let (_, ct) = entry?;
@@ -576,6 +577,7 @@ impl ServiceMaps {
             } else {
                 forward += 1;
                 *flows.entry((ct.rev_nat_id, ct.backend_id)).or_default() += 1;
+                *states.entry(ct.state).or_default() += 1;
             }
         }
         let mut frontends = Vec::new();
@@ -615,6 +617,8 @@ impl ServiceMaps {
             frontends,
             forward_flows: forward,
             reply_flows: reply,
+            flow_states: states.into_iter().collect(),
+            table: None,
             verdicts: self.verdict_counts()?,
         })
     }
