@@ -2674,3 +2674,44 @@ fn icmp_errors_of_translated_flows_are_translated() {
         &Case::pass("an echo request", &echo, Verdict::PassNotIpv4OrL4),
     );
 }
+
+/// kube-proxy drops what its conntrack finds INVALID (kubernetes issue
+/// 74839): an out-of-window segment would skip the NAT and reach the
+/// client from the backend's address, and the client's RST would kill
+/// the connection. The programs keep no TCP window: every segment of a
+/// tracked flow is translated, whatever its sequence numbers.
+#[test]
+fn out_of_window_segments_are_still_translated() {
+    if !require_root("out_of_window_segments_are_still_translated") {
+        return;
+    }
+    let mut h = Harness::seeded();
+    for prog in [Prog::TcIngress, Prog::XdpUplink] {
+        let (syn, backend) = open_tcp(&mut h, cluster_ip(), &seed_backends());
+        let syn_ack = Frame::tcp(backend, syn.src(), SYN | ACK);
+        run_case(&mut h, prog, &Case::rev_nat("SYN-ACK", syn_ack, cluster_ip()));
+        for seq in [0x8000_0000u32, 0xffff_fff0, 1] {
+            let late = Frame::tcp(backend, syn.src(), ACK).with_tcp(|t| {
+                t.seq = seq;
+                t.payload = vec![9; 100];
+            });
+            run_case(
+                &mut h,
+                prog,
+                &Case::rev_nat(format!("reply, seq {seq:#x}"), late, cluster_ip()),
+            );
+            let odd = syn.clone().with_tcp(|t| {
+                t.flags = ACK;
+                t.seq = seq;
+                t.ack = seq ^ 0x5555_5555;
+            });
+            let case = Case::dnat(
+                format!("request, seq {seq:#x}"),
+                odd,
+                &[backend],
+                Verdict::DnatEstablished,
+            );
+            run_case(&mut h, prog, &case);
+        }
+    }
+}
