@@ -288,10 +288,27 @@ fn send(mut writer: &TcpStream, request: Request, done: &AtomicU64, stop: &Atomi
         if stop.load(Ordering::Relaxed) {
             return Err(io::Error::other("the server stopped"));
         }
-        writer.write_all(chunk)?;
-        done.fetch_add(chunk.len() as u64, Ordering::Relaxed);
-        Ok(())
+        write_counted(&mut writer, chunk, |n| {
+            done.fetch_add(n as u64, Ordering::Relaxed);
+        })
     })
+}
+
+/// `write_all` that tells `count` every part the socket took, so a stall
+/// is reported to the byte.
+fn write_counted(writer: &mut impl Write, mut buf: &[u8], mut count: impl FnMut(usize)) -> io::Result<()> {
+    while !buf.is_empty() {
+        match writer.write(buf) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => {
+                count(n);
+                buf = &buf[n..];
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Reads `bytes` bytes, counting them in `done`; returns their SHA-256.
@@ -434,9 +451,7 @@ impl Client {
             if Instant::now() > deadline {
                 return Err(io::Error::other("too slow: past the deadline"));
             }
-            writer.write_all(chunk)?;
-            sent += chunk.len() as u64;
-            Ok(())
+            write_counted(&mut writer, chunk, |n| sent += n as u64)
         });
         written.map_err(|e| self.failed(&e, sent, "handed to the socket"))?;
         let answer = read_line(&mut self.reader).context("reading the server's SHA-256 and name")?;
