@@ -471,8 +471,13 @@ impl AgentBed {
     /// The namespaces (pods serving their names on TCP/UDP 80), an empty
     /// manifest directory, a pin directory; no agent yet.
     pub fn new(label: &str) -> Result<Self> {
+        Self::with_offloads(label, Offloads::On)
+    }
+
+    /// [`Self::new`] with `offloads` on every veth end.
+    pub fn with_offloads(label: &str, offloads: Offloads) -> Result<Self> {
         let xproxy = xproxy_binary();
-        let topo = Topology::build(Offloads::On).context("building the test bed")?;
+        let topo = Topology::build(offloads).context("building the test bed")?;
         let dir = TempDir::new(label)?;
         fs::create_dir_all(dir.path().join("manifests"))?;
         Ok(Self {
