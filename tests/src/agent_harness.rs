@@ -31,7 +31,7 @@ use serde_json::{Value, json};
 use testbed::{
     agent::AgentProcess,
     netns::{self, Netns},
-    privileged::{PinDir, unique_name},
+    privileged::{self, PinDir, unique_name},
     topology::{BACKENDS, NODE_IP, Offloads, TARGET_PORT, Topology},
 };
 
@@ -446,6 +446,46 @@ fn describe(object: &Value) -> String {
 
 pub const SERVICES_PATH: &str = "/api/v1/services";
 pub const SLICES_PATH: &str = "/apis/discovery.k8s.io/v1/endpointslices";
+
+// ---------------------------------------------------------------------------
+// The modes.
+
+/// The agent's modes (`xproxy run --mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Ebpf,
+    Iptables,
+    Nftables,
+    /// Runs where the kernel has IPVS: in `cargo xtask vm`.
+    Ipvs,
+    Userspace,
+}
+
+impl Mode {
+    /// Every mode, in the order `modes.rs`'s
+    /// `switching_modes_with_cleanup_between` runs them.
+    pub const ALL: [Mode; 5] = [Mode::Ebpf, Mode::Iptables, Mode::Nftables, Mode::Ipvs, Mode::Userspace];
+
+    /// What `--mode` calls it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Ebpf => "ebpf",
+            Mode::Iptables => "iptables",
+            Mode::Nftables => "nftables",
+            Mode::Ipvs => "ipvs",
+            Mode::Userspace => "userspace",
+        }
+    }
+
+    /// Whether the mode can run here (else the test is skipped, or fails
+    /// where it was demanded: see `testbed::privileged`).
+    pub fn available(self, test: &str) -> bool {
+        match self {
+            Mode::Ipvs => privileged::require_ipvs(test),
+            _ => privileged::require_root(test),
+        }
+    }
+}
 
 // ---------------------------------------------------------------------------
 // The test bed with an agent.
