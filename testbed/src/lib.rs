@@ -3,6 +3,7 @@
 //!
 //! - [`privileged`]: root checks, unique names, bpffs pin directories;
 //! - [`netns`]: namespaces, veths, servers that answer with a name, clients;
+//! - [`bulk`]: a server and a client that move many bytes and check them;
 //! - [`topology`]: a node with pods behind veths and a client outside;
 //! - [`two_node`]: two nodes with pods on a shared segment, a client outside.
 //!
@@ -10,6 +11,7 @@
 //! removed on drop, also when a test panics.
 
 pub mod agent;
+pub mod bulk;
 pub mod netns;
 pub mod privileged;
 pub mod topology;

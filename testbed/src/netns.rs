@@ -1,6 +1,7 @@
 //! Network namespaces for end-to-end tests: a namespace per simulated host
 //! (client, node, pods), veths between them, servers that answer with a
-//! name, and clients that run inside a namespace.
+//! name (and the bulk servers of [`crate::bulk`]), and clients that run
+//! inside a namespace.
 //!
 //! Everything a test creates lives in namespaces it created itself (named
 //! with [`unique_name`]), so tests can run in parallel and never send a
@@ -28,7 +29,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 
-use crate::privileged::unique_name;
+use crate::{bulk, privileged::unique_name};
 
 /// Where `ip netns add` mounts the namespaces it creates.
 const NETNS_RUN_DIR: &str = "/var/run/netns";
@@ -215,6 +216,14 @@ impl Netns {
         Ok(())
     }
 
+    /// Starts a bulk server on `0.0.0.0:port` inside the namespace that
+    /// names itself `name` (see [`bulk::server`]); it is stopped when the
+    /// namespace is dropped.
+    pub fn serve_bulk(&self, port: u16, name: &str) -> Result<()> {
+        self.keep(bulk::server(self, port, name)?);
+        Ok(())
+    }
+
     /// Keeps `server` running until the namespace is dropped.
     fn keep(&self, server: Server) {
         self.servers.lock().unwrap_or_else(|e| e.into_inner()).push(server);
@@ -228,6 +237,11 @@ impl Netns {
     /// [`udp_request`] from inside this namespace.
     pub fn udp_request(&self, addr: SocketAddrV4, timeout: Duration) -> Result<io::Result<String>> {
         self.run_in(|| udp_request(addr, timeout))
+    }
+
+    /// [`bulk::transfer`] from inside this namespace.
+    pub fn bulk_transfer(&self, addr: SocketAddrV4, direction: bulk::Direction, bytes: u64) -> Result<bulk::Report> {
+        self.run_in(|| bulk::transfer(addr, direction, bytes))?
     }
 
     /// [`ping`] from inside this namespace.
@@ -420,8 +434,20 @@ impl Server {
     /// Stopping the server closes them all. Returns once the socket is
     /// listening.
     pub fn tcp_echo(ns: &Netns, port: u16) -> Result<Self> {
-        let what = format!("tcp echo@{}:{port}", ns.name());
-        let mut connections = EchoConnections::default();
+        Self::tcp_threaded(ns, port, format!("tcp echo@{}:{port}", ns.name()), echo_tcp)
+    }
+
+    /// A TCP server on `0.0.0.0:port` in `ns` that runs `handle` on a
+    /// thread of its own for every connection, with a flag that is set when
+    /// the server stops (`handle` must return soon after). Stopping the
+    /// server joins them all. Returns once the socket is listening.
+    pub(crate) fn tcp_threaded(
+        ns: &Netns,
+        port: u16,
+        what: String,
+        handle: impl Fn(TcpStream, &AtomicBool) + Clone + Send + 'static,
+    ) -> Result<Self> {
+        let mut connections = Connections::default();
         Self::spawn(
             ns,
             what.clone(),
@@ -429,7 +455,7 @@ impl Server {
             // The closure owns the connection threads: when the server's
             // thread ends, dropping it stops and joins them.
             move |listener: &TcpListener| match listener.accept() {
-                Ok((stream, _)) => connections.add(stream, &what),
+                Ok((stream, _)) => connections.add(stream, &what, handle.clone()),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => eprintln!("{what}: accept: {e}"),
             },
@@ -536,20 +562,21 @@ impl Drop for Server {
     }
 }
 
-/// The connection threads of an echo server; dropping it stops and joins them.
+/// The connection threads of a [`Server::tcp_threaded`]; dropping it stops
+/// and joins them.
 #[derive(Default)]
-struct EchoConnections {
+struct Connections {
     stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
 }
 
-impl EchoConnections {
-    fn add(&mut self, stream: TcpStream, what: &str) {
+impl Connections {
+    fn add(&mut self, stream: TcpStream, what: &str, handle: impl FnOnce(TcpStream, &AtomicBool) + Send + 'static) {
         self.threads.retain(|t| !t.is_finished());
         let stop = self.stop.clone();
         let spawned = std::thread::Builder::new()
-            .name("tcp echo conn".into())
-            .spawn(move || echo_tcp(stream, &stop));
+            .name("tcp conn".into())
+            .spawn(move || handle(stream, &stop));
         match spawned {
             Ok(thread) => self.threads.push(thread),
             Err(e) => eprintln!("{what}: spawning a connection thread: {e}"),
@@ -557,7 +584,7 @@ impl EchoConnections {
     }
 }
 
-impl Drop for EchoConnections {
+impl Drop for Connections {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         for thread in self.threads.drain(..) {

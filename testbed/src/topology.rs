@@ -3,10 +3,12 @@
 //! ```text
 //!   client ns                node ns (ip_forward=1)                  pod nss
 //!   CLIENT_IP ── cu* ═══ nu* ── NODE_IP          np*  10.244.0.1/32 ═ eth0 pod-1 10.244.0.11
-//!   gro on,                                       np*  10.244.0.1/32 ═ eth0 pod-2 10.244.0.12
+//!   gro on (*),                                       np*  10.244.0.1/32 ═ eth0 pod-2 10.244.0.12
 //!   XDP_PASS     default via CLIENT_IP            np*  10.244.0.1/32 ═ eth0 pod-3 10.244.0.13
 //!                                                 np*  10.244.0.1/32 ═ eth0 client-pod 10.244.0.14
 //! ```
+//!
+//! (*) but with [`Offloads::Off`], which turns GRO off on every veth end.
 //!
 //! Pods are wired like the CNI `ptp` plugin: a /32 address, a link route to
 //! the gateway address that every node-side veth carries, and a route per
@@ -39,10 +41,37 @@ pub const CLIENT_POD: (&str, Ipv4Addr) = ("client-pod", Ipv4Addr::new(10, 244, 0
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Offloads {
-    /// veth defaults: checksum offload on (local TCP/UDP leaves as CHECKSUM_PARTIAL).
+    /// veth defaults: checksum offload and TSO on (local TCP/UDP leaves as
+    /// CHECKSUM_PARTIAL, TCP in GSO super packets of up to 64 KB), GRO off
+    /// but where the test bed turns it on.
     On,
-    /// `ethtool -K <veth> tx off` on every veth end: full checksums.
+    /// `ethtool -K <veth> tx off` on every veth end: full checksums, and
+    /// with them no TSO: the stack's GSO packets are segmented as they
+    /// leave a veth (after its tc egress hook, which still sees them whole).
     TxOff,
+    /// `tx off` and `gro off` on every veth end: as [`Offloads::TxOff`],
+    /// and no veth builds super packets from what it receives.
+    Off,
+}
+
+impl Offloads {
+    /// Sets these offloads on the veth end `dev` in `ns`.
+    pub fn apply(self, ns: &Netns, dev: &str) -> Result<()> {
+        ns.ethtool_k(dev, "tx", self == Offloads::On)?;
+        if self == Offloads::Off {
+            ns.ethtool_k(dev, "gro", false)?;
+        }
+        Ok(())
+    }
+
+    /// What a test label ends with: "" for the defaults.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Offloads::On => "",
+            Offloads::TxOff => "_tx_off",
+            Offloads::Off => "_offloads_off",
+        }
+    }
 }
 
 /// One pod: its namespace and the node-side end of its veth.
@@ -119,12 +148,11 @@ impl Topology {
         }
         let client_pod = add_pod(&node, CLIENT_POD.0, CLIENT_POD.1)?;
 
-        let tx_on = offloads == Offloads::On;
-        client.ethtool_k(&client_if, "tx", tx_on)?;
-        node.ethtool_k(&uplink, "tx", tx_on)?;
+        offloads.apply(&client, &client_if)?;
+        offloads.apply(&node, &uplink)?;
         for pod in backends.iter().chain([&client_pod]) {
-            node.ethtool_k(&pod.node_if, "tx", tx_on)?;
-            pod.ns.ethtool_k("eth0", "tx", tx_on)?;
+            offloads.apply(&node, &pod.node_if)?;
+            offloads.apply(&pod.ns, "eth0")?;
         }
         Ok(Self {
             backends,

@@ -101,6 +101,8 @@ pub struct Node {
     pub ns: Netns,
     /// The node's end of its link to the segment; carries `spec.ip`.
     pub uplink: String,
+    /// The segment's end of that link: a port of the bridge.
+    pub segment_port: String,
 }
 
 impl Node {
@@ -133,13 +135,14 @@ pub struct TwoNodes {
     pub nodes: [Node; 2],
     pub client: Netns,
     pub client_if: String,
+    /// The segment's end of the client's link: a port of the bridge.
+    pub client_port: String,
     pub segment: Netns,
 }
 
 impl TwoNodes {
     /// Builds the namespaces, the bridge, links, addresses, routes and the
-    /// backends' servers, with `offloads` on every veth end of the client
-    /// and the nodes.
+    /// backends' servers, with `offloads` on every veth end.
     pub fn build(offloads: Offloads) -> Result<Self> {
         let segment = Netns::new("xs")?;
         segment.ip(&["link", "add", "br0", "type", "bridge", "forward_delay", "0"])?;
@@ -147,7 +150,7 @@ impl TwoNodes {
 
         let client = Netns::new("xc")?;
         let client_if = unique_name("cu");
-        attach_to_segment(&segment, &client, &client_if, "sc")?;
+        let client_port = attach_to_segment(&segment, &client, &client_if, "sc")?;
         client.add_addr(&client_if, &format!("{CLIENT_IP}/{SEGMENT_PREFIX}"))?;
         for spec in NODES {
             // The client reaches pods directly (traffic that is no Service's).
@@ -156,19 +159,21 @@ impl TwoNodes {
 
         let node_a = build_node(&segment, NODE_A, &NODE_B).context("building node-a")?;
         let node_b = build_node(&segment, NODE_B, &NODE_A).context("building node-b")?;
-        let tx_on = offloads == Offloads::On;
-        client.ethtool_k(&client_if, "tx", tx_on)?;
+        offloads.apply(&client, &client_if)?;
+        offloads.apply(&segment, &client_port)?;
         for node in [&node_a, &node_b] {
-            node.ns.ethtool_k(&node.uplink, "tx", tx_on)?;
+            offloads.apply(&node.ns, &node.uplink)?;
+            offloads.apply(&segment, &node.segment_port)?;
             for pod in node.backends.iter().chain(&node.clients) {
-                node.ns.ethtool_k(&pod.node_if, "tx", tx_on)?;
-                pod.ns.ethtool_k("eth0", "tx", tx_on)?;
+                offloads.apply(&node.ns, &pod.node_if)?;
+                offloads.apply(&pod.ns, "eth0")?;
             }
         }
         Ok(Self {
             nodes: [node_a, node_b],
             client,
             client_if,
+            client_port,
             segment,
         })
     }
@@ -218,11 +223,11 @@ fn build_node(segment: &Netns, spec: NodeSpec, other: &NodeSpec) -> Result<Node>
     ns.sysctl("net.ipv4.conf.default.send_redirects", "0")?;
 
     let uplink = unique_name("nu");
-    let port = attach_to_segment(segment, &ns, &uplink, "sp")?;
+    let segment_port = attach_to_segment(segment, &ns, &uplink, "sp")?;
     // What the uplink's XDP program sends back with XDP_TX (RST, ICMP)
     // lands on the bridge port's ring: see `Netns::attach_xdp_pass`.
-    segment.ethtool_k(&port, "gro", true)?;
-    segment.attach_xdp_pass(&port)?;
+    segment.ethtool_k(&segment_port, "gro", true)?;
+    segment.attach_xdp_pass(&segment_port)?;
     ns.add_addr(&uplink, &format!("{}/{SEGMENT_PREFIX}", spec.ip))?;
     ns.add_route(&["default", "via", &CLIENT_IP.to_string(), "dev", &uplink])?;
     ns.add_route(&[other.pod_cidr, "via", &other.ip.to_string(), "dev", &uplink])?;
@@ -245,6 +250,7 @@ fn build_node(segment: &Netns, spec: NodeSpec, other: &NodeSpec) -> Result<Node>
         spec,
         ns,
         uplink,
+        segment_port,
     })
 }
 

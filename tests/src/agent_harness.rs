@@ -31,7 +31,7 @@ use serde_json::{Value, json};
 use testbed::{
     agent::AgentProcess,
     netns::{self, Netns},
-    privileged::{PinDir, unique_name},
+    privileged::{self, PinDir, unique_name},
     topology::{BACKENDS, NODE_IP, Offloads, TARGET_PORT, Topology},
 };
 
@@ -448,6 +448,46 @@ pub const SERVICES_PATH: &str = "/api/v1/services";
 pub const SLICES_PATH: &str = "/apis/discovery.k8s.io/v1/endpointslices";
 
 // ---------------------------------------------------------------------------
+// The modes.
+
+/// The agent's modes (`xproxy run --mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Ebpf,
+    Iptables,
+    Nftables,
+    /// Runs where the kernel has IPVS: in `cargo xtask vm`.
+    Ipvs,
+    Userspace,
+}
+
+impl Mode {
+    /// Every mode, in the order `modes.rs`'s
+    /// `switching_modes_with_cleanup_between` runs them.
+    pub const ALL: [Mode; 5] = [Mode::Ebpf, Mode::Iptables, Mode::Nftables, Mode::Ipvs, Mode::Userspace];
+
+    /// What `--mode` calls it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Ebpf => "ebpf",
+            Mode::Iptables => "iptables",
+            Mode::Nftables => "nftables",
+            Mode::Ipvs => "ipvs",
+            Mode::Userspace => "userspace",
+        }
+    }
+
+    /// Whether the mode can run here (else the test is skipped, or fails
+    /// where it was demanded: see `testbed::privileged`).
+    pub fn available(self, test: &str) -> bool {
+        match self {
+            Mode::Ipvs => privileged::require_ipvs(test),
+            _ => privileged::require_root(test),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
 // The test bed with an agent.
 
 /// A [`Topology`], a pin directory and a scratch directory for one test, and
@@ -471,8 +511,13 @@ impl AgentBed {
     /// The namespaces (pods serving their names on TCP/UDP 80), an empty
     /// manifest directory, a pin directory; no agent yet.
     pub fn new(label: &str) -> Result<Self> {
+        Self::with_offloads(label, Offloads::On)
+    }
+
+    /// [`Self::new`] with `offloads` on every veth end.
+    pub fn with_offloads(label: &str, offloads: Offloads) -> Result<Self> {
         let xproxy = xproxy_binary();
-        let topo = Topology::build(Offloads::On).context("building the test bed")?;
+        let topo = Topology::build(offloads).context("building the test bed")?;
         let dir = TempDir::new(label)?;
         fs::create_dir_all(dir.path().join("manifests"))?;
         Ok(Self {

@@ -14,4 +14,4 @@ pub mod testrun;
 pub mod two_node_bed;
 
 // The namespace test bed is shared with `cargo xtask demo` and the benchmarks.
-pub use testbed::{netns, privileged, topology, two_node};
+pub use testbed::{bulk, netns, privileged, topology, two_node};

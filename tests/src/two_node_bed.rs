@@ -80,9 +80,14 @@ impl TwoNodeBed {
     /// Starts `xproxy run --manifests DIR --mode MODE --node-ip IP
     /// --hostname-override NAME --pin-path PINS` in each node namespace.
     pub fn start_agents(&mut self, mode: &str) -> Result<()> {
+        self.start_agents_with(mode, &[])
+    }
+
+    /// [`Self::start_agents`] with `extra` arguments for both agents.
+    pub fn start_agents_with(&mut self, mode: &str, extra: &[String]) -> Result<()> {
         ensure!(self.agents.is_empty(), "the agents were started already");
         for (i, node) in self.topo.nodes.iter().enumerate() {
-            let args: Vec<String> = vec![
+            let mut args: Vec<String> = vec![
                 "--manifests".into(),
                 self.manifests().display().to_string(),
                 "--mode".into(),
@@ -92,6 +97,7 @@ impl TwoNodeBed {
                 "--hostname-override".into(),
                 node.name().into(),
             ];
+            args.extend_from_slice(extra);
             let log = self.dir.path().join(format!("agent-{}.log", node.name()));
             let process = AgentProcess::start(&self.xproxy, &node.ns, self.pins[i].path(), &args, Some(&log))?;
             eprintln!(

@@ -219,7 +219,7 @@ fn check_attachments(cluster: &Cluster) -> Result<String> {
 fn check_offloads(cluster: &Cluster, offloads: Offloads) -> Result<String> {
     let want = match offloads {
         Offloads::On => "tx-checksumming: on",
-        Offloads::TxOff => "tx-checksumming: off",
+        Offloads::TxOff | Offloads::Off => "tx-checksumming: off",
     };
     let mut ends = vec![
         (&cluster.topo.client, cluster.topo.client_if.as_str()),

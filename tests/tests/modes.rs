@@ -91,11 +91,11 @@ use proxy_userspace::{
 use serde_json::{Value, json};
 use xproxy_tests::{
     agent_harness::{
-        AgentBed, DATAPATH_PACKETS, EchoClients, KERNEL_WRITES, NODE_NAME, READY_WITHIN, backend_ips, frontends,
+        AgentBed, DATAPATH_PACKETS, EchoClients, KERNEL_WRITES, Mode, NODE_NAME, READY_WITHIN, backend_ips, frontends,
         seed_node_port, service, slice, yaml_documents,
     },
     netns::{self, Netns, udp_request_from},
-    privileged::{self, require_root},
+    privileged::require_root,
     scenario::{
         Checks, EMPTY_CLUSTER_IP, EMPTY_NODE_PORT, EMPTY_PORT, NODE_SERVER_PORT, Outcome, PROTOCOLS, REQUESTS,
         SEED_CLUSTER_IP, SEED_NODE_PORT, SEED_PORT, backend_names, check_non_service, expect_all_backends,
@@ -240,16 +240,6 @@ const POD3: &str = BACKENDS[2].0;
 // ---------------------------------------------------------------------------
 // The modes and where they differ.
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Mode {
-    Ebpf,
-    Iptables,
-    Nftables,
-    /// Runs where the kernel has IPVS: in `cargo xtask vm` (`modes:ipvs`).
-    Ipvs,
-    Userspace,
-}
-
 /// How a request from the node to a NodePort on one of its own addresses ends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum NodeLocal {
@@ -268,30 +258,20 @@ enum AfterSigterm {
     Gone,
 }
 
-impl Mode {
-    /// Every mode, in the order [`switching_modes_with_cleanup_between`]
-    /// runs them.
-    const ALL: [Mode; 5] = [Mode::Ebpf, Mode::Iptables, Mode::Nftables, Mode::Ipvs, Mode::Userspace];
+/// Where the modes differ (the table at the top). IPVS runs where the
+/// kernel has it: `cargo xtask vm` runs `modes:ipvs`.
+trait Differences {
+    fn node_port_from_node(self) -> NodeLocal;
+    fn node_port_on_localhost(self) -> NodeLocal;
+    fn node_udp_rejection(self) -> io::ErrorKind;
+    fn node_udp_node_port_rejection(self) -> io::ErrorKind;
+    fn pod_cluster_ip_source(self) -> Ipv4Addr;
+    fn node_cluster_ip_source(self) -> Ipv4Addr;
+    fn node_port_source(self) -> Ipv4Addr;
+    fn after_sigterm(self) -> AfterSigterm;
+}
 
-    fn name(self) -> &'static str {
-        match self {
-            Mode::Ebpf => "ebpf",
-            Mode::Iptables => "iptables",
-            Mode::Nftables => "nftables",
-            Mode::Ipvs => "ipvs",
-            Mode::Userspace => "userspace",
-        }
-    }
-
-    /// Whether the mode can run here (else the test is skipped, or fails
-    /// where it was demanded: see `privileged`).
-    fn available(self, test: &str) -> bool {
-        match self {
-            Mode::Ipvs => privileged::require_ipvs(test),
-            _ => require_root(test),
-        }
-    }
-
+impl Differences for Mode {
     /// `NODE_IP:30791` from a process on the node.
     fn node_port_from_node(self) -> NodeLocal {
         match self {

@@ -426,10 +426,7 @@ fn same_as(baseline: &[Outcome], topo: &TwoNodes, probes: &[Probe]) -> Result<St
 // The scenario.
 
 fn scenario(mode: Mode, offloads: Offloads) {
-    let label = match offloads {
-        Offloads::On => format!("two_node_{}", mode.name()),
-        Offloads::TxOff => format!("two_node_{}_tx_off", mode.name()),
-    };
+    let label = format!("two_node_{}{}", mode.name(), offloads.suffix());
     let started = Instant::now();
     let mut bed =
         TwoNodeBed::new(&label, offloads).unwrap_or_else(|e| panic!("{label}: setting up the test bed: {e:#}"));

@@ -73,7 +73,7 @@ pub struct Options {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "verifier,packet,fuzz,e2e,mode_ipvs,modes:ipvs,modes:switching,mode_golden:ipvs,traffic:ipvs"
+        default_value = "verifier,packet,fuzz,e2e,mode_ipvs,modes:ipvs,modes:switching,mode_golden:ipvs,traffic:ipvs,bulk:ipvs"
     )]
     pub tests: Vec<String>,
     /// Keep the unpacked initramfs tree next to the archive (for inspection).

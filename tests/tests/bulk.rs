@@ -1,0 +1,525 @@
+//! Bulk transfers through every Service path, in every mode: 64 MiB each
+//! way per path, checked by SHA-256 at the receiver (`testbed::bulk`), the
+//! real agent (`xproxy run --mode MODE --manifests DIR`) translating. The
+//! other suites move a few hundred bytes per connection, which never fills
+//! a window, never makes a GSO or GRO super packet and never retransmits:
+//! a NodePort download that stalled after ~200 KB in ebpf mode passed them
+//! all (issue 11; with that bug back, `bulk_ebpf*` fail 1 to 4 rows each).
+//!
+//! A test is one mode on one test bed with one set of offloads, so the
+//! modes run in parallel; each runs a table of (path, direction) rows, the
+//! pod that must serve each row named, and reports every row, a failed one
+//! with how many bytes got through at both ends.
+//!
+//! The one-node test bed (`testbed::topology`), two Services whose bulk
+//! servers listen on [`BULK_PORT`] in the pods ([`Path`]):
+//! - NodePort from the outside client, the backend on the node;
+//! - NodePort (the node's address) from a pod;
+//! - ClusterIP from a pod;
+//! - ClusterIP from the node itself;
+//! - hairpin: a backend to the ClusterIP of a Service whose only endpoint
+//!   is itself;
+//! - NodePort with `externalTrafficPolicy: Local` from the outside client.
+//!
+//! Each in ebpf, iptables, nftables, IPVS (where the kernel has it: `cargo
+//! xtask vm` runs `bulk:ipvs` in its guest) and userspace mode, with the
+//! veths' default offloads (`bulk_MODE`) and with `tx off` and `gro off` on
+//! every veth end (`bulk_MODE_offloads_off`: full checksums, TCP segmented
+//! as it leaves a veth, no GRO); in ebpf mode also with the uplink's
+//! program at native XDP (`bulk_ebpf_xdp_native`; asserted attached, and
+//! without `--xdp native` asserted not).
+//!
+//! The two-node test bed (`testbed::two_node`), a Service whose only
+//! endpoint runs on node-b ([`RemotePath`]): NodePort on node-a from the
+//! outside client (node-a DNATs and SNATs, the data crosses the segment
+//! twice), and its ClusterIP from a pod on node-a; in ebpf, iptables and
+//! nftables mode, ebpf and iptables also with offloads off, ebpf also with
+//! native XDP.
+//!
+//! Where the modes differ: nowhere in what arrives. Every row passes in
+//! every mode, both ways, with either offloads (asserted; IPVS in the 6.1
+//! guest, the others on the 6.18 host and in the guest). How the bytes get
+//! there differs (see `modes.rs` and `two_node.rs` for the addresses a
+//! backend sees):
+//!
+//! | path | ebpf | iptables | nftables | ipvs | userspace
+//! |---|---|---|---|---|---
+//! | NodePort from the client, backend local | intact (DNAT at the uplink's XDP or tc hook; the reply rev-NATed on the pod's veth and redirected to the uplink: where issue 11 stalled) | intact (DNAT + masquerade) | intact (the same) | intact (the same) | intact (the agent copies every byte between its two connections)
+//! | NodePort from a pod | intact (tc on the pod's veth) | intact | intact | intact | intact (copied)
+//! | ClusterIP from a pod | intact | intact | intact | intact | intact (copied)
+//! | ClusterIP from the node | intact (translated at the uplink's tc egress and redirected to the pod: the node's own GSO packets, whole) | intact | intact | intact | intact (copied)
+//! | hairpin | intact (the programs DNAT and mark, the kernel masquerades) | intact | intact | intact | intact (copied)
+//! | `externalTrafficPolicy: Local` NodePort | intact | intact | intact | intact | intact (copied)
+//! | two nodes: NodePort to the other node's backend | intact (DNAT and mark at the uplink, the kernel masquerades and forwards it back out of the uplink) | intact | intact | not run | not run
+//! | two nodes: ClusterIP from a pod to the other node's backend | intact | intact | intact | not run | not run
+
+use std::{
+    fmt,
+    net::{Ipv4Addr, SocketAddrV4},
+    time::Instant,
+};
+
+use anyhow::{Context, Result, ensure};
+use serde_json::Value;
+use xproxy_tests::{
+    agent_harness::{AgentBed, Mode, NODE_NAME, READY_WITHIN, yaml_documents},
+    bulk::{BULK_PORT, Direction, Report},
+    netns::{self, Netns},
+    scenario::Checks,
+    topology::{BACKENDS, NODE_IP, Offloads, Topology},
+    two_node::{NODE_A, NODE_B, TwoNodes},
+    two_node_bed::{PortDef, TrafficPolicy, TwoNodeBed, service, slice},
+};
+
+/// Bytes per transfer.
+const BYTES: u64 = 64 << 20;
+/// What a test bed's first transfer moves, to see that the agent is ready.
+const PROBE_BYTES: u64 = 1024;
+const MANIFEST: &str = "bulk.yaml";
+
+// ---------------------------------------------------------------------------
+// The Services.
+
+/// A NodePort Service whose only endpoint is one pod: every Service's
+/// port is 80, to the bulk servers' port.
+struct OneEndpoint {
+    name: &'static str,
+    ip: Ipv4Addr,
+    node_port: u16,
+    policy: TrafficPolicy,
+}
+
+const SERVICE_PORT: u16 = 80;
+
+/// One node: pod-1 only. Every path but the `Local` one; pod-1 is also the
+/// hairpin's client.
+const BULK: OneEndpoint = OneEndpoint::new("bulk", Ipv4Addr::new(10, 96, 0, 80), 30880, TrafficPolicy::Cluster);
+const BULK_POD: usize = 0;
+/// One node: pod-2 only, `externalTrafficPolicy: Local`.
+const LOCAL: OneEndpoint = OneEndpoint::new("bulk-local", Ipv4Addr::new(10, 96, 0, 82), 30882, TrafficPolicy::Local);
+const LOCAL_POD: usize = 1;
+/// Two nodes: b-1 (on node-b) only, behind a NodePort on both nodes.
+const REMOTE: OneEndpoint = OneEndpoint::new(
+    "bulk-remote",
+    Ipv4Addr::new(10, 96, 1, 80),
+    30980,
+    TrafficPolicy::Cluster,
+);
+const REMOTE_POD: (&str, Ipv4Addr) = NODE_B.backends[0];
+/// Two nodes: the client pod on node-a.
+const NODE_A_CLIENT: &str = NODE_A.clients[0].0;
+
+impl OneEndpoint {
+    const fn new(name: &'static str, ip: Ipv4Addr, node_port: u16, policy: TrafficPolicy) -> Self {
+        Self {
+            name,
+            ip,
+            node_port,
+            policy,
+        }
+    }
+
+    /// The Service and its EndpointSlice: `pod` on node `node`.
+    fn objects(&self, pod: Ipv4Addr, node: &str) -> [Value; 2] {
+        let ports = [PortDef {
+            name: "bulk",
+            protocol: "TCP",
+            port: SERVICE_PORT,
+            target_port: BULK_PORT,
+            node_port: Some(self.node_port),
+        }];
+        [
+            service(self.name, self.ip, &ports, self.policy),
+            slice(self.name, &ports, &[(pod, node)]),
+        ]
+    }
+
+    fn cluster_ip(&self) -> SocketAddrV4 {
+        SocketAddrV4::new(self.ip, SERVICE_PORT)
+    }
+
+    fn node_port(&self, node: Ipv4Addr) -> SocketAddrV4 {
+        SocketAddrV4::new(node, self.node_port)
+    }
+}
+
+fn one_node_objects() -> Vec<Value> {
+    let mut objects = Vec::new();
+    objects.extend(BULK.objects(BACKENDS[BULK_POD].1, NODE_NAME));
+    objects.extend(LOCAL.objects(BACKENDS[LOCAL_POD].1, NODE_NAME));
+    objects
+}
+
+// ---------------------------------------------------------------------------
+// The paths.
+
+/// A path through the one-node test bed.
+#[derive(Clone, Copy, Debug)]
+enum Path {
+    NodePortFromClient,
+    NodePortFromPod,
+    ClusterIpFromPod,
+    ClusterIpFromNode,
+    Hairpin,
+    LocalNodePortFromClient,
+}
+
+impl Path {
+    const ALL: [Path; 6] = [
+        Path::NodePortFromClient,
+        Path::NodePortFromPod,
+        Path::ClusterIpFromPod,
+        Path::ClusterIpFromNode,
+        Path::Hairpin,
+        Path::LocalNodePortFromClient,
+    ];
+
+    /// Where the client runs, what it connects to, and the pod that must serve.
+    fn ends(self, topo: &Topology) -> Ends<'_> {
+        let bulk = &topo.backends[BULK_POD];
+        let (from, to, server) = match self {
+            Path::NodePortFromClient => (&topo.client, BULK.node_port(NODE_IP), bulk),
+            Path::NodePortFromPod => (&topo.client_pod.ns, BULK.node_port(NODE_IP), bulk),
+            Path::ClusterIpFromPod => (&topo.client_pod.ns, BULK.cluster_ip(), bulk),
+            Path::ClusterIpFromNode => (&topo.node, BULK.cluster_ip(), bulk),
+            Path::Hairpin => (&bulk.ns, BULK.cluster_ip(), bulk),
+            Path::LocalNodePortFromClient => (&topo.client, LOCAL.node_port(NODE_IP), &topo.backends[LOCAL_POD]),
+        };
+        Ends {
+            from,
+            to,
+            server: server.name,
+        }
+    }
+}
+
+impl fmt::Display for Path {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Path::NodePortFromClient => "NodePort from the client",
+            Path::NodePortFromPod => "NodePort from a pod",
+            Path::ClusterIpFromPod => "ClusterIP from a pod",
+            Path::ClusterIpFromNode => "ClusterIP from the node",
+            Path::Hairpin => "hairpin (the backend to its own Service)",
+            Path::LocalNodePortFromClient => "NodePort, externalTrafficPolicy: Local, from the client",
+        })
+    }
+}
+
+/// A path through the two-node test bed to a backend on node-b.
+#[derive(Clone, Copy, Debug)]
+enum RemotePath {
+    NodePortOnOtherNode,
+    ClusterIpFromPodOnOtherNode,
+}
+
+impl RemotePath {
+    const ALL: [RemotePath; 2] = [RemotePath::NodePortOnOtherNode, RemotePath::ClusterIpFromPodOnOtherNode];
+
+    fn ends(self, topo: &TwoNodes) -> Result<Ends<'_>> {
+        let node_a = topo.node_a();
+        let (from, to) = match self {
+            RemotePath::NodePortOnOtherNode => (&topo.client, REMOTE.node_port(node_a.ip())),
+            RemotePath::ClusterIpFromPodOnOtherNode => {
+                let pod = node_a.pod(NODE_A_CLIENT).context("no client pod on node-a")?;
+                (&pod.ns, REMOTE.cluster_ip())
+            }
+        };
+        Ok(Ends {
+            from,
+            to,
+            server: REMOTE_POD.0,
+        })
+    }
+}
+
+impl fmt::Display for RemotePath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            RemotePath::NodePortOnOtherNode => "NodePort on node-a from the client, the backend on node-b",
+            RemotePath::ClusterIpFromPodOnOtherNode => "ClusterIP from a pod on node-a, the backend on node-b",
+        })
+    }
+}
+
+/// Where a transfer starts, what it connects to, and the pod that must serve it.
+struct Ends<'a> {
+    from: &'a Netns,
+    to: SocketAddrV4,
+    server: &'a str,
+}
+
+// ---------------------------------------------------------------------------
+// The modes and how a test bed is set up.
+
+/// How a test bed is set up besides the mode.
+#[derive(Clone, Copy, Debug)]
+struct Setup {
+    offloads: Offloads,
+    /// `--xdp native`: the uplink's program at XDP (ebpf mode).
+    xdp_native: bool,
+}
+
+impl Setup {
+    const DEFAULTS: Setup = Setup {
+        offloads: Offloads::On,
+        xdp_native: false,
+    };
+    const OFFLOADS_OFF: Setup = Setup {
+        offloads: Offloads::Off,
+        xdp_native: false,
+    };
+    const XDP_NATIVE: Setup = Setup {
+        offloads: Offloads::On,
+        xdp_native: true,
+    };
+
+    /// The test's name: `bulk_`, the bed (`two_node_` or nothing), the mode
+    /// and what differs from the defaults.
+    fn label(self, bed: &str, mode: Mode) -> String {
+        let xdp = if self.xdp_native { "_xdp_native" } else { "" };
+        format!("bulk_{bed}{}{}{xdp}", mode.name(), self.offloads.suffix())
+    }
+
+    /// Whether the uplink `uplink` in `ns` has an XDP program as asked (on
+    /// a veth uplink, without `--xdp native` the programs are at tc only).
+    fn check_xdp(self, ns: &Netns, uplink: &str) -> Result<String> {
+        let link = ns.ip(&["-d", "link", "show", "dev", uplink])?;
+        let xdp = link.contains("prog/xdp");
+        ensure!(
+            xdp == self.xdp_native,
+            "XDP on {uplink}: {xdp}, expected {}:\n{link}",
+            self.xdp_native
+        );
+        Ok(format!("XDP on {uplink}: {xdp}"))
+    }
+
+    fn agent_args(self) -> Vec<String> {
+        if self.xdp_native {
+            vec!["--xdp".into(), "native".into()]
+        } else {
+            Vec::new()
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The table.
+
+/// One transfer of the table.
+struct Row<'a> {
+    path: String,
+    direction: Direction,
+    ends: Ends<'a>,
+}
+
+/// Every path, both directions.
+fn rows<'a, P: fmt::Display + Copy>(paths: &[P], ends: impl Fn(P) -> Result<Ends<'a>>) -> Result<Vec<Row<'a>>> {
+    let mut rows = Vec::new();
+    for &path in paths {
+        for direction in Direction::BOTH {
+            rows.push(Row {
+                path: path.to_string(),
+                direction,
+                ends: ends(path)?,
+            });
+        }
+    }
+    Ok(rows)
+}
+
+/// Runs every row, each a check of its own; prints the rates of those that
+/// passed.
+fn run_rows(label: &str, rows: &[Row], checks: &mut Checks) {
+    let mut rates = Vec::new();
+    for row in rows {
+        let what = format!("{}: {} of {BYTES} bytes via {}", row.path, row.direction, row.ends.to);
+        let result = transfer(row);
+        if let Ok(report) = &result {
+            rates.push(format!(
+                "{:>9} {:>6.0} MiB/s  {}",
+                row.direction.to_string(),
+                report.rate() / f64::from(1 << 20),
+                row.path
+            ));
+        }
+        checks.check(&what, result.map(|r| r.to_string()));
+    }
+    eprintln!("[{label}] rates:\n    {}", rates.join("\n    "));
+}
+
+/// One transfer of a row; the pod the row names must serve it.
+fn transfer(row: &Row) -> Result<Report> {
+    let report = row.ends.from.bulk_transfer(row.ends.to, row.direction, BYTES)?;
+    ensure!(
+        report.pod == row.ends.server,
+        "served by {}, not by {}",
+        report.pod,
+        row.ends.server
+    );
+    Ok(report)
+}
+
+/// A small download along `ends`, for waiting until the agent has
+/// programmed the path (see `netns::wait_for`).
+fn small_download(ends: &Ends) -> Result<(), String> {
+    ends.from
+        .bulk_transfer(ends.to, Direction::Download, PROBE_BYTES)
+        .map(drop)
+        .map_err(|e| format!("{e:#}"))
+}
+
+const READY: &str = "a small download through the first path";
+
+/// Runs `steps` with a fresh [`Checks`]; panics with every failed check.
+fn checked(label: &str, steps: impl FnOnce(&mut Checks) -> Result<()>) {
+    let started = Instant::now();
+    let mut checks = Checks::new(label);
+    if let Err(e) = steps(&mut checks) {
+        panic!("{label}: {e:#}\nchecks failed before: {}", checks.failures());
+    }
+    checks.finish();
+    eprintln!("[{label}] passed in {:.1?}", started.elapsed());
+}
+
+// ---------------------------------------------------------------------------
+// The test beds.
+
+/// Every [`Path`] both ways on the one-node test bed, the agent in `mode`.
+fn one_node(mode: Mode, setup: Setup) {
+    let label = setup.label("", mode);
+    if !mode.available(&label) {
+        return;
+    }
+    let mut bed = AgentBed::with_offloads(&label, setup.offloads)
+        .unwrap_or_else(|e| panic!("{label}: setting up the test bed: {e:#}"));
+    checked(&label, |checks| {
+        for pod in &bed.topo.backends {
+            pod.ns.serve_bulk(BULK_PORT, pod.name)?;
+        }
+        bed.write_manifest(MANIFEST, &yaml_documents(&one_node_objects()))?;
+        let mut args = bed.manifest_args();
+        args.extend(setup.agent_args());
+        bed.start_agent_in(mode.name(), &args)?;
+        bed.wait_first_sync(READY_WITHIN)?;
+        checks.check("the uplink's hook", setup.check_xdp(&bed.topo.node, &bed.topo.uplink));
+        netns::wait_for(READY, READY_WITHIN, || {
+            bed.agent_alive()?;
+            small_download(&Path::ALL[0].ends(&bed.topo))
+        })?;
+        let rows = rows(&Path::ALL, |path| Ok(path.ends(&bed.topo)))?;
+        run_rows(&label, &rows, checks);
+        Ok(())
+    });
+}
+
+/// Every [`RemotePath`] both ways on the two-node test bed, both agents in `mode`.
+fn two_node(mode: Mode, setup: Setup) {
+    let label = setup.label("two_node_", mode);
+    if !mode.available(&label) {
+        return;
+    }
+    let mut bed =
+        TwoNodeBed::new(&label, setup.offloads).unwrap_or_else(|e| panic!("{label}: setting up the test bed: {e:#}"));
+    checked(&label, |checks| {
+        for pod in bed.topo.backends() {
+            pod.ns.serve_bulk(BULK_PORT, pod.name)?;
+        }
+        let objects = REMOTE.objects(REMOTE_POD.1, NODE_B.name);
+        bed.write_manifest(MANIFEST, &yaml_documents(&objects))?;
+        bed.start_agents_with(mode.name(), &setup.agent_args())?;
+        bed.wait_first_syncs(READY_WITHIN)?;
+        for node in &bed.topo.nodes {
+            let what = format!("{}'s uplink's hook", node.name());
+            checks.check(&what, setup.check_xdp(&node.ns, &node.uplink));
+        }
+        let first = RemotePath::ALL[0].ends(&bed.topo)?;
+        netns::wait_for(READY, READY_WITHIN, || small_download(&first))?;
+        let rows = rows(&RemotePath::ALL, |path| path.ends(&bed.topo))?;
+        run_rows(&label, &rows, checks);
+        Ok(())
+    });
+}
+
+// ---------------------------------------------------------------------------
+// One test per mode and setup.
+
+#[test]
+fn bulk_ebpf() {
+    one_node(Mode::Ebpf, Setup::DEFAULTS);
+}
+
+#[test]
+fn bulk_ebpf_offloads_off() {
+    one_node(Mode::Ebpf, Setup::OFFLOADS_OFF);
+}
+
+#[test]
+fn bulk_ebpf_xdp_native() {
+    one_node(Mode::Ebpf, Setup::XDP_NATIVE);
+}
+
+#[test]
+fn bulk_iptables() {
+    one_node(Mode::Iptables, Setup::DEFAULTS);
+}
+
+#[test]
+fn bulk_iptables_offloads_off() {
+    one_node(Mode::Iptables, Setup::OFFLOADS_OFF);
+}
+
+#[test]
+fn bulk_nftables() {
+    one_node(Mode::Nftables, Setup::DEFAULTS);
+}
+
+#[test]
+fn bulk_nftables_offloads_off() {
+    one_node(Mode::Nftables, Setup::OFFLOADS_OFF);
+}
+
+#[test]
+fn bulk_ipvs() {
+    one_node(Mode::Ipvs, Setup::DEFAULTS);
+}
+
+#[test]
+fn bulk_ipvs_offloads_off() {
+    one_node(Mode::Ipvs, Setup::OFFLOADS_OFF);
+}
+
+#[test]
+fn bulk_userspace() {
+    one_node(Mode::Userspace, Setup::DEFAULTS);
+}
+
+#[test]
+fn bulk_two_node_ebpf() {
+    two_node(Mode::Ebpf, Setup::DEFAULTS);
+}
+
+#[test]
+fn bulk_two_node_ebpf_offloads_off() {
+    two_node(Mode::Ebpf, Setup::OFFLOADS_OFF);
+}
+
+#[test]
+fn bulk_two_node_ebpf_xdp_native() {
+    two_node(Mode::Ebpf, Setup::XDP_NATIVE);
+}
+
+#[test]
+fn bulk_two_node_iptables() {
+    two_node(Mode::Iptables, Setup::DEFAULTS);
+}
+
+#[test]
+fn bulk_two_node_iptables_offloads_off() {
+    two_node(Mode::Iptables, Setup::OFFLOADS_OFF);
+}
+
+#[test]
+fn bulk_two_node_nftables() {
+    two_node(Mode::Nftables, Setup::DEFAULTS);
+}
