@@ -389,9 +389,23 @@ fn conntrack_keys(input: &[u8], output: &[u8]) -> Result<[CtKey; 2]> {
     ])
 }
 
-/// Opens a flow from `client` to `frontend` through `prog` (its first
-/// packet) and returns the backend chosen.
+/// Opens a flow from `client` to `frontend` through `prog` and returns the
+/// backend chosen: the client's SYN, then the backend's SYN-ACK, so that
+/// conntrack has the flow established (its first answer moves the state
+/// of both entries, which no later packet of the cases does).
 fn open_flow(bed: &Bed, prog: Prog, client: SocketAddrV4, frontend: SocketAddrV4) -> Result<SocketAddrV4> {
+    let backend = send_syn(bed, prog, client, frontend)?;
+    let syn_ack = Frame::tcp(backend, client, tcp_flags::SYN | tcp_flags::ACK).build();
+    let mut out = vec![0u8; OUT_BUF_LEN];
+    let run = raw::test_run(bed.fd(prog)?, &syn_ack, &mut out)
+        .with_context(|| format!("answering a flow through {}", prog.name()))?;
+    ensure!(run.code != prog.drop(), "{} dropped a SYN-ACK", prog.name());
+    check_output(&syn_ack, &out[..run.out_len], Expect::SourceIs(frontend))?;
+    Ok(backend)
+}
+
+/// The client's SYN through `prog`; returns the backend it was sent to.
+fn send_syn(bed: &Bed, prog: Prog, client: SocketAddrV4, frontend: SocketAddrV4) -> Result<SocketAddrV4> {
     let frame = Frame::tcp(client, frontend, tcp_flags::SYN).build();
     let mut out = vec![0u8; OUT_BUF_LEN];
     let run = raw::test_run(bed.fd(prog)?, &frame, &mut out)
