@@ -772,6 +772,8 @@ mod tests {
             [
                 "XP_BACKENDS",
                 "XP_CT",
+                "XP_CT_STATS",
+                "XP_FRAGS",
                 "XP_PORTS",
                 "XP_REV_NAT",
                 "XP_SERVICES",

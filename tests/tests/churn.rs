@@ -105,8 +105,10 @@ fn run(bed: &mut AgentBed, mode: &str) -> Result<()> {
     client.sysctl("net.ipv4.tcp_tw_reuse", "1")?;
 
     let (changes, answers) = std::thread::scope(|scope| -> Result<_> {
+        // The seed's three pods are in place from before the first connection.
+        let started = Instant::now();
         let load = scope.spawn(|| client.run_in(|| connect_until(Instant::now() + CHURN)));
-        let changes = change_endpoints(bed, Instant::now() + CHURN);
+        let changes = change_endpoints(bed, started, started + CHURN);
         let answers = load.join().map_err(|_| anyhow::anyhow!("the load thread panicked"))??;
         Ok((changes?, answers))
     })?;
@@ -146,10 +148,11 @@ fn run(bed: &mut AgentBed, mode: &str) -> Result<()> {
     Ok(())
 }
 
-/// Rewrites the EndpointSlice every [`CHANGE_EVERY`] until `until`.
-fn change_endpoints(bed: &AgentBed, until: Instant) -> Result<Vec<Change>> {
+/// Rewrites the EndpointSlice every [`CHANGE_EVERY`] until `until`; the
+/// first change in the list is the set in place since `started`.
+fn change_endpoints(bed: &AgentBed, started: Instant, until: Instant) -> Result<Vec<Change>> {
     let mut changes = vec![Change {
-        at: Instant::now(),
+        at: started,
         pods: BACKENDS.iter().map(|(name, _)| *name).collect(),
     }];
     let start = Instant::now();
