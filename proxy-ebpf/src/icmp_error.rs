@@ -24,7 +24,7 @@ use proxy_common::proto;
 use crate::{
     context::{Ctx, Side},
     csum,
-    parse::{INNER_IP_OFF, INNER_L4_OFF, IP_OFF, L4_OFF, ptr_at},
+    parse::{ETH_LEN, INNER_IP_OFF, INNER_L4_OFF, IP_OFF, Ipv4Hdr, L4_OFF, ptr_at},
 };
 
 const ICMP_CHECK_OFF: usize = L4_OFF + 2;
@@ -56,18 +56,30 @@ pub fn translate(
         let inner_ip_check = csum::replace32(*inner_check, old.0, new.0);
         icmp = csum::replace16(icmp, *inner_check, inner_ip_check);
         *inner_check = inner_ip_check;
-        icmp = quoted_l4_check(ctx, l4_proto, old, new, icmp);
+        icmp = quoted_l4_check(ctx, l4_proto, old, new, icmp, packet_end(ctx)?);
         *icmp_check = icmp;
     }
     outer_address(ctx, outer, old.0, new.0)
 }
 
-/// Updates the quoted L4 checksum (if the quote reaches it) for the
-/// address and port change; returns the ICMP checksum updated for it.
+/// Where the IPv4 packet ends in the frame (bytes after it are the link's
+/// padding or trailer, not the quote's).
 #[inline(always)]
-fn quoted_l4_check(ctx: &impl Ctx, l4_proto: u8, old: (u32, u16), new: (u32, u16), icmp: u16) -> u16 {
-    let off = if l4_proto == proto::TCP { 16 } else { 6 };
-    let Some(check) = ptr_at::<u16>(ctx, INNER_L4_OFF + off) else {
+fn packet_end(ctx: &impl Ctx) -> Result<usize, ()> {
+    let ip: *const Ipv4Hdr = ptr_at(ctx, IP_OFF).ok_or(())?;
+    Ok(ETH_LEN + u16::from_be(unsafe { (*ip).tot_len_be }) as usize)
+}
+
+/// Updates the quoted L4 checksum (if the quote, which ends at `end`,
+/// reaches it) for the address and port change; returns the ICMP checksum
+/// updated for it.
+#[inline(always)]
+fn quoted_l4_check(ctx: &impl Ctx, l4_proto: u8, old: (u32, u16), new: (u32, u16), icmp: u16, end: usize) -> u16 {
+    let off = INNER_L4_OFF + if l4_proto == proto::TCP { 16 } else { 6 };
+    if off + 2 > end {
+        return icmp;
+    }
+    let Some(check) = ptr_at::<u16>(ctx, off) else {
         return icmp;
     };
     unsafe {

@@ -2632,6 +2632,15 @@ fn icmp_errors_of_translated_flows_are_translated() {
                 &what,
             );
         }
+        // A short quote in a frame with a link-layer trailer: the trailer
+        // is no part of the quote, whatever bytes sit where a TCP
+        // checksum would (found by the fuzz).
+        let trailer = [0xab; 10];
+        let error = Frame::icmp_error(*backend.ip(), *c.ip(), frag_needed.clone(), &ip_packet(&dnat)[..28])
+            .with_padding(&trailer);
+        let quote_and_trailer = [&ip_packet(&syn)[..28], &trailer[..]].concat();
+        let what = "frag-needed quoting 28 bytes, a 10-byte trailer";
+        check_icmp_error(&mut h, prog, &error, (CLUSTER_IP, *c.ip()), &quote_and_trailer, what);
 
         // Path MTU discovery through a NodePort: the reply left the node as
         // NODE_IP:30791 -> client; a router's frag-needed about it comes
