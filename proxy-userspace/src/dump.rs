@@ -94,9 +94,9 @@ pub fn render(snapshot: &Snapshot) -> String {
     if let Some(t) = &snapshot.table {
         let _ = writeln!(
             out,
-            "Conntrack table: {} of {} entries at the last sweep; {} inserted, {} removed by the programs, \
-             {} expired, {} evicted",
-            t.get(ct_stat::LIVE),
+            "Conntrack table: {} of {} entries; {} inserted, {} removed by the programs, {} expired, \
+             {} evicted",
+            snapshot.forward_flows + snapshot.reply_flows,
             t.max_entries,
             t.get(ct_stat::INSERTED),
             t.get(ct_stat::REMOVED),
@@ -108,7 +108,7 @@ pub fn render(snapshot: &Snapshot) -> String {
     for (verdict, counter) in &snapshot.verdicts {
         let _ = writeln!(
             out,
-            "  {:<22} {:>12} packets {:>14} bytes",
+            "  {:<24} {:>12} packets {:>14} bytes",
             verdict.name(),
             counter.packets,
             counter.bytes
@@ -166,9 +166,9 @@ TCP  10.96.0.10:88 ClusterIP
 UDP  10.96.0.20:53 ClusterIP (no endpoints: reject)
 
 Tracked flows: 2 (2 reply entries): established 1, time_wait 1
-Conntrack table: 4 of 262144 entries at the last sweep; 10 inserted, 2 removed by the programs, 4 expired, 0 evicted
+Conntrack table: 4 of 262144 entries; 10 inserted, 2 removed by the programs, 4 expired, 0 evicted
 Verdicts:
-  dnat_new                          2 packets            148 bytes
+  dnat_new                            2 packets            148 bytes
 ";
         assert_eq!(render(&snapshot), expected);
     }
