@@ -10,16 +10,18 @@
 //!   / ICMP or raw bytes) and [`Frame::build`]s it with correct checksums.
 //! - [`check`] parses an output frame and verifies every checksum in it.
 //! - [`parse_strict`] applies the programs' malformed-input policy and says
-//!   whether a frame is a fully parsed IPv4 TCP/UDP flow.
+//!   whether a frame is a fully parsed IPv4 TCP/UDP flow (a whole datagram
+//!   or a first fragment), a later fragment of one, or an ICMP error
+//!   quoting one.
 //! - [`expected_rst`] and [`expected_port_unreachable`] build the answers the
 //!   programs must send for a Service without backends.
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 
 use etherparse::{
-    EtherType, Ethernet2Header, IcmpEchoHeader, Icmpv4Header, Icmpv4Type, IpDscp, IpEcn, IpFragOffset, IpNumber,
-    Ipv4Header, Ipv4Options, SingleVlanHeader, TcpHeader, UdpHeader, VlanId, VlanPcp, checksum::Sum16BitWords,
-    icmpv4::DestUnreachableHeader,
+    EtherType, Ethernet2Header, IcmpEchoHeader, Icmpv4Header, Icmpv4Slice, Icmpv4Type, IpDscp, IpEcn, IpFragOffset,
+    IpNumber, Ipv4Header, Ipv4HeaderSlice, Ipv4Options, SingleVlanHeader, TcpHeader, UdpHeader, VlanId, VlanPcp,
+    checksum::Sum16BitWords, icmpv4::DestUnreachableHeader,
 };
 
 /// TCP flag bits as in byte 13 of the TCP header.
@@ -580,12 +582,20 @@ pub fn check(frame: &[u8]) -> Result<Checked, String> {
 /// alone (before any map lookup).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Strict {
-    /// Truncated, bad lengths, IP options, fragment, VLAN tag, port 0, ...
+    /// Truncated, bad lengths, IP options, VLAN tag, port 0, ...
     Malformed(&'static str),
-    /// Not IPv4, or neither TCP nor UDP.
+    /// Not IPv4, neither TCP nor UDP, or ICMP other than an error quoting
+    /// a TCP/UDP packet.
     NotIpv4OrL4(&'static str),
-    /// A fully parsed IPv4 TCP or UDP packet.
+    /// A fully parsed IPv4 TCP or UDP packet: a whole datagram or the
+    /// first fragment of one.
     Flow(Flow),
+    /// A later fragment of a TCP or UDP datagram: no L4 header, its ports
+    /// are its first fragment's.
+    LaterFragment(LaterFragment),
+    /// An ICMP destination unreachable or time exceeded quoting a TCP or
+    /// UDP packet.
+    IcmpError(IcmpError),
 }
 
 /// A fully parsed IPv4 TCP or UDP packet.
@@ -602,9 +612,15 @@ pub struct Flow {
     pub tcp_flags: u8,
     pub seq: u32,
     pub ack: u32,
+    /// Payload bytes after the L4 header: in this packet (TCP), or as the
+    /// UDP length field says (which a first fragment may not hold).
     pub payload_len: usize,
     /// UDP only: the checksum field (0 = none).
     pub udp_checksum: u16,
+    /// IP identification (ties a datagram's fragments together).
+    pub ip_id: u16,
+    /// More fragments follow: this is a datagram's first fragment.
+    pub first_fragment: bool,
 }
 
 impl Flow {
@@ -618,13 +634,57 @@ impl Flow {
     }
 }
 
+/// A later IPv4 fragment (offset not 0) of a TCP or UDP datagram.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaterFragment {
+    pub proto: u8,
+    pub src: Ipv4Addr,
+    pub dst: Ipv4Addr,
+    /// IP identification: with the addresses and protocol, the datagram's.
+    pub ip_id: u16,
+    /// IPv4 total length.
+    pub tot_len: usize,
+}
+
+/// Offsets in an ICMP error frame (no VLAN tag, no IP options in either header).
+pub mod icmp_offsets {
+    /// The ICMP header.
+    pub const ICMP: usize = super::ETH_HLEN + 20;
+    /// The quoted packet's IPv4 header.
+    pub const INNER_IP: usize = ICMP + 8;
+    /// The quoted packet's L4 header.
+    pub const INNER_L4: usize = INNER_IP + 20;
+}
+
+/// An ICMP error (type 3 or 11, any code, not fragmented) quoting an IPv4
+/// packet without options that is a whole datagram or a first fragment,
+/// TCP or UDP, with both ports (not 0) inside the IPv4 total length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IcmpError {
+    /// The outer header's addresses.
+    pub src: Ipv4Addr,
+    pub dst: Ipv4Addr,
+    pub icmp_type: u8,
+    /// The quoted packet's protocol, source and destination, as quoted.
+    pub quoted_proto: u8,
+    pub quoted_src: SocketAddrV4,
+    pub quoted_dst: SocketAddrV4,
+    /// The quoted packet's IPv4 total length field (as its sender wrote it).
+    pub quoted_tot_len: usize,
+    /// Outer IPv4 total length: the quote ends at `ETH_HLEN + tot_len`.
+    pub tot_len: usize,
+}
+
 /// Applies the data path's input policy (see the Verdict docs in
 /// proxy-common) to a frame, with etherparse doing the header parsing.
 ///
 /// Order: Ethernet, VLAN tags (malformed), ether type (not IPv4), IPv4
-/// header (truncated, version, IHL, total length, fragment: malformed), L4
-/// protocol (not TCP/UDP), L4 header (lengths, TCP data offset, UDP length
-/// field, ports: malformed).
+/// header (truncated, version, IHL, total length: malformed), an ICMP
+/// error that is not fragmented (its quote: not ours unless TCP/UDP with
+/// ports), L4 protocol (not TCP/UDP), a later fragment (no L4 header to
+/// parse), L4 header (lengths, TCP data offset, UDP length field, ports:
+/// malformed). A first fragment is parsed as a whole datagram, except that
+/// its UDP length may reach past it.
 pub fn parse_strict(frame: &[u8]) -> Strict {
     let Ok((eth, rest)) = Ethernet2Header::from_slice(frame) else {
         return Strict::Malformed("truncated Ethernet header");
@@ -634,92 +694,173 @@ pub fn parse_strict(frame: &[u8]) -> Strict {
         ETHERTYPE_IPV4 => {}
         _ => return Strict::NotIpv4OrL4("ether type"),
     }
+    let (ip, packet) = match strict_ipv4(rest) {
+        Ok(parsed) => parsed,
+        Err(strict) => return strict,
+    };
+    match ip.protocol {
+        IpNumber::ICMP if !ip.is_fragmenting_payload() => return icmp_error(&ip, packet),
+        IpNumber::TCP | IpNumber::UDP => {}
+        _ => return Strict::NotIpv4OrL4("L4 protocol"),
+    }
+    if ip.fragment_offset.value() != 0 {
+        return Strict::LaterFragment(LaterFragment {
+            proto: ip.protocol.0,
+            src: Ipv4Addr::from(ip.source),
+            dst: Ipv4Addr::from(ip.destination),
+            ip_id: ip.identification,
+            tot_len: packet.len(),
+        });
+    }
+    strict_l4(&ip, packet)
+}
+
+/// The IPv4 header (version 4, no options) and the packet it heads, cut
+/// at its total length.
+fn strict_ipv4(rest: &[u8]) -> Result<(Ipv4Header, &[u8]), Strict> {
     if rest.len() < Ipv4Header::MIN_LEN {
-        return Strict::Malformed("truncated IPv4 header");
+        return Err(Strict::Malformed("truncated IPv4 header"));
     }
     if rest[0] >> 4 != 4 {
-        return Strict::Malformed("IP version");
+        return Err(Strict::Malformed("IP version"));
     }
     if rest[0] & 0x0f != 5 {
-        return Strict::Malformed("IHL (options or too short)");
+        return Err(Strict::Malformed("IHL (options or too short)"));
     }
     let Ok((ip, _)) = Ipv4Header::from_slice(rest) else {
-        return Strict::Malformed("IPv4 header");
+        return Err(Strict::Malformed("IPv4 header"));
     };
     let tot_len = usize::from(ip.total_len);
     // etherparse does not insist on this one.
     if tot_len < Ipv4Header::MIN_LEN {
-        return Strict::Malformed("IPv4 total length below the header");
+        return Err(Strict::Malformed("IPv4 total length below the header"));
     }
     if tot_len > rest.len() {
-        return Strict::Malformed("IPv4 total length beyond the frame");
+        return Err(Strict::Malformed("IPv4 total length beyond the frame"));
     }
-    if ip.is_fragmenting_payload() {
-        return Strict::Malformed("fragment");
-    }
-    let l4 = &rest[Ipv4Header::MIN_LEN..tot_len];
-    let l4_offset = ETH_HLEN + Ipv4Header::MIN_LEN;
-    let src_ip = Ipv4Addr::from(ip.source);
-    let dst_ip = Ipv4Addr::from(ip.destination);
+    Ok((ip, &rest[..tot_len]))
+}
+
+/// The TCP or UDP header of a whole datagram or a first fragment.
+fn strict_l4(ip: &Ipv4Header, packet: &[u8]) -> Strict {
+    let l4 = &packet[Ipv4Header::MIN_LEN..];
     let mut flow = Flow {
         proto: ip.protocol.0,
-        src: SocketAddrV4::new(src_ip, 0),
-        dst: SocketAddrV4::new(dst_ip, 0),
-        l4_offset,
-        tot_len,
+        src: SocketAddrV4::new(Ipv4Addr::from(ip.source), 0),
+        dst: SocketAddrV4::new(Ipv4Addr::from(ip.destination), 0),
+        l4_offset: ETH_HLEN + Ipv4Header::MIN_LEN,
+        tot_len: packet.len(),
         tcp_flags: 0,
         seq: 0,
         ack: 0,
         payload_len: 0,
         udp_checksum: 0,
+        ip_id: ip.identification,
+        first_fragment: ip.more_fragments,
     };
-    match ip.protocol {
-        IpNumber::TCP => {
-            if l4.len() < TcpHeader::MIN_LEN {
-                return Strict::Malformed("IPv4 total length below the TCP header");
-            }
-            let doff = usize::from(l4[12] >> 4);
-            if doff < 5 {
-                return Strict::Malformed("TCP data offset below 5");
-            }
-            if doff * 4 > l4.len() {
-                return Strict::Malformed("TCP data offset beyond the total length");
-            }
-            let Ok((tcp, payload)) = TcpHeader::from_slice(l4) else {
-                return Strict::Malformed("TCP header");
-            };
-            flow.src.set_port(tcp.source_port);
-            flow.dst.set_port(tcp.destination_port);
-            flow.tcp_flags = l4[13];
-            flow.seq = tcp.sequence_number;
-            flow.ack = tcp.acknowledgment_number;
-            flow.payload_len = payload.len();
-        }
-        IpNumber::UDP => {
-            let Ok((udp, _)) = UdpHeader::from_slice(l4) else {
-                return Strict::Malformed("IPv4 total length below the UDP header");
-            };
-            // "Lengths consistent", as the kernel's UDP receive path has it:
-            // the length field covers the header and stays within the IPv4
-            // payload (a shorter datagram with trailing bytes is valid).
-            let udp_len = usize::from(udp.length);
-            if udp_len < UdpHeader::LEN {
-                return Strict::Malformed("UDP length below the header");
-            }
-            if udp_len > l4.len() {
-                return Strict::Malformed("UDP length beyond the total length");
-            }
-            flow.src.set_port(udp.source_port);
-            flow.dst.set_port(udp.destination_port);
-            flow.payload_len = udp_len - UdpHeader::LEN;
-            flow.udp_checksum = udp.checksum;
-        }
-        _ => return Strict::NotIpv4OrL4("L4 protocol"),
+    let parsed = if ip.protocol == IpNumber::TCP {
+        strict_tcp(l4, &mut flow)
+    } else {
+        strict_udp(l4, &mut flow)
+    };
+    if let Err(why) = parsed {
+        return Strict::Malformed(why);
     }
     if flow.src.port() == 0 || flow.dst.port() == 0 {
         return Strict::Malformed("port 0");
     }
     Strict::Flow(flow)
+}
+
+fn strict_tcp(l4: &[u8], flow: &mut Flow) -> Result<(), &'static str> {
+    if l4.len() < TcpHeader::MIN_LEN {
+        return Err("IPv4 total length below the TCP header");
+    }
+    let doff = usize::from(l4[12] >> 4);
+    if doff < 5 {
+        return Err("TCP data offset below 5");
+    }
+    if doff * 4 > l4.len() {
+        return Err("TCP data offset beyond the total length");
+    }
+    let (tcp, payload) = TcpHeader::from_slice(l4).map_err(|_| "TCP header")?;
+    flow.src.set_port(tcp.source_port);
+    flow.dst.set_port(tcp.destination_port);
+    flow.tcp_flags = l4[13];
+    flow.seq = tcp.sequence_number;
+    flow.ack = tcp.acknowledgment_number;
+    flow.payload_len = payload.len();
+    Ok(())
+}
+
+fn strict_udp(l4: &[u8], flow: &mut Flow) -> Result<(), &'static str> {
+    let (udp, _) = UdpHeader::from_slice(l4).map_err(|_| "IPv4 total length below the UDP header")?;
+    // "Lengths consistent", as the kernel's UDP receive path has it: the
+    // length field covers the header and stays within the IPv4 payload (a
+    // shorter datagram with trailing bytes is valid). A first fragment
+    // holds only the start of its datagram.
+    let udp_len = usize::from(udp.length);
+    if udp_len < UdpHeader::LEN {
+        return Err("UDP length below the header");
+    }
+    if udp_len > l4.len() && !flow.first_fragment {
+        return Err("UDP length beyond the total length");
+    }
+    flow.src.set_port(udp.source_port);
+    flow.dst.set_port(udp.destination_port);
+    flow.payload_len = udp_len - UdpHeader::LEN;
+    flow.udp_checksum = udp.checksum;
+    Ok(())
+}
+
+/// An unfragmented ICMP packet: an error quoting a TCP/UDP packet's
+/// header and ports, or not ours.
+fn icmp_error(ip: &Ipv4Header, packet: &[u8]) -> Strict {
+    use icmp_offsets::{ICMP, INNER_IP, INNER_L4};
+    let not_ours = Strict::NotIpv4OrL4;
+    let icmp = &packet[Ipv4Header::MIN_LEN..];
+    let Ok(header) = Icmpv4Slice::from_slice(icmp) else {
+        return not_ours("ICMP header");
+    };
+    if header.type_u8() != 3 && header.type_u8() != 11 {
+        return not_ours("ICMP: not destination unreachable or time exceeded");
+    }
+    // Up to the quoted ports, inside the total length.
+    if packet.len() < INNER_L4 + 4 - ETH_HLEN {
+        return not_ours("ICMP error: no quoted ports");
+    }
+    let quote = &icmp[INNER_IP - ICMP..];
+    if quote[0] != 0x45 {
+        return not_ours("ICMP error: quoted header not IPv4 without options");
+    }
+    let Ok(inner) = Ipv4HeaderSlice::from_slice(quote) else {
+        return not_ours("ICMP error: quoted IPv4 header");
+    };
+    if inner.fragments_offset().value() != 0 {
+        return not_ours("ICMP error: quotes a later fragment");
+    }
+    let proto = inner.protocol();
+    if proto != IpNumber::TCP && proto != IpNumber::UDP {
+        return not_ours("ICMP error: quotes neither TCP nor UDP");
+    }
+    let ports = &quote[INNER_L4 - INNER_IP..];
+    let (sport, dport) = (
+        u16::from_be_bytes([ports[0], ports[1]]),
+        u16::from_be_bytes([ports[2], ports[3]]),
+    );
+    if sport == 0 || dport == 0 {
+        return not_ours("ICMP error: quoted port 0");
+    }
+    Strict::IcmpError(IcmpError {
+        src: Ipv4Addr::from(ip.source),
+        dst: Ipv4Addr::from(ip.destination),
+        icmp_type: header.type_u8(),
+        quoted_proto: proto.0,
+        quoted_src: SocketAddrV4::new(inner.source_addr(), sport),
+        quoted_dst: SocketAddrV4::new(inner.destination_addr(), dport),
+        quoted_tot_len: usize::from(inner.total_len()),
+        tot_len: packet.len(),
+    })
 }
 
 /// Splits an untagged IPv4 frame without options into fragments of at
@@ -957,7 +1098,10 @@ mod tests {
 
         let echo = Frame::icmp_echo(Ipv4Addr::new(10, 0, 0, 1), Ipv4Addr::new(10, 0, 0, 2)).build();
         check(&echo).expect("valid ICMP");
-        assert_eq!(parse_strict(&echo), Strict::NotIpv4OrL4("L4 protocol"));
+        assert_eq!(
+            parse_strict(&echo),
+            Strict::NotIpv4OrL4("ICMP: not destination unreachable or time exceeded")
+        );
     }
 
     #[test]
@@ -990,8 +1134,93 @@ mod tests {
             .with_vlan(ETHERTYPE_VLAN, 200)
             .build();
         assert_eq!(&qinq[12..22], &[0x88, 0xa8, 0, 100, 0x81, 0, 0, 200, 0x08, 0x00]);
-        let frag = base.with_ip(|ip| ip.frag_offset = 3).build();
-        assert_eq!(parse_strict(&frag), Strict::Malformed("fragment"));
+        let frag = base.clone().with_ip(|ip| ip.frag_offset = 3).build();
+        assert!(matches!(
+            parse_strict(&frag),
+            Strict::LaterFragment(LaterFragment {
+                proto: 6,
+                ip_id: 0x1234,
+                tot_len: 40,
+                ..
+            })
+        ));
+        let icmp_frag = Frame::icmp_echo(Ipv4Addr::new(10, 0, 0, 1), Ipv4Addr::new(10, 0, 0, 2))
+            .with_ip(|ip| ip.frag_offset = 3)
+            .build();
+        assert_eq!(parse_strict(&icmp_frag), Strict::NotIpv4OrL4("L4 protocol"));
+    }
+
+    #[test]
+    fn a_first_fragments_udp_length_may_reach_past_it() {
+        let udp = Frame::udp(addr("10.244.1.5:40000"), addr("10.96.0.10:88"), &[7; 40]);
+        let pieces = fragments(&udp, 16);
+        assert_eq!(pieces.len(), 3);
+        let Strict::Flow(first) = parse_strict(&pieces[0].build()) else {
+            panic!("a first fragment is a flow")
+        };
+        assert!(first.first_fragment);
+        assert_eq!(
+            (first.dst, first.payload_len, first.tot_len),
+            (addr("10.96.0.10:88"), 40, 36)
+        );
+        // Whole, the same length is beyond the datagram.
+        let long = udp.clone().with_udp(|u| u.length = Some(49)).build();
+        assert_eq!(
+            parse_strict(&long),
+            Strict::Malformed("UDP length beyond the total length")
+        );
+        // The 8-byte header must be there, even in a first fragment.
+        let cut = pieces[0].clone().with_ip(|ip| ip.tot_len = Some(27)).build();
+        assert_eq!(
+            parse_strict(&cut),
+            Strict::Malformed("IPv4 total length below the UDP header")
+        );
+        assert!(matches!(
+            parse_strict(&pieces[2].build()),
+            Strict::LaterFragment(LaterFragment { proto: 17, .. })
+        ));
+    }
+
+    #[test]
+    fn icmp_errors_quoting_tcp_or_udp_are_parsed_with_their_quote() {
+        use etherparse::icmpv4::TimeExceededCode;
+        let (client, backend) = (addr("10.244.1.5:40000"), addr("10.244.0.11:80"));
+        let request = Frame::udp(client, backend, b"query").build();
+        let unreachable = Icmpv4Type::DestinationUnreachable(DestUnreachableHeader::Port);
+        let error = Frame::icmp_error(*backend.ip(), *client.ip(), unreachable.clone(), &request[14..]);
+        let Strict::IcmpError(e) = parse_strict(&error.build()) else {
+            panic!("an error quoting UDP")
+        };
+        assert_eq!(
+            (e.quoted_src, e.quoted_dst, e.quoted_proto, e.icmp_type),
+            (client, backend, 17, 3)
+        );
+        assert_eq!((e.src, e.dst, e.tot_len), (*backend.ip(), *client.ip(), 20 + 8 + 33));
+        // The ports are the least a quote must hold.
+        let syn = Frame::tcp(client, backend, tcp_flags::SYN).build();
+        let ttl = Icmpv4Type::TimeExceeded(TimeExceededCode::TtlExceededInTransit);
+        for (quoted, parses) in [(23, false), (24, true), (28, true)] {
+            let error = Frame::icmp_error(*backend.ip(), *client.ip(), ttl.clone(), &syn[14..14 + quoted]).build();
+            match parse_strict(&error) {
+                Strict::IcmpError(e) => assert!(parses && e.tot_len == 28 + quoted, "{quoted}"),
+                other => assert!(
+                    !parses && matches!(other, Strict::NotIpv4OrL4(_)),
+                    "{quoted}: {other:?}"
+                ),
+            }
+        }
+        // Any code of the two types; nothing else, and no fragment.
+        let mut odd_code = error.build();
+        odd_code[35] = 200;
+        assert!(matches!(parse_strict(&odd_code), Strict::IcmpError(_)));
+        let mut redirect = error.build();
+        redirect[34] = 5;
+        assert!(matches!(parse_strict(&redirect), Strict::NotIpv4OrL4(_)));
+        let fragmented = error.clone().with_ip(|ip| ip.mf = true).build();
+        assert_eq!(parse_strict(&fragmented), Strict::NotIpv4OrL4("L4 protocol"));
+        let echo = Frame::icmp_echo(*client.ip(), *backend.ip()).build();
+        let about_icmp = Frame::icmp_error(*backend.ip(), *client.ip(), unreachable, &echo[14..]).build();
+        assert!(matches!(parse_strict(&about_icmp), Strict::NotIpv4OrL4(_)));
     }
 
     #[test]
