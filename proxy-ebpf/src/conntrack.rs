@@ -9,7 +9,7 @@ use proxy_common::{
     Backend, CtKey, CtValue,
     conntrack::{
         FLAG_HANDED_TO_TC, FLAG_REPLY, FLAG_SNAT, FLAG_STATEFUL, FLOW_FLAGS, LAST_SEEN_GRANULARITY_NS, initial_state, is_closed,
-        next_state, opens_flow, tcp_flags,
+        next_state, opens_flow, partner_key, tcp_flags,
     },
     proto,
     stats::ct_stat,
@@ -126,9 +126,25 @@ fn is_over(key: &CtKey, value: &CtValue, now: u64) -> bool {
     if !timeouts.idle_past(value.state, value.last_seen_ns, now) {
         return false;
     }
-    match CONNTRACK.get_ptr(&proxy_common::conntrack::partner_key(key, value)) {
+    match partner_of(key, value) {
         Some(other) => timeouts.idle_past(value.state, unsafe { (*other).last_seen_ns }, now),
         None => true,
+    }
+}
+
+/// The flow's other entry: the one at this entry's partner tuple, if it
+/// names this entry as its partner in turn. After a client reopened a
+/// closed flow's tuple to another backend, the old flow's reply entry
+/// points at the new flow's forward entry but not back: a late RST of the
+/// old connection must not close the new one.
+#[inline(always)]
+fn partner_of(key: &CtKey, value: &CtValue) -> Option<*mut CtValue> {
+    let other_key = partner_key(key, value);
+    let other = CONNTRACK.get_ptr_mut(&other_key)?;
+    if partner_key(&other_key, unsafe { &*other }) == *key {
+        Some(other)
+    } else {
+        None
     }
 }
 
@@ -144,7 +160,7 @@ fn advance(key: &CtKey, entry: *mut CtValue, flow: &Flow, reply: bool, now: u64)
     let (state, new_flags) = next_state(value.state, flow_flags, flow.proto, reply, flow.tcp_flags);
     if state != value.state || new_flags != flow_flags {
         set_state(value, state, new_flags);
-        if let Some(other) = CONNTRACK.get_ptr_mut(&proxy_common::conntrack::partner_key(key, value)) {
+        if let Some(other) = partner_of(key, value) {
             set_state(unsafe { &mut *other }, state, new_flags);
         }
     }

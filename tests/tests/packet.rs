@@ -2724,3 +2724,53 @@ fn out_of_window_segments_are_still_translated() {
         }
     }
 }
+
+/// After a client reopened a closed flow's tuple to another backend, the
+/// old flow's reply entry stays (its late segments are still reverse-NATed)
+/// but is no longer the new flow's partner: a late RST of the old
+/// connection must not close the new one (found by the fuzz).
+#[test]
+fn a_closed_flows_late_rst_leaves_the_flow_reopened_on_its_tuple_alone() {
+    if !require_root("a_closed_flows_late_rst_leaves_the_flow_reopened_on_its_tuple_alone") {
+        return;
+    }
+    let mut h = Harness::seeded();
+    let seed = seed_backends();
+    let only = |h: &mut Harness, backend: SocketAddrV4| {
+        h.sync(&service(
+            SEED_TCP,
+            Protocol::Tcp,
+            CLUSTER_IP,
+            SERVICE_PORT,
+            Some(NODE_PORT),
+            &[backend],
+        ));
+    };
+    only(&mut h, seed[0]);
+    let (syn, old) = open_tcp(&mut h, cluster_ip(), &seed[..1]);
+    close_tcp(&mut h, &syn, old);
+    only(&mut h, seed[2]);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat("reopened", syn.clone(), &seed[2..], Verdict::DnatNew),
+    );
+    let late_rst = Frame::tcp(old, syn.src(), RST | ACK);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::rev_nat("the old connection's late RST", late_rst, cluster_ip()),
+    );
+    let mut states = flow_states(&h, syn.src());
+    states.sort();
+    assert_eq!(
+        states,
+        [state::TCP_SYN_SENT, state::TCP_SYN_SENT, state::TCP_CLOSE],
+        "the new flow's entries untouched, the old reply entry closed"
+    );
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat("SYN retransmitted", syn, &seed[2..], Verdict::DnatEstablished),
+    );
+}
