@@ -38,15 +38,12 @@
 //! Frames the kernel refuses for tc before the program runs (see
 //! `testrun::kernel_may_refuse`) are counted and skipped. At the end the
 //! verdict counters must add up to the oracle's counts; every deviation kind
-//! is reported with its count and first example. Two things the fuzz found
-//! in the data path are reported, not fixed here, and counted apart: an
-//! ICMP error's quoted checksum rewritten past the IPv4 total length
-//! (`judge_icmp_error`: a deviation with `XPROXY_FUZZ_STRICT` set), and a
-//! packet's state change written into another flow's entry (modelled as
-//! the programs do it, see `conntrack`).
+//! is reported with its count and first example. A packet's state change
+//! written into another flow's entry is modelled as the programs do it and
+//! counted (see `conntrack`).
 //!
 //! Environment: `XPROXY_FUZZ_FRAMES` (mutated frames per program, default
-//! 1000000), `XPROXY_FUZZ_SEED`, `XPROXY_FUZZ_STRICT`. About 75 s for all
+//! 1000000), `XPROXY_FUZZ_SEED`. About 75 s for all
 //! three in a debug build on 2 cores, 10 s with `--release`.
 
 // The fuzz's own modules, beside this file (a test target's root looks
@@ -67,7 +64,7 @@ use std::{collections::BTreeMap, net::SocketAddrV4, time::Instant};
 use proxy_common::{CtTimeouts, Verdict, conntrack::state};
 use proxy_userspace::mode::ebpf::{LoadOptions, conntrack::CtSettings};
 use xproxy_tests::{
-    frame::{ETH_HLEN, Flow, IcmpError, diff, hex},
+    frame::{Flow, IcmpError, diff, hex},
     privileged::require_root,
     testrun::*,
 };
@@ -95,8 +92,6 @@ const CT_TIMEOUT_S: u32 = 864_000;
 #[derive(Default)]
 struct Findings {
     kinds: BTreeMap<String, (u64, String)>,
-    /// ICMP errors showing the known data-path bug (see `judge_icmp_error`).
-    known_bug: u64,
 }
 
 impl Findings {
@@ -308,21 +303,11 @@ fn judge(run: &Run, expect: &Expect, oracle: &Oracle, findings: &mut Findings) -
     }
 }
 
-/// Checks an ICMP error's translation. The one known data-path bug (see
-/// `check::quote_past_total_length`) is counted apart, not as a deviation,
-/// unless `XPROXY_FUZZ_STRICT` is set.
+/// Checks an ICMP error's translation.
 fn judge_icmp_error(run: &Run, error: &IcmpError, rewrite: &IcmpRewrite, findings: &mut Findings) {
-    let end = ETH_HLEN + error.tot_len;
-    let Err(e) = check::icmp(run.input, &run.out.frame, error, rewrite, end) else {
-        return;
-    };
-    let known_bug = check::quote_past_total_length(run.input, error)
-        .filter(|&end| check::icmp(run.input, &run.out.frame, error, rewrite, end).is_ok());
-    if known_bug.is_some() && std::env::var_os("XPROXY_FUZZ_STRICT").is_none() {
-        findings.known_bug += 1;
-        return;
+    if let Err(e) = check::icmp(run.input, &run.out.frame, error, rewrite) {
+        findings.add(format!("icmp_error: {e}"), || run.with_diff());
     }
-    findings.add(format!("icmp_error: {e}"), || run.with_diff());
 }
 
 fn judge_reject(run: &Run, want: &[u8], findings: &mut Findings) {
@@ -497,10 +482,6 @@ fn report(h: &Harness, oracle: &Oracle, tally: Tally, prog: Prog) {
         mut findings, counts, ..
     } = tally;
     check_counters(h, &counts, &mut findings);
-    println!(
-        "  known data-path bug, an ICMP error's quoted checksum rewritten past the IPv4 total length: {} frames",
-        findings.known_bug
-    );
     if !findings.kinds.is_empty() {
         let mut report = format!("fuzz {}: {} kinds of deviation\n", prog.name(), findings.kinds.len());
         for (kind, (n, example)) in &findings.kinds {

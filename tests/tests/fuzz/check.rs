@@ -142,16 +142,9 @@ pub struct IcmpRewrite {
 
 /// An ICMP error, translated as `rewrite` says: the quote's address and
 /// port, maybe one outer address, and the outer IPv4, ICMP, quoted IPv4
-/// and (if quoted) L4 checksums. `quote_end` is where the program takes
-/// the quote to end: the IPv4 total length's end, as it must (see
-/// [`quote_past_total_length`] for the one exception).
-pub fn icmp(
-    input: &[u8],
-    out: &[u8],
-    error: &IcmpError,
-    rewrite: &IcmpRewrite,
-    quote_end: usize,
-) -> Result<(), String> {
+/// and (if quoted: the quote ends with the IPv4 total length) L4 checksums.
+pub fn icmp(input: &[u8], out: &[u8], error: &IcmpError, rewrite: &IcmpRewrite) -> Result<(), String> {
+    let quote_end = ETH_HLEN + error.tot_len;
     let outer_rewritten = outer_addr(error, rewrite.outer) == *rewrite.old.ip();
     let checksum = Some(quoted_checksum(error)).filter(|c| c + 2 <= quote_end);
     changed_outside(input, out, &icmp_allowed(rewrite, outer_rewritten, checksum))?;
@@ -169,18 +162,7 @@ pub fn icmp(
     icmp_residuals(input, out, (error, &after), checksum, quote_end)
 }
 
-/// The data-path bug the fuzz found (reported, not fixed here): an ICMP
-/// error's quoted L4 checksum is rewritten wherever the frame holds it,
-/// also past the IPv4 total length (in an Ethernet trailer), and the ICMP
-/// checksum is updated for that change too, so that it no longer matches
-/// the message. The end of the quote as that bug sees it, for a frame it
-/// shows in: the frame's end.
-pub fn quote_past_total_length(frame: &[u8], error: &IcmpError) -> Option<usize> {
-    let c = quoted_checksum(error);
-    (c + 2 > ETH_HLEN + error.tot_len && c + 2 <= frame.len()).then_some(frame.len())
-}
-
-/// Offset of the quoted L4 checksum, wherever the quote ends.
+/// Offset of the quoted L4 checksum, if the quote holds it.
 fn quoted_checksum(error: &IcmpError) -> usize {
     INNER_L4 + if error.quoted_proto == proto::TCP { 16 } else { 6 }
 }
