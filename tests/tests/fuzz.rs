@@ -38,9 +38,8 @@
 //! Frames the kernel refuses for tc before the program runs (see
 //! `testrun::kernel_may_refuse`) are counted and skipped. At the end the
 //! verdict counters must add up to the oracle's counts; every deviation kind
-//! is reported with its count and first example. A packet's state change
-//! written into another flow's entry is modelled as the programs do it and
-//! counted (see `conntrack`).
+//! is reported with its count and first example. State changes not passed
+//! on to an entry that is another flow's are counted (see `conntrack`).
 //!
 //! Environment: `XPROXY_FUZZ_FRAMES` (mutated frames per program, default
 //! 1000000), `XPROXY_FUZZ_SEED`. About 75 s for all
@@ -471,9 +470,9 @@ fn report(h: &Harness, oracle: &Oracle, tally: Tally, prog: Prog) {
     }
     let f = &oracle.fragments;
     println!(
-        "  conntrack entries: {} ({} state changes written into another flow's entry); first fragments' keys remembered: {}, seen evicted: {} (the youngest with {} keys after it)",
+        "  conntrack entries: {} ({} state changes kept from an entry of another flow); first fragments' keys remembered: {}, seen evicted: {} (the youngest with {} keys after it)",
         oracle.conntrack.len(),
-        oracle.conntrack.cross_flow_writes,
+        oracle.conntrack.one_way_partners,
         f.len(),
         f.evictions,
         f.youngest_evicted.map_or("no".into(), |y| y.to_string()),

@@ -12,8 +12,9 @@
 //! - any other hit moves the state on (RST: CLOSE, sticky; FIN: its
 //!   direction's bit, both: TIME_WAIT, else FIN_WAIT; a reply while
 //!   SYN_SENT: ESTABLISHED; UDP: a reply makes it REPLIED) and, if it
-//!   changed, writes the same state into whatever entry sits at the
-//!   entry's partner tuple (its other direction as the entry names it);
+//!   changed, writes the same state into the entry at the entry's partner
+//!   tuple (its other direction as the entry names it), if that entry
+//!   names the first as its partner in turn (else it is another flow's);
 //! - an ICMP error only reads the entry of its tuple.
 //!
 //! A new flow's reply entry replaces another reply entry on its tuple, but
@@ -138,11 +139,11 @@ pub enum Lookup {
 #[derive(Default)]
 pub struct Conntrack {
     entries: HashMap<Tuple, Entry>,
-    /// State changes written into an entry of another flow: the entry at a
-    /// partner tuple whose own partner is not the writing entry (a closed
-    /// flow's reply entry left behind by a new flow to another backend, or
-    /// a reply entry a second flow took over). Reported, see `advance`.
-    pub cross_flow_writes: u64,
+    /// State changes not passed on: the entry at the partner tuple names
+    /// another entry as its partner (a closed flow's reply entry left
+    /// behind by a new flow to another backend, or a reply entry a second
+    /// flow took over). Reported, see `advance`.
+    pub one_way_partners: u64,
 }
 
 impl Conntrack {
@@ -174,9 +175,9 @@ impl Conntrack {
     }
 
     /// Moves the state of the entry at `tuple` on, and writes it into the
-    /// entry at its partner tuple, whichever flow that entry is of (as the
-    /// programs do: a late RST of a closed flow can so close the new flow
-    /// its client opened on the same tuple to another backend).
+    /// entry at its partner tuple if that one is the same flow's (it names
+    /// `tuple` as its partner): a late RST of a closed flow must not close
+    /// the new flow its client opened on the same tuple to another backend.
     fn advance(&mut self, tuple: &Tuple, tcp_flags: u8) {
         let entry = self.entries[tuple];
         let (state, fin_forward, fin_reply) = entry.after(tuple.2, tcp_flags);
@@ -184,12 +185,13 @@ impl Conntrack {
             return;
         }
         let partner = entry.partner(tuple);
-        if let Some(p) = self.entries.get(&partner)
-            && p.partner(&partner) != *tuple
-        {
-            self.cross_flow_writes += 1;
+        let mut keys = vec![*tuple];
+        match self.entries.get(&partner) {
+            Some(p) if p.partner(&partner) == *tuple => keys.push(partner),
+            Some(_) => self.one_way_partners += 1,
+            None => {}
         }
-        for key in [*tuple, partner] {
+        for key in keys {
             if let Some(e) = self.entries.get_mut(&key) {
                 (e.state, e.fin_forward, e.fin_reply) = (state, fin_forward, fin_reply);
             }
@@ -282,15 +284,16 @@ mod tests {
         let np = (c, addr("192.168.50.10:30791"), TCP);
         assert!(ct.create(&np, b));
         assert_eq!(ct.find(&rep, ACK), Lookup::Hit { reply: true, nat: np.1 });
-        // The first flow's packets now move the second's reply entry on.
+        // The first flow's packets no longer move the second's reply entry.
         ct.look_up(&fwd, RST);
-        assert_eq!(ct.entry(&rep).map(|e| e.state), Some(State::Close));
+        assert_eq!(ct.entry(&fwd).map(|e| e.state), Some(State::Close));
+        assert_eq!(ct.entry(&rep).map(|e| e.state), Some(State::SynSent));
         assert_eq!(ct.entry(&np).map(|e| e.state), Some(State::SynSent));
-        assert_eq!(ct.cross_flow_writes, 1);
+        assert_eq!(ct.one_way_partners, 1);
     }
 
     #[test]
-    fn a_late_rst_of_a_closed_flow_closes_the_new_flow_on_its_tuple() {
+    fn a_late_rst_of_a_closed_flow_leaves_the_new_flow_on_its_tuple_alone() {
         let mut ct = Conntrack::default();
         let (c, fe) = (addr("10.244.1.5:42000"), addr("10.96.0.10:88"));
         let (old, new) = (addr("10.244.0.11:80"), addr("10.244.0.13:80"));
@@ -301,9 +304,10 @@ mod tests {
         ct.look_up(&fwd, SYN);
         assert!(ct.create(&fwd, new));
         ct.look_up(&(old, c, TCP), RST);
-        assert_eq!(ct.entry(&fwd).map(|e| e.state), Some(State::Close));
+        assert_eq!(ct.entry(&(old, c, TCP)).map(|e| e.state), Some(State::Close));
+        assert_eq!(ct.entry(&fwd).map(|e| e.state), Some(State::SynSent));
         assert_eq!(ct.entry(&(new, c, TCP)).map(|e| e.state), Some(State::SynSent));
-        assert_eq!(ct.find(&fwd, SYN), Lookup::Reopens);
+        assert_eq!(ct.find(&fwd, SYN), Lookup::Hit { reply: false, nat: new });
     }
 
     #[test]
