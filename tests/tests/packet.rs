@@ -2294,7 +2294,7 @@ fn a_backends_syn_ack_on_a_closed_flows_tuple_is_not_the_flows() {
     );
 }
 
-/// Timeouts of one second for every state.
+/// Timeouts of `seconds` for every state (seconds: slack for a loaded machine).
 fn short_timeouts(seconds: u32) -> LoadOptions {
     LoadOptions {
         conntrack: CtSettings {
@@ -2315,7 +2315,7 @@ fn idle_flows_start_over_only_with_a_packet_that_opens_one() {
     if !require_root("idle_flows_start_over_only_with_a_packet_that_opens_one") {
         return;
     }
-    let mut h = Harness::with_options(vec![NODE_IP], short_timeouts(2));
+    let mut h = Harness::with_options(vec![NODE_IP], short_timeouts(3));
     for svc in seed_services() {
         h.sync(&svc);
     }
@@ -2338,7 +2338,7 @@ fn idle_flows_start_over_only_with_a_packet_that_opens_one() {
     // Replies every 0.4 s keep the stream's reply entry fresh (at most a
     // second stale: LAST_SEEN_GRANULARITY_NS) while its forward way idles.
     let started = std::time::Instant::now();
-    while started.elapsed() < std::time::Duration::from_millis(3200) {
+    while started.elapsed() < std::time::Duration::from_millis(4300) {
         let reply = Frame::udp(stream_backend, streamed.src(), b"a");
         run_case(&mut h, Prog::TcIngress, &Case::rev_nat("streamed reply", reply, dns));
         std::thread::sleep(std::time::Duration::from_millis(400));
@@ -2373,7 +2373,7 @@ fn the_sweep_deletes_expired_flows_and_counts_them() {
     if !require_root("the_sweep_deletes_expired_flows_and_counts_them") {
         return;
     }
-    let options = short_timeouts(1);
+    let options = short_timeouts(2);
     let mut h = Harness::with_options(vec![NODE_IP], options);
     for svc in seed_services() {
         h.sync(&svc);
@@ -2384,7 +2384,7 @@ fn the_sweep_deletes_expired_flows_and_counts_them() {
     }
     let sweep = conntrack::sweep(h.pin_dir(), &options.conntrack.timeouts).expect("sweep");
     assert_eq!((sweep.entries, sweep.expired), (10, 0), "nothing is idle yet");
-    std::thread::sleep(std::time::Duration::from_millis(2100));
+    std::thread::sleep(std::time::Duration::from_millis(3100));
     let (live, _) = open_tcp(&mut h, cluster_ip(), &seed);
     let sweep = conntrack::sweep(h.pin_dir(), &options.conntrack.timeouts).expect("sweep");
     assert_eq!((sweep.entries, sweep.expired), (12, 10));
