@@ -8,7 +8,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 
-use crate::{build_ebpf, command, vm};
+use crate::{build_ebpf, command, setup, vm};
 
 #[derive(clap::Args, Debug)]
 pub struct Options {
@@ -49,6 +49,9 @@ pub fn bench(root: &Path, options: &Options) -> Result<()> {
             &extra,
         );
     }
+    setup::ensure_programs(setup::NAMESPACE_TOOLS)?;
+    setup::ensure_programs(setup::BENCH_TOOLS)?;
+    setup::ensure_bpffs()?;
     build_ebpf::build_ebpf(root, &build_ebpf::Options::default())?;
     build_release(root)?;
     let release = root.join("target/release");

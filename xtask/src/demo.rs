@@ -21,7 +21,7 @@ use testbed::{
     topology::{NODE_IP, Offloads, Topology},
 };
 
-use crate::{build_ebpf, command};
+use crate::{build_ebpf, command, setup};
 
 /// From examples/seed/manifests/nginx.yaml.
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 88);
@@ -38,6 +38,9 @@ pub fn demo(root: &Path) -> Result<()> {
     if !testbed::privileged::is_root() {
         bail!("the demo creates network namespaces and loads eBPF programs: run it as root");
     }
+    step("checking the machine: the test bed's programs, bpffs");
+    setup::ensure_programs(setup::NAMESPACE_TOOLS)?;
+    setup::ensure_bpffs()?;
     step("building the eBPF programs and the agent");
     build_ebpf::build_ebpf(root, &build_ebpf::Options::default())?;
     let xproxy = build_agent(root)?;

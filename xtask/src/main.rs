@@ -2,12 +2,15 @@
 //!
 //! The eBPF crate (proxy-ebpf) needs a nightly toolchain, `rust-src` and a
 //! `bpf-linker` built against the nightly's own LLVM; `build-ebpf` sets all of
-//! that up itself, idempotently, so a fresh machine needs only rustup.
+//! that up itself, idempotently, so a fresh machine needs only rustup. The
+//! commands that run the test bed check the machine's programs and bpffs
+//! first and, as root, install and mount what is missing (`setup`).
 
 mod bench;
 mod build_ebpf;
 mod command;
 mod demo;
+mod setup;
 mod test;
 mod toolchain;
 mod vm;

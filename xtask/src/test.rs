@@ -1,10 +1,11 @@
-//! `cargo xtask test`: builds the eBPF object, then runs the workspace tests.
+//! `cargo xtask test`: as root sets the machine up for the test bed
+//! (`setup`), builds the eBPF object, then runs the workspace tests.
 
 use std::{env, fs, path::Path};
 
 use anyhow::{Context, Result};
 
-use crate::{build_ebpf, command};
+use crate::{build_ebpf, command, setup};
 
 /// Set to 1 for the tests when running as root: privileged tests then fail
 /// instead of skipping when they cannot run.
@@ -20,6 +21,12 @@ pub struct Options {
 /// Builds the release eBPF object (which the agent embeds), runs
 /// `cargo test --workspace` and exits with its exit code.
 pub fn test(root: &Path, options: &Options) -> Result<()> {
+    let root_user = is_root()?;
+    if root_user {
+        // The privileged tests run the test bed: its programs and bpffs.
+        setup::ensure_programs(setup::NAMESPACE_TOOLS)?;
+        setup::ensure_bpffs()?;
+    }
     build_ebpf::build_ebpf(root, &build_ebpf::Options { debug: false })?;
 
     let mut cmd = command::workspace_cargo(root);
@@ -28,7 +35,7 @@ pub fn test(root: &Path, options: &Options) -> Result<()> {
         cmd.arg("--workspace");
     }
     cmd.args(&options.cargo_args);
-    if is_root()? && env::var_os(PRIVILEGED_ENV).is_none() {
+    if root_user && env::var_os(PRIVILEGED_ENV).is_none() {
         eprintln!("xtask: running as root: {PRIVILEGED_ENV}=1");
         cmd.env(PRIVILEGED_ENV, "1");
     }

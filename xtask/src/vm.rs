@@ -36,7 +36,8 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 
-use crate::{build_ebpf, command};
+use crate::{build_ebpf, command, setup};
+pub use setup::find_program;
 
 /// The package whose test executables run in the VM.
 const TEST_PACKAGE: &str = "xproxy-tests";
@@ -216,23 +217,9 @@ fn phase(text: &str) {
     eprintln!("xtask vm: {text}");
 }
 
-/// Fails with the packages to install when a host program is missing.
+/// Installs the host programs the VM step needs (as root), or says which.
 fn check_host_programs() -> Result<()> {
-    let missing: Vec<_> = HOST_PROGRAMS
-        .iter()
-        .filter(|(program, _)| find_program(program).is_none())
-        .collect();
-    if !missing.is_empty() {
-        let programs: Vec<_> = missing.iter().map(|(program, _)| *program).collect();
-        let mut packages: Vec<_> = missing.iter().map(|(_, package)| *package).collect();
-        packages.dedup();
-        bail!(
-            "missing {}: apt-get install {}",
-            programs.join(", "),
-            packages.join(" ")
-        );
-    }
-    Ok(())
+    setup::ensure_programs(HOST_PROGRAMS)
 }
 
 /// `$XDG_CACHE_HOME/xproxy/vm`, else `$HOME/.cache/xproxy/vm`.
@@ -242,21 +229,6 @@ fn cache_dir() -> Result<PathBuf> {
         None => PathBuf::from(env::var_os("HOME").context("neither XDG_CACHE_HOME nor HOME is set")?).join(".cache"),
     };
     Ok(base.join("xproxy").join("vm"))
-}
-
-/// Where `program` is on `PATH` (plus the sbin directories, which a non-login
-/// root shell may lack).
-pub fn find_program(program: &str) -> Option<PathBuf> {
-    let path = env::var_os("PATH").unwrap_or_default();
-    env::split_paths(&path)
-        .chain(["/usr/local/sbin", "/usr/sbin", "/sbin"].map(PathBuf::from))
-        .map(|dir| dir.join(program))
-        .find(|candidate| is_executable(candidate))
-}
-
-fn is_executable(path: &Path) -> bool {
-    use std::os::unix::fs::PermissionsExt;
-    fs::metadata(path).is_ok_and(|meta| meta.is_file() && meta.permissions().mode() & 0o111 != 0)
 }
 
 /// The environment of every test in the guest.
