@@ -123,7 +123,12 @@ mod tests {
 
     #[test]
     fn names_each_missing_package_once() {
-        let needs = [("ip", "iproute2"), ("tc", "iproute2"), ("nft", "nftables"), ("wrk", "wrk")];
+        let needs = [
+            ("ip", "iproute2"),
+            ("tc", "iproute2"),
+            ("nft", "nftables"),
+            ("wrk", "wrk"),
+        ];
         let missing = missing_packages(&needs, |program| program == "nft");
         assert_eq!(missing, ["iproute2", "wrk"]);
         assert!(missing_packages(&needs, |_| true).is_empty());

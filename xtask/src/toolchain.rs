@@ -255,6 +255,23 @@ fn links_nightly_llvm(linker: &Path, llvm: &NightlyLlvm) -> Result<bool> {
     Ok(true)
 }
 
+/// The bpf-linker release the eBPF build is known to work with: a newer
+/// one must not arrive unasked (`cargo install` takes the newest).
+const BPF_LINKER_VERSION: &str = "0.13.0";
+
+/// Whether `linker --version` names [`BPF_LINKER_VERSION`].
+fn is_pinned_version(linker: &Path) -> bool {
+    std::process::Command::new(linker)
+        .arg("--version")
+        .output()
+        .is_ok_and(|out| says_version(&String::from_utf8_lossy(&out.stdout), BPF_LINKER_VERSION))
+}
+
+/// Whether a `--version` line (`bpf-linker 0.13.0`) names `version`.
+fn says_version(output: &str, version: &str) -> bool {
+    output.split_whitespace().nth(1) == Some(version)
+}
+
 /// `cargo install bpf-linker` linked against the nightly's libLLVM, into `root`.
 fn install_bpf_linker(root: &Path, llvm: &NightlyLlvm) -> Result<()> {
     let lib_dir = llvm.lib_dir.display();
@@ -271,6 +288,8 @@ fn install_bpf_linker(root: &Path, llvm: &NightlyLlvm) -> Result<()> {
     cmd.args([
         "install",
         "bpf-linker",
+        "--version",
+        &format!("={BPF_LINKER_VERSION}"),
         "--no-default-features",
         "--features",
         &features,
@@ -288,7 +307,7 @@ pub fn ensure_bpf_linker() -> Result<PathBuf> {
     let llvm = nightly_llvm()?;
     let root = install_root()?;
     let linker = root.join("bin").join("bpf-linker");
-    if links_nightly_llvm(&linker, &llvm)? {
+    if links_nightly_llvm(&linker, &llvm)? && is_pinned_version(&linker) {
         return Ok(linker);
     }
     install_bpf_linker(&root, &llvm)?;
@@ -328,6 +347,13 @@ mod tests {
         let list = "stable-x86_64-unknown-linux-gnu (default)\nnightly-x86_64-unknown-linux-gnu\n";
         assert!(has_toolchain(list, "nightly"));
         assert!(!has_toolchain("stable-x86_64-unknown-linux-gnu (default)\n", "nightly"));
+    }
+
+    #[test]
+    fn reads_the_linkers_version() {
+        assert!(says_version("bpf-linker 0.13.0\n", "0.13.0"));
+        assert!(!says_version("bpf-linker 0.13.1\n", "0.13.0"));
+        assert!(!says_version("", "0.13.0"));
     }
 
     #[test]
