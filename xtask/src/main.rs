@@ -42,6 +42,8 @@ enum Command {
     Vm(vm::Options),
     /// Measure every mode side by side; writes bench/results/<date>-<host>.{json,md,*.svg}.
     Bench(bench::Options),
+    /// Install what demo, test, vm and bench run (Debian packages) and mount bpffs; as root.
+    Setup,
 }
 
 fn main() -> ExitCode {
@@ -69,6 +71,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Demo => demo::demo(&root),
         Command::Vm(options) => vm::vm(&root, &options),
         Command::Bench(options) => bench::bench(&root, &options),
+        Command::Setup => setup::everything(),
     }
 }
 

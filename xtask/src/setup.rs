@@ -42,6 +42,19 @@ const BPFFS: &str = "/sys/fs/bpf";
 /// `statfs(2)` magic of bpffs.
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
+/// `cargo xtask setup`: everything the other commands would set up on
+/// their way, at once (what `.ci/run` calls before the tests).
+pub fn everything() -> Result<()> {
+    if !testbed::privileged::is_root() {
+        bail!("setup installs Debian packages and mounts bpffs: run it as root");
+    }
+    let all: Vec<(&str, &str)> = [NAMESPACE_TOOLS, BENCH_TOOLS, crate::vm::HOST_PROGRAMS].concat();
+    ensure_programs(&all)?;
+    ensure_bpffs()?;
+    eprintln!("xtask: the machine has everything demo, test, vm and bench run");
+    Ok(())
+}
+
 /// Makes sure every program of `needs` is there: installs the missing
 /// ones' packages as root, else fails saying which to install.
 pub fn ensure_programs(needs: &[(&str, &str)]) -> Result<()> {

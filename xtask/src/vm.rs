@@ -51,7 +51,7 @@ const AGENT: (&str, &str) = ("proxy-userspace", "xproxy");
 const DEFAULT_FUZZ_FRAMES: u64 = 20_000;
 
 /// Host programs the VM step needs, and the Debian package of each.
-const HOST_PROGRAMS: &[(&str, &str)] = &[
+pub const HOST_PROGRAMS: &[(&str, &str)] = &[
     ("qemu-system-x86_64", "qemu-system-x86"),
     ("busybox", "busybox-static"),
     ("cpio", "cpio"),
