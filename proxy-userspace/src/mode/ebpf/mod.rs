@@ -17,7 +17,9 @@
 //! Tracked flows follow kube-proxy: a flow's conntrack entries hold its
 //! backend (and its frontend, for the replies), so a TCP flow goes on to
 //! its backend after the backend or the whole Service is removed, until the
-//! flow ends or its entries are evicted; after every sync the agent deletes
+//! flow ends (a new SYN on a closed or idle flow's tuple picks afresh: see
+//! `proxy_common::conntrack`) or the sweep (`conntrack`) deletes it as
+//! expired; after every sync the agent deletes
 //! the entries of UDP flows whose backend left their frontend
 //! (`stale_flows`), so their next datagram picks a current backend, or
 //! passes untranslated if the Service is gone.
