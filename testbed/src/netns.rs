@@ -465,27 +465,41 @@ impl Server {
     /// A UDP server on `0.0.0.0:port` in `ns` that answers every datagram
     /// with `reply` and a newline. Returns once the socket is bound.
     pub fn udp(ns: &Netns, port: u16, reply: &str) -> Result<Self> {
+        let line = format!("{reply}\n").into_bytes();
+        Self::udp_answering(ns, port, reply, move |_| line.clone())
+    }
+
+    /// A UDP server on `0.0.0.0:port` in `ns` that sends every datagram,
+    /// up to the largest IPv4 allows, back to its sender.
+    pub fn udp_echo(ns: &Netns, port: u16) -> Result<Self> {
+        Self::udp_answering(ns, port, "echo", <[u8]>::to_vec)
+    }
+
+    fn udp_answering(
+        ns: &Netns,
+        port: u16,
+        what: &str,
+        answer: impl Fn(&[u8]) -> Vec<u8> + Send + 'static,
+    ) -> Result<Self> {
+        let what = format!("udp server {what}@{}:{port}", ns.name());
         Self::spawn(
             ns,
-            format!("udp server {reply}@{}:{port}", ns.name()),
+            what.clone(),
             move || {
                 let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, port))?;
                 socket.set_nonblocking(true)?;
                 Ok(socket)
             },
-            {
-                let reply = format!("{reply}\n");
-                move |socket: &UdpSocket| {
-                    let mut buf = [0u8; 2048];
-                    match socket.recv_from(&mut buf) {
-                        Ok((_, peer)) => {
-                            if let Err(e) = socket.send_to(reply.as_bytes(), peer) {
-                                eprintln!("udp server {reply:?}: send to {peer}: {e}");
-                            }
+            move |socket: &UdpSocket| {
+                let mut buf = vec![0u8; 65_536];
+                match socket.recv_from(&mut buf) {
+                    Ok((n, peer)) => {
+                        if let Err(e) = socket.send_to(&answer(&buf[..n]), peer) {
+                            eprintln!("{what}: send to {peer}: {e}");
                         }
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                        Err(e) => eprintln!("udp server {reply:?}: recv: {e}"),
                     }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) => eprintln!("{what}: recv: {e}"),
                 }
             },
         )

@@ -14,7 +14,8 @@
 //!   outside client via the NodePort).
 //!
 //! - Path MTU discovery: a client two routers away, behind a 1,400-byte
-//!   hop, downloads 16 MiB through a NodePort and a ClusterIP. The first
+//!   hop, downloads and uploads 16 MiB (`testbed::bulk`, SHA-256 checked)
+//!   through a NodePort and a ClusterIP. The first
 //!   full-size segments die at the hop, whose frag-needed goes to the
 //!   address the client sees (the node's, the ClusterIP); it must reach the
 //!   backend, whose TCP then sends smaller segments. Untranslated, the
@@ -31,22 +32,17 @@
 use std::{
     io,
     net::{Ipv4Addr, SocketAddrV4, UdpSocket},
-    path::PathBuf,
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
-    thread::JoinHandle,
     time::Duration,
 };
 
 use anyhow::{Context, Result, bail, ensure};
 use serde_json::{Value, json};
 use xproxy_tests::{
-    agent_harness::{AgentBed, READY_WITHIN, yaml_documents},
-    netns::{self, Netns},
+    agent_harness::{AgentBed, READY_WITHIN, backend_ips, service, slice, yaml_documents},
+    bulk::{self, Direction},
+    netns::{self, Netns, Server},
     privileged::{require_ipvs, require_root},
-    topology::{BACKENDS, NODE_IP},
+    topology::NODE_IP,
 };
 
 const ECHO_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 70);
@@ -60,80 +56,21 @@ const REFUSING_NODE_PORT: u16 = 30771;
 const SIZES: [usize; 2] = [4000, 60_000];
 const TIMEOUT: Duration = Duration::from_secs(3);
 
-/// A UDP NodePort Service to `target_port` on every backend pod.
-fn udp_service(name: &str, cluster_ip: Ipv4Addr, port: u16, target_port: u16, node_port: u16) -> [Value; 2] {
-    let endpoints: Vec<Value> = BACKENDS
-        .iter()
-        .map(|(_, ip)| json!({"addresses": [ip.to_string()], "conditions": {"ready": true}, "nodeName": "xproxy-node"}))
-        .collect();
-    [
-        json!({
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": name, "namespace": "default"},
-            "spec": {"type": "NodePort", "clusterIP": cluster_ip.to_string(), "selector": {"app": name},
-                     "ports": [{"port": port, "targetPort": target_port, "protocol": "UDP", "nodePort": node_port}]},
-        }),
-        json!({
-            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"name": format!("{name}-1"), "namespace": "default",
-                         "labels": {"kubernetes.io/service-name": name}},
-            "addressType": "IPv4",
-            "ports": [{"port": target_port, "protocol": "UDP"}],
-            "endpoints": endpoints,
-        }),
-    ]
-}
-
-/// A UDP echo server in a pod: every datagram goes back to its sender.
-struct Echo {
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl Echo {
-    fn start(ns: &Netns, port: u16) -> Result<Self> {
-        let path: PathBuf = ns.path().to_owned();
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopped = stop.clone();
-        let thread = std::thread::spawn(move || {
-            let bound = netns::enter(&path)
-                .map_err(|e| format!("{e:#}"))
-                .and_then(|()| UdpSocket::bind((Ipv4Addr::UNSPECIFIED, port)).map_err(|e| e.to_string()));
-            let socket = match bound {
-                Ok(socket) => socket,
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e));
-                    return;
-                }
-            };
-            let _ = socket.set_read_timeout(Some(Duration::from_millis(100)));
-            let _ = ready_tx.send(Ok(()));
-            let mut buf = vec![0u8; 65_536];
-            while !stopped.load(Ordering::Relaxed) {
-                if let Ok((n, peer)) = socket.recv_from(&mut buf) {
-                    let _ = socket.send_to(&buf[..n], peer);
-                }
-            }
-        });
-        match ready_rx.recv_timeout(Duration::from_secs(10)) {
-            Ok(Ok(())) => Ok(Self {
-                stop,
-                thread: Some(thread),
-            }),
-            Ok(Err(e)) => bail!("UDP echo on {port}: {e}"),
-            Err(e) => bail!("UDP echo on {port} did not start: {e}"),
-        }
-    }
-}
-
-impl Drop for Echo {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
+/// A NodePort Service of `protocol` to `target_port` on every backend
+/// pod, and its EndpointSlice.
+fn service_of(
+    protocol: &str,
+    name: &str,
+    cluster_ip: Ipv4Addr,
+    port: u16,
+    target_port: u16,
+    node_port: u16,
+) -> [Value; 2] {
+    let mut svc = service(name, cluster_ip, port, target_port, Some(node_port));
+    let mut endpoints = slice(&format!("{name}-1"), name, target_port, &backend_ips());
+    svc["spec"]["ports"][0]["protocol"] = json!(protocol);
+    endpoints["ports"][0]["protocol"] = json!(protocol);
+    [svc, endpoints]
 }
 
 /// Sends `len` bytes in one datagram to `to` and waits for the echo.
@@ -178,14 +115,15 @@ fn traffic(label: &str, mode: &str, extra: &[&str]) {
 }
 
 fn run(bed: &mut AgentBed, mode: &str, extra: &[&str]) -> Result<()> {
-    let _echoes: Vec<Echo> = bed
+    let _echoes: Vec<Server> = bed
         .topo
         .backends
         .iter()
-        .map(|pod| Echo::start(&pod.ns, ECHO_PORT))
+        .map(|pod| Server::udp_echo(&pod.ns, ECHO_PORT))
         .collect::<Result<_>>()?;
-    let mut objects = udp_service("dgram", ECHO_IP, ECHO_PORT, ECHO_PORT, ECHO_NODE_PORT).to_vec();
-    objects.extend(udp_service(
+    let mut objects = service_of("UDP", "dgram", ECHO_IP, ECHO_PORT, ECHO_PORT, ECHO_NODE_PORT).to_vec();
+    objects.extend(service_of(
+        "UDP",
         "refusing",
         REFUSING_IP,
         REFUSING_PORT,
@@ -246,90 +184,12 @@ fn run(bed: &mut AgentBed, mode: &str, extra: &[&str]) -> Result<()> {
 // ---------------------------------------------------------------------------
 // Path MTU discovery.
 
-const BULK_PORT: u16 = 8099;
 const BULK_NODE_PORT: u16 = 30799;
 const BULK_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 72);
-const BULK_BYTES: usize = 16 << 20;
+const BULK_BYTES: u64 = 16 << 20;
 const NARROW_MTU: &str = "1400";
 /// The far client and its routers' networks.
 const FAR_IP: Ipv4Addr = Ipv4Addr::new(172, 29, 3, 2);
-
-/// A TCP Service to `BULK_PORT` on every pod, as a NodePort.
-fn bulk_service() -> [Value; 2] {
-    let [mut svc, mut slice] = udp_service("bulk", BULK_IP, BULK_PORT, BULK_PORT, BULK_NODE_PORT);
-    svc["spec"]["ports"][0]["protocol"] = json!("TCP");
-    slice["ports"][0]["protocol"] = json!("TCP");
-    [svc, slice]
-}
-
-/// The byte at `i` of every download.
-fn pattern(i: usize) -> u8 {
-    (i * 13 % 251) as u8
-}
-
-/// A TCP server in a pod that sends [`BULK_BYTES`] to whoever connects.
-fn serve_bulk(ns: &Netns, stop: Arc<AtomicBool>) -> Result<JoinHandle<()>> {
-    let path = ns.path().to_owned();
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-    let thread = std::thread::spawn(move || {
-        let listener = netns::enter(&path)
-            .map_err(|e| format!("{e:#}"))
-            .and_then(|()| std::net::TcpListener::bind((Ipv4Addr::UNSPECIFIED, BULK_PORT)).map_err(|e| e.to_string()))
-            .and_then(|l| l.set_nonblocking(true).map(|()| l).map_err(|e| e.to_string()));
-        let listener = match listener {
-            Ok(listener) => {
-                let _ = ready_tx.send(Ok(()));
-                listener
-            }
-            Err(e) => {
-                let _ = ready_tx.send(Err(e));
-                return;
-            }
-        };
-        let data: Vec<u8> = (0..BULK_BYTES).map(pattern).collect();
-        while !stop.load(Ordering::Relaxed) {
-            match listener.accept() {
-                Ok((mut stream, _)) => {
-                    use std::io::Write;
-                    let _ = stream.set_nonblocking(false);
-                    let _ = stream.set_write_timeout(Some(Duration::from_secs(30)));
-                    let _ = stream.write_all(&data);
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
-            }
-        }
-    });
-    match ready_rx.recv_timeout(Duration::from_secs(10)) {
-        Ok(Ok(())) => Ok(thread),
-        Ok(Err(e)) => bail!("bulk server: {e}"),
-        Err(e) => bail!("bulk server did not start: {e}"),
-    }
-}
-
-/// Downloads from `from` and checks every byte; says how far it got.
-fn download(from: SocketAddrV4) -> Result<()> {
-    use std::io::Read;
-    let mut stream = std::net::TcpStream::connect_timeout(&from.into(), Duration::from_secs(5))?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    let mut got = 0usize;
-    let mut buf = vec![0u8; 1 << 16];
-    loop {
-        let n = match stream.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) => bail!("stalled after {got} of {BULK_BYTES} bytes: {e}"),
-        };
-        if let Some(i) = (0..n).find(|i| buf[*i] != pattern(got + i)) {
-            bail!("byte {} differs", got + i);
-        }
-        got += n;
-    }
-    ensure!(
-        got == BULK_BYTES,
-        "the download ended after {got} of {BULK_BYTES} bytes"
-    );
-    Ok(())
-}
 
 /// Two routers between the node and a far client, the link between them
 /// narrow. Dropped in reverse order of creation (namespaces go with their
@@ -374,32 +234,35 @@ fn pmtud(label: &str, mode: &str) {
         return;
     }
     let mut bed = AgentBed::new(label).unwrap_or_else(|e| panic!("{label}: test bed: {e:#}"));
-    let stop = Arc::new(AtomicBool::new(false));
-    let result = run_pmtud(&mut bed, mode, &stop);
-    stop.store(true, Ordering::Relaxed);
-    if let Err(e) = result {
+    if let Err(e) = run_pmtud(&mut bed, mode) {
         panic!("{label}: {e:#}\nagent log:\n{}", bed.log());
     }
 }
 
-fn run_pmtud(bed: &mut AgentBed, mode: &str, stop: &Arc<AtomicBool>) -> Result<()> {
-    for pod in &bed.topo.backends {
-        serve_bulk(&pod.ns, stop.clone())?;
-    }
+fn run_pmtud(bed: &mut AgentBed, mode: &str) -> Result<()> {
+    let _servers: Vec<Server> = bed
+        .topo
+        .backends
+        .iter()
+        .map(|pod| bulk::server(&pod.ns, bulk::BULK_PORT, pod.name))
+        .collect::<Result<_>>()?;
     let far = FarClient::build(&bed.topo.node)?;
-    bed.write_manifest("bulk.yaml", &yaml_documents(&bulk_service()))?;
+    let objects = service_of("TCP", "bulk", BULK_IP, bulk::BULK_PORT, bulk::BULK_PORT, BULK_NODE_PORT);
+    bed.write_manifest("bulk.yaml", &yaml_documents(&objects))?;
     bed.start_agent_in(mode, &bed.manifest_args())?;
     bed.wait_first_sync(READY_WITHIN)?;
     for (path, to) in [
         ("NodePort", SocketAddrV4::new(NODE_IP, BULK_NODE_PORT)),
-        ("ClusterIP", SocketAddrV4::new(BULK_IP, BULK_PORT)),
+        ("ClusterIP", SocketAddrV4::new(BULK_IP, bulk::BULK_PORT)),
     ] {
-        // Fresh connections: each one's backend learns the path MTU anew
-        // only if it has not yet (three pods, so the first three do).
+        // Fresh connections: each backend learns the path MTU once (three
+        // pods, so the first downloads find them all still ignorant).
         for round in 0..4 {
-            far.far
-                .run_in(|| download(to))?
-                .with_context(|| format!("far client -> {path} {to}, download {round}"))?;
+            for direction in Direction::BOTH {
+                far.far
+                    .run_in(|| bulk::transfer(to, direction, BULK_BYTES))?
+                    .with_context(|| format!("far client -> {path} {to}, {direction} {round}"))?;
+            }
         }
     }
     Ok(())
