@@ -288,15 +288,34 @@ impl CtTimeouts {
     /// Nanoseconds a flow may be idle in `state`.
     #[inline(always)]
     pub fn ns(&self, state: u8) -> u64 {
-        self.seconds[state as usize & (state::COUNT - 1)] as u64 * 1_000_000_000
+        seconds_to_ns(self.seconds[state_index(state)])
     }
 
     /// Whether an entry last seen at `last_seen_ns` is idle past its
     /// state's timeout at `now_ns`.
     #[inline(always)]
     pub fn idle_past(&self, state: u8, last_seen_ns: u64, now_ns: u64) -> bool {
-        now_ns.saturating_sub(last_seen_ns) > self.ns(state)
+        idle_past(self.ns(state), last_seen_ns, now_ns)
     }
+}
+
+/// Whether an entry last seen at `last_seen_ns` has idled longer than
+/// `timeout_ns` at `now_ns` (a clock behind the entry: not idle).
+#[inline(always)]
+pub fn idle_past(timeout_ns: u64, last_seen_ns: u64, now_ns: u64) -> bool {
+    now_ns.saturating_sub(last_seen_ns) > timeout_ns
+}
+
+/// The index of `state` in [`CtTimeouts::seconds`], within bounds
+/// whatever the byte holds.
+#[inline(always)]
+pub fn state_index(state: u8) -> usize {
+    state as usize & (state::COUNT - 1)
+}
+
+#[inline(always)]
+pub fn seconds_to_ns(seconds: u32) -> u64 {
+    seconds as u64 * 1_000_000_000
 }
 
 /// How stale `last_seen_ns` may get before a packet refreshes it. Far

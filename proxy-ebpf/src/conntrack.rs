@@ -8,15 +8,15 @@ use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns};
 use proxy_common::{
     Backend, CtKey, CtValue,
     conntrack::{
-        FLAG_HANDED_TO_TC, FLAG_REPLY, FLAG_SNAT, FLAG_STATEFUL, FLOW_FLAGS, LAST_SEEN_GRANULARITY_NS, initial_state, is_closed,
-        next_state, opens_flow, partner_key, tcp_flags,
+        FLAG_HANDED_TO_TC, FLAG_REPLY, FLAG_SNAT, FLAG_STATEFUL, FLOW_FLAGS, LAST_SEEN_GRANULARITY_NS, idle_past,
+        initial_state, is_closed, next_state, opens_flow, partner_key, tcp_flags,
     },
     proto,
     stats::ct_stat,
 };
 
 use crate::{
-    maps::{CONNTRACK, ct_timeouts},
+    maps::{CONNTRACK, ct_timeout_ns},
     parse::Flow,
     stats::count_ct,
 };
@@ -75,14 +75,21 @@ pub fn lookup(flow: &Flow) -> Option<Tracked> {
         return None;
     }
     advance(&key, entry, flow, reply, now);
+    Some(tracked(entry))
+}
+
+/// What the rest of the program needs of an entry.
+#[inline(always)]
+fn tracked(entry: *mut CtValue) -> Tracked {
+    // SAFETY: map values stay valid for the program's run (RCU).
     let value = unsafe { &*entry };
-    Some(Tracked {
-        reply,
+    Tracked {
+        reply: value.flags & FLAG_REPLY != 0,
         nat: (value.nat_addr_be, value.nat_port_be),
         snat: value.flags & FLAG_SNAT != 0,
         handed_to_tc: value.flags & FLAG_HANDED_TO_TC != 0,
         entry,
-    })
+    }
 }
 
 /// The tracked flow an ICMP error is about (its flow's tuple is the
@@ -90,15 +97,7 @@ pub fn lookup(flow: &Flow) -> Option<Tracked> {
 /// (an error neither opens nor keeps a flow alive).
 #[inline(always)]
 pub fn lookup_related(flow: &Flow) -> Option<Tracked> {
-    let entry = CONNTRACK.get_ptr_mut(&key_of(flow))?;
-    let value = unsafe { &*entry };
-    Some(Tracked {
-        reply: value.flags & FLAG_REPLY != 0,
-        nat: (value.nat_addr_be, value.nat_port_be),
-        snat: value.flags & FLAG_SNAT != 0,
-        handed_to_tc: false,
-        entry,
-    })
+    CONNTRACK.get_ptr_mut(&key_of(flow)).map(tracked)
 }
 
 /// Whether the packet would begin a connection on an unused tuple: the
@@ -122,12 +121,12 @@ fn is_over(key: &CtKey, value: &CtValue, now: u64) -> bool {
     if is_closed(value.state) {
         return true;
     }
-    let timeouts = ct_timeouts();
-    if !timeouts.idle_past(value.state, value.last_seen_ns, now) {
+    let timeout = ct_timeout_ns(value.state);
+    if !idle_past(timeout, value.last_seen_ns, now) {
         return false;
     }
     match partner_of(key, value) {
-        Some(other) => timeouts.idle_past(value.state, unsafe { (*other).last_seen_ns }, now),
+        Some(other) => idle_past(timeout, unsafe { (*other).last_seen_ns }, now),
         None => true,
     }
 }

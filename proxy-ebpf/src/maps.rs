@@ -7,7 +7,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    Backend, BackendSlotKey, CtKey, CtTimeouts, CtValue, FragKey, FragPorts, PortBits, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter,
+    Backend, BackendSlotKey, CtKey, CtTimeouts, CtValue, FragKey, FragPorts,
+    conntrack::{seconds_to_ns, state_index}, PortBits, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter,
     maps::{BACKEND_SLOTS_MAX, BACKENDS_MAX, CONNTRACK_MAX, FRAGMENTS_MAX, REV_NAT_MAX, SERVICES_MAX},
     ports::PORT_WORDS,
 };
@@ -61,8 +62,11 @@ pub fn snat_mark() -> u32 {
 #[unsafe(no_mangle)]
 static CT_TIMEOUTS: CtTimeouts = CtTimeouts::KERNEL;
 
+/// How long a flow may idle in `state`, in nanoseconds: one element read,
+/// not the table.
 #[inline(always)]
-pub fn ct_timeouts() -> CtTimeouts {
+pub fn ct_timeout_ns(state: u8) -> u64 {
     // Volatile, as `snat_mark`: patched into .rodata after compilation.
-    unsafe { core::ptr::read_volatile(&CT_TIMEOUTS) }
+    let seconds = unsafe { core::ptr::read_volatile(&CT_TIMEOUTS.seconds[state_index(state)]) };
+    seconds_to_ns(seconds)
 }

@@ -527,14 +527,7 @@ pub fn check(frame: &[u8]) -> Result<Checked, String> {
     if eth.ether_type != EtherType::IPV4 {
         return Err(format!("ether type {:#06x} is not IPv4", eth.ether_type.0));
     }
-    let (ip, _) = Ipv4Header::from_slice(rest).map_err(|e| format!("IPv4 header: {e}"))?;
-    let want = ip.calc_header_checksum();
-    if !same_checksum(ip.header_checksum, want) {
-        return Err(format!(
-            "IPv4 header checksum {:#06x}, should be {want:#06x}",
-            ip.header_checksum
-        ));
-    }
+    let ip = check_ipv4_header(frame)?;
     let packet = rest
         .get(..usize::from(ip.total_len))
         .ok_or("IPv4 total length beyond the frame")?;

@@ -121,6 +121,18 @@ const RST_TO_EMPTY_VERDICTS: &[Verdict] = &[
     Verdict::PassMalformed,
 ];
 
+/// The verdicts whose counters moved, with the packets and bytes gained.
+fn verdicts_gained(before: &[VerdictCounter], after: &[VerdictCounter]) -> Vec<(Verdict, u64, u64)> {
+    Verdict::ALL
+        .iter()
+        .map(|&v| {
+            let (b, a) = (before[v as usize], after[v as usize]);
+            (v, a.packets - b.packets, a.bytes - b.bytes)
+        })
+        .filter(|(_, p, b)| *p != 0 || *b != 0)
+        .collect()
+}
+
 /// Runs one case through one program and checks code, output and counters.
 /// Returns the output (for follow-up cases that need the chosen backend), or
 /// None if the kernel refused the frame before the program ran (see
@@ -146,14 +158,7 @@ fn try_case(h: &mut Harness, prog: Prog, case: &Case) -> Option<Output> {
         hex(&out.frame),
         out.code
     );
-    let changed: Vec<(Verdict, u64, u64)> = Verdict::ALL
-        .iter()
-        .map(|&v| {
-            let (b, a) = (before[v as usize], after[v as usize]);
-            (v, a.packets - b.packets, a.bytes - b.bytes)
-        })
-        .filter(|(_, p, b)| *p != 0 || *b != 0)
-        .collect();
+    let changed = verdicts_gained(&before, &after);
     let counted = |verdict: Verdict| {
         assert_eq!(
             changed,
@@ -2408,12 +2413,13 @@ fn run_counted(h: &mut Harness, prog: Prog, frame: &[u8], verdict: Verdict, what
     let before = h.counts();
     let out = h.run(prog, frame);
     let after = h.counts();
-    let changed: Vec<(Verdict, u64)> = Verdict::ALL
-        .iter()
-        .map(|&v| (v, after[v as usize].packets - before[v as usize].packets))
-        .filter(|(_, n)| *n != 0)
-        .collect();
-    assert_eq!(changed, [(verdict, 1)], "{what} via {}", prog.name());
+    let changed = verdicts_gained(&before, &after);
+    assert_eq!(
+        changed,
+        [(verdict, 1, frame.len() as u64)],
+        "{what} via {}",
+        prog.name()
+    );
     out
 }
 

@@ -323,24 +323,7 @@ pub fn read_verdict_counts(pin_path: &Path) -> Result<Option<Vec<(Verdict, Verdi
     let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
     let stats: PerCpuArray<MapData, VerdictCounter> = PerCpuArray::try_from(Map::from_map_data(data)?)
         .with_context(|| format!("{} is not the stats map", path.display()))?;
-    let mut out = Vec::with_capacity(Verdict::ALL.len());
-    for verdict in Verdict::ALL {
-        let per_cpu = match stats.get(&(verdict as u32), 0) {
-            Ok(per_cpu) => per_cpu,
-            // A map pinned by an older agent knows fewer verdicts.
-            Err(aya::maps::MapError::OutOfBounds { .. }) => {
-                out.push((verdict, VerdictCounter::default()));
-                continue;
-            }
-            Err(e) => return Err(e).with_context(|| format!("reading {}", verdict.name())),
-        };
-        let sum = per_cpu.iter().fold(VerdictCounter::default(), |sum, c| VerdictCounter {
-            packets: sum.packets.wrapping_add(c.packets),
-            bytes: sum.bytes.wrapping_add(c.bytes),
-        });
-        out.push((verdict, sum));
-    }
-    Ok(Some(out))
+    Ok(Some(crate::mode::ebpf::sum_verdicts(&stats)?))
 }
 
 #[cfg(test)]

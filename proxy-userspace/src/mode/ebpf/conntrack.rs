@@ -13,7 +13,7 @@
 use std::{path::Path, time::Duration};
 
 use anyhow::{Context, Result};
-use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray, PerCpuValues};
+use aya::maps::{HashMap, MapData, MapError, PerCpuArray, PerCpuValues};
 use proxy_common::{
     CtKey, CtTimeouts, CtValue,
     conntrack::{partner_key, state},
@@ -245,12 +245,10 @@ pub fn read_conntrack_counts(pin_path: &Path) -> Result<Option<ConntrackCounts>>
     if !path.exists() {
         return Ok(None);
     }
-    let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
-    let map: PerCpuArray<_, u64> = PerCpuArray::try_from(Map::from_map_data(data)?)?;
+    let stats = CtStats::open(pin_path)?;
     let mut counts = ConntrackCounts::default();
-    for (index, slot) in counts.counters.iter_mut().enumerate() {
-        let values = map.get(&(index as u32), 0).context("reading a conntrack counter")?;
-        *slot = values.iter().fold(0u64, |sum, v| sum.wrapping_add(*v));
+    for (index, slot) in (0..).zip(counts.counters.iter_mut()) {
+        *slot = stats.get(index)?;
     }
     let table = pin_path.join(maps::CONNTRACK);
     counts.max_entries = aya::maps::MapInfo::from_pin(&table)

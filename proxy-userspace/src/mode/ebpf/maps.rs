@@ -111,6 +111,28 @@ pub struct ServiceMaps {
     writer: Writer,
 }
 
+/// The per-CPU verdict counters of `stats`, summed, every verdict listed
+/// (one a map pinned by an older agent does not know counts 0).
+pub fn sum_verdicts(stats: &PerCpuArray<MapData, VerdictCounter>) -> Result<Vec<(Verdict, VerdictCounter)>> {
+    let mut out = Vec::with_capacity(Verdict::ALL.len());
+    for verdict in Verdict::ALL {
+        let per_cpu = match stats.get(&(verdict as u32), 0) {
+            Ok(per_cpu) => per_cpu,
+            Err(aya::maps::MapError::OutOfBounds { .. }) => {
+                out.push((verdict, VerdictCounter::default()));
+                continue;
+            }
+            Err(e) => return Err(e).with_context(|| format!("reading {}", verdict.name())),
+        };
+        let sum = per_cpu.iter().fold(VerdictCounter::default(), |sum, c| VerdictCounter {
+            packets: sum.packets.wrapping_add(c.packets),
+            bytes: sum.bytes.wrapping_add(c.bytes),
+        });
+        out.push((verdict, sum));
+    }
+    Ok(out)
+}
+
 /// The map pinned as `name` under `pin_path`.
 pub(super) fn pinned(pin_path: &Path, name: &str) -> Result<Map> {
     let path = pin_path.join(name);
@@ -537,25 +559,7 @@ impl ServiceMaps {
 
     /// Sums the per-CPU verdict counters.
     pub fn verdict_counts(&self) -> Result<Vec<(Verdict, VerdictCounter)>> {
-        let mut out = Vec::new();
-        for verdict in Verdict::ALL {
-            let per_cpu = match self.stats.get(&(verdict as u32), 0) {
-                Ok(per_cpu) => per_cpu,
-                // A map pinned by an older agent knows fewer verdicts.
-                Err(aya::maps::MapError::OutOfBounds { .. }) => {
-                    out.push((verdict, VerdictCounter::default()));
-                    continue;
-                }
-                Err(e) => return Err(e.into()),
-            };
-            let mut sum = VerdictCounter::default();
-            for c in per_cpu.iter() {
-                sum.packets += c.packets;
-                sum.bytes += c.bytes;
-            }
-            out.push((verdict, sum));
-        }
-        Ok(out)
+        sum_verdicts(&self.stats)
     }
 
     /// Tracked flows as (key, value), forward and reply entries alike.

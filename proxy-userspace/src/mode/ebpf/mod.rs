@@ -46,7 +46,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 pub use interfaces::{Interface, MissingInterface};
 pub use loader::{Datapath, Hook, LINKS_DIR, LoadOptions, NotBpffs, detach_pinned_links, detach_tc_filters};
-pub use maps::ServiceMaps;
+pub use maps::{ServiceMaps, sum_verdicts};
 pub use object::object_bytes;
 use tracing::{debug, info, warn};
 
