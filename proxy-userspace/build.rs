@@ -1,10 +1,16 @@
 //! Embeds the eBPF object built by `cargo xtask build-ebpf`.
 //!
-//! When it has not been built (a plain `cargo check`, clippy, CI steps that
-//! need no kernel), an empty object is embedded instead and loading the data
-//! path fails with an error that says how to build it.
+//! When it has not been built, the library still compiles (an empty object is
+//! embedded) so that `cargo check`, clippy and the unit tests work without the
+//! nightly toolchain; but linking the `xproxy` binary fails, naming the
+//! command to run, because an agent without its programs is useless. (A build
+//! script cannot tell `cargo check` from `cargo build`; link arguments are the
+//! one thing only a real build of the binary uses.)
 
 use std::{env, fs, path::PathBuf};
+
+/// The command that builds the object; named in every message about it.
+const BUILD_COMMAND: &str = "cargo xtask build-ebpf";
 
 fn main() {
     let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
@@ -16,5 +22,18 @@ fn main() {
 
     let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR")).join("proxy-ebpf.o");
     let bytes = fs::read(&built).unwrap_or_default();
+    if bytes.is_empty() {
+        refuse_to_link_the_agent(&built);
+    }
     fs::write(&out, bytes).expect("write the embedded eBPF object into OUT_DIR");
+}
+
+/// Makes the link of the `xproxy` binary fail with the fix in its message:
+/// the linker reports the library it cannot find by this name.
+fn refuse_to_link_the_agent(missing: &std::path::Path) {
+    println!(
+        "cargo:warning=no eBPF object at {}: run `{BUILD_COMMAND}` first (the xproxy binary will not link without it)",
+        missing.display()
+    );
+    println!("cargo:rustc-link-arg-bins=-l:xproxy-has-no-ebpf-object--run--cargo-xtask-build-ebpf--first");
 }

@@ -21,11 +21,12 @@ pub struct Options {
 
 /// Sets up the toolchain, builds the eBPF object and returns its path.
 pub fn build_ebpf(root: &Path, options: &Options) -> Result<PathBuf> {
-    toolchain::ensure_nightly()?;
-    toolchain::ensure_rust_src()?;
-    let linker = toolchain::ensure_bpf_linker()?;
+    let nightly = toolchain::pinned_nightly(root)?;
+    toolchain::ensure_nightly(&nightly)?;
+    toolchain::ensure_rust_src(&nightly)?;
+    let linker = toolchain::ensure_bpf_linker(&nightly)?;
     let crate_dir = root.join(CRATE);
-    cargo_build(&crate_dir, &linker, options.debug)?;
+    cargo_build(&nightly, &crate_dir, &linker, options.debug)?;
     let object = object_path(&crate_dir, options.debug);
     if !object.is_file() {
         bail!("the build succeeded but {} is missing", object.display());
@@ -35,8 +36,8 @@ pub fn build_ebpf(root: &Path, options: &Options) -> Result<PathBuf> {
 
 /// Runs the nightly cargo in `crate_dir` (so its own lockfile and
 /// `.cargo/config.toml` apply), linking with `linker`.
-fn cargo_build(crate_dir: &Path, linker: &Path, debug: bool) -> Result<()> {
-    let mut cmd = toolchain::nightly_command("cargo");
+fn cargo_build(nightly: &str, crate_dir: &Path, linker: &Path, debug: bool) -> Result<()> {
+    let mut cmd = toolchain::nightly_command(nightly, "cargo");
     cmd.current_dir(crate_dir).arg("build");
     if !debug {
         cmd.arg("--release");

@@ -10,6 +10,7 @@ mod bench;
 mod build_ebpf;
 mod command;
 mod demo;
+mod lint;
 mod setup;
 mod test;
 mod toolchain;
@@ -44,6 +45,8 @@ enum Command {
     Bench(bench::Options),
     /// Install what demo, test, vm and bench run (Debian packages) and mount bpffs; as root.
     Setup,
+    /// rustfmt and clippy (warnings denied) for the workspace and the eBPF crate.
+    Lint,
 }
 
 fn main() -> ExitCode {
@@ -72,6 +75,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Vm(options) => vm::vm(&root, &options),
         Command::Bench(options) => bench::bench(&root, &options),
         Command::Setup => setup::everything(),
+        Command::Lint => lint::lint(&root),
     }
 }
 

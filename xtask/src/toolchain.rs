@@ -1,5 +1,9 @@
 //! The nightly toolchain and the `bpf-linker` the eBPF crate needs.
 //!
+//! The nightly is pinned by proxy-ebpf/rust-toolchain.toml (a dated channel),
+//! so a new nightly cannot break the build; bpf-linker is pinned to
+//! [`BPF_LINKER_VERSION`].
+//!
 //! No prebuilt bpf-linker matches the nightly's LLVM, so it is built from
 //! crates.io against the libLLVM shipped in the nightly's own sysroot and
 //! rebuilt whenever `ldd` shows it no longer resolves exactly that file
@@ -15,8 +19,23 @@ use anyhow::{Context, Result, bail};
 
 use crate::command;
 
-/// The toolchain that builds the eBPF crate.
-pub const NIGHTLY: &str = "nightly";
+/// The file that pins the eBPF crate's toolchain, relative to the workspace.
+const TOOLCHAIN_FILE: &str = "proxy-ebpf/rust-toolchain.toml";
+
+/// The pinned nightly channel (`nightly-YYYY-MM-DD`) from [`TOOLCHAIN_FILE`].
+pub fn pinned_nightly(root: &Path) -> Result<String> {
+    let path = root.join(TOOLCHAIN_FILE);
+    let text = fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    toolchain_channel(&text).with_context(|| format!("{} names no `channel = \"...\"`", path.display()))
+}
+
+/// The `channel = "..."` value of a rust-toolchain.toml.
+fn toolchain_channel(toml: &str) -> Option<String> {
+    toml.lines().find_map(|line| {
+        let (key, value) = line.split_once('=')?;
+        (key.trim() == "channel").then(|| value.trim().trim_matches('"').to_owned())
+    })
+}
 
 /// Variables that would make a child cargo/rustc use flags or compilers
 /// meant for the toolchain that runs this xtask.
@@ -33,31 +52,31 @@ const INHERITED_RUST_ENV: &[&str] = &[
     "CARGO_BUILD_TARGET",
 ];
 
-/// `rustup run nightly <program>`, with inherited toolchain variables removed.
+/// `rustup run <nightly> <program>`, with inherited toolchain variables removed.
 ///
 /// Going through rustup (not `$CARGO`, which is the stable cargo running this
 /// xtask) is what makes the nightly cargo and rustc the ones that run.
-pub fn nightly_command(program: &str) -> Command {
+pub fn nightly_command(nightly: &str, program: &str) -> Command {
     let mut cmd = Command::new("rustup");
-    cmd.args(["run", NIGHTLY, program]);
+    cmd.args(["run", nightly, program]);
     for key in INHERITED_RUST_ENV {
         cmd.env_remove(key);
     }
     cmd
 }
 
-/// Installs the nightly toolchain if rustup does not have it.
-pub fn ensure_nightly() -> Result<()> {
+/// Installs the nightly toolchain (with rust-src) if rustup does not have it.
+pub fn ensure_nightly(nightly: &str) -> Result<()> {
     let list = command::stdout(Command::new("rustup").args(["toolchain", "list"]))
         .context("rustup is needed: install it from https://rustup.rs")?;
-    if has_toolchain(&list, NIGHTLY) {
+    if has_toolchain(&list, nightly) {
         return Ok(());
     }
-    eprintln!("xtask: installing the {NIGHTLY} toolchain");
+    eprintln!("xtask: installing the {nightly} toolchain");
     command::run(Command::new("rustup").args([
         "toolchain",
         "install",
-        NIGHTLY,
+        nightly,
         "--profile",
         "minimal",
         "--component",
@@ -73,14 +92,14 @@ fn has_toolchain(list: &str, name: &str) -> bool {
 }
 
 /// Adds `rust-src` to the nightly (needed by `-Z build-std=core`) if missing.
-pub fn ensure_rust_src() -> Result<()> {
+pub fn ensure_rust_src(nightly: &str) -> Result<()> {
     let installed =
-        command::stdout(Command::new("rustup").args(["component", "list", "--toolchain", NIGHTLY, "--installed"]))?;
+        command::stdout(Command::new("rustup").args(["component", "list", "--toolchain", nightly, "--installed"]))?;
     if installed.lines().any(|line| line.trim() == "rust-src") {
         return Ok(());
     }
-    eprintln!("xtask: adding rust-src to the {NIGHTLY} toolchain");
-    command::run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", NIGHTLY]))
+    eprintln!("xtask: adding rust-src to the {nightly} toolchain");
+    command::run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", nightly]))
 }
 
 /// The nightly's own LLVM, as bpf-linker must link it.
@@ -97,10 +116,10 @@ pub struct NightlyLlvm {
 }
 
 /// Finds the nightly's libLLVM from `rustc -vV` and `rustc --print sysroot`.
-pub fn nightly_llvm() -> Result<NightlyLlvm> {
-    let version = command::stdout(nightly_command("rustc").arg("-vV"))?;
+pub fn nightly_llvm(nightly: &str) -> Result<NightlyLlvm> {
+    let version = command::stdout(nightly_command(nightly, "rustc").arg("-vV"))?;
     let major = llvm_major(&version)?;
-    let sysroot = command::stdout(nightly_command("rustc").args(["--print", "sysroot"]))?;
+    let sysroot = command::stdout(nightly_command(nightly, "rustc").args(["--print", "sysroot"]))?;
     let lib_dir = PathBuf::from(sysroot.trim()).join("lib");
     let link_name = llvm_link_name(&lib_dir, major)?;
     let files = llvm_library_files(&lib_dir, &link_name)?;
@@ -273,7 +292,7 @@ fn says_version(output: &str, version: &str) -> bool {
 }
 
 /// `cargo install bpf-linker` linked against the nightly's libLLVM, into `root`.
-fn install_bpf_linker(root: &Path, llvm: &NightlyLlvm) -> Result<()> {
+fn install_bpf_linker(nightly: &str, root: &Path, llvm: &NightlyLlvm) -> Result<()> {
     let lib_dir = llvm.lib_dir.display();
     let rustflags = format!(
         "-L {lib_dir} -l dylib={} -C link-args=-Wl,-rpath,{lib_dir}",
@@ -284,7 +303,7 @@ fn install_bpf_linker(root: &Path, llvm: &NightlyLlvm) -> Result<()> {
         "xtask: building bpf-linker against {lib_dir}/lib{}.so (about a minute)",
         llvm.link_name
     );
-    let mut cmd = nightly_command("cargo");
+    let mut cmd = nightly_command(nightly, "cargo");
     cmd.args([
         "install",
         "bpf-linker",
@@ -303,14 +322,14 @@ fn install_bpf_linker(root: &Path, llvm: &NightlyLlvm) -> Result<()> {
 
 /// Makes sure a bpf-linker linked against the nightly's libLLVM is installed;
 /// returns its path.
-pub fn ensure_bpf_linker() -> Result<PathBuf> {
-    let llvm = nightly_llvm()?;
+pub fn ensure_bpf_linker(nightly: &str) -> Result<PathBuf> {
+    let llvm = nightly_llvm(nightly)?;
     let root = install_root()?;
     let linker = root.join("bin").join("bpf-linker");
     if links_nightly_llvm(&linker, &llvm)? && is_pinned_version(&linker) {
         return Ok(linker);
     }
-    install_bpf_linker(&root, &llvm)?;
+    install_bpf_linker(nightly, &root, &llvm)?;
     if !links_nightly_llvm(&linker, &llvm)? {
         bail!(
             "the bpf-linker just installed at {} does not use {:?}",
@@ -340,6 +359,16 @@ mod tests {
             ["libLLVM.so.22.1-rust-1.97.0-nightly"]
         );
         assert_eq!(linker_script_inputs("GROUP(a.so, b.so)"), ["a.so", "b.so"]);
+    }
+
+    #[test]
+    fn reads_the_pinned_channel() -> Result<()> {
+        let toml = "# pinned\n[toolchain]\nchannel = \"nightly-2026-05-20\"\ncomponents = [\"rust-src\"]\n";
+        assert_eq!(toolchain_channel(toml).as_deref(), Some("nightly-2026-05-20"));
+        assert_eq!(toolchain_channel("[toolchain]\n"), None);
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        assert!(pinned_nightly(&root)?.starts_with("nightly-"));
+        Ok(())
     }
 
     #[test]
