@@ -53,7 +53,7 @@ fn deploy_dir() -> PathBuf {
 // ---------------------------------------------------------------------------
 // Reading the manifests.
 
-/// Every manifest under `deploy/`, by kind, each with where it came from.
+/// Every manifest under `deploy/`, by kind.
 #[derive(Default)]
 struct Manifests {
     service_accounts: Vec<ServiceAccount>,
