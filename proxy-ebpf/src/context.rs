@@ -2,13 +2,10 @@
 //! shrunk and grown. Everything else is written once against [`Ctx`].
 
 use aya_ebpf::{
-    bindings::{
-        BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, bpf_adj_room_mode,
-        bpf_fib_lookup,
-    },
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, bpf_adj_room_mode},
     helpers::{
-        bpf_fib_lookup as fib_lookup, bpf_l4_csum_replace, bpf_skb_adjust_room, bpf_skb_change_tail, bpf_skb_pull_data,
-        bpf_xdp_adjust_head, bpf_xdp_adjust_tail,
+        bpf_l4_csum_replace, bpf_skb_adjust_room, bpf_skb_change_tail, bpf_skb_pull_data, bpf_xdp_adjust_head,
+        bpf_xdp_adjust_tail,
     },
     programs::{TcContext, XdpContext},
 };
@@ -16,46 +13,39 @@ use proxy_common::proto;
 
 use crate::{
     csum,
-    parse::{INNER_L4_OFF, IP_OFF, L4_OFF, ptr_at},
+    headers::{INNER_L4_OFF, IP_CHECK, IP_OFF, L4_OFF, Side, TCP_LEN, addr_in_ip, check_in_l4, port_in_l4},
 };
 
-/// Which end of the flow a rewrite changes.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Side {
-    Source,
-    Destination,
-}
-
-/// Offsets inside the constant-offset headers `parse` accepts.
-const IP_CHECK_OFF: usize = IP_OFF + 10;
-const IP_SADDR_OFF: usize = IP_OFF + 12;
-const IP_DADDR_OFF: usize = IP_OFF + 16;
-const TCP_CHECK_OFF: usize = L4_OFF + 16;
-const UDP_CHECK_OFF: usize = L4_OFF + 6;
+/// Where the fields a rewrite changes sit in the frame.
+const IP_CHECK_OFF: usize = IP_OFF + IP_CHECK;
 
 #[inline(always)]
 fn addr_off(side: Side) -> usize {
-    if side == Side::Source {
-        IP_SADDR_OFF
-    } else {
-        IP_DADDR_OFF
-    }
+    IP_OFF + addr_in_ip(side)
 }
 
 #[inline(always)]
 fn port_off(side: Side) -> usize {
-    if side == Side::Source { L4_OFF } else { L4_OFF + 2 }
+    L4_OFF + port_in_l4(side)
 }
 
 #[inline(always)]
 fn l4_check_off(l4_proto: u8) -> usize {
-    if l4_proto == proto::TCP {
-        TCP_CHECK_OFF
-    } else {
-        UDP_CHECK_OFF
-    }
+    L4_OFF + check_in_l4(l4_proto)
 }
 
+/// Returns a pointer to a `T` at `off`, if the whole `T` is inside the
+/// packet's linear data. The comparison is the verifier's bounds proof.
+#[inline(always)]
+pub fn ptr_at<T>(ctx: &impl Ctx, off: usize) -> Option<*mut T> {
+    let start = ctx.data();
+    if start + off + core::mem::size_of::<T>() > ctx.data_end() {
+        return None;
+    }
+    Some((start + off) as *mut T)
+}
+
+/// The packet as a hook holds it: an XDP frame or a tc skb.
 pub trait Ctx {
     fn data(&self) -> usize;
     fn data_end(&self) -> usize;
@@ -167,7 +157,7 @@ impl Tc<'_> {
     /// skb: up to a TCP header, or an ICMP error's quoted TCP header.
     #[inline(always)]
     pub fn pull_headers(&self) {
-        const WANTED: usize = INNER_L4_OFF + 20;
+        const WANTED: usize = INNER_L4_OFF + TCP_LEN;
         let len = self.frame_len();
         let want = if len < WANTED { len } else { WANTED };
         if self.data_end() - self.data() < want {
@@ -255,38 +245,5 @@ impl Ctx for Tc<'_> {
     fn add_mark(&self, mark: u32) -> bool {
         unsafe { (*self.skb()).mark |= mark };
         true
-    }
-}
-
-const AF_INET: u8 = 2;
-
-/// The interface the kernel would forward the (already translated) packet
-/// out of, for redirecting it there directly: used where the kernel's own
-/// routing decision is stale (egress) or would refuse the packet (replies
-/// from a node IP). `None` if it is not forwarded (e.g. it is for this node).
-#[inline(always)]
-pub fn route_ifindex(ctx: &TcContext) -> Option<u32> {
-    let tc = Tc(ctx);
-    let ip: *const crate::parse::Ipv4Hdr = ptr_at(&tc, IP_OFF)?;
-    let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
-    unsafe {
-        params.family = AF_INET;
-        params.l4_protocol = (*ip).proto;
-        // tot_len stays 0: with a length given, the kernel compares it with
-        // the route's MTU and answers FRAG_NEEDED for every GSO/GRO super
-        // packet (a bulk transfer's), whose IPv4 length is the whole
-        // train's. Without one it checks the skb itself, segments included
-        // (is_skb_forwardable).
-        params.__bindgen_anon_3.ipv4_src = (*ip).saddr_be;
-        params.__bindgen_anon_4.ipv4_dst = (*ip).daddr_be;
-        params.ifindex = (*ctx.skb.skb).ifindex;
-    }
-    let size = core::mem::size_of::<bpf_fib_lookup>() as i32;
-    let rc = unsafe { fib_lookup(ctx.skb.skb.cast(), &mut params, size, 0) } as u32;
-    // NO_NEIGH still names the interface: bpf_redirect_neigh resolves the neighbour.
-    if rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH {
-        Some(params.ifindex)
-    } else {
-        None
     }
 }

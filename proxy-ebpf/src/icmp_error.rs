@@ -22,13 +22,16 @@
 use proxy_common::proto;
 
 use crate::{
-    context::{Ctx, Side},
+    context::{Ctx, ptr_at},
     csum,
-    parse::{ETH_LEN, INNER_IP_OFF, INNER_L4_OFF, IP_OFF, Ipv4Hdr, L4_OFF, ptr_at},
+    headers::{
+        ETH_LEN, ICMP_CHECK, INNER_IP_OFF, INNER_L4_OFF, IP_CHECK, IP_OFF, Ipv4Hdr, L4_OFF, Side, addr_in_ip,
+        check_in_l4, port_in_l4,
+    },
 };
 
-const ICMP_CHECK_OFF: usize = L4_OFF + 2;
-const INNER_CHECK_OFF: usize = INNER_IP_OFF + 10;
+const ICMP_CHECK_OFF: usize = L4_OFF + ICMP_CHECK;
+const INNER_CHECK_OFF: usize = INNER_IP_OFF + IP_CHECK;
 
 /// Translates the ICMP error whose quoted packet had `old` as its
 /// `quoted` end into `new` (both `(address, port)`, network byte order);
@@ -75,7 +78,7 @@ fn packet_end(ctx: &impl Ctx) -> Result<usize, ()> {
 /// updated for it.
 #[inline(always)]
 fn quoted_l4_check(ctx: &impl Ctx, l4_proto: u8, old: (u32, u16), new: (u32, u16), icmp: u16, end: usize) -> u16 {
-    let off = INNER_L4_OFF + if l4_proto == proto::TCP { 16 } else { 6 };
+    let off = INNER_L4_OFF + check_in_l4(l4_proto);
     if off + 2 > end {
         return icmp;
     }
@@ -103,14 +106,4 @@ fn outer_address(ctx: &impl Ctx, side: Side, old: u32, new: u32) -> Result<(), (
         return Ok(());
     }
     ctx.rewrite_addr(side, old, new)
-}
-
-#[inline(always)]
-fn addr_in_ip(side: Side) -> usize {
-    if side == Side::Source { 12 } else { 16 }
-}
-
-#[inline(always)]
-fn port_in_l4(side: Side) -> usize {
-    if side == Side::Source { 0 } else { 2 }
 }

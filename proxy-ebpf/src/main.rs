@@ -1,18 +1,23 @@
-//! xproxy's kernel side. A packet's way through these files:
+//! xproxy's kernel side: the XDP and tc entry points. A packet's way
+//! through the other files, chained by `service`:
 //!
 //! `parse` (Ethernet, IPv4, TCP/UDP; the malformed-input policy) ->
 //! `fragments` (a later IPv4 fragment gets its first's ports) ->
 //! `ports` (could it be Service traffic at all?) -> `conntrack` (a packet
 //! of a known flow, either way?) -> `lookup` (else: is it for a Service
-//! frontend?) -> `select` (a backend for a new flow) -> `nat` (DNAT, reverse NAT, checksums
-//! via `csum`) or `reject` (RST / ICMP when a Service has no backends; a
+//! frontend?) -> `select` (a backend for a new flow) -> `nat` (DNAT,
+//! reverse NAT) or `reject` (RST / ICMP when a Service has no backends; a
 //! frontend whose `Local` traffic policy finds no backend on this node
 //! drops instead, as kube-proxy does).
 //! An ICMP error quoting a tracked flow's packet is translated as the
 //! flow's packets are (`icmp_error`).
-//! `stats` counts every verdict; `context` hides the XDP / tc differences;
-//! `service` ties the steps together. The entry points below only map the
-//! outcome to each hook's return codes.
+//!
+//! Beneath the steps: `headers` (the header layouts and offsets),
+//! `context` (the XDP / tc differences: reaching and rewriting the frame),
+//! `csum` (checksum arithmetic), `maps` and `stats` (every verdict
+//! counted). After the steps, `route` finds the interface tc redirects a
+//! translated packet to. The entry points below only map the outcome to
+//! each hook's return codes.
 #![no_std]
 #![no_main]
 
@@ -20,6 +25,7 @@ mod conntrack;
 mod context;
 mod csum;
 mod fragments;
+mod headers;
 mod icmp_error;
 mod lookup;
 mod maps;
@@ -27,6 +33,7 @@ mod nat;
 mod parse;
 mod ports;
 mod reject;
+mod route;
 mod select;
 mod service;
 mod stats;
@@ -67,7 +74,7 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
         // reply now coming from a node IP (NodePort) would be dropped as a
         // martian (a local source arriving from outside); a destination on
         // this node itself is not forwarded and goes up the stack.
-        Outcome::ReverseTranslated => match context::route_ifindex(&ctx) {
+        Outcome::ReverseTranslated => match route::ifindex(&ctx) {
             Some(ifindex) => unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) as i32 },
             None => TC_ACT_OK,
         },
@@ -91,7 +98,7 @@ pub fn tc_egress(ctx: TcContext) -> i32 {
         Outcome::Pass | Outcome::ReverseTranslated => TC_ACT_OK,
         // Without a route to the backend, the packet leaves where the
         // kernel had routed it (a gateway may know the way).
-        Outcome::Translated => match context::route_ifindex(&ctx) {
+        Outcome::Translated => match route::ifindex(&ctx) {
             Some(ifindex) => unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) as i32 },
             None => TC_ACT_OK,
         },

@@ -7,8 +7,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    Backend, BackendSlotKey, CtKey, CtTimeouts, CtValue, FragKey, FragPorts,
-    conntrack::{seconds_to_ns, state_index}, PortBits, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter,
+    Backend, BackendSlotKey, CtKey, CtTimeouts, CtValue, FragKey, FragPorts, PortBits, RevNat, ServiceKey,
+    ServiceValue, Verdict, VerdictCounter,
+    conntrack::{seconds_to_ns, state_index},
     maps::{BACKEND_SLOTS_MAX, BACKENDS_MAX, CONNTRACK_MAX, FRAGMENTS_MAX, REV_NAT_MAX, SERVICES_MAX},
     ports::PORT_WORDS,
 };

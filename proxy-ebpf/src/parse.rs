@@ -13,68 +13,13 @@
 
 use proxy_common::{Verdict, proto};
 
-use crate::context::Ctx;
-
-pub const ETH_LEN: usize = 14;
-pub const IP_OFF: usize = ETH_LEN;
-pub const IP_LEN: usize = 20;
-pub const L4_OFF: usize = IP_OFF + IP_LEN;
-pub const TCP_LEN: usize = 20;
-pub const UDP_LEN: usize = 8;
-
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_8021Q: u16 = 0x8100;
-const ETH_P_8021AD: u16 = 0x88a8;
-/// "More fragments" flag and fragment offset bits of `frag_off`.
-const IP_MF: u16 = 0x2000;
-const IP_OFFSET_MASK: u16 = 0x1fff;
-
-pub use proxy_common::conntrack::tcp_flags::{
-    ACK as TCP_FLAG_ACK, FIN as TCP_FLAG_FIN, RST as TCP_FLAG_RST, SYN as TCP_FLAG_SYN,
+use crate::{
+    context::{Ctx, ptr_at},
+    headers::{
+        ETH_LEN, ETH_P_8021AD, ETH_P_8021Q, ETH_P_IP, EthHdr, ICMP_DEST_UNREACH, ICMP_TIME_EXCEEDED, INNER_IP_OFF,
+        INNER_L4_OFF, IP_LEN, IP_MF, IP_OFF, IP_OFFSET_MASK, Ipv4Hdr, L4_OFF, TCP_LEN, TcpHdr, UDP_LEN, UdpHdr,
+    },
 };
-
-#[repr(C)]
-pub struct EthHdr {
-    pub dst: [u8; 6],
-    pub src: [u8; 6],
-    pub ether_type_be: u16,
-}
-
-#[repr(C)]
-pub struct Ipv4Hdr {
-    pub version_ihl: u8,
-    pub tos: u8,
-    pub tot_len_be: u16,
-    pub id_be: u16,
-    pub frag_off_be: u16,
-    pub ttl: u8,
-    pub proto: u8,
-    pub check: u16,
-    pub saddr_be: u32,
-    pub daddr_be: u32,
-}
-
-#[repr(C)]
-pub struct TcpHdr {
-    pub sport_be: u16,
-    pub dport_be: u16,
-    pub seq_be: u32,
-    pub ack_seq_be: u32,
-    /// Data offset in the high nibble.
-    pub doff_res: u8,
-    pub flags: u8,
-    pub window_be: u16,
-    pub check: u16,
-    pub urg_ptr_be: u16,
-}
-
-#[repr(C)]
-pub struct UdpHdr {
-    pub sport_be: u16,
-    pub dport_be: u16,
-    pub len_be: u16,
-    pub check: u16,
-}
 
 /// Where a packet stands among its datagram's IPv4 fragments.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -116,17 +61,6 @@ impl Flow {
     pub fn is_later_fragment(&self) -> bool {
         self.fragment == Fragment::Later
     }
-}
-
-/// Returns a pointer to a `T` at `off`, if the whole `T` is inside the
-/// packet's linear data. The comparison is the verifier's bounds proof.
-#[inline(always)]
-pub fn ptr_at<T>(ctx: &impl Ctx, off: usize) -> Option<*mut T> {
-    let start = ctx.data();
-    if start + off + core::mem::size_of::<T>() > ctx.data_end() {
-        return None;
-    }
-    Some((start + off) as *mut T)
 }
 
 /// Parses Ethernet, IPv4 and TCP/UDP, or says why the packet is not ours.
@@ -205,14 +139,6 @@ fn later_fragment(l4_proto: u8) -> Flow {
         icmp_error: false,
     }
 }
-
-/// ICMP destination unreachable (frag-needed included) and time exceeded.
-pub const ICMP_DEST_UNREACH: u8 = 3;
-pub const ICMP_TIME_EXCEEDED: u8 = 11;
-pub const ICMP_LEN: usize = 8;
-/// The quoted packet's IPv4 header and its first L4 bytes.
-pub const INNER_IP_OFF: usize = L4_OFF + ICMP_LEN;
-pub const INNER_L4_OFF: usize = INNER_IP_OFF + IP_LEN;
 
 /// An ICMP error quoting a TCP or UDP packet (IHL 5, a first or whole
 /// datagram, ports quoted) as the flow of that packet's answer: its tuple

@@ -3,20 +3,19 @@
 //! silent timeout. The packet is rewritten in place into the answer; the
 //! hook sends it back where it came from.
 
-use proxy_common::proto;
+use proxy_common::{conntrack::tcp_flags, proto};
 
 use crate::{
-    context::Ctx,
+    context::{Ctx, ptr_at},
     csum,
-    parse::{
-        ETH_LEN, EthHdr, Flow, ICMP_DEST_UNREACH, ICMP_LEN, IP_LEN, IP_OFF, Ipv4Hdr, L4_OFF, TCP_FLAG_ACK, TCP_FLAG_FIN,
-        TCP_FLAG_RST, TCP_FLAG_SYN, TCP_LEN, TcpHdr, UDP_LEN, ptr_at,
+    headers::{
+        ETH_LEN, EthHdr, ICMP_DEST_UNREACH, ICMP_LEN, ICMP_PORT_UNREACH, IP_DF_BE, IP_LEN, IP_OFF, Ipv4Hdr, L4_OFF,
+        TCP_LEN, TcpHdr, UDP_LEN,
     },
+    parse::Flow,
 };
 
 const TTL: u8 = 64;
-const IP_DF_BE: u16 = 0x4000u16.to_be();
-const ICMP_PORT_UNREACH: u8 = 3;
 /// The ICMP error quotes the offending IPv4 header and 8 bytes of UDP.
 const QUOTE_LEN: usize = IP_LEN + UDP_LEN;
 
@@ -32,7 +31,7 @@ pub enum Rejection {
 #[inline(always)]
 pub fn reject(ctx: &impl Ctx, flow: &Flow) -> Rejection {
     if flow.proto == proto::TCP {
-        if flow.tcp_flags & TCP_FLAG_RST != 0 {
+        if flow.tcp_flags & tcp_flags::RST != 0 {
             return Rejection::NotAnswered;
         }
         tcp_rst(ctx, flow)
@@ -96,17 +95,17 @@ fn tcp_rst(ctx: &impl Ctx, flow: &Flow) -> Rejection {
     ) else {
         return Rejection::Failed;
     };
-    let (flags, seq, ack) = if flow.tcp_flags & TCP_FLAG_ACK != 0 {
-        (TCP_FLAG_RST, flow.tcp_ack, 0)
+    let (flags, seq, ack) = if flow.tcp_flags & tcp_flags::ACK != 0 {
+        (tcp_flags::RST, flow.tcp_ack, 0)
     } else {
         let mut occupied = flow.payload_len;
-        if flow.tcp_flags & TCP_FLAG_SYN != 0 {
+        if flow.tcp_flags & tcp_flags::SYN != 0 {
             occupied += 1;
         }
-        if flow.tcp_flags & TCP_FLAG_FIN != 0 {
+        if flow.tcp_flags & tcp_flags::FIN != 0 {
             occupied += 1;
         }
-        (TCP_FLAG_RST | TCP_FLAG_ACK, 0, flow.tcp_seq.wrapping_add(occupied))
+        (tcp_flags::RST | tcp_flags::ACK, 0, flow.tcp_seq.wrapping_add(occupied))
     };
     swap_macs(eth);
     write_ipv4(ip, proto::TCP, IP_LEN + TCP_LEN, IP_DF_BE, flow.daddr_be, flow.saddr_be);
@@ -165,7 +164,14 @@ fn icmp_port_unreachable(ctx: &impl Ctx, flow: &Flow) -> Rejection {
         core::ptr::write(eth, macs);
         *quote_out = quote;
     }
-    write_ipv4(ip, proto::ICMP, IP_LEN + ICMP_LEN + QUOTE_LEN, 0, flow.daddr_be, flow.saddr_be);
+    write_ipv4(
+        ip,
+        proto::ICMP,
+        IP_LEN + ICMP_LEN + QUOTE_LEN,
+        0,
+        flow.daddr_be,
+        flow.saddr_be,
+    );
     let mut header = [ICMP_DEST_UNREACH, ICMP_PORT_UNREACH, 0, 0, 0, 0, 0, 0];
     let sum = sum_words::<ICMP_LEN>(header.as_ptr().cast()) + sum_words::<QUOTE_LEN>(quote.as_ptr().cast());
     let check = (!csum::fold(sum)).to_ne_bytes();

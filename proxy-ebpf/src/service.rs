@@ -10,8 +10,10 @@ use proxy_common::{
 
 use crate::{
     conntrack::{self, Tracked},
-    context::{Ctx, Side},
-    fragments, icmp_error, lookup, maps, nat,
+    context::Ctx,
+    fragments,
+    headers::Side,
+    icmp_error, lookup, maps, nat,
     parse::{self, Flow},
     ports,
     reject::{self, Rejection},
