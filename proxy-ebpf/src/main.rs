@@ -1,5 +1,5 @@
 //! xproxy's kernel side: the XDP and tc entry points. A packet's way
-//! through the other files, chained by `service`:
+//! through the other files, chained by `pipeline`:
 //!
 //! `parse` (Ethernet, IPv4, TCP/UDP; the malformed-input policy) ->
 //! `fragments` (a later IPv4 fragment gets its first's ports) ->
@@ -31,11 +31,11 @@ mod lookup;
 mod maps;
 mod nat;
 mod parse;
+mod pipeline;
 mod ports;
 mod reject;
 mod route;
 mod select;
-mod service;
 mod stats;
 
 use aya_ebpf::{
@@ -47,7 +47,7 @@ use aya_ebpf::{
 
 use crate::{
     context::{Tc, Xdp},
-    service::{Outcome, process},
+    pipeline::{Outcome, process},
 };
 
 /// Node uplink, ingress: NodePort and external traffic, before an skb
