@@ -36,6 +36,14 @@ fn l4_check_off(l4_proto: u8) -> usize {
 
 /// Returns a pointer to a `T` at `off`, if the whole `T` is inside the
 /// packet's linear data. The comparison is the verifier's bounds proof.
+///
+/// The pointer may be read and written (through the `SAFETY` comments that
+/// cite this function) until the next helper that may move or resize the
+/// packet, after which the verifier rejects any use of it. It is aligned
+/// only as the frame lays it out (the IPv4 header starts at byte 14): BPF
+/// loads and stores take any address, and the kernel's verifier checks
+/// packet alignment only on architectures without efficient unaligned
+/// access. (`read_unaligned` would make LLVM split every field into bytes.)
 #[inline(always)]
 pub fn ptr_at<T>(ctx: &impl Ctx, off: usize) -> Option<*mut T> {
     let start = ctx.data();
@@ -64,6 +72,7 @@ pub trait Ctx {
     {
         let addr: *mut u32 = ptr_at(self, addr_off(side)).ok_or(())?;
         let ip_check: *mut u16 = ptr_at(self, IP_CHECK_OFF).ok_or(())?;
+        // SAFETY: both fields are inside the packet (ptr_at).
         unsafe {
             *addr = new;
             *ip_check = csum::replace32(*ip_check, old, new);
@@ -104,6 +113,7 @@ impl Ctx for Xdp<'_> {
         let port: *mut u16 = ptr_at(self, port_off(side)).ok_or(())?;
         let ip_check: *mut u16 = ptr_at(self, IP_CHECK_OFF).ok_or(())?;
         let l4_check: *mut u16 = ptr_at(self, l4_check_off(l4_proto)).ok_or(())?;
+        // SAFETY: every field is inside the packet (ptr_at).
         unsafe {
             *addr = new.0;
             *port = new.1;
@@ -121,6 +131,8 @@ impl Ctx for Xdp<'_> {
     #[inline(always)]
     fn truncate(&self, len: usize) -> Result<(), ()> {
         let delta = len as i32 - self.frame_len() as i32;
+        // SAFETY: the program's own context; the helper checks `delta`, and
+        // no packet pointer outlives the call (the verifier sees to that).
         if unsafe { bpf_xdp_adjust_tail(self.0.ctx, delta) } != 0 {
             Err(())
         } else {
@@ -132,6 +144,8 @@ impl Ctx for Xdp<'_> {
     /// caller rewrites everything before the old L4 header anyway.
     #[inline(always)]
     fn grow_for_icmp(&self) -> Result<(), ()> {
+        // SAFETY: as in `truncate`: the context is the program's own, and
+        // the helper checks the headroom.
         if unsafe { bpf_xdp_adjust_head(self.0.ctx, -28) } != 0 {
             Err(())
         } else {
@@ -162,6 +176,8 @@ impl Tc<'_> {
         let want = if len < WANTED { len } else { WANTED };
         if self.data_end() - self.data() < want {
             // Best effort: if it fails, parse sees a short frame and passes it.
+            // SAFETY: the skb is the program's context; no packet pointer
+            // exists yet.
             unsafe { bpf_skb_pull_data(self.skb(), want as u32) };
         }
     }
@@ -200,13 +216,15 @@ impl Ctx for Tc<'_> {
         let addr: *mut u32 = ptr_at(self, addr_off(side)).ok_or(())?;
         let port: *mut u16 = ptr_at(self, port_off(side)).ok_or(())?;
         let ip_check: *mut u16 = ptr_at(self, IP_CHECK_OFF).ok_or(())?;
-        // SAFETY: ptr_at checked each field against the packet's end.
+        // SAFETY: every field is inside the packet (ptr_at).
         unsafe {
             *addr = new.0;
             *port = new.1;
             *ip_check = csum::replace32(*ip_check, old.0, new.0);
         }
         // The helpers below may move the packet: no pointer is used after.
+        // SAFETY: the skb is the program's context; the helper checks that
+        // the checksum at `l4_check` lies inside the packet.
         let ok = unsafe {
             bpf_l4_csum_replace(
                 skb,
@@ -222,6 +240,8 @@ impl Ctx for Tc<'_> {
 
     #[inline(always)]
     fn truncate(&self, len: usize) -> Result<(), ()> {
+        // SAFETY: the skb is the program's context; the helper checks `len`,
+        // and no packet pointer outlives the call.
         if unsafe { bpf_skb_change_tail(self.skb(), len as u32, 0) } != 0 {
             Err(())
         } else {
@@ -234,6 +254,7 @@ impl Ctx for Tc<'_> {
     #[inline(always)]
     fn grow_for_icmp(&self) -> Result<(), ()> {
         let mode = bpf_adj_room_mode::BPF_ADJ_ROOM_NET;
+        // SAFETY: as in `truncate`.
         if unsafe { bpf_skb_adjust_room(self.skb(), 28, mode, 0) } != 0 {
             Err(())
         } else {
@@ -243,6 +264,8 @@ impl Ctx for Tc<'_> {
 
     #[inline(always)]
     fn add_mark(&self, mark: u32) -> bool {
+        // SAFETY: the skb is the program's context, valid for its whole
+        // run; a tc program may write `mark` (the verifier checks the field).
         unsafe { (*self.skb()).mark |= mark };
         true
     }

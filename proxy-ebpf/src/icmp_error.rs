@@ -50,7 +50,8 @@ pub fn translate(
     let inner_port: *mut u16 = ptr_at(ctx, INNER_L4_OFF + port_in_l4(quoted)).ok_or(())?;
     let inner_check: *mut u16 = ptr_at(ctx, INNER_CHECK_OFF).ok_or(())?;
     let icmp_check: *mut u16 = ptr_at(ctx, ICMP_CHECK_OFF).ok_or(())?;
-    // SAFETY: ptr_at checked each field against the packet's end.
+    // SAFETY: every field is inside the packet (ptr_at); `quoted_l4_check`
+    // and `packet_end` call no helper that could move it.
     unsafe {
         let mut icmp = *icmp_check;
         *inner_addr = new.0;
@@ -70,6 +71,7 @@ pub fn translate(
 #[inline(always)]
 fn packet_end(ctx: &impl Ctx) -> Result<usize, ()> {
     let ip: *const Ipv4Hdr = ptr_at(ctx, IP_OFF).ok_or(())?;
+    // SAFETY: the header is inside the packet (ptr_at).
     Ok(ETH_LEN + u16::from_be(unsafe { (*ip).tot_len_be }) as usize)
 }
 
@@ -85,6 +87,7 @@ fn quoted_l4_check(ctx: &impl Ctx, l4_proto: u8, old: (u32, u16), new: (u32, u16
     let Some(check) = ptr_at::<u16>(ctx, off) else {
         return icmp;
     };
+    // SAFETY: the checksum is inside the packet (ptr_at).
     unsafe {
         let before = *check;
         let after = if l4_proto == proto::UDP {
@@ -102,6 +105,7 @@ fn quoted_l4_check(ctx: &impl Ctx, l4_proto: u8, old: (u32, u16), new: (u32, u16
 #[inline(always)]
 fn outer_address(ctx: &impl Ctx, side: Side, old: u32, new: u32) -> Result<(), ()> {
     let addr: *const u32 = ptr_at(ctx, IP_OFF + addr_in_ip(side)).ok_or(())?;
+    // SAFETY: the address is inside the packet (ptr_at).
     if unsafe { *addr } != old {
         return Ok(());
     }

@@ -15,9 +15,10 @@
 //! Beneath the steps: `headers` (the header layouts and offsets),
 //! `context` (the XDP / tc differences: reaching and rewriting the frame),
 //! `csum` (checksum arithmetic), `maps` and `stats` (every verdict
-//! counted). After the steps, `route` finds the interface tc redirects a
-//! translated packet to. The entry points below only map the outcome to
-//! each hook's return codes.
+//! counted). After the steps, `route` holds tc's own redirects: to the
+//! interface the kernel would forward the packet out of, or back where it
+//! came from. The entry points below only map the outcome to each hook's
+//! return codes.
 #![no_std]
 #![no_main]
 
@@ -40,7 +41,6 @@ mod stats;
 
 use aya_ebpf::{
     bindings::{BPF_F_INGRESS, TC_ACT_OK, TC_ACT_SHOT, xdp_action},
-    helpers::{bpf_redirect, bpf_redirect_neigh},
     macros::{classifier, xdp},
     programs::{TcContext, XdpContext},
 };
@@ -74,12 +74,9 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
         // reply now coming from a node IP (NodePort) would be dropped as a
         // martian (a local source arriving from outside); a destination on
         // this node itself is not forwarded and goes up the stack.
-        Outcome::ReverseTranslated => match route::ifindex(&ctx) {
-            Some(ifindex) => unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) as i32 },
-            None => TC_ACT_OK,
-        },
+        Outcome::ReverseTranslated => route::redirect_routed(&ctx),
         // Back out of the interface it came in on, i.e. to the pod.
-        Outcome::Reply => unsafe { bpf_redirect((*ctx.skb.skb).ifindex, 0) as i32 },
+        Outcome::Reply => route::redirect_back(&ctx, 0),
         Outcome::Drop => TC_ACT_SHOT,
     }
 }
@@ -98,12 +95,9 @@ pub fn tc_egress(ctx: TcContext) -> i32 {
         Outcome::Pass | Outcome::ReverseTranslated => TC_ACT_OK,
         // Without a route to the backend, the packet leaves where the
         // kernel had routed it (a gateway may know the way).
-        Outcome::Translated => match route::ifindex(&ctx) {
-            Some(ifindex) => unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) as i32 },
-            None => TC_ACT_OK,
-        },
+        Outcome::Translated => route::redirect_routed(&ctx),
         // Up the node's own stack, as if the answer had arrived on the uplink.
-        Outcome::Reply => unsafe { bpf_redirect((*ctx.skb.skb).ifindex, BPF_F_INGRESS as u64) as i32 },
+        Outcome::Reply => route::redirect_back(&ctx, BPF_F_INGRESS as u64),
         Outcome::Drop => TC_ACT_SHOT,
     }
 }

@@ -55,6 +55,7 @@ static SNAT_MARK: u32 = 0;
 #[inline(always)]
 pub fn snat_mark() -> u32 {
     // Volatile: the value is patched into .rodata after compilation.
+    // SAFETY: a reference to a static: valid, aligned and initialised.
     unsafe { core::ptr::read_volatile(&SNAT_MARK) }
 }
 
@@ -68,6 +69,7 @@ static CT_TIMEOUTS: CtTimeouts = CtTimeouts::KERNEL;
 #[inline(always)]
 pub fn ct_timeout_ns(state: u8) -> u64 {
     // Volatile, as `snat_mark`: patched into .rodata after compilation.
+    // SAFETY: a reference into a static: valid, aligned and initialised.
     let seconds = unsafe { core::ptr::read_volatile(&CT_TIMEOUTS.seconds[state_index(state)]) };
     seconds_to_ns(seconds)
 }
