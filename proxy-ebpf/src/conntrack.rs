@@ -38,6 +38,7 @@ fn key_of(flow: &Flow) -> CtKey {
 /// of the last tick's time (no clock source access, unlike ktime_get_ns).
 #[inline(always)]
 fn now_ns() -> u64 {
+    // SAFETY: a helper without arguments.
     unsafe { bpf_ktime_get_coarse_ns() }
 }
 
@@ -53,7 +54,9 @@ pub struct Tracked {
     /// Forward only: XDP picked the backend and left the packet to tc (see
     /// [`FLAG_HANDED_TO_TC`]).
     pub handed_to_tc: bool,
-    /// The entry itself, so [`taken_over`] needs no second lookup.
+    /// The entry itself, so [`taken_over`] needs no second lookup. Only
+    /// this module makes a `Tracked`, always from a `CONNTRACK` lookup of
+    /// the same run: every `SAFETY` comment on `entry` rests on that.
     entry: *mut CtValue,
 }
 
@@ -65,9 +68,11 @@ pub struct Tracked {
 #[inline(always)]
 pub fn lookup(flow: &Flow) -> Option<Tracked> {
     let key = key_of(flow);
-    let entry = CONNTRACK.get_ptr_mut(&key)?;
+    let entry = CONNTRACK.get_ptr_mut(key)?;
     let now = now_ns();
-    // SAFETY: map values stay valid for the program's run (RCU).
+    // SAFETY: a map value pointer stays valid for the program's run (the
+    // program runs under RCU; an LRU entry deleted meanwhile is not freed,
+    // only recycled: its bytes are some flow's, never foreign memory).
     let value = unsafe { &*entry };
     let reply = value.flags & FLAG_REPLY != 0;
     if begins_anew(flow, reply) && is_over(&key, value, now) {
@@ -81,7 +86,8 @@ pub fn lookup(flow: &Flow) -> Option<Tracked> {
 /// What the rest of the program needs of an entry.
 #[inline(always)]
 fn tracked(entry: *mut CtValue) -> Tracked {
-    // SAFETY: map values stay valid for the program's run (RCU).
+    // SAFETY: both callers pass a `CONNTRACK` value pointer of this run,
+    // valid until it ends (see `lookup`).
     let value = unsafe { &*entry };
     Tracked {
         reply: value.flags & FLAG_REPLY != 0,
@@ -97,7 +103,7 @@ fn tracked(entry: *mut CtValue) -> Tracked {
 /// (an error neither opens nor keeps a flow alive).
 #[inline(always)]
 pub fn lookup_related(flow: &Flow) -> Option<Tracked> {
-    CONNTRACK.get_ptr_mut(&key_of(flow)).map(tracked)
+    CONNTRACK.get_ptr_mut(key_of(flow)).map(tracked)
 }
 
 /// Whether the packet would begin a connection on an unused tuple: the
@@ -126,6 +132,7 @@ fn is_over(key: &CtKey, value: &CtValue, now: u64) -> bool {
         return false;
     }
     match partner_of(key, value) {
+        // SAFETY: a `CONNTRACK` value pointer of this run (`partner_of`).
         Some(other) => idle_past(timeout, unsafe { (*other).last_seen_ns }, now),
         None => true,
     }
@@ -139,7 +146,8 @@ fn is_over(key: &CtKey, value: &CtValue, now: u64) -> bool {
 #[inline(always)]
 fn partner_of(key: &CtKey, value: &CtValue) -> Option<*mut CtValue> {
     let other_key = partner_key(key, value);
-    let other = CONNTRACK.get_ptr_mut(&other_key)?;
+    let other = CONNTRACK.get_ptr_mut(other_key)?;
+    // SAFETY: a map value pointer, valid for the program's run (see `lookup`).
     if partner_key(&other_key, unsafe { &*other }) == *key {
         Some(other)
     } else {
@@ -154,12 +162,19 @@ fn partner_of(key: &CtKey, value: &CtValue) -> Option<*mut CtValue> {
 /// does not dirty its entry's cache line on every packet.
 #[inline(always)]
 fn advance(key: &CtKey, entry: *mut CtValue, flow: &Flow, reply: bool, now: u64) {
+    // SAFETY: `lookup`, the one caller, passes its `CONNTRACK` value
+    // pointer. Another CPU may write the same entry at once (a flow's
+    // packets in both directions): the fields are plain integers, and the
+    // worst outcome is one of two timestamps or state steps lost, which the
+    // next packet repeats.
     let value = unsafe { &mut *entry };
     let flow_flags = value.flags & FLOW_FLAGS;
     let (state, new_flags) = next_state(value.state, flow_flags, flow.proto, reply, flow.tcp_flags);
     if state != value.state || new_flags != flow_flags {
         set_state(value, state, new_flags);
         if let Some(other) = partner_of(key, value) {
+            // SAFETY: valid as `value` is; at another key (`create` never
+            // makes an entry its own partner), so the two do not alias.
             set_state(unsafe { &mut *other }, state, new_flags);
         }
     }
@@ -178,7 +193,8 @@ fn set_state(value: &mut CtValue, state: u8, flow_flags: u8) {
 /// established ones.
 #[inline(always)]
 pub fn taken_over(tracked: &Tracked) {
-    // SAFETY: the pointer came from the map lookup of this same packet's run.
+    // SAFETY: `entry` came from this run's `CONNTRACK` lookup (see
+    // `Tracked::entry`), valid until the run ends.
     unsafe { (*tracked.entry).flags &= !FLAG_HANDED_TO_TC };
 }
 
@@ -222,7 +238,7 @@ pub fn create(
     };
     // The lookup just missed, so this fails only if another CPU created the
     // same flow meanwhile: its entries win, this packet passes.
-    if CONNTRACK.insert(&key_of(flow), &forward, BPF_NOEXIST as u64).is_err() {
+    if CONNTRACK.insert(key_of(flow), forward, BPF_NOEXIST as u64).is_err() {
         remove(&reply_key);
         return Err(());
     }
@@ -248,6 +264,7 @@ fn insert_reply(key: &CtKey, value: &CtValue) -> Result<(), ()> {
         return Ok(());
     }
     let existing = CONNTRACK.get_ptr(key).ok_or(())?;
+    // SAFETY: a map value pointer, valid for the program's run (see `lookup`).
     if unsafe { (*existing).flags } & FLAG_REPLY == 0 {
         return Err(());
     }

@@ -2,13 +2,10 @@
 //! shrunk and grown. Everything else is written once against [`Ctx`].
 
 use aya_ebpf::{
-    bindings::{
-        BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, bpf_adj_room_mode,
-        bpf_fib_lookup,
-    },
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, bpf_adj_room_mode},
     helpers::{
-        bpf_fib_lookup as fib_lookup, bpf_l4_csum_replace, bpf_skb_adjust_room, bpf_skb_change_tail, bpf_skb_pull_data,
-        bpf_xdp_adjust_head, bpf_xdp_adjust_tail,
+        bpf_l4_csum_replace, bpf_skb_adjust_room, bpf_skb_change_tail, bpf_skb_pull_data, bpf_xdp_adjust_head,
+        bpf_xdp_adjust_tail,
     },
     programs::{TcContext, XdpContext},
 };
@@ -16,46 +13,47 @@ use proxy_common::proto;
 
 use crate::{
     csum,
-    parse::{INNER_L4_OFF, IP_OFF, L4_OFF, ptr_at},
+    headers::{INNER_L4_OFF, IP_CHECK, IP_OFF, L4_OFF, Side, TCP_LEN, addr_in_ip, check_in_l4, port_in_l4},
 };
 
-/// Which end of the flow a rewrite changes.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Side {
-    Source,
-    Destination,
-}
-
-/// Offsets inside the constant-offset headers `parse` accepts.
-const IP_CHECK_OFF: usize = IP_OFF + 10;
-const IP_SADDR_OFF: usize = IP_OFF + 12;
-const IP_DADDR_OFF: usize = IP_OFF + 16;
-const TCP_CHECK_OFF: usize = L4_OFF + 16;
-const UDP_CHECK_OFF: usize = L4_OFF + 6;
+/// Where the fields a rewrite changes sit in the frame.
+const IP_CHECK_OFF: usize = IP_OFF + IP_CHECK;
 
 #[inline(always)]
 fn addr_off(side: Side) -> usize {
-    if side == Side::Source {
-        IP_SADDR_OFF
-    } else {
-        IP_DADDR_OFF
-    }
+    IP_OFF + addr_in_ip(side)
 }
 
 #[inline(always)]
 fn port_off(side: Side) -> usize {
-    if side == Side::Source { L4_OFF } else { L4_OFF + 2 }
+    L4_OFF + port_in_l4(side)
 }
 
 #[inline(always)]
 fn l4_check_off(l4_proto: u8) -> usize {
-    if l4_proto == proto::TCP {
-        TCP_CHECK_OFF
-    } else {
-        UDP_CHECK_OFF
-    }
+    L4_OFF + check_in_l4(l4_proto)
 }
 
+/// Returns a pointer to a `T` at `off`, if the whole `T` is inside the
+/// packet's linear data. The comparison is the verifier's bounds proof.
+///
+/// The pointer may be read and written (through the `SAFETY` comments that
+/// cite this function) until the next helper that may move or resize the
+/// packet, after which the verifier rejects any use of it. It is aligned
+/// only as the frame lays it out (the IPv4 header starts at byte 14): BPF
+/// loads and stores take any address, and the kernel's verifier checks
+/// packet alignment only on architectures without efficient unaligned
+/// access. (`read_unaligned` would make LLVM split every field into bytes.)
+#[inline(always)]
+pub fn ptr_at<T>(ctx: &impl Ctx, off: usize) -> Option<*mut T> {
+    let start = ctx.data();
+    if start + off + core::mem::size_of::<T>() > ctx.data_end() {
+        return None;
+    }
+    Some((start + off) as *mut T)
+}
+
+/// The packet as a hook holds it: an XDP frame or a tc skb.
 pub trait Ctx {
     fn data(&self) -> usize;
     fn data_end(&self) -> usize;
@@ -74,6 +72,7 @@ pub trait Ctx {
     {
         let addr: *mut u32 = ptr_at(self, addr_off(side)).ok_or(())?;
         let ip_check: *mut u16 = ptr_at(self, IP_CHECK_OFF).ok_or(())?;
+        // SAFETY: both fields are inside the packet (ptr_at).
         unsafe {
             *addr = new;
             *ip_check = csum::replace32(*ip_check, old, new);
@@ -114,6 +113,7 @@ impl Ctx for Xdp<'_> {
         let port: *mut u16 = ptr_at(self, port_off(side)).ok_or(())?;
         let ip_check: *mut u16 = ptr_at(self, IP_CHECK_OFF).ok_or(())?;
         let l4_check: *mut u16 = ptr_at(self, l4_check_off(l4_proto)).ok_or(())?;
+        // SAFETY: every field is inside the packet (ptr_at).
         unsafe {
             *addr = new.0;
             *port = new.1;
@@ -131,6 +131,8 @@ impl Ctx for Xdp<'_> {
     #[inline(always)]
     fn truncate(&self, len: usize) -> Result<(), ()> {
         let delta = len as i32 - self.frame_len() as i32;
+        // SAFETY: the program's own context; the helper checks `delta`, and
+        // no packet pointer outlives the call (the verifier sees to that).
         if unsafe { bpf_xdp_adjust_tail(self.0.ctx, delta) } != 0 {
             Err(())
         } else {
@@ -142,6 +144,8 @@ impl Ctx for Xdp<'_> {
     /// caller rewrites everything before the old L4 header anyway.
     #[inline(always)]
     fn grow_for_icmp(&self) -> Result<(), ()> {
+        // SAFETY: as in `truncate`: the context is the program's own, and
+        // the helper checks the headroom.
         if unsafe { bpf_xdp_adjust_head(self.0.ctx, -28) } != 0 {
             Err(())
         } else {
@@ -167,11 +171,13 @@ impl Tc<'_> {
     /// skb: up to a TCP header, or an ICMP error's quoted TCP header.
     #[inline(always)]
     pub fn pull_headers(&self) {
-        const WANTED: usize = INNER_L4_OFF + 20;
+        const WANTED: usize = INNER_L4_OFF + TCP_LEN;
         let len = self.frame_len();
         let want = if len < WANTED { len } else { WANTED };
         if self.data_end() - self.data() < want {
             // Best effort: if it fails, parse sees a short frame and passes it.
+            // SAFETY: the skb is the program's context; no packet pointer
+            // exists yet.
             unsafe { bpf_skb_pull_data(self.skb(), want as u32) };
         }
     }
@@ -210,13 +216,15 @@ impl Ctx for Tc<'_> {
         let addr: *mut u32 = ptr_at(self, addr_off(side)).ok_or(())?;
         let port: *mut u16 = ptr_at(self, port_off(side)).ok_or(())?;
         let ip_check: *mut u16 = ptr_at(self, IP_CHECK_OFF).ok_or(())?;
-        // SAFETY: ptr_at checked each field against the packet's end.
+        // SAFETY: every field is inside the packet (ptr_at).
         unsafe {
             *addr = new.0;
             *port = new.1;
             *ip_check = csum::replace32(*ip_check, old.0, new.0);
         }
         // The helpers below may move the packet: no pointer is used after.
+        // SAFETY: the skb is the program's context; the helper checks that
+        // the checksum at `l4_check` lies inside the packet.
         let ok = unsafe {
             bpf_l4_csum_replace(
                 skb,
@@ -232,6 +240,8 @@ impl Ctx for Tc<'_> {
 
     #[inline(always)]
     fn truncate(&self, len: usize) -> Result<(), ()> {
+        // SAFETY: the skb is the program's context; the helper checks `len`,
+        // and no packet pointer outlives the call.
         if unsafe { bpf_skb_change_tail(self.skb(), len as u32, 0) } != 0 {
             Err(())
         } else {
@@ -244,6 +254,7 @@ impl Ctx for Tc<'_> {
     #[inline(always)]
     fn grow_for_icmp(&self) -> Result<(), ()> {
         let mode = bpf_adj_room_mode::BPF_ADJ_ROOM_NET;
+        // SAFETY: as in `truncate`.
         if unsafe { bpf_skb_adjust_room(self.skb(), 28, mode, 0) } != 0 {
             Err(())
         } else {
@@ -253,40 +264,9 @@ impl Ctx for Tc<'_> {
 
     #[inline(always)]
     fn add_mark(&self, mark: u32) -> bool {
+        // SAFETY: the skb is the program's context, valid for its whole
+        // run; a tc program may write `mark` (the verifier checks the field).
         unsafe { (*self.skb()).mark |= mark };
         true
-    }
-}
-
-const AF_INET: u8 = 2;
-
-/// The interface the kernel would forward the (already translated) packet
-/// out of, for redirecting it there directly: used where the kernel's own
-/// routing decision is stale (egress) or would refuse the packet (replies
-/// from a node IP). `None` if it is not forwarded (e.g. it is for this node).
-#[inline(always)]
-pub fn route_ifindex(ctx: &TcContext) -> Option<u32> {
-    let tc = Tc(ctx);
-    let ip: *const crate::parse::Ipv4Hdr = ptr_at(&tc, IP_OFF)?;
-    let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
-    unsafe {
-        params.family = AF_INET;
-        params.l4_protocol = (*ip).proto;
-        // tot_len stays 0: with a length given, the kernel compares it with
-        // the route's MTU and answers FRAG_NEEDED for every GSO/GRO super
-        // packet (a bulk transfer's), whose IPv4 length is the whole
-        // train's. Without one it checks the skb itself, segments included
-        // (is_skb_forwardable).
-        params.__bindgen_anon_3.ipv4_src = (*ip).saddr_be;
-        params.__bindgen_anon_4.ipv4_dst = (*ip).daddr_be;
-        params.ifindex = (*ctx.skb.skb).ifindex;
-    }
-    let size = core::mem::size_of::<bpf_fib_lookup>() as i32;
-    let rc = unsafe { fib_lookup(ctx.skb.skb.cast(), &mut params, size, 0) } as u32;
-    // NO_NEIGH still names the interface: bpf_redirect_neigh resolves the neighbour.
-    if rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH {
-        Some(params.ifindex)
-    } else {
-        None
     }
 }

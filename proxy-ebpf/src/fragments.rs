@@ -33,7 +33,7 @@ pub fn remember(flow: &Flow) {
         sport_be: flow.sport_be,
         dport_be: flow.dport_be,
     };
-    let _ = FRAGMENTS.insert(&key_of(flow), &ports, 0);
+    let _ = FRAGMENTS.insert(key_of(flow), ports, 0);
 }
 
 /// The flow with its ports: as it is, or for a later fragment the first
@@ -43,7 +43,9 @@ pub fn with_ports(flow: Flow) -> Option<Flow> {
     if flow.fragment != Fragment::Later {
         return Some(flow);
     }
-    let ports = unsafe { FRAGMENTS.get(&key_of(&flow))? };
+    // SAFETY: the value is copied out at once, while the program's run
+    // keeps it valid (an LRU entry is recycled, never freed, meanwhile).
+    let ports = unsafe { FRAGMENTS.get(key_of(&flow))? };
     Some(Flow {
         sport_be: ports.sport_be,
         dport_be: ports.dport_be,

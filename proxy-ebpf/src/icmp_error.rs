@@ -22,13 +22,16 @@
 use proxy_common::proto;
 
 use crate::{
-    context::{Ctx, Side},
+    context::{Ctx, ptr_at},
     csum,
-    parse::{ETH_LEN, INNER_IP_OFF, INNER_L4_OFF, IP_OFF, Ipv4Hdr, L4_OFF, ptr_at},
+    headers::{
+        ETH_LEN, ICMP_CHECK, INNER_IP_OFF, INNER_L4_OFF, IP_CHECK, IP_OFF, Ipv4Hdr, L4_OFF, Side, addr_in_ip,
+        check_in_l4, port_in_l4,
+    },
 };
 
-const ICMP_CHECK_OFF: usize = L4_OFF + 2;
-const INNER_CHECK_OFF: usize = INNER_IP_OFF + 10;
+const ICMP_CHECK_OFF: usize = L4_OFF + ICMP_CHECK;
+const INNER_CHECK_OFF: usize = INNER_IP_OFF + IP_CHECK;
 
 /// Translates the ICMP error whose quoted packet had `old` as its
 /// `quoted` end into `new` (both `(address, port)`, network byte order);
@@ -47,7 +50,8 @@ pub fn translate(
     let inner_port: *mut u16 = ptr_at(ctx, INNER_L4_OFF + port_in_l4(quoted)).ok_or(())?;
     let inner_check: *mut u16 = ptr_at(ctx, INNER_CHECK_OFF).ok_or(())?;
     let icmp_check: *mut u16 = ptr_at(ctx, ICMP_CHECK_OFF).ok_or(())?;
-    // SAFETY: ptr_at checked each field against the packet's end.
+    // SAFETY: every field is inside the packet (ptr_at); `quoted_l4_check`
+    // and `packet_end` call no helper that could move it.
     unsafe {
         let mut icmp = *icmp_check;
         *inner_addr = new.0;
@@ -67,6 +71,7 @@ pub fn translate(
 #[inline(always)]
 fn packet_end(ctx: &impl Ctx) -> Result<usize, ()> {
     let ip: *const Ipv4Hdr = ptr_at(ctx, IP_OFF).ok_or(())?;
+    // SAFETY: the header is inside the packet (ptr_at).
     Ok(ETH_LEN + u16::from_be(unsafe { (*ip).tot_len_be }) as usize)
 }
 
@@ -75,13 +80,14 @@ fn packet_end(ctx: &impl Ctx) -> Result<usize, ()> {
 /// updated for it.
 #[inline(always)]
 fn quoted_l4_check(ctx: &impl Ctx, l4_proto: u8, old: (u32, u16), new: (u32, u16), icmp: u16, end: usize) -> u16 {
-    let off = INNER_L4_OFF + if l4_proto == proto::TCP { 16 } else { 6 };
+    let off = INNER_L4_OFF + check_in_l4(l4_proto);
     if off + 2 > end {
         return icmp;
     }
     let Some(check) = ptr_at::<u16>(ctx, off) else {
         return icmp;
     };
+    // SAFETY: the checksum is inside the packet (ptr_at).
     unsafe {
         let before = *check;
         let after = if l4_proto == proto::UDP {
@@ -99,18 +105,9 @@ fn quoted_l4_check(ctx: &impl Ctx, l4_proto: u8, old: (u32, u16), new: (u32, u16
 #[inline(always)]
 fn outer_address(ctx: &impl Ctx, side: Side, old: u32, new: u32) -> Result<(), ()> {
     let addr: *const u32 = ptr_at(ctx, IP_OFF + addr_in_ip(side)).ok_or(())?;
+    // SAFETY: the address is inside the packet (ptr_at).
     if unsafe { *addr } != old {
         return Ok(());
     }
     ctx.rewrite_addr(side, old, new)
-}
-
-#[inline(always)]
-fn addr_in_ip(side: Side) -> usize {
-    if side == Side::Source { 12 } else { 16 }
-}
-
-#[inline(always)]
-fn port_in_l4(side: Side) -> usize {
-    if side == Side::Source { 0 } else { 2 }
 }

@@ -12,5 +12,7 @@ pub fn frontend(flow: &Flow) -> Option<ServiceValue> {
         proto: flow.proto,
         _pad: 0,
     };
-    unsafe { SERVICES.get(&key).copied() }
+    // SAFETY: copied out at once; the program's run keeps the value valid
+    // (an update by user space swaps in a new element, freed after RCU).
+    unsafe { SERVICES.get(key).copied() }
 }

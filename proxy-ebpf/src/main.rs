@@ -1,18 +1,24 @@
-//! xproxy's kernel side. A packet's way through these files:
+//! xproxy's kernel side: the XDP and tc entry points. A packet's way
+//! through the other files, chained by `pipeline`:
 //!
 //! `parse` (Ethernet, IPv4, TCP/UDP; the malformed-input policy) ->
 //! `fragments` (a later IPv4 fragment gets its first's ports) ->
 //! `ports` (could it be Service traffic at all?) -> `conntrack` (a packet
 //! of a known flow, either way?) -> `lookup` (else: is it for a Service
-//! frontend?) -> `select` (a backend for a new flow) -> `nat` (DNAT, reverse NAT, checksums
-//! via `csum`) or `reject` (RST / ICMP when a Service has no backends; a
+//! frontend?) -> `select` (a backend for a new flow) -> `nat` (DNAT,
+//! reverse NAT) or `reject` (RST / ICMP when a Service has no backends; a
 //! frontend whose `Local` traffic policy finds no backend on this node
 //! drops instead, as kube-proxy does).
 //! An ICMP error quoting a tracked flow's packet is translated as the
 //! flow's packets are (`icmp_error`).
-//! `stats` counts every verdict; `context` hides the XDP / tc differences;
-//! `service` ties the steps together. The entry points below only map the
-//! outcome to each hook's return codes.
+//!
+//! Beneath the steps: `headers` (the header layouts and offsets),
+//! `context` (the XDP / tc differences: reaching and rewriting the frame),
+//! `csum` (checksum arithmetic), `maps` and `stats` (every verdict
+//! counted). After the steps, `route` holds tc's own redirects: to the
+//! interface the kernel would forward the packet out of, or back where it
+//! came from. The entry points below only map the outcome to each hook's
+//! return codes.
 #![no_std]
 #![no_main]
 
@@ -20,27 +26,28 @@ mod conntrack;
 mod context;
 mod csum;
 mod fragments;
+mod headers;
 mod icmp_error;
 mod lookup;
 mod maps;
 mod nat;
 mod parse;
+mod pipeline;
 mod ports;
 mod reject;
+mod route;
 mod select;
-mod service;
 mod stats;
 
 use aya_ebpf::{
     bindings::{BPF_F_INGRESS, TC_ACT_OK, TC_ACT_SHOT, xdp_action},
-    helpers::{bpf_redirect, bpf_redirect_neigh},
     macros::{classifier, xdp},
     programs::{TcContext, XdpContext},
 };
 
 use crate::{
     context::{Tc, Xdp},
-    service::{Outcome, process},
+    pipeline::{Outcome, process},
 };
 
 /// Node uplink, ingress: NodePort and external traffic, before an skb
@@ -67,12 +74,9 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
         // reply now coming from a node IP (NodePort) would be dropped as a
         // martian (a local source arriving from outside); a destination on
         // this node itself is not forwarded and goes up the stack.
-        Outcome::ReverseTranslated => match context::route_ifindex(&ctx) {
-            Some(ifindex) => unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) as i32 },
-            None => TC_ACT_OK,
-        },
+        Outcome::ReverseTranslated => route::redirect_routed(&ctx),
         // Back out of the interface it came in on, i.e. to the pod.
-        Outcome::Reply => unsafe { bpf_redirect((*ctx.skb.skb).ifindex, 0) as i32 },
+        Outcome::Reply => route::redirect_back(&ctx, 0),
         Outcome::Drop => TC_ACT_SHOT,
     }
 }
@@ -91,12 +95,9 @@ pub fn tc_egress(ctx: TcContext) -> i32 {
         Outcome::Pass | Outcome::ReverseTranslated => TC_ACT_OK,
         // Without a route to the backend, the packet leaves where the
         // kernel had routed it (a gateway may know the way).
-        Outcome::Translated => match context::route_ifindex(&ctx) {
-            Some(ifindex) => unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) as i32 },
-            None => TC_ACT_OK,
-        },
+        Outcome::Translated => route::redirect_routed(&ctx),
         // Up the node's own stack, as if the answer had arrived on the uplink.
-        Outcome::Reply => unsafe { bpf_redirect((*ctx.skb.skb).ifindex, BPF_F_INGRESS as u64) as i32 },
+        Outcome::Reply => route::redirect_back(&ctx, BPF_F_INGRESS as u64),
         Outcome::Drop => TC_ACT_SHOT,
     }
 }

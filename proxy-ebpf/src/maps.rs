@@ -7,8 +7,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    Backend, BackendSlotKey, CtKey, CtTimeouts, CtValue, FragKey, FragPorts,
-    conntrack::{seconds_to_ns, state_index}, PortBits, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter,
+    Backend, BackendSlotKey, CtKey, CtTimeouts, CtValue, FragKey, FragPorts, PortBits, RevNat, ServiceKey,
+    ServiceValue, Verdict, VerdictCounter,
+    conntrack::{seconds_to_ns, state_index},
     maps::{BACKEND_SLOTS_MAX, BACKENDS_MAX, CONNTRACK_MAX, FRAGMENTS_MAX, REV_NAT_MAX, SERVICES_MAX},
     ports::PORT_WORDS,
 };
@@ -54,6 +55,7 @@ static SNAT_MARK: u32 = 0;
 #[inline(always)]
 pub fn snat_mark() -> u32 {
     // Volatile: the value is patched into .rodata after compilation.
+    // SAFETY: a reference to a static: valid, aligned and initialised.
     unsafe { core::ptr::read_volatile(&SNAT_MARK) }
 }
 
@@ -67,6 +69,7 @@ static CT_TIMEOUTS: CtTimeouts = CtTimeouts::KERNEL;
 #[inline(always)]
 pub fn ct_timeout_ns(state: u8) -> u64 {
     // Volatile, as `snat_mark`: patched into .rodata after compilation.
+    // SAFETY: a reference into a static: valid, aligned and initialised.
     let seconds = unsafe { core::ptr::read_volatile(&CT_TIMEOUTS.seconds[state_index(state)]) };
     seconds_to_ns(seconds)
 }

@@ -1,10 +1,7 @@
 //! Destination NAT towards a backend, and reverse NAT of its replies
 //! (addresses only in a later fragment, see `fragments`).
 
-use crate::{
-    context::{Ctx, Side},
-    parse::Flow,
-};
+use crate::{context::Ctx, headers::Side, parse::Flow};
 
 /// client -> frontend becomes client -> backend (`(address, port)`,
 /// network byte order).

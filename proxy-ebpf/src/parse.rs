@@ -13,68 +13,13 @@
 
 use proxy_common::{Verdict, proto};
 
-use crate::context::Ctx;
-
-pub const ETH_LEN: usize = 14;
-pub const IP_OFF: usize = ETH_LEN;
-pub const IP_LEN: usize = 20;
-pub const L4_OFF: usize = IP_OFF + IP_LEN;
-pub const TCP_LEN: usize = 20;
-pub const UDP_LEN: usize = 8;
-
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_8021Q: u16 = 0x8100;
-const ETH_P_8021AD: u16 = 0x88a8;
-/// "More fragments" flag and fragment offset bits of `frag_off`.
-const IP_MF: u16 = 0x2000;
-const IP_OFFSET_MASK: u16 = 0x1fff;
-
-pub use proxy_common::conntrack::tcp_flags::{
-    ACK as TCP_FLAG_ACK, FIN as TCP_FLAG_FIN, RST as TCP_FLAG_RST, SYN as TCP_FLAG_SYN,
+use crate::{
+    context::{Ctx, ptr_at},
+    headers::{
+        ETH_LEN, ETH_P_8021AD, ETH_P_8021Q, ETH_P_IP, EthHdr, ICMP_DEST_UNREACH, ICMP_TIME_EXCEEDED, INNER_IP_OFF,
+        INNER_L4_OFF, IP_LEN, IP_MF, IP_OFF, IP_OFFSET_MASK, Ipv4Hdr, L4_OFF, TCP_LEN, TcpHdr, UDP_LEN, UdpHdr,
+    },
 };
-
-#[repr(C)]
-pub struct EthHdr {
-    pub dst: [u8; 6],
-    pub src: [u8; 6],
-    pub ether_type_be: u16,
-}
-
-#[repr(C)]
-pub struct Ipv4Hdr {
-    pub version_ihl: u8,
-    pub tos: u8,
-    pub tot_len_be: u16,
-    pub id_be: u16,
-    pub frag_off_be: u16,
-    pub ttl: u8,
-    pub proto: u8,
-    pub check: u16,
-    pub saddr_be: u32,
-    pub daddr_be: u32,
-}
-
-#[repr(C)]
-pub struct TcpHdr {
-    pub sport_be: u16,
-    pub dport_be: u16,
-    pub seq_be: u32,
-    pub ack_seq_be: u32,
-    /// Data offset in the high nibble.
-    pub doff_res: u8,
-    pub flags: u8,
-    pub window_be: u16,
-    pub check: u16,
-    pub urg_ptr_be: u16,
-}
-
-#[repr(C)]
-pub struct UdpHdr {
-    pub sport_be: u16,
-    pub dport_be: u16,
-    pub len_be: u16,
-    pub check: u16,
-}
 
 /// Where a packet stands among its datagram's IPv4 fragments.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -111,6 +56,26 @@ pub struct Flow {
 }
 
 impl Flow {
+    /// A flow of `proto` whose every other field is zero, for a parser to
+    /// fill in.
+    #[inline(always)]
+    fn empty(proto: u8) -> Flow {
+        Flow {
+            saddr_be: 0,
+            daddr_be: 0,
+            sport_be: 0,
+            dport_be: 0,
+            proto,
+            tcp_flags: 0,
+            tcp_seq: 0,
+            tcp_ack: 0,
+            payload_len: 0,
+            fragment: Fragment::None,
+            ip_id_be: 0,
+            icmp_error: false,
+        }
+    }
+
     /// A later fragment: there is no L4 header to read or rewrite.
     #[inline(always)]
     pub fn is_later_fragment(&self) -> bool {
@@ -118,30 +83,12 @@ impl Flow {
     }
 }
 
-/// Returns a pointer to a `T` at `off`, if the whole `T` is inside the
-/// packet's linear data. The comparison is the verifier's bounds proof.
-#[inline(always)]
-pub fn ptr_at<T>(ctx: &impl Ctx, off: usize) -> Option<*mut T> {
-    let start = ctx.data();
-    if start + off + core::mem::size_of::<T>() > ctx.data_end() {
-        return None;
-    }
-    Some((start + off) as *mut T)
-}
-
 /// Parses Ethernet, IPv4 and TCP/UDP, or says why the packet is not ours.
 #[inline(always)]
 pub fn parse(ctx: &impl Ctx) -> Result<Flow, Verdict> {
-    let eth: *const EthHdr = ptr_at(ctx, 0).ok_or(Verdict::PassMalformed)?;
-    let ether_type = u16::from_be(unsafe { (*eth).ether_type_be });
-    if ether_type == ETH_P_8021Q || ether_type == ETH_P_8021AD {
-        // A tagged frame is translated on its VLAN device, not here.
-        return Err(Verdict::PassMalformed);
-    }
-    if ether_type != ETH_P_IP {
-        return Err(Verdict::PassNotIpv4OrL4);
-    }
+    untagged_ipv4(ctx)?;
     let ip: *const Ipv4Hdr = ptr_at(ctx, IP_OFF).ok_or(Verdict::PassMalformed)?;
+    // SAFETY: the header is inside the packet (ptr_at).
     let (version_ihl, tot_len, frag_off, l4_proto) = unsafe {
         (
             (*ip).version_ihl,
@@ -157,6 +104,7 @@ pub fn parse(ctx: &impl Ctx) -> Result<Flow, Verdict> {
     if tot_len < IP_LEN || tot_len > ctx.frame_len().saturating_sub(ETH_LEN) {
         return Err(Verdict::PassMalformed);
     }
+    // SAFETY: the header is inside the packet (ptr_at).
     let (saddr_be, daddr_be, ip_id_be) = unsafe { ((*ip).saddr_be, (*ip).daddr_be, (*ip).id_be) };
     if l4_proto == proto::ICMP && frag_off & (IP_MF | IP_OFFSET_MASK) == 0 {
         return icmp_error(ctx, tot_len);
@@ -164,19 +112,8 @@ pub fn parse(ctx: &impl Ctx) -> Result<Flow, Verdict> {
     if l4_proto != proto::TCP && l4_proto != proto::UDP {
         return Err(Verdict::PassNotIpv4OrL4);
     }
-    let fragment = if frag_off & IP_OFFSET_MASK != 0 {
-        Fragment::Later
-    } else if frag_off & IP_MF != 0 {
-        Fragment::First
-    } else {
-        Fragment::None
-    };
-    let l4_len = tot_len - IP_LEN;
-    let flow = match (fragment, l4_proto) {
-        (Fragment::Later, _) => later_fragment(l4_proto),
-        (_, proto::TCP) => parse_tcp(ctx, l4_len)?,
-        _ => parse_udp(ctx, l4_len, fragment == Fragment::First)?,
-    };
+    let fragment = fragment_of(frag_off);
+    let flow = parse_l4(ctx, l4_proto, fragment, tot_len - IP_LEN)?;
     Ok(Flow {
         saddr_be,
         daddr_be,
@@ -187,32 +124,45 @@ pub fn parse(ctx: &impl Ctx) -> Result<Flow, Verdict> {
     })
 }
 
-/// A later fragment's flow: no ports yet.
+/// An untagged Ethernet frame carrying IPv4, or why the packet is not ours.
 #[inline(always)]
-fn later_fragment(l4_proto: u8) -> Flow {
-    Flow {
-        saddr_be: 0,
-        daddr_be: 0,
-        sport_be: 0,
-        dport_be: 0,
-        proto: l4_proto,
-        tcp_flags: 0,
-        tcp_seq: 0,
-        tcp_ack: 0,
-        payload_len: 0,
-        fragment: Fragment::Later,
-        ip_id_be: 0,
-        icmp_error: false,
+fn untagged_ipv4(ctx: &impl Ctx) -> Result<(), Verdict> {
+    let eth: *const EthHdr = ptr_at(ctx, 0).ok_or(Verdict::PassMalformed)?;
+    // SAFETY: the header is inside the packet (ptr_at).
+    let ether_type = u16::from_be(unsafe { (*eth).ether_type_be });
+    if ether_type == ETH_P_8021Q || ether_type == ETH_P_8021AD {
+        // A tagged frame is translated on its VLAN device, not here.
+        return Err(Verdict::PassMalformed);
+    }
+    if ether_type != ETH_P_IP {
+        return Err(Verdict::PassNotIpv4OrL4);
+    }
+    Ok(())
+}
+
+/// Where the packet stands among its datagram's fragments, from its IPv4
+/// `frag_off` (host order).
+#[inline(always)]
+fn fragment_of(frag_off: u16) -> Fragment {
+    if frag_off & IP_OFFSET_MASK != 0 {
+        Fragment::Later
+    } else if frag_off & IP_MF != 0 {
+        Fragment::First
+    } else {
+        Fragment::None
     }
 }
 
-/// ICMP destination unreachable (frag-needed included) and time exceeded.
-pub const ICMP_DEST_UNREACH: u8 = 3;
-pub const ICMP_TIME_EXCEEDED: u8 = 11;
-pub const ICMP_LEN: usize = 8;
-/// The quoted packet's IPv4 header and its first L4 bytes.
-pub const INNER_IP_OFF: usize = L4_OFF + ICMP_LEN;
-pub const INNER_L4_OFF: usize = INNER_IP_OFF + IP_LEN;
+/// The L4 header's part of the flow (`l4_len` bytes from the IPv4 header
+/// on): none in a later fragment, whose ports are the first fragment's.
+#[inline(always)]
+fn parse_l4(ctx: &impl Ctx, l4_proto: u8, fragment: Fragment, l4_len: usize) -> Result<Flow, Verdict> {
+    match (fragment, l4_proto) {
+        (Fragment::Later, _) => Ok(Flow::empty(l4_proto)),
+        (_, proto::TCP) => parse_tcp(ctx, l4_len),
+        _ => parse_udp(ctx, l4_len, fragment == Fragment::First),
+    }
+}
 
 /// An ICMP error quoting a TCP or UDP packet (IHL 5, a first or whole
 /// datagram, ports quoted) as the flow of that packet's answer: its tuple
@@ -222,6 +172,7 @@ pub const INNER_L4_OFF: usize = INNER_IP_OFF + IP_LEN;
 fn icmp_error(ctx: &impl Ctx, tot_len: usize) -> Result<Flow, Verdict> {
     let not_ours = Verdict::PassNotIpv4OrL4;
     let icmp_type: *const u8 = ptr_at(ctx, L4_OFF).ok_or(not_ours)?;
+    // SAFETY: the byte is inside the packet (ptr_at).
     let icmp_type = unsafe { *icmp_type };
     if icmp_type != ICMP_DEST_UNREACH && icmp_type != ICMP_TIME_EXCEEDED {
         return Err(not_ours);
@@ -231,6 +182,7 @@ fn icmp_error(ctx: &impl Ctx, tot_len: usize) -> Result<Flow, Verdict> {
     if tot_len < INNER_L4_OFF + 4 - ETH_LEN {
         return Err(not_ours);
     }
+    // SAFETY: the quoted header is inside the packet (ptr_at).
     let (version_ihl, frag_off, proto, saddr_be, daddr_be) = unsafe {
         (
             (*inner).version_ihl,
@@ -240,6 +192,7 @@ fn icmp_error(ctx: &impl Ctx, tot_len: usize) -> Result<Flow, Verdict> {
             (*inner).daddr_be,
         )
     };
+    // SAFETY: the quoted ports are inside the packet (ptr_at).
     let [sport_be, dport_be] = unsafe { *ports };
     let quoted_l4 = proto == proto::TCP || proto == proto::UDP;
     if version_ihl != 0x45 || frag_off & IP_OFFSET_MASK != 0 || !quoted_l4 || sport_be == 0 || dport_be == 0 {
@@ -250,20 +203,15 @@ fn icmp_error(ctx: &impl Ctx, tot_len: usize) -> Result<Flow, Verdict> {
         daddr_be: saddr_be,
         sport_be: dport_be,
         dport_be: sport_be,
-        proto,
-        tcp_flags: 0,
-        tcp_seq: 0,
-        tcp_ack: 0,
-        payload_len: 0,
-        fragment: Fragment::None,
-        ip_id_be: 0,
         icmp_error: true,
+        ..Flow::empty(proto)
     })
 }
 
 #[inline(always)]
 fn parse_tcp(ctx: &impl Ctx, l4_len: usize) -> Result<Flow, Verdict> {
     let tcp: *const TcpHdr = ptr_at(ctx, L4_OFF).ok_or(Verdict::PassMalformed)?;
+    // SAFETY: the header is inside the packet (ptr_at).
     let (sport_be, dport_be, doff_res, flags, seq, ack) = unsafe {
         (
             (*tcp).sport_be,
@@ -280,18 +228,13 @@ fn parse_tcp(ctx: &impl Ctx, l4_len: usize) -> Result<Flow, Verdict> {
     }
     check_ports(sport_be, dport_be)?;
     Ok(Flow {
-        saddr_be: 0,
-        daddr_be: 0,
         sport_be,
         dport_be,
-        proto: proto::TCP,
         tcp_flags: flags,
         tcp_seq: seq,
         tcp_ack: ack,
         payload_len: (l4_len - header_len) as u32,
-        fragment: Fragment::None,
-        ip_id_be: 0,
-        icmp_error: false,
+        ..Flow::empty(proto::TCP)
     })
 }
 
@@ -300,6 +243,7 @@ fn parse_tcp(ctx: &impl Ctx, l4_len: usize) -> Result<Flow, Verdict> {
 #[inline(always)]
 fn parse_udp(ctx: &impl Ctx, l4_len: usize, first_fragment: bool) -> Result<Flow, Verdict> {
     let udp: *const UdpHdr = ptr_at(ctx, L4_OFF).ok_or(Verdict::PassMalformed)?;
+    // SAFETY: the header is inside the packet (ptr_at).
     let (sport_be, dport_be, udp_len) =
         unsafe { ((*udp).sport_be, (*udp).dport_be, u16::from_be((*udp).len_be) as usize) };
     let fits = udp_len <= l4_len || (first_fragment && l4_len >= UDP_LEN);
@@ -308,18 +252,10 @@ fn parse_udp(ctx: &impl Ctx, l4_len: usize, first_fragment: bool) -> Result<Flow
     }
     check_ports(sport_be, dport_be)?;
     Ok(Flow {
-        saddr_be: 0,
-        daddr_be: 0,
         sport_be,
         dport_be,
-        proto: proto::UDP,
-        tcp_flags: 0,
-        tcp_seq: 0,
-        tcp_ack: 0,
         payload_len: (udp_len - UDP_LEN) as u32,
-        fragment: Fragment::None,
-        ip_id_be: 0,
-        icmp_error: false,
+        ..Flow::empty(proto::UDP)
     })
 }
 

@@ -3,20 +3,19 @@
 //! silent timeout. The packet is rewritten in place into the answer; the
 //! hook sends it back where it came from.
 
-use proxy_common::proto;
+use proxy_common::{conntrack::tcp_flags, proto};
 
 use crate::{
-    context::Ctx,
+    context::{Ctx, ptr_at},
     csum,
-    parse::{
-        ETH_LEN, EthHdr, Flow, ICMP_DEST_UNREACH, ICMP_LEN, IP_LEN, IP_OFF, Ipv4Hdr, L4_OFF, TCP_FLAG_ACK, TCP_FLAG_FIN,
-        TCP_FLAG_RST, TCP_FLAG_SYN, TCP_LEN, TcpHdr, UDP_LEN, ptr_at,
+    headers::{
+        ETH_LEN, EthHdr, ICMP_DEST_UNREACH, ICMP_LEN, ICMP_PORT_UNREACH, IP_DF_BE, IP_LEN, IP_OFF, Ipv4Hdr, L4_OFF,
+        TCP_LEN, TcpHdr, UDP_LEN,
     },
+    parse::Flow,
 };
 
 const TTL: u8 = 64;
-const IP_DF_BE: u16 = 0x4000u16.to_be();
-const ICMP_PORT_UNREACH: u8 = 3;
 /// The ICMP error quotes the offending IPv4 header and 8 bytes of UDP.
 const QUOTE_LEN: usize = IP_LEN + UDP_LEN;
 
@@ -32,7 +31,7 @@ pub enum Rejection {
 #[inline(always)]
 pub fn reject(ctx: &impl Ctx, flow: &Flow) -> Rejection {
     if flow.proto == proto::TCP {
-        if flow.tcp_flags & TCP_FLAG_RST != 0 {
+        if flow.tcp_flags & tcp_flags::RST != 0 {
             return Rejection::NotAnswered;
         }
         tcp_rst(ctx, flow)
@@ -41,18 +40,25 @@ pub fn reject(ctx: &impl Ctx, flow: &Flow) -> Rejection {
     }
 }
 
+/// Swaps the Ethernet addresses: the answer goes back where the packet
+/// came from.
+///
+/// # Safety
+/// `eth` points to a writable `EthHdr` (in the packet: see `ptr_at`).
 #[inline(always)]
-fn swap_macs(eth: *mut EthHdr) {
-    unsafe {
-        let dst = (*eth).dst;
-        (*eth).dst = (*eth).src;
-        (*eth).src = dst;
-    }
+unsafe fn swap_macs(eth: *mut EthHdr) {
+    // SAFETY: the caller's promise.
+    unsafe { core::mem::swap(&mut (*eth).dst, &mut (*eth).src) };
 }
 
-/// Writes a fresh IPv4 header (no options) and returns its checksum's input.
+/// Writes a fresh IPv4 header (no options) with its checksum.
+///
+/// # Safety
+/// `ip` points to a writable `Ipv4Hdr` (in the packet: see `ptr_at`).
 #[inline(always)]
-fn write_ipv4(ip: *mut Ipv4Hdr, l4_proto: u8, tot_len: usize, frag_off_be: u16, saddr_be: u32, daddr_be: u32) {
+unsafe fn write_ipv4(ip: *mut Ipv4Hdr, l4_proto: u8, tot_len: usize, frag_off_be: u16, saddr_be: u32, daddr_be: u32) {
+    // SAFETY: the caller's promise; `sum_words` reads the `IP_LEN` bytes
+    // of the same header.
     unsafe {
         (*ip).version_ihl = 0x45;
         (*ip).tos = 0;
@@ -69,11 +75,15 @@ fn write_ipv4(ip: *mut Ipv4Hdr, l4_proto: u8, tot_len: usize, frag_off_be: u16, 
 }
 
 /// One's complement sum of `N` bytes (N even, a constant so the loop unrolls).
+///
+/// # Safety
+/// `p` points to `N` readable bytes (any alignment).
 #[inline(always)]
-fn sum_words<const N: usize>(p: *const u16) -> u64 {
+unsafe fn sum_words<const N: usize>(p: *const u16) -> u64 {
     let mut sum = 0u64;
     let mut i = 0;
     while i < N / 2 {
+        // SAFETY: word `i` of `N / 2` lies within the caller's `N` bytes.
         sum += unsafe { core::ptr::read_unaligned(p.add(i)) } as u64;
         i += 1;
     }
@@ -96,21 +106,12 @@ fn tcp_rst(ctx: &impl Ctx, flow: &Flow) -> Rejection {
     ) else {
         return Rejection::Failed;
     };
-    let (flags, seq, ack) = if flow.tcp_flags & TCP_FLAG_ACK != 0 {
-        (TCP_FLAG_RST, flow.tcp_ack, 0)
-    } else {
-        let mut occupied = flow.payload_len;
-        if flow.tcp_flags & TCP_FLAG_SYN != 0 {
-            occupied += 1;
-        }
-        if flow.tcp_flags & TCP_FLAG_FIN != 0 {
-            occupied += 1;
-        }
-        (TCP_FLAG_RST | TCP_FLAG_ACK, 0, flow.tcp_seq.wrapping_add(occupied))
-    };
-    swap_macs(eth);
-    write_ipv4(ip, proto::TCP, IP_LEN + TCP_LEN, IP_DF_BE, flow.daddr_be, flow.saddr_be);
+    let (flags, seq, ack) = rst_numbers(flow);
+    // SAFETY: the three headers are inside the packet (ptr_at, after the
+    // truncation), and nothing moves it until they are written.
     unsafe {
+        swap_macs(eth);
+        write_ipv4(ip, proto::TCP, IP_LEN + TCP_LEN, IP_DF_BE, flow.daddr_be, flow.saddr_be);
         (*tcp).sport_be = flow.dport_be;
         (*tcp).dport_be = flow.sport_be;
         (*tcp).seq_be = seq.to_be();
@@ -124,6 +125,22 @@ fn tcp_rst(ctx: &impl Ctx, flow: &Flow) -> Rejection {
         (*tcp).check = !csum::fold(pseudo + sum_words::<TCP_LEN>(tcp.cast()));
     }
     Rejection::Answered
+}
+
+/// The RST's flags, sequence and acknowledgment numbers (host order).
+#[inline(always)]
+fn rst_numbers(flow: &Flow) -> (u8, u32, u32) {
+    if flow.tcp_flags & tcp_flags::ACK != 0 {
+        return (tcp_flags::RST, flow.tcp_ack, 0);
+    }
+    let mut occupied = flow.payload_len;
+    if flow.tcp_flags & tcp_flags::SYN != 0 {
+        occupied += 1;
+    }
+    if flow.tcp_flags & tcp_flags::FIN != 0 {
+        occupied += 1;
+    }
+    (tcp_flags::RST | tcp_flags::ACK, 0, flow.tcp_seq.wrapping_add(occupied))
 }
 
 #[inline(always)]
@@ -145,6 +162,8 @@ fn icmp_port_unreachable(ctx: &impl Ctx, flow: &Flow) -> Rejection {
     let Some(eth) = ptr_at::<EthHdr>(ctx, 0) else {
         return Rejection::NotAnswered;
     };
+    // SAFETY: both are inside the packet (ptr_at); copied out before the
+    // packet is grown.
     let (quote, mut macs) = unsafe { (*quote, core::ptr::read(eth)) };
     if ctx.grow_for_icmp().is_err() {
         return Rejection::NotAnswered;
@@ -160,17 +179,27 @@ fn icmp_port_unreachable(ctx: &impl Ctx, flow: &Flow) -> Rejection {
     ) else {
         return Rejection::Failed;
     };
-    swap_macs(&mut macs);
+    // SAFETY: `macs` is a local; every other pointer is inside the packet
+    // (ptr_at, after the last resize), and nothing moves it until written.
     unsafe {
+        swap_macs(&mut macs);
         core::ptr::write(eth, macs);
         *quote_out = quote;
+        let tot_len = IP_LEN + ICMP_LEN + QUOTE_LEN;
+        write_ipv4(ip, proto::ICMP, tot_len, 0, flow.daddr_be, flow.saddr_be);
+        *icmp = icmp_header(&quote);
     }
-    write_ipv4(ip, proto::ICMP, IP_LEN + ICMP_LEN + QUOTE_LEN, 0, flow.daddr_be, flow.saddr_be);
+    Rejection::Answered
+}
+
+/// The port unreachable's ICMP header, its checksum over it and `quote`.
+#[inline(always)]
+fn icmp_header(quote: &[u8; QUOTE_LEN]) -> [u8; ICMP_LEN] {
     let mut header = [ICMP_DEST_UNREACH, ICMP_PORT_UNREACH, 0, 0, 0, 0, 0, 0];
-    let sum = sum_words::<ICMP_LEN>(header.as_ptr().cast()) + sum_words::<QUOTE_LEN>(quote.as_ptr().cast());
+    // SAFETY: both are local arrays of the lengths summed.
+    let sum = unsafe { sum_words::<ICMP_LEN>(header.as_ptr().cast()) + sum_words::<QUOTE_LEN>(quote.as_ptr().cast()) };
     let check = (!csum::fold(sum)).to_ne_bytes();
     header[2] = check[0];
     header[3] = check[1];
-    unsafe { *icmp = header };
-    Rejection::Answered
+    header
 }

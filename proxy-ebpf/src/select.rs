@@ -15,6 +15,7 @@ pub fn random_backend(svc: &ServiceValue) -> Option<(u32, Backend)> {
     if svc.backend_count == 0 {
         return None;
     }
+    // SAFETY: a helper without pointer arguments.
     let slot = svc
         .backend_offset
         .wrapping_add(unsafe { bpf_get_prandom_u32() } % svc.backend_count);
@@ -22,12 +23,14 @@ pub fn random_backend(svc: &ServiceValue) -> Option<(u32, Backend)> {
         backend_set: svc.backend_set,
         slot,
     };
-    let id = unsafe { *BACKEND_SLOTS.get(&key)? };
+    // SAFETY: copied out at once, as in `lookup::frontend`.
+    let id = unsafe { *BACKEND_SLOTS.get(key)? };
     let backend = backend(id)?;
     Some((id, backend))
 }
 
 #[inline(always)]
 fn backend(id: u32) -> Option<Backend> {
-    unsafe { BACKENDS.get(&id).copied() }
+    // SAFETY: copied out at once, as in `lookup::frontend`.
+    unsafe { BACKENDS.get(id).copied() }
 }

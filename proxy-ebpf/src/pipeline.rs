@@ -1,6 +1,8 @@
-//! The packet's way: parse -> fragments (a later fragment gets its first's
-//! ports) -> port filter -> conntrack -> (new flows: lookup -> select) ->
-//! nat or reject.
+//! The packet's way through the steps, the same for every hook: parse ->
+//! fragments (a later fragment gets its first's ports) -> ports (the port
+//! filter) -> conntrack -> (new flows: lookup -> select) -> nat or reject;
+//! an ICMP error of a tracked flow goes to icmp_error. Each step is its own
+//! module; this one only chains them and names the verdict and the outcome.
 
 use proxy_common::{
     Backend, ServiceValue, Verdict,
@@ -10,8 +12,10 @@ use proxy_common::{
 
 use crate::{
     conntrack::{self, Tracked},
-    context::{Ctx, Side},
-    fragments, icmp_error, lookup, maps, nat,
+    context::Ctx,
+    fragments,
+    headers::Side,
+    icmp_error, lookup, maps, nat,
     parse::{self, Flow},
     ports,
     reject::{self, Rejection},
