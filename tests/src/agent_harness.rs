@@ -37,8 +37,9 @@ use testbed::{
 
 use proxy_userspace::model::Protocol;
 
+use xproxy_test_apiserver::{ServerConfig, TestApiServer};
+
 use crate::{
-    apiserver::{ServerConfig, TestApiServer},
     scenario::{self, SEED_CLUSTER_IP, SEED_NODE_PORT, SEED_PORT},
 };
 

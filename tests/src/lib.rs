@@ -7,7 +7,6 @@
 //! a broken environment and so fails instead.
 
 pub mod agent_harness;
-pub mod apiserver;
 pub mod frame;
 pub mod scenario;
 pub mod testrun;
