@@ -16,8 +16,8 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail};
+use testbed::fixtures::NODE_NAME;
 use testbed::{agent::AgentProcess, netns::Netns, privileged::unique_name, topology::NODE_IP};
-use xproxy_tests::agent_harness::NODE_NAME;
 
 /// `xproxy run`'s exit code for a mode this machine cannot run.
 const EXIT_MODE_UNAVAILABLE: i32 = 6;

@@ -2,29 +2,10 @@
 //! report (as JSON and as its own Markdown section) with the net costs the
 //! targets are about.
 
-use serde::{Deserialize, Serialize};
-
 use crate::{
     perpacket::{self, Kind},
-    results::PerPacket,
+    results::{PacketTarget, PerPacket},
 };
-
-/// A case with a target: its net median and the target, in ns.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct PacketTarget {
-    pub program: String,
-    pub label: String,
-    /// `new_flow`, `established`, ... (the case kind).
-    pub kind: String,
-    pub net_ns: f64,
-    pub target_ns: f64,
-}
-
-impl PacketTarget {
-    pub fn met(&self) -> bool {
-        self.net_ns <= self.target_ns
-    }
-}
 
 pub fn measure(quick: bool, progress: &dyn Fn(&str)) -> PerPacket {
     let options = if quick {

@@ -29,7 +29,7 @@ use std::{
 use anyhow::{Context, Result, ensure};
 use proxy_common::{Verdict, maps::CONNTRACK_MAX};
 use serde::Serialize;
-use xproxy_tests::testrun::{NODE_IP, Prog};
+use testbed::testrun::{NODE_IP, Prog};
 
 pub use bed::ProgramInfo;
 pub use cases::{Frontend, Kind};

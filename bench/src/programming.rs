@@ -10,8 +10,8 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
+use testbed::agent_bed::NodeApiServer;
 use testbed::netns::Netns;
-use xproxy_tests::agent_harness::NodeApiServer;
 
 use crate::{
     agent::{BenchAgent, parse_log},

@@ -179,13 +179,30 @@ pub struct ScaleRun {
     pub error: Option<String>,
 }
 
+/// A case with a target: its net median and the target, in ns.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PacketTarget {
+    pub program: String,
+    pub label: String,
+    /// `new_flow`, `established`, ... (the case kind).
+    pub kind: String,
+    pub net_ns: f64,
+    pub target_ns: f64,
+}
+
+impl PacketTarget {
+    pub fn met(&self) -> bool {
+        self.net_ns <= self.target_ns
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PerPacket {
     /// The per-packet report as measured (its own schema).
     pub report: Option<serde_json::Value>,
     pub markdown: String,
     /// The cases with a target, for the targets table.
-    pub targets: Vec<crate::packet_cost::PacketTarget>,
+    pub targets: Vec<PacketTarget>,
     pub error: Option<String>,
 }
 

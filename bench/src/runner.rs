@@ -15,7 +15,10 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 use testbed::topology::NODE_IP;
-use xproxy_tests::agent_harness::{NodeApiServer, TempDir, node};
+use testbed::{
+    agent_bed::{NodeApiServer, TempDir},
+    fixtures::node,
+};
 
 use crate::{
     agent::{self, BenchAgent, Started},

@@ -15,7 +15,7 @@ use std::net::Ipv4Addr;
 
 use anyhow::{Result, ensure};
 use serde_json::Value;
-use xproxy_tests::agent_harness::{service, slice};
+use testbed::fixtures::{service, slice};
 
 /// Backend pods; a Service has at most this many endpoints.
 pub const PODS: usize = 10;

@@ -20,7 +20,7 @@ use anyhow::{Context, Result};
 use testbed::{
     netns::{self, Netns},
     privileged::unique_name,
-    topology::{CLIENT_IP, NODE_IP, Pod, add_pod},
+    topology::{CLIENT_IP, NODE_IP, POD_GATEWAY, Pod, add_pod, node_ns},
 };
 
 use crate::{
@@ -61,13 +61,9 @@ pub struct BenchTopology {
 impl BenchTopology {
     pub fn build() -> Result<Self> {
         let client = Netns::new("bc")?;
-        let node = Netns::new("bn")?;
         // As the testbed's node: forwarding on, no reverse-path filter
         // (rev-NATed replies come in on pod veths), no ICMP rate limit.
-        node.sysctl("net.ipv4.ip_forward", "1")?;
-        node.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
-        node.sysctl("net.ipv4.conf.default.rp_filter", "0")?;
-        testbed::topology::limit_no_icmp(&node)?;
+        let node = node_ns("bn")?;
 
         let client_if = unique_name("bcu");
         let uplink = unique_name("bnu");
@@ -84,7 +80,7 @@ impl BenchTopology {
         let servers = PodServers::new(server_workers())?;
         let mut pods = Vec::with_capacity(PODS);
         for (k, name) in POD_NAMES.iter().enumerate() {
-            let pod = add_pod(&node, name, pod_ip(k))?;
+            let pod = add_pod(&node, POD_GATEWAY, name, pod_ip(k))?;
             let (block, len) = endpoint_block(k);
             let cidr = format!("{block}/{len}");
             pod.ns
@@ -94,7 +90,7 @@ impl BenchTopology {
             servers.serve(&pod.ns, TARGET_PORT, name)?;
             pods.push(pod);
         }
-        let client_pod = add_pod(&node, CLIENT_POD.0, CLIENT_POD.1)?;
+        let client_pod = add_pod(&node, POD_GATEWAY, CLIENT_POD.0, CLIENT_POD.1)?;
         Ok(Self {
             _servers: servers,
             _pods: pods,

@@ -39,6 +39,22 @@ use sha2::{Digest, Sha256};
 
 use crate::netns::{Netns, Server};
 
+/// The bulk server and client as methods of the namespace they run in.
+impl Netns {
+    /// Starts a bulk server on `0.0.0.0:port` inside the namespace that
+    /// names itself `name` (see [`server`]); it is stopped when the
+    /// namespace is dropped.
+    pub fn serve_bulk(&self, port: u16, name: &str) -> Result<()> {
+        self.keep(server(self, port, name)?);
+        Ok(())
+    }
+
+    /// [`transfer`] from inside this namespace.
+    pub fn bulk_transfer(&self, addr: SocketAddrV4, direction: Direction, bytes: u64) -> Result<Report> {
+        self.run_in(|| transfer(addr, direction, bytes))?
+    }
+}
+
 /// The port the bulk servers listen on in the pods.
 pub const BULK_PORT: u16 = 8080;
 /// How much is read or written at a time.

@@ -1,6 +1,6 @@
 //! Network namespaces for end-to-end tests: a namespace per simulated host
 //! (client, node, pods), veths between them, servers that answer with a
-//! name (and the bulk servers of [`crate::bulk`]), and clients that run
+//! name (the bulk servers of [`crate::bulk`] are kept here too), and clients that run
 //! inside a namespace.
 //!
 //! Everything a test creates lives in namespaces it created itself (named
@@ -29,7 +29,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 
-use crate::{bulk, privileged::unique_name};
+use crate::privileged::unique_name;
 
 /// Where `ip netns add` mounts the namespaces it creates.
 const NETNS_RUN_DIR: &str = "/var/run/netns";
@@ -216,16 +216,8 @@ impl Netns {
         Ok(())
     }
 
-    /// Starts a bulk server on `0.0.0.0:port` inside the namespace that
-    /// names itself `name` (see [`bulk::server`]); it is stopped when the
-    /// namespace is dropped.
-    pub fn serve_bulk(&self, port: u16, name: &str) -> Result<()> {
-        self.keep(bulk::server(self, port, name)?);
-        Ok(())
-    }
-
     /// Keeps `server` running until the namespace is dropped.
-    fn keep(&self, server: Server) {
+    pub(crate) fn keep(&self, server: Server) {
         self.servers.lock().unwrap_or_else(|e| e.into_inner()).push(server);
     }
 
@@ -237,11 +229,6 @@ impl Netns {
     /// [`udp_request`] from inside this namespace.
     pub fn udp_request(&self, addr: SocketAddrV4, timeout: Duration) -> Result<io::Result<String>> {
         self.run_in(|| udp_request(addr, timeout))
-    }
-
-    /// [`bulk::transfer`] from inside this namespace.
-    pub fn bulk_transfer(&self, addr: SocketAddrV4, direction: bulk::Direction, bytes: u64) -> Result<bulk::Report> {
-        self.run_in(|| bulk::transfer(addr, direction, bytes))?
     }
 
     /// [`ping`] from inside this namespace.

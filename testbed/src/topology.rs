@@ -93,7 +93,32 @@ pub struct Topology {
     pub client_if: String,
 }
 
-/// Lifts the kernel's ICMP rate limits in `ns` (see [`Topology::build`]).
+/// A node namespace (named `prefix` and a unique suffix): forwarding on,
+/// reverse path filtering off, no ICMP rate limit. Every bed's nodes, the
+/// bench's too, are made so.
+pub fn node_ns(prefix: &str) -> Result<Netns> {
+    let node = Netns::new(prefix)?;
+    node.sysctl("net.ipv4.ip_forward", "1")?;
+    // Replies the programs rev-NAT (source = a ClusterIP) arrive on a pod
+    // veth although the route back to a ClusterIP is the uplink: strict
+    // reverse path filtering would drop them. Do not inherit the host's
+    // setting; be explicit (eBPF proxies run nodes with it off, too).
+    node.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
+    node.sysctl("net.ipv4.conf.default.rp_filter", "0")?;
+    // The node's kernel answers a closed port, and the kernel modes'
+    // REJECT rules answer a Service without endpoints, with ICMP errors
+    // that are rate-limited per destination (a burst of 6, then 1/s)
+    // and in all (icmp_msgs_per_sec, a burst of 50; on older kernels
+    // one budget for every namespace, so tests running side by side
+    // spend each other's): a refused UDP probe would sometimes end with
+    // no answer instead. No ICMP type is rate-limited here
+    // (`icmp_ratemask` 0 lifts both limits). The programs' own
+    // rejections are not limited.
+    limit_no_icmp(&node)?;
+    Ok(node)
+}
+
+/// Lifts the kernel's ICMP rate limits in `ns` (see [`node_ns`]).
 pub fn limit_no_icmp(ns: &Netns) -> Result<()> {
     ns.sysctl("net.ipv4.icmp_ratelimit", "0")?;
     ns.sysctl("net.ipv4.icmp_ratemask", "0")
@@ -104,24 +129,7 @@ impl Topology {
     /// servers.
     pub fn build(offloads: Offloads) -> Result<Self> {
         let client = Netns::new("xc")?;
-        let node = Netns::new("xn")?;
-        node.sysctl("net.ipv4.ip_forward", "1")?;
-        // Replies the programs rev-NAT (source = a ClusterIP) arrive on a pod
-        // veth although the route back to a ClusterIP is the uplink: strict
-        // reverse path filtering would drop them. Do not inherit the host's
-        // setting; be explicit (eBPF proxies run nodes with it off, too).
-        node.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
-        node.sysctl("net.ipv4.conf.default.rp_filter", "0")?;
-        // The node's kernel answers a closed port, and the kernel modes'
-        // REJECT rules answer a Service without endpoints, with ICMP errors
-        // that are rate-limited per destination (a burst of 6, then 1/s)
-        // and in all (icmp_msgs_per_sec, a burst of 50; on older kernels
-        // one budget for every namespace, so tests running side by side
-        // spend each other's): a refused UDP probe would sometimes end with
-        // no answer instead. No ICMP type is rate-limited here
-        // (`icmp_ratemask` 0 lifts both limits). The programs' own
-        // rejections are not limited.
-        limit_no_icmp(&node)?;
+        let node = node_ns("xn")?;
 
         let client_if = unique_name("cu");
         let uplink = unique_name("nu");
@@ -141,12 +149,12 @@ impl Topology {
 
         let mut backends = Vec::new();
         for (name, ip) in BACKENDS {
-            let pod = add_pod(&node, name, ip)?;
+            let pod = add_pod(&node, POD_GATEWAY, name, ip)?;
             pod.ns.serve_tcp(TARGET_PORT, name)?;
             pod.ns.serve_udp(TARGET_PORT, name)?;
             backends.push(pod);
         }
-        let client_pod = add_pod(&node, CLIENT_POD.0, CLIENT_POD.1)?;
+        let client_pod = add_pod(&node, POD_GATEWAY, CLIENT_POD.0, CLIENT_POD.1)?;
 
         offloads.apply(&client, &client_if)?;
         offloads.apply(&node, &uplink)?;
@@ -174,15 +182,16 @@ impl Topology {
     }
 }
 
-/// A pod namespace behind a veth from the node, wired like CNI `ptp`.
-pub fn add_pod(node: &Netns, name: &'static str, ip: Ipv4Addr) -> Result<Pod> {
+/// A pod namespace behind a veth from `node`, wired like CNI `ptp` with
+/// `gateway` as the node-side address.
+pub fn add_pod(node: &Netns, gateway: Ipv4Addr, name: &'static str, ip: Ipv4Addr) -> Result<Pod> {
     let ns = Netns::new("xp")?;
     let node_if = unique_name("np");
     netns::veth(node, &node_if, &ns, "eth0")?;
     ns.add_addr("eth0", &format!("{ip}/32"))?;
-    ns.add_route(&[&POD_GATEWAY.to_string(), "dev", "eth0", "scope", "link"])?;
-    ns.add_route(&["default", "via", &POD_GATEWAY.to_string(), "dev", "eth0"])?;
-    node.add_addr(&node_if, &format!("{POD_GATEWAY}/32"))?;
+    ns.add_route(&[&gateway.to_string(), "dev", "eth0", "scope", "link"])?;
+    ns.add_route(&["default", "via", &gateway.to_string(), "dev", "eth0"])?;
+    node.add_addr(&node_if, &format!("{gateway}/32"))?;
     node.add_route(&[&format!("{ip}/32"), "dev", &node_if])?;
     Ok(Pod { name, ip, node_if, ns })
 }

@@ -39,7 +39,7 @@ use anyhow::{Context, Result};
 use crate::{
     netns::{self, Netns},
     privileged::unique_name,
-    topology::{Offloads, Pod},
+    topology::{Offloads, Pod, add_pod, node_ns},
 };
 
 pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(172, 31, 0, 1);
@@ -209,14 +209,7 @@ fn attach_to_segment(segment: &Netns, ns: &Netns, ns_if: &str, port_prefix: &str
 /// A node namespace on the segment with its pods; `other` is the node whose
 /// pod CIDR it routes through that node's uplink address.
 fn build_node(segment: &Netns, spec: NodeSpec, other: &NodeSpec) -> Result<Node> {
-    let ns = Netns::new("xn")?;
-    ns.sysctl("net.ipv4.ip_forward", "1")?;
-    // See `Topology::build`: replies the programs rev-NAT arrive where the
-    // route back to their (Service) source does not point; and ICMP errors
-    // must not be rate-limited for tests that refuse many requests.
-    ns.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
-    ns.sysctl("net.ipv4.conf.default.rp_filter", "0")?;
-    crate::topology::limit_no_icmp(&ns)?;
+    let ns = node_ns("xn")?;
     // A NodePort flow to the other node's pod leaves by the interface it
     // came in on: no ICMP redirects to the client for that.
     ns.sysctl("net.ipv4.conf.all.send_redirects", "0")?;
@@ -252,18 +245,4 @@ fn build_node(segment: &Netns, spec: NodeSpec, other: &NodeSpec) -> Result<Node>
         uplink,
         segment_port,
     })
-}
-
-/// A pod namespace behind a veth from `node`, wired like CNI `ptp` with
-/// `gateway` as the node-side address.
-fn add_pod(node: &Netns, gateway: Ipv4Addr, name: &'static str, ip: Ipv4Addr) -> Result<Pod> {
-    let ns = Netns::new("xp")?;
-    let node_if = unique_name("np");
-    netns::veth(node, &node_if, &ns, "eth0")?;
-    ns.add_addr("eth0", &format!("{ip}/32"))?;
-    ns.add_route(&[&gateway.to_string(), "dev", "eth0", "scope", "link"])?;
-    ns.add_route(&["default", "via", &gateway.to_string(), "dev", "eth0"])?;
-    node.add_addr(&node_if, &format!("{gateway}/32"))?;
-    node.add_route(&[&format!("{ip}/32"), "dev", &node_if])?;
-    Ok(Pod { name, ip, node_if, ns })
 }

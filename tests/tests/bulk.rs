@@ -61,14 +61,15 @@ use std::{
 
 use anyhow::{Context, Result, ensure};
 use serde_json::Value;
-use xproxy_tests::{
-    agent_harness::{AgentBed, Mode, NODE_NAME, READY_WITHIN, yaml_documents},
+use testbed::{
+    agent_bed::{AgentBed, Mode, READY_WITHIN},
     bulk::{BULK_PORT, Direction, Report},
+    fixtures::{NODE_NAME, PortDef, TrafficPolicy, service_with, slice_with, yaml_documents},
     netns::{self, Netns},
-    scenario::Checks,
+    probe::{Checks, Protocol},
     topology::{BACKENDS, NODE_IP, Offloads, Topology},
     two_node::{NODE_A, NODE_B, TwoNodes},
-    two_node_bed::{PortDef, TrafficPolicy, TwoNodeBed, service, slice},
+    two_node_bed::TwoNodeBed,
 };
 
 /// Bytes per transfer.
@@ -122,15 +123,15 @@ impl OneEndpoint {
     /// The Service and its EndpointSlice: `pod` on node `node`.
     fn objects(&self, pod: Ipv4Addr, node: &str) -> [Value; 2] {
         let ports = [PortDef {
-            name: "bulk",
-            protocol: "TCP",
+            name: Some("bulk"),
+            protocol: Protocol::Tcp,
             port: SERVICE_PORT,
             target_port: BULK_PORT,
             node_port: Some(self.node_port),
         }];
         [
-            service(self.name, self.ip, &ports, self.policy),
-            slice(self.name, &ports, &[(pod, node)]),
+            service_with(self.name, self.ip, &ports, Some(self.policy)),
+            slice_with(&format!("{}-1", self.name), self.name, &ports, &[(pod, node)]),
         ]
     }
 

@@ -23,8 +23,9 @@ use std::{
 };
 
 use anyhow::{Context, Result, ensure};
-use xproxy_tests::{
-    agent_harness::{AgentBed, READY_WITHIN, seed_node_port, service, slice, yaml_documents},
+use testbed::{
+    agent_bed::{AgentBed, READY_WITHIN, seed_node_port},
+    fixtures::{service, slice, yaml_documents},
     privileged::require_root,
     topology::BACKENDS,
 };

@@ -10,17 +10,16 @@ use proxy_common::{
     Verdict,
     maps::{PROG_TC_EGRESS, PROG_TC_INGRESS},
 };
-use proxy_userspace::{
-    mode::ebpf::{Datapath, Hook, ServiceMaps},
-    model::{Endpoint, Protocol, ServicePort},
-};
-use xproxy_tests::{
+use proxy_userspace::mode::ebpf::{Datapath, Hook, ServiceMaps};
+use testbed::{
+    fixtures::{
+        EMPTY_CLUSTER_IP, EMPTY_NODE_PORT, EMPTY_PORT, SEED_CLUSTER_IP, SEED_NODE_PORT, SEED_PORT, backend_ips, ports,
+    },
     netns::{self, Netns},
     privileged::{PinDir, require_root},
-    scenario::{
-        Checks, EMPTY_CLUSTER_IP, EMPTY_NODE_PORT, EMPTY_PORT, NODE_SERVER_PORT, PROTOCOLS, REQUEST_TIMEOUT, REQUESTS,
-        SEED_CLUSTER_IP, SEED_NODE_PORT, SEED_PORT, check_non_service, expect_all_backends, expect_refused, proto_name,
-        request,
+    probe::{
+        Checks, NODE_SERVER_PORT, PROTOCOLS, Protocol, REQUEST_TIMEOUT, REQUESTS, check_non_service,
+        expect_all_backends, expect_refused, proto_name, request,
     },
     topology::{BACKENDS, CLIENT_IP, NODE_IP, Offloads, TARGET_PORT, Topology},
 };
@@ -70,29 +69,17 @@ impl Cluster {
         self.datapath = Some(datapath);
 
         let mut maps = ServiceMaps::open(self.pins.path(), vec![NODE_IP])?;
-        let seed_endpoints: Vec<Endpoint> = BACKENDS
-            .iter()
-            .map(|(_, ip)| Endpoint::ready(*ip, TARGET_PORT))
-            .collect();
         for (protocol, suffix) in [(Protocol::Tcp, "tcp"), (Protocol::Udp, "udp")] {
-            maps.sync_service(&ServicePort {
-                name: format!("default/nginx-service:{suffix}"),
+            let seed = format!("default/nginx-service:{suffix}");
+            maps.sync_service(&ports::seed_port(&seed, protocol, &backend_ips()))?;
+            maps.sync_service(&ports::service_port(
+                &format!("default/empty-service:{suffix}"),
                 protocol,
-                cluster_ip: SEED_CLUSTER_IP,
-                port: SEED_PORT,
-                node_port: Some(SEED_NODE_PORT),
-                endpoints: seed_endpoints.clone(),
-                ..ServicePort::default()
-            })?;
-            maps.sync_service(&ServicePort {
-                name: format!("default/empty-service:{suffix}"),
-                protocol,
-                cluster_ip: EMPTY_CLUSTER_IP,
-                port: EMPTY_PORT,
-                node_port: Some(EMPTY_NODE_PORT),
-                endpoints: Vec::new(),
-                ..ServicePort::default()
-            })?;
+                EMPTY_CLUSTER_IP,
+                EMPTY_PORT,
+                Some(EMPTY_NODE_PORT),
+                &[],
+            ))?;
         }
         self.maps = Some(maps);
         Ok(())

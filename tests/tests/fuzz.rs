@@ -62,7 +62,7 @@ use std::{collections::BTreeMap, net::SocketAddrV4, time::Instant};
 
 use proxy_common::{CtTimeouts, Verdict, conntrack::state};
 use proxy_userspace::mode::ebpf::{LoadOptions, conntrack::CtSettings};
-use xproxy_tests::{
+use testbed::{
     frame::{Flow, IcmpError, diff, hex},
     privileged::require_root,
     testrun::*,
@@ -580,7 +580,7 @@ fn fuzz_tc_egress() {
 #[cfg(test)]
 mod tests {
     use etherparse::{Icmpv4Type, icmpv4::DestUnreachableHeader};
-    use xproxy_tests::frame::{Frame, fragments, tcp_flags::*};
+    use testbed::frame::{Frame, fragments, tcp_flags::*};
 
     use super::*;
 

@@ -30,11 +30,10 @@ use proxy_userspace::{
     model::{Cluster, ServicePort},
     source::manifest::ManifestDir,
 };
-use xproxy_tests::{
-    agent_harness::{TempDir, workspace_root},
+use testbed::{
+    agent_bed::{TempDir, ipvs_virtual_servers, workspace_root},
     netns::Netns,
     privileged::{require_ipvs, require_root},
-    scenario::ipvs_virtual_servers,
     testrun::Harness,
     topology::POD_CIDR,
 };

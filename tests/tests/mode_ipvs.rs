@@ -25,10 +25,10 @@ use proxy_userspace::{
     model::{Endpoint, Protocol, ServicePort},
     reconcile::Plan,
 };
-use xproxy_tests::{
+use testbed::{
+    agent_bed::ipvs_virtual_servers,
     netns::{self, Netns},
     privileged::{require_ipvs, require_root},
-    scenario::ipvs_virtual_servers,
 };
 
 const SEED_NAME: &str = "default/nginx-service";

@@ -35,42 +35,32 @@ use proxy_userspace::{
     model::{Endpoint, Protocol, ServicePort},
     reconcile::Plan,
 };
-use xproxy_tests::{
-    agent_harness::workspace_root,
+use testbed::{
+    agent_bed::workspace_root,
+    fixtures::{
+        EMPTY_CLUSTER_IP, EMPTY_NODE_PORT, EMPTY_PORT, SEED_CLUSTER_IP, SEED_NODE_PORT, SEED_PORT, backend_ips, ports,
+    },
     netns::{self, Netns},
     privileged::require_root,
-    scenario::{EMPTY_CLUSTER_IP, EMPTY_NODE_PORT, EMPTY_PORT, SEED_CLUSTER_IP, SEED_NODE_PORT, SEED_PORT},
-    topology::{BACKENDS, POD_CIDR, TARGET_PORT},
+    topology::POD_CIDR,
 };
 
 const SEED_NAME: &str = "default/nginx-service";
 const OTHER_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 91);
 
 fn seed_port() -> ServicePort {
-    ServicePort {
-        name: SEED_NAME.into(),
-        protocol: Protocol::Tcp,
-        cluster_ip: SEED_CLUSTER_IP,
-        port: SEED_PORT,
-        node_port: Some(SEED_NODE_PORT),
-        endpoints: BACKENDS
-            .iter()
-            .map(|(_, ip)| Endpoint::ready(*ip, TARGET_PORT))
-            .collect(),
-        ..ServicePort::default()
-    }
+    ports::seed_port(SEED_NAME, Protocol::Tcp, &backend_ips())
 }
 
 fn empty_port() -> ServicePort {
-    ServicePort {
-        name: "default/empty-service".into(),
-        protocol: Protocol::Tcp,
-        cluster_ip: EMPTY_CLUSTER_IP,
-        port: EMPTY_PORT,
-        node_port: Some(EMPTY_NODE_PORT),
-        endpoints: vec![],
-        ..ServicePort::default()
-    }
+    ports::service_port(
+        "default/empty-service",
+        Protocol::Tcp,
+        EMPTY_CLUSTER_IP,
+        EMPTY_PORT,
+        Some(EMPTY_NODE_PORT),
+        &[],
+    )
 }
 
 fn other_port(endpoints: &[u8]) -> ServicePort {

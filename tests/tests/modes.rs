@@ -86,20 +86,23 @@ use anyhow::{Context, Result, bail, ensure};
 use aya::programs::{SchedClassifier, TcAttachType};
 use proxy_userspace::{
     mode::{ebpf::snat, iptables::chains::PortChains, nftables::names},
-    model::{Endpoint, Protocol, ServicePort},
+    model::{Endpoint, ServicePort},
 };
-use serde_json::{Value, json};
-use xproxy_tests::{
-    agent_harness::{
-        AgentBed, DATAPATH_PACKETS, EchoClients, KERNEL_WRITES, Mode, NODE_NAME, READY_WITHIN, backend_ips, frontends,
-        seed_node_port, service, slice, yaml_documents,
+use serde_json::Value;
+use testbed::{
+    agent_bed::{
+        AgentBed, DATAPATH_PACKETS, EchoClients, KERNEL_WRITES, Mode, READY_WITHIN, frontends, ipvs_virtual_servers,
+        seed_node_port,
+    },
+    fixtures::{
+        self, EMPTY_CLUSTER_IP, EMPTY_NODE_PORT, EMPTY_PORT, PortDef, SEED_CLUSTER_IP, SEED_NODE_PORT, SEED_PORT,
+        backend_ips, on_node, ports, seed_tcp_udp, service, service_with, slice, with_app, yaml_documents,
     },
     netns::{self, Netns, udp_request_from},
     privileged::require_root,
-    scenario::{
-        Checks, EMPTY_CLUSTER_IP, EMPTY_NODE_PORT, EMPTY_PORT, NODE_SERVER_PORT, Outcome, PROTOCOLS, REQUESTS,
-        SEED_CLUSTER_IP, SEED_NODE_PORT, SEED_PORT, backend_names, check_non_service, expect_all_backends,
-        expect_backends, expect_outcome, expect_rejected, fresh_port_range, ipvs_virtual_servers, outcome, proto_name,
+    probe::{
+        self, Checks, NODE_SERVER_PORT, Outcome, PROTOCOLS, Protocol, REQUESTS, backend_names, check_non_service,
+        expect_all_backends, expect_backends, expect_outcome, expect_rejected, fresh_port_range, proto_name,
     },
     topology::{BACKENDS, CLIENT_IP, CLIENT_POD, NODE_IP, POD_GATEWAY, TARGET_PORT, Topology},
 };
@@ -132,53 +135,29 @@ fn port_name(protocol: Protocol) -> &'static str {
     }
 }
 
-/// A NodePort Service with the same port over TCP and UDP.
-fn two_protocol_service(name: &str, cluster_ip: Ipv4Addr, port: u16, node_port: u16) -> Value {
-    let ports: Vec<Value> = PROTOCOLS
-        .iter()
-        .map(|p| {
-            json!({"name": port_name(*p), "port": port, "targetPort": TARGET_PORT,
-                   "protocol": proto_name(*p), "nodePort": node_port})
-        })
-        .collect();
-    json!({
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name, "namespace": "default", "labels": {"app": "nginx"}},
-        "spec": {"type": "NodePort", "clusterIP": cluster_ip.to_string(), "ports": ports,
-                 "selector": {"app": "nginx"}},
-    })
-}
-
 /// The seed Service (examples/seed/manifests/nginx.yaml) with a UDP port
 /// beside the TCP one, and its EndpointSlice with `backends`.
 fn seed_objects(backends: &[Ipv4Addr]) -> Vec<Value> {
-    let ports: Vec<Value> = PROTOCOLS
-        .iter()
-        .map(|p| json!({"name": port_name(*p), "port": TARGET_PORT, "protocol": proto_name(*p)}))
-        .collect();
-    let endpoints: Vec<Value> = backends
-        .iter()
-        .map(|ip| json!({"addresses": [ip.to_string()], "conditions": {"ready": true}, "nodeName": NODE_NAME}))
-        .collect();
-    vec![
-        two_protocol_service("nginx-service", SEED_CLUSTER_IP, SEED_PORT, SEED_NODE_PORT),
-        json!({
-            "apiVersion": "discovery.k8s.io/v1",
-            "kind": "EndpointSlice",
-            "metadata": {"name": "nginx-service-demo", "namespace": "default",
-                         "labels": {"kubernetes.io/service-name": "nginx-service"}},
-            "addressType": "IPv4",
-            "ports": ports,
-            "endpoints": endpoints,
-        }),
-    ]
+    fixtures::seed_objects_with(&seed_tcp_udp(), &on_node(backends))
 }
 
 /// The Service without endpoints and the one that reports source addresses.
 fn other_objects() -> Vec<Value> {
     vec![
-        two_protocol_service("empty-service", EMPTY_CLUSTER_IP, EMPTY_PORT, EMPTY_NODE_PORT),
+        with_app(
+            service_with(
+                fixtures::EMPTY_NAME,
+                EMPTY_CLUSTER_IP,
+                &PortDef::tcp_udp(
+                    ("http", "udp"),
+                    EMPTY_PORT,
+                    (TARGET_PORT, TARGET_PORT),
+                    Some(EMPTY_NODE_PORT),
+                ),
+                None,
+            ),
+            "nginx",
+        ),
         service(
             "source-ip",
             SOURCE_CLUSTER_IP,
@@ -199,15 +178,11 @@ fn echo_objects(backends: &[Ipv4Addr]) -> Vec<Value> {
 
 /// A seed port as the agent's model has it, for the modes' names.
 fn seed_port(protocol: Protocol, backends: &[Ipv4Addr]) -> ServicePort {
-    ServicePort {
-        name: format!("default/nginx-service:{}", port_name(protocol)),
+    ports::seed_port(
+        &format!("default/nginx-service:{}", port_name(protocol)),
         protocol,
-        cluster_ip: SEED_CLUSTER_IP,
-        port: SEED_PORT,
-        node_port: Some(SEED_NODE_PORT),
-        endpoints: backends.iter().map(|ip| Endpoint::ready(*ip, TARGET_PORT)).collect(),
-        ..ServicePort::default()
-    }
+        backends,
+    )
 }
 
 fn seed_cluster_ip() -> SocketAddrV4 {
@@ -411,91 +386,50 @@ impl Place {
     }
 }
 
-/// One request of the baseline.
-struct Probe {
-    from: Place,
-    protocol: Protocol,
-    addr: SocketAddrV4,
-}
+type Probe = probe::Probe<Place>;
 
-impl std::fmt::Display for Probe {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} {:?} -> {}", proto_name(self.protocol), self.from, self.addr)
+fn probe(from: Place, protocol: Protocol, to: SocketAddrV4, service: bool) -> Probe {
+    Probe {
+        from,
+        protocol,
+        to,
+        service,
     }
 }
 
-fn probe(from: Place, protocol: Protocol, addr: SocketAddrV4) -> Probe {
-    Probe { from, protocol, addr }
-}
-
 /// Requests to the Services, and to what is no Service's.
-fn probes() -> (Vec<Probe>, Vec<Probe>) {
+fn probes() -> Vec<Probe> {
     let mut services = Vec::new();
     for protocol in PROTOCOLS {
         for (node_port, cluster_ip) in [
             (seed_node_port(), seed_cluster_ip()),
             (empty_node_port(), empty_cluster_ip()),
         ] {
-            services.push(probe(Place::Client, protocol, node_port));
-            services.push(probe(Place::ClientPod, protocol, cluster_ip));
-            services.push(probe(Place::Node, protocol, cluster_ip));
-            services.push(probe(Place::Node, protocol, node_port));
-            services.push(probe(Place::Node, protocol, on_localhost(node_port)));
+            services.push(probe(Place::Client, protocol, node_port, true));
+            services.push(probe(Place::ClientPod, protocol, cluster_ip, true));
+            services.push(probe(Place::Node, protocol, cluster_ip, true));
+            services.push(probe(Place::Node, protocol, node_port, true));
+            services.push(probe(Place::Node, protocol, on_localhost(node_port), true));
         }
     }
     let pod = |i: usize| SocketAddrV4::new(BACKENDS[i].1, TARGET_PORT);
-    let others = vec![
+    let others = [
         probe(
             Place::Client,
             Protocol::Tcp,
             SocketAddrV4::new(NODE_IP, NODE_SERVER_PORT),
+            false,
         ),
-        probe(Place::Client, Protocol::Tcp, pod(0)),
-        probe(Place::Client, Protocol::Udp, pod(0)),
-        probe(Place::ClientPod, Protocol::Tcp, pod(1)),
-        probe(Place::Node, Protocol::Udp, pod(2)),
+        probe(Place::Client, Protocol::Tcp, pod(0), false),
+        probe(Place::Client, Protocol::Udp, pod(0), false),
+        probe(Place::ClientPod, Protocol::Tcp, pod(1), false),
+        probe(Place::Node, Protocol::Udp, pod(2), false),
     ];
-    (services, others)
-}
-
-/// How long a baseline request waits: long enough for any answer here,
-/// short because some get none.
-const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
-
-/// Sends every probe once, all at the same time.
-fn observe(topo: &Topology, probes: &[Probe]) -> Result<Vec<Outcome>> {
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = probes
-            .iter()
-            .map(|p| scope.spawn(move || outcome(p.from.ns(topo), p.protocol, p.addr, PROBE_TIMEOUT)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| bail!("a probe thread panicked")))
-            .collect()
-    })
-}
-
-/// Ok if every probe ended as in `baseline`; else the ones that did not.
-fn same_as(baseline: &[Outcome], topo: &Topology, probes: &[Probe]) -> Result<String> {
-    let now = observe(topo, probes)?;
-    let differ: Vec<String> = probes
-        .iter()
-        .zip(baseline.iter().zip(&now))
-        .filter(|(_, (before, now))| before != now)
-        .map(|(p, (before, now))| format!("{p}: {now:?}, without a proxy {before:?}"))
-        .collect();
-    ensure!(differ.is_empty(), "\n    {}", differ.join("\n    "));
-    Ok(format!("{} requests end as without a proxy", probes.len()))
+    services.into_iter().chain(others).collect()
 }
 
 /// What every probe does without a proxy.
-struct Baseline {
-    probes: Vec<Probe>,
-    outcomes: Vec<Outcome>,
-    /// `probes[..services]` go to Services, the rest to what is no Service's.
-    services: usize,
-}
+struct Baseline(probe::Baseline<Place>);
 
 impl Baseline {
     /// Starts the servers the probes and checks expect besides the pods',
@@ -506,34 +440,17 @@ impl Baseline {
             pod.ns.serve_tcp_peer(SOURCE_TARGET_PORT, pod.name)?;
         }
         stages.next(&bed.topo)?;
-        let (service_probes, other_probes) = probes();
-        let services = service_probes.len();
-        let probes: Vec<Probe> = service_probes.into_iter().chain(other_probes).collect();
-        let outcomes = observe(&bed.topo, &probes)?;
-        // Sanity: without a proxy no Service answers, everything else does.
-        for (i, (probe, outcome)) in probes.iter().zip(&outcomes).enumerate() {
-            eprintln!("[{label}] without a proxy: {probe}: {outcome:?}");
-            let answered = matches!(outcome, Outcome::Answered(_));
-            ensure!(
-                answered == (i >= services),
-                "the test bed without a proxy: {probe} ended {outcome:?}"
-            );
-        }
-        Ok(Self {
-            probes,
-            outcomes,
-            services,
-        })
+        Ok(Self(probe::Baseline::take(label, probes(), |p| Ok(p.ns(&bed.topo)))?))
     }
 
     /// Ok if every probe ends as without a proxy.
     fn same(&self, topo: &Topology) -> Result<String> {
-        same_as(&self.outcomes, topo, &self.probes)
+        self.0.same(|p| Ok(p.ns(topo)))
     }
 
     /// Ok if the probes to what is no Service's end as without a proxy.
     fn same_beside_services(&self, topo: &Topology) -> Result<String> {
-        same_as(&self.outcomes[self.services..], topo, &self.probes[self.services..])
+        self.0.same_beside_services(|p| Ok(p.ns(topo)))
     }
 }
 
@@ -1582,7 +1499,7 @@ fn iptables_read_back(bed: &AgentBed, stage: Stage) -> Result<String> {
         for ep in &port.endpoints {
             let sep = proxy_userspace::mode::iptables::chains::sep_chain(
                 &port.name,
-                protocol,
+                protocol.into(),
                 &format!("{}:{}", ep.addr, ep.port),
             );
             find(&format!("-A {sep} -p {p} ")).and_then(|rule| {

@@ -25,7 +25,7 @@ use proxy_userspace::{
     },
     model::{Endpoint, Protocol, ServicePort, TrafficPolicy},
 };
-use xproxy_tests::{
+use testbed::{
     frame::{
         ETHERTYPE_QINQ, ETHERTYPE_VLAN, Frame, L4, Net, Strict, check, diff, expected_port_unreachable, expected_rst,
         fragments, hex, parse_strict, reassemble_udp, tcp_flags::*,

@@ -37,9 +37,10 @@ use std::{
 
 use anyhow::{Context, Result, bail, ensure};
 use serde_json::{Value, json};
-use xproxy_tests::{
-    agent_harness::{AgentBed, READY_WITHIN, backend_ips, service, slice, yaml_documents},
+use testbed::{
+    agent_bed::{AgentBed, READY_WITHIN},
     bulk::{self, Direction},
+    fixtures::{backend_ips, service, slice, yaml_documents},
     netns::{self, Netns, Server},
     privileged::{require_ipvs, require_root},
     topology::NODE_IP,

@@ -71,18 +71,19 @@ use std::{
 
 use anyhow::{Context, Result, bail, ensure};
 use aya::programs::{SchedClassifier, TcAttachType};
-use proxy_userspace::model::Protocol;
 use serde_json::Value;
-use xproxy_tests::{
-    agent_harness::{READY_WITHIN, frontends, yaml_documents},
+use testbed::{
+    agent_bed::{READY_WITHIN, frontends},
+    fixtures::{PortDef, TrafficPolicy, service_with, slice_with, yaml_documents},
     netns::{self, Netns},
     privileged::require_root,
-    scenario::{
-        Checks, Outcome, PROTOCOLS, expect_backends, expect_outcome, fresh_ports, outcome, proto_name, request,
+    probe::{
+        self, Checks, Outcome, PROBE_TIMEOUT, PROTOCOLS, Protocol, expect_backends, expect_outcome, fresh_ports,
+        outcome, proto_name, request,
     },
     topology::Offloads,
     two_node::{CLIENT_IP, NODE_A, NODE_B, Node, PEER_PORT, TARGET_PORT, TwoNodes},
-    two_node_bed::{PortDef, TrafficPolicy, TwoNodeBed, endpoints_of, service, slice},
+    two_node_bed::{TwoNodeBed, endpoints_of},
 };
 
 // ---------------------------------------------------------------------------
@@ -134,37 +135,27 @@ const ITP_A_PORT: u16 = 87;
 const MANIFEST: &str = "services.yaml";
 
 fn tcp_udp(port: u16, tcp_target: u16, udp_target: u16, node_port: Option<u16>) -> [PortDef; 2] {
-    [
-        PortDef {
-            name: "tcp",
-            protocol: "TCP",
-            port,
-            target_port: tcp_target,
-            node_port,
-        },
-        PortDef {
-            name: "udp",
-            protocol: "UDP",
-            port,
-            target_port: udp_target,
-            node_port,
-        },
-    ]
+    PortDef::tcp_udp(("tcp", "udp"), port, (tcp_target, udp_target), node_port)
 }
 
 /// Every Service above with its EndpointSlice.
 fn objects(topo: &TwoNodes) -> Result<Vec<Value>> {
     let mut out = Vec::new();
     let mut add = |name: &str, ip, ports: &[PortDef], policy, pods: &[&str]| -> Result<()> {
-        out.push(service(name, ip, ports, policy));
-        out.push(slice(name, ports, &endpoints_of(topo, pods)?));
+        out.push(service_with(name, ip, ports, Some(policy)));
+        out.push(slice_with(
+            &format!("{name}-1"),
+            name,
+            ports,
+            &endpoints_of(topo, pods)?,
+        ));
         Ok(())
     };
     let spread = tcp_udp(SPREAD_PORT, TARGET_PORT, TARGET_PORT, Some(SPREAD_NODE_PORT));
     add("spread", SPREAD_IP, &spread, TrafficPolicy::Cluster, &BACKENDS)?;
     let source = [PortDef {
-        name: "tcp",
-        protocol: "TCP",
+        name: Some("tcp"),
+        protocol: Protocol::Tcp,
         port: SOURCE_PORT,
         target_port: PEER_PORT,
         node_port: Some(SOURCE_NODE_PORT),
@@ -307,7 +298,7 @@ fn expect_always(from: &Netns, protocol: Protocol, to: SocketAddrV4, only: &str,
 }
 
 /// Makes the client and every pod and node open flows from local ports
-/// `first..first + 10000` from now on (see `scenario::fresh_ports`).
+/// `first..first + 10000` from now on (see `probe::fresh_ports`).
 fn new_flows(topo: &TwoNodes, first: u16) -> Result<()> {
     fresh_ports(&topo.client, first)?;
     for node in &topo.nodes {
@@ -328,19 +319,7 @@ enum Place {
     Pod(&'static str),
 }
 
-struct Probe {
-    from: Place,
-    protocol: Protocol,
-    to: SocketAddrV4,
-    /// A Service's frontend (not answered without a proxy) or not.
-    service: bool,
-}
-
-impl std::fmt::Display for Probe {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} {:?} -> {}", proto_name(self.protocol), self.from, self.to)
-    }
-}
+type Probe = probe::Probe<Place>;
 
 fn place_ns(topo: &TwoNodes, place: Place) -> Result<&Netns> {
     match place {
@@ -391,37 +370,6 @@ fn probes(topo: &TwoNodes) -> Result<Vec<Probe>> {
     Ok(out)
 }
 
-/// How long a baseline request waits: long enough for any answer here,
-/// short because some get none.
-const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
-
-/// Sends every probe once, all at the same time.
-fn observe(topo: &TwoNodes, probes: &[Probe]) -> Result<Vec<Outcome>> {
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = probes
-            .iter()
-            .map(|p| scope.spawn(move || outcome(place_ns(topo, p.from)?, p.protocol, p.to, PROBE_TIMEOUT)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| bail!("a probe thread panicked")))
-            .collect()
-    })
-}
-
-/// Ok if every probe ended as in `baseline`; else the ones that did not.
-fn same_as(baseline: &[Outcome], topo: &TwoNodes, probes: &[Probe]) -> Result<String> {
-    let now = observe(topo, probes)?;
-    let differ: Vec<String> = probes
-        .iter()
-        .zip(baseline.iter().zip(&now))
-        .filter(|(_, (before, now))| before != now)
-        .map(|(p, (before, now))| format!("{p}: {now:?}, without a proxy {before:?}"))
-        .collect();
-    ensure!(differ.is_empty(), "\n    {}", differ.join("\n    "));
-    Ok(format!("{} requests end as without a proxy", probes.len()))
-}
-
 // ---------------------------------------------------------------------------
 // The scenario.
 
@@ -441,16 +389,7 @@ fn scenario(mode: Mode, offloads: Offloads) {
 fn scenario_steps(mode: Mode, bed: &mut TwoNodeBed, checks: &mut Checks) -> Result<()> {
     // 1. The baseline.
     new_flows(&bed.topo, 10_000)?;
-    let probes = probes(&bed.topo)?;
-    let baseline = observe(&bed.topo, &probes)?;
-    for (probe, outcome) in probes.iter().zip(&baseline) {
-        eprintln!("[{}] without a proxy: {probe}: {outcome:?}", mode.name());
-        let answered = matches!(outcome, Outcome::Answered(_));
-        ensure!(
-            answered != probe.service,
-            "the test bed without a proxy: {probe} ended {outcome:?}"
-        );
-    }
+    let baseline = probe::Baseline::take(mode.name(), probes(&bed.topo)?, |p| place_ns(&bed.topo, p))?;
 
     new_flows(&bed.topo, 20_000)?;
     start(bed, mode)?;
@@ -488,7 +427,7 @@ fn scenario_steps(mode: Mode, bed: &mut TwoNodeBed, checks: &mut Checks) -> Resu
     }
     checks.check(
         "after xproxy cleanup on both nodes, every request ends as without a proxy",
-        same_as(&baseline, &bed.topo, &probes),
+        baseline.same(|p| place_ns(&bed.topo, p)),
     );
     Ok(())
 }

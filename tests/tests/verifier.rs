@@ -4,7 +4,7 @@
 
 use proxy_common::maps;
 use proxy_userspace::mode::ebpf::{Datapath, ServiceMaps};
-use xproxy_tests::privileged::{PinDir, require_root};
+use testbed::privileged::{PinDir, require_root};
 
 #[test]
 fn every_program_loads_and_pins_its_maps() {

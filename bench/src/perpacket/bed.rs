@@ -17,7 +17,7 @@ use proxy_common::{CtKey, CtValue, Verdict, maps};
 use proxy_userspace::mode::ebpf::{ServiceMaps, object_bytes};
 use serde::Serialize;
 use testbed::privileged::PinDir;
-use xproxy_tests::testrun::{Prog, seed_services};
+use testbed::testrun::{Prog, seed_services};
 
 /// Names an eBPF object to measure instead of the one built into this
 /// binary (e.g. a candidate change built elsewhere), read at run time.

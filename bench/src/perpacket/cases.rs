@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail, ensure};
 use proxy_common::{CtKey, Verdict, proto};
 use rand::{SeedableRng, rngs::StdRng, seq::SliceRandom};
 use serde::Serialize;
-use xproxy_tests::{
+use testbed::{
     frame::{Frame, Strict, check, parse_strict, tcp_flags},
     testrun::{NODE_IP, Prog, cluster_ip, node_port, seed_backends},
 };

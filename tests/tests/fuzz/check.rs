@@ -7,7 +7,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 
 use etherparse::checksum::Sum16BitWords;
 use proxy_common::proto;
-use xproxy_tests::frame::{ETH_HLEN, Flow, IcmpError, Strict, icmp_offsets::*, parse_strict, residuals, same_checksum};
+use testbed::frame::{ETH_HLEN, Flow, IcmpError, Strict, icmp_offsets::*, parse_strict, residuals, same_checksum};
 
 /// Which end of the packet a translation rewrites.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

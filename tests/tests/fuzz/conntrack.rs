@@ -26,7 +26,7 @@
 use std::{collections::HashMap, net::SocketAddrV4};
 
 use proxy_common::proto;
-use xproxy_tests::frame::tcp_flags::{ACK, FIN, RST, SYN};
+use testbed::frame::tcp_flags::{ACK, FIN, RST, SYN};
 
 /// (source, destination, protocol) of a packet.
 pub type Tuple = (SocketAddrV4, SocketAddrV4, u8);

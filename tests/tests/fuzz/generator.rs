@@ -25,7 +25,7 @@ use etherparse::{
 };
 use proxy_common::proto;
 use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
-use xproxy_tests::{
+use testbed::{
     frame::{ETH_HLEN, Frame, fragments, icmp_offsets::*, tcp_flags::*},
     testrun::*,
 };

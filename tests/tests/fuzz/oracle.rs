@@ -14,7 +14,7 @@ use std::{
 };
 
 use proxy_common::Verdict;
-use xproxy_tests::{
+use testbed::{
     frame::{
         Flow, IcmpError, LaterFragment, Strict, expected_port_unreachable, expected_rst, parse_strict, tcp_flags::RST,
     },

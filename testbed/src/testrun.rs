@@ -11,9 +11,10 @@ use aya::programs::{ProgramError, TestRun, TestRunOptions};
 use proxy_common::{CtKey, CtValue, Verdict, VerdictCounter, maps};
 use proxy_userspace::{
     mode::ebpf::{Datapath, LoadOptions, ServiceMaps},
-    model::{Endpoint, Protocol, ServicePort},
+    model::{Protocol, ServicePort},
 };
 
+pub use crate::fixtures::ports::service_port as service;
 use crate::privileged::PinDir;
 
 pub const XDP_DROP: u32 = 1;
@@ -66,26 +67,6 @@ pub fn seed_backends() -> Vec<SocketAddrV4> {
         .iter()
         .map(|ip| SocketAddrV4::new(*ip, BACKEND_PORT))
         .collect()
-}
-
-/// A Service port with ready endpoints.
-pub fn service(
-    name: &str,
-    protocol: Protocol,
-    cluster_ip: Ipv4Addr,
-    port: u16,
-    node_port: Option<u16>,
-    endpoints: &[SocketAddrV4],
-) -> ServicePort {
-    ServicePort {
-        name: name.to_owned(),
-        protocol,
-        cluster_ip,
-        port,
-        node_port,
-        endpoints: endpoints.iter().map(|e| Endpoint::ready(*e.ip(), e.port())).collect(),
-        ..ServicePort::default()
-    }
 }
 
 /// The seed Service (TCP and UDP), the no-endpoint Service and the TCP-only one.

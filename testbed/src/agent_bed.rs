@@ -1,9 +1,11 @@
-//! Harness for the agent's end-to-end tests (`tests/tests/agent.rs`,
-//! `tests/tests/modes.rs`): the real `xproxy run` binary, in any mode, in
-//! the node namespace of a [`Topology`], fed by a manifest directory or by
-//! a [`TestApiServer`] that listens inside the node namespace, plus what the
-//! tests measure with: traffic generators and probes that run in the
-//! namespaces, a Prometheus text parser, and a reader of `xproxy status`.
+//! The bed with the real agent in it, for the agent's end-to-end tests
+//! (`proxy-userspace/tests/agent.rs`, `tests/tests/modes.rs`, and through
+//! [`crate::two_node_bed`] `tests/tests/two_node.rs`): the real `xproxy
+//! run` binary, in any mode, in a node namespace ([`NodeAgent`]: one per
+//! node of a bed), fed by a manifest directory or by a [`TestApiServer`]
+//! that listens inside the node namespace, plus what the tests measure
+//! with: traffic generators, a Prometheus text parser, and readers of
+//! `xproxy status` and `ipvsadm -Ln`.
 //!
 //! Everything a test creates (namespaces, pins, files, processes, threads)
 //! goes away when its [`AgentBed`] is dropped, also when the test panics;
@@ -27,23 +29,18 @@ use std::{
 };
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
-use serde_json::{Value, json};
-use testbed::{
-    agent::AgentProcess,
-    netns::{self, Netns},
-    privileged::{self, PinDir, unique_name},
-    topology::{BACKENDS, NODE_IP, Offloads, TARGET_PORT, Topology},
-};
-
-use proxy_userspace::model::Protocol;
+use serde_json::Value;
+use xproxy_test_apiserver::{ServerConfig, TestApiServer};
 
 use crate::{
-    apiserver::{ServerConfig, TestApiServer},
-    scenario::{self, SEED_CLUSTER_IP, SEED_NODE_PORT, SEED_PORT},
+    agent::AgentProcess,
+    fixtures::{NODE_NAME, SEED_NODE_PORT, node, seed_objects},
+    netns::{self, Netns},
+    privileged::{self, PinDir, unique_name},
+    probe::{self, Protocol, error_kind, is_backend_name},
+    topology::{NODE_IP, Offloads, Topology},
 };
 
-/// The Node object the agent watches (`--hostname-override`).
-pub const NODE_NAME: &str = "xproxy-node";
 /// The agent's default metrics address, inside the node namespace.
 pub const METRICS_ADDR: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10249);
 /// The agent's default health address (0.0.0.0:10256), inside the node namespace.
@@ -68,14 +65,6 @@ pub fn seed_node_port() -> SocketAddrV4 {
 
 pub fn node_port(port: u16) -> SocketAddrV4 {
     SocketAddrV4::new(NODE_IP, port)
-}
-
-pub fn backend_ips() -> Vec<Ipv4Addr> {
-    BACKENDS.iter().map(|(_, ip)| *ip).collect()
-}
-
-pub fn is_backend_name(answer: &str) -> bool {
-    BACKENDS.iter().any(|(name, _)| *name == answer)
 }
 
 // ---------------------------------------------------------------------------
@@ -180,8 +169,20 @@ impl TempDir {
         Ok(Self(path))
     }
 
+    /// [`Self::new`] with an empty `manifests` directory in it.
+    pub fn with_manifests(tag: &str) -> Result<Self> {
+        let dir = Self::new(tag)?;
+        fs::create_dir_all(dir.manifests())?;
+        Ok(dir)
+    }
+
     pub fn path(&self) -> &Path {
         &self.0
+    }
+
+    /// `manifests` in it: the agents' `--manifests` directory.
+    pub fn manifests(&self) -> PathBuf {
+        self.0.join("manifests")
     }
 }
 
@@ -200,136 +201,6 @@ pub fn write_atomically(path: &Path, text: &str) -> Result<Instant> {
     fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
     fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
     Ok(Instant::now())
-}
-
-// ---------------------------------------------------------------------------
-// Objects: built once as JSON, applied to the API server as they are or
-// written to a manifest directory as YAML.
-
-/// A Service of type NodePort (if `node_port`) or ClusterIP, one TCP port.
-pub fn service(name: &str, cluster_ip: Ipv4Addr, port: u16, target_port: u16, node_port: Option<u16>) -> Value {
-    let mut port_spec = json!({"port": port, "targetPort": target_port, "protocol": "TCP"});
-    if let Some(np) = node_port {
-        port_spec["nodePort"] = json!(np);
-    }
-    json!({
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name, "namespace": "default", "labels": {"app": name}},
-        "spec": {
-            "type": if node_port.is_some() { "NodePort" } else { "ClusterIP" },
-            "clusterIP": cluster_ip.to_string(),
-            "ports": [port_spec],
-            "selector": {"app": name},
-        },
-    })
-}
-
-/// An EndpointSlice of Service `service`: ready endpoints `ips` on TCP `port`.
-pub fn slice(name: &str, service: &str, port: u16, ips: &[Ipv4Addr]) -> Value {
-    let endpoints: Vec<Value> = ips
-        .iter()
-        .map(|ip| json!({"addresses": [ip.to_string()], "conditions": {"ready": true}, "nodeName": NODE_NAME}))
-        .collect();
-    json!({
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": name,
-            "namespace": "default",
-            "labels": {"kubernetes.io/service-name": service},
-        },
-        "addressType": "IPv4",
-        "ports": [{"port": port, "protocol": "TCP"}],
-        "endpoints": endpoints,
-    })
-}
-
-/// The Node the agent runs as.
-pub fn node() -> Value {
-    json!({
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": NODE_NAME, "labels": {"kubernetes.io/hostname": NODE_NAME}},
-        "status": {"addresses": [{"type": "InternalIP", "address": NODE_IP.to_string()}]},
-    })
-}
-
-/// The seed Service and its EndpointSlice, as the seed manifest has them.
-pub fn seed_objects() -> Vec<Value> {
-    let mut svc = service(
-        "nginx-service",
-        SEED_CLUSTER_IP,
-        SEED_PORT,
-        TARGET_PORT,
-        Some(SEED_NODE_PORT),
-    );
-    svc["metadata"]["labels"] = json!({"app": "nginx"});
-    svc["spec"]["selector"] = json!({"app": "nginx"});
-    vec![
-        svc,
-        slice("nginx-service-demo", "nginx-service", TARGET_PORT, &backend_ips()),
-    ]
-}
-
-/// Block-style YAML documents (separated by `---`) for JSON objects.
-pub fn yaml_documents(objects: &[Value]) -> String {
-    let mut out = String::new();
-    for object in objects {
-        out.push_str("---\n");
-        yaml_block(object, 0, &mut out);
-    }
-    out
-}
-
-fn yaml_block(value: &Value, indent: usize, out: &mut String) {
-    let pad = " ".repeat(indent);
-    match value {
-        Value::Object(map) if !map.is_empty() => {
-            for (key, child) in map {
-                let _ = write!(out, "{pad}{}:", yaml_key(key));
-                yaml_child(child, indent, out);
-            }
-        }
-        Value::Array(items) if !items.is_empty() => {
-            for item in items {
-                let _ = write!(out, "{pad}-");
-                yaml_child(item, indent, out);
-            }
-        }
-        // Scalars, `{}` and `[]` are JSON, which is YAML (flow style).
-        other => {
-            let _ = writeln!(out, "{pad}{other}");
-        }
-    }
-}
-
-fn yaml_child(child: &Value, indent: usize, out: &mut String) {
-    match child {
-        Value::Object(m) if !m.is_empty() => {
-            out.push('\n');
-            yaml_block(child, indent + 2, out);
-        }
-        Value::Array(a) if !a.is_empty() => {
-            out.push('\n');
-            yaml_block(child, indent + 2, out);
-        }
-        other => {
-            let _ = writeln!(out, " {other}");
-        }
-    }
-}
-
-fn yaml_key(key: &str) -> String {
-    let plain = !key.is_empty()
-        && key
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '/' | '-' | '_'));
-    if plain {
-        key.to_owned()
-    } else {
-        Value::from(key).to_string()
-    }
 }
 
 // ---------------------------------------------------------------------------
@@ -488,21 +359,193 @@ impl Mode {
 }
 
 // ---------------------------------------------------------------------------
-// The test bed with an agent.
+// One node's agent.
 
-/// A [`Topology`], a pin directory and a scratch directory for one test, and
-/// the agent(s) it runs. Field order is drop order (after [`Drop::drop`]
-/// stopped the agents): API server, pins, files, namespaces.
-pub struct AgentBed {
-    label: String,
+/// The agent of one node of a bed: the process that runs (if any), the
+/// ones that were stopped (kept, because dropping one runs `xproxy
+/// cleanup`, which would take the data path away), their logs, and the
+/// node's pin directory. Field order is drop order: processes (their
+/// cleanup), then the pins.
+pub struct NodeAgent {
+    /// `[test label]` or `[test label] node name`, for messages.
+    tag: String,
     xproxy: PathBuf,
-    agent: Option<AgentProcess>,
-    /// Agents that were killed: kept, because dropping one runs
-    /// `xproxy cleanup`, which would take the data path away.
+    running: Option<AgentProcess>,
     stopped: Vec<AgentProcess>,
     logs: Vec<PathBuf>,
-    pub api: Option<NodeApiServer>,
     pins: PinDir,
+    /// Where the logs go, and `xproxy cleanup`'s scratch directory.
+    dir: PathBuf,
+}
+
+impl NodeAgent {
+    /// No agent yet; a fresh pin directory. Logs go to `dir`.
+    pub fn new(tag: String, xproxy: PathBuf, dir: &Path) -> Self {
+        Self {
+            tag,
+            xproxy,
+            running: None,
+            stopped: Vec::new(),
+            logs: Vec::new(),
+            pins: PinDir::new(),
+            dir: dir.to_owned(),
+        }
+    }
+
+    pub fn pin_path(&self) -> &Path {
+        self.pins.path()
+    }
+
+    /// Starts `xproxy run ARGS --pin-path PINS` in `node`, logging to
+    /// `dir/LOG_NAME`.
+    pub fn start(&mut self, node: &Netns, args: &[String], log_name: &str) -> Result<()> {
+        ensure!(self.running.is_none(), "an agent is already running");
+        let log = self.dir.join(log_name);
+        let agent = AgentProcess::start(&self.xproxy, node, self.pins.path(), args, Some(&log))?;
+        eprintln!(
+            "{} started agent {} (pid {:?}): xproxy run {}",
+            self.tag,
+            self.logs.len() + 1,
+            agent.pid(),
+            args.join(" ")
+        );
+        self.logs.push(log);
+        self.running = Some(agent);
+        Ok(())
+    }
+
+    /// Whether an agent was started and not stopped since (it may have
+    /// exited on its own: see [`Self::alive`]).
+    pub fn is_running(&self) -> bool {
+        self.running.is_some()
+    }
+
+    /// How many agents were started on this node so far.
+    pub fn started(&self) -> usize {
+        self.logs.len()
+    }
+
+    /// Sends `signal` to the running agent and waits for it to exit. The
+    /// data path stays (its cleanup runs only when this is dropped).
+    pub fn stop(&mut self, signal: i32) -> Result<ExitStatus> {
+        let mut agent = self.running.take().context("no agent is running")?;
+        let status = agent.stop(signal);
+        self.stopped.push(agent);
+        status
+    }
+
+    /// Ok while the agent runs; its exit status (and log) otherwise.
+    pub fn alive(&mut self) -> Result<(), String> {
+        let Some(agent) = self.running.as_mut() else {
+            return Err("no agent is running".into());
+        };
+        match agent.try_exit_status() {
+            Ok(None) => Ok(()),
+            Ok(Some(status)) => Err(format!("the agent exited ({status}); log:\n{}", self.log())),
+            Err(e) => Err(format!("cannot tell whether the agent runs: {e:#}")),
+        }
+    }
+
+    /// The current (last started) agent's log.
+    pub fn log(&self) -> String {
+        self.logs.last().map(|p| read_log(p)).unwrap_or_default()
+    }
+
+    /// Every agent's log, to stderr.
+    pub fn print_logs(&self) {
+        for (i, path) in self.logs.iter().enumerate() {
+            eprintln!(
+                "----- {} log of agent {} ({}) -----\n{}----- end of log -----",
+                self.tag,
+                i + 1,
+                path.display(),
+                read_log(path)
+            );
+        }
+    }
+
+    /// `xproxy cleanup --pin-path PINS` in `node`, where the kernel modes'
+    /// rules live (the pins are on the host's bpffs); fails unless it
+    /// exits 0. Returns its output.
+    pub fn cleanup(&self, node: &Netns) -> Result<String> {
+        let exit = run_xproxy(
+            &self.xproxy,
+            node,
+            &["cleanup", "--pin-path", &self.pins.path().display().to_string()],
+            &self.dir,
+            Duration::from_secs(30),
+        )?;
+        ensure!(
+            exit.code == Some(0),
+            "{} xproxy cleanup exited {:?}:\n{}",
+            self.tag,
+            exit.code,
+            exit.stderr
+        );
+        Ok(exit.stderr)
+    }
+
+    /// `xproxy status --pin-path PINS` (works with or without a running agent).
+    pub fn status(&self) -> Result<String> {
+        netns::run(
+            Command::new(&self.xproxy)
+                .arg("status")
+                .arg("--pin-path")
+                .arg(self.pins.path()),
+        )
+    }
+
+    /// The agent's `/metrics`, scraped inside `node`.
+    pub fn metrics(node: &Netns) -> Result<Metrics> {
+        let (code, body) = http_get(node, METRICS_ADDR, "/metrics")?;
+        ensure!(code == 200, "GET /metrics answered {code}: {body}");
+        Ok(Metrics(body))
+    }
+
+    /// Waits until the running agent has synced once
+    /// (`kubeproxy_sync_proxy_rules_last_timestamp_seconds` > 0).
+    pub fn wait_first_sync(&mut self, node: &Netns, what: &str, timeout: Duration) -> Result<Metrics> {
+        netns::wait_for(what, timeout, || {
+            self.alive()?;
+            let metrics = Self::metrics(node).map_err(|e| format!("{e:#}"))?;
+            match metrics.value(LAST_SYNC) {
+                Some(t) if t > 0.0 => Ok(metrics),
+                other => Err(format!("{LAST_SYNC} = {other:?}")),
+            }
+        })
+    }
+}
+
+impl Drop for NodeAgent {
+    fn drop(&mut self) {
+        // Stop the running agent (SIGTERM) first, so its log is complete.
+        if let Some(mut agent) = self.running.take()
+            && let Err(e) = agent.stop(libc::SIGTERM)
+        {
+            eprintln!("{} warning: stopping the agent: {e:#}", self.tag);
+            self.stopped.push(agent);
+        }
+        if std::thread::panicking() {
+            self.print_logs();
+        }
+        // `xproxy cleanup` of every agent: the programs and maps go.
+        self.stopped.clear();
+    }
+}
+
+fn read_log(path: &Path) -> String {
+    fs::read_to_string(path).unwrap_or_else(|e| format!("<cannot read {}: {e}>", path.display()))
+}
+
+// ---------------------------------------------------------------------------
+// The one-node bed with an agent.
+
+/// A [`Topology`], its node's agent and a scratch directory for one test.
+/// Field order is drop order: the agent (its `xproxy cleanup`), API
+/// server, files, namespaces.
+pub struct AgentBed {
+    agent: NodeAgent,
+    pub api: Option<NodeApiServer>,
     dir: TempDir,
     pub topo: Topology,
 }
@@ -516,25 +559,18 @@ impl AgentBed {
 
     /// [`Self::new`] with `offloads` on every veth end.
     pub fn with_offloads(label: &str, offloads: Offloads) -> Result<Self> {
-        let xproxy = xproxy_binary();
         let topo = Topology::build(offloads).context("building the test bed")?;
-        let dir = TempDir::new(label)?;
-        fs::create_dir_all(dir.path().join("manifests"))?;
+        let dir = TempDir::with_manifests(label)?;
         Ok(Self {
-            label: label.to_owned(),
-            xproxy,
-            agent: None,
-            stopped: Vec::new(),
-            logs: Vec::new(),
+            agent: NodeAgent::new(format!("[{label}]"), xproxy_binary(), dir.path()),
             api: None,
-            pins: PinDir::new(),
             dir,
             topo,
         })
     }
 
     pub fn xproxy(&self) -> &Path {
-        &self.xproxy
+        &self.agent.xproxy
     }
 
     pub fn dir(&self) -> &Path {
@@ -542,11 +578,11 @@ impl AgentBed {
     }
 
     pub fn pin_path(&self) -> &Path {
-        self.pins.path()
+        self.agent.pin_path()
     }
 
     pub fn manifests(&self) -> PathBuf {
-        self.dir.path().join("manifests")
+        self.dir.manifests()
     }
 
     /// Copies the seed manifests (examples/seed/manifests) into the manifest directory.
@@ -613,119 +649,48 @@ impl AgentBed {
 
     /// [`Self::start_agent`] with `--mode mode`.
     pub fn start_agent_in(&mut self, mode: &str, source_args: &[String]) -> Result<()> {
-        ensure!(self.agent.is_none(), "an agent is already running");
         let mut args = source_args.to_vec();
-        args.extend([
-            "--mode".into(),
-            mode.into(),
-            "--node-ip".into(),
-            NODE_IP.to_string(),
-            "--hostname-override".into(),
-            NODE_NAME.into(),
-        ]);
-        let log = self.dir.path().join(format!("agent-{}.log", self.logs.len() + 1));
-        let agent = AgentProcess::start(&self.xproxy, &self.topo.node, self.pins.path(), &args, Some(&log))?;
-        eprintln!(
-            "[{}] started agent {} (pid {:?}): xproxy run {}",
-            self.label,
-            self.logs.len() + 1,
-            agent.pid(),
-            args.join(" ")
-        );
-        self.logs.push(log);
-        self.agent = Some(agent);
-        Ok(())
+        args.extend(node_args(mode, NODE_IP, NODE_NAME));
+        let log = format!("agent-{}.log", self.agent.started() + 1);
+        self.agent.start(&self.topo.node, &args, &log)
     }
 
     /// Sends `signal` to the running agent and waits for it to exit. The
     /// data path stays (its cleanup runs only when the bed is dropped).
     pub fn stop_agent(&mut self, signal: i32) -> Result<ExitStatus> {
-        let mut agent = self.agent.take().context("no agent is running")?;
-        let status = agent.stop(signal);
-        self.stopped.push(agent);
-        status
+        self.agent.stop(signal)
     }
 
-    /// Ok while the agent runs; its exit status (and log tail) otherwise.
+    /// Ok while the agent runs; its exit status (and log) otherwise.
     pub fn agent_alive(&mut self) -> Result<(), String> {
-        let Some(agent) = self.agent.as_mut() else {
-            return Err("no agent is running".into());
-        };
-        match agent.try_exit_status() {
-            Ok(None) => Ok(()),
-            Ok(Some(status)) => Err(format!("the agent exited ({status}); log:\n{}", self.log())),
-            Err(e) => Err(format!("cannot tell whether the agent runs: {e:#}")),
-        }
+        self.agent.alive()
     }
 
     /// The current (last started) agent's log.
     pub fn log(&self) -> String {
-        self.logs
-            .last()
-            .map(|p| fs::read_to_string(p).unwrap_or_else(|e| format!("<cannot read {}: {e}>", p.display())))
-            .unwrap_or_default()
+        self.agent.log()
     }
 
-    fn print_logs(&self) {
-        for (i, path) in self.logs.iter().enumerate() {
-            let text = fs::read_to_string(path).unwrap_or_else(|e| format!("<cannot read: {e}>"));
-            eprintln!(
-                "----- [{}] log of agent {} ({}) -----\n{text}----- end of log -----",
-                self.label,
-                i + 1,
-                path.display()
-            );
-        }
-    }
-
-    /// `xproxy cleanup --pin-path PINS` in the node namespace, where the
-    /// kernel modes' rules live (the pins are on the host's bpffs); fails
+    /// `xproxy cleanup --pin-path PINS` in the node namespace; fails
     /// unless it exits 0. Returns its output.
     pub fn cleanup(&self) -> Result<String> {
-        let exit = run_xproxy(
-            &self.xproxy,
-            &self.topo.node,
-            &["cleanup", "--pin-path", &self.pins.path().display().to_string()],
-            self.dir.path(),
-            Duration::from_secs(30),
-        )?;
-        ensure!(
-            exit.code == Some(0),
-            "xproxy cleanup exited {:?}:\n{}",
-            exit.code,
-            exit.stderr
-        );
-        Ok(exit.stderr)
+        self.agent.cleanup(&self.topo.node)
     }
 
     /// `xproxy status --pin-path PINS` (works with or without a running agent).
     pub fn status(&self) -> Result<String> {
-        netns::run(
-            Command::new(&self.xproxy)
-                .arg("status")
-                .arg("--pin-path")
-                .arg(self.pins.path()),
-        )
+        self.agent.status()
     }
 
     /// The agent's `/metrics`, scraped inside the node namespace.
     pub fn metrics(&self) -> Result<Metrics> {
-        let (code, body) = http_get(&self.topo.node, METRICS_ADDR, "/metrics")?;
-        ensure!(code == 200, "GET /metrics answered {code}: {body}");
-        Ok(Metrics(body))
+        NodeAgent::metrics(&self.topo.node)
     }
 
-    /// Waits until the running agent has synced once
-    /// (`kubeproxy_sync_proxy_rules_last_timestamp_seconds` > 0).
+    /// Waits until the running agent has synced once.
     pub fn wait_first_sync(&mut self, timeout: Duration) -> Result<Metrics> {
-        netns::wait_for("the agent's first sync", timeout, || {
-            self.agent_alive()?;
-            let metrics = self.metrics().map_err(|e| format!("{e:#}"))?;
-            match metrics.value(LAST_SYNC) {
-                Some(t) if t > 0.0 => Ok(metrics),
-                other => Err(format!("{LAST_SYNC} = {other:?}")),
-            }
-        })
+        self.agent
+            .wait_first_sync(&self.topo.node, "the agent's first sync", timeout)
     }
 
     /// Waits until `addr` answers a TCP request from the client with a
@@ -776,25 +741,21 @@ impl AgentBed {
     /// answered by a backend and every backend must answer. Returns the
     /// answers per backend.
     pub fn expect_all_backends(&self, from: &Netns, addr: SocketAddrV4, count: usize) -> Result<String> {
-        scenario::expect_backends(from, Protocol::Tcp, addr, &scenario::backend_names(), count)
+        probe::expect_backends(from, Protocol::Tcp, addr, &probe::backend_names(), count)
     }
 }
 
-impl Drop for AgentBed {
-    fn drop(&mut self) {
-        // Stop the running agent (SIGTERM) first, so its log is complete.
-        if let Some(mut agent) = self.agent.take()
-            && let Err(e) = agent.stop(libc::SIGTERM)
-        {
-            eprintln!("[{}] warning: stopping the agent: {e:#}", self.label);
-            self.stopped.push(agent);
-        }
-        if std::thread::panicking() {
-            self.print_logs();
-        }
-        // `xproxy cleanup` of every agent: the programs and maps go.
-        self.stopped.clear();
-    }
+/// `--mode MODE --node-ip IP --hostname-override NAME`: what places an
+/// agent on its node.
+pub fn node_args(mode: &str, ip: Ipv4Addr, name: &str) -> [String; 6] {
+    [
+        "--mode".into(),
+        mode.into(),
+        "--node-ip".into(),
+        ip.to_string(),
+        "--hostname-override".into(),
+        name.into(),
+    ]
 }
 
 pub fn unix_now() -> f64 {
@@ -888,32 +849,6 @@ impl Metrics {
                     None => Some((series, "", value)),
                 }
             })
-    }
-}
-
-/// How a request ended, for failure messages.
-pub fn error_kind(e: &io::Error) -> String {
-    format!("{:?}: {e}", e.kind())
-}
-
-/// Expects `addr` to refuse a TCP connection from `from` at once
-/// (ECONNREFUSED: a reject by the programs or the node's kernel).
-pub fn refused(from: &Netns, addr: SocketAddrV4) -> Result<(), String> {
-    match from.run_in(|| netns::tcp_connect(addr, Duration::from_millis(500))) {
-        Err(e) => Err(format!("{e:#}")),
-        Ok(Err(e)) if e.kind() == io::ErrorKind::ConnectionRefused => Ok(()),
-        Ok(Err(e)) => Err(format!("{addr}: expected ECONNREFUSED, got {}", error_kind(&e))),
-        Ok(Ok(_)) => Err(format!("{addr} accepted the connection")),
-    }
-}
-
-/// Expects a TCP request from `from` to `addr` to be answered by a backend.
-pub fn answers(from: &Netns, addr: SocketAddrV4) -> Result<String, String> {
-    match from.run_in(|| netns::tcp_request(addr, Duration::from_millis(500))) {
-        Err(e) => Err(format!("{e:#}")),
-        Ok(Ok(name)) if is_backend_name(&name) => Ok(name),
-        Ok(Ok(other)) => Err(format!("{addr} answered {other:?}")),
-        Ok(Err(e)) => Err(format!("{addr}: {}", error_kind(&e))),
     }
 }
 
@@ -1366,4 +1301,29 @@ pub fn run_xproxy(xproxy: &Path, ns: &Netns, args: &[&str], scratch: &Path, time
 pub fn free_local_port(ns: &Netns) -> Result<u16> {
     let listener = ns.run_in(|| std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))??;
     Ok(listener.local_addr()?.port())
+}
+
+/// `ipvsadm -Ln` output as `"PROTO VS SCHEDULER" -> ["REAL WEIGHT", ...]`,
+/// sorted (the kernel lists virtual servers in hash order).
+pub fn ipvs_virtual_servers(listing: &str) -> BTreeMap<String, Vec<String>> {
+    let mut servers: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut current = None;
+    for line in listing.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            [proto @ ("TCP" | "UDP"), vs, scheduler, ..] => {
+                let key = format!("{proto} {vs} {scheduler}");
+                servers.insert(key.clone(), Vec::new());
+                current = Some(key);
+            }
+            ["->", real, "Masq", weight, ..] => {
+                if let Some(reals) = current.as_ref().and_then(|key| servers.get_mut(key)) {
+                    reals.push(format!("{real} {weight}"));
+                    reals.sort();
+                }
+            }
+            _ => {}
+        }
+    }
+    servers
 }

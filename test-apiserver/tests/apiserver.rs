@@ -25,7 +25,7 @@ use kube::{
 };
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
-use xproxy_tests::apiserver::{ServerConfig, TestApiServer};
+use xproxy_test_apiserver::{ServerConfig, TestApiServer};
 
 const WAIT: Duration = Duration::from_secs(30);
 

@@ -313,7 +313,7 @@ pub fn json_patch(doc: &mut Value, ops: &Value) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::apiserver::resources::SERVICES;
+    use crate::resources::SERVICES;
     use serde_json::json;
 
     #[test]

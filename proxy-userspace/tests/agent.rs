@@ -17,14 +17,15 @@ use std::{
 
 use anyhow::{Context, Result, bail, ensure};
 use serde_json::{Value, json};
-use xproxy_tests::{
-    agent_harness::{
-        self as h, AgentBed, EchoClients, Load, NodeApiServer, READY_WITHIN, TempDir, answers, backend_ips, frontends,
-        node_port, refused, seed_node_port, services_masked, slice, time_until, yaml_documents,
+use testbed::{
+    agent_bed::{
+        self as h, AgentBed, EchoClients, Load, NodeApiServer, READY_WITHIN, TempDir, frontends, node_port,
+        seed_node_port, services_masked, time_until,
     },
+    fixtures::{self, SEED_CLUSTER_IP, SEED_PORT, backend_ips, slice, yaml_documents},
     netns::{self, Netns},
     privileged::{PinDir, require_root},
-    scenario::{SEED_CLUSTER_IP, SEED_PORT},
+    probe::{answers, refused},
     topology::{NODE_IP, TARGET_PORT},
 };
 
@@ -66,7 +67,7 @@ fn second_service(version: usize) -> Value {
     } else {
         (SECOND_PORT.1, SECOND_NODE_PORT.1)
     };
-    h::service("second", SECOND_IP, port, TARGET_PORT, Some(node_port))
+    fixtures::service("second", SECOND_IP, port, TARGET_PORT, Some(node_port))
 }
 
 fn second_slice() -> Value {
@@ -240,7 +241,7 @@ const DOOMED: (&str, Ipv4Addr, u16) = ("doomed", Ipv4Addr::new(10, 96, 0, 60), 3
 const LATE: (&str, Ipv4Addr, u16) = ("late", Ipv4Addr::new(10, 96, 0, 61), 30822);
 
 fn apply_service_with_slice(api: &NodeApiServer, (name, ip, np): (&str, Ipv4Addr, u16)) -> Result<()> {
-    api.apply(&h::service(name, ip, 80, TARGET_PORT, Some(np)))?;
+    api.apply(&fixtures::service(name, ip, 80, TARGET_PORT, Some(np)))?;
     api.apply(&slice(&format!("{name}-1"), name, TARGET_PORT, &backend_ips()))
 }
 
@@ -481,7 +482,7 @@ fn sigkill_and_restart_keep_traffic_and_adopt_the_maps() {
         }
         bed.copy_seed_manifests()?;
         let echo = [
-            h::service("echo", ECHO_IP, ECHO_PORT, ECHO_TARGET_PORT, Some(ECHO_NODE_PORT)),
+            fixtures::service("echo", ECHO_IP, ECHO_PORT, ECHO_TARGET_PORT, Some(ECHO_NODE_PORT)),
             slice("echo-1", "echo", ECHO_TARGET_PORT, &backend_ips()),
         ];
         bed.write_manifest("echo.yaml", &yaml_documents(&echo))?;
@@ -619,18 +620,18 @@ fn sigkill_and_restart_keep_traffic_and_adopt_the_maps() {
 const BROKEN_YAML: &str = "apiVersion: v1\nkind: Service\nmetadata:\n  name: broken\n spec: [unclosed\n";
 
 fn bad_objects() -> Vec<Value> {
-    let mut port_zero = h::service("port-zero", Ipv4Addr::new(10, 96, 0, 50), 80, 80, None);
+    let mut port_zero = fixtures::service("port-zero", Ipv4Addr::new(10, 96, 0, 50), 80, 80, None);
     port_zero["spec"]["ports"][0]["port"] = json!(0);
-    let mut port_too_big = h::service("port-too-big", Ipv4Addr::new(10, 96, 0, 51), 80, 80, None);
+    let mut port_too_big = fixtures::service("port-too-big", Ipv4Addr::new(10, 96, 0, 51), 80, 80, None);
     port_too_big["spec"]["ports"][0]["port"] = json!(70000);
-    let mut dup_ports = h::service("dup-ports", Ipv4Addr::new(10, 96, 0, 52), 80, 80, None);
+    let mut dup_ports = fixtures::service("dup-ports", Ipv4Addr::new(10, 96, 0, 52), 80, 80, None);
     dup_ports["spec"]["ports"] = json!([
         {"name": "a", "port": 80, "targetPort": 80, "protocol": "TCP"},
         {"name": "b", "port": 80, "targetPort": 81, "protocol": "TCP"},
     ]);
-    let mut bad_ip = h::service("bad-cluster-ip", Ipv4Addr::new(10, 96, 0, 53), 80, 80, None);
+    let mut bad_ip = fixtures::service("bad-cluster-ip", Ipv4Addr::new(10, 96, 0, 53), 80, 80, None);
     bad_ip["spec"]["clusterIP"] = json!("10.96.0.300");
-    let bad_slice_service = h::service("bad-slice", Ipv4Addr::new(10, 96, 0, 54), 80, TARGET_PORT, None);
+    let bad_slice_service = fixtures::service("bad-slice", Ipv4Addr::new(10, 96, 0, 54), 80, TARGET_PORT, None);
     let mut bad_slice = slice("bad-slice-1", "bad-slice", TARGET_PORT, &backend_ips()[..1]);
     bad_slice["endpoints"]
         .as_array_mut()
@@ -997,7 +998,7 @@ fn cli_exits_4_when_the_api_server_is_unreachable() {
             "--node-ip",
             &NODE_IP.to_string(),
             "--hostname-override",
-            h::NODE_NAME,
+            fixtures::NODE_NAME,
             "--pin-path",
             pins.path().to_str().expect("utf-8 path"),
         ]

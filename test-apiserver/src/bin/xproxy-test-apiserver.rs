@@ -1,5 +1,5 @@
 //! A stand-in for kube-apiserver: plain HTTP, no auth, the resources xproxy
-//! reads (see `xproxy_tests::apiserver`). Prints `listening on http://ADDR`
+//! reads (see `xproxy_test_apiserver`). Prints `listening on http://ADDR`
 //! once it serves.
 //!
 //! Test controls, over HTTP:
@@ -13,7 +13,7 @@
 use std::{net::SocketAddr, time::Duration};
 
 use clap::Parser;
-use xproxy_tests::apiserver::{Allocation, ServerConfig, TestApiServer};
+use xproxy_test_apiserver::{Allocation, ServerConfig, TestApiServer};
 
 #[derive(Parser, Debug)]
 #[command(name = "xproxy-test-apiserver", about = "A small Kubernetes API server for tests")]

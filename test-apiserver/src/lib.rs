@@ -7,7 +7,7 @@
 //!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {
-//! use xproxy_tests::apiserver::TestApiServer;
+//! use xproxy_test_apiserver::TestApiServer;
 //! let server = TestApiServer::start("127.0.0.1:0".parse().unwrap()).await?;
 //! server.apply(&serde_json::json!({
 //!     "apiVersion": "v1", "kind": "Service",

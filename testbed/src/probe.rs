@@ -1,32 +1,42 @@
-//! The client side of the end-to-end scenarios, shared by `tests/e2e.rs`
-//! (the programs without the agent) and `tests/modes.rs` (the agent in every
-//! mode): requests sent from inside a namespace of the [`Topology`], what
-//! they must observe, and a list of checks that reports every failure at
-//! once instead of stopping at the first.
+//! The probe engine: requests sent from inside a namespace of a bed, what
+//! they must observe (every backend answering, counted per backend;
+//! rejections at once; an outcome per request, compared with what the same
+//! requests did without a proxy), and a list of checks that reports every
+//! failure at once instead of stopping at the first. Shared by the
+//! end-to-end tests of the programs, of the agent in every mode, of two
+//! nodes, and by the agent's own tests.
 
 use std::{
     collections::BTreeMap,
+    fmt::Display,
     io,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::SocketAddrV4,
     time::{Duration, Instant},
 };
 
 use anyhow::{Result, anyhow, bail, ensure};
-use proxy_userspace::model::Protocol;
-use testbed::{
+
+use crate::{
     netns::{self, Netns},
     topology::{BACKENDS, NODE_IP, TARGET_PORT, Topology},
 };
 
-/// The seed Service (examples/seed/manifests/nginx.yaml): nginx-service,
-/// port 88 -> 80, NodePort 30791.
-pub const SEED_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 88);
-pub const SEED_PORT: u16 = 88;
-pub const SEED_NODE_PORT: u16 = 30791;
-/// A Service without endpoints beside it.
-pub const EMPTY_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 89);
-pub const EMPTY_PORT: u16 = 89;
-pub const EMPTY_NODE_PORT: u16 = 30792;
+/// The transport of a probe (and of a Service port in [`crate::fixtures`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+}
+
+impl Protocol {
+    /// As the Kubernetes API spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+        }
+    }
+}
 
 /// Requests per "every backend answers" check: with 3 equally likely
 /// backends, the chance that one never answers 60 requests is
@@ -40,14 +50,14 @@ pub const REJECT_AT_ONCE: Duration = Duration::from_secs(1);
 /// Where [`check_non_service`] expects a server in the node namespace
 /// answering "node" (start it with `topo.node.serve_tcp(NODE_SERVER_PORT, "node")`).
 pub const NODE_SERVER_PORT: u16 = 8080;
+/// How long a request of [`observe`] waits: long enough for any answer in
+/// the beds, short because some get none.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 pub const PROTOCOLS: [Protocol; 2] = [Protocol::Tcp, Protocol::Udp];
 
 pub fn proto_name(protocol: Protocol) -> &'static str {
-    match protocol {
-        Protocol::Tcp => "TCP",
-        Protocol::Udp => "UDP",
-    }
+    protocol.name()
 }
 
 /// The backends' names (what they answer with).
@@ -293,27 +303,130 @@ pub fn check_non_service(topo: &Topology, checks: &mut Checks) {
     );
 }
 
-/// `ipvsadm -Ln` output as `"PROTO VS SCHEDULER" -> ["REAL WEIGHT", ...]`,
-/// sorted (the kernel lists virtual servers in hash order).
-pub fn ipvs_virtual_servers(listing: &str) -> BTreeMap<String, Vec<String>> {
-    let mut servers: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    let mut current = None;
-    for line in listing.lines() {
-        let words: Vec<&str> = line.split_whitespace().collect();
-        match words.as_slice() {
-            [proto @ ("TCP" | "UDP"), vs, scheduler, ..] => {
-                let key = format!("{proto} {vs} {scheduler}");
-                servers.insert(key.clone(), Vec::new());
-                current = Some(key);
-            }
-            ["->", real, "Masq", weight, ..] => {
-                if let Some(reals) = current.as_ref().and_then(|key| servers.get_mut(key)) {
-                    reals.push(format!("{real} {weight}"));
-                    reals.sort();
-                }
-            }
-            _ => {}
-        }
+/// How a request ended, for failure messages.
+pub fn error_kind(e: &io::Error) -> String {
+    format!("{:?}: {e}", e.kind())
+}
+
+/// Whether `answer` is the name of a backend of the one-node bed.
+pub fn is_backend_name(answer: &str) -> bool {
+    BACKENDS.iter().any(|(name, _)| *name == answer)
+}
+
+/// Expects `addr` to refuse a TCP connection from `from` at once
+/// (ECONNREFUSED: a reject by the programs or the node's kernel).
+pub fn refused(from: &Netns, addr: SocketAddrV4) -> Result<(), String> {
+    match from.run_in(|| netns::tcp_connect(addr, Duration::from_millis(500))) {
+        Err(e) => Err(format!("{e:#}")),
+        Ok(Err(e)) if e.kind() == io::ErrorKind::ConnectionRefused => Ok(()),
+        Ok(Err(e)) => Err(format!("{addr}: expected ECONNREFUSED, got {}", error_kind(&e))),
+        Ok(Ok(_)) => Err(format!("{addr} accepted the connection")),
     }
-    servers
+}
+
+/// Expects a TCP request from `from` to `addr` to be answered by a backend
+/// of the one-node bed.
+pub fn answers(from: &Netns, addr: SocketAddrV4) -> Result<String, String> {
+    match from.run_in(|| netns::tcp_request(addr, Duration::from_millis(500))) {
+        Err(e) => Err(format!("{e:#}")),
+        Ok(Ok(name)) if is_backend_name(&name) => Ok(name),
+        Ok(Ok(other)) => Err(format!("{addr} answered {other:?}")),
+        Ok(Err(e)) => Err(format!("{addr}: {}", error_kind(&e))),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Baselines: what requests do without a proxy, compared later.
+
+/// One request of a baseline, from a place `P` of a bed (which namespace
+/// that is, the caller says when the probes are sent).
+#[derive(Clone, Copy, Debug)]
+pub struct Probe<P> {
+    pub from: P,
+    pub protocol: Protocol,
+    pub to: SocketAddrV4,
+    /// To a Service's frontend: without a proxy nothing answers it.
+    pub service: bool,
+}
+
+impl<P: std::fmt::Debug> Display for Probe<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {:?} -> {}", self.protocol.name(), self.from, self.to)
+    }
+}
+
+/// Sends every probe once, all at the same time, each from the namespace
+/// `ns` names for its place, waiting at most [`PROBE_TIMEOUT`].
+pub fn observe<'a, P: Copy + Sync>(
+    probes: &[Probe<P>],
+    ns: impl Fn(P) -> Result<&'a Netns> + Sync,
+) -> Result<Vec<Outcome>> {
+    let ns = &ns;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = probes
+            .iter()
+            .map(|p| scope.spawn(move || outcome(ns(p.from)?, p.protocol, p.to, PROBE_TIMEOUT)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| bail!("a probe thread panicked")))
+            .collect()
+    })
+}
+
+/// What every probe did without a proxy.
+pub struct Baseline<P> {
+    probes: Vec<Probe<P>>,
+    outcomes: Vec<Outcome>,
+}
+
+impl<P: Copy + Sync + std::fmt::Debug> Baseline<P> {
+    /// Sends `probes` (see [`observe`]) and keeps their outcomes. Fails
+    /// unless the bed is sane: no Service answers without a proxy,
+    /// everything else does.
+    pub fn take<'a>(label: &str, probes: Vec<Probe<P>>, ns: impl Fn(P) -> Result<&'a Netns> + Sync) -> Result<Self> {
+        let outcomes = observe(&probes, ns)?;
+        for (probe, outcome) in probes.iter().zip(&outcomes) {
+            eprintln!("[{label}] without a proxy: {probe}: {outcome:?}");
+            let answered = matches!(outcome, Outcome::Answered(_));
+            ensure!(
+                answered != probe.service,
+                "the test bed without a proxy: {probe} ended {outcome:?}"
+            );
+        }
+        Ok(Self { probes, outcomes })
+    }
+
+    /// Ok if every probe ends as without a proxy; else the ones that did not.
+    pub fn same<'a>(&self, ns: impl Fn(P) -> Result<&'a Netns> + Sync) -> Result<String> {
+        self.same_where(|_| true, ns)
+    }
+
+    /// Ok if the probes to what is no Service's end as without a proxy.
+    pub fn same_beside_services<'a>(&self, ns: impl Fn(P) -> Result<&'a Netns> + Sync) -> Result<String> {
+        self.same_where(|p| !p.service, ns)
+    }
+
+    fn same_where<'a>(
+        &self,
+        chosen: impl Fn(&Probe<P>) -> bool,
+        ns: impl Fn(P) -> Result<&'a Netns> + Sync,
+    ) -> Result<String> {
+        let (probes, baseline): (Vec<Probe<P>>, Vec<&Outcome>) = self
+            .probes
+            .iter()
+            .zip(&self.outcomes)
+            .filter(|(p, _)| chosen(p))
+            .map(|(p, o)| (*p, o))
+            .unzip();
+        let now = observe(&probes, ns)?;
+        let differ: Vec<String> = probes
+            .iter()
+            .zip(baseline.into_iter().zip(&now))
+            .filter(|(_, (before, now))| before != now)
+            .map(|(p, (before, now))| format!("{p}: {now:?}, without a proxy {before:?}"))
+            .collect();
+        ensure!(differ.is_empty(), "\n    {}", differ.join("\n    "));
+        Ok(format!("{} requests end as without a proxy", probes.len()))
+    }
 }
