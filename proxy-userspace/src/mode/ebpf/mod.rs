@@ -33,7 +33,6 @@ mod object;
 mod port_filter;
 pub mod snat;
 pub mod stale_flows;
-pub mod sys;
 mod write_batch;
 
 use std::{

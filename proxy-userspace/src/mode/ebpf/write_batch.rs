@@ -14,7 +14,7 @@ use anyhow::{Context, Result};
 use proxy_common::{Backend, BackendSlotKey, RevNat, ServiceKey, ServiceValue};
 use tracing::info;
 
-use super::sys::{self, BatchError};
+use bpf_sys::map::{self as bpf_map, BatchError};
 
 /// The writes of one batch, per map.
 #[derive(Default)]
@@ -242,7 +242,7 @@ pub(super) struct Writer {
 }
 
 impl Writer {
-    pub fn write_job<'a, K: aya::Pod + Sync, V: aya::Pod + Sync>(
+    pub fn write_job<'a, K: bytemuck::Pod + Sync, V: bytemuck::Pod + Sync>(
         &'a self,
         map: BorrowedFd<'a>,
         split: &'a Split<K, V>,
@@ -250,7 +250,7 @@ impl Writer {
         Box::new(move || self.write(map, &split.keys, &split.values))
     }
 
-    pub fn delete_job<'a, K: aya::Pod + Sync, V: Sync>(
+    pub fn delete_job<'a, K: bytemuck::Pod + Sync, V: Sync>(
         &'a self,
         map: BorrowedFd<'a>,
         split: &'a Split<K, V>,
@@ -274,11 +274,11 @@ impl Writer {
         self.writes.fetch_add(entries, Ordering::Relaxed);
     }
 
-    fn write<K: aya::Pod, V: aya::Pod>(&self, map: BorrowedFd<'_>, keys: &[K], values: &[V]) -> Result<()> {
+    fn write<K: bytemuck::Pod, V: bytemuck::Pod>(&self, map: BorrowedFd<'_>, keys: &[K], values: &[V]) -> Result<()> {
         let (mut keys, mut values) = (keys, values);
         if !self.no_batches.load(Ordering::Relaxed) {
             let mut written = 0;
-            let stop = update_in_chunks(keys, values, &mut written, |k, v| sys::map_update_batch(map, k, v));
+            let stop = update_in_chunks(keys, values, &mut written, |k, v| bpf_map::update_batch(map, k, v));
             self.count(written);
             match stop {
                 None => return Ok(()),
@@ -290,18 +290,18 @@ impl Writer {
             }
         }
         for (key, value) in keys.iter().zip(values) {
-            sys::map_update_elem(map, key, value)?;
+            bpf_map::update_elem(map, key, value)?;
             self.count(1);
         }
         Ok(())
     }
 
     /// Deletes `keys`; a key that is not there is no error (and no write).
-    fn delete<K: aya::Pod>(&self, map: BorrowedFd<'_>, keys: &[K]) -> Result<()> {
+    fn delete<K: bytemuck::Pod>(&self, map: BorrowedFd<'_>, keys: &[K]) -> Result<()> {
         let mut keys = keys;
         if !self.no_batches.load(Ordering::Relaxed) {
             let mut deleted = 0;
-            let stop = delete_in_chunks(keys, &mut deleted, |k| sys::map_delete_batch(map, k));
+            let stop = delete_in_chunks(keys, &mut deleted, |k| bpf_map::delete_batch(map, k));
             self.count(deleted);
             match stop {
                 None => return Ok(()),
@@ -313,7 +313,7 @@ impl Writer {
             }
         }
         for key in keys {
-            match sys::map_delete_elem(map, key) {
+            match bpf_map::delete_elem(map, key) {
                 Ok(()) => self.count(1),
                 Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
                 Err(e) => return Err(e.into()),
