@@ -23,7 +23,7 @@ use proxy_common::{
 
 use bpf_sys::map::{BatchCursor, lookup_batch};
 
-use super::maps::{fd_of, open, pinned};
+use super::pinned_maps::{fd_of, open, pinned};
 use crate::config::ConntrackConfig;
 
 /// Entries read per bpf(2) call: 256 KiB of keys and values.

@@ -27,7 +27,7 @@ use proxy_common::{
     maps, proto,
 };
 
-use super::{conntrack::now_ns, maps::open};
+use super::{conntrack::now_ns, pinned_maps::open};
 
 /// Migrates the old entries of the maps pinned under `pin_path`; returns
 /// how many were rewritten (entries whose ids are gone are deleted).

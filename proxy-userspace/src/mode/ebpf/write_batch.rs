@@ -1,7 +1,8 @@
 //! The writes of a sync, collected per map and sent to the kernel in
 //! dependency order (`FLUSH_STAGES`), in batch calls where the kernel has
-//! them (Linux 5.6), one entry at a time where not. `maps` stages the
-//! writes and runs the flush; this file knows nothing of Services.
+//! them (Linux 5.6), one entry at a time where not. `service_maps` stages
+//! the writes and runs the flush through an [`super::LbMaps`]; the pinned
+//! maps write with [`Writer`]. This file knows nothing of Services.
 
 use std::{
     collections::HashMap as StdHashMap,
@@ -18,7 +19,7 @@ use bpf_sys::map::{self as bpf_map, BatchError};
 
 /// The writes of one batch, per map.
 #[derive(Default)]
-pub(super) struct Staged {
+pub struct Staged {
     pub services: Pending<ServiceKey, ServiceValue>,
     pub slots: Pending<BackendSlotKey, u32>,
     pub backends: Pending<u32, Backend>,
@@ -37,7 +38,7 @@ impl Staged {
 }
 
 /// [`Staged`] as it goes to the kernel.
-pub(super) struct SplitStaged {
+pub struct SplitStaged {
     pub services: Split<ServiceKey, ServiceValue>,
     pub slots: Split<BackendSlotKey, u32>,
     pub backends: Split<u32, Backend>,
@@ -62,7 +63,7 @@ impl SplitStaged {
 
 /// One map's staged writes, in the order they were staged: `Some` writes
 /// the value, `None` deletes the key.
-pub(super) struct Pending<K, V> {
+pub struct Pending<K, V> {
     ops: Vec<(K, Option<V>)>,
     deletes: usize,
 }
@@ -79,13 +80,23 @@ impl<K, V> Default for Pending<K, V> {
 /// A map's staged writes as they go to the kernel: the last operation
 /// staged per key, writes and deletes apart, each in staging order.
 #[derive(Debug, PartialEq, Eq)]
-pub(super) struct Split<K, V> {
+pub struct Split<K, V> {
     keys: Vec<K>,
     values: Vec<V>,
     deletes: Vec<K>,
 }
 
 impl<K, V> Split<K, V> {
+    /// The entries to write: keys and their values, in staging order.
+    pub fn writes(&self) -> (&[K], &[V]) {
+        (&self.keys, &self.values)
+    }
+
+    /// The keys to delete, in staging order.
+    pub fn deletes(&self) -> &[K] {
+        &self.deletes
+    }
+
     /// Entries `step` (a step on this map) writes or deletes.
     fn entries_of(&self, step: Step) -> usize {
         match step {
@@ -137,22 +148,25 @@ impl<K: Copy + Eq + Hash, V: Copy> Pending<K, V> {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Table {
+/// The Service maps a flush writes, in the order of their dependencies:
+/// slots name backends, frontends name slots and reverse NAT entries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Table {
     Backends,
     Slots,
     RevNat,
     Services,
 }
 
+/// One map's writes, or its deletes, of a flush.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Step {
+pub enum Step {
     Write(Table),
     Delete(Table),
 }
 
 impl Step {
-    fn table(self) -> Table {
+    pub fn table(self) -> Table {
         match self {
             Step::Write(t) | Step::Delete(t) => t,
         }
@@ -242,22 +256,6 @@ pub(super) struct Writer {
 }
 
 impl Writer {
-    pub fn write_job<'a, K: bytemuck::Pod + Sync, V: bytemuck::Pod + Sync>(
-        &'a self,
-        map: BorrowedFd<'a>,
-        split: &'a Split<K, V>,
-    ) -> Job<'a> {
-        Box::new(move || self.write(map, &split.keys, &split.values))
-    }
-
-    pub fn delete_job<'a, K: bytemuck::Pod + Sync, V: Sync>(
-        &'a self,
-        map: BorrowedFd<'a>,
-        split: &'a Split<K, V>,
-    ) -> Job<'a> {
-        Box::new(move || self.delete(map, &split.deletes))
-    }
-
     /// Writes one entry at a time from now on, as on a kernel without
     /// batch operations (for tests of that path on kernels with them).
     #[cfg(test)]
@@ -274,8 +272,9 @@ impl Writer {
         self.writes.fetch_add(entries, Ordering::Relaxed);
     }
 
-    fn write<K: bytemuck::Pod, V: bytemuck::Pod>(&self, map: BorrowedFd<'_>, keys: &[K], values: &[V]) -> Result<()> {
-        let (mut keys, mut values) = (keys, values);
+    /// Writes the entries of `split` into `map`.
+    pub fn write<K: bytemuck::Pod, V: bytemuck::Pod>(&self, map: BorrowedFd<'_>, split: &Split<K, V>) -> Result<()> {
+        let (mut keys, mut values) = split.writes();
         if !self.no_batches.load(Ordering::Relaxed) {
             let mut written = 0;
             let stop = update_in_chunks(keys, values, &mut written, |k, v| bpf_map::update_batch(map, k, v));
@@ -296,9 +295,10 @@ impl Writer {
         Ok(())
     }
 
-    /// Deletes `keys`; a key that is not there is no error (and no write).
-    fn delete<K: bytemuck::Pod>(&self, map: BorrowedFd<'_>, keys: &[K]) -> Result<()> {
-        let mut keys = keys;
+    /// Deletes the keys of `split` from `map`; a key that is not there is
+    /// no error (and no write).
+    pub fn delete<K: bytemuck::Pod, V>(&self, map: BorrowedFd<'_>, split: &Split<K, V>) -> Result<()> {
+        let mut keys = split.deletes();
         if !self.no_batches.load(Ordering::Relaxed) {
             let mut deleted = 0;
             let stop = delete_in_chunks(keys, &mut deleted, |k| bpf_map::delete_batch(map, k));
