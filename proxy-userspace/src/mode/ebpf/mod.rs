@@ -30,6 +30,7 @@ mod interfaces;
 mod lb_maps;
 pub mod legacy_ct;
 mod loader;
+mod memory_maps;
 mod object;
 mod pinned_maps;
 mod port_filter;
@@ -39,6 +40,8 @@ mod snapshot;
 pub mod snat;
 pub mod stale_flows;
 mod write_batch;
+#[cfg(test)]
+mod writer_tests;
 
 use std::{
     collections::BTreeMap,
@@ -51,6 +54,7 @@ use anyhow::{Context, Result, bail};
 pub use interfaces::{Interface, MissingInterface};
 pub use lb_maps::LbMaps;
 pub use loader::{Datapath, Hook, LINKS_DIR, LoadOptions, NotBpffs, detach_pinned_links, detach_tc_filters};
+pub use memory_maps::{FaultyMaps, MemoryMaps};
 pub use object::object_bytes;
 pub use pinned_maps::{PinnedMaps, sum_verdicts};
 pub use service_maps::ServiceMaps;

@@ -70,6 +70,8 @@ impl PortFilter {
 mod tests {
     use proxy_common::ports::slot;
 
+    use super::*;
+    use crate::mode::ebpf::MemoryMaps;
 
     #[test]
     fn ports_map_to_one_bit_of_one_element() {
@@ -77,5 +79,23 @@ mod tests {
         assert_eq!(slot(80), (1, 1 << 16));
         assert_eq!(slot(30791), (481, 1 << 7));
         assert_eq!(slot(65535), (1023, 1 << 63));
+    }
+
+    #[test]
+    fn only_words_that_gain_a_bit_are_written() {
+        let maps = MemoryMaps::new();
+        let mut filter = PortFilter::load(&maps).unwrap();
+        filter.allow(&maps, [80], [8080]).unwrap();
+        let words = maps.port_words().unwrap();
+        let (i, bit) = slot(80);
+        assert_eq!(words[i as usize].frontend, bit);
+        let (j, bit) = slot(8080);
+        assert_eq!(words[j as usize].backend, bit);
+        let faulty = crate::mode::ebpf::FaultyMaps::new(maps.clone());
+        faulty.fail_nth_write(1);
+        filter
+            .allow(&faulty, [80], [8080])
+            .expect("nothing new: nothing written");
+        assert!(faulty.armed());
     }
 }
