@@ -11,6 +11,12 @@
 //! - removed service entries, then old slots, then unreferenced backends,
 //!   are deleted last.
 //!
+//! Each frontend gets a reverse NAT id of its own, which the programs copy
+//! into its flows' conntrack entries (`xproxy status` counts flows by it);
+//! the `XP_REV_NAT` entries older agents wrote under those ids are read by
+//! nothing any more (a conntrack entry holds the address a reply is
+//! rewritten to), so none are written and those found are deleted.
+//!
 //! A Service port is known by its ClusterIP frontend. On open, whatever an
 //! earlier agent left in the maps is read back as applied state
 //! ("adopted"), so syncing the same Services again writes nothing, and
@@ -28,7 +34,7 @@ use std::{
 
 use anyhow::{Context, Result};
 use proxy_common::{
-    Backend, BackendSlotKey, CtKey, CtValue, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter,
+    Backend, BackendSlotKey, CtKey, CtValue, ServiceKey, ServiceValue, Verdict, VerdictCounter,
     backend::FLAG_LOCAL,
     service::{FLAG_EXTERNAL_LOCAL, FLAG_INTERNAL_LOCAL, FLAG_NEEDS_SNAT, FLAG_NODE_PORT},
 };
@@ -185,6 +191,9 @@ impl<M: LbMaps> ServiceMaps<M> {
                 .map(|(_, v)| v.backend_offset.saturating_add(v.backend_count))
                 .max()
                 .unwrap_or(0);
+            for (_, value) in &members {
+                self.rev_nat_ids.reserve(value.rev_nat_id);
+            }
             let frontends = members.iter().map(|(k, v)| (ServiceKeyOrd::from(*k), *v)).collect();
             let (backend_set, backends) = match self.adopt_backend_set(set, len) {
                 Some(ids) => (set, ids),
@@ -254,18 +263,19 @@ impl<M: LbMaps> ServiceMaps<M> {
         Ok(found)
     }
 
-    /// The part of `found` that no adopted Service port references.
+    /// The part of `found` that no adopted Service port references, and
+    /// every reverse NAT entry (see the module doc).
     fn unreferenced(&self, mut found: Leftovers) -> Leftovers {
         let sets: BTreeSet<u32> = self.applied.values().map(|a| a.backend_set).collect();
-        let rev_nats: BTreeSet<u32> = self
-            .applied
-            .values()
-            .flat_map(|a| a.frontends.values().map(|v| v.rev_nat_id))
-            .collect();
         found.slots.retain(|k| !sets.contains(&k.backend_set));
         found.backends.retain(|id| !self.backends.holds(*id));
-        found.rev_nats.retain(|id| !rev_nats.contains(id));
         found
+    }
+
+    /// The reverse NAT ids of the frontends programmed now.
+    fn rev_nat_ids_in_use(&self) -> BTreeSet<u32> {
+        let frontends = self.applied.values().flat_map(|a| a.frontends.values());
+        frontends.map(|v| v.rev_nat_id).collect()
     }
 
     /// Runs `f` (calls of this handle's write methods) and writes what it
@@ -333,7 +343,7 @@ impl<M: LbMaps> ServiceMaps<M> {
             let written = old.frontends.get(&ord);
             let rev_nat_id = match written {
                 Some(value) => value.rev_nat_id,
-                None => self.new_rev_nat(key)?,
+                None => self.rev_nat_ids.allocate()?,
             };
             let (backend_offset, backend_count, flags) = self.frontend_use(svc, &sets, &layout, is_node_port);
             let value = ServiceValue {
@@ -453,9 +463,14 @@ impl<M: LbMaps> ServiceMaps<M> {
             self.staged.backends.delete(id);
             self.backends.ids().release(id);
         }
+        // An older agent's entry may carry the id of a frontend still
+        // programmed: the entry goes, the id stays taken.
+        let in_use = self.rev_nat_ids_in_use();
         for id in leftovers.rev_nats {
             self.staged.rev_nat.delete(id);
-            self.rev_nat_ids.release(id);
+            if !in_use.contains(&id) {
+                self.rev_nat_ids.release(id);
+            }
         }
     }
 
@@ -564,15 +579,8 @@ impl<M: LbMaps> ServiceMaps<M> {
         self.set_ids.release(set);
     }
 
-    fn new_rev_nat(&mut self, key: ServiceKey) -> Result<u32> {
-        let id = self.rev_nat_ids.allocate()?;
-        self.staged.rev_nat.write(id, RevNat::new(key.addr(), key.port()));
-        Ok(id)
-    }
-
     fn remove_frontend(&mut self, key: ServiceKey, rev_nat_id: u32) {
         self.staged.services.delete(key);
-        self.staged.rev_nat.delete(rev_nat_id);
         self.rev_nat_ids.release(rev_nat_id);
     }
 
@@ -655,12 +663,9 @@ mod tests {
             assert_eq!(maps.writes(), again, "a sync after reading back writes nothing");
             assert!(maps.leftovers.backends.is_empty() && maps.leftovers.slots.is_empty());
 
-            // Entries per port: a service and a reverse NAT entry per frontend, 10 backends, 10 slots.
+            // Entries per port: a service entry per frontend, 10 backends, 10 slots.
             let entries = |ports: &[&ServicePort]| -> usize {
-                ports
-                    .iter()
-                    .map(|p| 2 * (1 + usize::from(p.node_port.is_some())) + 20)
-                    .sum()
+                ports.iter().map(|p| 1 + usize::from(p.node_port.is_some()) + 20).sum()
             };
             let half = &refs[..refs.len() / 2];
             let before = maps.writes();

@@ -194,15 +194,10 @@ impl std::fmt::Display for Step {
 /// is in place before the frontend is written (the first stage writes
 /// fresh ids nothing points at yet, so its maps can fill side by side); a
 /// frontend stops pointing at something (rewritten or deleted) before that
-/// goes: old slots before the backends they name. Reverse NAT entries go
-/// after their frontend, as conntrack entries of its flows still use them
-/// until then.
+/// goes: old slots before the backends they name. Reverse NAT entries are
+/// only ever deleted (older agents' leftovers: the programs read none).
 pub(super) const FLUSH_STAGES: [&[Step]; 6] = [
-    &[
-        Step::Write(Table::Backends),
-        Step::Write(Table::Slots),
-        Step::Write(Table::RevNat),
-    ],
+    &[Step::Write(Table::Backends), Step::Write(Table::Slots)],
     &[Step::Write(Table::Services)],
     &[Step::Delete(Table::Services)],
     &[Step::Delete(Table::RevNat)],
@@ -438,8 +433,7 @@ mod tests {
 
     /// Backends and slots are written before the frontends that point at
     /// them, frontends go before what they pointed at, old slots before the
-    /// backends they name, reverse NAT entries outlive their frontend; every
-    /// step is there once.
+    /// backends they name; every step is there once.
     #[test]
     fn flush_stages_keep_every_frontend_pointing_at_entries_in_place() {
         let stage_of = |step| {
@@ -450,13 +444,15 @@ mod tests {
             stage
         };
         let before = |a, b| assert!(stage_of(a) < stage_of(b), "{a} must end before {b} starts");
-        for table in [Table::Backends, Table::Slots, Table::RevNat] {
+        for table in [Table::Backends, Table::Slots] {
             before(Step::Write(table), Step::Write(Table::Services));
+        }
+        for table in [Table::Backends, Table::Slots, Table::RevNat] {
             before(Step::Delete(Table::Services), Step::Delete(table));
         }
         before(Step::Write(Table::Services), Step::Delete(Table::Services));
         before(Step::Delete(Table::Slots), Step::Delete(Table::Backends));
-        assert_eq!(FLUSH_STAGES.iter().map(|s| s.len()).sum::<usize>(), 8);
+        assert_eq!(FLUSH_STAGES.iter().map(|s| s.len()).sum::<usize>(), 7);
     }
 
     #[test]

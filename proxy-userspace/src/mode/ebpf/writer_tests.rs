@@ -143,7 +143,8 @@ fn assert_maps_hold<M: LbMaps>(writer: &ServiceMaps<M>, desired: &[ServicePort])
 }
 
 /// Entries `desired` needs in each map (services, slots, backends,
-/// reverse NAT): no more, so nothing was left behind.
+/// reverse NAT: none, nothing reads them): no more, so nothing was left
+/// behind.
 fn entries_for(desired: &[ServicePort]) -> [usize; 4] {
     let frontends = frontends_of(desired).len();
     let slots = desired
@@ -155,7 +156,7 @@ fn entries_for(desired: &[ServicePort]) -> [usize; 4] {
         .collect();
     backends.sort_by_key(|(a, p, proto)| (*a, *p, proto.number()));
     backends.dedup();
-    [frontends, slots, backends.len(), frontends]
+    [frontends, slots, backends.len(), 0]
 }
 
 fn assert_no_torn_views(maps: &MemoryMaps) {
@@ -234,12 +235,17 @@ fn a_restarted_writer_adopts_the_maps_and_writes_nothing() {
 }
 
 /// Entries an agent left behind when it died halfway through a sync (no
-/// frontend names them) are never reused and go with the next full sync.
+/// frontend names them) and the reverse NAT entries older agents wrote
+/// are never reused and go with the next full sync.
 #[test]
 fn leftovers_of_an_agent_that_died_go_with_the_next_full_sync() {
     let memory = MemoryMaps::new();
     full_sync(&mut writer(memory.clone()), &desired_a()).expect("first agent");
     let stray = Backend::new(Ipv4Addr::new(10, 244, 9, 9), 80, 6);
+    let older_agents: Vec<(u32, RevNat)> = (memory.services().unwrap().iter())
+        .map(|(key, value)| (value.rev_nat_id, RevNat::new(key.addr(), key.port())))
+        .chain([(900, RevNat::new(Ipv4Addr::new(10, 96, 9, 9), 80))])
+        .collect();
     memory.leave(
         &[(
             BackendSlotKey {
@@ -249,7 +255,7 @@ fn leftovers_of_an_agent_that_died_go_with_the_next_full_sync() {
             900,
         )],
         &[(900, stray)],
-        &[(900, RevNat::new(Ipv4Addr::new(10, 96, 9, 9), 80))],
+        &older_agents,
     );
 
     let mut restarted = writer(memory.clone());
@@ -262,6 +268,14 @@ fn leftovers_of_an_agent_that_died_go_with_the_next_full_sync() {
     let late = backends.iter().find(|(_, b)| b.addr() == Ipv4Addr::new(10, 244, 0, 40));
     let (id, _) = late.expect("the late port's backend");
     assert!(*id > 900, "an id found in the maps is not handed out again: {id}");
+    let mut rev_nat_ids: Vec<u32> = memory.services().unwrap().iter().map(|(_, v)| v.rev_nat_id).collect();
+    rev_nat_ids.sort_unstable();
+    rev_nat_ids.dedup();
+    assert_eq!(
+        rev_nat_ids.len(),
+        frontends_of(&more).len(),
+        "each frontend its own reverse NAT id"
+    );
 }
 
 /// An endpoint in two Service ports is one backend entry under one id; it
