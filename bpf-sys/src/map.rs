@@ -5,8 +5,9 @@
 //!
 //! Every function takes the key and value types as `bytemuck::Pod`, and
 //! they must have the map's key and value sizes: the kernel reads (and for
-//! lookups writes) the arrays with those strides. Callers that open maps
-//! with aya have had the sizes checked then.
+//! lookups writes) the arrays with those strides, whatever the types say.
+//! That is why they are `unsafe`: callers that opened the map with aya as
+//! a map of these types have had the sizes checked then.
 
 use std::{io, os::fd::BorrowedFd};
 
@@ -30,7 +31,7 @@ struct Elem {
 }
 
 // SAFETY: the kernel's layout; `key` and `value` point at borrowed `Pod`
-// values of the map's key and value sizes (this module's contract).
+// values of the map's key and value sizes (the callers' `# Safety`).
 unsafe impl Attr for Elem {}
 
 /// `union bpf_attr` for the BPF_MAP_*_BATCH commands. `count` goes in as
@@ -49,12 +50,17 @@ struct Batch {
 }
 
 // SAFETY: the kernel's layout; `keys` and `values` point at `count`
-// entries of the map's sizes, `in_batch` and `out_batch` at a token buffer
-// as large as the map's key, all borrowed for the call.
+// entries of the map's sizes (the callers' `# Safety`), `in_batch` and
+// `out_batch` at a token buffer as large as the map's key (checked), all
+// borrowed for the call.
 unsafe impl Attr for Batch {}
 
 /// Writes `key -> value` into `map` (BPF_MAP_UPDATE_ELEM, BPF_ANY).
-pub fn update_elem<K: Pod, V: Pod>(map: BorrowedFd<'_>, key: &K, value: &V) -> io::Result<()> {
+///
+/// # Safety
+///
+/// `K` and `V` must have `map`'s key and value sizes.
+pub unsafe fn update_elem<K: Pod, V: Pod>(map: BorrowedFd<'_>, key: &K, value: &V) -> io::Result<()> {
     let mut attr = Elem {
         map_fd: fd_field(map)?,
         key: key as *const K as u64,
@@ -65,7 +71,11 @@ pub fn update_elem<K: Pod, V: Pod>(map: BorrowedFd<'_>, key: &K, value: &V) -> i
 }
 
 /// Deletes `key` from `map` (BPF_MAP_DELETE_ELEM); ENOENT if it is not there.
-pub fn delete_elem<K: Pod>(map: BorrowedFd<'_>, key: &K) -> io::Result<()> {
+///
+/// # Safety
+///
+/// `K` must have `map`'s key size.
+pub unsafe fn delete_elem<K: Pod>(map: BorrowedFd<'_>, key: &K) -> io::Result<()> {
     let mut attr = Elem {
         map_fd: fd_field(map)?,
         key: key as *const K as u64,
@@ -105,7 +115,11 @@ impl BatchError {
 /// Writes `keys[i] -> values[i]` into `map` in one call
 /// (BPF_MAP_UPDATE_BATCH, flags BPF_ANY), in order: the kernel stops at the
 /// first entry it cannot write.
-pub fn update_batch<K: Pod, V: Pod>(map: BorrowedFd<'_>, keys: &[K], values: &[V]) -> Result<(), BatchError> {
+///
+/// # Safety
+///
+/// `K` and `V` must have `map`'s key and value sizes.
+pub unsafe fn update_batch<K: Pod, V: Pod>(map: BorrowedFd<'_>, keys: &[K], values: &[V]) -> Result<(), BatchError> {
     if keys.len() != values.len() {
         let error = io::Error::new(io::ErrorKind::InvalidInput, "one value per key");
         return Err(BatchError { done: 0, error });
@@ -115,7 +129,11 @@ pub fn update_batch<K: Pod, V: Pod>(map: BorrowedFd<'_>, keys: &[K], values: &[V
 
 /// Deletes `keys` from `map` in one call (BPF_MAP_DELETE_BATCH), in order:
 /// the kernel stops at the first key it cannot delete (ENOENT if absent).
-pub fn delete_batch<K: Pod>(map: BorrowedFd<'_>, keys: &[K]) -> Result<(), BatchError> {
+///
+/// # Safety
+///
+/// `K` must have `map`'s key size.
+pub unsafe fn delete_batch<K: Pod>(map: BorrowedFd<'_>, keys: &[K]) -> Result<(), BatchError> {
     batch::<K, K>(cmd::MAP_DELETE_BATCH, map, keys, None)
 }
 
@@ -166,7 +184,12 @@ impl BatchCursor {
 /// least one). Returns whether the walk is complete: then the entries read
 /// are the last ones. A hash bucket holds more entries than asked for:
 /// ENOSPC, ask again with more room.
-pub fn lookup_batch<K: Pod, V: Pod>(
+///
+/// # Safety
+///
+/// `K` and `V` must have `map`'s key and value sizes: the kernel writes
+/// that many bytes per entry into the room reserved for `K`s and `V`s.
+pub unsafe fn lookup_batch<K: Pod, V: Pod>(
     map: BorrowedFd<'_>,
     cursor: &mut BatchCursor,
     keys: &mut Vec<K>,

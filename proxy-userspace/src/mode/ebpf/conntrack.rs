@@ -102,10 +102,13 @@ pub fn read_entries(
     let mut keys: Vec<CtKey> = Vec::with_capacity(READ_BATCH);
     let mut values: Vec<CtValue> = Vec::with_capacity(READ_BATCH);
     loop {
-        match lookup_batch(fd_of(conntrack), &mut cursor, &mut keys, &mut values) {
+        // SAFETY: aya opened `conntrack` as a map of `CtKey` to `CtValue`
+        // after checking the kernel's key and value sizes.
+        let read = unsafe { lookup_batch(fd_of(conntrack), &mut cursor, &mut keys, &mut values) };
+        match read {
             Ok(complete) => {
-                let read = keys.drain(..).zip(values.drain(..));
-                kept.extend(read.filter(|(key, value)| keep(key, value)));
+                let batch = keys.drain(..).zip(values.drain(..));
+                kept.extend(batch.filter(|(key, value)| keep(key, value)));
                 if complete {
                     return Ok(kept);
                 }

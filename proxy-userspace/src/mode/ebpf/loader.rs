@@ -375,8 +375,9 @@ fn is_bpffs(path: &Path) -> Result<bool> {
     let Ok(c_path) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
         return Ok(false);
     };
-    // SAFETY: statfs only writes into the zeroed struct we pass.
+    // SAFETY: an all-zero statfs is a valid value of the plain C struct.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c_path` is NUL-terminated; statfs only writes into `st`.
     if unsafe { libc::statfs(c_path.as_ptr(), &mut st) } != 0 {
         let err = std::io::Error::last_os_error();
         if err.kind() == std::io::ErrorKind::NotFound {

@@ -15,7 +15,7 @@ use proxy_common::{
 
 use super::{
     lb_maps::LbMaps,
-    write_batch::{SplitStaged, Step, Table, Writer},
+    write_batch::{Split, SplitStaged, Step, Table, Writer},
 };
 
 /// The map pinned as `name` under `pin_path`.
@@ -112,6 +112,27 @@ fn get<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>, key: &K) -> Resul
     }
 }
 
+/// Writes the entries of `split` into `map`.
+fn write_to<K: aya::Pod + bytemuck::Pod, V: aya::Pod + bytemuck::Pod>(
+    writer: &Writer,
+    map: &HashMap<MapData, K, V>,
+    split: &Split<K, V>,
+) -> Result<()> {
+    // SAFETY: aya opened `map` as a map of `K` to `V` only after checking
+    // that the kernel's key and value sizes are theirs.
+    unsafe { writer.write(fd_of(map), split) }
+}
+
+/// Deletes the keys of `split` from `map`.
+fn delete_from<K: aya::Pod + bytemuck::Pod, V: aya::Pod>(
+    writer: &Writer,
+    map: &HashMap<MapData, K, V>,
+    split: &Split<K, V>,
+) -> Result<()> {
+    // SAFETY: as in `write_to`: aya checked the key size.
+    unsafe { writer.delete(fd_of(map), split) }
+}
+
 impl LbMaps for PinnedMaps {
     fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>> {
         Ok(self.services.iter().collect::<Result<_, _>>()?)
@@ -144,14 +165,14 @@ impl LbMaps for PinnedMaps {
     fn write_step(&self, step: Step, staged: &SplitStaged) -> Result<()> {
         let w = &self.writer;
         match step {
-            Step::Write(Table::Backends) => w.write(fd_of(&self.backends), &staged.backends),
-            Step::Write(Table::Slots) => w.write(fd_of(&self.slots), &staged.slots),
-            Step::Write(Table::RevNat) => w.write(fd_of(&self.rev_nat), &staged.rev_nat),
-            Step::Write(Table::Services) => w.write(fd_of(&self.services), &staged.services),
-            Step::Delete(Table::Backends) => w.delete(fd_of(&self.backends), &staged.backends),
-            Step::Delete(Table::Slots) => w.delete(fd_of(&self.slots), &staged.slots),
-            Step::Delete(Table::RevNat) => w.delete(fd_of(&self.rev_nat), &staged.rev_nat),
-            Step::Delete(Table::Services) => w.delete(fd_of(&self.services), &staged.services),
+            Step::Write(Table::Backends) => write_to(w, &self.backends, &staged.backends),
+            Step::Write(Table::Slots) => write_to(w, &self.slots, &staged.slots),
+            Step::Write(Table::RevNat) => write_to(w, &self.rev_nat, &staged.rev_nat),
+            Step::Write(Table::Services) => write_to(w, &self.services, &staged.services),
+            Step::Delete(Table::Backends) => delete_from(w, &self.backends, &staged.backends),
+            Step::Delete(Table::Slots) => delete_from(w, &self.slots, &staged.slots),
+            Step::Delete(Table::RevNat) => delete_from(w, &self.rev_nat, &staged.rev_nat),
+            Step::Delete(Table::Services) => delete_from(w, &self.services, &staged.services),
         }
     }
 
@@ -167,7 +188,9 @@ impl LbMaps for PinnedMaps {
     }
 
     fn set_port_word(&self, index: u32, word: PortBits) -> Result<()> {
-        bpf_sys::map::update_elem(fd_of(&self.ports), &index, &word).context("writing the port filter")
+        // SAFETY: aya opened `ports` as an array of `PortBits` (u32 keys)
+        // after checking the kernel's key and value sizes.
+        unsafe { bpf_sys::map::update_elem(fd_of(&self.ports), &index, &word) }.context("writing the port filter")
     }
 
     fn conntrack_entries(&self) -> Result<Vec<(CtKey, CtValue)>> {

@@ -268,11 +268,22 @@ impl Writer {
     }
 
     /// Writes the entries of `split` into `map`.
-    pub fn write<K: bytemuck::Pod, V: bytemuck::Pod>(&self, map: BorrowedFd<'_>, split: &Split<K, V>) -> Result<()> {
+    ///
+    /// # Safety
+    ///
+    /// `K` and `V` must have `map`'s key and value sizes.
+    pub unsafe fn write<K: bytemuck::Pod, V: bytemuck::Pod>(
+        &self,
+        map: BorrowedFd<'_>,
+        split: &Split<K, V>,
+    ) -> Result<()> {
         let (mut keys, mut values) = split.writes();
         if !self.no_batches.load(Ordering::Relaxed) {
             let mut written = 0;
-            let stop = update_in_chunks(keys, values, &mut written, |k, v| bpf_map::update_batch(map, k, v));
+            let stop = update_in_chunks(keys, values, &mut written, |k, v| {
+                // SAFETY: `K` and `V` are the map's sizes (this fn's contract).
+                unsafe { bpf_map::update_batch(map, k, v) }
+            });
             self.count(written);
             match stop {
                 None => return Ok(()),
@@ -284,7 +295,8 @@ impl Writer {
             }
         }
         for (key, value) in keys.iter().zip(values) {
-            bpf_map::update_elem(map, key, value)?;
+            // SAFETY: as above.
+            unsafe { bpf_map::update_elem(map, key, value) }?;
             self.count(1);
         }
         Ok(())
@@ -292,11 +304,18 @@ impl Writer {
 
     /// Deletes the keys of `split` from `map`; a key that is not there is
     /// no error (and no write).
-    pub fn delete<K: bytemuck::Pod, V>(&self, map: BorrowedFd<'_>, split: &Split<K, V>) -> Result<()> {
+    ///
+    /// # Safety
+    ///
+    /// `K` must have `map`'s key size.
+    pub unsafe fn delete<K: bytemuck::Pod, V>(&self, map: BorrowedFd<'_>, split: &Split<K, V>) -> Result<()> {
         let mut keys = split.deletes();
         if !self.no_batches.load(Ordering::Relaxed) {
             let mut deleted = 0;
-            let stop = delete_in_chunks(keys, &mut deleted, |k| bpf_map::delete_batch(map, k));
+            let stop = delete_in_chunks(keys, &mut deleted, |k| {
+                // SAFETY: `K` is the map's key size (this fn's contract).
+                unsafe { bpf_map::delete_batch(map, k) }
+            });
             self.count(deleted);
             match stop {
                 None => return Ok(()),
@@ -308,7 +327,8 @@ impl Writer {
             }
         }
         for key in keys {
-            match bpf_map::delete_elem(map, key) {
+            // SAFETY: as above.
+            match unsafe { bpf_map::delete_elem(map, key) } {
                 Ok(()) => self.count(1),
                 Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
                 Err(e) => return Err(e.into()),
