@@ -148,8 +148,8 @@ impl<K: Copy + Eq + Hash, V: Copy> Pending<K, V> {
     }
 }
 
-/// The Service maps a flush writes, in the order of their dependencies:
-/// slots name backends, frontends name slots and reverse NAT entries.
+/// The Service maps a flush writes: slots name backends, frontends name
+/// slots; reverse NAT entries are only deleted (see [`FLUSH_STAGES`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Table {
     Backends,
