@@ -789,61 +789,16 @@ fn internet_checksum(data: &[u8]) -> u16 {
     !(sum as u16)
 }
 
-/// The few bpf(2) calls the harness makes itself.
-/// The two bpf(2) calls the test bed needs that do not warrant aya: a
-/// program that only returns a pass code (the XDP peer of a veth, the
-/// benchmarks' baselines) and an XDP link for it.
+/// The pass-only programs the test bed loads itself (through the shared
+/// `bpf-sys` layer, no object file needed): the XDP peer of a veth and the
+/// benchmarks' baselines.
 pub mod bpf {
     use std::{
         io,
-        os::fd::{AsRawFd, FromRawFd, OwnedFd},
+        os::fd::{AsFd, OwnedFd},
     };
 
-    const BPF_PROG_LOAD: libc::c_long = 5;
-    const BPF_LINK_CREATE: libc::c_long = 28;
-    const BPF_PROG_TYPE_XDP: u32 = 6;
-    const BPF_XDP: u32 = 37;
-    const XDP_FLAGS_DRV_MODE: u32 = 1 << 2;
-
-    /// The `BPF_PROG_LOAD` part of `union bpf_attr`, up to `expected_attach_type`.
-    #[repr(C)]
-    #[derive(Default)]
-    struct ProgLoadAttr {
-        prog_type: u32,
-        insn_cnt: u32,
-        insns: u64,
-        license: u64,
-        log_level: u32,
-        log_size: u32,
-        log_buf: u64,
-        kern_version: u32,
-        prog_flags: u32,
-        prog_name: [u8; 16],
-        prog_ifindex: u32,
-        expected_attach_type: u32,
-    }
-
-    /// The `BPF_LINK_CREATE` part of `union bpf_attr`, up to `flags`.
-    #[repr(C)]
-    struct LinkCreateAttr {
-        prog_fd: u32,
-        target_ifindex: u32,
-        attach_type: u32,
-        flags: u32,
-    }
-
-    fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<OwnedFd> {
-        // SAFETY: attr is a valid, fully initialised bpf_attr prefix of the
-        // size passed; the kernel zero-extends the rest.
-        let fd = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut T, std::mem::size_of::<T>()) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: on success the call returned a new descriptor we own.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-    }
-
-    const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
+    use bpf_sys::obj::{self, RawProgram};
 
     /// A program that only returns its hook's "pass" code.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -874,38 +829,26 @@ pub mod bpf {
 
     /// Loads `r0 = <pass code>; exit` as the program type of `pass`.
     pub fn load_pass(pass: Pass) -> io::Result<OwnedFd> {
-        let mut insns = [0u8; 16];
-        insns[0] = 0xb7; // mov64 r0, imm
-        insns[4..8].copy_from_slice(&pass.code().to_le_bytes());
-        insns[8] = 0x95; // exit
-        static LICENSE: &[u8] = b"GPL\0";
-        let mut name = [0u8; 16];
-        name[..9].copy_from_slice(b"test_pass");
+        let mut mov = [0u8; 8];
+        mov[0] = 0xb7; // mov64 r0, imm
+        mov[4..8].copy_from_slice(&pass.code().to_le_bytes());
+        let exit = [0x95, 0, 0, 0, 0, 0, 0, 0];
         let (prog_type, expected_attach_type) = match pass {
-            Pass::Xdp => (BPF_PROG_TYPE_XDP, BPF_XDP),
-            Pass::Tc => (BPF_PROG_TYPE_SCHED_CLS, 0),
+            Pass::Xdp => (obj::PROG_TYPE_XDP, obj::ATTACH_XDP),
+            Pass::Tc => (obj::PROG_TYPE_SCHED_CLS, 0),
         };
-        let mut attr = ProgLoadAttr {
+        obj::prog_load(&RawProgram {
             prog_type,
-            insn_cnt: 2,
-            insns: insns.as_ptr() as u64,
-            license: LICENSE.as_ptr() as u64,
-            prog_name: name,
             expected_attach_type,
-            ..Default::default()
-        };
-        bpf(BPF_PROG_LOAD, &mut attr)
+            insns: &[mov, exit],
+            license: c"GPL",
+            name: "test_pass",
+        })
     }
 
     /// Attaches `prog` in native mode to `ifindex` in the calling thread's
     /// namespace; detached when the returned link is closed.
     pub(super) fn link_xdp(prog: &OwnedFd, ifindex: u32) -> io::Result<OwnedFd> {
-        let mut attr = LinkCreateAttr {
-            prog_fd: prog.as_raw_fd() as u32,
-            target_ifindex: ifindex,
-            attach_type: BPF_XDP,
-            flags: XDP_FLAGS_DRV_MODE,
-        };
-        bpf(BPF_LINK_CREATE, &mut attr)
+        obj::link_xdp_native(prog.as_fd(), ifindex)
     }
 }

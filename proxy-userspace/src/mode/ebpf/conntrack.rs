@@ -21,10 +21,9 @@ use proxy_common::{
     stats::ct_stat,
 };
 
-use super::{
-    maps::{fd_of, open, pinned},
-    sys::{BatchCursor, map_lookup_batch},
-};
+use bpf_sys::map::{BatchCursor, lookup_batch};
+
+use super::pinned_maps::{fd_of, open, pinned};
 use crate::config::ConntrackConfig;
 
 /// Entries read per bpf(2) call: 256 KiB of keys and values.
@@ -103,10 +102,13 @@ pub fn read_entries(
     let mut keys: Vec<CtKey> = Vec::with_capacity(READ_BATCH);
     let mut values: Vec<CtValue> = Vec::with_capacity(READ_BATCH);
     loop {
-        match map_lookup_batch(fd_of(conntrack), &mut cursor, &mut keys, &mut values) {
+        // SAFETY: aya opened `conntrack` as a map of `CtKey` to `CtValue`
+        // after checking the kernel's key and value sizes.
+        let read = unsafe { lookup_batch(fd_of(conntrack), &mut cursor, &mut keys, &mut values) };
+        match read {
             Ok(complete) => {
-                let read = keys.drain(..).zip(values.drain(..));
-                kept.extend(read.filter(|(key, value)| keep(key, value)));
+                let batch = keys.drain(..).zip(values.drain(..));
+                kept.extend(batch.filter(|(key, value)| keep(key, value)));
                 if complete {
                     return Ok(kept);
                 }

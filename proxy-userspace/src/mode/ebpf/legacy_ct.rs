@@ -9,7 +9,9 @@
 //!
 //! Before one key space held both directions, a key's 13th byte (now
 //! padding) was 1 for reply entries, and values held only ids: the backend
-//! (`XP_BACKENDS`) and the frontend (`XP_REV_NAT`). Today's programs look
+//! (`XP_BACKENDS`) and the frontend's reverse NAT id (which its entry in
+//! `XP_SERVICES` carries; older agents also kept it in `XP_REV_NAT`, which
+//! today's agent empties when it adopts the maps). Today's programs look
 //! up keys with that byte 0 and translate with the address and port in the
 //! value. An entry without them (both 0, never a real translation) is an
 //! old one: it is filled in from the id maps, and an old reply entry moves
@@ -17,28 +19,35 @@
 //! replaced the old ones on the interfaces listed then (until it ran, an
 //! old flow's packets are mistranslated, as their entries say nothing).
 
-use std::path::Path;
+use std::{collections::HashMap as StdHashMap, path::Path};
 
 use anyhow::{Context, Result};
 use aya::maps::{HashMap, MapData};
 use proxy_common::{
-    Backend, CtKey, CtValue, RevNat,
+    Backend, CtKey, CtValue, ServiceKey, ServiceValue,
     conntrack::{FLAG_STATEFUL, state},
     maps, proto,
 };
 
-use super::{conntrack::now_ns, maps::open};
+use super::{conntrack::now_ns, pinned_maps::open};
 
 /// Migrates the old entries of the maps pinned under `pin_path`; returns
 /// how many were rewritten (entries whose ids are gone are deleted).
 pub fn migrate(pin_path: &Path) -> Result<u64> {
     let mut conntrack: HashMap<MapData, CtKey, CtValue> = open(pin_path, maps::CONNTRACK)?;
     let backends: HashMap<MapData, u32, Backend> = open(pin_path, maps::BACKENDS)?;
-    let rev_nat: HashMap<MapData, u32, RevNat> = open(pin_path, maps::REV_NAT)?;
+    let services: HashMap<MapData, ServiceKey, ServiceValue> = open(pin_path, maps::SERVICES)?;
     let old: Vec<(CtKey, CtValue)> = conntrack
         .iter()
         .filter_map(Result::ok)
         .filter(|(_, v)| (v.nat_addr_be == 0 && v.nat_port_be == 0) || v.flags & FLAG_STATEFUL == 0)
+        .collect();
+    if old.is_empty() {
+        return Ok(0);
+    }
+    // Reverse NAT id -> the frontend's address and port, network order.
+    let frontends: StdHashMap<u32, (u32, u16)> = (services.iter().filter_map(Result::ok))
+        .map(|(key, value)| (value.rev_nat_id, (key.addr_be, key.port_be)))
         .collect();
     let now = now_ns();
     let mut migrated = 0;
@@ -46,7 +55,7 @@ pub fn migrate(pin_path: &Path) -> Result<u64> {
         let nat = if value.nat_addr_be != 0 || value.nat_port_be != 0 {
             Some((value.nat_addr_be, value.nat_port_be))
         } else if value.is_reply() {
-            rev_nat.get(&value.rev_nat_id, 0).ok().map(|f| (f.addr_be, f.port_be))
+            frontends.get(&value.rev_nat_id).copied()
         } else {
             backends.get(&value.backend_id, 0).ok().map(|b| (b.addr_be, b.port_be))
         };

@@ -19,7 +19,7 @@ use aya::{
 use proxy_common::maps;
 use tracing::{info, warn};
 
-use super::{conntrack::CtSettings, object_bytes, sys};
+use super::{conntrack::CtSettings, object_bytes};
 
 /// Where on a node an interface sits, which decides the programs it gets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -151,7 +151,7 @@ impl Datapath {
         if !pin.exists() {
             return Ok(());
         }
-        sys::detach_pinned_link(&pin).with_context(|| format!("detaching XDP from {iface}"))?;
+        bpf_sys::obj::detach_pinned_link(&pin).with_context(|| format!("detaching XDP from {iface}"))?;
         fs::remove_file(&pin).with_context(|| format!("removing {}", pin.display()))?;
         info!(iface, "detached XDP (tc only on this uplink now)");
         Ok(())
@@ -321,7 +321,7 @@ pub fn detach_pinned_links(pin_path: &Path) -> Result<usize> {
         let program = program.with_context(|| format!("listing {}", links.display()))?.path();
         for pin in fs::read_dir(&program).with_context(|| format!("listing {}", program.display()))? {
             let pin = pin.with_context(|| format!("listing {}", program.display()))?.path();
-            match sys::detach_pinned_link(&pin) {
+            match bpf_sys::obj::detach_pinned_link(&pin) {
                 Ok(()) => detached += 1,
                 Err(e) => info!(pin = %pin.display(), error = %e, "link not detached (gone already?)"),
             }
@@ -375,8 +375,9 @@ fn is_bpffs(path: &Path) -> Result<bool> {
     let Ok(c_path) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
         return Ok(false);
     };
-    // SAFETY: statfs only writes into the zeroed struct we pass.
+    // SAFETY: an all-zero statfs is a valid value of the plain C struct.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c_path` is NUL-terminated; statfs only writes into `st`.
     if unsafe { libc::statfs(c_path.as_ptr(), &mut st) } != 0 {
         let err = std::io::Error::last_os_error();
         if err.kind() == std::io::ErrorKind::NotFound {

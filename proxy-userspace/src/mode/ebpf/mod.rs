@@ -3,7 +3,7 @@
 //!
 //! The `Local` traffic policies: a frontend with one picks from this node's
 //! backends only (a run of its Service port's backend set, see
-//! `maps::SlotLayout`), keeps the client's address (no SNAT mark, unless a
+//! `slot_layout::SlotLayout`), keeps the client's address (no SNAT mark, unless a
 //! backend reaches itself) and drops new flows when it has none (XDP_DROP /
 //! TC_ACT_SHOT, verdict `drop_no_local_backend`); a Service without any
 //! endpoint is still rejected. Where kube-proxy tells traffic apart by its
@@ -25,16 +25,23 @@
 //! passes untranslated if the Service is gone.
 
 pub mod conntrack;
+mod ids;
 mod interfaces;
+mod lb_maps;
 pub mod legacy_ct;
 mod loader;
-mod maps;
+mod memory_maps;
 mod object;
+mod pinned_maps;
 mod port_filter;
+mod service_maps;
+mod slot_layout;
+mod snapshot;
 pub mod snat;
 pub mod stale_flows;
-pub mod sys;
 mod write_batch;
+#[cfg(test)]
+mod writer_tests;
 
 use std::{
     collections::BTreeMap,
@@ -45,10 +52,14 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 pub use interfaces::{Interface, MissingInterface};
+pub use lb_maps::LbMaps;
 pub use loader::{Datapath, Hook, LINKS_DIR, LoadOptions, NotBpffs, detach_pinned_links, detach_tc_filters};
-pub use maps::{ServiceMaps, sum_verdicts};
+pub use memory_maps::{FaultyMaps, MemoryMaps};
 pub use object::object_bytes;
+pub use pinned_maps::{PinnedMaps, sum_verdicts};
+pub use service_maps::ServiceMaps;
 use tracing::{debug, info, warn};
+pub use write_batch::{Split, SplitStaged, Step, Table};
 
 use super::Dataplane;
 use crate::{

@@ -7,43 +7,30 @@
 //! `stale_flows`), and its packets must still reach the conntrack lookup.
 //! A stale bit only costs that port's other packets a lookup.
 
-use std::{collections::BTreeMap, path::Path};
+use std::collections::BTreeMap;
 
-use anyhow::{Context, Result};
-use aya::maps::{Array, HashMap, MapData};
+use anyhow::Result;
+use proxy_common::{PortBits, ports};
 
-use super::maps::{open, pinned};
-use proxy_common::{Backend, PortBits, ServiceKey, ServiceValue, maps, ports};
+use super::lb_maps::LbMaps;
 
-pub struct PortFilter {
-    map: Array<MapData, PortBits>,
-    /// What the map holds, element by element.
+/// What the filter holds, element by element: the map's words, kept in
+/// step write by write so that only words that gain a bit are written.
+pub(super) struct PortFilter {
     bits: Vec<PortBits>,
 }
 
 impl PortFilter {
-    /// Opens the filter pinned under `pin_path` and sets the bits of every
-    /// frontend and backend already in the maps (left by an earlier agent,
-    /// maybe one from before the filter existed).
-    pub fn open(pin_path: &Path) -> Result<Self> {
-        let map: Array<MapData, PortBits> = Array::try_from(pinned(pin_path, maps::PORTS)?)
-            .with_context(|| format!("map {} has an unexpected layout", maps::PORTS))?;
-        let bits = (0..ports::PORT_WORDS)
-            .map(|i| map.get(&i, 0))
-            .collect::<Result<Vec<_>, _>>()
-            .context("reading the port filter")?;
-        let mut this = Self { map, bits };
-        let services: HashMap<MapData, ServiceKey, ServiceValue> = open(pin_path, maps::SERVICES)?;
-        let backends: HashMap<MapData, u32, Backend> = open(pin_path, maps::BACKENDS)?;
-        let frontend_ports = services
-            .keys()
-            .map(|k| k.map(|k| k.port()))
-            .collect::<Result<Vec<_>, _>>()?;
-        let backend_ports = backends
-            .iter()
-            .map(|e| e.map(|(_, b)| b.port()))
-            .collect::<Result<Vec<_>, _>>()?;
-        this.allow(frontend_ports, backend_ports)?;
+    /// Reads the filter of `maps` and sets the bits of every frontend and
+    /// backend already in them (left by an earlier agent, maybe one from
+    /// before the filter existed).
+    pub fn load(maps: &impl LbMaps) -> Result<Self> {
+        let mut this = Self {
+            bits: maps.port_words()?,
+        };
+        let frontend_ports: Vec<u16> = maps.services()?.iter().map(|(k, _)| k.port()).collect();
+        let backend_ports: Vec<u16> = maps.backends()?.iter().map(|(_, b)| b.port()).collect();
+        this.allow(maps, frontend_ports, backend_ports)?;
         Ok(this)
     }
 
@@ -51,24 +38,28 @@ impl PortFilter {
     /// (backend ports), writing only elements that change.
     pub fn allow(
         &mut self,
+        maps: &impl LbMaps,
         frontends: impl IntoIterator<Item = u16>,
         backends: impl IntoIterator<Item = u16>,
     ) -> Result<()> {
-        // Only the words that gain a bit are written (most calls add none);
-        // the cache follows the map, write by write.
         let mut wanted: BTreeMap<u32, PortBits> = BTreeMap::new();
-        for port in frontends {
+        let frontends = frontends.into_iter().map(|port| (port, true));
+        for (port, is_frontend) in frontends.chain(backends.into_iter().map(|port| (port, false))) {
             let (i, bit) = ports::slot(port);
-            wanted.entry(i).or_insert(self.bits[i as usize]).frontend |= bit;
-        }
-        for port in backends {
-            let (i, bit) = ports::slot(port);
-            wanted.entry(i).or_insert(self.bits[i as usize]).backend |= bit;
+            let current = self.bits.get(i as usize).copied().unwrap_or_default();
+            let word = wanted.entry(i).or_insert(current);
+            if is_frontend {
+                word.frontend |= bit;
+            } else {
+                word.backend |= bit;
+            }
         }
         for (i, word) in wanted {
-            if word != self.bits[i as usize] {
-                self.map.set(i, word, 0).context("writing the port filter")?;
-                self.bits[i as usize] = word;
+            if self.bits.get(i as usize) != Some(&word) {
+                maps.set_port_word(i, word)?;
+                if let Some(cached) = self.bits.get_mut(i as usize) {
+                    *cached = word;
+                }
             }
         }
         Ok(())
@@ -79,11 +70,32 @@ impl PortFilter {
 mod tests {
     use proxy_common::ports::slot;
 
+    use super::*;
+    use crate::mode::ebpf::MemoryMaps;
+
     #[test]
     fn ports_map_to_one_bit_of_one_element() {
         assert_eq!(slot(0), (0, 1));
         assert_eq!(slot(80), (1, 1 << 16));
         assert_eq!(slot(30791), (481, 1 << 7));
         assert_eq!(slot(65535), (1023, 1 << 63));
+    }
+
+    #[test]
+    fn only_words_that_gain_a_bit_are_written() {
+        let maps = MemoryMaps::new();
+        let mut filter = PortFilter::load(&maps).unwrap();
+        filter.allow(&maps, [80], [8080]).unwrap();
+        let words = maps.port_words().unwrap();
+        let (i, bit) = slot(80);
+        assert_eq!(words[i as usize].frontend, bit);
+        let (j, bit) = slot(8080);
+        assert_eq!(words[j as usize].backend, bit);
+        let faulty = crate::mode::ebpf::FaultyMaps::new(maps.clone());
+        faulty.fail_nth_write(1);
+        filter
+            .allow(&faulty, [80], [8080])
+            .expect("nothing new: nothing written");
+        assert!(faulty.armed());
     }
 }

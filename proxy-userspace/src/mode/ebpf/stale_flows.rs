@@ -24,7 +24,7 @@ use proxy_common::{CtKey, CtValue, maps, proto, stats::ct_stat};
 use super::{
     ServiceMaps,
     conntrack::{CtStats, read_entries, remove_all},
-    maps::open,
+    pinned_maps::open,
 };
 
 type Endpoint = (Ipv4Addr, u16);

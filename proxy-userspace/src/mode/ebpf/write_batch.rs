@@ -1,7 +1,8 @@
 //! The writes of a sync, collected per map and sent to the kernel in
 //! dependency order (`FLUSH_STAGES`), in batch calls where the kernel has
-//! them (Linux 5.6), one entry at a time where not. `maps` stages the
-//! writes and runs the flush; this file knows nothing of Services.
+//! them (Linux 5.6), one entry at a time where not. `service_maps` stages
+//! the writes and runs the flush through an [`super::LbMaps`]; the pinned
+//! maps write with [`Writer`]. This file knows nothing of Services.
 
 use std::{
     collections::HashMap as StdHashMap,
@@ -14,11 +15,11 @@ use anyhow::{Context, Result};
 use proxy_common::{Backend, BackendSlotKey, RevNat, ServiceKey, ServiceValue};
 use tracing::info;
 
-use super::sys::{self, BatchError};
+use bpf_sys::map::{self as bpf_map, BatchError};
 
 /// The writes of one batch, per map.
 #[derive(Default)]
-pub(super) struct Staged {
+pub struct Staged {
     pub services: Pending<ServiceKey, ServiceValue>,
     pub slots: Pending<BackendSlotKey, u32>,
     pub backends: Pending<u32, Backend>,
@@ -37,7 +38,7 @@ impl Staged {
 }
 
 /// [`Staged`] as it goes to the kernel.
-pub(super) struct SplitStaged {
+pub struct SplitStaged {
     pub services: Split<ServiceKey, ServiceValue>,
     pub slots: Split<BackendSlotKey, u32>,
     pub backends: Split<u32, Backend>,
@@ -62,7 +63,7 @@ impl SplitStaged {
 
 /// One map's staged writes, in the order they were staged: `Some` writes
 /// the value, `None` deletes the key.
-pub(super) struct Pending<K, V> {
+pub struct Pending<K, V> {
     ops: Vec<(K, Option<V>)>,
     deletes: usize,
 }
@@ -79,13 +80,23 @@ impl<K, V> Default for Pending<K, V> {
 /// A map's staged writes as they go to the kernel: the last operation
 /// staged per key, writes and deletes apart, each in staging order.
 #[derive(Debug, PartialEq, Eq)]
-pub(super) struct Split<K, V> {
+pub struct Split<K, V> {
     keys: Vec<K>,
     values: Vec<V>,
     deletes: Vec<K>,
 }
 
 impl<K, V> Split<K, V> {
+    /// The entries to write: keys and their values, in staging order.
+    pub fn writes(&self) -> (&[K], &[V]) {
+        (&self.keys, &self.values)
+    }
+
+    /// The keys to delete, in staging order.
+    pub fn deletes(&self) -> &[K] {
+        &self.deletes
+    }
+
     /// Entries `step` (a step on this map) writes or deletes.
     fn entries_of(&self, step: Step) -> usize {
         match step {
@@ -137,22 +148,25 @@ impl<K: Copy + Eq + Hash, V: Copy> Pending<K, V> {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Table {
+/// The Service maps a flush writes: slots name backends, frontends name
+/// slots; reverse NAT entries are only deleted (see [`FLUSH_STAGES`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Table {
     Backends,
     Slots,
     RevNat,
     Services,
 }
 
+/// One map's writes, or its deletes, of a flush.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Step {
+pub enum Step {
     Write(Table),
     Delete(Table),
 }
 
 impl Step {
-    fn table(self) -> Table {
+    pub fn table(self) -> Table {
         match self {
             Step::Write(t) | Step::Delete(t) => t,
         }
@@ -180,15 +194,10 @@ impl std::fmt::Display for Step {
 /// is in place before the frontend is written (the first stage writes
 /// fresh ids nothing points at yet, so its maps can fill side by side); a
 /// frontend stops pointing at something (rewritten or deleted) before that
-/// goes: old slots before the backends they name. Reverse NAT entries go
-/// after their frontend, as conntrack entries of its flows still use them
-/// until then.
+/// goes: old slots before the backends they name. Reverse NAT entries are
+/// only ever deleted (older agents' leftovers: the programs read none).
 pub(super) const FLUSH_STAGES: [&[Step]; 6] = [
-    &[
-        Step::Write(Table::Backends),
-        Step::Write(Table::Slots),
-        Step::Write(Table::RevNat),
-    ],
+    &[Step::Write(Table::Backends), Step::Write(Table::Slots)],
     &[Step::Write(Table::Services)],
     &[Step::Delete(Table::Services)],
     &[Step::Delete(Table::RevNat)],
@@ -242,22 +251,6 @@ pub(super) struct Writer {
 }
 
 impl Writer {
-    pub fn write_job<'a, K: aya::Pod + Sync, V: aya::Pod + Sync>(
-        &'a self,
-        map: BorrowedFd<'a>,
-        split: &'a Split<K, V>,
-    ) -> Job<'a> {
-        Box::new(move || self.write(map, &split.keys, &split.values))
-    }
-
-    pub fn delete_job<'a, K: aya::Pod + Sync, V: Sync>(
-        &'a self,
-        map: BorrowedFd<'a>,
-        split: &'a Split<K, V>,
-    ) -> Job<'a> {
-        Box::new(move || self.delete(map, &split.deletes))
-    }
-
     /// Writes one entry at a time from now on, as on a kernel without
     /// batch operations (for tests of that path on kernels with them).
     #[cfg(test)]
@@ -274,11 +267,23 @@ impl Writer {
         self.writes.fetch_add(entries, Ordering::Relaxed);
     }
 
-    fn write<K: aya::Pod, V: aya::Pod>(&self, map: BorrowedFd<'_>, keys: &[K], values: &[V]) -> Result<()> {
-        let (mut keys, mut values) = (keys, values);
+    /// Writes the entries of `split` into `map`.
+    ///
+    /// # Safety
+    ///
+    /// `K` and `V` must have `map`'s key and value sizes.
+    pub unsafe fn write<K: bytemuck::Pod, V: bytemuck::Pod>(
+        &self,
+        map: BorrowedFd<'_>,
+        split: &Split<K, V>,
+    ) -> Result<()> {
+        let (mut keys, mut values) = split.writes();
         if !self.no_batches.load(Ordering::Relaxed) {
             let mut written = 0;
-            let stop = update_in_chunks(keys, values, &mut written, |k, v| sys::map_update_batch(map, k, v));
+            let stop = update_in_chunks(keys, values, &mut written, |k, v| {
+                // SAFETY: `K` and `V` are the map's sizes (this fn's contract).
+                unsafe { bpf_map::update_batch(map, k, v) }
+            });
             self.count(written);
             match stop {
                 None => return Ok(()),
@@ -290,18 +295,27 @@ impl Writer {
             }
         }
         for (key, value) in keys.iter().zip(values) {
-            sys::map_update_elem(map, key, value)?;
+            // SAFETY: as above.
+            unsafe { bpf_map::update_elem(map, key, value) }?;
             self.count(1);
         }
         Ok(())
     }
 
-    /// Deletes `keys`; a key that is not there is no error (and no write).
-    fn delete<K: aya::Pod>(&self, map: BorrowedFd<'_>, keys: &[K]) -> Result<()> {
-        let mut keys = keys;
+    /// Deletes the keys of `split` from `map`; a key that is not there is
+    /// no error (and no write).
+    ///
+    /// # Safety
+    ///
+    /// `K` must have `map`'s key size.
+    pub unsafe fn delete<K: bytemuck::Pod, V>(&self, map: BorrowedFd<'_>, split: &Split<K, V>) -> Result<()> {
+        let mut keys = split.deletes();
         if !self.no_batches.load(Ordering::Relaxed) {
             let mut deleted = 0;
-            let stop = delete_in_chunks(keys, &mut deleted, |k| sys::map_delete_batch(map, k));
+            let stop = delete_in_chunks(keys, &mut deleted, |k| {
+                // SAFETY: `K` is the map's key size (this fn's contract).
+                unsafe { bpf_map::delete_batch(map, k) }
+            });
             self.count(deleted);
             match stop {
                 None => return Ok(()),
@@ -313,7 +327,8 @@ impl Writer {
             }
         }
         for key in keys {
-            match sys::map_delete_elem(map, key) {
+            // SAFETY: as above.
+            match unsafe { bpf_map::delete_elem(map, key) } {
                 Ok(()) => self.count(1),
                 Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
                 Err(e) => return Err(e.into()),
@@ -438,8 +453,7 @@ mod tests {
 
     /// Backends and slots are written before the frontends that point at
     /// them, frontends go before what they pointed at, old slots before the
-    /// backends they name, reverse NAT entries outlive their frontend; every
-    /// step is there once.
+    /// backends they name; every step is there once.
     #[test]
     fn flush_stages_keep_every_frontend_pointing_at_entries_in_place() {
         let stage_of = |step| {
@@ -450,13 +464,15 @@ mod tests {
             stage
         };
         let before = |a, b| assert!(stage_of(a) < stage_of(b), "{a} must end before {b} starts");
-        for table in [Table::Backends, Table::Slots, Table::RevNat] {
+        for table in [Table::Backends, Table::Slots] {
             before(Step::Write(table), Step::Write(Table::Services));
+        }
+        for table in [Table::Backends, Table::Slots, Table::RevNat] {
             before(Step::Delete(Table::Services), Step::Delete(table));
         }
         before(Step::Write(Table::Services), Step::Delete(Table::Services));
         before(Step::Delete(Table::Slots), Step::Delete(Table::Backends));
-        assert_eq!(FLUSH_STAGES.iter().map(|s| s.len()).sum::<usize>(), 8);
+        assert_eq!(FLUSH_STAGES.iter().map(|s| s.len()).sum::<usize>(), 7);
     }
 
     #[test]

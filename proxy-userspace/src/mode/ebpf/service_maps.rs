@@ -1,7 +1,7 @@
-//! Writes the model into the pinned maps.
+//! Writes the model into the Service maps.
 //!
 //! This is the only code that writes the Service maps: the agent's ebpf mode
-//! and the tests go through it. Writes are staged and reach the kernel in
+//! and the tests go through it. Writes are staged and reach the maps in
 //! batches ([`ServiceMaps::batch`]; every public write method is one batch
 //! of its own unless called inside one), ordered so that a packet never
 //! sees a half-programmed Service (`write_batch`'s `FLUSH_STAGES`):
@@ -11,34 +11,47 @@
 //! - removed service entries, then old slots, then unreferenced backends,
 //!   are deleted last.
 //!
+//! Each frontend gets a reverse NAT id of its own, which the programs copy
+//! into its flows' conntrack entries (`xproxy status` counts flows by it);
+//! the `XP_REV_NAT` entries older agents wrote under those ids are read by
+//! nothing any more (a conntrack entry holds the address a reply is
+//! rewritten to), so none are written and those found are deleted.
+//!
 //! A Service port is known by its ClusterIP frontend. On open, whatever an
-//! earlier agent left in the pinned maps is read back as applied state
+//! earlier agent left in the maps is read back as applied state
 //! ("adopted"), so syncing the same Services again writes nothing, and
 //! [`ServiceMaps::retain`] removes only what is no longer wanted. After a
 //! failed batch nothing is assumed: the next one reads the maps back first.
+//!
+//! The maps are an [`LbMaps`]: the pinned ones ([`ServiceMaps::open`]) or,
+//! in tests, ones in memory ([`ServiceMaps::on`]).
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap as StdHashMap},
+    collections::{BTreeMap, BTreeSet},
     net::Ipv4Addr,
-    os::fd::{AsFd, BorrowedFd},
     path::Path,
 };
 
+use anyhow::{Context, Result};
+use proxy_common::{
+    Backend, BackendSlotKey, CtKey, CtValue, ServiceKey, ServiceValue, Verdict, VerdictCounter,
+    backend::FLAG_LOCAL,
+    service::{FLAG_EXTERNAL_LOCAL, FLAG_INTERNAL_LOCAL, FLAG_NEEDS_SNAT, FLAG_NODE_PORT},
+};
+
 use super::{
+    ids::{Acquired, BackendRefs, IdAllocator},
+    lb_maps::LbMaps,
+    pinned_maps::PinnedMaps,
     port_filter::PortFilter,
-    write_batch::{FLUSH_STAGES, Job, SPREAD_FROM, SplitStaged, Staged, Step, Table, Writer, run_stage},
+    slot_layout::SlotLayout,
+    snapshot,
+    write_batch::{FLUSH_STAGES, Job, SPREAD_FROM, Staged, run_stage},
 };
 use crate::{
+    dump::Snapshot,
     mode::EndpointSets,
     model::{Endpoint, ServicePort},
-};
-use anyhow::{Context, Result, bail};
-use aya::maps::{HashMap, IterableMap, Map, MapData, PerCpuArray};
-use proxy_common::{
-    Backend, BackendSlotKey, CtKey, CtValue, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter,
-    backend::FLAG_LOCAL,
-    maps,
-    service::{FLAG_EXTERNAL_LOCAL, FLAG_INTERNAL_LOCAL, FLAG_NEEDS_SNAT, FLAG_NODE_PORT, FLAGS_LOCAL},
 };
 
 /// What was written for one Service port, to diff the next write against.
@@ -66,14 +79,9 @@ impl From<ServiceKeyOrd> for ServiceKey {
     }
 }
 
-/// Handles to the pinned maps plus the ids handed out so far.
-pub struct ServiceMaps {
-    services: HashMap<MapData, ServiceKey, ServiceValue>,
-    slots: HashMap<MapData, BackendSlotKey, u32>,
-    backends: HashMap<MapData, u32, Backend>,
-    rev_nat: HashMap<MapData, u32, RevNat>,
-    conntrack: HashMap<MapData, CtKey, CtValue>,
-    stats: PerCpuArray<MapData, VerdictCounter>,
+/// The Service maps plus the ids handed out so far.
+pub struct ServiceMaps<M = PinnedMaps> {
+    maps: M,
     /// Ports of every frontend and backend written (see `port_filter`).
     port_filter: PortFilter,
     node_ips: Vec<Ipv4Addr>,
@@ -88,96 +96,66 @@ pub struct ServiceMaps {
     applied: BTreeMap<ServiceKeyOrd, Applied>,
     /// Service port name -> ClusterIP frontend, for ports synced by name.
     names: BTreeMap<String, ServiceKeyOrd>,
-    /// (ip, port, proto) -> (backend id, number of Service ports using it).
-    /// foldhash, not SipHash: a full sync at 10,000 x 10 endpoints looks up
-    /// and inserts 100,000 of each, and SipHash was 8% of it; the keys are
-    /// addresses from the API server, not from packets.
-    backend_refs: foldhash::HashMap<(Ipv4Addr, u16, u8), (u32, u32)>,
-    /// backend id -> (ip, port, proto), the reverse of `backend_refs`.
-    backend_addrs: foldhash::HashMap<u32, (Ipv4Addr, u16, u8)>,
-    backend_ids: IdAllocator,
+    /// Backend ids by address, counted by the Service ports using them.
+    backends: BackendRefs,
     set_ids: IdAllocator,
     rev_nat_ids: IdAllocator,
     /// Entries found in the maps that no adopted Service port references
     /// (left by an agent that died halfway through a sync, or by a failed
     /// batch): [`Self::retain`] deletes them.
     leftovers: Leftovers,
-    /// Writes of the batch under way, not in the kernel yet.
+    /// Writes of the batch under way, not in the maps yet.
     staged: Staged,
     /// Inside [`Self::batch`]: writes wait for its end.
     batching: bool,
     /// A batch failed: the bookkeeping above may not match the maps.
     must_read_back: bool,
-    writer: Writer,
 }
 
-/// The per-CPU verdict counters of `stats`, summed, every verdict listed
-/// (one a map pinned by an older agent does not know counts 0).
-pub fn sum_verdicts(stats: &PerCpuArray<MapData, VerdictCounter>) -> Result<Vec<(Verdict, VerdictCounter)>> {
-    let mut out = Vec::with_capacity(Verdict::ALL.len());
-    for verdict in Verdict::ALL {
-        let per_cpu = match stats.get(&(verdict as u32), 0) {
-            Ok(per_cpu) => per_cpu,
-            Err(aya::maps::MapError::OutOfBounds { .. }) => {
-                out.push((verdict, VerdictCounter::default()));
-                continue;
-            }
-            Err(e) => return Err(e).with_context(|| format!("reading {}", verdict.name())),
-        };
-        let sum = per_cpu.iter().fold(VerdictCounter::default(), |sum, c| VerdictCounter {
-            packets: sum.packets.wrapping_add(c.packets),
-            bytes: sum.bytes.wrapping_add(c.bytes),
-        });
-        out.push((verdict, sum));
-    }
-    Ok(out)
+/// Keys found in the maps, by map.
+#[derive(Debug, Default)]
+struct Leftovers {
+    slots: Vec<BackendSlotKey>,
+    backends: Vec<u32>,
+    rev_nats: Vec<u32>,
 }
 
-/// The map pinned as `name` under `pin_path`.
-pub(super) fn pinned(pin_path: &Path, name: &str) -> Result<Map> {
-    let path = pin_path.join(name);
-    let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
-    Ok(Map::from_map_data(data)?)
-}
-
-/// The hash map pinned as `name` under `pin_path`.
-pub(super) fn open<K: aya::Pod, V: aya::Pod>(pin_path: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
-    HashMap::try_from(pinned(pin_path, name)?).with_context(|| format!("map {name} has an unexpected layout"))
-}
-
-impl ServiceMaps {
+impl ServiceMaps<PinnedMaps> {
     /// Opens the maps pinned under `pin_path` (created by [`super::Datapath::load`]).
     /// `node_ips` are the addresses NodePort frontends are programmed on.
     pub fn open(pin_path: &Path, node_ips: Vec<Ipv4Addr>) -> Result<Self> {
-        let stats_path = pin_path.join(maps::STATS);
-        let stats_data =
-            MapData::from_pin(&stats_path).with_context(|| format!("opening pinned map {}", stats_path.display()))?;
+        Self::on(PinnedMaps::open(pin_path)?, node_ips)
+    }
+}
+
+impl<M: LbMaps> ServiceMaps<M> {
+    /// Writes into `maps`, adopting what they hold. `node_ips` are the
+    /// addresses NodePort frontends are programmed on.
+    pub fn on(maps: M, node_ips: Vec<Ipv4Addr>) -> Result<Self> {
+        let port_filter = PortFilter::load(&maps)?;
         let mut this = Self {
-            services: open(pin_path, maps::SERVICES)?,
-            slots: open(pin_path, maps::BACKEND_SLOTS)?,
-            backends: open(pin_path, maps::BACKENDS)?,
-            rev_nat: open(pin_path, maps::REV_NAT)?,
-            conntrack: open(pin_path, maps::CONNTRACK)?,
-            stats: PerCpuArray::try_from(Map::from_map_data(stats_data)?)?,
-            port_filter: PortFilter::open(pin_path)?,
+            maps,
+            port_filter,
             node_ips,
             node_name: None,
             masquerade_all: false,
             applied: BTreeMap::new(),
             names: BTreeMap::new(),
-            backend_refs: foldhash::HashMap::default(),
-            backend_addrs: foldhash::HashMap::default(),
-            backend_ids: IdAllocator::default(),
+            backends: BackendRefs::default(),
             set_ids: IdAllocator::default(),
             rev_nat_ids: IdAllocator::default(),
             leftovers: Leftovers::default(),
             staged: Staged::default(),
             batching: false,
             must_read_back: false,
-            writer: Writer::default(),
         };
         this.read_back()?;
         Ok(this)
+    }
+
+    /// The maps written to.
+    pub fn maps(&self) -> &M {
+        &self.maps
     }
 
     /// Rebuilds the bookkeeping from the maps: the ids in use, the adopted
@@ -185,11 +163,9 @@ impl ServiceMaps {
     /// allocators got to are kept.
     fn read_back(&mut self) -> Result<()> {
         self.applied.clear();
-        self.backend_refs.clear();
-        self.backend_addrs.clear();
-        for ids in [&mut self.backend_ids, &mut self.set_ids, &mut self.rev_nat_ids] {
-            ids.forget_used();
-        }
+        self.backends.forget();
+        self.set_ids.forget_used();
+        self.rev_nat_ids.forget_used();
         let found = self.reserve_ids_in_use()?;
         self.adopt()?;
         self.leftovers = self.unreferenced(found);
@@ -201,8 +177,7 @@ impl ServiceMaps {
     /// is adopted without a set, so the next sync writes it afresh.
     fn adopt(&mut self) -> Result<()> {
         let mut groups: BTreeMap<u32, Vec<(ServiceKey, ServiceValue)>> = BTreeMap::new();
-        for entry in self.services.iter() {
-            let (key, value) = entry?;
+        for (key, value) in self.maps.services()? {
             groups.entry(value.backend_set).or_default().push((key, value));
         }
         for (set, members) in groups {
@@ -216,9 +191,11 @@ impl ServiceMaps {
                 .map(|(_, v)| v.backend_offset.saturating_add(v.backend_count))
                 .max()
                 .unwrap_or(0);
-            let backends = self.adopt_backend_set(set, len);
+            for (_, value) in &members {
+                self.rev_nat_ids.reserve(value.rev_nat_id);
+            }
             let frontends = members.iter().map(|(k, v)| (ServiceKeyOrd::from(*k), *v)).collect();
-            let (backend_set, backends) = match backends {
+            let (backend_set, backends) = match self.adopt_backend_set(set, len) {
                 Some(ids) => (set, ids),
                 None => (0, Vec::new()),
             };
@@ -234,23 +211,21 @@ impl ServiceMaps {
         Ok(())
     }
 
-    /// The backend ids in a pinned set, taking a reference on each; `None`
-    /// (and no reference taken) if the set is incomplete.
+    /// The backend ids in a set in the maps, taking a reference on each;
+    /// `None` (and no reference taken) if the set is incomplete.
     fn adopt_backend_set(&mut self, set: u32, count: u32) -> Option<Vec<u32>> {
         let mut members = Vec::new();
         for slot in 0..count {
-            let id = self.slots.get(&BackendSlotKey { backend_set: set, slot }, 0).ok()?;
-            let backend = self.backends.get(&id, 0).ok()?;
+            let id = self.maps.slot(&BackendSlotKey { backend_set: set, slot }).ok()??;
+            let backend = self.maps.backend(id).ok()??;
             members.push((id, (backend.addr(), backend.port(), backend.proto)));
         }
         // The same address under two ids: let the next sync rewrite it.
-        let aliased = |(id, addr): &(u32, _)| self.backend_refs.get(addr).is_some_and(|(held, _)| held != id);
-        if members.iter().any(aliased) {
+        if members.iter().any(|(id, addr)| self.backends.aliased(*id, *addr)) {
             return None;
         }
         for (id, addr) in &members {
-            self.backend_refs.entry(*addr).or_insert((*id, 0)).1 += 1;
-            self.backend_addrs.insert(*id, *addr);
+            self.backends.adopt(*id, *addr);
         }
         Some(members.into_iter().map(|(id, _)| id).collect())
     }
@@ -261,7 +236,7 @@ impl ServiceMaps {
         self.masquerade_all = masquerade_all;
     }
 
-    fn is_local(&self, ep: &crate::model::Endpoint) -> bool {
+    fn is_local(&self, ep: &Endpoint) -> bool {
         match (&self.node_name, &ep.node_name) {
             (Some(ours), Some(theirs)) => ours.as_str() == &**theirs,
             _ => true,
@@ -273,36 +248,34 @@ impl ServiceMaps {
     /// Returns the keys found.
     fn reserve_ids_in_use(&mut self) -> Result<Leftovers> {
         let mut found = Leftovers::default();
-        for id in self.backends.keys() {
-            let id = id?;
-            self.backend_ids.reserve(id);
+        for (id, _) in self.maps.backends()? {
+            self.backends.ids().reserve(id);
             found.backends.push(id);
         }
-        for id in self.rev_nat.keys() {
-            let id = id?;
+        for id in self.maps.rev_nat_ids()? {
             self.rev_nat_ids.reserve(id);
             found.rev_nats.push(id);
         }
-        for key in self.slots.keys() {
-            let key = key?;
+        for key in self.maps.slot_keys()? {
             self.set_ids.reserve(key.backend_set);
             found.slots.push(key);
         }
         Ok(found)
     }
 
-    /// The part of `found` that no adopted Service port references.
+    /// The part of `found` that no adopted Service port references, and
+    /// every reverse NAT entry (see the module doc).
     fn unreferenced(&self, mut found: Leftovers) -> Leftovers {
         let sets: BTreeSet<u32> = self.applied.values().map(|a| a.backend_set).collect();
-        let rev_nats: BTreeSet<u32> = self
-            .applied
-            .values()
-            .flat_map(|a| a.frontends.values().map(|v| v.rev_nat_id))
-            .collect();
         found.slots.retain(|k| !sets.contains(&k.backend_set));
-        found.backends.retain(|id| !self.backend_addrs.contains_key(id));
-        found.rev_nats.retain(|id| !rev_nats.contains(id));
+        found.backends.retain(|id| !self.backends.holds(*id));
         found
+    }
+
+    /// The reverse NAT ids of the frontends programmed now.
+    fn rev_nat_ids_in_use(&self) -> BTreeSet<u32> {
+        let frontends = self.applied.values().flat_map(|a| a.frontends.values());
+        frontends.map(|v| v.rev_nat_id).collect()
     }
 
     /// Runs `f` (calls of this handle's write methods) and writes what it
@@ -362,14 +335,15 @@ impl ServiceMaps {
         };
 
         let ports = self.frontends_of(svc).into_iter().map(|(key, _)| key.port());
-        self.port_filter.allow(ports, layout.slots.iter().map(|ep| ep.port))?;
+        self.port_filter
+            .allow(&self.maps, ports, layout.slots.iter().map(|ep| ep.port))?;
         let mut frontends = BTreeMap::new();
         for (key, is_node_port) in self.frontends_of(svc) {
             let ord = ServiceKeyOrd::from(key);
             let written = old.frontends.get(&ord);
             let rev_nat_id = match written {
                 Some(value) => value.rev_nat_id,
-                None => self.new_rev_nat(key)?,
+                None => self.rev_nat_ids.allocate()?,
             };
             let (backend_offset, backend_count, flags) = self.frontend_use(svc, &sets, &layout, is_node_port);
             let value = ServiceValue {
@@ -487,11 +461,16 @@ impl ServiceMaps {
         }
         for id in leftovers.backends {
             self.staged.backends.delete(id);
-            self.backend_ids.release(id);
+            self.backends.ids().release(id);
         }
+        // An older agent's entry may carry the id of a frontend still
+        // programmed: the entry goes, the id stays taken.
+        let in_use = self.rev_nat_ids_in_use();
         for id in leftovers.rev_nats {
             self.staged.rev_nat.delete(id);
-            self.rev_nat_ids.release(id);
+            if !in_use.contains(&id) {
+                self.rev_nat_ids.release(id);
+            }
         }
     }
 
@@ -515,29 +494,18 @@ impl ServiceMaps {
     /// failure the rest is dropped (the caller reads the maps back).
     fn flush(&mut self) -> Result<()> {
         let staged = std::mem::take(&mut self.staged).split();
+        let (maps, staged) = (&self.maps, &staged);
         for stage in FLUSH_STAGES {
             let jobs = (stage.iter().copied())
                 .filter(|step| staged.entries_of(*step) > 0)
-                .map(|step| (step, self.job(step, &staged)))
+                .map(|step| {
+                    let job: Job<'_> = Box::new(move || maps.write_step(step, staged));
+                    (step, job)
+                })
                 .collect();
             run_stage(jobs, staged.entries(stage) >= SPREAD_FROM)?;
         }
         Ok(())
-    }
-
-    /// What `step` writes of `staged`, ready to run on any thread.
-    fn job<'a>(&'a self, step: Step, staged: &'a SplitStaged) -> Job<'a> {
-        let writer = &self.writer;
-        match step {
-            Step::Write(Table::Backends) => writer.write_job(fd_of(&self.backends), &staged.backends),
-            Step::Write(Table::Slots) => writer.write_job(fd_of(&self.slots), &staged.slots),
-            Step::Write(Table::RevNat) => writer.write_job(fd_of(&self.rev_nat), &staged.rev_nat),
-            Step::Write(Table::Services) => writer.write_job(fd_of(&self.services), &staged.services),
-            Step::Delete(Table::Backends) => writer.delete_job(fd_of(&self.backends), &staged.backends),
-            Step::Delete(Table::Slots) => writer.delete_job(fd_of(&self.slots), &staged.slots),
-            Step::Delete(Table::RevNat) => writer.delete_job(fd_of(&self.rev_nat), &staged.rev_nat),
-            Step::Delete(Table::Services) => writer.delete_job(fd_of(&self.services), &staged.services),
-        }
     }
 
     /// Names of the Service ports programmed through this handle.
@@ -549,7 +517,7 @@ impl ServiceMaps {
     /// that finds everything in place adds none; batch calls count their
     /// entries).
     pub fn writes(&self) -> u64 {
-        self.writer.writes()
+        self.maps.writes()
     }
 
     /// Number of Service ports in the maps, adopted ones included.
@@ -559,93 +527,28 @@ impl ServiceMaps {
 
     /// Sums the per-CPU verdict counters.
     pub fn verdict_counts(&self) -> Result<Vec<(Verdict, VerdictCounter)>> {
-        sum_verdicts(&self.stats)
+        self.maps.verdicts()
     }
 
     /// Tracked flows as (key, value), forward and reply entries alike.
     pub fn conntrack_entries(&self) -> Result<Vec<(CtKey, CtValue)>> {
-        Ok(self.conntrack.iter().collect::<Result<_, _>>()?)
+        self.maps.conntrack_entries()
     }
 
     /// Everything the programs would use now, read from the maps (not from
     /// this handle's bookkeeping), with tracked flows counted per backend.
-    pub fn snapshot(&self) -> Result<crate::dump::Snapshot> {
-        use crate::dump::{BackendRow, FrontendRow, Snapshot};
-        let mut flows: StdHashMap<(u32, u32), u64> = StdHashMap::new();
-        let mut states: std::collections::BTreeMap<u8, u64> = std::collections::BTreeMap::new();
-        let (mut forward, mut reply) = (0, 0);
-        for entry in self.conntrack.iter() {
-            let (_, ct) = entry?;
-            if ct.flags & proxy_common::conntrack::FLAG_REPLY != 0 {
-                reply += 1;
-            } else {
-                forward += 1;
-                *flows.entry((ct.rev_nat_id, ct.backend_id)).or_default() += 1;
-                *states.entry(ct.state).or_default() += 1;
-            }
-        }
-        let mut frontends = Vec::new();
-        for entry in self.services.iter() {
-            let (key, value) = entry?;
-            let mut backends = Vec::new();
-            for slot in run(&value) {
-                let slot_key = BackendSlotKey {
-                    backend_set: value.backend_set,
-                    slot,
-                };
-                let row = match self
-                    .slots
-                    .get(&slot_key, 0)
-                    .ok()
-                    .and_then(|id| Some((id, self.backends.get(&id, 0).ok()?)))
-                {
-                    Some((id, b)) => BackendRow {
-                        addr: Some((b.addr(), b.port())),
-                        flows: flows.get(&(value.rev_nat_id, id)).copied().unwrap_or(0),
-                    },
-                    None => BackendRow { addr: None, flows: 0 },
-                };
-                backends.push(row);
-            }
-            frontends.push(FrontendRow {
-                proto: key.proto,
-                addr: key.addr(),
-                port: key.port(),
-                node_port: value.flags & FLAG_NODE_PORT != 0,
-                local_only: value.flags & FLAGS_LOCAL != 0,
-                backends,
-            });
-        }
-        frontends.sort_by_key(|f| (f.proto, f.addr, f.port));
-        Ok(Snapshot {
-            frontends,
-            forward_flows: forward,
-            reply_flows: reply,
-            flow_states: states.into_iter().collect(),
-            table: None,
-            verdicts: self.verdict_counts()?,
-        })
+    pub fn snapshot(&self) -> Result<Snapshot> {
+        snapshot::snapshot(&self.maps)
     }
 
     /// Reads one frontend back, as the programs see it.
     pub fn frontend(&self, addr: Ipv4Addr, port: u16, proto: u8) -> Option<ServiceValue> {
-        self.services.get(&ServiceKey::new(addr, port, proto), 0).ok()
+        snapshot::frontend(&self.maps, addr, port, proto)
     }
 
     /// Reads the backends a frontend picks from back, in slot order.
     pub fn backend_set(&self, value: &ServiceValue) -> Result<Vec<Backend>> {
-        run(value)
-            .map(|slot| {
-                let id = self.slots.get(
-                    &BackendSlotKey {
-                        backend_set: value.backend_set,
-                        slot,
-                    },
-                    0,
-                )?;
-                Ok(self.backends.get(&id, 0)?)
-            })
-            .collect()
+        snapshot::backend_set(&self.maps, value)
     }
 
     fn frontends_of(&self, svc: &ServicePort) -> Vec<(ServiceKey, bool)> {
@@ -676,251 +579,34 @@ impl ServiceMaps {
         self.set_ids.release(set);
     }
 
-    fn new_rev_nat(&mut self, key: ServiceKey) -> Result<u32> {
-        let id = self.rev_nat_ids.allocate()?;
-        let value = RevNat {
-            addr_be: key.addr_be,
-            port_be: key.port_be,
-            _pad: 0,
-        };
-        self.staged.rev_nat.write(id, value);
-        Ok(id)
-    }
-
     fn remove_frontend(&mut self, key: ServiceKey, rev_nat_id: u32) {
         self.staged.services.delete(key);
-        self.staged.rev_nat.delete(rev_nat_id);
         self.rev_nat_ids.release(rev_nat_id);
     }
 
     fn acquire_backend(&mut self, addr: Ipv4Addr, port: u16, proto: u8, local: bool) -> Result<u32> {
-        if let Some((id, refs)) = self.backend_refs.get_mut(&(addr, port, proto)) {
-            *refs += 1;
-            return Ok(*id);
+        let acquired = self.backends.acquire((addr, port, proto))?;
+        if let Acquired::New(id) = acquired {
+            let backend = Backend {
+                flags: if local { FLAG_LOCAL } else { 0 },
+                ..Backend::new(addr, port, proto)
+            };
+            self.staged.backends.write(id, backend);
         }
-        let id = self.backend_ids.allocate()?;
-        let backend = Backend {
-            flags: if local { FLAG_LOCAL } else { 0 },
-            ..Backend::new(addr, port, proto)
-        };
-        self.staged.backends.write(id, backend);
-        self.backend_refs.insert((addr, port, proto), (id, 1));
-        self.backend_addrs.insert(id, (addr, port, proto));
-        Ok(id)
+        Ok(acquired.id())
     }
 
     fn release_backend(&mut self, id: u32) -> Result<()> {
-        let Some(&addr_key) = self.backend_addrs.get(&id) else {
-            bail!("backend id {id} released but not held");
-        };
-        let Some(entry) = self.backend_refs.get_mut(&addr_key) else {
-            bail!("backend id {id} has no reference count");
-        };
-        entry.1 -= 1;
-        if entry.1 == 0 {
-            self.backend_refs.remove(&addr_key);
-            self.backend_addrs.remove(&id);
+        if self.backends.release(id)? {
             self.staged.backends.delete(id);
-            self.backend_ids.release(id);
         }
         Ok(())
     }
 }
 
-/// The slots a frontend picks from.
-fn run(value: &ServiceValue) -> std::ops::Range<u32> {
-    value.backend_offset..value.backend_offset.saturating_add(value.backend_count)
-}
-
-/// The endpoints of a Service port's backend set in slot order, and the run
-/// of slots each traffic policy uses. This node's endpoints come first, so
-/// that `Local` frontends use slots `0..local`; the `Cluster` run is
-/// `0..all` when it includes them (they are ready, or nothing is ready
-/// anywhere), else it follows them (only terminating endpoints are here,
-/// ready ones elsewhere). A port with both policies `Cluster` gets its
-/// usable endpoints in order, as before the policies existed.
-struct SlotLayout<'a> {
-    slots: Vec<&'a Endpoint>,
-    /// `(offset, count)` of the `Cluster` run.
-    cluster: (u32, u32),
-    /// `(offset, count)` of the `Local` run.
-    local: (u32, u32),
-}
-
-impl<'a> SlotLayout<'a> {
-    fn of(sets: &EndpointSets<'a>) -> Result<Self> {
-        let cluster: &[&Endpoint] = if sets.uses_cluster() { &sets.cluster } else { &[] };
-        let local: &[&Endpoint] = if sets.uses_local() { &sets.local } else { &[] };
-        let same = |a: &&Endpoint, b: &&Endpoint| (a.addr, a.port) == (b.addr, b.port);
-        let in_cluster = |ep: &&Endpoint| cluster.iter().any(|c| same(c, ep));
-        let mut slots: Vec<&Endpoint> = local.to_vec();
-        let cluster_offset = if cluster.is_empty() || local.iter().all(in_cluster) {
-            slots.extend(cluster.iter().filter(|c| !local.iter().any(|l| same(l, c))));
-            0
-        } else {
-            slots.extend(cluster);
-            local.len()
-        };
-        let count = |n: usize| u32::try_from(n).context("too many endpoints");
-        Ok(Self {
-            cluster: (count(cluster_offset)?, count(cluster.len())?),
-            local: (0, count(local.len())?),
-            slots,
-        })
-    }
-}
-
-/// Hands out map ids (backends, backend sets, reverse NAT entries).
-///
-/// Ids move forward and wrap only after 2^32 - 1 of them: a freed id is not
-/// handed out again soon, because conntrack entries of old flows may still
-/// name it, and such a flow must not land on whatever got the id next.
-#[derive(Clone, Debug, Default)]
-struct IdAllocator {
-    used: BTreeSet<u32>,
-    /// The next candidate (0 is never an id).
-    next: u32,
-}
-
-impl IdAllocator {
-    /// Marks an id found in the maps as taken; allocation continues after
-    /// the highest one seen.
-    fn reserve(&mut self, id: u32) {
-        self.used.insert(id);
-        self.next = self.next.max(id.wrapping_add(1));
-    }
-
-    fn allocate(&mut self) -> Result<u32> {
-        if self.used.len() >= u32::MAX as usize {
-            bail!("id space exhausted");
-        }
-        loop {
-            let id = self.next.max(1);
-            self.next = id.wrapping_add(1);
-            if self.used.insert(id) {
-                return Ok(id);
-            }
-        }
-    }
-
-    fn release(&mut self, id: u32) {
-        self.used.remove(&id);
-    }
-
-    /// Forgets which ids are taken (before reading the maps back), but not
-    /// where allocation got to: freed ids stay out of reach.
-    fn forget_used(&mut self) {
-        self.used.clear();
-    }
-}
-
-/// Keys found in the maps, by map.
-#[derive(Debug, Default)]
-struct Leftovers {
-    slots: Vec<BackendSlotKey>,
-    backends: Vec<u32>,
-    rev_nats: Vec<u32>,
-}
-
-pub(super) fn fd_of<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>) -> BorrowedFd<'_> {
-    IterableMap::map(map).fd().as_fd()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mode::usable_endpoints;
-
-    #[test]
-    fn freed_ids_are_not_handed_out_again_soon() {
-        let mut ids = IdAllocator::default();
-        assert_eq!(ids.allocate().unwrap(), 1);
-        assert_eq!(ids.allocate().unwrap(), 2);
-        ids.release(1);
-        assert_eq!(ids.allocate().unwrap(), 3, "a freed id may still be named by old flows");
-    }
-
-    #[test]
-    fn ids_found_in_the_maps_are_skipped_and_allocation_wraps_past_them() {
-        let mut ids = IdAllocator::default();
-        ids.reserve(7);
-        assert_eq!(ids.allocate().unwrap(), 8);
-        let mut ids = IdAllocator {
-            next: u32::MAX,
-            ..Default::default()
-        };
-        ids.reserve(1);
-        assert_eq!(ids.allocate().unwrap(), u32::MAX);
-        assert_eq!(ids.allocate().unwrap(), 2, "wraps to the smallest free id, never 0");
-    }
-
-    #[test]
-    fn terminating_endpoints_serve_only_when_none_is_ready() {
-        let ip = Ipv4Addr::new(10, 0, 0, 1);
-        let mut draining = Endpoint::ready(ip, 80);
-        draining.ready = false;
-        draining.terminating = true;
-        let ready = Endpoint::ready(Ipv4Addr::new(10, 0, 0, 2), 80);
-        assert_eq!(usable_endpoints(&[draining.clone(), ready.clone()]), vec![&ready]);
-        assert_eq!(usable_endpoints(std::slice::from_ref(&draining)), vec![&draining]);
-    }
-
-    fn on(node: &str, last: u8, ready: bool) -> Endpoint {
-        Endpoint {
-            ready,
-            terminating: !ready,
-            node_name: Some(node.into()),
-            ..Endpoint::ready(Ipv4Addr::new(10, 244, 0, last), 80)
-        }
-    }
-
-    fn layout_of(port: &ServicePort, node: &str) -> (Vec<u8>, (u32, u32), (u32, u32)) {
-        let sets = EndpointSets::of(port, Some(node));
-        let layout = SlotLayout::of(&sets).expect("layout");
-        let slots = layout.slots.iter().map(|e| e.addr.octets()[3]).collect();
-        (slots, layout.cluster, layout.local)
-    }
-
-    /// The set holds this node's endpoints first; `Cluster` frontends use
-    /// all of it, `Local` ones the first run; a port without `Local` policy
-    /// keeps its endpoints' order.
-    #[test]
-    fn slot_layout_puts_local_endpoints_first() {
-        let endpoints = vec![on("b", 1, true), on("a", 2, true), on("b", 3, true), on("a", 4, true)];
-        let cluster = ServicePort {
-            node_port: Some(30000),
-            endpoints,
-            ..ServicePort::default()
-        };
-        assert_eq!(layout_of(&cluster, "a"), (vec![1, 2, 3, 4], (0, 4), (0, 0)));
-        let local = ServicePort {
-            external_policy: crate::model::TrafficPolicy::Local,
-            ..cluster.clone()
-        };
-        assert_eq!(layout_of(&local, "a"), (vec![2, 4, 1, 3], (0, 4), (0, 2)));
-        assert_eq!(layout_of(&local, "c"), (vec![1, 2, 3, 4], (0, 4), (0, 0)));
-    }
-
-    /// A node whose only endpoint is draining while others are ready
-    /// elsewhere: the `Local` run is that endpoint, the `Cluster` run the
-    /// ready ones after it.
-    #[test]
-    fn slot_layout_with_a_draining_local_endpoint() {
-        let port = ServicePort {
-            node_port: Some(30000),
-            endpoints: vec![on("b", 1, true), on("a", 2, false), on("b", 3, true)],
-            external_policy: crate::model::TrafficPolicy::Local,
-            ..ServicePort::default()
-        };
-        assert_eq!(layout_of(&port, "a"), (vec![2, 1, 3], (1, 2), (0, 1)));
-        let internal_only = ServicePort {
-            node_port: None,
-            external_policy: crate::model::TrafficPolicy::Cluster,
-            internal_policy: crate::model::TrafficPolicy::Local,
-            ..port
-        };
-        assert_eq!(layout_of(&internal_only, "a"), (vec![2], (0, 0), (0, 1)));
-    }
 
     /// CPU time of this process (the flush's threads included), in ms: wall
     /// time means little on a busy machine.
@@ -977,36 +663,29 @@ mod tests {
             assert_eq!(maps.writes(), again, "a sync after reading back writes nothing");
             assert!(maps.leftovers.backends.is_empty() && maps.leftovers.slots.is_empty());
 
-            // Entries per port: a service and a reverse NAT entry per frontend, 10 backends, 10 slots.
+            // Entries per port: a service entry per frontend, 10 backends, 10 slots.
             let entries = |ports: &[&ServicePort]| -> usize {
-                ports
-                    .iter()
-                    .map(|p| 2 * (1 + usize::from(p.node_port.is_some())) + 20)
-                    .sum()
+                ports.iter().map(|p| 1 + usize::from(p.node_port.is_some()) + 20).sum()
             };
             let half = &refs[..refs.len() / 2];
             let before = maps.writes();
             maps.batch(|m| m.retain(half))?;
             assert_eq!(maps.writes() - before, (entries(&refs) - entries(half)) as u64);
-            let in_maps = maps.services.keys().count()
-                + maps.rev_nat.keys().count()
-                + maps.slots.keys().count()
-                + maps.backends.keys().count();
-            assert_eq!(in_maps, entries(half));
+            assert_eq!(maps.maps().entries(), entries(half));
 
             let mut restarted = ServiceMaps::open(&pin, vec![Ipv4Addr::new(192, 0, 2, 1)])?;
             assert_eq!(restarted.service_port_count(), half.len());
             assert!(restarted.leftovers.rev_nats.is_empty() && restarted.leftovers.backends.is_empty());
 
             // A kernel without batch operations: the same, one entry at a time.
-            restarted.writer.without_batches();
+            restarted.maps().without_batches();
             let (before, few) = (restarted.writes(), &refs[..10]);
             restarted.batch(|m| m.retain(few))?;
             assert_eq!(restarted.writes() - before, (entries(half) - entries(few)) as u64);
             restarted.batch(|m| m.retain(&[]))?;
-            assert_eq!(restarted.backends.keys().count() + restarted.services.keys().count(), 0);
+            assert_eq!(restarted.maps().entries(), 0);
             restarted.sync_service(refs[0])?;
-            assert_eq!(restarted.slots.keys().count(), 10);
+            assert_eq!(restarted.maps().slot_keys()?.len(), 10);
             Ok(())
         })();
         let _ = std::fs::remove_dir_all(&pin);

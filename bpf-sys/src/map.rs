@@ -1,42 +1,23 @@
-//! The bpf(2) commands the agent calls itself, in one place: those aya 0.14
-//! does not offer (opening a pinned object, detaching a link, reading,
-//! writing or deleting many map entries in one call: the batch commands of
-//! Linux 5.6)
-//! and the one-entry map writes they fall back to, which take a bare
-//! descriptor (aya's need its map handle borrowed mutably).
+//! Map entries on a borrowed descriptor: one at a time
+//! (BPF_MAP_UPDATE_ELEM, BPF_MAP_DELETE_ELEM) or many in one call
+//! (BPF_MAP_UPDATE_BATCH, BPF_MAP_DELETE_BATCH, BPF_MAP_LOOKUP_BATCH,
+//! Linux 5.6). Several threads may write several maps at once.
+//!
+//! Every function takes the key and value types as `bytemuck::Pod`, and
+//! they must have the map's key and value sizes: the kernel reads (and for
+//! lookups writes) the arrays with those strides, whatever the types say.
+//! That is why they are `unsafe`: callers that opened the map with aya as
+//! a map of these types have had the sizes checked then.
 
-use std::{
-    ffi::CString,
-    io,
-    os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
-    path::Path,
-};
+use std::{io, os::fd::BorrowedFd};
 
-const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
-const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
-const BPF_OBJ_GET: libc::c_long = 7;
-const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
-const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
-const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
-const BPF_LINK_DETACH: libc::c_long = 34;
+use bytemuck::Pod;
+
+use crate::{Attr, call, cmd, fd_field, invalid_data};
 
 /// The kernel's own "operation not supported" (not in libc): what a map
 /// type without batch operations answers.
 const ENOTSUPP: i32 = 524;
-
-/// `union bpf_attr` for BPF_OBJ_GET (the kernel takes a prefix).
-#[repr(C)]
-struct ObjGet {
-    pathname: u64,
-    bpf_fd: u32,
-    file_flags: u32,
-}
-
-/// `union bpf_attr` for BPF_LINK_DETACH.
-#[repr(C)]
-struct LinkDetach {
-    link_fd: u32,
-}
 
 /// `union bpf_attr` for BPF_MAP_UPDATE_ELEM and BPF_MAP_DELETE_ELEM.
 #[repr(C)]
@@ -48,6 +29,10 @@ struct Elem {
     value: u64,
     flags: u64,
 }
+
+// SAFETY: the kernel's layout; `key` and `value` point at borrowed `Pod`
+// values of the map's key and value sizes (the callers' `# Safety`).
+unsafe impl Attr for Elem {}
 
 /// `union bpf_attr` for the BPF_MAP_*_BATCH commands. `count` goes in as
 /// the number of entries and comes back as the number processed.
@@ -64,79 +49,46 @@ struct Batch {
     flags: u64,
 }
 
-/// Calls bpf(2) with `attr`; returns its non-negative result.
-fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
-    // SAFETY: `attr` is a live, initialised prefix of `union bpf_attr` for
-    // `cmd` and its size is passed along: the kernel reads only that much
-    // (zero-extending the rest) and writes back only inside it. Pointers in
-    // it come from the callers' borrowed arguments, live for the call, of
-    // the sizes the kernel reads (the map's key and value sizes, `count`).
-    let ret = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut T, std::mem::size_of::<T>()) };
-    if ret < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(ret)
-    }
-}
+// SAFETY: the kernel's layout; `keys` and `values` point at `count`
+// entries of the map's sizes (the callers' `# Safety`), `in_batch` and
+// `out_batch` at a token buffer as large as the map's key (checked), all
+// borrowed for the call.
+unsafe impl Attr for Batch {}
 
-fn invalid_data(e: impl std::error::Error + Send + Sync + 'static) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, e)
-}
-
-/// Opens the object (map, program, link) pinned at `path` (BPF_OBJ_GET).
-pub fn obj_get(path: &Path) -> io::Result<OwnedFd> {
-    let path = CString::new(path.as_os_str().as_encoded_bytes())
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    let mut attr = ObjGet {
-        pathname: path.as_ptr() as u64,
-        bpf_fd: 0,
-        file_flags: 0,
-    };
-    let fd = bpf(BPF_OBJ_GET, &mut attr)?;
-    let fd = i32::try_from(fd).map_err(invalid_data)?;
-    // SAFETY: BPF_OBJ_GET returned a new descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-/// Opens the link pinned at `pin` and detaches it (BPF_LINK_DETACH).
-pub(super) fn detach_pinned_link(pin: &Path) -> io::Result<()> {
-    let fd = obj_get(pin)?;
-    let link_fd = u32::try_from(fd.as_raw_fd()).map_err(invalid_data)?;
-    bpf(BPF_LINK_DETACH, &mut LinkDetach { link_fd })?;
-    Ok(())
-}
-
-fn map_fd(map: BorrowedFd<'_>) -> io::Result<u32> {
-    u32::try_from(map.as_raw_fd()).map_err(invalid_data)
-}
-
-/// Writes `key -> value` into `map` (BPF_MAP_UPDATE_ELEM, BPF_ANY). `K` and
-/// `V` must have the map's key and value sizes.
-pub(super) fn map_update_elem<K: aya::Pod, V: aya::Pod>(map: BorrowedFd<'_>, key: &K, value: &V) -> io::Result<()> {
+/// Writes `key -> value` into `map` (BPF_MAP_UPDATE_ELEM, BPF_ANY).
+///
+/// # Safety
+///
+/// `K` and `V` must have `map`'s key and value sizes.
+pub unsafe fn update_elem<K: Pod, V: Pod>(map: BorrowedFd<'_>, key: &K, value: &V) -> io::Result<()> {
     let mut attr = Elem {
-        map_fd: map_fd(map)?,
+        map_fd: fd_field(map)?,
         key: key as *const K as u64,
         value: value as *const V as u64,
         ..Elem::default()
     };
-    bpf(BPF_MAP_UPDATE_ELEM, &mut attr).map(drop)
+    call(cmd::MAP_UPDATE_ELEM, &mut attr).map(drop)
 }
 
 /// Deletes `key` from `map` (BPF_MAP_DELETE_ELEM); ENOENT if it is not there.
-pub(super) fn map_delete_elem<K: aya::Pod>(map: BorrowedFd<'_>, key: &K) -> io::Result<()> {
+///
+/// # Safety
+///
+/// `K` must have `map`'s key size.
+pub unsafe fn delete_elem<K: Pod>(map: BorrowedFd<'_>, key: &K) -> io::Result<()> {
     let mut attr = Elem {
-        map_fd: map_fd(map)?,
+        map_fd: fd_field(map)?,
         key: key as *const K as u64,
         ..Elem::default()
     };
-    bpf(BPF_MAP_DELETE_ELEM, &mut attr).map(drop)
+    call(cmd::MAP_DELETE_ELEM, &mut attr).map(drop)
 }
 
 /// A batch call that stopped early: the first `done` entries were
 /// processed, the one after them failed with `error`.
 #[derive(Debug, thiserror::Error)]
 #[error("stopped after {done} entries")]
-pub(super) struct BatchError {
+pub struct BatchError {
     pub done: usize,
     #[source]
     pub error: io::Error,
@@ -164,24 +116,28 @@ impl BatchError {
 /// (BPF_MAP_UPDATE_BATCH, flags BPF_ANY), in order: the kernel stops at the
 /// first entry it cannot write.
 ///
-/// `K` and `V` must have the map's key and value sizes (aya checked them
-/// when it opened the map): the kernel reads the arrays with those strides.
-pub(super) fn map_update_batch<K: aya::Pod, V: aya::Pod>(
-    map: BorrowedFd<'_>,
-    keys: &[K],
-    values: &[V],
-) -> Result<(), BatchError> {
-    assert_eq!(keys.len(), values.len(), "one value per key");
-    batch(BPF_MAP_UPDATE_BATCH, map, keys, Some(values))
+/// # Safety
+///
+/// `K` and `V` must have `map`'s key and value sizes.
+pub unsafe fn update_batch<K: Pod, V: Pod>(map: BorrowedFd<'_>, keys: &[K], values: &[V]) -> Result<(), BatchError> {
+    if keys.len() != values.len() {
+        let error = io::Error::new(io::ErrorKind::InvalidInput, "one value per key");
+        return Err(BatchError { done: 0, error });
+    }
+    batch(cmd::MAP_UPDATE_BATCH, map, keys, Some(values))
 }
 
 /// Deletes `keys` from `map` in one call (BPF_MAP_DELETE_BATCH), in order:
 /// the kernel stops at the first key it cannot delete (ENOENT if absent).
-pub(super) fn map_delete_batch<K: aya::Pod>(map: BorrowedFd<'_>, keys: &[K]) -> Result<(), BatchError> {
-    batch::<K, K>(BPF_MAP_DELETE_BATCH, map, keys, None)
+///
+/// # Safety
+///
+/// `K` must have `map`'s key size.
+pub unsafe fn delete_batch<K: Pod>(map: BorrowedFd<'_>, keys: &[K]) -> Result<(), BatchError> {
+    batch::<K, K>(cmd::MAP_DELETE_BATCH, map, keys, None)
 }
 
-fn batch<K: aya::Pod, V: aya::Pod>(
+fn batch<K: Pod, V: Pod>(
     cmd: libc::c_long,
     map: BorrowedFd<'_>,
     keys: &[K],
@@ -196,21 +152,21 @@ fn batch<K: aya::Pod, V: aya::Pod>(
         keys: keys.as_ptr() as u64,
         values: values.map_or(0, |v| v.as_ptr() as u64),
         count,
-        map_fd: map_fd(map).map_err(|e| fail(0, e))?,
+        map_fd: fd_field(map).map_err(|e| fail(0, e))?,
         ..Batch::default()
     };
     // The arrays outlive the call; the kernel only reads them.
-    match bpf(cmd, &mut attr) {
+    match call(cmd, &mut attr) {
         Ok(_) => Ok(()),
         Err(error) => Err(fail(processed_before_failure(count, attr.count), error)),
     }
 }
 
-/// Where a walk with [`map_lookup_batch`] goes on. The kernel's token is
+/// Where a walk with [`lookup_batch`] goes on. The kernel's token is
 /// opaque: a bucket index for hash maps, a key for others; this buffer is
-/// large enough for either with the keys the agent uses.
+/// large enough for either with keys of up to 64 bytes.
 #[derive(Default)]
-pub(super) struct BatchCursor {
+pub struct BatchCursor {
     token: [u64; 8],
     started: bool,
 }
@@ -229,9 +185,11 @@ impl BatchCursor {
 /// are the last ones. A hash bucket holds more entries than asked for:
 /// ENOSPC, ask again with more room.
 ///
-/// `K` and `V` must have the map's key and value sizes, as for
-/// [`map_update_batch`].
-pub(super) fn map_lookup_batch<K: aya::Pod, V: aya::Pod>(
+/// # Safety
+///
+/// `K` and `V` must have `map`'s key and value sizes: the kernel writes
+/// that many bytes per entry into the room reserved for `K`s and `V`s.
+pub unsafe fn lookup_batch<K: Pod, V: Pod>(
     map: BorrowedFd<'_>,
     cursor: &mut BatchCursor,
     keys: &mut Vec<K>,
@@ -257,20 +215,20 @@ pub(super) fn map_lookup_batch<K: aya::Pod, V: aya::Pod>(
         keys: keys.as_mut_ptr() as u64,
         values: values.as_mut_ptr() as u64,
         count: u32::try_from(room).unwrap_or(u32::MAX),
-        map_fd: map_fd(map).map_err(fail)?,
+        map_fd: fd_field(map).map_err(fail)?,
         ..Batch::default()
     };
     // The kernel writes at most `count` keys and values (the room reserved
     // above) and a token into `next`.
-    let complete = match bpf(BPF_MAP_LOOKUP_BATCH, &mut attr) {
+    let complete = match call(cmd::MAP_LOOKUP_BATCH, &mut attr) {
         Ok(_) => false,
         // The walk ran off the end; `count` says how many it read before.
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => true,
         Err(error) => return Err(fail(error)),
     };
     let read = (attr.count as usize).min(room);
-    // SAFETY: the kernel initialised the first `read` keys and values
-    // (plain data: any bytes are valid `Pod` values).
+    // SAFETY: the kernel initialised the first `read` keys and values, all
+    // inside the reserved room (plain data: any bytes are valid `Pod`s).
     unsafe {
         keys.set_len(read);
         values.set_len(read);
@@ -300,7 +258,7 @@ mod tests {
     }
 
     #[test]
-    fn batch_attr_has_the_kernel_layout() {
+    fn attrs_have_the_kernel_layout() {
         // in_batch, out_batch, keys, values, count + map_fd, elem_flags, flags.
         assert_eq!(std::mem::size_of::<Batch>(), 56);
         assert_eq!(std::mem::offset_of!(Batch, count), 32);
@@ -310,5 +268,19 @@ mod tests {
         // map_fd, (padding), key, value, flags.
         assert_eq!(std::mem::size_of::<Elem>(), 32);
         assert_eq!(std::mem::offset_of!(Elem, key), 8);
+    }
+
+    #[test]
+    fn unsupported_only_when_nothing_was_processed() {
+        let error = |done, errno| BatchError {
+            done,
+            error: io::Error::from_raw_os_error(errno),
+        };
+        assert!(error(0, ENOTSUPP).unsupported());
+        assert!(
+            !error(3, libc::EINVAL).unsupported(),
+            "a failure after some entries is real"
+        );
+        assert!(error(2, libc::ENOENT).not_found());
     }
 }

@@ -1,0 +1,54 @@
+//! The maps the Service writer (`service_maps`) and the snapshot reader
+//! (`snapshot`) use, as an interface with three implementations:
+//! [`super::PinnedMaps`] (the kernel's maps pinned under bpffs),
+//! [`super::MemoryMaps`] (plain collections, for tests without root) and
+//! [`super::FaultyMaps`] (in memory, failing a chosen write or refusing
+//! entries past a size, like a full kernel map).
+//!
+//! Reads are one entry, or all keys, at a time; writes come as the steps
+//! of a flush (`write_batch::FLUSH_STAGES`), which may run on threads of
+//! their own: hence `&self` and `Sync`.
+
+use anyhow::Result;
+use proxy_common::{
+    Backend, BackendSlotKey, CtKey, CtValue, PortBits, ServiceKey, ServiceValue, Verdict, VerdictCounter,
+};
+
+use super::write_batch::{SplitStaged, Step};
+
+/// The Service maps (`XP_SERVICES`, `XP_SLOTS`, `XP_BACKENDS`,
+/// `XP_REV_NAT`), the port filter (`XP_PORTS`) and what the programs
+/// write that a snapshot shows (`XP_CT`, `XP_STATS`).
+pub trait LbMaps: Sync {
+    /// Every frontend: `XP_SERVICES`.
+    fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>>;
+    /// One frontend, `None` if it is not there.
+    fn service(&self, key: &ServiceKey) -> Result<Option<ServiceValue>>;
+    /// Every backend slot's key: `XP_SLOTS`.
+    fn slot_keys(&self) -> Result<Vec<BackendSlotKey>>;
+    /// The backend id in one slot, `None` if the slot is not there.
+    fn slot(&self, key: &BackendSlotKey) -> Result<Option<u32>>;
+    /// Every backend by id: `XP_BACKENDS`.
+    fn backends(&self) -> Result<Vec<(u32, Backend)>>;
+    /// One backend, `None` if it is not there.
+    fn backend(&self, id: u32) -> Result<Option<Backend>>;
+    /// Every reverse NAT id: `XP_REV_NAT`.
+    fn rev_nat_ids(&self) -> Result<Vec<u32>>;
+
+    /// Writes (or deletes) what `step` takes of `staged`. An error may
+    /// leave part of the step done, as a kernel batch call does.
+    fn write_step(&self, step: Step, staged: &SplitStaged) -> Result<()>;
+    /// Entries written and deleted through this handle so far (a delete of
+    /// a key that was not there counts none).
+    fn writes(&self) -> u64;
+
+    /// The port filter's words, `proxy_common::ports::PORT_WORDS` of them.
+    fn port_words(&self) -> Result<Vec<PortBits>>;
+    /// Writes one word of the port filter.
+    fn set_port_word(&self, index: u32, word: PortBits) -> Result<()>;
+
+    /// Tracked flows, forward and reply entries alike.
+    fn conntrack_entries(&self) -> Result<Vec<(CtKey, CtValue)>>;
+    /// The verdict counters summed over CPUs, every verdict listed.
+    fn verdicts(&self) -> Result<Vec<(Verdict, VerdictCounter)>>;
+}

@@ -1,0 +1,386 @@
+//! [`LbMaps`] without a kernel: [`MemoryMaps`] keeps the maps in plain
+//! collections (with the kernel's size limits), [`FaultyMaps`] fails a
+//! chosen write. The Service writer's logic (adopting maps on restart,
+//! shared backend ids, the order of a flush, full maps) is tested on them
+//! without root; `xproxy status`'s reader (`snapshot`) reads them back.
+//!
+//! After every step of a flush the in-memory maps check what a packet
+//! would see at that moment: a frontend whose slots or backends are
+//! missing is recorded ([`MemoryMaps::torn_views`]), so a test can assert
+//! that no order of writes ever shows one.
+
+use std::{
+    collections::HashMap,
+    hash::Hash,
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use anyhow::{Result, bail};
+use proxy_common::{
+    Backend, BackendSlotKey, CtKey, CtValue, PortBits, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter, maps,
+    ports,
+};
+
+use super::{
+    lb_maps::LbMaps,
+    snapshot::slots_of,
+    write_batch::{Split, SplitStaged, Step, Table},
+};
+
+/// The Service maps in memory. A clone is another handle on the same maps
+/// (as a restarted agent opens the pinned ones), with its own count of
+/// writes.
+pub struct MemoryMaps {
+    state: Arc<Mutex<State>>,
+    writes: AtomicU64,
+}
+
+impl Default for MemoryMaps {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clone for MemoryMaps {
+    fn clone(&self) -> Self {
+        Self {
+            state: self.state.clone(),
+            writes: AtomicU64::new(0),
+        }
+    }
+}
+
+/// One hash map: its entries and the most it takes.
+struct MemTable<K, V> {
+    entries: HashMap<K, V>,
+    max_entries: usize,
+}
+
+impl<K: Copy + Eq + Hash, V: Copy> MemTable<K, V> {
+    fn new(max_entries: u32) -> Self {
+        Self {
+            entries: HashMap::new(),
+            max_entries: max_entries as usize,
+        }
+    }
+
+    /// Writes the entries in order, as BPF_MAP_UPDATE_BATCH does: stops
+    /// at the first that does not fit (E2BIG), those before it stay.
+    fn write(&mut self, split: &Split<K, V>) -> Result<u64> {
+        let (keys, values) = split.writes();
+        for (done, (key, value)) in keys.iter().zip(values).enumerate() {
+            if !self.entries.contains_key(key) && self.entries.len() >= self.max_entries {
+                bail!("map full ({} entries): stopped after {done} entries", self.max_entries);
+            }
+            self.entries.insert(*key, *value);
+        }
+        Ok(keys.len() as u64)
+    }
+
+    /// Deletes the keys; returns how many were there.
+    fn delete(&mut self, split: &Split<K, V>) -> u64 {
+        split
+            .deletes()
+            .iter()
+            .filter(|key| self.entries.remove(key).is_some())
+            .count() as u64
+    }
+
+    fn get(&self, key: &K) -> Option<V> {
+        self.entries.get(key).copied()
+    }
+
+    fn all(&self) -> Vec<(K, V)> {
+        self.entries.iter().map(|(k, v)| (*k, *v)).collect()
+    }
+
+    fn keys(&self) -> Vec<K> {
+        self.entries.keys().copied().collect()
+    }
+}
+
+struct State {
+    services: MemTable<ServiceKey, ServiceValue>,
+    slots: MemTable<BackendSlotKey, u32>,
+    backends: MemTable<u32, Backend>,
+    rev_nat: MemTable<u32, RevNat>,
+    ports: Vec<PortBits>,
+    conntrack: Vec<(CtKey, CtValue)>,
+    /// Frontends a packet would have found torn after some step.
+    torn: Vec<String>,
+}
+
+impl State {
+    /// Writes or deletes what `step` takes; returns the entries done.
+    fn apply(&mut self, step: Step, staged: &SplitStaged) -> Result<u64> {
+        Ok(match step {
+            Step::Write(Table::Backends) => self.backends.write(&staged.backends)?,
+            Step::Write(Table::Slots) => self.slots.write(&staged.slots)?,
+            Step::Write(Table::RevNat) => self.rev_nat.write(&staged.rev_nat)?,
+            Step::Write(Table::Services) => self.services.write(&staged.services)?,
+            Step::Delete(Table::Backends) => self.backends.delete(&staged.backends),
+            Step::Delete(Table::Slots) => self.slots.delete(&staged.slots),
+            Step::Delete(Table::RevNat) => self.rev_nat.delete(&staged.rev_nat),
+            Step::Delete(Table::Services) => self.services.delete(&staged.services),
+        })
+    }
+
+    /// Records every frontend whose slots or backends a packet would miss
+    /// now, after `step`.
+    fn check_readers_view(&mut self, step: Step) {
+        for (key, value) in self.services.all() {
+            let whole = slots_of(&value).all(|slot| {
+                let slot = BackendSlotKey {
+                    backend_set: value.backend_set,
+                    slot,
+                };
+                self.slots.get(&slot).is_some_and(|id| self.backends.get(&id).is_some())
+            });
+            if !whole {
+                let frontend = format!("{}:{}", key.addr(), key.port());
+                self.torn
+                    .push(format!("after {step}: {frontend} points at a missing slot or backend"));
+            }
+        }
+    }
+
+    fn table_mut(&mut self, table: Table) -> &mut usize {
+        match table {
+            Table::Backends => &mut self.backends.max_entries,
+            Table::Slots => &mut self.slots.max_entries,
+            Table::RevNat => &mut self.rev_nat.max_entries,
+            Table::Services => &mut self.services.max_entries,
+        }
+    }
+}
+
+impl MemoryMaps {
+    /// Empty maps of the programs' sizes (`proxy_common::maps`).
+    pub fn new() -> Self {
+        let state = State {
+            services: MemTable::new(maps::SERVICES_MAX),
+            slots: MemTable::new(maps::BACKEND_SLOTS_MAX),
+            backends: MemTable::new(maps::BACKENDS_MAX),
+            rev_nat: MemTable::new(maps::REV_NAT_MAX),
+            ports: vec![PortBits::default(); ports::PORT_WORDS as usize],
+            conntrack: Vec::new(),
+            torn: Vec::new(),
+        };
+        Self {
+            state: Arc::new(Mutex::new(state)),
+            writes: AtomicU64::new(0),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Sets how many entries `table` takes: writes past it fail like a
+    /// full kernel map's.
+    pub fn set_max_entries(&self, table: Table, max_entries: usize) {
+        *self.state().table_mut(table) = max_entries;
+    }
+
+    /// What a packet would have seen torn after a step of a flush so far:
+    /// empty if every step kept every frontend whole.
+    pub fn torn_views(&self) -> Vec<String> {
+        self.state().torn.clone()
+    }
+
+    /// Entries in each Service map: services, slots, backends, reverse NAT.
+    pub fn entries(&self) -> [usize; 4] {
+        let state = self.state();
+        [
+            state.services.entries.len(),
+            state.slots.entries.len(),
+            state.backends.entries.len(),
+            state.rev_nat.entries.len(),
+        ]
+    }
+
+    /// Puts entries into the maps directly, as an agent that died halfway
+    /// through a sync may have left them.
+    pub fn leave(&self, slots: &[(BackendSlotKey, u32)], backends: &[(u32, Backend)], rev_nats: &[(u32, RevNat)]) {
+        let mut state = self.state();
+        state.slots.entries.extend(slots.iter().copied());
+        state.backends.entries.extend(backends.iter().copied());
+        state.rev_nat.entries.extend(rev_nats.iter().copied());
+    }
+
+    /// Adds tracked flows, as the programs would.
+    pub fn track(&self, entries: &[(CtKey, CtValue)]) {
+        self.state().conntrack.extend(entries.iter().copied());
+    }
+}
+
+impl LbMaps for MemoryMaps {
+    fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>> {
+        Ok(self.state().services.all())
+    }
+
+    fn service(&self, key: &ServiceKey) -> Result<Option<ServiceValue>> {
+        Ok(self.state().services.get(key))
+    }
+
+    fn slot_keys(&self) -> Result<Vec<BackendSlotKey>> {
+        Ok(self.state().slots.keys())
+    }
+
+    fn slot(&self, key: &BackendSlotKey) -> Result<Option<u32>> {
+        Ok(self.state().slots.get(key))
+    }
+
+    fn backends(&self) -> Result<Vec<(u32, Backend)>> {
+        Ok(self.state().backends.all())
+    }
+
+    fn backend(&self, id: u32) -> Result<Option<Backend>> {
+        Ok(self.state().backends.get(&id))
+    }
+
+    fn rev_nat_ids(&self) -> Result<Vec<u32>> {
+        Ok(self.state().rev_nat.keys())
+    }
+
+    fn write_step(&self, step: Step, staged: &SplitStaged) -> Result<()> {
+        let mut state = self.state();
+        let result = state.apply(step, staged);
+        state.check_readers_view(step);
+        self.writes.fetch_add(*result.as_ref().unwrap_or(&0), Ordering::Relaxed);
+        result.map(drop)
+    }
+
+    fn writes(&self) -> u64 {
+        self.writes.load(Ordering::Relaxed)
+    }
+
+    fn port_words(&self) -> Result<Vec<PortBits>> {
+        Ok(self.state().ports.clone())
+    }
+
+    fn set_port_word(&self, index: u32, word: PortBits) -> Result<()> {
+        match self.state().ports.get_mut(index as usize) {
+            Some(slot) => *slot = word,
+            None => bail!("port filter word {index} out of bounds"),
+        }
+        Ok(())
+    }
+
+    fn conntrack_entries(&self) -> Result<Vec<(CtKey, CtValue)>> {
+        Ok(self.state().conntrack.clone())
+    }
+
+    fn verdicts(&self) -> Result<Vec<(Verdict, VerdictCounter)>> {
+        Ok(Verdict::ALL.iter().map(|v| (*v, VerdictCounter::default())).collect())
+    }
+}
+
+/// [`MemoryMaps`] that fail on purpose: the `n`th write call (a flush
+/// step or a port filter word) from when it was armed fails before it
+/// writes anything, or a map is full at a chosen size.
+pub struct FaultyMaps {
+    inner: MemoryMaps,
+    /// Write calls until the failure; 0: none armed.
+    fail_in: AtomicU64,
+}
+
+impl FaultyMaps {
+    pub fn new(inner: MemoryMaps) -> Self {
+        Self {
+            inner,
+            fail_in: AtomicU64::new(0),
+        }
+    }
+
+    /// Makes the `n`th write call from now fail (1: the next one), once.
+    pub fn fail_nth_write(&self, n: u64) {
+        self.fail_in.store(n, Ordering::Relaxed);
+    }
+
+    /// Makes `table` take `max_entries` at most, like a full kernel map
+    /// (see [`MemoryMaps::set_max_entries`]).
+    pub fn full_at(&self, table: Table, max_entries: usize) {
+        self.inner.set_max_entries(table, max_entries);
+    }
+
+    /// Whether an armed failure is still to come.
+    pub fn armed(&self) -> bool {
+        self.fail_in.load(Ordering::Relaxed) > 0
+    }
+
+    /// The maps underneath.
+    pub fn memory(&self) -> &MemoryMaps {
+        &self.inner
+    }
+
+    /// Counts a write call down; an error if it is the one to fail.
+    fn call(&self, what: &str) -> Result<()> {
+        let armed = self
+            .fail_in
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        if armed == Ok(1) {
+            bail!("injected failure: {what}");
+        }
+        Ok(())
+    }
+}
+
+impl LbMaps for FaultyMaps {
+    fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>> {
+        self.inner.services()
+    }
+
+    fn service(&self, key: &ServiceKey) -> Result<Option<ServiceValue>> {
+        self.inner.service(key)
+    }
+
+    fn slot_keys(&self) -> Result<Vec<BackendSlotKey>> {
+        self.inner.slot_keys()
+    }
+
+    fn slot(&self, key: &BackendSlotKey) -> Result<Option<u32>> {
+        self.inner.slot(key)
+    }
+
+    fn backends(&self) -> Result<Vec<(u32, Backend)>> {
+        self.inner.backends()
+    }
+
+    fn backend(&self, id: u32) -> Result<Option<Backend>> {
+        self.inner.backend(id)
+    }
+
+    fn rev_nat_ids(&self) -> Result<Vec<u32>> {
+        self.inner.rev_nat_ids()
+    }
+
+    fn write_step(&self, step: Step, staged: &SplitStaged) -> Result<()> {
+        self.call(&step.to_string())?;
+        self.inner.write_step(step, staged)
+    }
+
+    fn writes(&self) -> u64 {
+        self.inner.writes()
+    }
+
+    fn port_words(&self) -> Result<Vec<PortBits>> {
+        self.inner.port_words()
+    }
+
+    fn set_port_word(&self, index: u32, word: PortBits) -> Result<()> {
+        self.call("writing the port filter")?;
+        self.inner.set_port_word(index, word)
+    }
+
+    fn conntrack_entries(&self) -> Result<Vec<(CtKey, CtValue)>> {
+        self.inner.conntrack_entries()
+    }
+
+    fn verdicts(&self) -> Result<Vec<(Verdict, VerdictCounter)>> {
+        self.inner.verdicts()
+    }
+}

@@ -1,0 +1,203 @@
+//! The maps pinned under bpffs: opening them by name, and [`PinnedMaps`],
+//! the kernel's implementation of [`LbMaps`] (what the agent runs on).
+
+use std::{
+    os::fd::{AsFd, BorrowedFd},
+    path::Path,
+};
+
+use anyhow::{Context, Result};
+use aya::maps::{Array, HashMap, IterableMap, Map, MapData, MapError, PerCpuArray};
+use proxy_common::{
+    Backend, BackendSlotKey, CtKey, CtValue, PortBits, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter, maps,
+    ports,
+};
+
+use super::{
+    lb_maps::LbMaps,
+    write_batch::{Split, SplitStaged, Step, Table, Writer},
+};
+
+/// The map pinned as `name` under `pin_path`.
+pub(super) fn pinned(pin_path: &Path, name: &str) -> Result<Map> {
+    let path = pin_path.join(name);
+    let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
+    Ok(Map::from_map_data(data)?)
+}
+
+/// The hash map pinned as `name` under `pin_path`.
+pub(super) fn open<K: aya::Pod, V: aya::Pod>(pin_path: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
+    HashMap::try_from(pinned(pin_path, name)?).with_context(|| format!("map {name} has an unexpected layout"))
+}
+
+/// The descriptor of a map, for the `bpf_sys` commands aya lacks.
+pub(super) fn fd_of<K: aya::Pod, V>(map: &impl IterableMap<K, V>) -> BorrowedFd<'_> {
+    map.map().fd().as_fd()
+}
+
+/// The per-CPU verdict counters of `stats`, summed, every verdict listed
+/// (one a map pinned by an older agent does not know counts 0).
+pub fn sum_verdicts(stats: &PerCpuArray<MapData, VerdictCounter>) -> Result<Vec<(Verdict, VerdictCounter)>> {
+    let mut out = Vec::with_capacity(Verdict::ALL.len());
+    for verdict in Verdict::ALL {
+        let per_cpu = match stats.get(&(verdict as u32), 0) {
+            Ok(per_cpu) => per_cpu,
+            Err(MapError::OutOfBounds { .. }) => {
+                out.push((verdict, VerdictCounter::default()));
+                continue;
+            }
+            Err(e) => return Err(e).with_context(|| format!("reading {}", verdict.name())),
+        };
+        let sum = per_cpu.iter().fold(VerdictCounter::default(), |sum, c| VerdictCounter {
+            packets: sum.packets.wrapping_add(c.packets),
+            bytes: sum.bytes.wrapping_add(c.bytes),
+        });
+        out.push((verdict, sum));
+    }
+    Ok(out)
+}
+
+/// The maps an agent's programs use, pinned under one directory of bpffs
+/// (created by [`super::Datapath::load`]).
+pub struct PinnedMaps {
+    services: HashMap<MapData, ServiceKey, ServiceValue>,
+    slots: HashMap<MapData, BackendSlotKey, u32>,
+    backends: HashMap<MapData, u32, Backend>,
+    rev_nat: HashMap<MapData, u32, RevNat>,
+    conntrack: HashMap<MapData, CtKey, CtValue>,
+    stats: PerCpuArray<MapData, VerdictCounter>,
+    ports: Array<MapData, PortBits>,
+    writer: Writer,
+}
+
+impl PinnedMaps {
+    /// Opens the maps pinned under `pin_path`, checking their layouts.
+    pub fn open(pin_path: &Path) -> Result<Self> {
+        let layout = |name: &str| format!("map {name} has an unexpected layout");
+        Ok(Self {
+            services: open(pin_path, maps::SERVICES)?,
+            slots: open(pin_path, maps::BACKEND_SLOTS)?,
+            backends: open(pin_path, maps::BACKENDS)?,
+            rev_nat: open(pin_path, maps::REV_NAT)?,
+            conntrack: open(pin_path, maps::CONNTRACK)?,
+            stats: PerCpuArray::try_from(pinned(pin_path, maps::STATS)?).with_context(|| layout(maps::STATS))?,
+            ports: Array::try_from(pinned(pin_path, maps::PORTS)?).with_context(|| layout(maps::PORTS))?,
+            writer: Writer::default(),
+        })
+    }
+
+    /// Writes one entry at a time from now on, as on a kernel without
+    /// batch operations (for tests of that path on kernels with them).
+    #[cfg(test)]
+    pub(super) fn without_batches(&self) {
+        self.writer.without_batches();
+    }
+
+    /// Entries in the four Service maps (for tests).
+    #[cfg(test)]
+    pub(super) fn entries(&self) -> usize {
+        self.services.keys().count()
+            + self.rev_nat.keys().count()
+            + self.slots.keys().count()
+            + self.backends.keys().count()
+    }
+}
+
+/// One entry of `map`; `None` if it is not there.
+fn get<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>, key: &K) -> Result<Option<V>> {
+    match map.get(key, 0) {
+        Ok(value) => Ok(Some(value)),
+        Err(MapError::KeyNotFound) => Ok(None),
+        Err(e) => Err(e).context("reading a map entry"),
+    }
+}
+
+/// Writes the entries of `split` into `map`.
+fn write_to<K: aya::Pod + bytemuck::Pod, V: aya::Pod + bytemuck::Pod>(
+    writer: &Writer,
+    map: &HashMap<MapData, K, V>,
+    split: &Split<K, V>,
+) -> Result<()> {
+    // SAFETY: aya opened `map` as a map of `K` to `V` only after checking
+    // that the kernel's key and value sizes are theirs.
+    unsafe { writer.write(fd_of(map), split) }
+}
+
+/// Deletes the keys of `split` from `map`.
+fn delete_from<K: aya::Pod + bytemuck::Pod, V: aya::Pod>(
+    writer: &Writer,
+    map: &HashMap<MapData, K, V>,
+    split: &Split<K, V>,
+) -> Result<()> {
+    // SAFETY: as in `write_to`: aya checked the key size.
+    unsafe { writer.delete(fd_of(map), split) }
+}
+
+impl LbMaps for PinnedMaps {
+    fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>> {
+        Ok(self.services.iter().collect::<Result<_, _>>()?)
+    }
+
+    fn service(&self, key: &ServiceKey) -> Result<Option<ServiceValue>> {
+        get(&self.services, key)
+    }
+
+    fn slot_keys(&self) -> Result<Vec<BackendSlotKey>> {
+        Ok(self.slots.keys().collect::<Result<_, _>>()?)
+    }
+
+    fn slot(&self, key: &BackendSlotKey) -> Result<Option<u32>> {
+        get(&self.slots, key)
+    }
+
+    fn backends(&self) -> Result<Vec<(u32, Backend)>> {
+        Ok(self.backends.iter().collect::<Result<_, _>>()?)
+    }
+
+    fn backend(&self, id: u32) -> Result<Option<Backend>> {
+        get(&self.backends, &id)
+    }
+
+    fn rev_nat_ids(&self) -> Result<Vec<u32>> {
+        Ok(self.rev_nat.keys().collect::<Result<_, _>>()?)
+    }
+
+    fn write_step(&self, step: Step, staged: &SplitStaged) -> Result<()> {
+        let w = &self.writer;
+        match step {
+            Step::Write(Table::Backends) => write_to(w, &self.backends, &staged.backends),
+            Step::Write(Table::Slots) => write_to(w, &self.slots, &staged.slots),
+            Step::Write(Table::RevNat) => write_to(w, &self.rev_nat, &staged.rev_nat),
+            Step::Write(Table::Services) => write_to(w, &self.services, &staged.services),
+            Step::Delete(Table::Backends) => delete_from(w, &self.backends, &staged.backends),
+            Step::Delete(Table::Slots) => delete_from(w, &self.slots, &staged.slots),
+            Step::Delete(Table::RevNat) => delete_from(w, &self.rev_nat, &staged.rev_nat),
+            Step::Delete(Table::Services) => delete_from(w, &self.services, &staged.services),
+        }
+    }
+
+    fn writes(&self) -> u64 {
+        self.writer.writes()
+    }
+
+    fn port_words(&self) -> Result<Vec<PortBits>> {
+        (0..ports::PORT_WORDS)
+            .map(|i| self.ports.get(&i, 0))
+            .collect::<Result<Vec<_>, _>>()
+            .context("reading the port filter")
+    }
+
+    fn set_port_word(&self, index: u32, word: PortBits) -> Result<()> {
+        // SAFETY: aya opened `ports` as an array of `PortBits` (u32 keys)
+        // after checking the kernel's key and value sizes.
+        unsafe { bpf_sys::map::update_elem(fd_of(&self.ports), &index, &word) }.context("writing the port filter")
+    }
+
+    fn conntrack_entries(&self) -> Result<Vec<(CtKey, CtValue)>> {
+        Ok(self.conntrack.iter().collect::<Result<_, _>>()?)
+    }
+
+    fn verdicts(&self) -> Result<Vec<(Verdict, VerdictCounter)>> {
+        sum_verdicts(&self.stats)
+    }
+}
