@@ -1,6 +1,6 @@
 //! `xproxy run`: config -> data-plane mode -> sources -> the agent loop.
 
-use std::{net::IpAddr, sync::Arc, time::Duration};
+use std::{sync::Arc, time::Duration};
 
 use anyhow::{Context, anyhow};
 use tokio::sync::mpsc;
@@ -162,7 +162,7 @@ async fn start_mode(config: &Config) -> Result<Box<dyn Dataplane>, Failure> {
 }
 
 async fn start_ebpf(config: &Config) -> Result<Box<dyn Dataplane>, Failure> {
-    let node_ips = ipv4_node_ips(config);
+    let node_ips = config.ipv4_node_ips();
     let node_port_cidrs = match &config.node_port_addresses {
         NodePortAddresses::Cidrs(cidrs) => Some(cidrs.clone()),
         NodePortAddresses::All | NodePortAddresses::Primary => None,
@@ -191,24 +191,9 @@ async fn start_ebpf(config: &Config) -> Result<Box<dyn Dataplane>, Failure> {
     Ok(Box::new(mode))
 }
 
-/// The configured node IPs that every mode programs (IPv4 only for now).
 /// CPUs the kernel runs (kube-proxy sizes conntrack by them).
 fn online_cpus() -> u32 {
     std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX))
-}
-
-pub fn ipv4_node_ips(config: &Config) -> Vec<std::net::Ipv4Addr> {
-    config
-        .node_ips
-        .iter()
-        .filter_map(|ip| match ip {
-            IpAddr::V4(v4) => Some(*v4),
-            IpAddr::V6(v6) => {
-                warn!(%v6, "IPv6 node IPs are not programmed yet");
-                None
-            }
-        })
-        .collect()
 }
 
 async fn start_source(config: &Config, events: mpsc::Sender<source::SourceEvent>) -> Result<(), Failure> {

@@ -26,8 +26,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 use tracing::debug;
 
-use super::usable_endpoints;
-use crate::model::{Protocol, ServicePort};
+use crate::model::{Protocol, ServicePort, usable_endpoints};
 
 /// One `conntrack -D` filter (UDP only).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]

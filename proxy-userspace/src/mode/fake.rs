@@ -8,8 +8,8 @@ use std::{
 
 use anyhow::{Result, bail};
 
-use super::Dataplane;
-use crate::{model::ServicePort, reconcile::Plan};
+use super::{Dataplane, Plan};
+use crate::model::ServicePort;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Call {

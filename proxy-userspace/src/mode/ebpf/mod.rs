@@ -50,11 +50,10 @@ pub use maps::{ServiceMaps, sum_verdicts};
 pub use object::object_bytes;
 use tracing::{debug, info, warn};
 
-use super::Dataplane;
+use super::{Dataplane, Plan};
 use crate::{
     config::XdpPolicy,
     model::{Protocol, ServicePort},
-    reconcile::Plan,
 };
 
 /// Where the ebpf mode attaches and what it programs NodePorts on.

@@ -32,8 +32,8 @@ use rules::{Rewrite, SyncInput, jumps, port_chains, render};
 use tracing::{debug, info, warn};
 
 pub use super::options::LocalTraffic;
-use super::{Dataplane, options::NodePortScope};
-use crate::{config::Config, model::ServicePort, reconcile::Plan};
+use super::{Dataplane, Plan, options::NodePortScope};
+use crate::{config::Config, model::ServicePort};
 
 /// NodePorts on 127.0.0.1 need the kernel to route loopback destinations
 /// off the host (per network namespace).

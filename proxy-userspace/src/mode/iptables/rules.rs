@@ -43,8 +43,8 @@ use std::{
 
 use super::chains::{self, PortChains, endpoint_string, sep_chain};
 use crate::{
-    mode::{EndpointSets, options::LocalTraffic},
-    model::{Endpoint, ServicePort},
+    mode::options::LocalTraffic,
+    model::{Endpoint, EndpointSets, ServicePort},
 };
 
 /// The match for "not from a local pod".

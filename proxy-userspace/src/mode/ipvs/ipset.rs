@@ -14,10 +14,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 
-use crate::{
-    mode::EndpointSets,
-    model::{Protocol, ServicePort},
-};
+use crate::model::{EndpointSets, Protocol, ServicePort};
 
 /// Every ClusterIP, port and protocol: `IP,PROTO:PORT`.
 pub const CLUSTER_IP: &str = "KUBE-CLUSTER-IP";

@@ -32,8 +32,8 @@ pub use ruleset::{NodePorts, Options};
 use tracing::{debug, info, warn};
 
 pub use super::options::LocalTraffic;
-use super::{Dataplane, options::NodePortScope};
-use crate::{config::Config, model::ServicePort, reconcile::Plan};
+use super::{Dataplane, Plan, options::NodePortScope};
+use crate::{config::Config, model::ServicePort};
 
 /// How long an emptied chain waits before it is deleted (kube-proxy's
 /// margin for kernels that release references late).

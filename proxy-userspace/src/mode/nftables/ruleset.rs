@@ -42,8 +42,8 @@ use std::{collections::BTreeMap, fmt::Write as _, net::Ipv4Addr};
 use super::names::{self, FAMILY, TABLE};
 use crate::{
     config::Cidr,
-    mode::{EndpointSets, options::LocalTraffic},
-    model::{Endpoint, ServicePort},
+    mode::options::LocalTraffic,
+    model::{Endpoint, EndpointSets, ServicePort},
 };
 
 const TABLE_COMMENT: &str = "rules for xproxy (kube-proxy's nftables layout)";

@@ -42,12 +42,14 @@ use tokio::runtime::Handle;
 use tracing::{debug, info, warn};
 
 use super::{
-    Dataplane,
+    Dataplane, Plan,
     iptables::{Iptables, Saved, SystemIptables, restore},
     options::NodePortScope,
-    usable_endpoints,
 };
-use crate::{config::Config, model::ServicePort, reconcile::Plan};
+use crate::{
+    config::Config,
+    model::{ServicePort, usable_endpoints},
+};
 
 /// What shapes the mode besides the service ports.
 #[derive(Clone, Debug, PartialEq, Eq)]
