@@ -52,7 +52,7 @@ use tracing::{debug, info, warn};
 
 use super::{Dataplane, Plan};
 use crate::{
-    config::XdpPolicy,
+    config::{Cidr, Config, XdpPolicy},
     model::{Protocol, ServicePort},
 };
 
@@ -67,7 +67,7 @@ pub struct EbpfOptions {
     pub interfaces: Vec<String>,
     /// kube-proxy's nodePortAddresses as CIDRs: NodePorts answer on every
     /// local IPv4 address inside them. `None`: on the node IPs.
-    pub node_port_cidrs: Option<Vec<crate::config::Cidr>>,
+    pub node_port_cidrs: Option<Vec<Cidr>>,
     /// The skb mark bit for flows the kernel must masquerade (kube-proxy's
     /// masqueradeBit as a mask); 0 turns the SNAT fallback off.
     pub snat_mark: u32,
@@ -79,6 +79,35 @@ pub struct EbpfOptions {
     pub xdp: XdpPolicy,
     /// The conntrack table's size and timeouts.
     pub conntrack: conntrack::CtSettings,
+}
+
+impl EbpfOptions {
+    /// What `config` asks of the ebpf mode.
+    pub fn from_config(config: &Config) -> Self {
+        Self {
+            pin_path: config.pin_path.clone(),
+            node_ips: config.ipv4_node_ips(),
+            interfaces: config.interfaces.clone(),
+            node_port_cidrs: config.node_port_addresses.cidrs().map(<[Cidr]>::to_vec),
+            snat_mark: 1 << config.masquerade.bit,
+            node_name: Some(config.node_name.clone()),
+            masquerade_all: config.masquerade.all,
+            xdp: config.xdp,
+            conntrack: conntrack::CtSettings::from_config(&config.conntrack, online_cpus()),
+        }
+    }
+}
+
+/// CPUs the kernel runs (kube-proxy sizes conntrack by them).
+fn online_cpus() -> u32 {
+    std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX))
+}
+
+/// Starts the ebpf mode for `xproxy run` (see [`EbpfMode::start`]).
+/// Fails with [`MissingInterface`] or [`NotBpffs`] (in the error's chain)
+/// when those are why.
+pub async fn start(config: &Config) -> Result<Box<dyn Dataplane>> {
+    Ok(Box::new(EbpfMode::start(&EbpfOptions::from_config(config)).await?))
 }
 
 pub struct EbpfMode {
