@@ -24,8 +24,9 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail};
-use tracing::debug;
+use tracing::{debug, warn};
 
+use super::SyncedChange;
 use crate::model::{Protocol, ServicePort, usable_endpoints};
 
 /// One `conntrack -D` filter (UDP only).
@@ -137,6 +138,36 @@ fn same_frontends(old: &ServicePort, new: &ServicePort) -> bool {
     old.cluster_ip == new.cluster_ip && old.port == new.port && old.node_port == new.node_port
 }
 
+/// [`Dataplane::delete_stale_flows`](super::Dataplane::delete_stale_flows)
+/// for the modes that translate in netfilter: deletes the kernel's
+/// conntrack entries of the UDP flows `change` left stale; nothing when
+/// the state before the sync is unknown.
+pub fn delete_stale_flows(change: &SyncedChange<'_>) -> u64 {
+    let Some(before) = change.before else {
+        return 0;
+    };
+    // Ports outside the plan are the same before and after: none of
+    // their flows is stale.
+    let touched: BTreeSet<String> = change
+        .plan
+        .remove
+        .iter()
+        .chain(&change.plan.upsert)
+        .map(|p| p.name.clone())
+        .collect();
+    let stale = stale_flows_of(&touched, before, change.after);
+    if stale.is_empty() {
+        return 0;
+    }
+    match delete(&stale) {
+        Ok(deleted) => deleted,
+        Err(e) => {
+            warn!(error = format!("{e:#}"), "deleting stale UDP flows");
+            0
+        }
+    }
+}
+
 /// Deletes `flows` with the `conntrack` tool (conntrack-tools); returns how
 /// many `conntrack` calls were made. A filter that matches nothing is fine.
 pub fn delete(flows: &BTreeSet<StaleFlows>) -> Result<u64> {
@@ -160,7 +191,7 @@ pub fn delete(flows: &BTreeSet<StaleFlows>) -> Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::Endpoint;
+    use crate::{mode::Plan, model::Endpoint};
 
     const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 
@@ -256,6 +287,31 @@ mod tests {
             new,
             BTreeSet::from([StaleFlows::AllToClusterIp { cluster_ip: CLUSTER_IP }])
         );
+    }
+
+    /// Neither case reaches the kernel: nothing to delete, or no known
+    /// state to judge flows against.
+    #[test]
+    fn a_sync_deletes_only_what_it_made_stale_from_a_known_state() {
+        let before = state(port(Protocol::Udp, None, &[1, 2]));
+        let after = state(port(Protocol::Udp, None, &[1]));
+        let plan = Plan {
+            upsert: after.values().cloned().collect(),
+            remove: vec![],
+        };
+        let unknown = SyncedChange {
+            plan: &plan,
+            before: None,
+            after: &after,
+            full: true,
+        };
+        assert_eq!(delete_stale_flows(&unknown), 0);
+        let untouched = SyncedChange {
+            plan: &Plan::default(),
+            before: Some(&before),
+            ..unknown
+        };
+        assert_eq!(delete_stale_flows(&untouched), 0);
     }
 
     #[test]

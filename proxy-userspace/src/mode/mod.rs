@@ -63,17 +63,32 @@ pub trait Dataplane: Send {
     /// finds everything in place adds none.
     fn kernel_writes(&self) -> u64;
 
-    /// Tracked flows the mode deleted itself so far (the ebpf mode's UDP
-    /// flows whose endpoint left): counted in the sync report like the
-    /// kernel conntrack deletions the reconciler makes for the other modes.
-    fn flows_deleted(&self) -> u64 {
+    /// After a successful sync: deletes the tracked UDP flows `change` left
+    /// pointing at an endpoint that is gone, so that their next packets
+    /// pick a current one (the kernel's conntrack for the modes that NAT
+    /// in netfilter, see [`conntrack`]; the programs' own table for the
+    /// ebpf mode). Returns how many deletions it made, for the sync
+    /// report. A failure is logged, not returned: the flows still expire
+    /// on their own. The default deletes nothing (no flows to track).
+    fn delete_stale_flows(&mut self, change: &SyncedChange<'_>) -> u64 {
+        let _ = change;
         0
     }
+}
 
-    /// Whether UDP flows are translated by the kernel's conntrack (netfilter
-    /// NAT), so that the flows of an endpoint that left must be deleted
-    /// after a sync ([`conntrack`]). The ebpf mode tracks its own flows.
-    fn nat_in_kernel_conntrack(&self) -> bool {
-        false
-    }
+/// What a successful sync changed: what a mode needs to find the flows the
+/// sync left stale.
+#[derive(Clone, Copy, Debug)]
+pub struct SyncedChange<'a> {
+    /// The changes applied; for a full sync, every port that differed
+    /// from `before`.
+    pub plan: &'a Plan,
+    /// What the kernel held before the sync, when known: not at start (an
+    /// earlier run may have left anything) nor after a failed sync. Judged
+    /// against an unknown state every port would look new.
+    pub before: Option<&'a BTreeMap<String, ServicePort>>,
+    /// What the sync programmed (the whole desired state).
+    pub after: &'a BTreeMap<String, ServicePort>,
+    /// Whether it was a full sync.
+    pub full: bool,
 }

@@ -50,7 +50,7 @@ pub use maps::{ServiceMaps, sum_verdicts};
 pub use object::object_bytes;
 use tracing::{debug, info, warn};
 
-use super::{Dataplane, Plan};
+use super::{Dataplane, Plan, SyncedChange};
 use crate::{
     config::{Cidr, Config, XdpPolicy},
     model::{Protocol, ServicePort},
@@ -116,8 +116,6 @@ pub struct EbpfMode {
     datapath: Arc<Mutex<Datapath>>,
     node_ips: Vec<Ipv4Addr>,
     pin_path: PathBuf,
-    /// Conntrack entries of stale UDP flows deleted so far.
-    udp_flows_deleted: u64,
 }
 
 impl EbpfMode {
@@ -190,7 +188,6 @@ impl EbpfMode {
             datapath,
             node_ips,
             pin_path: opts.pin_path.clone(),
-            udp_flows_deleted: 0,
         })
     }
 
@@ -206,21 +203,6 @@ impl EbpfMode {
     pub fn with_datapath<T>(&self, f: impl FnOnce(&mut Datapath) -> T) -> T {
         let mut guard = self.datapath.lock().unwrap_or_else(|p| p.into_inner());
         f(&mut guard)
-    }
-}
-
-impl EbpfMode {
-    /// After a sync: deletes the tracked UDP flows whose backend left (see
-    /// `stale_flows`). Logged, not fatal: the flows still age out.
-    fn delete_stale_udp_flows(&mut self) {
-        match stale_flows::delete_stale_udp_flows(&self.pin_path, &self.maps) {
-            Ok(0) => {}
-            Ok(n) => {
-                self.udp_flows_deleted += n;
-                debug!(entries = n, "deleted conntrack entries of stale UDP flows");
-            }
-            Err(e) => warn!(error = format!("{e:#}"), "deleting stale UDP flows"),
-        }
     }
 }
 
@@ -306,18 +288,7 @@ impl Dataplane for EbpfMode {
                     .with_context(|| format!("programming {}", port.name))?;
             }
             Ok(())
-        })?;
-        // After the batch is written: the flows' next packets then pick a
-        // current backend.
-        if plan
-            .remove
-            .iter()
-            .chain(&plan.upsert)
-            .any(|p| p.protocol == Protocol::Udp)
-        {
-            self.delete_stale_udp_flows();
-        }
-        Ok(())
+        })
     }
 
     fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()> {
@@ -331,16 +302,39 @@ impl Dataplane for EbpfMode {
                     .with_context(|| format!("programming {}", port.name))?;
             }
             Ok(())
-        })?;
-        self.delete_stale_udp_flows();
-        Ok(())
+        })
     }
 
     fn kernel_writes(&self) -> u64 {
         self.maps.writes()
     }
 
-    fn flows_deleted(&self) -> u64 {
-        self.udp_flows_deleted
+    /// Deletes the programs' conntrack entries of UDP flows whose backend
+    /// left (see `stale_flows`): after every full sync (the flows may
+    /// predate this agent), and after a partial one that touched a UDP port.
+    /// The state before the sync does not matter: the entries are judged
+    /// against the maps.
+    fn delete_stale_flows(&mut self, change: &SyncedChange<'_>) -> u64 {
+        let plan = change.plan;
+        let touched_udp = plan
+            .remove
+            .iter()
+            .chain(&plan.upsert)
+            .any(|p| p.protocol == Protocol::Udp);
+        if !change.full && !touched_udp {
+            return 0;
+        }
+        match stale_flows::delete_stale_udp_flows(&self.pin_path, &self.maps) {
+            Ok(n) => {
+                if n > 0 {
+                    debug!(entries = n, "deleted conntrack entries of stale UDP flows");
+                }
+                n
+            }
+            Err(e) => {
+                warn!(error = format!("{e:#}"), "deleting stale UDP flows");
+                0
+            }
+        }
     }
 }

@@ -32,7 +32,7 @@ use rules::{Rewrite, SyncInput, jumps, port_chains, render};
 use tracing::{debug, info, warn};
 
 pub use super::options::LocalTraffic;
-use super::{Dataplane, Plan, options::NodePortScope};
+use super::{Dataplane, Plan, SyncedChange, conntrack, options::NodePortScope};
 use crate::{config::Config, model::ServicePort};
 
 /// NodePorts on 127.0.0.1 need the kernel to route loopback destinations
@@ -118,8 +118,8 @@ impl Dataplane for IptablesMode {
         "iptables"
     }
 
-    fn nat_in_kernel_conntrack(&self) -> bool {
-        true
+    fn delete_stale_flows(&mut self, change: &SyncedChange<'_>) -> u64 {
+        conntrack::delete_stale_flows(change)
     }
 
     fn apply(&mut self, plan: &Plan) -> Result<()> {

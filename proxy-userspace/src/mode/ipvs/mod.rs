@@ -41,7 +41,7 @@ pub use netlink::NoIpvs;
 use netlink::{IPVS_CMD_DEL_DEST, IPVS_CMD_NEW_DEST, IPVS_CMD_SET_DEST, Ipvs, VirtualKey, VirtualServer};
 use tracing::{debug, info};
 
-use super::{Dataplane, Plan, options::LocalTraffic};
+use super::{Dataplane, Plan, SyncedChange, conntrack, options::LocalTraffic};
 use crate::{
     config::{Cidr, Config},
     mode::iptables::SystemIptables,
@@ -327,8 +327,8 @@ impl Dataplane for IpvsMode {
         "ipvs"
     }
 
-    fn nat_in_kernel_conntrack(&self) -> bool {
-        true
+    fn delete_stale_flows(&mut self, change: &SyncedChange<'_>) -> u64 {
+        conntrack::delete_stale_flows(change)
     }
 
     fn apply(&mut self, plan: &Plan) -> Result<()> {

@@ -32,7 +32,7 @@ pub use ruleset::{NodePorts, Options};
 use tracing::{debug, info, warn};
 
 pub use super::options::LocalTraffic;
-use super::{Dataplane, Plan, options::NodePortScope};
+use super::{Dataplane, Plan, SyncedChange, conntrack, options::NodePortScope};
 use crate::{config::Config, model::ServicePort};
 
 /// How long an emptied chain waits before it is deleted (kube-proxy's
@@ -110,8 +110,8 @@ impl Dataplane for NftablesMode {
         "nftables"
     }
 
-    fn nat_in_kernel_conntrack(&self) -> bool {
-        true
+    fn delete_stale_flows(&mut self, change: &SyncedChange<'_>) -> u64 {
+        conntrack::delete_stale_flows(change)
     }
 
     fn apply(&mut self, plan: &Plan) -> Result<()> {
