@@ -20,16 +20,17 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::Ipv4Addr,
-    process::Command,
 };
 
-use anyhow::{Context, Result, bail};
-use tracing::{debug, warn};
+use tracing::warn;
 
 use super::SyncedChange;
-use crate::model::{Protocol, ServicePort, usable_endpoints};
+use crate::{
+    model::{Protocol, ServicePort, usable_endpoints},
+    sys::conntrack::{self, UdpFlowFilter},
+};
 
-/// One `conntrack -D` filter (UDP only).
+/// UDP flows a sync left stale, as kube-proxy names them.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum StaleFlows {
     /// Flows to `cluster_ip` DNATed to `endpoint`.
@@ -43,26 +44,28 @@ pub enum StaleFlows {
 }
 
 impl StaleFlows {
-    /// The `conntrack` arguments that delete these flows.
-    pub fn conntrack_args(&self) -> Vec<String> {
-        let mut args: Vec<String> = ["-D", "-p", "udp"].map(String::from).to_vec();
-        let mut push = |flag: &str, value: String| {
-            args.push(flag.to_owned());
-            args.push(value);
-        };
-        match self {
-            StaleFlows::ToClusterIp { cluster_ip, endpoint } => {
-                push("--orig-dst", cluster_ip.to_string());
-                push("--dst-nat", endpoint.to_string());
-            }
-            StaleFlows::ToNodePort { node_port, endpoint } => {
-                push("--orig-port-dst", node_port.to_string());
-                push("--dst-nat", endpoint.to_string());
-            }
-            StaleFlows::AllToClusterIp { cluster_ip } => push("--orig-dst", cluster_ip.to_string()),
-            StaleFlows::AllToNodePort { node_port } => push("--orig-port-dst", node_port.to_string()),
+    /// The conntrack filter matching these flows.
+    pub fn filter(&self) -> UdpFlowFilter {
+        match *self {
+            StaleFlows::ToClusterIp { cluster_ip, endpoint } => UdpFlowFilter {
+                orig_dst: Some(cluster_ip),
+                dst_nat: Some(endpoint),
+                ..UdpFlowFilter::default()
+            },
+            StaleFlows::ToNodePort { node_port, endpoint } => UdpFlowFilter {
+                orig_dst_port: Some(node_port),
+                dst_nat: Some(endpoint),
+                ..UdpFlowFilter::default()
+            },
+            StaleFlows::AllToClusterIp { cluster_ip } => UdpFlowFilter {
+                orig_dst: Some(cluster_ip),
+                ..UdpFlowFilter::default()
+            },
+            StaleFlows::AllToNodePort { node_port } => UdpFlowFilter {
+                orig_dst_port: Some(node_port),
+                ..UdpFlowFilter::default()
+            },
         }
-        args
     }
 }
 
@@ -159,33 +162,13 @@ pub fn delete_stale_flows(change: &SyncedChange<'_>) -> u64 {
     if stale.is_empty() {
         return 0;
     }
-    match delete(&stale) {
+    match conntrack::delete_udp_flows(stale.iter().map(StaleFlows::filter)) {
         Ok(deleted) => deleted,
         Err(e) => {
             warn!(error = format!("{e:#}"), "deleting stale UDP flows");
             0
         }
     }
-}
-
-/// Deletes `flows` with the `conntrack` tool (conntrack-tools); returns how
-/// many `conntrack` calls were made. A filter that matches nothing is fine.
-pub fn delete(flows: &BTreeSet<StaleFlows>) -> Result<u64> {
-    for flow in flows {
-        let args = flow.conntrack_args();
-        let output = Command::new("conntrack")
-            .args(&args)
-            .output()
-            .context("running conntrack (conntrack-tools) to delete stale UDP flows")?;
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        // conntrack exits 1 when nothing matched ("0 flow entries have been deleted").
-        let nothing_matched = stderr.contains("0 flow entries");
-        if !output.status.success() && !nothing_matched {
-            bail!("conntrack {}: {}: {}", args.join(" "), output.status, stderr.trim());
-        }
-        debug!(args = args.join(" "), result = stderr.trim(), "deleted stale UDP flows");
-    }
-    Ok(flows.len() as u64)
 }
 
 #[cfg(test)]
@@ -321,10 +304,13 @@ mod tests {
             endpoint: pod(2),
         };
         assert_eq!(
-            flow.conntrack_args().join(" "),
+            flow.filter().conntrack_args().join(" "),
             "-D -p udp --orig-port-dst 30053 --dst-nat 10.244.0.2"
         );
         let all = StaleFlows::AllToClusterIp { cluster_ip: CLUSTER_IP };
-        assert_eq!(all.conntrack_args().join(" "), "-D -p udp --orig-dst 10.96.0.10");
+        assert_eq!(
+            all.filter().conntrack_args().join(" "),
+            "-D -p udp --orig-dst 10.96.0.10"
+        );
     }
 }

@@ -54,6 +54,15 @@ impl fmt::Display for Protocol {
 }
 
 impl Protocol {
+    /// The lowercase name, as kube-proxy spells it in chain-name hashes and
+    /// iptables, nft and ipset spell it in rules and set entries.
+    pub fn lowercase(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+        }
+    }
+
     /// IP protocol number.
     pub fn number(self) -> u8 {
         match self {

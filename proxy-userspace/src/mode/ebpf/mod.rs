@@ -213,7 +213,7 @@ fn install_snat_rules(mark: u32) -> u32 {
     if mark == 0 {
         return 0;
     }
-    let mut iptables = crate::mode::iptables::SystemIptables::default();
+    let mut iptables = crate::sys::iptables::SystemIptables::default();
     match iptables.check().and_then(|()| snat::install(&mut iptables, mark)) {
         Ok(()) => mark,
         Err(e) => {

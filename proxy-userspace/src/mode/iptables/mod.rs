@@ -13,10 +13,10 @@
 //! last full sync of the same state left, it writes nothing.
 //!
 //! The parts: [`chains`] names the chains (kube-proxy's hashes), [`rules`]
-//! renders them, [`restore`] runs `iptables-save` and `iptables-restore`.
+//! renders them; `iptables-save` and `iptables-restore` run in
+//! [`crate::sys::iptables`].
 
 pub mod chains;
-pub mod restore;
 pub mod rules;
 
 use std::{
@@ -25,15 +25,19 @@ use std::{
     net::Ipv4Addr,
 };
 
+pub use crate::sys::iptables::{Iptables, Saved, SystemIptables};
 use anyhow::{Context, Result, bail};
-pub use restore::{Iptables, Saved, SystemIptables};
 pub use rules::{NodePortDestinations, RuleOptions};
 use rules::{Rewrite, SyncInput, jumps, port_chains, render};
 use tracing::{debug, info, warn};
 
 pub use super::options::LocalTraffic;
 use super::{Dataplane, Plan, SyncedChange, conntrack, options::NodePortScope};
-use crate::{config::Config, model::ServicePort};
+use crate::{
+    config::Config,
+    model::ServicePort,
+    sys::iptables::{owned_lines, remove_chains},
+};
 
 /// NodePorts on 127.0.0.1 need the kernel to route loopback destinations
 /// off the host (per network namespace).
@@ -202,7 +206,7 @@ impl Dataplane for IptablesMode {
                     .is_some_and(|t| t.rules.iter().any(|r| jump.matches_saved(r)))
             })
             .collect();
-        let ours_now = restore::owned_lines(&saved, chains::is_ours);
+        let ours_now = owned_lines(&saved, chains::is_ours);
         let unchanged = self
             .verified
             .as_ref()
@@ -235,7 +239,7 @@ impl Dataplane for IptablesMode {
             Ok(after) => {
                 self.verified = Some(Verified {
                     desired: desired.clone(),
-                    ours: restore::owned_lines(&Saved::parse(&after), chains::is_ours),
+                    ours: owned_lines(&Saved::parse(&after), chains::is_ours),
                 });
             }
             Err(e) => warn!(
@@ -273,7 +277,7 @@ pub fn cleanup() -> Result<usize> {
 
 /// [`cleanup`] through `iptables`.
 pub fn cleanup_with(iptables: &mut dyn Iptables) -> Result<usize> {
-    restore::remove_chains(iptables, chains::is_ours)
+    remove_chains(iptables, chains::is_ours)
 }
 
 /// The rule options `config` asks for, completed from the kernel.

@@ -44,8 +44,8 @@ use tracing::{debug, info};
 use super::{Dataplane, Plan, SyncedChange, conntrack, options::LocalTraffic};
 use crate::{
     config::{Cidr, Config},
-    mode::iptables::SystemIptables,
     model::{Endpoint, EndpointSets, ServicePort},
+    sys::iptables::{Iptables, Saved, SystemIptables},
 };
 
 /// Weight of a real server taking new connections.
@@ -315,7 +315,7 @@ impl IpvsMode {
         let current = if read { ipset::save()? } else { ipset::Entries::new() };
         let input = ipset::render(&desired, &current);
         if !input.is_empty() {
-            ipset::restore(&input)?;
+            crate::sys::ipset::restore(&input)?;
             self.writes += 1;
         }
         Ok(())
@@ -398,7 +398,7 @@ impl Dataplane for IpvsMode {
         }
         self.write_sets(true)?;
         let mut system = SystemIptables::default();
-        let saved = crate::mode::iptables::restore::Saved::parse(&crate::mode::iptables::Iptables::save(&mut system)?);
+        let saved = Saved::parse(&system.save()?);
         if !rules::chains_present(&saved) || !rules::missing_jumps(&saved).is_empty() {
             rules::write(&mut system, &self.opts.rules)?;
             self.writes += 1;

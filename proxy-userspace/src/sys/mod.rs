@@ -1,0 +1,11 @@
+//! The system layer below every mode: the kernel's command-line tools
+//! (`iptables-save`/`iptables-restore`, `nft`, `ipset`) run through one
+//! helper ([`tool`]), and the kernel's conntrack table over netlink.
+//! Every call acts in the calling thread's network namespace. A mode
+//! imports from here and from the model, never from another mode.
+
+pub mod conntrack;
+pub mod ipset;
+pub mod iptables;
+pub mod nft;
+pub mod tool;
