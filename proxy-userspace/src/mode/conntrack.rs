@@ -5,8 +5,8 @@
 //! that choice for every later packet. When the endpoint leaves the Service
 //! the entry still points at it, and a client that keeps sending (DNS does)
 //! never moves on until the entry idles out. kube-proxy deletes such entries
-//! after each sync; so do we, with the same filters kube-proxy used with the
-//! `conntrack` tool:
+//! after each sync; so do we, over netlink ([`crate::sys::conntrack`]), with
+//! the filters kube-proxy used with the `conntrack` tool:
 //! - an endpoint left a UDP Service port: entries whose original destination
 //!   is the ClusterIP (or whose original destination port is the node port)
 //!   and whose DNAT target is the endpoint;
@@ -162,7 +162,8 @@ pub fn delete_stale_flows(change: &SyncedChange<'_>) -> u64 {
     if stale.is_empty() {
         return 0;
     }
-    match conntrack::delete_udp_flows(stale.iter().map(StaleFlows::filter)) {
+    let filters: Vec<UdpFlowFilter> = stale.iter().map(StaleFlows::filter).collect();
+    match conntrack::delete_udp_flows(&filters) {
         Ok(deleted) => deleted,
         Err(e) => {
             warn!(error = format!("{e:#}"), "deleting stale UDP flows");
@@ -298,19 +299,29 @@ mod tests {
     }
 
     #[test]
-    fn conntrack_arguments_match_kube_proxys_filters() {
+    fn filters_match_kube_proxys() {
         let flow = StaleFlows::ToNodePort {
             node_port: 30053,
             endpoint: pod(2),
         };
+        // conntrack -D -p udp --orig-port-dst 30053 --dst-nat 10.244.0.2
         assert_eq!(
-            flow.filter().conntrack_args().join(" "),
-            "-D -p udp --orig-port-dst 30053 --dst-nat 10.244.0.2"
+            flow.filter(),
+            UdpFlowFilter {
+                orig_dst: None,
+                orig_dst_port: Some(30053),
+                dst_nat: Some(pod(2)),
+            }
         );
+        // conntrack -D -p udp --orig-dst 10.96.0.10
         let all = StaleFlows::AllToClusterIp { cluster_ip: CLUSTER_IP };
         assert_eq!(
-            all.filter().conntrack_args().join(" "),
-            "-D -p udp --orig-dst 10.96.0.10"
+            all.filter(),
+            UdpFlowFilter {
+                orig_dst: Some(CLUSTER_IP),
+                orig_dst_port: None,
+                dst_nat: None,
+            }
         );
     }
 }

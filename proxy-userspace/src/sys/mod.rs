@@ -7,5 +7,6 @@
 pub mod conntrack;
 pub mod ipset;
 pub mod iptables;
+pub mod netlink;
 pub mod nft;
 pub mod tool;

@@ -3,13 +3,15 @@
 //! sees the packets. Like kube-proxy, the interface stays down: the local
 //! routes exist anyway and nothing is sent through it.
 //!
-//! Spoken over rtnetlink with the codec of [`super::netlink`].
+//! Spoken over rtnetlink with the codec of [`crate::sys::netlink`].
 
 use std::{collections::BTreeSet, ffi::CString, net::Ipv4Addr};
 
 use anyhow::{Context, Result};
 
-use super::netlink::{Message, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST, Socket, attrs, errno};
+use crate::sys::netlink::{
+    Message, NETLINK_ROUTE, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST, Socket, attrs, errno,
+};
 
 /// The interface's name, kube-proxy's.
 pub const DUMMY: &str = "kube-ipvs0";
@@ -83,7 +85,7 @@ pub fn ifindex(name: &str) -> Option<u32> {
 impl Dummy {
     pub fn open() -> Result<Self> {
         Ok(Self {
-            socket: Socket::open(libc::NETLINK_ROUTE)?,
+            socket: Socket::open(NETLINK_ROUTE)?,
         })
     }
 
