@@ -5,6 +5,8 @@
 //! imports from here and from the model, never from another mode.
 
 pub mod conntrack;
+#[cfg(test)]
+pub mod fresh_netns;
 pub mod ipset;
 pub mod iptables;
 pub mod netlink;

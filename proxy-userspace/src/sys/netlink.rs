@@ -164,9 +164,11 @@ impl Socket {
         })
     }
 
-    fn send(&mut self, message: &Message) -> Result<u32> {
+    /// Sends the message `encode` makes for the next sequence number;
+    /// returns that number.
+    fn send(&mut self, encode: impl FnOnce(u32) -> Vec<u8>) -> Result<u32> {
         self.seq = self.seq.wrapping_add(1);
-        let bytes = message.finish(self.seq);
+        let bytes = encode(self.seq);
         self.socket
             .send_to(&bytes, &SocketAddr::new(0, 0), 0)
             .context("sending a netlink message")?;
@@ -177,18 +179,31 @@ impl Socket {
     /// of the answers, until the ACK or the end of the dump. A kernel error
     /// is returned as [`KernelError`].
     pub fn request(&mut self, message: &Message) -> Result<Vec<Vec<u8>>> {
+        self.request_encoded(|seq| message.finish(seq))
+    }
+
+    /// [`Socket::request`], handing each answer's payload to `each` as it
+    /// arrives instead of collecting them (a dump of a large table).
+    pub fn request_each(&mut self, message: &Message, each: impl FnMut(&[u8]) -> Result<()>) -> Result<()> {
+        let seq = self.send(|seq| message.finish(seq))?;
+        self.receive(seq, each)
+    }
+
+    /// [`Socket::request`] of a message a crate encodes (`encode` gets the
+    /// sequence number to put in its header).
+    pub fn request_encoded(&mut self, encode: impl FnOnce(u32) -> Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        let seq = self.send(encode)?;
         let mut out = Vec::new();
-        self.request_each(message, |payload| {
+        self.receive(seq, |payload| {
             out.push(payload.to_vec());
             Ok(())
         })?;
         Ok(out)
     }
 
-    /// [`Socket::request`], handing each answer's payload to `each` as it
-    /// arrives instead of collecting them (a dump of a large table).
-    pub fn request_each(&mut self, message: &Message, mut each: impl FnMut(&[u8]) -> Result<()>) -> Result<()> {
-        let seq = self.send(message)?;
+    /// Hands the payloads of the answers to request `seq` to `each`, until
+    /// the ACK or the end of the dump.
+    fn receive(&mut self, seq: u32, mut each: impl FnMut(&[u8]) -> Result<()>) -> Result<()> {
         loop {
             self.buf.clear();
             self.socket.recv(&mut self.buf, 0).context("receiving from netlink")?;

@@ -9,6 +9,7 @@ use std::{
 };
 
 use super::*;
+use crate::sys::fresh_netns::{privileged, run_in_fresh_netns};
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
@@ -116,19 +117,6 @@ fn filters_match_like_the_conntrack_tools_options() {
     assert!(!by(Some(CLUSTER_IP), None, None).matches(&tcp));
 }
 
-/// Whether to run the kernel test: as root; without root it is skipped,
-/// unless `XPROXY_PRIVILEGED_TESTS=1`, where a skip would hide a broken
-/// environment.
-fn privileged(name: &str) -> bool {
-    if nix::unistd::Uid::effective().is_root() {
-        return true;
-    }
-    let required = std::env::var("XPROXY_PRIVILEGED_TESTS").is_ok_and(|v| v == "1");
-    assert!(!required, "{name} needs root (XPROXY_PRIVILEGED_TESTS=1)");
-    eprintln!("skipping {name}: needs root");
-    false
-}
-
 fn run(program: &str, args: &[&str], input: Option<&str>) -> String {
     let mut child = Command::new(program)
         .args(args)
@@ -174,11 +162,9 @@ fn send_through(frontend: Ipv4Addr, endpoint: &UdpSocket) {
     assert_eq!(&buf[..n], b"ping");
 }
 
-/// Sets up two DNATed UDP flows in a network namespace of this thread
-/// alone, deletes one by its ClusterIP and endpoint, and reads back with
+/// Sets up two DNATed UDP flows (in a fresh network namespace), deletes one by its ClusterIP and endpoint, and reads back with
 /// the `conntrack` tool that only that one is gone.
 fn delete_one_of_two_flows() {
-    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("a fresh network namespace");
     run("ip", &["link", "set", "lo", "up"], None);
     for addr in [CLIENT, CLUSTER_IP, OTHER_CLUSTER_IP, ENDPOINT, OTHER_ENDPOINT] {
         run("ip", &["addr", "add", &format!("{addr}/32"), "dev", "lo"], None);
@@ -216,12 +202,7 @@ fn delete_one_of_two_flows() {
 
 #[test]
 fn deletes_a_real_flow_by_filter_and_leaves_the_others() {
-    if !privileged("deletes_a_real_flow_by_filter_and_leaves_the_others") {
-        return;
-    }
-    // The namespace belongs to this thread and ends with it.
-    let thread = std::thread::spawn(delete_one_of_two_flows);
-    if let Err(panic) = thread.join() {
-        std::panic::resume_unwind(panic);
+    if privileged("deletes_a_real_flow_by_filter_and_leaves_the_others") {
+        run_in_fresh_netns(delete_one_of_two_flows);
     }
 }
