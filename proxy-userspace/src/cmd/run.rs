@@ -55,19 +55,11 @@ pub fn run(flags: &RunFlags) -> Result<(), Failure> {
 /// per service port and per connection, and 1024 (the usual soft limit)
 /// ran out at 20,000 Services in the benchmark.
 fn raise_open_file_limit() {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit only read and write the struct passed.
-    let raised = unsafe {
-        libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && {
-            limit.rlim_cur = limit.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0
-        }
-    };
-    if !raised {
-        warn!(error = %std::io::Error::last_os_error(), "could not raise the open file limit");
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let raised =
+        getrlimit(Resource::RLIMIT_NOFILE).and_then(|(_, hard)| setrlimit(Resource::RLIMIT_NOFILE, hard, hard));
+    if let Err(e) = raised {
+        warn!(error = %e, "could not raise the open file limit");
     }
 }
 

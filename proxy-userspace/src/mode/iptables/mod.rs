@@ -21,12 +21,11 @@ pub mod rules;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    io,
     net::Ipv4Addr,
 };
 
 pub use crate::sys::iptables::{Iptables, Saved, SystemIptables};
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 pub use rules::{NodePortDestinations, RuleOptions};
 use rules::{Rewrite, SyncInput, jumps, port_chains, render};
 use tracing::{debug, info, warn};
@@ -36,7 +35,10 @@ use super::{Dataplane, Plan, SyncedChange, conntrack, options::NodePortScope};
 use crate::{
     config::Config,
     model::ServicePort,
-    sys::iptables::{owned_lines, remove_chains},
+    sys::{
+        addrs,
+        iptables::{owned_lines, remove_chains},
+    },
 };
 
 /// NodePorts on 127.0.0.1 need the kernel to route loopback destinations
@@ -286,7 +288,7 @@ pub fn rule_options(config: &Config) -> Result<RuleOptions> {
         NodePortScope::AllLocal { localhost } => NodePortDestinations::AllLocal { localhost },
         NodePortScope::NodeIps(ips) => NodePortDestinations::Addresses(ips),
         NodePortScope::Cidrs(cidrs) => {
-            let ips: Vec<Ipv4Addr> = local_ipv4_addrs()
+            let ips: Vec<Ipv4Addr> = addrs::local_ipv4()
                 .context("listing local addresses for nodePortAddresses")?
                 .into_iter()
                 .filter(|ip| cidrs.iter().any(|c| c.contains((*ip).into())))
@@ -313,33 +315,6 @@ pub fn rule_options(config: &Config) -> Result<RuleOptions> {
         drop_invalid: !be_liberal,
         node_name: Some(config.node_name.clone()),
     })
-}
-
-/// Every IPv4 address on this namespace's interfaces.
-fn local_ipv4_addrs() -> Result<Vec<Ipv4Addr>> {
-    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs writes a list head we free below.
-    if unsafe { libc::getifaddrs(&mut head) } != 0 {
-        bail!("getifaddrs: {}", io::Error::last_os_error());
-    }
-    let mut out = Vec::new();
-    let mut cur = head;
-    while !cur.is_null() {
-        // SAFETY: cur is a node of the list getifaddrs returned.
-        let ifa = unsafe { &*cur };
-        // SAFETY: ifa_addr, when set, points to a sockaddr whose family
-        // tells its real type; AF_INET means sockaddr_in.
-        unsafe {
-            if !ifa.ifa_addr.is_null() && i32::from((*ifa.ifa_addr).sa_family) == libc::AF_INET {
-                let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
-                out.push(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)));
-            }
-        }
-        cur = ifa.ifa_next;
-    }
-    // SAFETY: head came from getifaddrs and is freed once.
-    unsafe { libc::freeifaddrs(head) };
-    Ok(out)
 }
 
 #[cfg(test)]
