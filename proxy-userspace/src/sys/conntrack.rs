@@ -128,22 +128,27 @@ fn dump_message() -> Message {
 /// Deletes `entry`, named by its original tuple (and zone).
 fn delete_message(entry: &Entry) -> Message {
     let mut message = message(IPCTNL_MSG_CT_DELETE, NLM_F_REQUEST | NLM_F_ACK);
-    let orig = entry.orig;
-    message.nested(CTA_TUPLE_ORIG, |m| {
-        m.nested(CTA_TUPLE_IP, |m| {
-            m.attr(CTA_IP_V4_SRC, &orig.src.octets())
-                .attr(CTA_IP_V4_DST, &orig.dst.octets());
-        })
-        .nested(CTA_TUPLE_PROTO, |m| {
-            m.attr(CTA_PROTO_NUM, &[orig.proto])
-                .attr(CTA_PROTO_SRC_PORT, &orig.sport.to_be_bytes())
-                .attr(CTA_PROTO_DST_PORT, &orig.dport.to_be_bytes());
-        });
-    });
+    put_tuple(&mut message, CTA_TUPLE_ORIG, entry.orig);
     if let Some(zone) = entry.zone {
         message.attr(CTA_ZONE, &zone.to_be_bytes());
     }
     message
+}
+
+/// `tuple` as attribute `kind` (`CTA_TUPLE_ORIG`/`_REPLY`), nested as the
+/// kernel nests it.
+fn put_tuple(message: &mut Message, kind: u16, tuple: Tuple) {
+    message.nested(kind, |m| {
+        m.nested(CTA_TUPLE_IP, |m| {
+            m.attr(CTA_IP_V4_SRC, &tuple.src.octets())
+                .attr(CTA_IP_V4_DST, &tuple.dst.octets());
+        })
+        .nested(CTA_TUPLE_PROTO, |m| {
+            m.attr(CTA_PROTO_NUM, &[tuple.proto])
+                .attr(CTA_PROTO_SRC_PORT, &tuple.sport.to_be_bytes())
+                .attr(CTA_PROTO_DST_PORT, &tuple.dport.to_be_bytes());
+        });
+    });
 }
 
 /// An entry from a dump answer's payload (after the netlink header); `None`

@@ -2,14 +2,15 @@
 //! fresh network namespace, checked with the `conntrack` tool.
 
 use std::{
-    io::Write,
     net::{Ipv4Addr, SocketAddrV4, UdpSocket},
-    process::{Command, Stdio},
     time::Duration,
 };
 
 use super::*;
-use crate::sys::fresh_netns::{privileged, run_in_fresh_netns};
+use crate::sys::{
+    fresh_netns::{privileged, run_in_fresh_netns},
+    tool,
+};
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
@@ -37,21 +38,6 @@ fn flow(frontend: Ipv4Addr, endpoint: Ipv4Addr) -> Entry {
         dst_nat: true,
         zone: None,
     }
-}
-
-/// `tuple` as the kernel nests it in a dump.
-fn put_tuple(m: &mut Message, kind: u16, tuple: Tuple) {
-    m.nested(kind, |m| {
-        m.nested(CTA_TUPLE_IP, |m| {
-            m.attr(CTA_IP_V4_SRC, &tuple.src.octets())
-                .attr(CTA_IP_V4_DST, &tuple.dst.octets());
-        })
-        .nested(CTA_TUPLE_PROTO, |m| {
-            m.attr(CTA_PROTO_NUM, &[tuple.proto])
-                .attr(CTA_PROTO_SRC_PORT, &tuple.sport.to_be_bytes())
-                .attr(CTA_PROTO_DST_PORT, &tuple.dport.to_be_bytes());
-        });
-    });
 }
 
 #[test]
@@ -117,30 +103,15 @@ fn filters_match_like_the_conntrack_tools_options() {
     assert!(!by(Some(CLUSTER_IP), None, None).matches(&tcp));
 }
 
-fn run(program: &str, args: &[&str], input: Option<&str>) -> String {
-    let mut child = Command::new(program)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("running {program}: {e}"));
-    let stdin = child.stdin.take();
-    if let (Some(input), Some(mut stdin)) = (input, stdin) {
-        stdin.write_all(input.as_bytes()).expect("writing the input");
-    }
-    let out = child.wait_with_output().expect("waiting");
-    assert!(
-        out.status.success(),
-        "{program} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+/// What `program` printed; panics if it failed.
+fn run(program: &str, args: &[&str]) -> String {
+    let out = tool::run(program, args, program).expect("the tool runs");
+    tool::stdout_of(program, args, out).expect("the tool succeeds")
 }
 
 /// The `conntrack -L` lines of UDP flows to `frontend`.
 fn tracked_to(frontend: Ipv4Addr) -> Vec<String> {
-    let listing = run("conntrack", &["-L", "-p", "udp"], None);
+    let listing = run("conntrack", &["-L", "-p", "udp"]);
     let needle = format!("dst={frontend} ");
     listing
         .lines()
@@ -165,9 +136,9 @@ fn send_through(frontend: Ipv4Addr, endpoint: &UdpSocket) {
 /// Sets up two DNATed UDP flows (in a fresh network namespace), deletes one by its ClusterIP and endpoint, and reads back with
 /// the `conntrack` tool that only that one is gone.
 fn delete_one_of_two_flows() {
-    run("ip", &["link", "set", "lo", "up"], None);
+    run("ip", &["link", "set", "lo", "up"]);
     for addr in [CLIENT, CLUSTER_IP, OTHER_CLUSTER_IP, ENDPOINT, OTHER_ENDPOINT] {
-        run("ip", &["addr", "add", &format!("{addr}/32"), "dev", "lo"], None);
+        run("ip", &["addr", "add", &format!("{addr}/32"), "dev", "lo"]);
     }
     let rules = format!(
         "table ip conntrack_test {{\n\
@@ -176,7 +147,7 @@ fn delete_one_of_two_flows() {
          \t\tip daddr {OTHER_CLUSTER_IP} udp dport 53 dnat to {OTHER_ENDPOINT}:5353\n\
          \t}}\n}}\n"
     );
-    run("nft", &["-f", "-"], Some(&rules));
+    tool::pipe("nft", &["-f", "-"], &rules, |_| None).expect("the DNAT rules");
     let endpoint = UdpSocket::bind(SocketAddrV4::new(ENDPOINT, 5353)).expect("endpoint socket");
     let other = UdpSocket::bind(SocketAddrV4::new(OTHER_ENDPOINT, 5353)).expect("other endpoint socket");
     send_through(CLUSTER_IP, &endpoint);
