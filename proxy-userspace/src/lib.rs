@@ -10,3 +10,4 @@ pub mod model;
 pub mod reconcile;
 pub mod server;
 pub mod source;
+pub mod sys;

@@ -59,6 +59,5 @@ impl<T, E: Into<anyhow::Error>> WithExitCode<T> for Result<T, E> {
 }
 
 pub fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
+    nix::unistd::Uid::effective().is_root()
 }

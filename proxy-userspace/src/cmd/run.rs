@@ -1,6 +1,6 @@
 //! `xproxy run`: config -> data-plane mode -> sources -> the agent loop.
 
-use std::{net::IpAddr, sync::Arc, time::Duration};
+use std::{sync::Arc, time::Duration};
 
 use anyhow::{Context, anyhow};
 use tokio::sync::mpsc;
@@ -9,10 +9,10 @@ use tracing::{info, warn};
 use super::{ExitCode, Failure, WithExitCode, is_root};
 use crate::{
     agent::Agent,
-    config::{self, Config, Mode, NodePortAddresses, RunFlags, Source},
+    config::{self, Config, Mode, RunFlags, Source},
     mode::{
-        Dataplane,
-        ebpf::{EbpfMode, EbpfOptions, MissingInterface, NotBpffs, conntrack::CtSettings},
+        self, Dataplane,
+        ebpf::{MissingInterface, NotBpffs},
     },
     reconcile::runner::{Reconciler, SyncPolicy},
     server::{Telemetry, bind_healthz, bind_metrics},
@@ -55,19 +55,11 @@ pub fn run(flags: &RunFlags) -> Result<(), Failure> {
 /// per service port and per connection, and 1024 (the usual soft limit)
 /// ran out at 20,000 Services in the benchmark.
 fn raise_open_file_limit() {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit only read and write the struct passed.
-    let raised = unsafe {
-        libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && {
-            limit.rlim_cur = limit.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0
-        }
-    };
-    if !raised {
-        warn!(error = %std::io::Error::last_os_error(), "could not raise the open file limit");
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let raised =
+        getrlimit(Resource::RLIMIT_NOFILE).and_then(|(_, hard)| setrlimit(Resource::RLIMIT_NOFILE, hard, hard));
+    if let Err(e) = raised {
+        warn!(error = %e, "could not raise the open file limit");
     }
 }
 
@@ -153,62 +145,25 @@ const IMPLEMENTED_MODES: &[Mode] = &[Mode::Ebpf, Mode::Iptables, Mode::Nftables,
 
 async fn start_mode(config: &Config) -> Result<Box<dyn Dataplane>, Failure> {
     match config.mode {
-        Mode::Ebpf => start_ebpf(config).await,
-        Mode::Iptables => crate::mode::iptables::start(config).exit_code(ExitCode::ModeUnavailable),
-        Mode::Nftables => crate::mode::nftables::start(config).exit_code(ExitCode::ModeUnavailable),
-        Mode::Ipvs => crate::mode::ipvs::start(config).exit_code(ExitCode::ModeUnavailable),
-        Mode::Userspace => crate::mode::userspace::start(config).exit_code(ExitCode::ModeUnavailable),
+        Mode::Ebpf => mode::ebpf::start(config).await.map_err(ebpf_failure),
+        Mode::Iptables => mode::iptables::start(config).exit_code(ExitCode::ModeUnavailable),
+        Mode::Nftables => mode::nftables::start(config).exit_code(ExitCode::ModeUnavailable),
+        Mode::Ipvs => mode::ipvs::start(config).exit_code(ExitCode::ModeUnavailable),
+        Mode::Userspace => mode::userspace::start(config).exit_code(ExitCode::ModeUnavailable),
     }
 }
 
-async fn start_ebpf(config: &Config) -> Result<Box<dyn Dataplane>, Failure> {
-    let node_ips = ipv4_node_ips(config);
-    let node_port_cidrs = match &config.node_port_addresses {
-        NodePortAddresses::Cidrs(cidrs) => Some(cidrs.clone()),
-        NodePortAddresses::All | NodePortAddresses::Primary => None,
+/// The exit code of an ebpf mode that did not start: a missing interface
+/// and a missing bpffs have codes of their own.
+fn ebpf_failure(error: anyhow::Error) -> Failure {
+    let code = if error.is::<MissingInterface>() {
+        ExitCode::NoInterface
+    } else if error.is::<NotBpffs>() {
+        ExitCode::NoPrivileges
+    } else {
+        ExitCode::Error
     };
-    let options = EbpfOptions {
-        pin_path: config.pin_path.clone(),
-        node_ips,
-        interfaces: config.interfaces.clone(),
-        node_port_cidrs,
-        snat_mark: 1 << config.masquerade.bit,
-        node_name: Some(config.node_name.clone()),
-        masquerade_all: config.masquerade.all,
-        xdp: config.xdp,
-        conntrack: CtSettings::from_config(&config.conntrack, online_cpus()),
-    };
-    let mode = EbpfMode::start(&options).await.map_err(|e| {
-        let code = if e.is::<MissingInterface>() {
-            ExitCode::NoInterface
-        } else if e.is::<NotBpffs>() {
-            ExitCode::NoPrivileges
-        } else {
-            ExitCode::Error
-        };
-        Failure::new(code, e.context("starting the ebpf mode"))
-    })?;
-    Ok(Box::new(mode))
-}
-
-/// The configured node IPs that every mode programs (IPv4 only for now).
-/// CPUs the kernel runs (kube-proxy sizes conntrack by them).
-fn online_cpus() -> u32 {
-    std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX))
-}
-
-pub fn ipv4_node_ips(config: &Config) -> Vec<std::net::Ipv4Addr> {
-    config
-        .node_ips
-        .iter()
-        .filter_map(|ip| match ip {
-            IpAddr::V4(v4) => Some(*v4),
-            IpAddr::V6(v6) => {
-                warn!(%v6, "IPv6 node IPs are not programmed yet");
-                None
-            }
-        })
-        .collect()
+    Failure::new(code, error.context("starting the ebpf mode"))
 }
 
 async fn start_source(config: &Config, events: mpsc::Sender<source::SourceEvent>) -> Result<(), Failure> {

@@ -16,7 +16,7 @@ mod tests;
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::ops::RangeInclusive;
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -338,6 +338,34 @@ pub struct Config {
     /// unused by the other modes).
     pub port_range: Option<RangeInclusive<u16>>,
     pub show_hidden_metrics_for_version: Option<String>,
+}
+
+impl Config {
+    /// The configured node IPs that every mode programs (IPv4 only for
+    /// now: IPv6 ones are warned about and left out).
+    pub fn ipv4_node_ips(&self) -> Vec<Ipv4Addr> {
+        self.node_ips
+            .iter()
+            .filter_map(|ip| match ip {
+                IpAddr::V4(v4) => Some(*v4),
+                IpAddr::V6(v6) => {
+                    tracing::warn!(%v6, "IPv6 node IPs are not programmed yet");
+                    None
+                }
+            })
+            .collect()
+    }
+}
+
+impl NodePortAddresses {
+    /// The networks NodePorts answer in, when the addresses are given as
+    /// networks (`None` for every local address or the node's primary IPs).
+    pub fn cidrs(&self) -> Option<&[Cidr]> {
+        match self {
+            NodePortAddresses::Cidrs(cidrs) => Some(cidrs),
+            NodePortAddresses::All | NodePortAddresses::Primary => None,
+        }
+    }
 }
 
 /// Something in the configuration that was accepted but not used.

@@ -5,8 +5,8 @@
 //! that choice for every later packet. When the endpoint leaves the Service
 //! the entry still points at it, and a client that keeps sending (DNS does)
 //! never moves on until the entry idles out. kube-proxy deletes such entries
-//! after each sync; so do we, with the same filters kube-proxy used with the
-//! `conntrack` tool:
+//! after each sync; so do we, over netlink ([`crate::sys::conntrack`]), with
+//! the filters kube-proxy used with the `conntrack` tool:
 //! - an endpoint left a UDP Service port: entries whose original destination
 //!   is the ClusterIP (or whose original destination port is the node port)
 //!   and whose DNAT target is the endpoint;
@@ -20,16 +20,17 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::Ipv4Addr,
-    process::Command,
 };
 
-use anyhow::{Context, Result, bail};
-use tracing::debug;
+use tracing::warn;
 
-use super::usable_endpoints;
-use crate::model::{Protocol, ServicePort};
+use super::SyncedChange;
+use crate::{
+    model::{Protocol, ServicePort, usable_endpoints},
+    sys::conntrack::{self, UdpFlowFilter},
+};
 
-/// One `conntrack -D` filter (UDP only).
+/// UDP flows a sync left stale, as kube-proxy names them.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum StaleFlows {
     /// Flows to `cluster_ip` DNATed to `endpoint`.
@@ -43,26 +44,28 @@ pub enum StaleFlows {
 }
 
 impl StaleFlows {
-    /// The `conntrack` arguments that delete these flows.
-    pub fn conntrack_args(&self) -> Vec<String> {
-        let mut args: Vec<String> = ["-D", "-p", "udp"].map(String::from).to_vec();
-        let mut push = |flag: &str, value: String| {
-            args.push(flag.to_owned());
-            args.push(value);
-        };
-        match self {
-            StaleFlows::ToClusterIp { cluster_ip, endpoint } => {
-                push("--orig-dst", cluster_ip.to_string());
-                push("--dst-nat", endpoint.to_string());
-            }
-            StaleFlows::ToNodePort { node_port, endpoint } => {
-                push("--orig-port-dst", node_port.to_string());
-                push("--dst-nat", endpoint.to_string());
-            }
-            StaleFlows::AllToClusterIp { cluster_ip } => push("--orig-dst", cluster_ip.to_string()),
-            StaleFlows::AllToNodePort { node_port } => push("--orig-port-dst", node_port.to_string()),
+    /// The conntrack filter matching these flows.
+    pub fn filter(&self) -> UdpFlowFilter {
+        match *self {
+            StaleFlows::ToClusterIp { cluster_ip, endpoint } => UdpFlowFilter {
+                orig_dst: Some(cluster_ip),
+                dst_nat: Some(endpoint),
+                ..UdpFlowFilter::default()
+            },
+            StaleFlows::ToNodePort { node_port, endpoint } => UdpFlowFilter {
+                orig_dst_port: Some(node_port),
+                dst_nat: Some(endpoint),
+                ..UdpFlowFilter::default()
+            },
+            StaleFlows::AllToClusterIp { cluster_ip } => UdpFlowFilter {
+                orig_dst: Some(cluster_ip),
+                ..UdpFlowFilter::default()
+            },
+            StaleFlows::AllToNodePort { node_port } => UdpFlowFilter {
+                orig_dst_port: Some(node_port),
+                ..UdpFlowFilter::default()
+            },
         }
-        args
     }
 }
 
@@ -138,30 +141,41 @@ fn same_frontends(old: &ServicePort, new: &ServicePort) -> bool {
     old.cluster_ip == new.cluster_ip && old.port == new.port && old.node_port == new.node_port
 }
 
-/// Deletes `flows` with the `conntrack` tool (conntrack-tools); returns how
-/// many `conntrack` calls were made. A filter that matches nothing is fine.
-pub fn delete(flows: &BTreeSet<StaleFlows>) -> Result<u64> {
-    for flow in flows {
-        let args = flow.conntrack_args();
-        let output = Command::new("conntrack")
-            .args(&args)
-            .output()
-            .context("running conntrack (conntrack-tools) to delete stale UDP flows")?;
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        // conntrack exits 1 when nothing matched ("0 flow entries have been deleted").
-        let nothing_matched = stderr.contains("0 flow entries");
-        if !output.status.success() && !nothing_matched {
-            bail!("conntrack {}: {}: {}", args.join(" "), output.status, stderr.trim());
-        }
-        debug!(args = args.join(" "), result = stderr.trim(), "deleted stale UDP flows");
+/// [`Dataplane::delete_stale_flows`](super::Dataplane::delete_stale_flows)
+/// for the modes that translate in netfilter: deletes the kernel's
+/// conntrack entries of the UDP flows `change` left stale; nothing when
+/// the state before the sync is unknown.
+pub fn delete_stale_flows(change: &SyncedChange<'_>) -> u64 {
+    let Some(before) = change.before else {
+        return 0;
+    };
+    // Ports outside the plan are the same before and after: none of
+    // their flows is stale.
+    let touched: BTreeSet<String> = change
+        .plan
+        .remove
+        .iter()
+        .chain(&change.plan.upsert)
+        .map(|p| p.name.clone())
+        .collect();
+    let stale = stale_flows_of(&touched, before, change.after);
+    if stale.is_empty() {
+        return 0;
     }
-    Ok(flows.len() as u64)
+    let filters: Vec<UdpFlowFilter> = stale.iter().map(StaleFlows::filter).collect();
+    match conntrack::delete_udp_flows(&filters) {
+        Ok(deleted) => deleted,
+        Err(e) => {
+            warn!(error = format!("{e:#}"), "deleting stale UDP flows");
+            0
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::Endpoint;
+    use crate::{mode::Plan, model::Endpoint};
 
     const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 
@@ -259,17 +273,55 @@ mod tests {
         );
     }
 
+    /// Neither case reaches the kernel: nothing to delete, or no known
+    /// state to judge flows against.
     #[test]
-    fn conntrack_arguments_match_kube_proxys_filters() {
+    fn a_sync_deletes_only_what_it_made_stale_from_a_known_state() {
+        let before = state(port(Protocol::Udp, None, &[1, 2]));
+        let after = state(port(Protocol::Udp, None, &[1]));
+        let plan = Plan {
+            upsert: after.values().cloned().collect(),
+            remove: vec![],
+        };
+        let unknown = SyncedChange {
+            plan: &plan,
+            before: None,
+            after: &after,
+            full: true,
+        };
+        assert_eq!(delete_stale_flows(&unknown), 0);
+        let untouched = SyncedChange {
+            plan: &Plan::default(),
+            before: Some(&before),
+            ..unknown
+        };
+        assert_eq!(delete_stale_flows(&untouched), 0);
+    }
+
+    #[test]
+    fn filters_match_kube_proxys() {
         let flow = StaleFlows::ToNodePort {
             node_port: 30053,
             endpoint: pod(2),
         };
+        // conntrack -D -p udp --orig-port-dst 30053 --dst-nat 10.244.0.2
         assert_eq!(
-            flow.conntrack_args().join(" "),
-            "-D -p udp --orig-port-dst 30053 --dst-nat 10.244.0.2"
+            flow.filter(),
+            UdpFlowFilter {
+                orig_dst: None,
+                orig_dst_port: Some(30053),
+                dst_nat: Some(pod(2)),
+            }
         );
+        // conntrack -D -p udp --orig-dst 10.96.0.10
         let all = StaleFlows::AllToClusterIp { cluster_ip: CLUSTER_IP };
-        assert_eq!(all.conntrack_args().join(" "), "-D -p udp --orig-dst 10.96.0.10");
+        assert_eq!(
+            all.filter(),
+            UdpFlowFilter {
+                orig_dst: Some(CLUSTER_IP),
+                orig_dst_port: None,
+                dst_nat: None,
+            }
+        );
     }
 }

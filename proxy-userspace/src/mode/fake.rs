@@ -8,8 +8,8 @@ use std::{
 
 use anyhow::{Result, bail};
 
-use super::Dataplane;
-use crate::{model::ServicePort, reconcile::Plan};
+use super::{Dataplane, Plan, SyncedChange};
+use crate::model::ServicePort;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Call {
@@ -29,14 +29,12 @@ struct FakeState {
     programmed: BTreeMap<String, ServicePort>,
     failures_left: usize,
     writes: u64,
-    flows_deleted: u64,
-    /// Flows the next apply deletes.
+    /// Flows the next stale-flow deletion deletes.
     flows_to_delete: u64,
 }
 
 impl Fake {
-    /// The next call deletes `n` tracked flows of its own, as the ebpf
-    /// mode deletes stale UDP flows after a sync.
+    /// The next sync deletes `n` stale flows.
     pub fn delete_flows_next(&self, n: u64) {
         self.lock().flows_to_delete = n;
     }
@@ -77,7 +75,6 @@ impl Dataplane for Fake {
         let mut state = self.lock();
         state.calls.push(Call::Apply(plan.clone()));
         Self::fail_if_asked(&mut state)?;
-        state.flows_deleted += std::mem::take(&mut state.flows_to_delete);
         for port in &plan.remove {
             state.programmed.remove(&port.name);
         }
@@ -92,7 +89,6 @@ impl Dataplane for Fake {
         let mut state = self.lock();
         state.calls.push(Call::ApplyFull(desired.clone()));
         Self::fail_if_asked(&mut state)?;
-        state.flows_deleted += std::mem::take(&mut state.flows_to_delete);
         if state.programmed != *desired {
             state.writes += desired.len() as u64;
             state.programmed = desired.clone();
@@ -104,7 +100,7 @@ impl Dataplane for Fake {
         self.lock().writes
     }
 
-    fn flows_deleted(&self) -> u64 {
-        self.lock().flows_deleted
+    fn delete_stale_flows(&mut self, _change: &SyncedChange<'_>) -> u64 {
+        std::mem::take(&mut self.lock().flows_to_delete)
     }
 }

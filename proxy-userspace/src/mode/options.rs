@@ -73,7 +73,7 @@ impl NodePortScope {
                 localhost: config.localhost_node_ports,
             },
             NodePortAddresses::Primary => {
-                let ips = crate::cmd::run::ipv4_node_ips(config);
+                let ips = config.ipv4_node_ips();
                 if ips.is_empty() {
                     warn!(
                         "nodePortAddresses is [primary] but no IPv4 node IP is known: \

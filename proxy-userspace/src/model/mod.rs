@@ -6,12 +6,14 @@
 
 mod desired;
 pub mod endpoint;
+mod endpoint_sets;
 mod join;
 pub mod service;
 
 use std::{fmt, net::Ipv4Addr, sync::Arc};
 
 pub use desired::{Cluster, Desired, ObjectKey, object_key};
+pub use endpoint_sets::{EndpointSets, usable_endpoints};
 
 /// An object (or a part of one) that was skipped, and why. Logged and counted
 /// by whoever feeds the model; the rest of the state is programmed as usual.
@@ -52,6 +54,15 @@ impl fmt::Display for Protocol {
 }
 
 impl Protocol {
+    /// The lowercase name, as kube-proxy spells it in chain-name hashes and
+    /// iptables, nft and ipset spell it in rules and set entries.
+    pub fn lowercase(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+        }
+    }
+
     /// IP protocol number.
     pub fn number(self) -> u8 {
         match self {

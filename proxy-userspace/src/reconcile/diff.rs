@@ -2,32 +2,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::model::ServicePort;
-
-/// Changes for a data-plane mode to apply: first `remove`, then `upsert`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Plan {
-    /// Service ports to program, new or changed.
-    pub upsert: Vec<ServicePort>,
-    /// Service ports to take out, as they were applied (a mode finds what
-    /// to delete from them).
-    pub remove: Vec<ServicePort>,
-}
-
-impl Plan {
-    pub fn is_empty(&self) -> bool {
-        self.upsert.is_empty() && self.remove.is_empty()
-    }
-
-    /// Number of endpoints touched, for kube-proxy's endpoint change metric.
-    pub fn endpoint_changes(&self) -> usize {
-        self.upsert
-            .iter()
-            .chain(&self.remove)
-            .map(|p| p.endpoints.len().max(1))
-            .sum()
-    }
-}
+use crate::{mode::Plan, model::ServicePort};
 
 /// The frontend a service port is known by in every mode: a port whose
 /// ClusterIP, port or protocol changed is a different port for the kernel.

@@ -13,11 +13,10 @@ use std::{
 };
 
 use anyhow::Result;
-use tracing::warn;
 
 use super::{diff, diff_of};
 use crate::{
-    mode::{Dataplane, conntrack},
+    mode::{Dataplane, SyncedChange},
     model::ServicePort,
 };
 
@@ -146,8 +145,8 @@ pub struct SyncReport {
     pub endpoint_changes: usize,
     /// Kernel writes the mode issued (0 when everything was in place).
     pub kernel_writes: u64,
-    /// Deletions of UDP flows the sync left stale: `conntrack -D` calls
-    /// for the kernel modes, conntrack map entries for the ebpf mode.
+    /// Deletions of UDP flows the sync left stale, as the mode counts them
+    /// ([`Dataplane::delete_stale_flows`]).
     pub stale_flow_deletions: u64,
 }
 
@@ -197,7 +196,6 @@ impl Reconciler {
             stale_flow_deletions: 0,
         };
         let writes_before = self.mode.kernel_writes();
-        let flows_deleted_before = self.mode.flows_deleted();
         let result = if full {
             self.mode.apply_full(desired)
         } else if plan.is_empty() {
@@ -211,15 +209,14 @@ impl Reconciler {
             return Err(e);
         }
         report.kernel_writes = self.mode.kernel_writes() - writes_before;
-        report.stale_flow_deletions = self.mode.flows_deleted() - flows_deleted_before;
-        if self.flushes_stale_flows() {
-            let stale = if full {
-                conntrack::stale_flows(&self.applied, desired)
-            } else {
-                conntrack::stale_flows_of(changed, &self.applied, desired)
-            };
-            report.stale_flow_deletions += delete_stale_flows(&stale);
-        }
+        // After the new state is in place, so the flows' next packets pick
+        // a current endpoint.
+        report.stale_flow_deletions = self.mode.delete_stale_flows(&SyncedChange {
+            plan: &plan,
+            before: self.applied_known.then_some(&self.applied),
+            after: desired,
+            full,
+        });
         if full {
             self.applied = desired.clone();
         } else {
@@ -232,32 +229,6 @@ impl Reconciler {
         }
         self.applied_known = true;
         Ok(report)
-    }
-}
-
-impl Reconciler {
-    /// Whether a sync deletes the kernel's conntrack entries of UDP flows
-    /// whose endpoint left: in the modes that translate in netfilter, and
-    /// only when the state before the sync is known (not after a restart or
-    /// a failure, when every port would look new).
-    fn flushes_stale_flows(&self) -> bool {
-        self.mode.nat_in_kernel_conntrack() && self.applied_known
-    }
-}
-
-/// Deletes `stale` flows (after the new state is in place, so the flows'
-/// next packets pick a current endpoint). A failure is logged, not fatal:
-/// the flows still expire on their own.
-fn delete_stale_flows(stale: &BTreeSet<conntrack::StaleFlows>) -> u64 {
-    if stale.is_empty() {
-        return 0;
-    }
-    match conntrack::delete(stale) {
-        Ok(calls) => calls,
-        Err(e) => {
-            warn!(error = format!("{e:#}"), "deleting stale UDP flows");
-            0
-        }
     }
 }
 
@@ -380,7 +351,7 @@ mod tests {
     }
 
     #[test]
-    fn flows_the_mode_deleted_itself_are_in_the_report() {
+    fn the_modes_stale_flow_deletions_are_in_the_report() {
         let fake = Fake::default();
         let mut r = Reconciler::new(Box::new(fake.clone()));
         let web = BTreeSet::from(["default/web".to_string()]);

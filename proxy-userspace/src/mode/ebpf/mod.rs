@@ -61,11 +61,10 @@ pub use service_maps::ServiceMaps;
 use tracing::{debug, info, warn};
 pub use write_batch::{Split, SplitStaged, Step, Table};
 
-use super::Dataplane;
+use super::{Dataplane, Plan, SyncedChange};
 use crate::{
-    config::XdpPolicy,
+    config::{Cidr, Config, XdpPolicy},
     model::{Protocol, ServicePort},
-    reconcile::Plan,
 };
 
 /// Where the ebpf mode attaches and what it programs NodePorts on.
@@ -79,7 +78,7 @@ pub struct EbpfOptions {
     pub interfaces: Vec<String>,
     /// kube-proxy's nodePortAddresses as CIDRs: NodePorts answer on every
     /// local IPv4 address inside them. `None`: on the node IPs.
-    pub node_port_cidrs: Option<Vec<crate::config::Cidr>>,
+    pub node_port_cidrs: Option<Vec<Cidr>>,
     /// The skb mark bit for flows the kernel must masquerade (kube-proxy's
     /// masqueradeBit as a mask); 0 turns the SNAT fallback off.
     pub snat_mark: u32,
@@ -93,14 +92,41 @@ pub struct EbpfOptions {
     pub conntrack: conntrack::CtSettings,
 }
 
+impl EbpfOptions {
+    /// What `config` asks of the ebpf mode.
+    pub fn from_config(config: &Config) -> Self {
+        Self {
+            pin_path: config.pin_path.clone(),
+            node_ips: config.ipv4_node_ips(),
+            interfaces: config.interfaces.clone(),
+            node_port_cidrs: config.node_port_addresses.cidrs().map(<[Cidr]>::to_vec),
+            snat_mark: 1 << config.masquerade.bit,
+            node_name: Some(config.node_name.clone()),
+            masquerade_all: config.masquerade.all,
+            xdp: config.xdp,
+            conntrack: conntrack::CtSettings::from_config(&config.conntrack, online_cpus()),
+        }
+    }
+}
+
+/// CPUs the kernel runs (kube-proxy sizes conntrack by them).
+fn online_cpus() -> u32 {
+    std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX))
+}
+
+/// Starts the ebpf mode for `xproxy run` (see [`EbpfMode::start`]).
+/// Fails with [`MissingInterface`] or [`NotBpffs`] (in the error's chain)
+/// when those are why.
+pub async fn start(config: &Config) -> Result<Box<dyn Dataplane>> {
+    Ok(Box::new(EbpfMode::start(&EbpfOptions::from_config(config)).await?))
+}
+
 pub struct EbpfMode {
     maps: ServiceMaps,
     /// Shared with the task that attaches pod interfaces as they appear.
     datapath: Arc<Mutex<Datapath>>,
     node_ips: Vec<Ipv4Addr>,
     pin_path: PathBuf,
-    /// Conntrack entries of stale UDP flows deleted so far.
-    udp_flows_deleted: u64,
 }
 
 impl EbpfMode {
@@ -173,7 +199,6 @@ impl EbpfMode {
             datapath,
             node_ips,
             pin_path: opts.pin_path.clone(),
-            udp_flows_deleted: 0,
         })
     }
 
@@ -192,21 +217,6 @@ impl EbpfMode {
     }
 }
 
-impl EbpfMode {
-    /// After a sync: deletes the tracked UDP flows whose backend left (see
-    /// `stale_flows`). Logged, not fatal: the flows still age out.
-    fn delete_stale_udp_flows(&mut self) {
-        match stale_flows::delete_stale_udp_flows(&self.pin_path, &self.maps) {
-            Ok(0) => {}
-            Ok(n) => {
-                self.udp_flows_deleted += n;
-                debug!(entries = n, "deleted conntrack entries of stale UDP flows");
-            }
-            Err(e) => warn!(error = format!("{e:#}"), "deleting stale UDP flows"),
-        }
-    }
-}
-
 /// Installs the kernel's masquerade rules for `mark`; returns the mark the
 /// programs may use (0 if the rules could not be installed: then no flow is
 /// marked, rather than marked for a rule that is not there).
@@ -214,7 +224,7 @@ fn install_snat_rules(mark: u32) -> u32 {
     if mark == 0 {
         return 0;
     }
-    let mut iptables = crate::mode::iptables::SystemIptables::default();
+    let mut iptables = crate::sys::iptables::SystemIptables::default();
     match iptables.check().and_then(|()| snat::install(&mut iptables, mark)) {
         Ok(()) => mark,
         Err(e) => {
@@ -289,18 +299,7 @@ impl Dataplane for EbpfMode {
                     .with_context(|| format!("programming {}", port.name))?;
             }
             Ok(())
-        })?;
-        // After the batch is written: the flows' next packets then pick a
-        // current backend.
-        if plan
-            .remove
-            .iter()
-            .chain(&plan.upsert)
-            .any(|p| p.protocol == Protocol::Udp)
-        {
-            self.delete_stale_udp_flows();
-        }
-        Ok(())
+        })
     }
 
     fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()> {
@@ -314,16 +313,39 @@ impl Dataplane for EbpfMode {
                     .with_context(|| format!("programming {}", port.name))?;
             }
             Ok(())
-        })?;
-        self.delete_stale_udp_flows();
-        Ok(())
+        })
     }
 
     fn kernel_writes(&self) -> u64 {
         self.maps.writes()
     }
 
-    fn flows_deleted(&self) -> u64 {
-        self.udp_flows_deleted
+    /// Deletes the programs' conntrack entries of UDP flows whose backend
+    /// left (see `stale_flows`): after every full sync (the flows may
+    /// predate this agent), and after a partial one that touched a UDP port.
+    /// The state before the sync does not matter: the entries are judged
+    /// against the maps.
+    fn delete_stale_flows(&mut self, change: &SyncedChange<'_>) -> u64 {
+        let plan = change.plan;
+        let touched_udp = plan
+            .remove
+            .iter()
+            .chain(&plan.upsert)
+            .any(|p| p.protocol == Protocol::Udp);
+        if !change.full && !touched_udp {
+            return 0;
+        }
+        match stale_flows::delete_stale_udp_flows(&self.pin_path, &self.maps) {
+            Ok(n) => {
+                if n > 0 {
+                    debug!(entries = n, "deleted conntrack entries of stale UDP flows");
+                }
+                n
+            }
+            Err(e) => {
+                warn!(error = format!("{e:#}"), "deleting stale UDP flows");
+                0
+            }
+        }
     }
 }

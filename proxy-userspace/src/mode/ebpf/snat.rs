@@ -6,7 +6,7 @@
 use anyhow::{Context, Result};
 use tracing::info;
 
-use crate::mode::iptables::{Iptables, Saved, SystemIptables, restore};
+use crate::sys::iptables::{Iptables, Saved, SystemIptables, remove_chains, rule_chain, rule_target};
 
 /// Our chain in the nat table, jumped to from POSTROUTING.
 pub const CHAIN: &str = "XPROXY-SNAT";
@@ -37,7 +37,7 @@ fn jumps(saved: &Saved) -> Vec<String> {
         .map(|nat| {
             nat.rules
                 .iter()
-                .filter(|r| restore::rule_chain(r) != Some(CHAIN) && restore::rule_target(r) == Some(CHAIN))
+                .filter(|r| rule_chain(r) != Some(CHAIN) && rule_target(r) == Some(CHAIN))
                 .cloned()
                 .collect()
         })
@@ -55,7 +55,7 @@ pub fn install(iptables: &mut dyn Iptables, mark: u32) -> Result<()> {
 
 /// Removes the chain and every jump to it; false if there was none.
 pub fn remove(iptables: &mut dyn Iptables) -> Result<bool> {
-    let removed = restore::remove_chains(iptables, |table, chain| table == "nat" && chain == CHAIN)
+    let removed = remove_chains(iptables, |table, chain| table == "nat" && chain == CHAIN)
         .context("removing the SNAT fallback rules")?;
     Ok(removed > 0)
 }

@@ -65,14 +65,6 @@ pub fn is_ours(table: &str, chain: &str) -> bool {
     }
 }
 
-/// kube-proxy's protocol spelling in hashes and in `-p`/`-m`.
-pub fn protocol(p: Protocol) -> &'static str {
-    match p {
-        Protocol::Tcp => "tcp",
-        Protocol::Udp => "udp",
-    }
-}
-
 fn hash16(input: &str) -> String {
     let digest = Sha256::digest(input.as_bytes());
     let mut encoded = data_encoding::BASE32.encode(&digest);
@@ -82,24 +74,24 @@ fn hash16(input: &str) -> String {
 
 /// `KUBE-SVC-…` of a service port (`name` as in [`ServicePort::name`]).
 pub fn svc_chain(name: &str, protocol: Protocol) -> String {
-    format!("{SVC_PREFIX}{}", hash16(&format!("{name}{}", self::protocol(protocol))))
+    format!("{SVC_PREFIX}{}", hash16(&format!("{name}{}", protocol.lowercase())))
 }
 
 /// `KUBE-SVL-…`: the same hash as the service's `KUBE-SVC-` chain.
 pub fn svl_chain(name: &str, protocol: Protocol) -> String {
-    format!("{SVL_PREFIX}{}", hash16(&format!("{name}{}", self::protocol(protocol))))
+    format!("{SVL_PREFIX}{}", hash16(&format!("{name}{}", protocol.lowercase())))
 }
 
 /// `KUBE-EXT-…`: the same hash as the service's `KUBE-SVC-` chain.
 pub fn ext_chain(name: &str, protocol: Protocol) -> String {
-    format!("{EXT_PREFIX}{}", hash16(&format!("{name}{}", self::protocol(protocol))))
+    format!("{EXT_PREFIX}{}", hash16(&format!("{name}{}", protocol.lowercase())))
 }
 
 /// `KUBE-SEP-…` of one endpoint (`ip:port`) of a service port.
 pub fn sep_chain(name: &str, protocol: Protocol, endpoint: &str) -> String {
     format!(
         "{SEP_PREFIX}{}",
-        hash16(&format!("{name}{}{endpoint}", self::protocol(protocol)))
+        hash16(&format!("{name}{}{endpoint}", protocol.lowercase()))
     )
 }
 

@@ -13,27 +13,33 @@
 //! last full sync of the same state left, it writes nothing.
 //!
 //! The parts: [`chains`] names the chains (kube-proxy's hashes), [`rules`]
-//! renders them, [`restore`] runs `iptables-save` and `iptables-restore`.
+//! renders them; `iptables-save` and `iptables-restore` run in
+//! [`crate::sys::iptables`].
 
 pub mod chains;
-pub mod restore;
 pub mod rules;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    io,
     net::Ipv4Addr,
 };
 
-use anyhow::{Context, Result, bail};
-pub use restore::{Iptables, Saved, SystemIptables};
+pub use crate::sys::iptables::{Iptables, Saved, SystemIptables};
+use anyhow::{Context, Result};
 pub use rules::{NodePortDestinations, RuleOptions};
 use rules::{Rewrite, SyncInput, jumps, port_chains, render};
 use tracing::{debug, info, warn};
 
 pub use super::options::LocalTraffic;
-use super::{Dataplane, options::NodePortScope};
-use crate::{config::Config, model::ServicePort, reconcile::Plan};
+use super::{Dataplane, Plan, SyncedChange, conntrack, options::NodePortScope};
+use crate::{
+    config::Config,
+    model::ServicePort,
+    sys::{
+        addrs,
+        iptables::{owned_lines, remove_chains},
+    },
+};
 
 /// NodePorts on 127.0.0.1 need the kernel to route loopback destinations
 /// off the host (per network namespace).
@@ -118,8 +124,8 @@ impl Dataplane for IptablesMode {
         "iptables"
     }
 
-    fn nat_in_kernel_conntrack(&self) -> bool {
-        true
+    fn delete_stale_flows(&mut self, change: &SyncedChange<'_>) -> u64 {
+        conntrack::delete_stale_flows(change)
     }
 
     fn apply(&mut self, plan: &Plan) -> Result<()> {
@@ -202,7 +208,7 @@ impl Dataplane for IptablesMode {
                     .is_some_and(|t| t.rules.iter().any(|r| jump.matches_saved(r)))
             })
             .collect();
-        let ours_now = restore::owned_lines(&saved, chains::is_ours);
+        let ours_now = owned_lines(&saved, chains::is_ours);
         let unchanged = self
             .verified
             .as_ref()
@@ -235,7 +241,7 @@ impl Dataplane for IptablesMode {
             Ok(after) => {
                 self.verified = Some(Verified {
                     desired: desired.clone(),
-                    ours: restore::owned_lines(&Saved::parse(&after), chains::is_ours),
+                    ours: owned_lines(&Saved::parse(&after), chains::is_ours),
                 });
             }
             Err(e) => warn!(
@@ -273,7 +279,7 @@ pub fn cleanup() -> Result<usize> {
 
 /// [`cleanup`] through `iptables`.
 pub fn cleanup_with(iptables: &mut dyn Iptables) -> Result<usize> {
-    restore::remove_chains(iptables, chains::is_ours)
+    remove_chains(iptables, chains::is_ours)
 }
 
 /// The rule options `config` asks for, completed from the kernel.
@@ -282,7 +288,7 @@ pub fn rule_options(config: &Config) -> Result<RuleOptions> {
         NodePortScope::AllLocal { localhost } => NodePortDestinations::AllLocal { localhost },
         NodePortScope::NodeIps(ips) => NodePortDestinations::Addresses(ips),
         NodePortScope::Cidrs(cidrs) => {
-            let ips: Vec<Ipv4Addr> = local_ipv4_addrs()
+            let ips: Vec<Ipv4Addr> = addrs::local_ipv4()
                 .context("listing local addresses for nodePortAddresses")?
                 .into_iter()
                 .filter(|ip| cidrs.iter().any(|c| c.contains((*ip).into())))
@@ -309,33 +315,6 @@ pub fn rule_options(config: &Config) -> Result<RuleOptions> {
         drop_invalid: !be_liberal,
         node_name: Some(config.node_name.clone()),
     })
-}
-
-/// Every IPv4 address on this namespace's interfaces.
-fn local_ipv4_addrs() -> Result<Vec<Ipv4Addr>> {
-    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs writes a list head we free below.
-    if unsafe { libc::getifaddrs(&mut head) } != 0 {
-        bail!("getifaddrs: {}", io::Error::last_os_error());
-    }
-    let mut out = Vec::new();
-    let mut cur = head;
-    while !cur.is_null() {
-        // SAFETY: cur is a node of the list getifaddrs returned.
-        let ifa = unsafe { &*cur };
-        // SAFETY: ifa_addr, when set, points to a sockaddr whose family
-        // tells its real type; AF_INET means sockaddr_in.
-        unsafe {
-            if !ifa.ifa_addr.is_null() && i32::from((*ifa.ifa_addr).sa_family) == libc::AF_INET {
-                let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
-                out.push(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)));
-            }
-        }
-        cur = ifa.ifa_next;
-    }
-    // SAFETY: head came from getifaddrs and is freed once.
-    unsafe { libc::freeifaddrs(head) };
-    Ok(out)
 }
 
 #[cfg(test)]

@@ -43,8 +43,8 @@ use std::{
 
 use super::chains::{self, PortChains, endpoint_string, sep_chain};
 use crate::{
-    mode::{EndpointSets, options::LocalTraffic},
-    model::{Endpoint, ServicePort},
+    mode::options::LocalTraffic,
+    model::{Endpoint, EndpointSets, ServicePort},
 };
 
 /// The match for "not from a local pod".
@@ -477,7 +477,7 @@ pub fn render(opts: &RuleOptions, input: &SyncInput<'_>) -> Rendered {
 /// pods') own traffic before it enters `KUBE-SVL`.
 fn render_port(opts: &RuleOptions, port: &ServicePort, own_chains: bool, filter: &mut Table, nat: &mut Table) {
     let name = &port.name;
-    let proto = chains::protocol(port.protocol);
+    let proto = port.protocol.lowercase();
     let sets = EndpointSets::of(port, opts.node_name.as_deref());
     let names = PortChains::of(port);
     let internal_chain = if port.internal_local() { &names.svl } else { &names.svc };

@@ -9,6 +9,8 @@ use std::{
     sync::{Arc, Mutex},
 };
 
+use anyhow::bail;
+
 use super::*;
 use crate::model::{Endpoint, Protocol};
 

@@ -2,21 +2,18 @@
 //! of [`super::rules`] match against, so the rules never grow with the
 //! number of Services.
 //!
-//! Written with `ipset restore` (one process per sync that changes a set):
+//! Written with `ipset restore` ([`crate::sys::ipset`], one process per
+//! sync that changes a set):
 //! each changed set is filled as a `-NEW` copy and swapped in atomically,
 //! so no packet sees a half-filled set. Read back with `ipset save`.
 
-use std::{
-    collections::{BTreeMap, BTreeSet},
-    io::Write,
-    process::{Command, Stdio},
-};
+use std::collections::{BTreeMap, BTreeSet};
 
-use anyhow::{Context, Result, bail};
+use anyhow::Result;
 
 use crate::{
-    mode::EndpointSets,
-    model::{Protocol, ServicePort},
+    model::{EndpointSets, Protocol, ServicePort},
+    sys::ipset,
 };
 
 /// Every ClusterIP, port and protocol: `IP,PROTO:PORT`.
@@ -49,18 +46,11 @@ const NEW_SUFFIX: &str = "-NEW";
 /// Set name -> entries, as `ipset save` spells them.
 pub type Entries = BTreeMap<&'static str, BTreeSet<String>>;
 
-fn proto(p: Protocol) -> &'static str {
-    match p {
-        Protocol::Tcp => "tcp",
-        Protocol::Udp => "udp",
-    }
-}
-
 /// What the sets hold for `ports` on the node named `node`.
 pub fn entries<'a>(ports: impl IntoIterator<Item = &'a ServicePort>, node: Option<&str>) -> Entries {
     let mut sets: Entries = SETS.iter().map(|(name, _)| (*name, BTreeSet::new())).collect();
     for port in ports {
-        let p = proto(port.protocol);
+        let p = port.protocol.lowercase();
         sets.entry(CLUSTER_IP)
             .or_default()
             .insert(format!("{},{p}:{}", port.cluster_ip, port.port));
@@ -129,44 +119,9 @@ pub fn render(desired: &Entries, current: &Entries) -> String {
     out
 }
 
-/// The sets of the calling thread's network namespace.
+/// Our sets in the calling thread's network namespace.
 pub fn save() -> Result<Entries> {
-    let output = Command::new("ipset")
-        .arg("save")
-        .output()
-        .context("running `ipset save` (is ipset installed?)")?;
-    if !output.status.success() {
-        bail!(
-            "`ipset save` failed: {}",
-            String::from_utf8_lossy(&output.stderr).trim()
-        );
-    }
-    Ok(parse_save(&String::from_utf8_lossy(&output.stdout)))
-}
-
-/// Feeds `input` to `ipset restore -exist`.
-pub fn restore(input: &str) -> Result<()> {
-    let mut child = Command::new("ipset")
-        .args(["restore", "-exist"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("running `ipset restore` (is ipset installed?)")?;
-    child
-        .stdin
-        .take()
-        .context("ipset's stdin")?
-        .write_all(input.as_bytes())
-        .context("writing to `ipset restore`")?;
-    let output = child.wait_with_output().context("waiting for `ipset restore`")?;
-    if !output.status.success() {
-        bail!(
-            "`ipset restore` failed: {}\ninput:\n{input}",
-            String::from_utf8_lossy(&output.stderr).trim()
-        );
-    }
-    Ok(())
+    Ok(parse_save(&ipset::save()?))
 }
 
 /// Destroys our sets (after the rules using them are gone); returns how
@@ -180,7 +135,7 @@ pub fn cleanup() -> Result<usize> {
         input.push_str(&format!("destroy {name}\n"));
     }
     if !input.is_empty() {
-        restore(&input)?;
+        ipset::restore(&input)?;
     }
     Ok(current.len())
 }

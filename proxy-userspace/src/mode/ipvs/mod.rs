@@ -11,7 +11,7 @@
 //! - [`rules`]: the constant iptables chains, one `iptables-restore`.
 //!
 //! Real servers get weight 1; an endpoint that is terminating and not used
-//! any more ([`super::usable_endpoints`]) stays with weight 0, so established
+//! any more ([`crate::model::usable_endpoints`]) stays with weight 0, so established
 //! connections drain while no new ones reach it (kube-proxy's graceful
 //! termination). The `Local` traffic policies work as in kube-proxy's IPVS
 //! mode: the ClusterIP's virtual server (`internalTrafficPolicy`) or the
@@ -41,12 +41,11 @@ pub use netlink::NoIpvs;
 use netlink::{IPVS_CMD_DEL_DEST, IPVS_CMD_NEW_DEST, IPVS_CMD_SET_DEST, Ipvs, VirtualKey, VirtualServer};
 use tracing::{debug, info};
 
-use super::{Dataplane, EndpointSets, options::LocalTraffic};
+use super::{Dataplane, Plan, SyncedChange, conntrack, options::LocalTraffic};
 use crate::{
     config::{Cidr, Config},
-    mode::iptables::SystemIptables,
-    model::{Endpoint, ServicePort},
-    reconcile::Plan,
+    model::{Endpoint, EndpointSets, ServicePort},
+    sys::iptables::{Iptables, Saved, SystemIptables},
 };
 
 /// Weight of a real server taking new connections.
@@ -87,7 +86,7 @@ pub struct IpvsMode {
 pub fn start(config: &Config) -> Result<Box<dyn Dataplane>> {
     let opts = IpvsOptions {
         scheduler: config.ipvs.scheduler.as_str().to_owned(),
-        node_ips: crate::cmd::run::ipv4_node_ips(config),
+        node_ips: config.ipv4_node_ips(),
         exclude_cidrs: config.ipvs.exclude_cidrs.clone(),
         rules: rules::RuleOptions {
             masquerade_bit: config.masquerade.bit,
@@ -316,7 +315,7 @@ impl IpvsMode {
         let current = if read { ipset::save()? } else { ipset::Entries::new() };
         let input = ipset::render(&desired, &current);
         if !input.is_empty() {
-            ipset::restore(&input)?;
+            crate::sys::ipset::restore(&input)?;
             self.writes += 1;
         }
         Ok(())
@@ -328,8 +327,8 @@ impl Dataplane for IpvsMode {
         "ipvs"
     }
 
-    fn nat_in_kernel_conntrack(&self) -> bool {
-        true
+    fn delete_stale_flows(&mut self, change: &SyncedChange<'_>) -> u64 {
+        conntrack::delete_stale_flows(change)
     }
 
     fn apply(&mut self, plan: &Plan) -> Result<()> {
@@ -399,7 +398,7 @@ impl Dataplane for IpvsMode {
         }
         self.write_sets(true)?;
         let mut system = SystemIptables::default();
-        let saved = crate::mode::iptables::restore::Saved::parse(&crate::mode::iptables::Iptables::save(&mut system)?);
+        let saved = Saved::parse(&system.save()?);
         if !rules::chains_present(&saved) || !rules::missing_jumps(&saved).is_empty() {
             rules::write(&mut system, &self.opts.rules)?;
             self.writes += 1;

@@ -1,34 +1,22 @@
 //! The kernel's IPVS table over generic netlink (the family `IPVS`, what
-//! `ipvsadm` speaks), plus the small netlink socket and attribute codec the
-//! dummy interface code shares.
+//! `ipvsadm` speaks), through the socket and codec of
+//! [`crate::sys::netlink`].
 //!
 //! Messages are encoded by hand: a netlink header, a generic netlink header
-//! and nested attributes, every one padded to 4 bytes. The layouts follow
-//! `include/uapi/linux/ip_vs.h`; the encoders are pure and unit-tested, the
-//! socket is a plain `AF_NETLINK` one from `libc` bound in the network
-//! namespace of the thread that opened it.
+//! and nested attributes. The layouts follow `include/uapi/linux/ip_vs.h`;
+//! the encoders are pure and unit-tested.
 
-use std::{
-    collections::BTreeMap,
-    io,
-    net::Ipv4Addr,
-    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+use std::{collections::BTreeMap, net::Ipv4Addr};
+
+use anyhow::{Context, Result};
+
+use crate::{
+    model::Protocol,
+    sys::netlink::{
+        Message, NETLINK_GENERIC, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, Socket, attrs, errno, find, read_ipv4,
+        read_u16, read_u32,
+    },
 };
-
-use anyhow::{Context, Result, bail};
-
-use crate::model::Protocol;
-
-// Netlink message types and flags (linux/netlink.h).
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
-pub const NLM_F_REQUEST: u16 = 0x1;
-pub const NLM_F_ACK: u16 = 0x4;
-pub const NLM_F_DUMP: u16 = 0x300;
-pub const NLM_F_EXCL: u16 = 0x200;
-pub const NLM_F_CREATE: u16 = 0x400;
-const NLMSG_HDRLEN: usize = 16;
-const NLA_HDRLEN: usize = 4;
 
 // Generic netlink controller (linux/genetlink.h).
 const GENL_ID_CTRL: u16 = 0x10;
@@ -109,229 +97,11 @@ fn protocol_of(proto: u16) -> Option<Protocol> {
     }
 }
 
-/// A netlink message under construction.
-pub struct Message {
-    buf: Vec<u8>,
-}
-
-impl Message {
-    /// A message of `kind` with `flags` (sequence number filled in on send)
-    /// and a fixed family header `header`.
-    pub fn new(kind: u16, flags: u16, header: &[u8]) -> Self {
-        let mut buf = vec![0; NLMSG_HDRLEN];
-        buf[4..6].copy_from_slice(&kind.to_ne_bytes());
-        buf[6..8].copy_from_slice(&flags.to_ne_bytes());
-        buf.extend_from_slice(header);
-        pad(&mut buf);
-        Self { buf }
-    }
-
-    /// A generic netlink message of `family` for `cmd`.
-    fn genl(family: u16, cmd: u8, version: u8, flags: u16) -> Self {
-        Self::new(family, flags, &[cmd, version, 0, 0])
-    }
-
-    pub fn attr(&mut self, kind: u16, payload: &[u8]) -> &mut Self {
-        let len = (NLA_HDRLEN + payload.len()) as u16;
-        self.buf.extend_from_slice(&len.to_ne_bytes());
-        self.buf.extend_from_slice(&kind.to_ne_bytes());
-        self.buf.extend_from_slice(payload);
-        pad(&mut self.buf);
-        self
-    }
-
-    pub fn u16(&mut self, kind: u16, value: u16) -> &mut Self {
-        self.attr(kind, &value.to_ne_bytes())
-    }
-
-    pub fn u32(&mut self, kind: u16, value: u32) -> &mut Self {
-        self.attr(kind, &value.to_ne_bytes())
-    }
-
-    /// A NUL-terminated string.
-    pub fn string(&mut self, kind: u16, value: &str) -> &mut Self {
-        let mut bytes = value.as_bytes().to_vec();
-        bytes.push(0);
-        self.attr(kind, &bytes)
-    }
-
-    /// A nested attribute holding what `fill` adds.
-    pub fn nested(&mut self, kind: u16, fill: impl FnOnce(&mut Self)) -> &mut Self {
-        let start = self.buf.len();
-        self.buf.extend_from_slice(&[0, 0]);
-        self.buf.extend_from_slice(&kind.to_ne_bytes());
-        fill(self);
-        let len = (self.buf.len() - start) as u16;
-        self.buf[start..start + 2].copy_from_slice(&len.to_ne_bytes());
-        self
-    }
-
-    /// The bytes with length and sequence number set.
-    pub fn finish(&self, seq: u32) -> Vec<u8> {
-        let mut buf = self.buf.clone();
-        let len = buf.len() as u32;
-        buf[0..4].copy_from_slice(&len.to_ne_bytes());
-        buf[8..12].copy_from_slice(&seq.to_ne_bytes());
-        buf
-    }
-}
-
-fn pad(buf: &mut Vec<u8>) {
-    while !buf.len().is_multiple_of(4) {
-        buf.push(0);
-    }
-}
-
-/// The attributes in `data`: `(type without flags, payload)`.
-pub fn attrs(mut data: &[u8]) -> Vec<(u16, &[u8])> {
-    let mut out = Vec::new();
-    while data.len() >= NLA_HDRLEN {
-        let len = usize::from(u16::from_ne_bytes([data[0], data[1]]));
-        let kind = u16::from_ne_bytes([data[2], data[3]]) & 0x3fff;
-        if len < NLA_HDRLEN || len > data.len() {
-            break;
-        }
-        out.push((kind, &data[NLA_HDRLEN..len]));
-        let next = len.div_ceil(4) * 4;
-        data = &data[next.min(data.len())..];
-    }
-    out
-}
-
-fn find(attrs: &[(u16, &[u8])], kind: u16) -> Option<Vec<u8>> {
-    attrs.iter().find(|(k, _)| *k == kind).map(|(_, v)| v.to_vec())
-}
-
-fn read_u16(bytes: &[u8]) -> Option<u16> {
-    Some(u16::from_ne_bytes(bytes.get(..2)?.try_into().ok()?))
-}
-
-fn read_u32(bytes: &[u8]) -> Option<u32> {
-    Some(u32::from_ne_bytes(bytes.get(..4)?.try_into().ok()?))
-}
-
-fn read_ipv4(bytes: &[u8]) -> Option<Ipv4Addr> {
-    let octets: [u8; 4] = bytes.get(..4)?.try_into().ok()?;
-    Some(Ipv4Addr::from(octets))
-}
-
 /// `union nf_inet_addr` holding an IPv4 address.
 fn inet_addr(addr: Ipv4Addr) -> [u8; 16] {
     let mut bytes = [0; 16];
     bytes[..4].copy_from_slice(&addr.octets());
     bytes
-}
-
-/// A netlink socket of one protocol, in the network namespace of the
-/// thread that opened it.
-pub struct Socket {
-    fd: OwnedFd,
-    seq: u32,
-}
-
-/// An error the kernel answered with (negative errno in `NLMSG_ERROR`).
-#[derive(Debug, thiserror::Error)]
-#[error("the kernel answered: {source}")]
-pub struct KernelError {
-    pub source: io::Error,
-}
-
-impl KernelError {
-    pub fn errno(&self) -> Option<i32> {
-        self.source.raw_os_error()
-    }
-}
-
-impl Socket {
-    pub fn open(protocol: i32) -> Result<Self> {
-        // SAFETY: plain socket(2); the result is checked before use.
-        let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, protocol) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error()).context("opening a netlink socket");
-        }
-        // SAFETY: fd is a fresh descriptor owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        Ok(Self { fd, seq: 1 })
-    }
-
-    fn send(&mut self, message: &Message) -> Result<u32> {
-        self.seq = self.seq.wrapping_add(1);
-        let bytes = message.finish(self.seq);
-        // SAFETY: the kernel address (all zero) and a valid buffer.
-        let sent = unsafe {
-            let mut addr: libc::sockaddr_nl = std::mem::zeroed();
-            addr.nl_family = libc::AF_NETLINK as u16;
-            libc::sendto(
-                self.fd.as_raw_fd(),
-                bytes.as_ptr().cast(),
-                bytes.len(),
-                0,
-                (&raw const addr).cast(),
-                std::mem::size_of::<libc::sockaddr_nl>() as u32,
-            )
-        };
-        if sent < 0 {
-            return Err(io::Error::last_os_error()).context("sending a netlink message");
-        }
-        Ok(self.seq)
-    }
-
-    fn recv(&self, buf: &mut [u8]) -> Result<usize> {
-        // SAFETY: buf is valid for its length.
-        let n = unsafe { libc::recv(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-        if n < 0 {
-            return Err(io::Error::last_os_error()).context("receiving from netlink");
-        }
-        Ok(n as usize)
-    }
-
-    /// Sends `message` and returns the payloads (after the netlink header)
-    /// of the answers, until the ACK or the end of the dump. A kernel error
-    /// is returned as [`KernelError`].
-    pub fn request(&mut self, message: &Message) -> Result<Vec<Vec<u8>>> {
-        let seq = self.send(message)?;
-        let mut buf = vec![0u8; 1 << 16];
-        let mut out = Vec::new();
-        loop {
-            let n = self.recv(&mut buf)?;
-            let mut data = &buf[..n];
-            while data.len() >= NLMSG_HDRLEN {
-                let len = read_u32(data).unwrap_or(0) as usize;
-                if len < NLMSG_HDRLEN || len > data.len() {
-                    bail!("a truncated netlink message");
-                }
-                let kind = read_u16(&data[4..]).unwrap_or(0);
-                let msg_seq = read_u32(&data[8..]).unwrap_or(0);
-                let payload = &data[NLMSG_HDRLEN..len];
-                data = &data[(len.div_ceil(4) * 4).min(data.len())..];
-                if msg_seq != seq {
-                    continue;
-                }
-                match kind {
-                    NLMSG_DONE => return Ok(out),
-                    NLMSG_ERROR => {
-                        let code = payload
-                            .get(..4)
-                            .map(|b| i32::from_ne_bytes(b.try_into().unwrap_or([0; 4])));
-                        return match code {
-                            Some(0) => Ok(out),
-                            Some(errno) => Err(KernelError {
-                                source: io::Error::from_raw_os_error(-errno),
-                            }
-                            .into()),
-                            None => bail!("a truncated netlink error"),
-                        };
-                    }
-                    _ => out.push(payload.to_vec()),
-                }
-            }
-        }
-    }
-}
-
-/// The kernel's errno in `error`, if it is a [`KernelError`].
-pub fn errno(error: &anyhow::Error) -> Option<i32> {
-    error.downcast_ref::<KernelError>().and_then(KernelError::errno)
 }
 
 /// Why IPVS cannot be used here.
@@ -348,7 +118,7 @@ pub struct Ipvs {
 impl Ipvs {
     /// Opens the table; fails with [`NoIpvs`] when the kernel lacks IPVS.
     pub fn open() -> Result<Self> {
-        let mut socket = Socket::open(libc::NETLINK_GENERIC)?;
+        let mut socket = Socket::open(NETLINK_GENERIC)?;
         let mut message = Message::genl(GENL_ID_CTRL, CTRL_CMD_GETFAMILY, 1, NLM_F_REQUEST | NLM_F_ACK);
         message.string(CTRL_ATTR_FAMILY_NAME, IPVS_FAMILY);
         let answers = match socket.request(&message) {
@@ -606,15 +376,5 @@ mod tests {
             top,
             vec![(4, &900u32.to_ne_bytes()[..]), (6, &300u32.to_ne_bytes()[..])]
         );
-    }
-
-    #[test]
-    fn attributes_are_padded_to_four_bytes() {
-        let mut message = Message::new(1, 0, &[]);
-        message.string(1, "abcde").u16(2, 9);
-        let bytes = message.finish(0);
-        assert_eq!(bytes.len(), 16 + 12 + 8);
-        let parsed = attrs(&bytes[16..]);
-        assert_eq!(parsed, vec![(1, &b"abcde\0"[..]), (2, &9u16.to_ne_bytes()[..])]);
     }
 }

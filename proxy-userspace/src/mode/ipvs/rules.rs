@@ -22,12 +22,9 @@
 
 use anyhow::{Context, Result};
 
-use crate::mode::{
-    iptables::{
-        Iptables, SystemIptables,
-        restore::{Saved, remove_chains, rule_chain, rule_target},
-    },
-    options::LocalTraffic,
+use crate::{
+    mode::options::LocalTraffic,
+    sys::iptables::{Iptables, Saved, SystemIptables, remove_chains, rule_chain, rule_target},
 };
 
 use super::ipset::{CLUSTER_IP, LOOP_BACK, NODE_PORT_LOCAL_TCP, NODE_PORT_LOCAL_UDP, NODE_PORT_TCP, NODE_PORT_UDP};

@@ -13,10 +13,9 @@
 //! full sync writes nothing.
 //!
 //! Table, chain and map names (kube-proxy's hashes) are in [`names`], the
-//! rendering is in [`ruleset`], running `nft` is in [`nft`].
+//! rendering is in [`ruleset`], running `nft` is in [`crate::sys::nft`].
 
 pub mod names;
-pub mod nft;
 pub mod ruleset;
 
 use std::{
@@ -25,15 +24,15 @@ use std::{
     time::{Duration, Instant},
 };
 
+pub use crate::sys::nft::{Nft, SystemNft};
 use anyhow::{Context, Result};
-pub use nft::{Nft, SystemNft};
 use ruleset::{ChainRemoval, Objects, PortRules, port_rules};
 pub use ruleset::{NodePorts, Options};
 use tracing::{debug, info, warn};
 
 pub use super::options::LocalTraffic;
-use super::{Dataplane, options::NodePortScope};
-use crate::{config::Config, model::ServicePort, reconcile::Plan};
+use super::{Dataplane, Plan, SyncedChange, conntrack, options::NodePortScope};
+use crate::{config::Config, model::ServicePort};
 
 /// How long an emptied chain waits before it is deleted (kube-proxy's
 /// margin for kernels that release references late).
@@ -82,7 +81,9 @@ impl NftablesMode {
     pub fn start(config: &Config) -> Result<Self> {
         let system = SystemNft::default();
         system.check()?;
-        system.check_kernel().context("nftables is not usable here")?;
+        system
+            .check_kernel(names::FAMILY)
+            .context("nftables is not usable here")?;
         let opts = options(config);
         info!(?opts, "nftables mode ready");
         Ok(Self::new(opts, Box::new(system)))
@@ -110,8 +111,8 @@ impl Dataplane for NftablesMode {
         "nftables"
     }
 
-    fn nat_in_kernel_conntrack(&self) -> bool {
-        true
+    fn delete_stale_flows(&mut self, change: &SyncedChange<'_>) -> u64 {
+        conntrack::delete_stale_flows(change)
     }
 
     fn apply(&mut self, plan: &Plan) -> Result<()> {
@@ -204,7 +205,7 @@ impl Dataplane for NftablesMode {
         if let Some(verified) = &self.verified
             && verified.desired == *desired
         {
-            match self.nft.list_table() {
+            match self.nft.list_table(names::FAMILY, names::TABLE) {
                 Ok(Some(listing)) if listing == verified.listing => {
                     debug!("full nftables sync: the table holds what the last full sync wrote");
                     return Ok(());
@@ -227,7 +228,7 @@ impl Dataplane for NftablesMode {
         self.state = state;
         // The table was replaced: no chain of an earlier sync is left.
         self.leftovers.clear();
-        match self.nft.list_table() {
+        match self.nft.list_table(names::FAMILY, names::TABLE) {
             Ok(Some(listing)) => {
                 self.verified = Some(Verified {
                     desired: desired.clone(),
@@ -272,7 +273,7 @@ pub fn cleanup() -> Result<bool> {
 
 /// [`cleanup`] through `nft`.
 pub fn cleanup_with(nft: &mut dyn Nft) -> Result<bool> {
-    match nft.list_table() {
+    match nft.list_table(names::FAMILY, names::TABLE) {
         Ok(Some(_)) => {}
         Ok(None) => return Ok(false),
         // E.g. a kernel without nf_tables: then there is no table either.

@@ -11,7 +11,7 @@
 
 use sha2::{Digest, Sha256};
 
-use crate::model::{Endpoint, Protocol, ServicePort};
+use crate::model::{Endpoint, ServicePort};
 
 /// The table's family and name: not kube-proxy's `kube-proxy`, so both can
 /// run side by side and cleaning up one never touches the other.
@@ -74,20 +74,12 @@ pub fn is_service_chain(chain: &str) -> bool {
     chain.contains('/')
 }
 
-/// kube-proxy's spelling of a protocol, in names and rules.
-pub fn protocol(p: Protocol) -> &'static str {
-    match p {
-        Protocol::Tcp => "tcp",
-        Protocol::Udp => "udp",
-    }
-}
-
 /// `namespace/service/protocol/port` of a port named `namespace/service[:port]`.
 fn port_path(port: &ServicePort) -> String {
     let (ns, rest) = port.name.split_once('/').unwrap_or(("", &port.name));
     // Service names cannot hold ':', so the first one starts the port name.
     let (service, port_name) = rest.split_once(':').unwrap_or((rest, ""));
-    format!("{ns}/{service}/{}/{port_name}", protocol(port.protocol))
+    format!("{ns}/{service}/{}/{port_name}", port.protocol.lowercase())
 }
 
 /// `HASH-name`, cut to [`BASE_MAX`]. Characters nftables does not take in
@@ -138,6 +130,7 @@ mod tests {
     use std::net::Ipv4Addr;
 
     use super::*;
+    use crate::model::Protocol;
 
     fn port(name: &str) -> ServicePort {
         ServicePort {

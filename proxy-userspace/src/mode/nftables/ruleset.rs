@@ -42,8 +42,8 @@ use std::{collections::BTreeMap, fmt::Write as _, net::Ipv4Addr};
 use super::names::{self, FAMILY, TABLE};
 use crate::{
     config::Cidr,
-    mode::{EndpointSets, options::LocalTraffic},
-    model::{Endpoint, ServicePort},
+    mode::options::LocalTraffic,
+    model::{Endpoint, EndpointSets, ServicePort},
 };
 
 const TABLE_COMMENT: &str = "rules for xproxy (kube-proxy's nftables layout)";
@@ -179,7 +179,7 @@ pub struct PortRules {
 /// endpoint and the rest, unmasqueraded, to `local-…`. Traffic left with no
 /// endpoint is rejected if the port has none at all, else dropped.
 pub fn port_rules(opts: &Options, port: &ServicePort) -> PortRules {
-    let proto = names::protocol(port.protocol);
+    let proto = port.protocol.lowercase();
     let sets = EndpointSets::of(port, opts.node_name.as_deref());
     let cluster_key = format!("{} . {proto} . {}", port.cluster_ip, port.port);
     let node_key = port.node_port.map(|np| format!("{proto} . {np}"));
@@ -273,7 +273,7 @@ pub fn port_rules(opts: &Options, port: &ServicePort) -> PortRules {
 /// to masquerade (all, off-cluster traffic, or none if local traffic
 /// cannot be told apart).
 fn internal_masquerade(opts: &Options, port: &ServicePort) -> Option<String> {
-    let proto = names::protocol(port.protocol);
+    let proto = port.protocol.lowercase();
     let destination = format!("ip daddr {} {proto} dport {}", port.cluster_ip, port.port);
     if opts.masquerade_all {
         Some(format!("{destination} jump {}", names::MARK_MASQ))

@@ -121,7 +121,7 @@ impl Nft for FakeNft {
         Ok(())
     }
 
-    fn list_table(&mut self) -> Result<Option<String>> {
+    fn list_table(&mut self, _family: &str, _table: &str) -> Result<Option<String>> {
         Ok(self.0.lock().expect("lock").listing.clone())
     }
 }

@@ -22,10 +22,7 @@ use std::{
 
 use tokio::sync::watch;
 
-use crate::{
-    mode::usable_endpoints,
-    model::{Endpoint, ServicePort},
-};
+use crate::model::{Endpoint, ServicePort, usable_endpoints};
 
 /// The endpoint set as the tasks see it.
 pub type Endpoints = Arc<[SocketAddrV4]>;

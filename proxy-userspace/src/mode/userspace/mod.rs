@@ -41,13 +41,12 @@ use rules::{JUMPS, Jump, PortRules, Target};
 use tokio::runtime::Handle;
 use tracing::{debug, info, warn};
 
-use super::{
-    Dataplane,
-    iptables::{Iptables, Saved, SystemIptables, restore},
-    options::NodePortScope,
-    usable_endpoints,
+use super::{Dataplane, Plan, options::NodePortScope};
+use crate::{
+    config::Config,
+    model::{ServicePort, usable_endpoints},
+    sys::iptables::{Iptables, Saved, SystemIptables, owned_lines, remove_chains},
 };
-use crate::{config::Config, model::ServicePort, reconcile::Plan};
 
 /// What shapes the mode besides the service ports.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -228,7 +227,7 @@ impl Dataplane for UserspaceMode {
             && self
                 .verified
                 .as_ref()
-                .is_some_and(|v| *v == restore::owned_lines(&saved, rules::is_ours));
+                .is_some_and(|v| *v == owned_lines(&saved, rules::is_ours));
         if unchanged {
             debug!("full userspace sync: the kernel holds what the last full sync wrote");
             drop(retired);
@@ -239,7 +238,7 @@ impl Dataplane for UserspaceMode {
         self.written = Some(body.text);
         drop(retired);
         match self.iptables.save() {
-            Ok(after) => self.verified = Some(restore::owned_lines(&Saved::parse(&after), rules::is_ours)),
+            Ok(after) => self.verified = Some(owned_lines(&Saved::parse(&after), rules::is_ours)),
             Err(e) => warn!(
                 error = format!("{e:#}"),
                 "cannot read the rules back; the next full sync rewrites them"
@@ -292,7 +291,7 @@ pub fn cleanup() -> Result<usize> {
 
 /// [`cleanup`] through `iptables`.
 pub fn cleanup_with(iptables: &mut dyn Iptables) -> Result<usize> {
-    restore::remove_chains(iptables, rules::is_ours)
+    remove_chains(iptables, rules::is_ours)
 }
 
 #[cfg(test)]

@@ -32,11 +32,7 @@
 
 use std::{fmt::Write as _, net::Ipv4Addr};
 
-use crate::{
-    config::Cidr,
-    mode::{iptables::chains::protocol, options::NodePortScope},
-    model::ServicePort,
-};
+use crate::{config::Cidr, mode::options::NodePortScope, model::ServicePort};
 
 /// nat, from PREROUTING: ClusterIP traffic from pods and from outside.
 pub const CONTAINER_PORTALS: &str = "KUBE-PORTALS-CONTAINER";
@@ -261,7 +257,7 @@ pub fn render(node_ports: &NodePortAddresses, ports: &[PortRules<'_>], jumps: &[
 
 /// `service`'s rules in `chain` (one of [`NAT_CHAINS`]).
 fn proxy_rules(chain: &str, node_ports: &NodePortAddresses, service: &ServicePort, listener: u16) -> Vec<String> {
-    let proto = protocol(service.protocol);
+    let proto = service.protocol.lowercase();
     let comment = quote(&service.name);
     let from_host = chain == HOST_PORTALS || chain == HOST_NODE_PORTS;
     let target = if from_host {
@@ -289,7 +285,7 @@ fn proxy_rules(chain: &str, node_ports: &NodePortAddresses, service: &ServicePor
 
 /// The REJECT rules of a port without endpoints.
 fn reject_rules(node_ports: &NodePortAddresses, service: &ServicePort) -> Vec<String> {
-    let proto = protocol(service.protocol);
+    let proto = service.protocol.lowercase();
     let comment = quote(&format!("{} has no endpoints", service.name));
     let reject = "-j REJECT --reject-with icmp-port-unreachable";
     let mut rules = vec![format!(

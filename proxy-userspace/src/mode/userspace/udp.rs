@@ -227,13 +227,8 @@ impl Sessions {
 /// that reports WouldBlock until the reactor has seen the new socket
 /// writable once, which would lose every session's first datagram.
 fn send_now(socket: &UdpSocket, data: &[u8]) -> io::Result<usize> {
-    // SAFETY: send reads `data.len()` bytes from a live buffer on a socket
-    // this process owns.
-    let sent = unsafe { libc::send(socket.as_raw_fd(), data.as_ptr().cast(), data.len(), libc::MSG_DONTWAIT) };
-    if sent < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(sent as usize)
+    let sent = nix::sys::socket::send(socket.as_raw_fd(), data, nix::sys::socket::MsgFlags::MSG_DONTWAIT)?;
+    Ok(sent)
 }
 
 /// What a session's reply task needs.

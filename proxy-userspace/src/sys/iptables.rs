@@ -1,16 +1,15 @@
-//! Talking to the kernel: `iptables-save` to read, one
-//! `iptables-restore --noflush` per sync to write (atomic per table, and
-//! never touching chains that are not named in its input).
+//! iptables, as every mode that writes rules uses it: `iptables-save` to
+//! read, `iptables-restore --noflush` to write (atomic per table, and never
+//! touching chains that are not named in its input), the parsed form of a
+//! save, and the removal of a mode's chains with the jumps into them.
 
-use std::{
-    collections::BTreeMap,
-    io::Write,
-    process::{Command, Stdio},
-};
+use std::collections::BTreeMap;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 
-/// What the mode needs from iptables; tests use a fake.
+use super::tool;
+
+/// What the modes need from iptables; tests use a fake.
 pub trait Iptables: Send {
     /// The whole ruleset, as `iptables-save` prints it.
     fn save(&mut self) -> Result<String>;
@@ -37,23 +36,13 @@ impl Default for SystemIptables {
 
 /// How long `iptables-restore` waits for the xtables lock (legacy backend).
 const LOCK_WAIT_SECONDS: &str = "5";
+const PACKAGE: &str = "the iptables package";
 
 impl SystemIptables {
     /// Fails if the binaries cannot be run at all.
     pub fn check(&self) -> Result<()> {
-        for binary in [&self.save, &self.restore] {
-            let out = Command::new(binary)
-                .arg("--version")
-                .output()
-                .with_context(|| format!("running {binary} (is the iptables package installed?)"))?;
-            if !out.status.success() {
-                bail!(
-                    "{binary} --version failed: {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                );
-            }
-        }
-        Ok(())
+        tool::check_runs(&self.save, PACKAGE)?;
+        tool::check_runs(&self.restore, PACKAGE)
     }
 }
 
@@ -61,71 +50,19 @@ impl Iptables for SystemIptables {
     fn save(&mut self) -> Result<String> {
         // Without `-t`: naming a table that does not exist yet would create
         // it (nf_tables backend).
-        let out = Command::new(&self.save)
-            .output()
-            .with_context(|| format!("running {}", self.save))?;
-        if !out.status.success() {
-            bail!(
-                "{} failed ({}): {}",
-                self.save,
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
-        String::from_utf8(out.stdout).with_context(|| format!("{} printed invalid UTF-8", self.save))
+        let out = tool::run(&self.save, &[], PACKAGE)?;
+        tool::stdout_of(&self.save, &[], out)
     }
 
     fn restore(&mut self, input: &str) -> Result<()> {
-        let mut child = Command::new(&self.restore)
-            .args(["-w", LOCK_WAIT_SECONDS, "--noflush"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("running {}", self.restore))?;
-        let written = child
-            .stdin
-            .take()
-            .context("no stdin for iptables-restore")?
-            .write_all(input.as_bytes());
-        let out = child
-            .wait_with_output()
-            .with_context(|| format!("waiting for {}", self.restore))?;
-        if !out.status.success() {
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            bail!(
-                "{} --noflush failed ({}): {}{}",
-                self.restore,
-                out.status,
-                stderr.trim(),
-                failed_line_context(input, &stderr)
-            );
-        }
-        written.context("writing to iptables-restore")?;
+        tool::pipe(
+            &self.restore,
+            &["-w", LOCK_WAIT_SECONDS, "--noflush"],
+            input,
+            |stderr| tool::line_after(stderr, "line "),
+        )?;
         Ok(())
     }
-}
-
-/// The input lines around the one `iptables-restore` complained about
-/// ("line N: ..."), like kube-proxy logs them.
-fn failed_line_context(input: &str, stderr: &str) -> String {
-    let Some(line) = stderr
-        .split("line ")
-        .skip(1)
-        .find_map(|rest| rest.split(|c: char| !c.is_ascii_digit()).next()?.parse::<usize>().ok())
-    else {
-        return String::new();
-    };
-    let lines: Vec<&str> = input.lines().collect();
-    let first = line.saturating_sub(3);
-    let last = (line + 2).min(lines.len());
-    let shown: Vec<String> = (first..last)
-        .map(|i| format!("{}{:>6}: {}", if i + 1 == line { "=>" } else { "  " }, i + 1, lines[i]))
-        .collect();
-    if shown.is_empty() {
-        return String::new();
-    }
-    format!("\ninput around line {line}:\n{}", shown.join("\n"))
 }
 
 /// One table of `iptables-save` output.
@@ -298,9 +235,9 @@ COMMIT
     #[test]
     fn shows_the_failed_line() {
         let input = "*nat\n:A - [0:0]\n-A A -j B\n-X A\nCOMMIT\n";
-        let shown = failed_line_context(input, "iptables-restore: line 3 failed");
+        let line = tool::line_after("iptables-restore: line 3 failed", "line ").expect("a line");
+        let shown = tool::lines_around(input, line);
         assert!(shown.contains("=>     3: -A A -j B"), "{shown}");
         assert!(shown.contains("       2: :A - [0:0]"), "{shown}");
-        assert_eq!(failed_line_context(input, "something else"), "");
     }
 }

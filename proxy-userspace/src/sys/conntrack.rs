@@ -1,0 +1,187 @@
+//! Deleting UDP flows from the kernel's connection tracking over netlink
+//! (ctnetlink, `NFNL_SUBSYS_CTNETLINK`): one dump of the IPv4 table, then
+//! an `IPCTNL_MSG_CT_DELETE` of each entry a filter matches, all on one
+//! socket. This is what `conntrack -D -p udp --orig-dst ... --dst-nat ...`
+//! does, without a process per filter (kube-proxy moved to netlink too).
+//! The filters are applied here rather than in the kernel: the kernel's
+//! own flush filter cannot match the NAT target on every kernel the modes
+//! run on.
+
+use std::net::Ipv4Addr;
+
+use anyhow::{Context, Result};
+use tracing::debug;
+
+use super::netlink::{
+    Message, NETLINK_NETFILTER, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, Socket, attrs, errno, find, read_ipv4,
+};
+
+// linux/netfilter/nfnetlink.h, nfnetlink_conntrack.h.
+const NFNL_SUBSYS_CTNETLINK: u16 = 1;
+const IPCTNL_MSG_CT_GET: u16 = 1;
+const IPCTNL_MSG_CT_DELETE: u16 = 2;
+const NFNETLINK_V0: u8 = 0;
+const CTA_TUPLE_ORIG: u16 = 1;
+const CTA_TUPLE_REPLY: u16 = 2;
+const CTA_STATUS: u16 = 3;
+const CTA_ZONE: u16 = 18;
+const CTA_TUPLE_IP: u16 = 1;
+const CTA_TUPLE_PROTO: u16 = 2;
+const CTA_IP_V4_SRC: u16 = 1;
+const CTA_IP_V4_DST: u16 = 2;
+const CTA_PROTO_NUM: u16 = 1;
+const CTA_PROTO_SRC_PORT: u16 = 2;
+const CTA_PROTO_DST_PORT: u16 = 3;
+/// `IPS_DST_NAT` in `CTA_STATUS`: the flow's destination was translated.
+const IPS_DST_NAT: u32 = 1 << 5;
+const IPPROTO_UDP: u8 = 17;
+
+/// UDP flows to delete, by what their conntrack entry holds; a field left
+/// `None` matches anything.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct UdpFlowFilter {
+    /// The original destination address (where the client sent to).
+    pub orig_dst: Option<Ipv4Addr>,
+    /// The original destination port.
+    pub orig_dst_port: Option<u16>,
+    /// The address the flow was DNATed to (its replies' source).
+    pub dst_nat: Option<Ipv4Addr>,
+}
+
+impl UdpFlowFilter {
+    /// Whether `entry` is one of these flows (as `conntrack -D -p udp`
+    /// with `--orig-dst`, `--orig-port-dst`, `--dst-nat` judges it).
+    pub fn matches(&self, entry: &Entry) -> bool {
+        entry.orig.proto == IPPROTO_UDP
+            && self.orig_dst.is_none_or(|dst| entry.orig.dst == dst)
+            && self.orig_dst_port.is_none_or(|port| entry.orig.dport == port)
+            && self.dst_nat.is_none_or(|nat| entry.dst_nat && entry.reply.src == nat)
+    }
+}
+
+/// One direction of a tracked flow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tuple {
+    pub src: Ipv4Addr,
+    pub dst: Ipv4Addr,
+    /// The IP protocol number.
+    pub proto: u8,
+    pub sport: u16,
+    pub dport: u16,
+}
+
+/// A conntrack entry, as far as the filters look.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Entry {
+    /// The flow as the client sent it.
+    pub orig: Tuple,
+    /// The flow as the replies come back (source: the DNAT target).
+    pub reply: Tuple,
+    /// Whether the destination was translated.
+    pub dst_nat: bool,
+    /// The conntrack zone, if not the default one.
+    zone: Option<u16>,
+}
+
+/// Deletes the flows any of `filters` matches from the calling thread's
+/// network namespace; returns how many entries went. An entry that expires
+/// between the dump and its deletion is not an error.
+pub fn delete_udp_flows(filters: &[UdpFlowFilter]) -> Result<u64> {
+    if filters.is_empty() {
+        return Ok(0);
+    }
+    let mut socket = Socket::open(NETLINK_NETFILTER)?;
+    let mut doomed = Vec::new();
+    socket
+        .request_each(&dump_message(), |payload| {
+            if let Some(entry) = parse_entry(payload)
+                && filters.iter().any(|f| f.matches(&entry))
+            {
+                doomed.push(entry);
+            }
+            Ok(())
+        })
+        .context("listing the conntrack table")?;
+    let mut deleted = 0;
+    for entry in &doomed {
+        match socket.request(&delete_message(entry)) {
+            Ok(_) => deleted += 1,
+            Err(e) if errno(&e) == Some(libc::ENOENT) => {}
+            Err(e) => return Err(e.context(format!("deleting the conntrack entry {entry:?}"))),
+        }
+    }
+    debug!(filters = filters.len(), deleted, "deleted stale UDP flows");
+    Ok(deleted)
+}
+
+/// A ctnetlink message of `kind` about IPv4 entries.
+fn message(kind: u16, flags: u16) -> Message {
+    let nfgenmsg = [libc::AF_INET as u8, NFNETLINK_V0, 0, 0];
+    Message::new((NFNL_SUBSYS_CTNETLINK << 8) | kind, flags, &nfgenmsg)
+}
+
+/// Lists the IPv4 table.
+fn dump_message() -> Message {
+    message(IPCTNL_MSG_CT_GET, NLM_F_REQUEST | NLM_F_DUMP)
+}
+
+/// Deletes `entry`, named by its original tuple (and zone).
+fn delete_message(entry: &Entry) -> Message {
+    let mut message = message(IPCTNL_MSG_CT_DELETE, NLM_F_REQUEST | NLM_F_ACK);
+    put_tuple(&mut message, CTA_TUPLE_ORIG, entry.orig);
+    if let Some(zone) = entry.zone {
+        message.attr(CTA_ZONE, &zone.to_be_bytes());
+    }
+    message
+}
+
+/// `tuple` as attribute `kind` (`CTA_TUPLE_ORIG`/`_REPLY`), nested as the
+/// kernel nests it.
+fn put_tuple(message: &mut Message, kind: u16, tuple: Tuple) {
+    message.nested(kind, |m| {
+        m.nested(CTA_TUPLE_IP, |m| {
+            m.attr(CTA_IP_V4_SRC, &tuple.src.octets())
+                .attr(CTA_IP_V4_DST, &tuple.dst.octets());
+        })
+        .nested(CTA_TUPLE_PROTO, |m| {
+            m.attr(CTA_PROTO_NUM, &[tuple.proto])
+                .attr(CTA_PROTO_SRC_PORT, &tuple.sport.to_be_bytes())
+                .attr(CTA_PROTO_DST_PORT, &tuple.dport.to_be_bytes());
+        });
+    });
+}
+
+/// An entry from a dump answer's payload (after the netlink header); `None`
+/// for anything that is not an IPv4 TCP/UDP-like entry with both tuples.
+fn parse_entry(payload: &[u8]) -> Option<Entry> {
+    let top = attrs(payload.get(4..)?);
+    let status = find(&top, CTA_STATUS).and_then(|s| Some(u32::from_be_bytes(s.get(..4)?.try_into().ok()?)));
+    let zone = find(&top, CTA_ZONE)
+        .and_then(|z| Some(u16::from_be_bytes(z.get(..2)?.try_into().ok()?)))
+        .filter(|z| *z != 0);
+    Some(Entry {
+        orig: parse_tuple(&find(&top, CTA_TUPLE_ORIG)?)?,
+        reply: parse_tuple(&find(&top, CTA_TUPLE_REPLY)?)?,
+        dst_nat: status.is_some_and(|s| s & IPS_DST_NAT != 0),
+        zone,
+    })
+}
+
+fn parse_tuple(tuple: &[u8]) -> Option<Tuple> {
+    let fields = attrs(tuple);
+    let ip = find(&fields, CTA_TUPLE_IP)?;
+    let ip = attrs(&ip);
+    let proto = find(&fields, CTA_TUPLE_PROTO)?;
+    let proto = attrs(&proto);
+    let port = |kind| Some(u16::from_be_bytes(find(&proto, kind)?.get(..2)?.try_into().ok()?));
+    Some(Tuple {
+        src: read_ipv4(&find(&ip, CTA_IP_V4_SRC)?)?,
+        dst: read_ipv4(&find(&ip, CTA_IP_V4_DST)?)?,
+        proto: *find(&proto, CTA_PROTO_NUM)?.first()?,
+        sport: port(CTA_PROTO_SRC_PORT)?,
+        dport: port(CTA_PROTO_DST_PORT)?,
+    })
+}
+
+#[cfg(test)]
+mod tests;
