@@ -18,12 +18,11 @@ use std::{collections::BTreeMap, net::Ipv4Addr, path::Path};
 use anyhow::Result;
 use proxy_userspace::{
     mode::{
-        Dataplane,
+        Dataplane, Plan,
         ipvs::{self, IpvsMode, IpvsOptions, NoIpvs, netlink::Ipvs, rules::RuleOptions},
         options::LocalTraffic,
     },
     model::{Endpoint, Protocol, ServicePort},
-    reconcile::Plan,
 };
 use testbed::{
     agent_bed::ipvs_virtual_servers,

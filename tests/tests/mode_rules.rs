@@ -24,7 +24,7 @@ use std::{
 use anyhow::Result;
 use proxy_userspace::{
     mode::{
-        Dataplane,
+        Dataplane, Plan,
         iptables::{
             self, Iptables, IptablesMode, RuleOptions, SystemIptables,
             chains::{self, PortChains},
@@ -33,7 +33,6 @@ use proxy_userspace::{
         options::LocalTraffic,
     },
     model::{Endpoint, Protocol, ServicePort},
-    reconcile::Plan,
 };
 use testbed::{
     agent_bed::workspace_root,

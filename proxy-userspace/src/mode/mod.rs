@@ -16,9 +16,7 @@ use std::collections::BTreeMap;
 
 use anyhow::Result;
 
-// The ebpf mode's map writer still names these by their old home.
 use crate::model::ServicePort;
-pub use crate::model::{EndpointSets, usable_endpoints};
 
 /// Changes for a data-plane mode to apply: first `remove`, then `upsert`.
 /// The reconciler computes it (`reconcile::diff`); every mode takes it.

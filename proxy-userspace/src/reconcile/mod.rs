@@ -5,5 +5,3 @@ pub mod diff;
 pub mod runner;
 
 pub use diff::{diff, diff_of};
-// `Plan` lives with the `Dataplane` trait; re-exported where it was.
-pub use crate::mode::Plan;

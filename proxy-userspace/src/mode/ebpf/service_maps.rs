@@ -50,8 +50,7 @@ use super::{
 };
 use crate::{
     dump::Snapshot,
-    mode::EndpointSets,
-    model::{Endpoint, ServicePort},
+    model::{Endpoint, EndpointSets, ServicePort},
 };
 
 /// What was written for one Service port, to diff the next write against.

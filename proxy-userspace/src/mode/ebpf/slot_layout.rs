@@ -4,7 +4,7 @@
 
 use anyhow::{Context, Result};
 
-use crate::{mode::EndpointSets, model::Endpoint};
+use crate::model::{Endpoint, EndpointSets};
 
 /// The endpoints of a Service port's backend set in slot order, and the run
 /// of slots each traffic policy uses. This node's endpoints come first, so
@@ -49,10 +49,7 @@ mod tests {
     use std::net::Ipv4Addr;
 
     use super::*;
-    use crate::{
-        mode::usable_endpoints,
-        model::{ServicePort, TrafficPolicy},
-    };
+    use crate::model::{ServicePort, TrafficPolicy, usable_endpoints};
 
     #[test]
     fn terminating_endpoints_serve_only_when_none_is_ready() {

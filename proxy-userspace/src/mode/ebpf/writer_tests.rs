@@ -14,8 +14,7 @@ use proxy_common::{Backend, BackendSlotKey, RevNat};
 use super::{FaultyMaps, LbMaps, MemoryMaps, ServiceMaps, Table};
 use crate::{
     dump::{BackendRow, FrontendRow, Snapshot, render_services},
-    mode::EndpointSets,
-    model::{Endpoint, Protocol, ServicePort, TrafficPolicy},
+    model::{Endpoint, EndpointSets, Protocol, ServicePort, TrafficPolicy},
 };
 
 const NODE_IPS: [Ipv4Addr; 2] = [Ipv4Addr::new(192, 0, 2, 1), Ipv4Addr::new(192, 0, 2, 2)];
