@@ -14,9 +14,10 @@ const BUILD_COMMAND: &str = "cargo xtask build-ebpf";
 
 fn main() {
     let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
-    let built = env::var_os("XPROXY_EBPF_OBJECT")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| manifest_dir.join("../proxy-ebpf/target/bpfel-unknown-none/release/proxy-ebpf"));
+    let built = env::var_os("XPROXY_EBPF_OBJECT").map_or_else(
+        || manifest_dir.join("../proxy-ebpf/target/bpfel-unknown-none/release/proxy-ebpf"),
+        PathBuf::from,
+    );
     println!("cargo:rerun-if-env-changed=XPROXY_EBPF_OBJECT");
     println!("cargo:rerun-if-changed={}", built.display());
 

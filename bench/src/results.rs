@@ -282,7 +282,7 @@ impl Machine {
                 .to_string(),
             host: read_trimmed("/proc/sys/kernel/hostname").unwrap_or_else(|| "unknown".into()),
             kernel: read_trimmed("/proc/sys/kernel/osrelease").unwrap_or_else(|| "unknown".into()),
-            cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            cpus: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
             cpu_model: cpuinfo
                 .lines()
                 .find_map(|l| {

@@ -228,7 +228,7 @@ impl<'a> Runner<'a> {
         let mut targets = [(&topo.client_pod.ns, &mut from_pod), (&topo.client, &mut from_client)];
         let rounds = self.plan.rounds;
         let mut found = latency::interleaved(&mut targets, rounds, self.plan.connections, &|m| {
-            self.progress.message(m)
+            self.progress.message(m);
         })?;
         let nodeport_path = found.pop().context("two results")?;
         let clusterip_path = found.pop().context("two results")?;
@@ -369,7 +369,7 @@ impl<'a> Runner<'a> {
             let mut pairs: Vec<(&testbed::netns::Netns, &mut Target)> =
                 addrs.iter().map(|(ns, _)| *ns).zip(targets.iter_mut()).collect();
             let found = latency::interleaved(&mut pairs, self.plan.rounds, self.plan.connections, &|m| {
-                self.progress.message(&format!("{label}: {m}"))
+                self.progress.message(&format!("{label}: {m}"));
             })?;
             run_latency(found)
         })?);
@@ -415,7 +415,7 @@ impl<'a> Runner<'a> {
             let addr = SocketAddrV4::new(CHANGE_CLUSTER_IP, PORT);
             run.endpoint_change = Some(self.progress.part(&format!("{label}: endpoint changes"), || {
                 programming::endpoint_changes(api, &topo.client_pod.ns, addr, pods, n, self.plan.changes, &|m| {
-                    self.progress.message(&format!("{label}: {m}"))
+                    self.progress.message(&format!("{label}: {m}"));
                 })
             })?);
             agent.alive()?;

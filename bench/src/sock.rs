@@ -73,7 +73,7 @@ pub fn connect_from(from_port: u16, to: SocketAddrV4, timeout: Duration) -> io::
     }
     let tv = libc::timeval {
         tv_sec: timeout.as_secs() as libc::time_t,
-        tv_usec: timeout.subsec_micros() as libc::suseconds_t,
+        tv_usec: libc::suseconds_t::from(timeout.subsec_micros()),
     };
     // SAFETY: tv is a valid timeval of the size passed.
     check(unsafe {

@@ -315,7 +315,7 @@ pub fn state_index(state: u8) -> usize {
 
 #[inline(always)]
 pub fn seconds_to_ns(seconds: u32) -> u64 {
-    seconds as u64 * 1_000_000_000
+    u64::from(seconds) * 1_000_000_000
 }
 
 /// How stale `last_seen_ns` may get before a packet refreshes it. Far

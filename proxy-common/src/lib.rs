@@ -38,6 +38,9 @@ pub mod proto {
 /// Only plain-old-data structs go here: no enums, no `Option`s.
 #[cfg(feature = "user")]
 macro_rules! impl_aya_pod {
+    // SAFETY: every type listed is `#[repr(C)]` plain old data (bytemuck's
+    // `Pod` is derived for each, which checks that it has no padding and
+    // that every bit pattern is valid), as aya's `Pod` requires.
     ($($t:ty),* $(,)?) => { $( unsafe impl aya::Pod for $t {} )* };
 }
 #[cfg(feature = "user")]

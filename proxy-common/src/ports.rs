@@ -27,7 +27,7 @@ pub const PORT_WORDS: u32 = 1024;
 /// The element index and the bit of `port` (host order).
 #[inline(always)]
 pub fn slot(port: u16) -> (u32, u64) {
-    ((port >> 6) as u32, 1u64 << (port & 63))
+    (u32::from(port >> 6), 1u64 << (port & 63))
 }
 
 const _: () = assert!(core::mem::size_of::<PortBits>() == 16);

@@ -284,9 +284,9 @@ mod tests {
                     first["default/web"].endpoints[0].addr.to_string(),
                     "10.244.0.2",
                     "synced too early"
-                )
+                );
             }
-            other => panic!("the first sync must be a full one, got {other:?}"),
+            other @ Call::Apply(_) => panic!("the first sync must be a full one, got {other:?}"),
         }
 
         tx.send(SourceEvent::Services(Update::Delete(svc()))).await.unwrap();

@@ -295,11 +295,10 @@ fn config_map_file(manifests: &Manifests, pod: &PodSpec, container: &Container, 
         .unwrap_or_else(|| panic!("volume {:?} is not a ConfigMap", volume.name));
     let relative = relative.to_str().expect("UTF-8 path");
     let key = match &source.items {
-        Some(items) => items
-            .iter()
-            .find(|i| i.path == relative)
-            .map(|i| i.key.as_str())
-            .unwrap_or_else(|| panic!("ConfigMap volume {:?} has no item at {relative}", volume.name)),
+        Some(items) => items.iter().find(|i| i.path == relative).map_or_else(
+            || panic!("ConfigMap volume {:?} has no item at {relative}", volume.name),
+            |i| i.key.as_str(),
+        ),
         None => relative,
     };
     let name = source.name.as_str();
@@ -340,8 +339,10 @@ fn probe_get<'a>(container: &Container, probe: Option<&'a Probe>, what: &str) ->
             .iter()
             .flatten()
             .find(|p| p.name.as_deref() == Some(name.as_str()))
-            .map(|p| p.container_port)
-            .unwrap_or_else(|| panic!("{what} probe: the container has no port named {name:?}")),
+            .map_or_else(
+                || panic!("{what} probe: the container has no port named {name:?}"),
+                |p| p.container_port,
+            ),
     };
     (get, port)
 }

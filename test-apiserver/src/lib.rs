@@ -139,11 +139,11 @@ pub struct Shared {
 
 impl Shared {
     fn addr(&self) -> SocketAddr {
-        *self.addr.lock().unwrap_or_else(|e| e.into_inner())
+        *self.addr.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn record(&self, method: &str, path: &str, query: &str, accept: &str) {
-        let mut st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = self.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         *st.by_path.entry(path.to_string()).or_default() += 1;
         if st.log.len() >= REQUEST_LOG {
             st.log.pop_front();
@@ -157,7 +157,7 @@ impl Shared {
     }
 
     fn stats_json(&self) -> Value {
-        let st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let st = self.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         json!({
             "openWatches": self.open_watches.load(Ordering::SeqCst),
             "watchesStarted": self.watches_started.load(Ordering::SeqCst),
@@ -167,7 +167,7 @@ impl Shared {
     }
 
     fn requests_json(&self) -> Value {
-        let st = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let st = self.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         st.log
             .iter()
             .map(|r| json!({"method": r.method, "path": r.path, "query": r.query, "accept": r.accept}))
@@ -175,7 +175,10 @@ impl Shared {
     }
 
     fn take_running(&self) -> Option<Running> {
-        self.running.lock().unwrap_or_else(|e| e.into_inner()).take()
+        self.running
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
     }
 
     /// Binds the address (the same one after a stop) and serves. (Boxed:
@@ -187,12 +190,17 @@ impl Shared {
     }
 
     async fn start_inner(self: &Arc<Self>) -> io::Result<SocketAddr> {
-        if self.running.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+        if self
+            .running
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_some()
+        {
             return Ok(self.addr());
         }
         let listener = bind_retrying(self.addr()).await?;
         let addr = listener.local_addr()?;
-        *self.addr.lock().unwrap_or_else(|e| e.into_inner()) = addr;
+        *self.addr.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = addr;
         let (shutdown, mut stop) = oneshot::channel::<()>();
         let shared = self.clone();
         let task = tokio::spawn(async move {
@@ -217,7 +225,7 @@ impl Shared {
             // Every connection, watches included, goes down at once.
             conns.shutdown().await;
         });
-        let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        let mut running = self.running.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if running.is_some() {
             // Lost a race with another start: keep the first.
             task.abort();
@@ -438,7 +446,11 @@ impl TestApiServer {
     }
 
     pub fn is_running(&self) -> bool {
-        self.shared.running.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+        self.shared
+            .running
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_some()
     }
 
     /// An API server outage: stop, wait `down`, restart.
@@ -485,7 +497,11 @@ impl TestApiServer {
 
     /// Requests so far to a path (any method, query ignored).
     pub fn request_count(&self, path: &str) -> u64 {
-        let st = self.shared.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let st = self
+            .shared
+            .stats
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         st.by_path.get(path).copied().unwrap_or(0)
     }
 
@@ -494,14 +510,18 @@ impl TestApiServer {
         self.shared
             .stats
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
             .by_path
             .clone()
     }
 
     /// The last requests (up to 10 000), oldest first.
     pub fn requests(&self) -> Vec<RequestRecord> {
-        let st = self.shared.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let st = self
+            .shared
+            .stats
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         st.log.iter().cloned().collect()
     }
 }

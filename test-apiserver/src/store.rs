@@ -283,10 +283,7 @@ pub struct Store {
 
 /// RFC 3339 UTC time, seconds precision, as Kubernetes writes it.
 pub fn now_rfc3339() -> String {
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
+    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let days = (secs / 86_400) as i64;
     let rem = secs % 86_400;
     // Howard Hinnant's civil_from_days.
@@ -387,7 +384,7 @@ impl Store {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// A receiver that sees the newest resourceVersion after every change.
@@ -769,7 +766,7 @@ impl Store {
         match kind {
             PatchType::Merge | PatchType::Apply => patch::merge_patch(&mut new, body),
             PatchType::Strategic => {
-                patch::strategic_merge_patch(r, &mut new, body).map_err(|e| ApiError::bad_request(e.to_string()))?
+                patch::strategic_merge_patch(r, &mut new, body).map_err(|e| ApiError::bad_request(e.clone()))?;
             }
             PatchType::Json => patch::json_patch(&mut new, body).map_err(|e| ApiError::new(422, "Invalid", e))?,
         }

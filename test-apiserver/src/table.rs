@@ -97,8 +97,7 @@ fn human(secs: i64) -> String {
 fn age(obj: &Value) -> String {
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
+        .map_or(0, |d| d.as_secs() as i64);
     obj.pointer("/metadata/creationTimestamp")
         .and_then(Value::as_str)
         .and_then(parse_time)

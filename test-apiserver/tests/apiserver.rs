@@ -337,7 +337,11 @@ async fn watcher_sees_adds_modifications_and_deletes() {
     assert!(w.errors.is_empty(), "{:?}", w.errors);
 
     // The watch asked for what kube-rs asks a real server for.
-    let watches: Vec<_> = server.requests().into_iter().filter(|r| r.is_watch()).collect();
+    let watches: Vec<_> = server
+        .requests()
+        .into_iter()
+        .filter(xproxy_test_apiserver::RequestRecord::is_watch)
+        .collect();
     assert_eq!(watches.len(), 1, "{watches:?}");
     assert_eq!(watches[0].path, "/api/v1/services");
     assert_eq!(watches[0].param("allowWatchBookmarks").as_deref(), Some("true"));
@@ -404,7 +408,11 @@ async fn dropped_watch_connections_are_resumed() {
             .wait_for_watches(WAIT, |open, started| open == 1 && started == 2)
             .await
     );
-    let watches: Vec<_> = server.requests().into_iter().filter(|r| r.is_watch()).collect();
+    let watches: Vec<_> = server
+        .requests()
+        .into_iter()
+        .filter(xproxy_test_apiserver::RequestRecord::is_watch)
+        .collect();
     assert_eq!(watches.len(), 2);
     assert_eq!(watches[1].param("resourceVersion"), Some(listed_rv.to_string()));
     let lists = server

@@ -202,7 +202,7 @@ fn hex(digest: &[u8]) -> String {
 static PROGRESS: Mutex<BTreeMap<u64, Arc<AtomicU64>>> = Mutex::new(BTreeMap::new());
 
 fn progress_counter(seed: u64) -> Arc<AtomicU64> {
-    let mut all = PROGRESS.lock().unwrap_or_else(|e| e.into_inner());
+    let mut all = PROGRESS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     all.entry(seed).or_default().clone()
 }
 
@@ -210,12 +210,15 @@ fn progress_counter(seed: u64) -> Arc<AtomicU64> {
 /// received (upload) so far; `None` if no server of this process saw the
 /// request.
 pub fn progress(seed: u64) -> Option<u64> {
-    let all = PROGRESS.lock().unwrap_or_else(|e| e.into_inner());
+    let all = PROGRESS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     all.get(&seed).map(|n| n.load(Ordering::Relaxed))
 }
 
 fn forget_progress(seed: u64) {
-    PROGRESS.lock().unwrap_or_else(|e| e.into_inner()).remove(&seed);
+    PROGRESS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .remove(&seed);
 }
 
 /// A seed no other transfer of this process has.
@@ -372,7 +375,7 @@ pub fn transfer_within(addr: SocketAddrV4, direction: Direction, bytes: u64, lim
         bytes,
         seed: fresh_seed(),
     };
-    let result = Client::connect(addr, request, limits).and_then(|client| client.run());
+    let result = Client::connect(addr, request, limits).and_then(Client::run);
     let server = progress(request.seed);
     forget_progress(request.seed);
     result.with_context(|| {

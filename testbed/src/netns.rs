@@ -58,7 +58,7 @@ impl Netns {
     pub fn new(prefix: &str) -> Result<Self> {
         let name = unique_name(prefix);
         {
-            let _guard = IP_NETNS_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            let _guard = IP_NETNS_LOCK.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             run(Command::new("ip").args(["netns", "add", &name]))?;
         }
         let ns = Self {
@@ -218,7 +218,10 @@ impl Netns {
 
     /// Keeps `server` running until the namespace is dropped.
     pub(crate) fn keep(&self, server: Server) {
-        self.servers.lock().unwrap_or_else(|e| e.into_inner()).push(server);
+        self.servers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(server);
     }
 
     /// [`tcp_request`] from inside this namespace.
@@ -257,13 +260,16 @@ impl Netns {
                 bpf::link_xdp(&prog, ifindex).with_context(|| format!("attaching XDP_PASS to {dev} in native mode"))
             })?
             .with_context(|| format!("netns {}", self.name))?;
-        self.links.lock().unwrap_or_else(|e| e.into_inner()).push(link);
+        self.links
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(link);
         Ok(())
     }
 
     /// Stops and joins this namespace's servers (also done on drop).
     pub fn stop_servers(&self) {
-        let servers = std::mem::take(&mut *self.servers.lock().unwrap_or_else(|e| e.into_inner()));
+        let servers = std::mem::take(&mut *self.servers.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
         drop(servers);
     }
 }
@@ -273,8 +279,11 @@ impl Drop for Netns {
         // Servers hold sockets (and so references) in the namespace: stop
         // them first so the namespace really goes away.
         self.stop_servers();
-        self.links.lock().unwrap_or_else(|e| e.into_inner()).clear();
-        let _guard = IP_NETNS_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        self.links
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clear();
+        let _guard = IP_NETNS_LOCK.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Err(e) = run(Command::new("ip").args(["netns", "del", &self.name]))
             && self.path.exists()
         {

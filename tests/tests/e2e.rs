@@ -440,11 +440,11 @@ fn harness_cleans_up_after_a_panic() {
                 .chain([&cluster.topo.client_pod])
                 .map(|p| p.ns.name().to_owned()),
         );
-        *names.lock().unwrap_or_else(|e| e.into_inner()) = all;
+        *names.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = all;
         panic!("deliberate panic with the test bed up");
     });
     assert!(outcome.is_err(), "the closure should have panicked");
-    let names = names.into_inner().unwrap_or_else(|e| e.into_inner());
+    let names = names.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
     assert_eq!(names.len(), 2 + BACKENDS.len() + 1, "namespace names were not recorded");
     let listed = netns::run(std::process::Command::new("ip").args(["netns", "list"])).expect("ip netns list");
     for name in &names {
@@ -470,14 +470,14 @@ fn cleanup_after_a_panic_with_the_datapath() {
         let cluster = Cluster::build(Offloads::On, true).expect("building the test bed");
         let links = cluster.pins.path().join(proxy_userspace::mode::ebpf::LINKS_DIR);
         assert!(links.exists(), "no links pinned under {}", links.display());
-        *recorded.lock().unwrap_or_else(|e| e.into_inner()) =
+        *recorded.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
             Some((cluster.pins.path().to_owned(), cluster.topo.node.name().to_owned()));
         panic!("deliberate panic with the programs attached");
     });
     assert!(outcome.is_err(), "the closure should have panicked");
     let (pins, node) = recorded
         .into_inner()
-        .unwrap_or_else(|e| e.into_inner())
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
         .expect("state was recorded");
     assert!(!pins.exists(), "pin directory {} still exists", pins.display());
     assert!(

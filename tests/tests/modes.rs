@@ -1159,7 +1159,7 @@ impl UdpFlows {
             for (i, log) in self.answers.iter().enumerate() {
                 let got = log
                     .lock()
-                    .unwrap_or_else(|e| e.into_inner())
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
                     .iter()
                     .filter(|(at, r)| *at >= since && r.is_ok())
                     .count();
@@ -1186,7 +1186,7 @@ impl UdpFlows {
 fn udp_flow(ns: &Path, addr: SocketAddrV4, stop: &AtomicBool, log: &Mutex<Answers>) -> Answers {
     let record = |result: Result<String, String>| {
         log.lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
             .push((Instant::now(), result));
     };
     let socket = netns::enter(ns)
@@ -1213,7 +1213,7 @@ fn udp_flow(ns: &Path, addr: SocketAddrV4, stop: &AtomicBool, log: &Mutex<Answer
         }
         Err(e) => record(Err(e)),
     }
-    std::mem::take(&mut *log.lock().unwrap_or_else(|e| e.into_inner()))
+    std::mem::take(&mut *log.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
 }
 
 /// The backends a flow's answers name in `[from, to)`.
@@ -1234,7 +1234,7 @@ fn check_flows(flows: &[Answers], changed: Instant, gone: Instant) -> Result<Str
     let end = Instant::now() + Duration::from_secs(3600);
     let start = flows
         .iter()
-        .flat_map(|f| f.first().map(|(at, _)| *at))
+        .filter_map(|f| f.first().map(|(at, _)| *at))
         .min()
         .context("no flow answered")?;
     let mut moved = 0;

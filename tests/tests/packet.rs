@@ -991,7 +991,7 @@ fn replies_to_a_node_port_numbered_source_port_are_replies() {
         let backend = dnat_dst(&out);
         let reply = match protocol {
             Protocol::Tcp => Frame::tcp(backend, node_port(), SYN | ACK),
-            _ => Frame::udp(backend, node_port(), b"a"),
+            Protocol::Udp => Frame::udp(backend, node_port(), b"a"),
         };
         for prog in [Prog::XdpUplink, Prog::TcIngress] {
             run_case(
@@ -1857,7 +1857,7 @@ fn frontend_backends(h: &Harness, to: SocketAddrV4, proto: u8) -> (u32, Vec<Ipv4
         .frontend(*to.ip(), to.port(), proto)
         .unwrap_or_else(|| panic!("no frontend {to}"));
     let backends = h.maps.backend_set(&value).expect("reading the backend set");
-    (value.flags, backends.iter().map(|b| b.addr()).collect())
+    (value.flags, backends.iter().map(proxy_common::Backend::addr).collect())
 }
 
 fn new_flow(h: &mut Harness, from: fn(&mut Harness) -> SocketAddrV4, to: SocketAddrV4, protocol: Protocol) -> Frame {

@@ -1,9 +1,10 @@
 //! `cargo xtask lint`: rustfmt and clippy for the workspace and for the
 //! eBPF crate, warnings denied, as `.ci/run` runs them.
 //!
-//! Which lints apply is written once, in the `[workspace.lints]` table of
-//! the workspace's Cargo.toml (proxy-ebpf, outside the workspace, copies it
-//! in its own `[lints]`); this command only runs the tools.
+//! Which lints apply is written in the `[workspace.lints]` table of the
+//! workspace's Cargo.toml; proxy-ebpf, outside the workspace, has its own
+//! `[lints]` (the base lints and SAFETY comments; the pedantic ones fight
+//! the packet code's deliberate casts). This command only runs the tools.
 
 use std::{path::Path, process::Command};
 

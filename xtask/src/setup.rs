@@ -109,6 +109,7 @@ fn is_bpffs(path: &Path) -> bool {
     let Ok(c_path) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
         return false;
     };
+    // SAFETY: statfs is plain old data; all zeroes is a valid value.
     let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: a NUL-terminated path and a statfs buffer we own.
     let rc = unsafe { libc::statfs(c_path.as_ptr(), &mut stat) };

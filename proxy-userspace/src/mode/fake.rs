@@ -54,7 +54,7 @@ impl Fake {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, FakeState> {
-        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn fail_if_asked(state: &mut FakeState) -> Result<()> {

@@ -301,7 +301,7 @@ mod tests {
                 {"name": "sctp", "port": 7000, "protocol": "SCTP"}]}),
         );
         let problems = cluster.upsert_service(&svc);
-        let reasons: Vec<_> = problems.iter().map(|p| p.to_string()).collect();
+        let reasons: Vec<_> = problems.iter().map(std::string::ToString::to_string).collect();
         assert_eq!(problems.len(), 5, "{reasons:#?}");
         assert!(reasons.iter().any(|r| r.contains("port 70000 is out of range")));
         assert!(reasons.iter().any(|r| r.contains("duplicate port 8080")));

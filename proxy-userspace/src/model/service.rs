@@ -86,7 +86,7 @@ pub fn service_info(svc: &Service) -> Result<(ServiceInfo, Vec<Problem>), Skip> 
     let mut seen = BTreeSet::new();
     for p in spec.ports.iter().flatten() {
         let port_name = p.name.clone().unwrap_or_default();
-        let what = format!("{object} port {:?}", port_name);
+        let what = format!("{object} port {port_name:?}");
         let protocol = match p.protocol.as_deref().unwrap_or("TCP") {
             "TCP" => Protocol::Tcp,
             "UDP" => Protocol::Udp,

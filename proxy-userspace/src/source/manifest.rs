@@ -82,7 +82,7 @@ impl ManifestDir {
             .into_iter()
             .map(|p| {
                 let meta = std::fs::metadata(&p).ok();
-                let len = meta.as_ref().map_or(0, |m| m.len());
+                let len = meta.as_ref().map_or(0, std::fs::Metadata::len);
                 let mtime = meta.and_then(|m| m.modified().ok());
                 (p, len, mtime)
             })

@@ -155,7 +155,7 @@ impl FragMemory {
 /// The kernel's `num_possible_cpus()`, from sysfs ("0-3,6"), else the
 /// CPUs this process may run on.
 pub fn possible_cpus() -> usize {
-    let fallback = || std::thread::available_parallelism().map_or(1, |n| n.get());
+    let fallback = || std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     let Ok(text) = std::fs::read_to_string("/sys/devices/system/cpu/possible") else {
         return fallback();
     };

@@ -166,7 +166,8 @@ impl Oracle {
                 .iter()
                 .map(|e| SocketAddrV4::new(e.addr, e.port))
                 .collect();
-            o.backend_ports.extend(backends.iter().map(|b| b.port()));
+            o.backend_ports
+                .extend(backends.iter().map(std::net::SocketAddrV4::port));
             o.frontend_ports.insert(svc.port);
             o.services
                 .insert((SocketAddrV4::new(svc.cluster_ip, svc.port), p), backends.clone());

@@ -198,9 +198,7 @@ fn results_name(guest_file: &str, host: &str) -> String {
 }
 
 fn host_name() -> String {
-    fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_owned())
-        .unwrap_or_else(|_| "unknown".into())
+    fs::read_to_string("/proc/sys/kernel/hostname").map_or_else(|_| "unknown".into(), |h| h.trim().to_owned())
 }
 
 fn git_commit(root: &Path) -> String {

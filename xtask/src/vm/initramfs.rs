@@ -643,7 +643,7 @@ fn pack(staging: &Path, archive: &Path) -> Result<()> {
         bail!("cpio failed: {status}");
     }
     fs::rename(&partial, archive).with_context(|| format!("cannot rename {}", partial.display()))?;
-    let size = fs::metadata(archive).map(|m| m.len()).unwrap_or(0);
+    let size = fs::metadata(archive).map_or(0, |m| m.len());
     eprintln!(
         "xtask vm: packed {} ({} entries, {:.1} MB)",
         archive.display(),

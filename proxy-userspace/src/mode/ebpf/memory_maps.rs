@@ -176,7 +176,7 @@ impl MemoryMaps {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Sets how many entries `table` takes: writes past it fail like a

@@ -212,7 +212,7 @@ impl EbpfMode {
 
     /// Runs `f` with the loaded programs (e.g. to attach by hand in tests).
     pub fn with_datapath<T>(&self, f: impl FnOnce(&mut Datapath) -> T) -> T {
-        let mut guard = self.datapath.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.datapath.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         f(&mut guard)
     }
 }
@@ -250,7 +250,7 @@ fn spawn_conntrack_sweeper(pin_path: PathBuf, settings: conntrack::CtSettings) {
             let swept = tokio::task::spawn_blocking(move || conntrack::sweep(&pin_path, &settings.timeouts)).await;
             match swept {
                 Ok(Ok(sweep)) if sweep.expired > 0 => {
-                    debug!(entries = sweep.entries, expired = sweep.expired, "conntrack swept")
+                    debug!(entries = sweep.entries, expired = sweep.expired, "conntrack swept");
                 }
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => warn!(error = format!("{e:#}"), "sweeping the conntrack table"),
@@ -267,7 +267,7 @@ fn spawn_pod_interface_watcher(datapath: Arc<Mutex<Datapath>>, uplinks: Vec<Inte
             if uplinks.iter().any(|u| u.index == iface.index) {
                 continue;
             }
-            let mut datapath = datapath.lock().unwrap_or_else(|p| p.into_inner());
+            let mut datapath = datapath.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             // Attaching again to an attached interface only swaps the
             // program in its pinned link, so repeated events are harmless.
             match datapath.attach(&iface.name, Hook::Pod) {

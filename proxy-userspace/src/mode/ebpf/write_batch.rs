@@ -481,7 +481,10 @@ mod tests {
         let step = |fails: bool| -> Job<'_> {
             Box::new(move || {
                 ran.fetch_add(1, Ordering::Relaxed);
-                if fails { bail!("no room") } else { Ok(()) }
+                if fails {
+                    bail!("no room")
+                }
+                Ok(())
             })
         };
         let jobs = vec![

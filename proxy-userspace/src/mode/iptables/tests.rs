@@ -369,7 +369,7 @@ fn switching_the_external_policy_creates_and_deletes_the_local_chain() {
             upsert: vec![p.clone()],
             remove: vec![],
         })
-        .expect("partial sync")
+        .expect("partial sync");
     };
     upsert(&mut mode, &local);
     assert_eq!(service_chains(&kernel), rules::port_chains(&opts, &local));

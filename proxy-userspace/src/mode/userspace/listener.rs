@@ -115,7 +115,7 @@ fn bind<S>(opts: &ListenOptions, bind_one: impl Fn(SocketAddrV4) -> io::Result<S
     for port in range.clone() {
         match bind_one(SocketAddrV4::new(opts.ip, port)) {
             Ok(socket) => return Ok(socket),
-            Err(e) if e.kind() == io::ErrorKind::AddrInUse => continue,
+            Err(e) if e.kind() == io::ErrorKind::AddrInUse => {}
             Err(e) => return Err(e).with_context(|| format!("binding {}:{port}", opts.ip)),
         }
     }

@@ -32,7 +32,7 @@ struct FakeIptables(Arc<Mutex<Kernel>>);
 
 impl FakeIptables {
     fn lock(&self) -> std::sync::MutexGuard<'_, Kernel> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn restores(&self) -> usize {
