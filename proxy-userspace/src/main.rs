@@ -1,6 +1,7 @@
 //! `xproxy`: the node agent. `run` keeps the data path equal to what the API
 //! server (or a manifest directory) says; `status` shows the live data path;
-//! `cleanup` removes everything xproxy installed.
+//! `cleanup` removes what xproxy installed (`--scope kube-proxy`: the
+//! rules under kube-proxy's names).
 
 use std::{path::PathBuf, process::ExitCode};
 
@@ -31,10 +32,19 @@ enum Command {
         #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_PATH)]
         pin_path: PathBuf,
     },
-    /// Remove everything xproxy installed, in any mode.
+    /// Remove what xproxy installed: by default what carries its own names
+    /// (the ebpf mode's programs, maps and SNAT chain, the nftables mode's
+    /// table); `--scope kube-proxy` the rules under kube-proxy's names.
     Cleanup {
         #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_PATH)]
         pin_path: PathBuf,
+        /// `own`: xproxy's names only. `kube-proxy`: the iptables, IPVS and
+        /// userspace modes' rules, which carry kube-proxy's names, so a
+        /// kube-proxy's KUBE-* chains and ipsets and every IPVS virtual
+        /// server on the host go too, as with `kube-proxy --cleanup`
+        /// (leaves the ebpf data path alone). `all`: both.
+        #[arg(long, value_enum, default_value = "own")]
+        scope: cmd::cleanup::Scope,
     },
 }
 
@@ -52,7 +62,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(flags) => cmd::run::run(&flags),
         Command::Status { pin_path } => cmd::status::status(&pin_path),
-        Command::Cleanup { pin_path } => cmd::cleanup::cleanup(&pin_path),
+        Command::Cleanup { pin_path, scope } => cmd::cleanup::cleanup(&pin_path, scope),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -92,7 +92,11 @@ impl Drop for AgentProcess {
         }
         match netns::command_in(&self.node_ns, &self.xproxy) {
             Ok(mut cmd) => {
-                if let Err(e) = netns::run(cmd.arg("cleanup").arg("--pin-path").arg(&self.pin_path)) {
+                // The node namespace is the bed's own: every mode's rules go.
+                let cleanup = cmd
+                    .args(["cleanup", "--scope", "all", "--pin-path"])
+                    .arg(&self.pin_path);
+                if let Err(e) = netns::run(cleanup) {
                     eprintln!("warning: xproxy cleanup in the node failed: {e:#}");
                 }
             }

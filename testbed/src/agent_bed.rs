@@ -464,14 +464,20 @@ impl NodeAgent {
         }
     }
 
-    /// `xproxy cleanup --pin-path PINS` in `node`, where the kernel modes'
-    /// rules live (the pins are on the host's bpffs); fails unless it
-    /// exits 0. Returns its output.
-    pub fn cleanup(&self, node: &Netns) -> Result<String> {
+    /// `xproxy cleanup --scope SCOPE --pin-path PINS` in `node`, where the
+    /// kernel modes' rules live (the pins are on the host's bpffs); fails
+    /// unless it exits 0. Returns its output.
+    pub fn cleanup(&self, node: &Netns, scope: &str) -> Result<String> {
         let exit = run_xproxy(
             &self.xproxy,
             node,
-            &["cleanup", "--pin-path", &self.pins.path().display().to_string()],
+            &[
+                "cleanup",
+                "--scope",
+                scope,
+                "--pin-path",
+                &self.pins.path().display().to_string(),
+            ],
             &self.dir,
             Duration::from_secs(30),
         )?;
@@ -671,10 +677,16 @@ impl AgentBed {
         self.agent.log()
     }
 
-    /// `xproxy cleanup --pin-path PINS` in the node namespace; fails
-    /// unless it exits 0. Returns its output.
+    /// `xproxy cleanup --scope all --pin-path PINS` in the node namespace
+    /// (the bed's own: every mode's rules go); fails unless it exits 0.
+    /// Returns its output.
     pub fn cleanup(&self) -> Result<String> {
-        self.agent.cleanup(&self.topo.node)
+        self.agent.cleanup(&self.topo.node, "all")
+    }
+
+    /// [`Self::cleanup`] with `--scope scope` (`own`, `kube-proxy`, `all`).
+    pub fn cleanup_scope(&self, scope: &str) -> Result<String> {
+        self.agent.cleanup(&self.topo.node, scope)
     }
 
     /// `xproxy status --pin-path PINS` (works with or without a running agent).

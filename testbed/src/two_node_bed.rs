@@ -128,7 +128,7 @@ impl TwoNodeBed {
     /// `xproxy cleanup --pin-path PINS` in node `i`'s namespace; fails
     /// unless it exits 0. Returns its output.
     pub fn cleanup(&self, i: usize) -> Result<String> {
-        self.agents[i].cleanup(&self.topo.nodes[i].ns)
+        self.agents[i].cleanup(&self.topo.nodes[i].ns, "all")
     }
 
     /// `xproxy status --pin-path PINS` of node `i`'s data path (ebpf mode).
