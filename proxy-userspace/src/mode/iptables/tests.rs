@@ -2,7 +2,7 @@
 //! --noflush` input the way iptables does (chain lines flush, `-X` fails on
 //! a referenced chain, a failing input changes nothing), so partial and
 //! full syncs and cleanup are checked without root. The privileged tests in
-//! `tests/tests/mode_iptables.rs` run the same against the real kernel.
+//! `tests/tests/mode_rules.rs` run the same against the real kernel.
 
 use std::{
     net::Ipv4Addr,

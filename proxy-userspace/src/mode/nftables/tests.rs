@@ -2,7 +2,7 @@
 //! `nft` that records transactions, and (where a user namespace can be
 //! made, which needs no root) the rendered scripts against the kernel's
 //! own checker (`nft -c`). The privileged tests in
-//! `tests/tests/mode_nftables.rs` apply them to a real namespace.
+//! `tests/tests/mode_rules.rs` apply them to a real namespace.
 
 use std::{
     net::Ipv4Addr,
