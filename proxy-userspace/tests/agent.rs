@@ -960,72 +960,52 @@ fn cli_errors_exit_with_their_codes() {
     assert!(failures.is_empty(), "{TEST}:\n  {}", failures.join("\n  "));
 }
 
+/// A node that boots before its control plane: the agent neither exits
+/// nor crash-loops while the API server is down; it stays up with
+/// `/healthz` 503 (not synced yet) and `/livez` 200, logs that it waits,
+/// and syncs as soon as the API server answers.
 #[test]
-fn cli_exits_4_when_the_api_server_is_unreachable() {
-    const TEST: &str = "cli_exits_4_when_the_api_server_is_unreachable";
-    /// The agent gives the API server 10 s at start-up.
-    const WITHIN: Duration = Duration::from_secs(15);
+fn agent_waits_for_an_api_server_that_is_down_at_start() {
+    const TEST: &str = "agent_waits_for_an_api_server_that_is_down_at_start";
+    /// Longer than the 10 s after which the agent used to give up.
+    const DOWN: Duration = Duration::from_secs(15);
     if !require_root(TEST) {
         return;
     }
-    let xproxy = h::xproxy_binary();
-    let scratch = TempDir::new("unreachable").expect("scratch directory");
-    // A namespace with an uplink (a veth pair inside it) for the data path,
-    // which starts before the API client.
-    let ns = Netns::new("xq").expect("a namespace to run in");
-    ns.ip(&["link", "add", "up0", "type", "veth", "peer", "name", "up1"])
-        .expect("veth pair");
-    ns.ip(&["link", "set", "up0", "up"]).expect("up0 up");
-    ns.ip(&["link", "set", "up1", "up"]).expect("up1 up");
-    ns.add_addr("up0", &format!("{NODE_IP}/24")).expect("node address");
-    // Nothing listens on a closed port; a listener that never accepts
-    // completes the handshake but never answers.
-    let closed = h::free_local_port(&ns).expect("a free port");
-    let silent = ns
-        .run_in(|| std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))
-        .expect("entering the namespace")
-        .expect("a silent listener");
-    let silent_port = silent.local_addr().expect("its address").port();
-    let mut failures = Vec::new();
-    for (what, port) in [("closed port", closed), ("server that never answers", silent_port)] {
-        let kubeconfig = scratch.path().join(format!("kubeconfig-{port}.yaml"));
-        std::fs::write(
-            &kubeconfig,
-            format!(
-                "apiVersion: v1\nkind: Config\nclusters:\n- cluster:\n    server: http://127.0.0.1:{port}\n  name: c\n\
-                 contexts:\n- context:\n    cluster: c\n  name: c\ncurrent-context: c\nusers: []\n"
-            ),
-        )
-        .expect("kubeconfig");
-        let pins = PinDir::new();
-        let args = [
-            "run",
-            "--kubeconfig",
-            kubeconfig.to_str().expect("utf-8 path"),
-            "--node-ip",
-            &NODE_IP.to_string(),
-            "--hostname-override",
-            fixtures::NODE_NAME,
-            "--pin-path",
-            pins.path().to_str().expect("utf-8 path"),
-        ]
-        .map(str::to_owned);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        match expect_exit(&xproxy, &ns, &scratch, &args, 4, &["API server"], WITHIN) {
-            Ok(shown) => note(TEST, format!("{what}: {shown}")),
-            Err(e) => failures.push(format!("{what}: {e:#}")),
-        }
-        let pin_path = pins.path().display().to_string();
-        let _ = h::run_xproxy(
-            &xproxy,
-            &ns,
-            &["cleanup", "--pin-path", &pin_path],
-            scratch.path(),
-            WITHIN,
+    run(TEST, |bed| {
+        bed.start_api_server()?;
+        bed.api().stop()?;
+        bed.start_agent(&bed.kubeconfig_args())?;
+        std::thread::sleep(DOWN);
+        bed.agent_alive()
+            .map_err(|e| anyhow::anyhow!("the agent gave up on the API server: {e}"))?;
+        let (healthz, _) = h::http_get(&bed.topo.node, h::HEALTHZ_ADDR, "/healthz")?;
+        let (livez, _) = h::http_get(&bed.topo.node, h::HEALTHZ_ADDR, "/livez")?;
+        ensure!(
+            (healthz, livez) == (503, 200),
+            "before the first sync /healthz and /livez must be 503 and 200, not {healthz} and {livez}"
         );
-    }
-    drop(silent);
-    assert!(failures.is_empty(), "{TEST}:\n  {}", failures.join("\n  "));
+        let waiting = log_lines(&bed.log(), "waiting for it");
+        ensure!(
+            !waiting.is_empty(),
+            "the log does not say the agent waits for the API server"
+        );
+        refused(&bed.topo.client, seed_node_port())
+            .map_err(|e| anyhow::anyhow!("nothing is programmed yet, but: {e}"))?;
+
+        bed.api().restart()?;
+        let took = bed.wait_answering(seed_node_port(), Duration::from_secs(45))?;
+        let (healthz, _) = h::http_get(&bed.topo.node, h::HEALTHZ_ADDR, "/healthz")?;
+        ensure!(healthz == 200, "/healthz after the first sync: {healthz}");
+        note(
+            TEST,
+            format!(
+                "{DOWN:?} down at start: alive, /healthz 503, {} waiting lines; programmed {took:?} after the API server came up",
+                waiting.len()
+            ),
+        );
+        Ok(())
+    });
 }
 
 // ---------------------------------------------------------------------------

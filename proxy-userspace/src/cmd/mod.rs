@@ -14,8 +14,9 @@ pub enum ExitCode {
     BadConfig = 2,
     /// Not root / missing capabilities, or bpffs not mounted.
     NoPrivileges = 3,
-    /// The API server cannot be reached at start-up.
-    ApiUnreachable = 4,
+    // 4 was "API server unreachable at start-up": the agent now waits for
+    // it (a node may boot before its control plane); the number stays
+    // unused so that scripts reading the others keep their meaning.
     /// A named interface does not exist.
     NoInterface = 5,
     /// The requested mode is not available on this build or kernel.

@@ -19,8 +19,11 @@ use crate::{
     source::{self, manifest::ManifestDir},
 };
 
-/// How long start-up waits for the API server before giving up.
-const API_STARTUP_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long one attempt to reach the API server at start-up may take.
+const API_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The first and the longest pause between start-up attempts.
+const API_RETRY_MIN: Duration = Duration::from_secs(1);
+const API_RETRY_MAX: Duration = Duration::from_secs(30);
 
 pub fn run(flags: &RunFlags) -> Result<(), Failure> {
     let loaded = config::load(flags).exit_code(ExitCode::BadConfig)?;
@@ -177,27 +180,36 @@ async fn start_source(config: &Config, events: mpsc::Sender<source::SourceEvent>
                 _ => None,
             };
             let client = source::kube::client(kubeconfig).await.exit_code(ExitCode::BadConfig)?;
-            // Fail fast with a clear message if the API server is not there
-            // at all; once running, outages are ridden out with retries.
-            match tokio::time::timeout(API_STARTUP_TIMEOUT, client.apiserver_version()).await {
-                Ok(Ok(version)) => info!(version = version.git_version, "connected to the API server"),
-                Ok(Err(e)) => {
-                    return Err(Failure::new(
-                        ExitCode::ApiUnreachable,
-                        anyhow!(e).context("the API server is unreachable"),
-                    ));
-                }
-                Err(_) => {
-                    return Err(Failure::new(
-                        ExitCode::ApiUnreachable,
-                        anyhow!("the API server did not answer within {API_STARTUP_TIMEOUT:?}"),
-                    ));
-                }
-            }
+            // Never give up on the API server: a node may boot before its
+            // control plane, and a proxy that exits then only crash-loops.
+            // The watchers retry on their own; this says why nothing syncs
+            // (/healthz stays 503 until the first sync, as kube-proxy's).
+            tokio::spawn(report_api_server(client.clone()));
             source::kube::spawn(client, &config.node_name, events);
         }
     }
     Ok(())
+}
+
+/// Logs when the API server first answers, and every unanswered attempt
+/// before that (backing off up to [`API_RETRY_MAX`]).
+async fn report_api_server(client: kube::Client) {
+    let mut delay = API_RETRY_MIN;
+    loop {
+        match tokio::time::timeout(API_ATTEMPT_TIMEOUT, client.apiserver_version()).await {
+            Ok(Ok(version)) => {
+                info!(version = version.git_version, "connected to the API server");
+                return;
+            }
+            Ok(Err(e)) => warn!(error = %e, retry_in = ?delay, "the API server is unreachable; waiting for it"),
+            Err(_) => warn!(
+                retry_in = ?delay,
+                "the API server did not answer within {API_ATTEMPT_TIMEOUT:?}; waiting for it"
+            ),
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(API_RETRY_MAX);
+    }
 }
 
 async fn shutdown_signal() {

@@ -5,7 +5,11 @@
 //! sync that succeeds clears the wait; a failed one does not. Before the
 //! first sync the same rule holds: a proxy that has not programmed anything
 //! is healthy until a change has waited longer than the timeout, and then
-//! unhealthy until the first sync succeeds.
+//! unhealthy until the first sync succeeds. That is `/livez`.
+//!
+//! `/healthz` (readiness) is 503 until the first sync as well: an agent
+//! waiting for an API server it cannot reach yet has programmed nothing and
+//! must not be counted ready, but it is alive and must not be restarted.
 //!
 //! `/healthz` is also 503 while the node is being deleted (deletion
 //! timestamp, or the Cluster Autoscaler's taint), so that load balancers
@@ -119,7 +123,10 @@ impl ProxierHealth {
     pub fn answer(&self, probe: Probe, now: Instant, wall: SystemTime) -> Answer {
         let proxier_healthy = self.is_healthy(now);
         let (healthy, node_eligible) = match probe {
-            Probe::Healthz => (proxier_healthy && self.node_eligible, Some(self.node_eligible)),
+            Probe::Healthz => (
+                proxier_healthy && self.node_eligible && self.last_updated.is_some(),
+                Some(self.node_eligible),
+            ),
             Probe::Livez => (proxier_healthy, None),
         };
         let current_time = rfc3339(wall);
@@ -230,9 +237,25 @@ mod tests {
     }
 
     #[test]
+    fn healthz_waits_for_the_first_sync_livez_does_not() {
+        let t0 = Instant::now();
+        let mut h = ProxierHealth::new(TIMEOUT);
+        let statuses = |h: &ProxierHealth| {
+            (
+                h.answer(Probe::Healthz, t0, wall(1_700_000_000)).status(),
+                h.answer(Probe::Livez, t0, wall(1_700_000_000)).status(),
+            )
+        };
+        assert_eq!(statuses(&h), (503, 200), "never synced: alive, not ready");
+        h.updated(wall(1_700_000_000));
+        assert_eq!(statuses(&h), (200, 200));
+    }
+
+    #[test]
     fn a_node_being_deleted_fails_healthz_but_not_livez() {
         let t0 = Instant::now();
         let mut h = ProxierHealth::new(TIMEOUT);
+        h.updated(wall(1_700_000_000));
         h.set_node_eligible(false);
         let healthz = h.answer(Probe::Healthz, t0, wall(1_700_000_000));
         let livez = h.answer(Probe::Livez, t0, wall(1_700_000_000));
@@ -260,14 +283,16 @@ mod tests {
     #[test]
     fn bodies_carry_kube_proxys_keys_and_times() {
         let t0 = Instant::now();
-        let mut h = ProxierHealth::new(TIMEOUT);
+        let mut synced = ProxierHealth::new(TIMEOUT);
+        synced.updated(wall(1_699_999_000));
         // Healthy: lastUpdated is the current time, for old clients.
-        let ok = h.answer(Probe::Healthz, t0, wall(1_700_000_000));
+        let ok = synced.answer(Probe::Healthz, t0, wall(1_700_000_000));
         assert_eq!(
             ok.body,
             r#"{"lastUpdated":"2023-11-14T22:13:20Z","currentTime":"2023-11-14T22:13:20Z","nodeEligible":true}"#
         );
         // Never synced and late: Go's zero time, like kube-proxy.
+        let mut h = ProxierHealth::new(TIMEOUT);
         h.queued(t0);
         let never = h.answer(Probe::Livez, t0 + secs(61), wall(1_700_000_061));
         assert_eq!(

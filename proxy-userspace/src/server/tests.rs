@@ -245,6 +245,11 @@ async fn health_server_answers_like_kube_proxy() {
     assert_ne!(addr.port(), 0, "the bound port is reported");
     let server = tokio::spawn(serve);
 
+    // Not ready before the first sync, but alive.
+    assert_eq!(get(addr, "/healthz").await.0, 503, "never synced");
+    assert_eq!(get(addr, "/livez").await.0, 200, "never synced, nothing waits");
+    t.synced(&report(true, 1, 1), Duration::from_millis(1), None);
+
     let (status, head, body) = get(addr, "/healthz").await;
     assert_eq!(status, 200, "{body}");
     assert!(head.contains("content-type: application/json"), "{head}");
@@ -266,7 +271,11 @@ async fn health_server_answers_like_kube_proxy() {
     assert_eq!(get(addr, "/healthz").await.0, 503);
     let (status, _, body) = get(addr, "/livez").await;
     assert_eq!(status, 503);
-    assert_eq!(json(&body)["lastUpdated"], "0001-01-01T00:00:00Z", "never synced");
+    assert_ne!(
+        json(&body)["lastUpdated"],
+        "0001-01-01T00:00:00Z",
+        "unhealthy after a sync: lastUpdated is that sync"
+    );
 
     assert_eq!(get(addr, "/metrics").await.0, 404, "metrics live on the other server");
     server.abort();
@@ -279,6 +288,7 @@ async fn metrics_server_serves_metrics_healthz_and_mode() {
     let (addr, serve) = bind_metrics(any_port(), t.clone()).await.expect("bind metrics");
     let servers = [tokio::spawn(health), tokio::spawn(serve)];
 
+    t.synced(&report(true, 1, 1), Duration::from_millis(1), None);
     get(health_addr, "/healthz").await;
     t.problems(&[Problem::new("default/bad", "no ports")]);
     let (status, head, body) = get(addr, "/metrics").await;
