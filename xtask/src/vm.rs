@@ -87,7 +87,7 @@ pub struct GuestKernel {
 
 /// The kernels tested besides the host's, oldest first, and what each
 /// runs: the one place that names the test targets of the VM. Under
-/// software emulation every suite everywhere would take ~25 minutes, so the
+/// software emulation every suite on both would take over 20 minutes, so the
 /// heavier ones are split (README.md, "Kernels tested", says why):
 /// - 6.1, the oldest: the IPVS suites, and the two-node bed in every mode
 ///   (remote backends and SNAT through the oldest netfilter and nftables;
@@ -181,7 +181,7 @@ fn chosen_kernels(names: &[String]) -> Result<Vec<&'static GuestKernel>> {
 }
 
 /// The [`KERNELS`] entry of `series`.
-pub fn find_kernel(series: &str) -> Result<&'static GuestKernel> {
+fn find_kernel(series: &str) -> Result<&'static GuestKernel> {
     KERNELS.iter().find(|k| k.series == series).with_context(|| {
         let known: Vec<&str> = KERNELS.iter().map(|k| k.series).collect();
         format!(
