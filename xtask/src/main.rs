@@ -39,7 +39,7 @@ enum Command {
     Test(test::Options),
     /// The seed scenario on a simulated cluster in network namespaces.
     Demo,
-    /// Run tests in a Debian 6.1 kernel under qemu (IPVS, an older verifier).
+    /// Run tests in Debian's 6.1 and 6.12 kernels under qemu (IPVS, older verifiers).
     Vm(vm::Options),
     /// Measure every mode side by side; writes bench/results/<date>-<host>.{json,md,*.svg}.
     Bench(bench::Options),

@@ -37,6 +37,19 @@ pub const NAMESPACE_TOOLS: &[(&str, &str)] = &[
 /// What `cargo xtask bench` runs on top: the load generator.
 pub const BENCH_TOOLS: &[(&str, &str)] = &[("wrk", "wrk")];
 
+/// What `cargo xtask vm` runs on the host to pack and boot its guests.
+pub const VM_TOOLS: &[(&str, &str)] = &[
+    ("qemu-system-x86_64", "qemu-system-x86"),
+    ("busybox", "busybox-static"),
+    ("cpio", "cpio"),
+    ("depmod", "kmod"),
+    ("dpkg", "dpkg"),
+    ("apt-get", "apt"),
+    ("ldd", "libc-bin"),
+    ("strip", "binutils"),
+    ("sha256sum", "coreutils"),
+];
+
 /// bpffs, where programs and maps are pinned.
 const BPFFS: &str = "/sys/fs/bpf";
 /// `statfs(2)` magic of bpffs.
@@ -48,7 +61,7 @@ pub fn everything() -> Result<()> {
     if !testbed::privileged::is_root() {
         bail!("setup installs Debian packages and mounts bpffs: run it as root");
     }
-    let all: Vec<(&str, &str)> = [NAMESPACE_TOOLS, BENCH_TOOLS, crate::vm::HOST_PROGRAMS].concat();
+    let all: Vec<(&str, &str)> = [NAMESPACE_TOOLS, BENCH_TOOLS, VM_TOOLS].concat();
     ensure_programs(&all)?;
     ensure_bpffs()?;
     eprintln!("xtask: the machine has everything demo, test, vm and bench run");

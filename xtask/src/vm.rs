@@ -1,14 +1,17 @@
-//! `cargo xtask vm`: runs chosen tests inside a Debian 6.1 kernel under qemu.
+//! `cargo xtask vm`: runs chosen tests inside Debian kernels under qemu.
 //!
-//! This machine's kernel has no IPVS and is much newer than what many nodes
-//! run, so the programs are also checked on an older kernel that has IPVS
-//! modules. Four steps, each cached under `~/.cache/xproxy/vm/`:
+//! This machine's kernel (6.18) has no IPVS and is much newer than what
+//! many nodes run, so the programs are also checked on Debian 12's kernels:
+//! 6.1 (its own, with IPVS modules) and 6.12 (its security and backports
+//! suites'), listed in [`KERNELS`] with the test targets each runs. For
+//! each kernel chosen, four steps, each cached under `~/.cache/xproxy/vm/`:
 //!
 //! 1. [`kernel`]: the newest `linux-image-<series>.*-cloud-amd64-unsigned`
 //!    apt knows, downloaded, extracted and `depmod`ed once per release; its
 //!    `/boot/config-*` must have what the tests need.
 //! 2. The eBPF object (`build-ebpf`), the chosen test executables of
-//!    `xproxy-tests` (`cargo test --no-run`) and the agent `xproxy`.
+//!    `xproxy-tests` (`cargo test --no-run`) and the agent `xproxy`, built
+//!    once for every kernel.
 //! 3. [`initramfs`]: busybox, the kernel modules with their dependencies, the
 //!    test executables, `ip`/`bpftool`/`ipvsadm` and every library they
 //!    load, and an `/init` that runs the tests; packed into a cpio archive
@@ -17,6 +20,9 @@
 //!    on these machines), streams the serial console, reads the markers
 //!    `/init` prints and libtest's `test result:` lines, and prints a summary
 //!    per test executable. Fails if a test failed or the VM timed out.
+//!
+//! With several kernels, every guest runs (a failure on one does not skip
+//! the next) and a line per kernel closes the output.
 
 mod bench;
 mod init;
@@ -50,38 +56,87 @@ const AGENT: (&str, &str) = ("proxy-userspace", "xproxy");
 /// takes hours under software emulation.
 const DEFAULT_FUZZ_FRAMES: u64 = 20_000;
 
-/// Host programs the VM step needs, and the Debian package of each.
-pub const HOST_PROGRAMS: &[(&str, &str)] = &[
-    ("qemu-system-x86_64", "qemu-system-x86"),
-    ("busybox", "busybox-static"),
-    ("cpio", "cpio"),
-    ("depmod", "kmod"),
-    ("dpkg", "dpkg"),
-    ("apt-get", "apt"),
-    ("ldd", "libc-bin"),
-    ("strip", "binutils"),
-    ("sha256sum", "coreutils"),
+
+/// The test targets every guest kernel runs: every program loads and
+/// pins its maps (`verifier`), the frame-by-frame tests through
+/// `BPF_PROG_TEST_RUN` (`packet`, `fuzz`) and the namespace end-to-end
+/// tests (`e2e`).
+const EVERY_KERNEL: &[&str] = &["verifier", "packet", "fuzz", "e2e"];
+
+/// A Debian kernel series `--kernel` takes, and the heavier suites its
+/// guest runs after [`EVERY_KERNEL`].
+#[derive(Debug)]
+pub struct GuestKernel {
+    /// `6.1`: the newest `linux-image-6.1.*-cloud-amd64-unsigned` is used.
+    pub series: &'static str,
+    /// `TARGET` or `TARGET:FILTER` (see [`Options::tests`]).
+    pub suites: &'static [&'static str],
+}
+
+/// The kernels tested besides the host's, oldest first, and what each
+/// runs: the one place that names the test targets of the VM. Under
+/// software emulation every suite on both would take over 20 minutes, so the
+/// heavier ones are split (README.md, "Kernels tested", says why):
+/// - 6.1, the oldest: the IPVS suites, and the two-node bed in the
+///   iptables and nftables modes (remote backends and SNAT through the
+///   oldest netfilter and nftables). The ebpf mode's two-node bed lost one
+///   connection in 2 of 5 runs here under load (a NodePort SYN to a
+///   remote backend unanswered twice; not seen on 6.12 or the host): it
+///   stays off 6.1 until that is understood (issue 17's note).
+/// - 6.12: what changes with the attach API (tcx links from 6.6): the
+///   two-node bed in the ebpf mode, the agent switching between every mode
+///   (links detached and replaced) and the IPVS mode's own tests.
+pub const KERNELS: &[GuestKernel] = &[
+    GuestKernel {
+        series: "6.1",
+        suites: &[
+            "mode_ipvs",
+            "modes:ipvs",
+            "modes:switching",
+            "mode_golden:ipvs",
+            "traffic:ipvs",
+            "bulk:ipvs",
+            "two_node:two_node_iptables",
+            "two_node:two_node_nftables",
+        ],
+    },
+    GuestKernel {
+        series: "6.12",
+        suites: &["two_node:two_node_ebpf", "modes:switching", "mode_ipvs"],
+    },
 ];
+
+impl GuestKernel {
+    /// The targets this kernel's guest runs unless `--tests` says otherwise.
+    pub fn default_tests(&self) -> Vec<String> {
+        EVERY_KERNEL
+            .iter()
+            .chain(self.suites)
+            .map(|name| (*name).to_owned())
+            .collect()
+    }
+}
 
 #[derive(clap::Args, Debug)]
 pub struct Options {
-    /// Debian kernel series: the newest `linux-image-<SERIES>.*-cloud-amd64-unsigned` is used.
-    #[arg(long, default_value = "6.1")]
-    pub kernel: String,
+    /// Debian kernel series, comma-separated, or `all`: 6.1, 6.12 (the
+    /// newest `linux-image-<SERIES>.*-cloud-amd64-unsigned` is used). Each
+    /// boots in turn.
+    #[arg(long, value_delimiter = ',', default_value = "6.1")]
+    pub kernel: Vec<String>,
     /// Test targets of xproxy-tests to run in the VM, comma-separated;
     /// `TARGET:FILTER` runs only the tests of TARGET whose name contains
-    /// FILTER (`modes:ipvs`: the per-mode suite's IPVS tests).
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "verifier,packet,fuzz,e2e,mode_ipvs,modes:ipvs,modes:switching,mode_golden:ipvs,traffic:ipvs,bulk:ipvs"
-    )]
-    pub tests: Vec<String>,
+    /// FILTER (`modes:ipvs`: the per-mode suite's IPVS tests). Default:
+    /// each kernel's list (`KERNELS` in xtask/src/vm.rs).
+    #[arg(long, value_delimiter = ',')]
+    pub tests: Option<Vec<String>>,
     /// Keep the unpacked initramfs tree next to the archive (for inspection).
     #[arg(long)]
     pub keep: bool,
-    /// Give up (and fail) after this many seconds of VM run time.
-    #[arg(long, default_value_t = 900)]
+    /// Give up (and fail) after this many seconds of run time of one guest
+    /// (the 6.1 guest runs ~11 minutes on an idle machine, three times that
+    /// on a busy one).
+    #[arg(long, default_value_t = 3600)]
     pub timeout: u64,
     /// Guest memory in MiB.
     #[arg(long, default_value_t = 1024)]
@@ -93,6 +148,39 @@ pub struct Options {
     /// `--test-threads=1` is always passed first.
     #[arg(last = true)]
     pub test_args: Vec<String>,
+}
+
+/// The kernels named by `--kernel`, in the order given (`all`: every one
+/// of [`KERNELS`]).
+fn chosen_kernels(names: &[String]) -> Result<Vec<&'static GuestKernel>> {
+    let mut chosen: Vec<&'static GuestKernel> = Vec::new();
+    for name in names {
+        let found: Vec<&'static GuestKernel> = if name == "all" {
+            KERNELS.iter().collect()
+        } else {
+            vec![find_kernel(name)?]
+        };
+        for kernel in found {
+            if !chosen.iter().any(|k| k.series == kernel.series) {
+                chosen.push(kernel);
+            }
+        }
+    }
+    if chosen.is_empty() {
+        bail!("no kernel chosen (--kernel)");
+    }
+    Ok(chosen)
+}
+
+/// The [`KERNELS`] entry of `series`.
+fn find_kernel(series: &str) -> Result<&'static GuestKernel> {
+    KERNELS.iter().find(|k| k.series == series).with_context(|| {
+        let known: Vec<&str> = KERNELS.iter().map(|k| k.series).collect();
+        format!(
+            "--kernel {series:?}: the kernels tested are {} (or all)",
+            known.join(", ")
+        )
+    })
 }
 
 /// A test executable of [`TEST_PACKAGE`], or a binary the tests start.
@@ -122,46 +210,84 @@ pub struct Plan {
     pub bench: Option<Vec<String>>,
 }
 
-/// Fetches the kernel, builds and packs the tests, boots them and fails
-/// unless every step in the guest passed.
+/// Fetches the kernels, builds the tests once, then packs and boots them
+/// for each kernel in turn; fails unless every step in every guest passed.
 pub fn vm(root: &Path, options: &Options) -> Result<()> {
     let started = Instant::now();
     check_host_programs()?;
     let cache = cache_dir()?;
     fs::create_dir_all(&cache).with_context(|| format!("cannot create {}", cache.display()))?;
 
-    let kernel = guest_kernel(&cache, &options.kernel)?;
+    // Every kernel first: a missing package fails before the long build.
+    let mut runs = Vec::new();
+    for spec in chosen_kernels(&options.kernel)? {
+        let tests = options.tests.clone().unwrap_or_else(|| spec.default_tests());
+        runs.push((guest_kernel(&cache, spec.series)?, tests));
+    }
 
     phase("building the eBPF object and the test executables");
     let t = Instant::now();
     build_ebpf::build_ebpf(root, &build_ebpf::Options::default())?;
-    let (tests, helpers) = build_tests(root, &options.tests)?;
+    let every_test = union(runs.iter().map(|(_, tests)| tests.as_slice()));
+    let (built, helpers) = build_tests(root, &every_test)?;
     phase(&format!("built in {:.1} s", t.elapsed().as_secs_f64()));
 
-    let plan = Plan {
-        tests,
-        helpers,
-        env: guest_env(options),
-        args: std::iter::once("--test-threads=1".to_owned())
-            .chain(options.test_args.iter().cloned())
-            .collect(),
-        bench: None,
-    };
     let guest = Guest {
         memory_mib: options.memory,
         timeout: Duration::from_secs(options.timeout),
         keep: options.keep,
     };
-    let outcome = guest.boot(root, &cache, &kernel, &plan)?;
+    let mut verdicts = Vec::new();
+    for (kernel, names) in &runs {
+        let guest_started = Instant::now();
+        let plan = Plan {
+            tests: names
+                .iter()
+                .filter_map(|name| built.iter().find(|test| &test.name == name).cloned())
+                .collect(),
+            helpers: helpers.clone(),
+            env: guest_env(options),
+            args: std::iter::once("--test-threads=1".to_owned())
+                .chain(options.test_args.iter().cloned())
+                .collect(),
+            bench: None,
+        };
+        let problem = match guest.boot(root, &cache, kernel, &plan) {
+            Ok(outcome) => outcome.problem(&names.iter().map(String::as_str).collect::<Vec<_>>()),
+            Err(error) => Some(format!("{error:#}")),
+        };
+        verdicts.push((kernel.release.clone(), problem, guest_started.elapsed()));
+    }
+    for (release, problem, took) in &verdicts {
+        let verdict = problem.as_deref().unwrap_or("every step passed");
+        println!("xtask vm: kernel {release}: {verdict} ({:.1} s)", took.as_secs_f64());
+    }
     println!("xtask vm: total {:.1} s", started.elapsed().as_secs_f64());
-    if let Some(problem) = outcome.problem(&plan.tests.iter().map(|t| t.name.as_str()).collect::<Vec<_>>()) {
-        bail!("VM tests failed: {problem}");
+    let failed: Vec<&str> = verdicts
+        .iter()
+        .filter(|(_, problem, _)| problem.is_some())
+        .map(|(release, _, _)| release.as_str())
+        .collect();
+    if !failed.is_empty() {
+        bail!("VM tests failed on {}", failed.join(", "));
     }
     Ok(())
 }
 
+/// Every name of `lists`, each once, in the order first seen.
+fn union<'a>(lists: impl Iterator<Item = &'a [String]>) -> Vec<String> {
+    let mut all: Vec<String> = Vec::new();
+    for name in lists.flatten() {
+        if !all.contains(name) {
+            all.push(name.clone());
+        }
+    }
+    all
+}
+
 /// The newest Debian kernel of `series`, fetched once into `cache`.
 fn guest_kernel(cache: &Path, series: &str) -> Result<kernel::Kernel> {
+    find_kernel(series)?;
     phase(&format!("kernel: the newest Debian {series} cloud kernel"));
     let t = Instant::now();
     let kernel = kernel::ensure(cache, series)?;
@@ -198,7 +324,8 @@ impl Guest {
             self.memory_mib,
             self.timeout.as_secs()
         ));
-        let log = cache.join("console.log");
+        // One log per series: the last run on each kernel stays readable.
+        let log = cache.join(format!("console-{}.log", kernel.series));
         let outcome = run::boot(&run::Boot {
             kernel: &kernel.vmlinuz,
             initrd: &initrd,
@@ -219,7 +346,7 @@ fn phase(text: &str) {
 
 /// Installs the host programs the VM step needs (as root), or says which.
 fn check_host_programs() -> Result<()> {
-    setup::ensure_programs(HOST_PROGRAMS)
+    setup::ensure_programs(setup::VM_TOOLS)
 }
 
 /// `$XDG_CACHE_HOME/xproxy/vm`, else `$HOME/.cache/xproxy/vm`.
@@ -348,6 +475,50 @@ fn artifact(line: &str) -> Result<Option<(Executable, bool)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_kernel_loads_the_programs_and_runs_the_packet_tests() {
+        for kernel in KERNELS {
+            let tests = kernel.default_tests();
+            for name in EVERY_KERNEL {
+                assert!(tests.iter().any(|test| test == name), "{} lacks {name}", kernel.series);
+            }
+            assert_eq!(
+                union([tests.as_slice()].into_iter()),
+                tests,
+                "{} repeats a target",
+                kernel.series
+            );
+        }
+    }
+
+    #[test]
+    fn chooses_kernels_by_series() {
+        let names = |list: &[&str]| list.iter().map(|name| (*name).to_owned()).collect::<Vec<_>>();
+        let series = |chosen: Vec<&GuestKernel>| chosen.iter().map(|k| k.series).collect::<Vec<_>>();
+        assert_eq!(series(chosen_kernels(&names(&["6.12"])).expect("known")), ["6.12"]);
+        assert_eq!(
+            series(chosen_kernels(&names(&["all"])).expect("known")),
+            ["6.1", "6.12"]
+        );
+        assert_eq!(
+            series(chosen_kernels(&names(&["6.12", "all", "6.1"])).expect("known")),
+            ["6.12", "6.1"]
+        );
+        let error = chosen_kernels(&names(&["6.2"])).expect_err("unknown");
+        assert!(format!("{error:#}").contains("6.1, 6.12"), "{error:#}");
+        assert!(chosen_kernels(&[]).is_err());
+    }
+
+    #[test]
+    fn builds_each_target_once() {
+        let a = ["verifier".to_owned(), "two_node".to_owned()];
+        let b = ["verifier".to_owned(), "two_node:two_node_ebpf".to_owned()];
+        assert_eq!(
+            union([a.as_slice(), b.as_slice()].into_iter()),
+            ["verifier", "two_node", "two_node:two_node_ebpf"]
+        );
+    }
 
     #[test]
     fn reads_test_and_bin_artifacts() {

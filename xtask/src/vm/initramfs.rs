@@ -47,6 +47,9 @@ const MODULES: &[&str] = &[
     "sch_ingress",
     "cls_bpf",
     "act_bpf",
+    // The two-node test bed's shared L2 segment (`testbed::two_node`): a
+    // bridge; `stp` and `llc` come with it from `modules.dep`.
+    "bridge",
     // IPVS and its schedulers, conntrack, ipsets.
     "ip_vs",
     "ip_vs_rr",
@@ -93,7 +96,7 @@ const MODULES: &[&str] = &[
 
 /// Modules the tests cannot do without: missing ones fail the build of the
 /// initramfs instead of a test in the guest.
-const REQUIRED_MODULES: &[&str] = &["veth", "sch_ingress", "cls_bpf", "ip_vs", "ip_vs_rr"];
+const REQUIRED_MODULES: &[&str] = &["veth", "bridge", "sch_ingress", "cls_bpf", "ip_vs", "ip_vs_rr"];
 
 /// Tools in the guest: required, then used if the host has them.
 const TOOLS: &[&str] = &["ip", "tc", "bpftool", "ipvsadm"];
@@ -120,8 +123,9 @@ const REPO_DATA: &[&str] = &["examples"];
 /// The system's CA bundle (Debian's ca-certificates).
 const CA_CERTIFICATES: &str = "/etc/ssl/certs/ca-certificates.crt";
 
-/// Archives kept in the cache (the newest by modification time).
-const KEEP_ARCHIVES: usize = 3;
+/// Archives kept in the cache (the newest by modification time): one per
+/// kernel of a `--kernel all` run, and room for a second checkout's.
+const KEEP_ARCHIVES: usize = 4;
 
 /// Bumped when the layout changes in a way the manifest does not show.
 const FORMAT: &str = "xproxy-vm-initramfs 1";

@@ -24,6 +24,7 @@ const REQUIRED_CONFIG: &[(&str, bool, &str)] = &[
     ("DEBUG_INFO_BTF", false, "BTF at /sys/kernel/btf/vmlinux"),
     ("NET_NS", false, "network namespaces"),
     ("VETH", true, "veth pairs (XDP in driver mode)"),
+    ("BRIDGE", true, "the two-node test bed's L2 segment"),
     ("NET_CLS_ACT", false, "tc actions (direct-action BPF)"),
     ("NET_SCH_INGRESS", true, "the tc clsact qdisc"),
     ("NET_CLS_BPF", true, "tc BPF classifiers"),
@@ -40,6 +41,8 @@ const FLAVOUR: &str = "cloud-amd64";
 
 #[derive(Debug)]
 pub struct Kernel {
+    /// The series asked for, e.g. `6.12`.
+    pub series: String,
     /// `uname -r`, e.g. `6.1.0-54-cloud-amd64`.
     pub release: String,
     /// The Debian package version, e.g. `6.1.190-1`.
@@ -81,6 +84,7 @@ pub fn ensure(cache: &Path, series: &str) -> Result<Kernel> {
         extract(&deb, &root, &release)?;
     }
     let kernel = Kernel {
+        series: series.to_owned(),
         package_version: package_version(&cache.join("debs"), &package)?,
         vmlinuz: root.join("boot").join(format!("vmlinuz-{release}")),
         root,
@@ -308,7 +312,7 @@ mod tests {
 
     #[test]
     fn names_missing_options() {
-        let config = "CONFIG_BPF_SYSCALL=y\nCONFIG_DEBUG_INFO_BTF=y\nCONFIG_NET_NS=y\nCONFIG_VETH=m\n\
+        let config = "CONFIG_BPF_SYSCALL=y\nCONFIG_DEBUG_INFO_BTF=y\nCONFIG_NET_NS=y\nCONFIG_VETH=m\nCONFIG_BRIDGE=m\n\
                       CONFIG_NET_CLS_ACT=y\nCONFIG_NET_SCH_INGRESS=m\nCONFIG_NET_CLS_BPF=m\nCONFIG_IP_VS=m\n\
                       CONFIG_BLK_DEV_INITRD=y\nCONFIG_DEVTMPFS=m\nCONFIG_TMPFS=y\nCONFIG_SERIAL_8250_CONSOLE=y\n";
         let missing = missing_options(config);
