@@ -56,7 +56,6 @@ const AGENT: (&str, &str) = ("proxy-userspace", "xproxy");
 /// takes hours under software emulation.
 const DEFAULT_FUZZ_FRAMES: u64 = 20_000;
 
-
 /// The test targets every guest kernel runs: every program loads and
 /// pins its maps (`verifier`), the frame-by-frame tests through
 /// `BPF_PROG_TEST_RUN` (`packet`, `fuzz`) and the namespace end-to-end
