@@ -18,9 +18,8 @@ use std::net::Ipv4Addr;
 
 use anyhow::{Context, Result};
 use testbed::{
-    netns::{self, Netns},
-    privileged::unique_name,
-    topology::{CLIENT_IP, NODE_IP, POD_GATEWAY, Pod, add_pod, node_ns},
+    netns::Netns,
+    topology::{POD_GATEWAY, Pod, add_pod, link_client, node_ns},
 };
 
 use crate::{
@@ -65,17 +64,7 @@ impl BenchTopology {
         // (rev-NATed replies come in on pod veths), no ICMP rate limit.
         let node = node_ns("bn")?;
 
-        let client_if = unique_name("bcu");
-        let uplink = unique_name("bnu");
-        netns::veth(&client, &client_if, &node, &uplink)?;
-        client.add_addr(&client_if, &format!("{CLIENT_IP}/24"))?;
-        node.add_addr(&uplink, &format!("{NODE_IP}/24"))?;
-        node.add_route(&["default", "via", &CLIENT_IP.to_string(), "dev", &uplink])?;
-        client.add_route(&[CLIENT_ROUTE, "via", &NODE_IP.to_string(), "dev", &client_if])?;
-        // What the uplink's XDP program sends back with XDP_TX needs a
-        // ring and a poll on the client end (see the testbed's topology).
-        client.ethtool_k(&client_if, "gro", true)?;
-        client.attach_xdp_pass(&client_if)?;
+        link_client(&client, &node, CLIENT_ROUTE)?;
 
         let servers = PodServers::new(server_workers())?;
         let mut pods = Vec::with_capacity(PODS);

@@ -124,6 +124,27 @@ pub fn limit_no_icmp(ns: &Netns) -> Result<()> {
     ns.sysctl("net.ipv4.icmp_ratemask", "0")
 }
 
+/// The client's link to the node: a veth pair, [`CLIENT_IP`] and [`NODE_IP`]
+/// on its ends, the node's default route via the client (node processes
+/// reach ClusterIPs through the uplink) and the client's route to
+/// `client_route` via the node. Returns (client end, node end: the uplink).
+pub fn link_client(client: &Netns, node: &Netns, client_route: &str) -> Result<(String, String)> {
+    let client_if = unique_name("cu");
+    let uplink = unique_name("nu");
+    netns::veth(client, &client_if, node, &uplink)?;
+    client.add_addr(&client_if, &format!("{CLIENT_IP}/24"))?;
+    node.add_addr(&uplink, &format!("{NODE_IP}/24"))?;
+    node.add_route(&["default", "via", &CLIENT_IP.to_string(), "dev", &uplink])?;
+    client.add_route(&[client_route, "via", &NODE_IP.to_string(), "dev", &client_if])?;
+    // What the uplink's XDP program sends back with XDP_TX (RST, ICMP)
+    // lands on the client end's ring; GRO gives that end a ring, but only
+    // an XDP program there makes the kernel poll it at once (see
+    // `Netns::attach_xdp_pass`). A physical uplink has neither problem.
+    client.ethtool_k(&client_if, "gro", true)?;
+    client.attach_xdp_pass(&client_if)?;
+    Ok((client_if, uplink))
+}
+
 impl Topology {
     /// Builds the namespaces, links, addresses, routes and the backends'
     /// servers.
@@ -131,21 +152,8 @@ impl Topology {
         let client = Netns::new("xc")?;
         let node = node_ns("xn")?;
 
-        let client_if = unique_name("cu");
-        let uplink = unique_name("nu");
-        netns::veth(&client, &client_if, &node, &uplink)?;
-        client.add_addr(&client_if, &format!("{CLIENT_IP}/24"))?;
-        node.add_addr(&uplink, &format!("{NODE_IP}/24"))?;
-        // Node processes reach ClusterIPs through the default route: the uplink.
-        node.add_route(&["default", "via", &CLIENT_IP.to_string(), "dev", &uplink])?;
         // Lets the client reach pods directly (traffic that is no Service's).
-        client.add_route(&[POD_CIDR, "via", &NODE_IP.to_string(), "dev", &client_if])?;
-        // What the uplink's XDP program sends back with XDP_TX (RST, ICMP)
-        // lands on the client end's ring; GRO gives that end a ring, but only
-        // an XDP program there makes the kernel poll it at once (see
-        // `Netns::attach_xdp_pass`). A physical uplink has neither problem.
-        client.ethtool_k(&client_if, "gro", true)?;
-        client.attach_xdp_pass(&client_if)?;
+        let (client_if, uplink) = link_client(&client, &node, POD_CIDR)?;
 
         let mut backends = Vec::new();
         for (name, ip) in BACKENDS {
