@@ -1229,3 +1229,47 @@ fn kube_chains(bed: &AgentBed) -> Result<bool> {
         .exec(&["iptables-save", "-t", "nat"])?
         .contains(":KUBE-SERVICES"))
 }
+
+// ---------------------------------------------------------------------------
+// `--xdp auto` on an uplink whose driver has no native XDP.
+
+/// A bridge as the uplink (its driver has no native XDP, like many virtual
+/// NICs): under the default `--xdp auto` the agent attaches the uplink's
+/// programs at tc with a warning and syncs, instead of failing to start.
+#[test]
+fn xdp_auto_falls_back_to_tc_where_native_xdp_is_refused() {
+    const TEST: &str = "xdp_auto_falls_back_to_tc_where_native_xdp_is_refused";
+    if !require_root(TEST) {
+        return;
+    }
+    let scratch = TempDir::new("xdpfallback").expect("scratch directory");
+    let ns = Netns::new("xxf").expect("a namespace");
+    let manifests = scratch.path().join("manifests");
+    std::fs::create_dir_all(&manifests).expect("manifest directory");
+    for args in [
+        ["link", "add", "br0", "type", "bridge"].as_slice(),
+        &["link", "set", "br0", "up"],
+        &["addr", "add", &format!("{NODE_IP}/24"), "dev", "br0"],
+    ] {
+        ns.ip(args).unwrap_or_else(|e| panic!("{TEST}: ip {args:?}: {e:#}"));
+    }
+    let mut agent = h::NodeAgent::new(format!("[{TEST}]"), h::xproxy_binary(), scratch.path());
+    let mut args = vec!["--manifests".to_owned(), manifests.display().to_string()];
+    args.extend(h::node_args("ebpf", NODE_IP, fixtures::NODE_NAME));
+    agent.start(&ns, &args, "agent.log").expect("starting the agent");
+    let synced = agent.wait_first_sync(&ns, "the first sync", READY_WITHIN);
+    let log = agent.log();
+    assert!(synced.is_ok(), "{TEST}: no first sync ({synced:?}):\n{log}");
+    assert!(
+        !log_lines(&log, "falling back to tc").is_empty(),
+        "{TEST}: no warning about the fallback:\n{log}"
+    );
+    let link = ns.ip(&["-d", "link", "show", "br0"]).expect("ip link show");
+    assert!(!link.contains("prog/xdp"), "{TEST}: XDP on the bridge:\n{link}");
+    assert!(
+        log.lines()
+            .any(|l| l.contains("attached") && l.contains("br0") && l.contains("UplinkTc")),
+        "{TEST}: the uplink's programs are not attached at tc:\n{log}"
+    );
+    note(TEST, "bridge uplink: native XDP refused, tc attached, synced");
+}

@@ -40,6 +40,24 @@ mod snapshot;
 pub mod snat;
 pub mod stale_flows;
 mod write_batch;
+/// Attaches the uplink programs to `iface`. Under `--xdp auto` an uplink
+/// whose driver refuses native XDP (bridges, bonds over such drivers, many
+/// virtual NICs) gets the same programs at tc, with a warning, instead of
+/// failing the start; an explicit `--xdp native` still fails.
+fn attach_uplink(datapath: &mut Datapath, iface: &str, hook: Hook, policy: XdpPolicy) -> Result<()> {
+    match datapath.attach(iface, hook) {
+        Err(e) if hook == Hook::Uplink && policy == XdpPolicy::Auto => {
+            warn!(
+                iface,
+                error = format!("{e:#}"),
+                "native XDP refused on this uplink; falling back to tc"
+            );
+            datapath.attach(iface, Hook::UplinkTc)
+        }
+        attached => attached,
+    }
+}
+
 #[cfg(test)]
 mod writer_tests;
 
@@ -167,7 +185,7 @@ impl EbpfMode {
                 XdpPolicy::Auto if uplink.is_veth => Hook::UplinkTc,
                 XdpPolicy::Auto => Hook::Uplink,
             };
-            datapath.attach(&uplink.name, hook)?;
+            attach_uplink(&mut datapath, &uplink.name, hook, opts.xdp)?;
         }
         for pod in interfaces::pod_interfaces(&all, &uplinks) {
             // A pod interface that vanished since the listing is not an error.
