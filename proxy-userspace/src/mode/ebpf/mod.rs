@@ -76,7 +76,6 @@ pub use memory_maps::{FaultyMaps, MemoryMaps};
 pub use object::object_bytes;
 pub use pinned_maps::{PinnedMaps, sum_verdicts};
 pub use service_maps::ServiceMaps;
-use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 pub use write_batch::{Split, SplitStaged, Step, Table};
 
@@ -144,8 +143,6 @@ pub struct EbpfMode {
     maps: ServiceMaps,
     /// Shared with the task that attaches pod interfaces as they appear.
     datapath: Arc<Mutex<Datapath>>,
-    /// Asks that task to look for pod interfaces without programs.
-    rescan_pods: mpsc::Sender<()>,
     node_ips: Vec<Ipv4Addr>,
     pin_path: PathBuf,
 }
@@ -210,7 +207,7 @@ impl EbpfMode {
             ),
         }
         let datapath = Arc::new(Mutex::new(datapath));
-        let rescan_pods = spawn_pod_interface_watcher(datapath.clone(), uplinks, handle)?;
+        spawn_pod_interface_watcher(datapath.clone(), uplinks)?;
         spawn_conntrack_sweeper(opts.pin_path.clone(), opts.conntrack);
         let mut maps = ServiceMaps::open(&opts.pin_path, node_ips.clone())?;
         maps.set_topology(opts.node_name.clone(), opts.masquerade_all);
@@ -218,7 +215,6 @@ impl EbpfMode {
         Ok(Self {
             maps,
             datapath,
-            rescan_pods,
             node_ips,
             pin_path: opts.pin_path.clone(),
         })
@@ -282,83 +278,27 @@ fn spawn_conntrack_sweeper(pin_path: PathBuf, settings: conntrack::CtSettings) {
     });
 }
 
-/// Attaches the programs to pod interfaces as they appear (link events),
-/// and, whenever asked (every full sync), to any pod interface that has
-/// none: a link event can be missed (a netlink socket buffer overrun under
-/// a burst of pod starts), and a pod without programs goes untranslated.
-/// Returns the sender that asks for such a rescan.
-fn spawn_pod_interface_watcher(
-    datapath: Arc<Mutex<Datapath>>,
-    uplinks: Vec<Interface>,
-    handle: rtnetlink::Handle,
-) -> Result<mpsc::Sender<()>> {
+fn spawn_pod_interface_watcher(datapath: Arc<Mutex<Datapath>>, uplinks: Vec<Interface>) -> Result<()> {
     let mut new_veths = interfaces::watch_new_veths()?;
-    // One pending request is enough: a rescan looks at every interface.
-    let (rescan, mut rescans) = mpsc::channel(1);
     tokio::spawn(async move {
-        loop {
-            tokio::select! {
-                Some(iface) = new_veths.recv() => {
-                    if !uplinks.iter().any(|u| u.index == iface.index) {
-                        attach_pod(&datapath, &iface.name, "pod interface attached", true);
-                    }
-                }
-                Some(()) = rescans.recv() => rescan_pods(&datapath, &uplinks, &handle).await,
-                else => break,
+        while let Some(iface) = new_veths.recv().await {
+            if uplinks.iter().any(|u| u.index == iface.index) {
+                continue;
+            }
+            let mut datapath = datapath.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            // Attaching again to an attached interface only swaps the
+            // program in its pinned link, so repeated events are harmless.
+            match datapath.attach(&iface.name, Hook::Pod) {
+                Ok(()) => info!(iface = iface.name, "pod interface attached"),
+                Err(e) => warn!(
+                    iface = iface.name,
+                    error = format!("{e:#}"),
+                    "could not attach to new pod interface"
+                ),
             }
         }
     });
-    Ok(rescan)
-}
-
-/// Attaches the pod programs to `iface`; logs `done` (at debug level
-/// unless `notable`) or the failure. Attaching again to an attached
-/// interface only swaps the program in its pinned link (or filter), so
-/// repeated events are harmless.
-fn attach_pod(datapath: &Mutex<Datapath>, iface: &str, done: &str, notable: bool) {
-    let mut datapath = datapath.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    match datapath.attach(iface, Hook::Pod) {
-        Ok(()) if notable => info!(iface, "{done}"),
-        Ok(()) => debug!(iface, "{done}"),
-        Err(e) => warn!(iface, error = format!("{e:#}"), "could not attach to a pod interface"),
-    }
-}
-
-/// Attaches to every pod interface that lacks its tc links.
-async fn rescan_pods(datapath: &Mutex<Datapath>, uplinks: &[Interface], handle: &rtnetlink::Handle) {
-    let all = match interfaces::list(handle).await {
-        Ok(all) => all,
-        Err(e) => {
-            warn!(
-                error = format!("{e:#}"),
-                "cannot list interfaces to rescan pod interfaces"
-            );
-            return;
-        }
-    };
-    for pod in interfaces::pod_interfaces(&all, uplinks) {
-        let attached = datapath
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .has_tc_links(&pod.name);
-        match attached {
-            Some(true) => {}
-            // A pod the link events missed: worth a line in the log.
-            Some(false) => attach_pod(
-                datapath,
-                &pod.name,
-                "pod interface attached by the full sync's rescan",
-                true,
-            ),
-            // Filters (before 6.6) cannot be told apart: re-attach quietly.
-            None => attach_pod(
-                datapath,
-                &pod.name,
-                "pod interface's filters refreshed by the rescan",
-                false,
-            ),
-        }
-    }
+    Ok(())
 }
 
 impl Dataplane for EbpfMode {
@@ -381,8 +321,6 @@ impl Dataplane for EbpfMode {
     }
 
     fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()> {
-        // Full (not yet run) means a rescan is already waiting.
-        let _ = self.rescan_pods.try_send(());
         self.maps.batch(|maps| {
             // Removals first, as in `apply`: a frontend a removed port
             // shares with a desired one (a node port that moved) must end
