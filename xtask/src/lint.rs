@@ -8,16 +8,19 @@
 
 use std::{path::Path, process::Command};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 
 use crate::{build_ebpf, command, toolchain};
 
 /// Runs every check, then fails naming the ones that failed (all run, so
 /// one run shows every finding).
 pub fn lint(root: &Path) -> Result<()> {
+    // Lint may run first on a fresh machine: the pinned nightly (with
+    // rust-src, for build-std) must be there before its clippy runs.
     let nightly = toolchain::pinned_nightly(root)?;
-    ensure_components(None)?;
-    ensure_components(Some(&nightly))?;
+    toolchain::ensure_nightly(&nightly)?;
+    toolchain::ensure_components(None, &["clippy", "rustfmt"])?;
+    toolchain::ensure_components(Some(&nightly), &["rust-src", "clippy"])?;
 
     let ebpf_dir = root.join("proxy-ebpf");
     let checks: [(&str, Command); 4] = [
@@ -77,32 +80,4 @@ fn ebpf_clippy(nightly: &str, ebpf_dir: &Path) -> Command {
         "warnings",
     ]);
     cmd
-}
-
-/// Adds clippy and rustfmt to a toolchain (the default one when `None`):
-/// rustup's minimal profile has neither.
-fn ensure_components(toolchain: Option<&str>) -> Result<()> {
-    let mut list = Command::new("rustup");
-    list.args(["component", "list", "--installed"]);
-    if let Some(name) = toolchain {
-        list.args(["--toolchain", name]);
-    }
-    let installed = command::stdout(&mut list)?;
-    let missing: Vec<&str> = ["clippy", "rustfmt"]
-        .into_iter()
-        .filter(|component| {
-            !installed
-                .lines()
-                .any(|line| line.starts_with(&format!("{component}-")) || line == *component)
-        })
-        .collect();
-    if missing.is_empty() {
-        return Ok(());
-    }
-    let mut add = Command::new("rustup");
-    add.args(["component", "add"]).args(&missing);
-    if let Some(name) = toolchain {
-        add.args(["--toolchain", name]);
-    }
-    command::run(&mut add).with_context(|| format!("cannot add {missing:?} to rustup's toolchain"))
 }

@@ -93,13 +93,46 @@ fn has_toolchain(list: &str, name: &str) -> bool {
 
 /// Adds `rust-src` to the nightly (needed by `-Z build-std=core`) if missing.
 pub fn ensure_rust_src(nightly: &str) -> Result<()> {
-    let installed =
-        command::stdout(Command::new("rustup").args(["component", "list", "--toolchain", nightly, "--installed"]))?;
-    if installed.lines().any(|line| line.trim() == "rust-src") {
+    ensure_components(Some(nightly), &["rust-src"])
+}
+
+/// Adds `components` to a toolchain (the default one when `None`) where
+/// missing: rustup's minimal profile has neither rust-src nor clippy nor
+/// rustfmt.
+pub fn ensure_components(toolchain: Option<&str>, components: &[&str]) -> Result<()> {
+    let mut list = Command::new("rustup");
+    list.args(["component", "list", "--installed"]);
+    if let Some(name) = toolchain {
+        list.args(["--toolchain", name]);
+    }
+    let installed = command::stdout(&mut list)?;
+    let missing: Vec<&str> = components
+        .iter()
+        .copied()
+        .filter(|component| !has_component(&installed, component))
+        .collect();
+    if missing.is_empty() {
         return Ok(());
     }
-    eprintln!("xtask: adding rust-src to the {nightly} toolchain");
-    command::run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", nightly]))
+    eprintln!(
+        "xtask: adding {missing:?} to the {} toolchain",
+        toolchain.unwrap_or("default")
+    );
+    let mut add = Command::new("rustup");
+    add.args(["component", "add"]).args(&missing);
+    if let Some(name) = toolchain {
+        add.args(["--toolchain", name]);
+    }
+    command::run(&mut add)
+}
+
+/// Whether `rustup component list --installed` output names `component`
+/// (`rust-src`, or `clippy-x86_64-unknown-linux-gnu` for `clippy`).
+fn has_component(installed: &str, component: &str) -> bool {
+    installed
+        .lines()
+        .map(str::trim)
+        .any(|line| line == component || line.starts_with(&format!("{component}-")))
 }
 
 /// The nightly's own LLVM, as bpf-linker must link it.
@@ -376,6 +409,14 @@ mod tests {
         let list = "stable-x86_64-unknown-linux-gnu (default)\nnightly-x86_64-unknown-linux-gnu\n";
         assert!(has_toolchain(list, "nightly"));
         assert!(!has_toolchain("stable-x86_64-unknown-linux-gnu (default)\n", "nightly"));
+    }
+
+    #[test]
+    fn reads_installed_components() {
+        let list = "cargo-x86_64-unknown-linux-gnu\nclippy-x86_64-unknown-linux-gnu\nrust-src\n";
+        assert!(has_component(list, "clippy"));
+        assert!(has_component(list, "rust-src"));
+        assert!(!has_component(list, "rustfmt"));
     }
 
     #[test]
