@@ -173,6 +173,11 @@ impl Cluster {
                 endpoints: endpoints_for(&slices, &spec.port_name, spec.protocol),
                 external_policy: spec.external_policy,
                 internal_policy: spec.internal_policy,
+                external_ips: info.external_ips.clone(),
+                load_balancer_ips: info.load_balancer_ips.clone(),
+                source_ranges: info.source_ranges.clone(),
+                affinity: info.affinity,
+                health_check_node_port: info.health_check_node_port,
             })
             .collect()
     }

@@ -34,7 +34,8 @@ pub struct EndpointSets<'a> {
     pub local: Vec<&'a Endpoint>,
     internal_local: bool,
     external_local: bool,
-    /// The port takes traffic from outside (it has a node port).
+    /// The port takes traffic from outside (a node port, external or load
+    /// balancer IPs).
     external: bool,
 }
 
@@ -54,7 +55,7 @@ impl<'a> EndpointSets<'a> {
             local: distinct(local),
             internal_local,
             external_local,
-            external: port.node_port.is_some(),
+            external: port.externally_accessible(),
         }
     }
 

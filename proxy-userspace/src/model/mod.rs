@@ -104,6 +104,48 @@ pub struct ServicePort {
     pub external_policy: TrafficPolicy,
     /// Where traffic to the ClusterIP goes.
     pub internal_policy: TrafficPolicy,
+    /// `spec.externalIPs`: addresses that answer on the Service's port like
+    /// the ClusterIP, for traffic from anywhere (external traffic: the
+    /// external policy applies, as to node ports).
+    pub external_ips: Vec<Ipv4Addr>,
+    /// `status.loadBalancer.ingress[].ip`, without the entries whose
+    /// `ipMode` is `Proxy` (the load balancer itself proxies those, so the
+    /// node must not short-circuit them). External traffic, like
+    /// `external_ips`.
+    pub load_balancer_ips: Vec<Ipv4Addr>,
+    /// `spec.loadBalancerSourceRanges`: only clients inside these networks
+    /// may reach `load_balancer_ips` (empty: every client). Node ports,
+    /// external IPs and the ClusterIP are not filtered.
+    pub source_ranges: Vec<SourceRange>,
+    /// `sessionAffinity: ClientIP`: a client keeps its endpoint until it
+    /// has been idle this long (`None`: every new flow is balanced anew).
+    pub affinity: Option<std::time::Duration>,
+    /// `spec.healthCheckNodePort`: where this node answers a load
+    /// balancer's health check for the Service (set by the API server for
+    /// LoadBalancer Services with `externalTrafficPolicy: Local`).
+    pub health_check_node_port: Option<u16>,
+}
+
+/// One entry of `loadBalancerSourceRanges`: an IPv4 network.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SourceRange {
+    /// The network address, host bits zero.
+    pub addr: Ipv4Addr,
+    pub prefix_len: u8,
+}
+
+impl SourceRange {
+    /// Whether `ip` is inside the network.
+    pub fn contains(&self, ip: Ipv4Addr) -> bool {
+        let mask = u32::MAX.checked_shl(32 - u32::from(self.prefix_len)).unwrap_or(0);
+        u32::from(ip) & mask == u32::from(self.addr)
+    }
+}
+
+impl fmt::Display for SourceRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix_len)
+    }
 }
 
 impl Default for ServicePort {
@@ -117,14 +159,39 @@ impl Default for ServicePort {
             endpoints: Vec::new(),
             external_policy: TrafficPolicy::Cluster,
             internal_policy: TrafficPolicy::Cluster,
+            external_ips: Vec::new(),
+            load_balancer_ips: Vec::new(),
+            source_ranges: Vec::new(),
+            affinity: None,
+            health_check_node_port: None,
         }
     }
 }
 
 impl ServicePort {
-    /// Whether node-port traffic goes to this node's endpoints only.
+    /// Whether traffic can reach the port from outside the cluster: through
+    /// a node port, an external IP or a load balancer IP (kube-proxy's
+    /// `ExternallyAccessible`).
+    pub fn externally_accessible(&self) -> bool {
+        self.node_port.is_some() || !self.external_ips.is_empty() || !self.load_balancer_ips.is_empty()
+    }
+
+    /// Whether external traffic (to the node port, external IPs and load
+    /// balancer IPs) goes to this node's endpoints only.
     pub fn external_local(&self) -> bool {
-        self.node_port.is_some() && self.external_policy == TrafficPolicy::Local
+        self.externally_accessible() && self.external_policy == TrafficPolicy::Local
+    }
+
+    /// The addresses besides the ClusterIP that answer on `port`: the
+    /// external IPs, then the load balancer IPs, each once.
+    pub fn external_addresses(&self) -> Vec<Ipv4Addr> {
+        let mut out: Vec<Ipv4Addr> = Vec::new();
+        for ip in self.external_ips.iter().chain(&self.load_balancer_ips) {
+            if !out.contains(ip) {
+                out.push(*ip);
+            }
+        }
+        out
     }
 
     /// Whether ClusterIP traffic goes to this node's endpoints only.

@@ -3,11 +3,11 @@
 //! Hostile or unsupported input never stops the whole sync: a bad Service or
 //! port is skipped with a [`Problem`] that the caller logs and counts.
 
-use std::{collections::BTreeSet, net::Ipv4Addr};
+use std::{collections::BTreeSet, net::Ipv4Addr, time::Duration};
 
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Service, ServiceSpec};
 
-use super::{Problem, Protocol, TrafficPolicy};
+use super::{Problem, Protocol, SourceRange, TrafficPolicy};
 
 /// Services carrying this label belong to another proxy (kube-proxy skips them too).
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
@@ -28,11 +28,25 @@ pub struct PortSpec {
     pub internal_policy: TrafficPolicy,
 }
 
-/// What a Service contributes to the desired state.
+/// What a Service contributes to the desired state: its ports, and what
+/// holds for all of them (see the fields of the same names on
+/// [`super::ServicePort`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ServiceInfo {
     pub ports: Vec<PortSpec>,
+    pub external_ips: Vec<Ipv4Addr>,
+    pub load_balancer_ips: Vec<Ipv4Addr>,
+    pub source_ranges: Vec<SourceRange>,
+    pub affinity: Option<Duration>,
+    pub health_check_node_port: Option<u16>,
 }
+
+/// kube-proxy's (and the API server's) default for
+/// `sessionAffinityConfig.clientIP.timeoutSeconds`: three hours.
+pub const DEFAULT_AFFINITY_TIMEOUT: Duration = Duration::from_secs(10_800);
+
+/// The longest affinity timeout the API server accepts: one day.
+pub const MAX_AFFINITY_TIMEOUT_SECONDS: i32 = 86_400;
 
 /// Why a whole Service is left out. Not every skip is a problem: headless
 /// and ExternalName Services simply have nothing to proxy.
@@ -123,18 +137,170 @@ pub fn service_info(svc: &Service) -> Result<(ServiceInfo, Vec<Problem>), Skip> 
             internal_policy,
         });
     }
-    Ok((ServiceInfo { ports }, problems))
+    let info = ServiceInfo {
+        ports,
+        external_ips: external_ips(spec, &object, &mut problems),
+        load_balancer_ips: load_balancer_ips(svc, &object, &mut problems),
+        source_ranges: source_ranges(spec, &object, &mut problems),
+        affinity: affinity(spec, &object, &mut problems),
+        health_check_node_port: health_check_node_port(spec, &object, &mut problems),
+    };
+    Ok((info, problems))
+}
+
+/// `spec.externalIPs`, IPv4 only; anything else is a problem and skipped.
+fn external_ips(spec: &ServiceSpec, object: &str, problems: &mut Vec<Problem>) -> Vec<Ipv4Addr> {
+    let mut out = Vec::new();
+    for text in spec.external_ips.iter().flatten() {
+        match text.trim().parse::<std::net::IpAddr>() {
+            Ok(std::net::IpAddr::V4(ip)) if !out.contains(&ip) => out.push(ip),
+            Ok(std::net::IpAddr::V4(_)) => {}
+            Ok(std::net::IpAddr::V6(_)) => problems.push(Problem::new(
+                object,
+                format!("externalIP {text} is IPv6 (IPv4 only for now); skipped"),
+            )),
+            Err(_) => problems.push(Problem::new(
+                object,
+                format!("externalIP {text:?} is not an IP address; skipped"),
+            )),
+        }
+    }
+    out
+}
+
+/// The load balancer's ingress IPs of a `LoadBalancer` Service, without
+/// those with `ipMode: Proxy` (kube-proxy leaves them to the load balancer)
+/// and without hostname-only entries.
+fn load_balancer_ips(svc: &Service, object: &str, problems: &mut Vec<Problem>) -> Vec<Ipv4Addr> {
+    let is_load_balancer = svc.spec.as_ref().and_then(|s| s.type_.as_deref()) == Some("LoadBalancer");
+    let ingress = svc
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_ref());
+    let mut out = Vec::new();
+    for entry in ingress.into_iter().flatten().filter(|_| is_load_balancer) {
+        if entry.ip_mode.as_deref() == Some("Proxy") {
+            continue;
+        }
+        let Some(text) = entry.ip.as_deref() else { continue };
+        match text.parse::<std::net::IpAddr>() {
+            Ok(std::net::IpAddr::V4(ip)) if !out.contains(&ip) => out.push(ip),
+            Ok(std::net::IpAddr::V4(_)) => {}
+            Ok(std::net::IpAddr::V6(_)) => problems.push(Problem::new(
+                object,
+                format!("load balancer IP {text} is IPv6 (IPv4 only for now); skipped"),
+            )),
+            Err(_) => problems.push(Problem::new(
+                object,
+                format!("load balancer IP {text:?} is not an IP address; skipped"),
+            )),
+        }
+    }
+    out
+}
+
+/// `spec.loadBalancerSourceRanges`. The API server allows spaces around a
+/// range; a range that does not parse is skipped with a problem (the
+/// others still apply, as in kube-proxy). An IPv6 range cannot match an
+/// IPv4 client and is left out quietly.
+fn source_ranges(spec: &ServiceSpec, object: &str, problems: &mut Vec<Problem>) -> Vec<SourceRange> {
+    let mut out = Vec::new();
+    for text in spec.load_balancer_source_ranges.iter().flatten() {
+        match parse_source_range(text.trim()) {
+            ParsedRange::V4(range) if !out.contains(&range) => out.push(range),
+            ParsedRange::V4(_) | ParsedRange::V6 => {}
+            ParsedRange::Invalid => problems.push(Problem::new(
+                object,
+                format!("loadBalancerSourceRange {text:?} is not a CIDR; skipped"),
+            )),
+        }
+    }
+    out
+}
+
+enum ParsedRange {
+    V4(SourceRange),
+    V6,
+    Invalid,
+}
+
+fn parse_source_range(text: &str) -> ParsedRange {
+    let Some((addr, len)) = text.split_once('/') else {
+        return ParsedRange::Invalid;
+    };
+    let (Ok(addr), Ok(prefix_len)) = (addr.parse::<std::net::IpAddr>(), len.parse::<u8>()) else {
+        return ParsedRange::Invalid;
+    };
+    match addr {
+        std::net::IpAddr::V4(addr) if prefix_len <= 32 => {
+            let mask = u32::MAX.checked_shl(32 - u32::from(prefix_len)).unwrap_or(0);
+            let addr = Ipv4Addr::from(u32::from(addr) & mask);
+            ParsedRange::V4(SourceRange { addr, prefix_len })
+        }
+        std::net::IpAddr::V6(_) if prefix_len <= 128 => ParsedRange::V6,
+        _ => ParsedRange::Invalid,
+    }
+}
+
+/// `sessionAffinity: ClientIP` and its timeout (default three hours; a
+/// value the API server refuses is a problem and taken as the default).
+fn affinity(spec: &ServiceSpec, object: &str, problems: &mut Vec<Problem>) -> Option<Duration> {
+    match spec.session_affinity.as_deref() {
+        None | Some("None") => return None,
+        Some("ClientIP") => {}
+        Some(other) => {
+            problems.push(Problem::new(
+                object,
+                format!("sessionAffinity {other:?} is neither None nor ClientIP; using None"),
+            ));
+            return None;
+        }
+    }
+    let seconds = spec
+        .session_affinity_config
+        .as_ref()
+        .and_then(|c| c.client_ip.as_ref())
+        .and_then(|c| c.timeout_seconds);
+    match seconds {
+        None => Some(DEFAULT_AFFINITY_TIMEOUT),
+        Some(s) if (1..=MAX_AFFINITY_TIMEOUT_SECONDS).contains(&s) => {
+            Some(Duration::from_secs(u64::from(s.unsigned_abs())))
+        }
+        Some(s) => {
+            problems.push(Problem::new(
+                object,
+                format!("sessionAffinityConfig.clientIP.timeoutSeconds {s} is outside 1-86400; using 10800"),
+            ));
+            Some(DEFAULT_AFFINITY_TIMEOUT)
+        }
+    }
+}
+
+/// `spec.healthCheckNodePort`, which only a LoadBalancer Service with
+/// `externalTrafficPolicy: Local` has.
+fn health_check_node_port(spec: &ServiceSpec, object: &str, problems: &mut Vec<Problem>) -> Option<u16> {
+    let port = spec.health_check_node_port.filter(|p| *p != 0)?;
+    let applies =
+        spec.type_.as_deref() == Some("LoadBalancer") && spec.external_traffic_policy.as_deref() == Some("Local");
+    if !applies {
+        return None;
+    }
+    let valid = valid_port(port);
+    if valid.is_none() {
+        problems.push(Problem::new(
+            object,
+            format!("healthCheckNodePort {port} is out of range 1-65535; no health check served"),
+        ));
+    }
+    valid
 }
 
 /// `(external, internal)` traffic policy of a Service, as kube-proxy reads
 /// them: the external one counts only for Services reachable from outside
 /// the cluster. A value the API server would refuse is a problem and taken
 /// as `Cluster`.
-fn traffic_policies(
-    spec: &k8s_openapi::api::core::v1::ServiceSpec,
-    object: &str,
-    problems: &mut Vec<Problem>,
-) -> (TrafficPolicy, TrafficPolicy) {
+fn traffic_policies(spec: &ServiceSpec, object: &str, problems: &mut Vec<Problem>) -> (TrafficPolicy, TrafficPolicy) {
     let mut policy = |field: &str, value: Option<&str>| match value {
         None | Some("Cluster") => TrafficPolicy::Cluster,
         Some("Local") => TrafficPolicy::Local,
@@ -148,7 +314,8 @@ fn traffic_policies(
     };
     let external = policy("externalTrafficPolicy", spec.external_traffic_policy.as_deref());
     let internal = policy("internalTrafficPolicy", spec.internal_traffic_policy.as_deref());
-    let reachable_from_outside = matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer"));
+    let reachable_from_outside = matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer"))
+        || spec.external_ips.as_ref().is_some_and(|ips| !ips.is_empty());
     let external = if reachable_from_outside {
         external
     } else {
@@ -167,4 +334,90 @@ fn object_name(svc: &Service) -> String {
         svc.metadata.namespace.as_deref().unwrap_or("default"),
         svc.metadata.name.as_deref().unwrap_or("")
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn info(service: serde_json::Value) -> (ServiceInfo, Vec<Problem>) {
+        let mut object = json!({"metadata": {"name": "web", "namespace": "default"}});
+        object
+            .as_object_mut()
+            .unwrap()
+            .extend(service.as_object().unwrap().clone());
+        service_info(&serde_json::from_value(object).unwrap()).unwrap()
+    }
+
+    fn lb_spec(extra: serde_json::Value) -> serde_json::Value {
+        let mut spec = json!({"type": "LoadBalancer", "clusterIP": "10.96.0.10",
+                              "ports": [{"port": 80, "nodePort": 30080}]});
+        spec.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        spec
+    }
+
+    #[test]
+    fn load_balancer_ips_leave_out_proxy_mode_hostnames_and_other_types() {
+        let status = json!({"loadBalancer": {"ingress": [
+            {"ip": "192.0.2.10"}, {"ip": "192.0.2.11", "ipMode": "VIP"},
+            {"ip": "192.0.2.12", "ipMode": "Proxy"}, {"hostname": "lb.example"}, {"ip": "bogus"}]}});
+        let (lb, problems) = info(json!({"spec": lb_spec(json!({})), "status": status}));
+        assert_eq!(
+            lb.load_balancer_ips,
+            [Ipv4Addr::new(192, 0, 2, 10), Ipv4Addr::new(192, 0, 2, 11)]
+        );
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        // A NodePort Service keeps a stale status from its LoadBalancer days: unused.
+        let spec = json!({"type": "NodePort", "clusterIP": "10.96.0.10", "ports": [{"port": 80}]});
+        let (np, _) = info(json!({"spec": spec, "status": status}));
+        assert!(np.load_balancer_ips.is_empty());
+    }
+
+    #[test]
+    fn external_ips_make_the_external_policy_count_without_a_node_port() {
+        let spec = json!({"clusterIP": "10.96.0.10", "ports": [{"port": 80}],
+                          "externalIPs": ["198.51.100.7", "198.51.100.7", "2001:db8::1", "nope"],
+                          "externalTrafficPolicy": "Local"});
+        let (svc, problems) = info(json!({"spec": spec}));
+        assert_eq!(svc.external_ips, [Ipv4Addr::new(198, 51, 100, 7)]);
+        assert_eq!(svc.ports[0].external_policy, TrafficPolicy::Local);
+        assert_eq!(problems.len(), 2, "{problems:?}");
+    }
+
+    #[test]
+    fn source_ranges_take_spaces_skip_garbage_and_ignore_ipv6() {
+        let spec = lb_spec(json!({"loadBalancerSourceRanges":
+            [" 203.0.113.0/24 ", "10.1.2.3/8", "2001:db8::/32", "300.1.1.1/8", "10.0.0.0/33", "x"]}));
+        let (svc, problems) = info(json!({"spec": spec}));
+        let ranges: Vec<String> = svc.source_ranges.iter().map(ToString::to_string).collect();
+        assert_eq!(ranges, ["203.0.113.0/24", "10.0.0.0/8"]);
+        assert_eq!(problems.len(), 3, "{problems:?}");
+        assert!(svc.source_ranges[0].contains(Ipv4Addr::new(203, 0, 113, 9)));
+        assert!(!svc.source_ranges[0].contains(Ipv4Addr::new(203, 0, 114, 9)));
+    }
+
+    #[test]
+    fn affinity_defaults_to_three_hours_and_refuses_out_of_range_timeouts() {
+        let none = info(json!({"spec": lb_spec(json!({}))})).0;
+        assert_eq!(none.affinity, None);
+        let default = info(json!({"spec": lb_spec(json!({"sessionAffinity": "ClientIP"}))})).0;
+        assert_eq!(default.affinity, Some(DEFAULT_AFFINITY_TIMEOUT));
+        let short = lb_spec(json!({"sessionAffinity": "ClientIP",
+                                   "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 30}}}));
+        assert_eq!(info(json!({"spec": short})).0.affinity, Some(Duration::from_secs(30)));
+        let bad = lb_spec(json!({"sessionAffinity": "ClientIP",
+                                 "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 0}}}));
+        let (svc, problems) = info(json!({"spec": bad}));
+        assert_eq!((svc.affinity, problems.len()), (Some(DEFAULT_AFFINITY_TIMEOUT), 1));
+    }
+
+    #[test]
+    fn health_check_node_port_only_for_local_load_balancers() {
+        let local = lb_spec(json!({"externalTrafficPolicy": "Local", "healthCheckNodePort": 32000}));
+        assert_eq!(info(json!({"spec": local})).0.health_check_node_port, Some(32000));
+        let cluster = lb_spec(json!({"healthCheckNodePort": 32000}));
+        assert_eq!(info(json!({"spec": cluster})).0.health_check_node_port, None);
+    }
 }
