@@ -8,7 +8,7 @@ use std::{path::PathBuf, process::ExitCode};
 use clap::{Parser, Subcommand};
 use proxy_userspace::{
     cmd::{self, Failure},
-    config::{DEFAULT_PIN_PATH, RunFlags},
+    config::{DEFAULT_PIN_PATH, Logging, RunFlags},
 };
 
 #[derive(Parser)]
@@ -49,16 +49,11 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(ansi)
-        .init();
-
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Run(_)) {
+        // `run` sets logging up from its configuration.
+        cmd::logging::init(Logging::default(), None);
+    }
     let result = match cli.command {
         Command::Run(flags) => cmd::run::run(&flags),
         Command::Status { pin_path } => cmd::status::status(&pin_path),

@@ -1009,6 +1009,107 @@ fn agent_waits_for_an_api_server_that_is_down_at_start() {
 }
 
 // ---------------------------------------------------------------------------
+// kube-proxy's flags: logging, OOM score, conntrack sysctls, `--cleanup`.
+
+/// The value of a sysctl file as seen from inside `ns`.
+fn sysctl_in(ns: &Netns, name: &str) -> Result<u64> {
+    let text = ns.exec(&["cat", &format!("/proc/sys/net/netfilter/{name}")])?;
+    text.trim().parse().with_context(|| format!("{name} = {text:?}"))
+}
+
+/// The agent started with kube-proxy's flags logs JSON at debug level,
+/// holds the OOM score it was given, sets the conntrack timeouts in its
+/// network namespace (and cannot change `nf_conntrack_max` there: only the
+/// initial namespace may, so the host's table is left alone and the agent
+/// says so), and `run --cleanup` removes the rules like `kube-proxy
+/// --cleanup`.
+#[test]
+fn kube_proxy_flags_set_logging_oom_score_and_conntrack() {
+    const TEST: &str = "kube_proxy_flags_set_logging_oom_score_and_conntrack";
+    if !require_root(TEST) {
+        return;
+    }
+    run(TEST, |bed| {
+        bed.copy_seed_manifests()?;
+        // The conntrack sysctls exist once the module is loaded (the agent
+        // sets them before its first rule would load it).
+        if !std::path::Path::new("/proc/sys/net/netfilter/nf_conntrack_max").exists() {
+            let modprobe = std::process::Command::new("modprobe").arg("nf_conntrack").status()?;
+            ensure!(modprobe.success(), "modprobe nf_conntrack: {modprobe}");
+        }
+        let host_max = std::fs::read_to_string("/proc/sys/net/netfilter/nf_conntrack_max")?;
+        let mut args = bed.manifest_args();
+        args.extend(
+            [
+                "--v=4",
+                "--logging-format=json",
+                "--oom-score-adj=500",
+                "--conntrack-tcp-timeout-established=2h",
+                "--conntrack-udp-timeout=45s",
+                "--conntrack-tcp-be-liberal",
+            ]
+            .map(str::to_owned),
+        );
+        bed.start_agent_in("iptables", &args)?;
+        bed.wait_first_sync(READY_WITHIN)?;
+        bed.wait_answering(seed_node_port(), READY_WITHIN)?;
+
+        let pid = bed.agent_pid().context("no agent pid")?;
+        let oom = std::fs::read_to_string(format!("/proc/{pid}/oom_score_adj"))?;
+        ensure!(oom.trim() == "500", "oom_score_adj is {oom:?}");
+        let node = &bed.topo.node;
+        let set = (
+            sysctl_in(node, "nf_conntrack_tcp_timeout_established")?,
+            sysctl_in(node, "nf_conntrack_udp_timeout")?,
+            sysctl_in(node, "nf_conntrack_tcp_be_liberal")?,
+        );
+        ensure!(set == (7200, 45, 1), "conntrack sysctls in the node namespace: {set:?}");
+        let host_after = std::fs::read_to_string("/proc/sys/net/netfilter/nf_conntrack_max")?;
+        ensure!(host_max == host_after, "the host's nf_conntrack_max changed");
+
+        let log = bed.log();
+        let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
+        let parsed: Vec<Value> = lines.iter().filter_map(|l| serde_json::from_str(l).ok()).collect();
+        ensure!(
+            !parsed.is_empty() && parsed.len() == lines.len(),
+            "{} of {} log lines are JSON",
+            parsed.len(),
+            lines.len()
+        );
+        let level_of = |v: &Value| v.get("level").and_then(Value::as_str).unwrap_or("").to_owned();
+        ensure!(
+            parsed.iter().any(|v| level_of(v) == "DEBUG"),
+            "--v=4 logs no debug line"
+        );
+        ensure!(
+            parsed
+                .iter()
+                .any(|v| level_of(v) == "WARN" && v.to_string().contains("nf_conntrack_max")),
+            "no warning that nf_conntrack_max could not be set in the namespace"
+        );
+
+        bed.stop_agent(libc::SIGTERM)?;
+        ensure!(kube_chains(bed)?, "the iptables mode's chains went with SIGTERM");
+        let pins = bed.pin_path().display().to_string();
+        let xproxy = bed.xproxy().to_owned();
+        let exit = h::run_xproxy(
+            &xproxy,
+            &bed.topo.node,
+            &["run", "--cleanup", "--pin-path", &pins],
+            bed.dir(),
+            Duration::from_secs(30),
+        )?;
+        ensure!(exit.code == Some(0), "xproxy run --cleanup: {}", exit.stderr);
+        ensure!(!kube_chains(bed)?, "xproxy run --cleanup left KUBE-* chains");
+        note(
+            TEST,
+            format!("{} JSON log lines; timeouts {set:?}; cleanup ok", parsed.len()),
+        );
+        Ok(())
+    });
+}
+
+// ---------------------------------------------------------------------------
 // `--xdp`: XDP on the uplink or tc only.
 
 /// Whether native XDP is on the test bed's uplink.

@@ -414,6 +414,11 @@ impl NodeAgent {
         Ok(())
     }
 
+    /// The running agent's process id.
+    pub fn pid(&self) -> Option<u32> {
+        self.running.as_ref().and_then(AgentProcess::pid)
+    }
+
     /// Whether an agent was started and not stopped since (it may have
     /// exited on its own: see [`Self::alive`]).
     pub fn is_running(&self) -> bool {
@@ -665,6 +670,11 @@ impl AgentBed {
     /// data path stays (its cleanup runs only when the bed is dropped).
     pub fn stop_agent(&mut self, signal: i32) -> Result<ExitStatus> {
         self.agent.stop(signal)
+    }
+
+    /// The running agent's process id.
+    pub fn agent_pid(&self) -> Option<u32> {
+        self.agent.pid()
     }
 
     /// Ok while the agent runs; its exit status (and log) otherwise.

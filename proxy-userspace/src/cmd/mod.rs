@@ -1,6 +1,8 @@
 //! The subcommands of the `xproxy` binary, and their exit codes.
 
 pub mod cleanup;
+pub mod logging;
+mod node_setup;
 pub mod run;
 pub mod status;
 

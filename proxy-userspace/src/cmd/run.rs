@@ -27,6 +27,12 @@ const API_RETRY_MAX: Duration = Duration::from_secs(30);
 
 pub fn run(flags: &RunFlags) -> Result<(), Failure> {
     let loaded = config::load(flags).exit_code(ExitCode::BadConfig)?;
+    super::logging::init(loaded.config.logging, flags.verbosity);
+    loaded.log_warnings();
+    if flags.cleanup {
+        // kube-proxy's `--cleanup`: every mode's rules, then exit.
+        return super::cleanup::cleanup(&loaded.config.pin_path, super::cleanup::Scope::All);
+    }
     let config = loaded.config;
     if !IMPLEMENTED_MODES.contains(&config.mode) {
         return Err(Failure::new(
@@ -44,7 +50,9 @@ pub fn run(flags: &RunFlags) -> Result<(), Failure> {
         ));
     }
     raise_open_file_limit();
+    raise_locked_memory_limit();
     tune_malloc();
+    super::node_setup::prepare(config.oom_score_adj, &config.conntrack);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -63,6 +71,18 @@ fn raise_open_file_limit() {
         getrlimit(Resource::RLIMIT_NOFILE).and_then(|(_, hard)| setrlimit(Resource::RLIMIT_NOFILE, hard, hard));
     if let Err(e) = raised {
         warn!(error = %e, "could not raise the open file limit");
+    }
+}
+
+/// Kernels before 5.11 charge BPF maps to RLIMIT_MEMLOCK (often 64 KiB or
+/// 8 MiB), too little for the ebpf mode's maps; later kernels charge the
+/// memory cgroup instead and ignore the limit. Lifted as far as allowed.
+fn raise_locked_memory_limit() {
+    use nix::sys::resource::{RLIM_INFINITY, Resource, getrlimit, setrlimit};
+    if let Err(e) = setrlimit(Resource::RLIMIT_MEMLOCK, RLIM_INFINITY, RLIM_INFINITY) {
+        let hard = getrlimit(Resource::RLIMIT_MEMLOCK).map(|(_, hard)| hard);
+        let raised = hard.and_then(|hard| setrlimit(Resource::RLIMIT_MEMLOCK, hard, hard));
+        warn!(error = %e, fallback = ?raised, "could not lift the locked memory limit (kernels before 5.11 need it for maps)");
     }
 }
 
@@ -128,19 +148,36 @@ async fn run_agent(config: Config) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Binds both servers before anything else, so a port in use is a clear
-/// start-up error rather than a half-started agent.
+/// Binds both servers before anything else. A port that cannot be bound
+/// ends the start with a clear error when `bindAddressHardFail` is set;
+/// otherwise it is logged and the agent runs without that server, as
+/// kube-proxy does.
 async fn start_servers(config: &Config, telemetry: &Telemetry) -> Result<(), Failure> {
-    let (healthz, serve_healthz) = bind_healthz(config.healthz_bind_address, telemetry.clone())
-        .await
-        .exit_code(ExitCode::BadConfig)?;
-    let (metrics, serve_metrics) = bind_metrics(config.metrics_bind_address, telemetry.clone())
-        .await
-        .exit_code(ExitCode::BadConfig)?;
-    info!(%healthz, %metrics, "serving health and metrics");
-    tokio::spawn(serve_healthz);
-    tokio::spawn(serve_metrics);
+    let hard_fail = config.bind_address_hard_fail;
+    let healthz = bind_healthz(config.healthz_bind_address, telemetry.clone()).await;
+    if let Some((bound, serve)) = bound_or_skipped("healthz", healthz, hard_fail)? {
+        info!(healthz = %bound, "serving health");
+        tokio::spawn(serve);
+    }
+    let metrics = bind_metrics(config.metrics_bind_address, telemetry.clone()).await;
+    if let Some((bound, serve)) = bound_or_skipped("metrics", metrics, hard_fail)? {
+        info!(metrics = %bound, "serving metrics");
+        tokio::spawn(serve);
+    }
     Ok(())
+}
+
+/// A bound server, `None` for one that could not bind and is skipped, or
+/// the failure when binding must succeed.
+fn bound_or_skipped<T>(what: &str, result: anyhow::Result<T>, hard_fail: bool) -> Result<Option<T>, Failure> {
+    match result {
+        Ok(server) => Ok(Some(server)),
+        Err(e) if hard_fail => Err(Failure::new(ExitCode::BadConfig, e)),
+        Err(e) => {
+            warn!(server = what, error = %format!("{e:#}"), "not serving (set bindAddressHardFail to make this fatal)");
+            Ok(None)
+        }
+    }
 }
 
 /// The modes `start_mode` can start; checked before anything else happens.

@@ -33,7 +33,7 @@ pub struct KubeProxyConfiguration {
     pub kind: Option<String>,
     pub feature_gates: Option<BTreeMap<String, bool>>,
     pub client_connection: Option<ClientConnectionSection>,
-    /// Accepted as any value; xproxy logs through `tracing` (`RUST_LOG`).
+    /// `format` and `verbosity` are read; other fields are warned about.
     pub logging: Option<Value>,
     pub hostname_override: Option<String>,
     pub bind_address: Option<String>,

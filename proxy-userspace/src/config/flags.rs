@@ -18,8 +18,14 @@ pub struct RunFlags {
     pub config: Option<PathBuf>,
 
     /// Data-plane mode; overrides the file's `mode` [default: ebpf].
-    #[arg(long, value_enum, value_name = "MODE")]
+    /// `--proxy-mode` is kube-proxy's name for it.
+    #[arg(long, visible_alias = "proxy-mode", value_enum, value_name = "MODE")]
     pub mode: Option<Mode>,
+
+    /// kube-proxy's `--cleanup`: remove the rules of every mode (`xproxy
+    /// cleanup --scope all`) and exit.
+    #[arg(long)]
+    pub cleanup: bool,
 
     /// kubeconfig of the API server; overrides clientConnection.kubeconfig
     /// and $KUBECONFIG (default: in-cluster config).
@@ -68,6 +74,61 @@ pub struct RunFlags {
     /// [default: 127.0.0.1:10249].
     #[arg(long, value_name = "ADDR:PORT")]
     pub metrics_bind_address: Option<String>,
+
+    /// Addresses NodePorts answer on, comma separated CIDRs or `primary`;
+    /// overrides nodePortAddresses [default: every local address].
+    #[arg(long, value_name = "CIDRS", value_delimiter = ',')]
+    pub nodeport_addresses: Option<Vec<String>>,
+
+    /// Masquerade all Service traffic; overrides iptables/nftables
+    /// masqueradeAll.
+    #[arg(long)]
+    pub masquerade_all: bool,
+
+    /// Log verbosity, klog style: 0-2 info, 3-4 debug, 5 and up trace;
+    /// overrides `RUST_LOG` and logging.verbosity (`RUST_LOG` wins over
+    /// the file).
+    #[arg(short = 'v', long = "v", value_name = "LEVEL")]
+    pub verbosity: Option<u8>,
+
+    /// `text` or `json`; overrides logging.format [default: text].
+    #[arg(long, value_name = "FORMAT")]
+    pub logging_format: Option<String>,
+
+    /// The agent's oom_score_adj, -1000 to 1000; overrides oomScoreAdj
+    /// [default: -999].
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub oom_score_adj: Option<i64>,
+
+    #[command(flatten)]
+    pub conntrack: ConntrackFlags,
+}
+
+/// kube-proxy's `--conntrack-*` flags; each overrides its field of the
+/// file's `conntrack` section. Durations are Go durations (`24h0m0s`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args)]
+pub struct ConntrackFlags {
+    /// Connections tracked per CPU (0: leave nf_conntrack_max alone).
+    #[arg(long = "conntrack-max-per-core", value_name = "N")]
+    pub max_per_core: Option<i64>,
+    /// The least nf_conntrack_max, whatever the CPU count.
+    #[arg(long = "conntrack-min", value_name = "N")]
+    pub min: Option<i64>,
+    /// nf_conntrack_tcp_timeout_established (0: leave alone).
+    #[arg(long = "conntrack-tcp-timeout-established", value_name = "DURATION")]
+    pub tcp_established_timeout: Option<String>,
+    /// nf_conntrack_tcp_timeout_close_wait (0: leave alone).
+    #[arg(long = "conntrack-tcp-timeout-close-wait", value_name = "DURATION")]
+    pub tcp_close_wait_timeout: Option<String>,
+    /// Set nf_conntrack_tcp_be_liberal.
+    #[arg(long = "conntrack-tcp-be-liberal")]
+    pub tcp_be_liberal: bool,
+    /// nf_conntrack_udp_timeout (0: leave alone).
+    #[arg(long = "conntrack-udp-timeout", value_name = "DURATION")]
+    pub udp_timeout: Option<String>,
+    /// nf_conntrack_udp_timeout_stream (0: leave alone).
+    #[arg(long = "conntrack-udp-timeout-stream", value_name = "DURATION")]
+    pub udp_stream_timeout: Option<String>,
 }
 
 impl Default for RunFlags {
@@ -76,6 +137,7 @@ impl Default for RunFlags {
         RunFlags {
             config: None,
             mode: None,
+            cleanup: false,
             kubeconfig: None,
             manifests: None,
             hostname_override: None,
@@ -86,6 +148,12 @@ impl Default for RunFlags {
             pin_path: PathBuf::from(DEFAULT_PIN_PATH),
             healthz_bind_address: None,
             metrics_bind_address: None,
+            nodeport_addresses: None,
+            masquerade_all: false,
+            verbosity: None,
+            logging_format: None,
+            oom_score_adj: None,
+            conntrack: ConntrackFlags::default(),
         }
     }
 }

@@ -27,7 +27,7 @@ pub use file::{
     API_VERSION, ClientConnectionSection, ConfigFile, ConntrackSection, DetectLocalSection, IptablesSection,
     IpvsSection, KIND, KubeProxyConfiguration, NftablesSection, SectionKeys,
 };
-pub use flags::{DEFAULT_PIN_PATH, RunFlags};
+pub use flags::{ConntrackFlags, DEFAULT_PIN_PATH, RunFlags};
 pub use net::{Cidr, CidrError, parse_bind_address, parse_port_range};
 pub use resolve::resolve;
 
@@ -279,6 +279,24 @@ pub enum DetectLocal {
     InterfaceNamePrefix(String),
 }
 
+/// How the agent logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Logging {
+    pub format: LogFormat,
+    /// klog's `-v`: 0-2 info, 3-4 debug, 5 and up trace.
+    pub verbosity: u8,
+}
+
+/// `--logging-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object a line (kube-proxy's `--logging-format=json`).
+    Json,
+}
+
 /// Which local addresses accept NodePort traffic (`nodePortAddresses`).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum NodePortAddresses {
@@ -333,6 +351,8 @@ pub struct Config {
     pub conntrack: ConntrackConfig,
     /// Default -999, like kube-proxy.
     pub oom_score_adj: i32,
+    /// `--v` / `--logging-format`, or the file's `logging` section.
+    pub logging: Logging,
     pub feature_gates: BTreeMap<String, bool>,
     /// `portRange`: the ports the userspace mode listens on (legacy;
     /// unused by the other modes).
@@ -520,12 +540,18 @@ pub fn load(flags: &RunFlags) -> Result<Loaded, ConfigError> {
 /// [`load`] with an explicit environment.
 pub fn load_with(flags: &RunFlags, env: &Environment) -> Result<Loaded, ConfigError> {
     let file = flags.config.as_deref().map(ConfigFile::read).transpose()?;
-    let loaded = resolve(flags, file.as_ref(), env)?;
-    for warning in &loaded.warnings {
-        match &loaded.config.config_file {
-            Some(path) => tracing::warn!(file = %path.display(), "{warning}"),
-            None => tracing::warn!("{warning}"),
+    resolve(flags, file.as_ref(), env)
+}
+
+impl Loaded {
+    /// Logs every warning once (after logging is set up: the configuration
+    /// says how to log).
+    pub fn log_warnings(&self) {
+        for warning in &self.warnings {
+            match &self.config.config_file {
+                Some(path) => tracing::warn!(file = %path.display(), "{warning}"),
+                None => tracing::warn!("{warning}"),
+            }
         }
     }
-    Ok(loaded)
 }

@@ -11,7 +11,8 @@ use super::net::{Cidr, parse_bind_address, parse_port_range};
 use super::{
     ClientConnection, Config, ConfigError, ConfigFile, ConntrackConfig, DEFAULT_HEALTHZ_PORT, DEFAULT_METRICS_PORT,
     DEFAULT_PIN_PATH, DetectLocal, Environment, FieldError, IpvsConfig, IpvsScheduler, KubeProxyConfiguration, Loaded,
-    Masquerade, Mode, NodePortAddresses, RunFlags, Source, SyncPeriods,
+    LogFormat, Logging, Masquerade, Mode, NodePortAddresses, RunFlags, Source, SyncPeriods, Warning,
+    flags::ConntrackFlags,
 };
 
 const DEFAULT_SYNC_PERIOD: Duration = Duration::from_secs(30);
@@ -86,7 +87,14 @@ pub fn resolve(flags: &RunFlags, file: Option<&ConfigFile>, env: &Environment) -
             .map(|text| cidr_list(&mut errs, "clusterCIDR", text))
             .unwrap_or_default(),
     };
-    let node_port_addresses = node_port_addresses(&mut errs, spec.node_port_addresses.as_deref().unwrap_or(&[]));
+    let node_port_addresses = match &flags.nodeport_addresses {
+        Some(list) => node_port_addresses(&mut errs, "--nodeport-addresses", list),
+        None => node_port_addresses(
+            &mut errs,
+            "nodePortAddresses",
+            spec.node_port_addresses.as_deref().unwrap_or(&[]),
+        ),
+    };
     let detect_local = detect_local(&mut errs, spec);
 
     // Per-mode sections.
@@ -98,7 +106,7 @@ pub fn resolve(flags: &RunFlags, file: Option<&ConfigFile>, env: &Environment) -
     let (sync, masquerade) = match mode {
         Mode::Ebpf | Mode::Iptables | Mode::Userspace | Mode::Ipvs => {
             let masquerade = Masquerade {
-                all: ipt.masquerade_all.unwrap_or(false),
+                all: flags.masquerade_all || ipt.masquerade_all.unwrap_or(false),
                 bit: ipt_bit,
             };
             let sync = if mode == Mode::Ipvs {
@@ -123,7 +131,7 @@ pub fn resolve(flags: &RunFlags, file: Option<&ConfigFile>, env: &Environment) -
         }
         Mode::Nftables => {
             let masquerade = Masquerade {
-                all: nft.masquerade_all.unwrap_or(false),
+                all: flags.masquerade_all || nft.masquerade_all.unwrap_or(false),
                 bit: nft_bit,
             };
             let sync = sync_periods(
@@ -137,12 +145,17 @@ pub fn resolve(flags: &RunFlags, file: Option<&ConfigFile>, env: &Environment) -
         }
     };
     let ipvs = ipvs_config(&mut errs, keys.ipvs, &ipvs);
-    let conntrack = conntrack_config(&mut errs, keys.conntrack, spec);
+    let conntrack = conntrack_config(&mut errs, keys.conntrack, spec, &flags.conntrack);
+    let logging = logging(&mut errs, flags, spec.logging.as_ref());
 
     // The rest of the top level.
-    let oom_score_adj = match spec.oom_score_adj {
+    let (oom_field, oom_value) = match flags.oom_score_adj {
+        Some(v) => ("--oom-score-adj", Some(v)),
+        None => ("oomScoreAdj", spec.oom_score_adj),
+    };
+    let oom_score_adj = match oom_value {
         Some(v) => errs
-            .check("oomScoreAdj", in_range(v, -1000, 1000))
+            .check(oom_field, in_range(v, -1000, 1000))
             .and_then(|v| i32::try_from(v).ok())
             .unwrap_or(DEFAULT_OOM_SCORE_ADJ),
         None => DEFAULT_OOM_SCORE_ADJ,
@@ -200,12 +213,93 @@ pub fn resolve(flags: &RunFlags, file: Option<&ConfigFile>, env: &Environment) -
             ipvs,
             conntrack,
             oom_score_adj,
+            logging,
             feature_gates: spec.feature_gates.clone().unwrap_or_default(),
             port_range,
             show_hidden_metrics_for_version,
         },
-        warnings: file.map(|f| f.warnings.clone()).unwrap_or_default(),
+        warnings: file
+            .map(|f| f.warnings.clone())
+            .unwrap_or_default()
+            .into_iter()
+            .chain(unhonoured_fields(spec))
+            .collect(),
     })
+}
+
+/// Fields xproxy reads but does not act on: one warning each at start, so
+/// a setting copied from a kube-proxy configuration is never dropped
+/// without a word.
+fn unhonoured_fields(spec: &KubeProxyConfiguration) -> Vec<Warning> {
+    let mut out = Vec::new();
+    let client = spec.client_connection.clone().unwrap_or_default();
+    if client.qps.is_some() || client.burst.is_some() {
+        out.push(Warning::new(
+            "clientConnection.qps/burst",
+            "not used: the agent makes one list and one watch per resource, not a request per object, so it has no client-side rate limit",
+        ));
+    }
+    if spec.config_sync_period.is_some() {
+        out.push(Warning::new(
+            "configSyncPeriod",
+            "not used: the agent's watches need no informer resync; the data path is re-checked every syncPeriod",
+        ));
+    }
+    if spec.enable_profiling == Some(true) {
+        out.push(Warning::new("enableProfiling", "not supported: no pprof endpoint"));
+    }
+    if spec.show_hidden_metrics_for_version.is_some() {
+        out.push(Warning::new(
+            "showHiddenMetricsForVersion",
+            "not used: xproxy hides no metrics",
+        ));
+    }
+    let logging_fields = spec.logging.as_ref().and_then(serde_json::Value::as_object);
+    for field in logging_fields.into_iter().flat_map(|l| l.keys()) {
+        if field != "format" && field != "verbosity" {
+            out.push(Warning::new(
+                format!("logging.{field}"),
+                "not used: only logging.format and logging.verbosity are read",
+            ));
+        }
+    }
+    for gate in spec.feature_gates.iter().flat_map(|gates| gates.keys()) {
+        out.push(Warning::new(
+            format!("featureGates.{gate}"),
+            "not used: xproxy has no feature gates",
+        ));
+    }
+    out
+}
+
+/// `--v` and `--logging-format` over the file's `logging.verbosity` and
+/// `logging.format`. Other `logging` fields are warned about by
+/// [`unhonoured_fields`].
+fn logging(errs: &mut Errors, flags: &RunFlags, section: Option<&serde_json::Value>) -> Logging {
+    let file_verbosity = section.and_then(|l| l.get("verbosity")).map(|v| {
+        v.as_u64()
+            .and_then(|v| u8::try_from(v).ok())
+            .ok_or_else(|| format!("{v} is not a verbosity (0-255)"))
+    });
+    let verbosity = match (flags.verbosity, file_verbosity) {
+        (Some(v), _) => v,
+        (None, Some(v)) => errs.check("logging.verbosity", v).unwrap_or(0),
+        (None, None) => 0,
+    };
+    let (field, format) = match (&flags.logging_format, section.and_then(|l| l.get("format"))) {
+        (Some(text), _) => ("--logging-format", Some(text.clone())),
+        (None, Some(value)) => ("logging.format", Some(value.as_str().unwrap_or("").to_owned())),
+        (None, None) => ("--logging-format", None),
+    };
+    let format = match format.as_deref() {
+        None | Some("text") => LogFormat::Text,
+        Some("json") => LogFormat::Json,
+        Some(other) => {
+            errs.push(field, format!("{other:?} is neither text nor json"));
+            LogFormat::Text
+        }
+    };
+    Logging { format, verbosity }
 }
 
 /// Field errors collected while resolving.
@@ -316,10 +410,10 @@ fn cidr_list(errs: &mut Errors, field: &str, text: &str) -> Vec<Cidr> {
     cidrs
 }
 
-fn node_port_addresses(errs: &mut Errors, list: &[String]) -> NodePortAddresses {
+fn node_port_addresses(errs: &mut Errors, field: &str, list: &[String]) -> NodePortAddresses {
     if list.iter().any(|a| a.trim() == "primary") {
         if list.len() != 1 {
-            errs.push("nodePortAddresses", "\"primary\" cannot be combined with CIDRs");
+            errs.push(field, "\"primary\" cannot be combined with CIDRs");
         }
         return NodePortAddresses::Primary;
     }
@@ -329,7 +423,7 @@ fn node_port_addresses(errs: &mut Errors, list: &[String]) -> NodePortAddresses 
     let cidrs = list
         .iter()
         .enumerate()
-        .filter_map(|(i, a)| errs.check(format!("nodePortAddresses[{i}]"), a.trim().parse::<Cidr>()))
+        .filter_map(|(i, a)| errs.check(format!("{field}[{i}]"), a.trim().parse::<Cidr>()))
         .collect();
     NodePortAddresses::Cidrs(cidrs)
 }
@@ -431,27 +525,69 @@ fn ipvs_config(errs: &mut Errors, section: &str, ipvs: &super::IpvsSection) -> I
     }
 }
 
-fn conntrack_config(errs: &mut Errors, section: &str, spec: &KubeProxyConfiguration) -> ConntrackConfig {
+/// The file's `conntrack` section with the `--conntrack-*` flags over it.
+fn conntrack_config(
+    errs: &mut Errors,
+    section: &str,
+    spec: &KubeProxyConfiguration,
+    flags: &ConntrackFlags,
+) -> ConntrackConfig {
     let ct = spec.conntrack.clone().unwrap_or_default();
     let defaults = ConntrackConfig::default();
-    let mut count = |field: &str, value: Option<i64>, default: u32| match value {
-        Some(v) => errs
-            .check(format!("{section}.{field}"), in_range(v, 0, i64::from(i32::MAX)))
-            .and_then(|v| u32::try_from(v).ok())
-            .unwrap_or(default),
-        None => default,
+    let mut count = |flag: &str, field: &str, flag_value: Option<i64>, file_value: Option<i64>, default: u32| {
+        let (name, value) = match flag_value {
+            Some(v) => (flag.to_owned(), Some(v)),
+            None => (format!("{section}.{field}"), file_value),
+        };
+        match value {
+            Some(v) => errs
+                .check(name, in_range(v, 0, i64::from(i32::MAX)))
+                .and_then(|v| u32::try_from(v).ok())
+                .unwrap_or(default),
+            None => default,
+        }
     };
-    let max_per_core = count("maxPerCore", ct.max_per_core, defaults.max_per_core);
-    let min = count("min", ct.min, defaults.min);
-    let or = |d: Option<GoDuration>, default: Duration| d.map_or(default, |d| d.0);
+    let max_per_core = count(
+        "--conntrack-max-per-core",
+        "maxPerCore",
+        flags.max_per_core,
+        ct.max_per_core,
+        defaults.max_per_core,
+    );
+    let min = count("--conntrack-min", "min", flags.min, ct.min, defaults.min);
+    let mut duration =
+        |flag: &str, flag_value: &Option<String>, file_value: Option<GoDuration>, default: Duration| match flag_value {
+            Some(text) => errs.check(flag, text.parse::<GoDuration>()).map_or(default, |d| d.0),
+            None => file_value.map_or(default, |d| d.0),
+        };
     ConntrackConfig {
         max_per_core,
         min,
-        tcp_established_timeout: or(ct.tcp_established_timeout, defaults.tcp_established_timeout),
-        tcp_close_wait_timeout: or(ct.tcp_close_wait_timeout, defaults.tcp_close_wait_timeout),
-        tcp_be_liberal: ct.tcp_be_liberal.unwrap_or(false),
-        udp_timeout: or(ct.udp_timeout, defaults.udp_timeout),
-        udp_stream_timeout: or(ct.udp_stream_timeout, defaults.udp_stream_timeout),
+        tcp_established_timeout: duration(
+            "--conntrack-tcp-timeout-established",
+            &flags.tcp_established_timeout,
+            ct.tcp_established_timeout,
+            defaults.tcp_established_timeout,
+        ),
+        tcp_close_wait_timeout: duration(
+            "--conntrack-tcp-timeout-close-wait",
+            &flags.tcp_close_wait_timeout,
+            ct.tcp_close_wait_timeout,
+            defaults.tcp_close_wait_timeout,
+        ),
+        tcp_be_liberal: flags.tcp_be_liberal || ct.tcp_be_liberal.unwrap_or(false),
+        udp_timeout: duration(
+            "--conntrack-udp-timeout",
+            &flags.udp_timeout,
+            ct.udp_timeout,
+            defaults.udp_timeout,
+        ),
+        udp_stream_timeout: duration(
+            "--conntrack-udp-timeout-stream",
+            &flags.udp_stream_timeout,
+            ct.udp_stream_timeout,
+            defaults.udp_stream_timeout,
+        ),
     }
 }
 

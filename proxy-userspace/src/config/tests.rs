@@ -65,7 +65,10 @@ fn seed_file_loads_as_is() {
     let path = fixture("seed-proxy.yaml");
     let flags = flags_with(|f| f.config = Some(path.clone()));
     let loaded = load_with(&flags, &env()).unwrap();
-    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+    // The seed's rate limits and profiling switch are read and not acted
+    // on: each is said once.
+    let fields: Vec<&str> = loaded.warnings.iter().map(|w| w.field.as_str()).collect();
+    assert_eq!(fields, ["clientConnection.qps/burst", "enableProfiling"]);
     let c = loaded.config;
     assert_eq!(c.config_file, Some(path));
     assert_eq!(c.mode, Mode::Iptables);
@@ -150,8 +153,21 @@ fn upstream_style_file() {
     let flags = flags_with(|f| f.config = Some(fixture("upstream-ipvs.yaml")));
     let loaded = load_with(&flags, &env()).unwrap();
     assert_eq!(
-        loaded.warnings,
-        vec![Warning::new("winkernel", "Windows-only settings, ignored")]
+        loaded.warnings[0],
+        Warning::new("winkernel", "Windows-only settings, ignored")
+    );
+    let fields: Vec<&str> = loaded.warnings.iter().map(|w| w.field.as_str()).collect();
+    assert_eq!(
+        fields,
+        [
+            "winkernel",
+            "clientConnection.qps/burst",
+            "configSyncPeriod",
+            "showHiddenMetricsForVersion",
+            "logging.flushFrequency",
+            "logging.options",
+            "featureGates.SomeAlphaFeature"
+        ]
     );
     let c = loaded.config;
     assert_eq!(c.mode, Mode::Ipvs);
@@ -334,8 +350,9 @@ fn windows_settings_are_noted_and_logging_is_accepted() {
     let loaded =
         load_body("winkernel: {networkName: x}\nwindowsRunAsService: false\nlogging: {verbosity: 4, anything: 1}\n");
     let fields: Vec<&str> = loaded.warnings.iter().map(|w| w.field.as_str()).collect();
-    assert_eq!(fields, ["winkernel", "windowsRunAsService"]);
+    assert_eq!(fields, ["winkernel", "windowsRunAsService", "logging.anything"]);
     assert!(loaded.warnings[0].message.contains("ignored"));
+    assert_eq!(loaded.config.logging.verbosity, 4);
 }
 
 #[test]
@@ -764,4 +781,98 @@ fn mode_and_scheduler_names_round_trip() {
     }
     assert_eq!(Mode::default(), Mode::Ebpf);
     assert_eq!(IpvsScheduler::default(), IpvsScheduler::Rr);
+}
+
+#[test]
+fn kube_proxy_flags_are_accepted_with_kube_proxys_meaning() {
+    let cli = Cli::try_parse_from([
+        "xproxy",
+        "--proxy-mode=nftables",
+        "--nodeport-addresses=10.0.0.0/8, 192.168.0.0/16",
+        "--masquerade-all",
+        "--v=4",
+        "--logging-format=json",
+        "--oom-score-adj=-500",
+        "--conntrack-max-per-core=0",
+        "--conntrack-min=1000",
+        "--conntrack-tcp-timeout-established=2h",
+        "--conntrack-tcp-timeout-close-wait=30s",
+        "--conntrack-tcp-be-liberal",
+        "--conntrack-udp-timeout=45s",
+        "--conntrack-udp-timeout-stream=3m0s",
+    ])
+    .unwrap();
+    let c = load_with(&cli.run, &env()).unwrap().config;
+    assert_eq!(c.mode, Mode::Nftables);
+    assert_eq!(
+        c.node_port_addresses,
+        NodePortAddresses::Cidrs(vec!["10.0.0.0/8".parse().unwrap(), "192.168.0.0/16".parse().unwrap()])
+    );
+    assert!(c.masquerade.all);
+    assert_eq!(
+        c.logging,
+        Logging {
+            format: LogFormat::Json,
+            verbosity: 4
+        }
+    );
+    assert_eq!(c.oom_score_adj, -500);
+    assert_eq!(
+        c.conntrack,
+        ConntrackConfig {
+            max_per_core: 0,
+            min: 1000,
+            tcp_established_timeout: Duration::from_secs(7200),
+            tcp_close_wait_timeout: Duration::from_secs(30),
+            tcp_be_liberal: true,
+            udp_timeout: Duration::from_secs(45),
+            udp_stream_timeout: Duration::from_secs(180),
+        }
+    );
+    let short = Cli::try_parse_from(["xproxy", "-v", "2", "--cleanup"]).unwrap();
+    assert_eq!(short.run.verbosity, Some(2));
+    assert!(short.run.cleanup);
+}
+
+#[test]
+fn kube_proxy_flags_win_over_the_file_and_are_validated() {
+    let body = "oomScoreAdj: 10\nlogging: {format: json, verbosity: 1}\nconntrack: {min: 5, udpTimeout: 1m}\nnodePortAddresses: [primary]\n";
+    let file_only = load_text(&RunFlags::default(), body).unwrap().config;
+    assert_eq!(
+        (file_only.oom_score_adj, file_only.logging.format),
+        (10, LogFormat::Json)
+    );
+    assert_eq!(
+        (file_only.conntrack.min, file_only.conntrack.udp_timeout),
+        (5, Duration::from_secs(60))
+    );
+    let flags = flags_with(|f| {
+        f.oom_score_adj = Some(-20);
+        f.logging_format = Some("text".into());
+        f.conntrack.min = Some(7);
+        f.nodeport_addresses = Some(vec!["127.0.0.0/8".into()]);
+    });
+    let c = load_text(&flags, body).unwrap().config;
+    assert_eq!(
+        (c.oom_score_adj, c.logging.format, c.logging.verbosity),
+        (-20, LogFormat::Text, 1)
+    );
+    assert_eq!((c.conntrack.min, c.conntrack.udp_timeout), (7, Duration::from_secs(60)));
+    assert!(matches!(c.node_port_addresses, NodePortAddresses::Cidrs(_)));
+
+    let bad = flags_with(|f| {
+        f.oom_score_adj = Some(2000);
+        f.logging_format = Some("yaml".into());
+        f.conntrack.udp_timeout = Some("soon".into());
+        f.nodeport_addresses = Some(vec!["primary".into(), "10.0.0.0/8".into()]);
+    });
+    let err = load_text(&bad, "").unwrap_err().to_string();
+    for flag in [
+        "--oom-score-adj",
+        "--logging-format",
+        "--conntrack-udp-timeout",
+        "--nodeport-addresses",
+    ] {
+        assert!(err.contains(flag), "{flag} missing from: {err}");
+    }
 }

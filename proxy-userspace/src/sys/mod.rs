@@ -13,4 +13,5 @@ pub mod ipset;
 pub mod iptables;
 pub mod netlink;
 pub mod nft;
+pub mod sysctl;
 pub mod tool;
