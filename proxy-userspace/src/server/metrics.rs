@@ -170,6 +170,7 @@ impl Metrics {
         info.get_or_create(&[("mode", mode.to_owned())]).set(1);
         registry.register("xproxy_info", "The running agent's data-plane mode", info);
 
+        registry.register_collector(Box::new(super::process::ProcessCollector));
         if let Some(read) = datapath {
             registry.register_collector(Box::new(DatapathStats { read }));
         }

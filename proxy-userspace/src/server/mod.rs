@@ -23,6 +23,7 @@
 pub mod healthz;
 mod http;
 pub mod metrics;
+mod process;
 
 use std::{
     net::SocketAddr,
