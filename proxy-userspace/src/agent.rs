@@ -6,7 +6,7 @@
 
 use std::{
     sync::Arc,
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
 use anyhow::{Result, bail};
@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
 use crate::{
-    model::{Cluster, Problem, object_key},
+    model::{Cluster, NoLocalEndpoints, Problem, object_key},
     reconcile::runner::{Reconciler, Schedule, SyncPolicy, SyncReport},
     source::{SourceEvent, Update},
 };
@@ -25,8 +25,23 @@ pub trait Observer: Send + Sync {
     /// A change arrived that is not programmed yet.
     fn change_queued(&self, at: Instant);
     /// A sync succeeded; `oldest_change` is when the oldest change it
-    /// programmed arrived (for the network programming latency).
+    /// programmed arrived at the agent.
     fn synced(&self, report: &SyncReport, took: Duration, oldest_change: Option<Instant>);
+    /// The sync programmed slice changes whose causes happened at
+    /// `trigger_times` (their `last-change-trigger-time` annotations).
+    fn programmed(&self, trigger_times: &[SystemTime]) {
+        let _ = trigger_times;
+    }
+    /// Changes received and not programmed yet, by kind (Service objects,
+    /// EndpointSlice objects).
+    fn pending(&self, services: usize, slices: usize) {
+        let _ = (services, slices);
+    }
+    /// Service ports whose `Local` policy finds no endpoint on this node,
+    /// for ClusterIP (internal) and external traffic.
+    fn no_local_endpoints(&self, internal: usize, external: usize) {
+        let _ = (internal, external);
+    }
     fn sync_failed(&self, error: &anyhow::Error);
     /// Objects (or parts) that were skipped.
     fn problems(&self, problems: &[Problem]);
@@ -61,6 +76,11 @@ pub struct Agent {
     /// Runs after a sync that took in a (re)list (the binary hands the
     /// list's freed memory back to the kernel).
     after_relist_synced: Option<Box<dyn Fn() + Send>>,
+    /// Service and EndpointSlice objects changed since the last sync.
+    pending: (usize, usize),
+    /// This node's name, for the no-local-endpoints tally.
+    node_name: Option<String>,
+    no_local: NoLocalEndpoints,
 }
 
 impl Agent {
@@ -75,7 +95,16 @@ impl Agent {
             logged_problems: Vec::new(),
             relisted: false,
             after_relist_synced: None,
+            pending: (0, 0),
+            node_name: None,
+            no_local: NoLocalEndpoints::default(),
         }
+    }
+
+    /// The node the agent runs on (the Local policies' endpoints).
+    pub fn on_node(mut self, name: &str) -> Self {
+        self.node_name = Some(name.to_owned());
+        self
     }
 
     /// Calls `hook` after each sync that took in a (re)list.
@@ -116,6 +145,7 @@ impl Agent {
     fn handle(&mut self, event: SourceEvent) {
         let problems = match event {
             SourceEvent::Services(update) => {
+                self.pending.0 += update.object_count();
                 if matches!(update, Update::Replace(_)) {
                     self.services_synced = true;
                     self.relisted = true;
@@ -130,6 +160,7 @@ impl Agent {
                 }
             }
             SourceEvent::Slices(update) => {
+                self.pending.1 += update.object_count();
                 if matches!(update, Update::Replace(_)) {
                     self.slices_synced = true;
                     self.relisted = true;
@@ -158,6 +189,7 @@ impl Agent {
         let now = Instant::now();
         self.schedule.changed(now);
         self.observer.change_queued(now);
+        self.observer.pending(self.pending.0, self.pending.1);
     }
 
     fn report_problems(&self, problems: &[Problem]) {
@@ -200,6 +232,18 @@ impl Agent {
                     debug!(took_ms = took.as_secs_f64() * 1e3, "synced, nothing changed");
                 }
                 self.observer.synced(&report, took, oldest_change);
+                // A full sync re-checks every port (and heals a tally that
+                // missed the changes of a failed sync).
+                let checked = if full {
+                    desired.keys().cloned().collect()
+                } else {
+                    changed
+                };
+                let (internal, external) = self.no_local.update(desired, &checked, self.node_name.as_deref());
+                self.observer.no_local_endpoints(internal, external);
+                self.observer.programmed(&self.cluster.take_trigger_times());
+                self.pending = (0, 0);
+                self.observer.pending(0, 0);
                 if std::mem::take(&mut self.relisted)
                     && let Some(hook) = &self.after_relist_synced
                 {

@@ -229,8 +229,45 @@ fn api_server_changes_are_programmed_within_a_second() {
             TEST,
             format!("seed NodePort answering {ready:.1?} after the start: {seen}"),
         );
-        change_sequence(TEST, bed, Via::ApiServer)
+        change_sequence(TEST, bed, Via::ApiServer)?;
+        trigger_time_latency_is_measured(bed)
     });
+}
+
+/// A slice carrying the EndpointSlice controller's trigger time (here: a
+/// change two seconds ago) adds one sample of at least two seconds to
+/// kube-proxy's network programming latency.
+fn trigger_time_latency_is_measured(bed: &mut AgentBed) -> Result<()> {
+    const LATENCY: &str = "kubeproxy_network_programming_duration_seconds";
+    let before = bed.metrics()?.value(&format!("{LATENCY}_count")).unwrap_or(0.0);
+    let two_seconds_ago = jiff::Timestamp::now() - jiff::SignedDuration::from_secs(2);
+    let mut annotated = slice("nginx-service-1", "nginx-service", TARGET_PORT, &backend_ips());
+    annotated["metadata"]["annotations"] =
+        json!({"endpoints.kubernetes.io/last-change-trigger-time": two_seconds_ago.to_string()});
+    bed.api().apply(&annotated)?;
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let metrics = bed.metrics()?;
+        let count = metrics.value(&format!("{LATENCY}_count")).unwrap_or(0.0);
+        if count > before {
+            let under_two = metrics
+                .labeled(&format!("{LATENCY}_bucket"), "le=\"1.0\"")
+                .unwrap_or(0.0);
+            let under_five = metrics
+                .labeled(&format!("{LATENCY}_bucket"), "le=\"5.0\"")
+                .unwrap_or(0.0);
+            ensure!(
+                under_five - under_two >= 1.0,
+                "no sample between 2 s and 5 s: {under_two} / {under_five}"
+            );
+            return Ok(());
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "{LATENCY} gained no sample within {PATIENCE:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -791,9 +828,32 @@ fn health_metrics_and_status_of_a_running_agent() {
             metrics.labeled("xproxy_info", "mode=\"ebpf\"") == Some(1.0),
             "xproxy_info{{mode=\"ebpf\"}} is not 1"
         );
+        // Everything is programmed and the seed has no Local policy.
+        for (family, labels) in [
+            ("kubeproxy_sync_proxy_rules_service_changes_pending", ""),
+            ("kubeproxy_sync_proxy_rules_endpoint_changes_pending", ""),
+            (
+                "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+                "traffic_policy=\"external\"",
+            ),
+            (
+                "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+                "traffic_policy=\"internal\"",
+            ),
+        ] {
+            let value = if labels.is_empty() {
+                metrics.value(family)
+            } else {
+                metrics.labeled(family, labels)
+            };
+            ensure!(value == Some(0.0), "{family}{{{labels}}} = {value:?}, not 0");
+        }
+        ensure!(metrics.has("process_resident_memory_bytes"), "no process_* metrics");
         for family in [
             "kubeproxy_sync_proxy_rules_duration_seconds_count",
-            "kubeproxy_network_programming_duration_seconds_count",
+            // The manifests carry no trigger times, so only xproxy's own
+            // latency (from arrival) has samples.
+            "xproxy_change_programming_duration_seconds_count",
         ] {
             ensure!(
                 metrics.value(family).is_some_and(|n| n >= 1.0),

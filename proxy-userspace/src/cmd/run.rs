@@ -132,9 +132,11 @@ async fn run_agent(config: Config) -> Result<(), Failure> {
     start_source(&config, events).await?;
 
     let policy = SyncPolicy::new(config.sync.min_sync_period, config.sync.sync_period);
-    let agent = Agent::new(Reconciler::new(mode), policy, Arc::new(telemetry)).after_relist_synced(|| {
-        tokio::task::spawn_blocking(release_freed_memory);
-    });
+    let agent = Agent::new(Reconciler::new(mode), policy, Arc::new(telemetry))
+        .on_node(&config.node_name)
+        .after_relist_synced(|| {
+            tokio::task::spawn_blocking(release_freed_memory);
+        });
     agent
         .run(receiver, shutdown_signal())
         .await

@@ -1,7 +1,10 @@
 //! The objects the sources delivered, converted, and the desired state
 //! joined from them.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    time::SystemTime,
+};
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
@@ -28,7 +31,16 @@ pub struct Cluster {
     /// Services whose ports must be joined again.
     dirty: BTreeSet<ObjectKey>,
     joined: Joined,
+    /// `endpoints.kubernetes.io/last-change-trigger-time` of the slice
+    /// changes not programmed yet: when the change that led to them
+    /// happened (a pod became ready, ...), for kube-proxy's network
+    /// programming latency.
+    trigger_times: Vec<SystemTime>,
 }
+
+/// The annotation the EndpointSlice controller sets to the time of the
+/// change (pod, Service) that the slice's last update reflects.
+pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
 /// Service ports by name (`namespace/service:port`), plus what was left out.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -79,6 +91,7 @@ impl Cluster {
 
     pub fn upsert_slice(&mut self, slice: &EndpointSlice) -> Vec<Problem> {
         let key = object_key(&slice.metadata);
+        self.trigger_times.extend(trigger_time(slice));
         let (info, problems) = slice_info(slice);
         self.remove_slice(&key);
         if let Some(info) = info {
@@ -113,6 +126,12 @@ impl Cluster {
             }
         }
         self.dirty.insert(service);
+    }
+
+    /// The trigger times of the slice changes since the last call; the
+    /// agent takes them once the changes are programmed.
+    pub fn take_trigger_times(&mut self) -> Vec<SystemTime> {
+        std::mem::take(&mut self.trigger_times)
     }
 
     pub fn service_count(&self) -> usize {
@@ -183,6 +202,14 @@ impl Cluster {
     }
 }
 
+/// A slice's trigger time; one that does not parse is ignored, as
+/// kube-proxy ignores it (the latency is a measurement, not state).
+fn trigger_time(slice: &EndpointSlice) -> Option<SystemTime> {
+    let text = slice.metadata.annotations.as_ref()?.get(TRIGGER_TIME_ANNOTATION)?;
+    let at: jiff::Timestamp = text.parse().ok()?;
+    Some(SystemTime::from(at))
+}
+
 /// kube-proxy's ServicePortName: `namespace/name`, then `:port` if named.
 fn port_name((ns, name): &ObjectKey, port: &str) -> String {
     if port.is_empty() {
@@ -235,6 +262,35 @@ mod tests {
             "addressType": "IPv4", "ports": ports, "endpoints": endpoints,
         }))
         .unwrap()
+    }
+
+    #[test]
+    fn slice_trigger_times_are_kept_until_taken() {
+        let mut cluster = Cluster::default();
+        let mut annotated = slice(
+            "web-1",
+            "web",
+            json!([{"port": 80}]),
+            json!([{"addresses": ["10.244.0.11"]}]),
+        );
+        annotated.metadata.annotations = Some(
+            [(TRIGGER_TIME_ANNOTATION.to_owned(), "2026-01-01T00:00:00Z".to_owned())]
+                .into_iter()
+                .collect(),
+        );
+        let plain = slice("web-2", "web", json!([{"port": 80}]), json!([]));
+        let mut garbled = plain.clone();
+        garbled.metadata.annotations = Some(
+            [(TRIGGER_TIME_ANNOTATION.to_owned(), "soon".to_owned())]
+                .into_iter()
+                .collect(),
+        );
+        for s in [&annotated, &plain, &garbled] {
+            cluster.upsert_slice(s);
+        }
+        let at = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_767_225_600);
+        assert_eq!(cluster.take_trigger_times(), [at]);
+        assert!(cluster.take_trigger_times().is_empty());
     }
 
     fn seed() -> Cluster {

@@ -8,12 +8,14 @@ mod desired;
 pub mod endpoint;
 mod endpoint_sets;
 mod join;
+mod no_local;
 pub mod service;
 
 use std::{fmt, net::Ipv4Addr, sync::Arc};
 
 pub use desired::{Cluster, Desired, ObjectKey, object_key};
 pub use endpoint_sets::{EndpointSets, usable_endpoints};
+pub use no_local::NoLocalEndpoints;
 
 /// An object (or a part of one) that was skipped, and why. Logged and counted
 /// by whoever feeds the model; the rest of the state is programmed as usual.

@@ -37,9 +37,9 @@ fn sync_buckets() -> impl Iterator<Item = f64> {
     exponential_buckets(0.001, 2.0, 15)
 }
 
-/// Change-to-programmed latency. kube-proxy starts at 0.25s (its rules take
-/// that long); map updates take milliseconds, so these start at 1ms and
-/// still reach kube-proxy's 300s.
+/// Change-to-programmed latency buckets. kube-proxy starts at 0.25s (its
+/// rules take that long); map updates take milliseconds, so these start at
+/// 1ms and still reach kube-proxy's 300s.
 const NETWORK_PROGRAMMING_BUCKETS: [f64; 17] = [
     0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 ];
@@ -66,8 +66,12 @@ pub(super) struct Metrics {
     pub last_sync_timestamp: Gauge<f64, AtomicU64>,
     pub last_queued_timestamp: Gauge<f64, AtomicU64>,
     pub network_programming: Histogram,
+    pub change_programming: Histogram,
     pub service_changes: Counter,
     pub endpoint_changes: Counter,
+    pub service_changes_pending: Gauge,
+    pub endpoint_changes_pending: Gauge,
+    pub no_local_endpoints: Family<[(&'static str, &'static str); 1], Gauge>,
     pub sync_failures: Counter,
     pub skipped_objects: Counter,
     pub kernel_writes: Counter,
@@ -86,8 +90,12 @@ impl Metrics {
             last_sync_timestamp: Gauge::default(),
             last_queued_timestamp: Gauge::default(),
             network_programming: Histogram::new(NETWORK_PROGRAMMING_BUCKETS),
+            change_programming: Histogram::new(NETWORK_PROGRAMMING_BUCKETS),
             service_changes: Counter::default(),
             endpoint_changes: Counter::default(),
+            service_changes_pending: Gauge::default(),
+            endpoint_changes_pending: Gauge::default(),
+            no_local_endpoints: Family::default(),
             sync_failures: Counter::default(),
             skipped_objects: Counter::default(),
             kernel_writes: Counter::default(),
@@ -127,8 +135,13 @@ impl Metrics {
         );
         registry.register(
             "kubeproxy_network_programming_duration_seconds",
-            "In Cluster Network Programming Latency in seconds (a change reaching the agent to it being programmed)",
+            "In Cluster Network Programming Latency in seconds (from an EndpointSlice's last-change-trigger-time to the change being programmed)",
             m.network_programming.clone(),
+        );
+        registry.register(
+            "xproxy_change_programming_duration_seconds",
+            "From a change reaching the agent (any source, Services too) to it being programmed, in seconds",
+            m.change_programming.clone(),
         );
         registry.register(
             "kubeproxy_sync_proxy_rules_service_changes",
@@ -139,6 +152,26 @@ impl Metrics {
             "kubeproxy_sync_proxy_rules_endpoint_changes",
             "Cumulative proxy rules Endpoint changes",
             m.endpoint_changes.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            "Pending proxy rules Service changes",
+            m.service_changes_pending.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            "Pending proxy rules Endpoint changes",
+            m.endpoint_changes_pending.clone(),
+        );
+        for policy in ["internal", "external"] {
+            m.no_local_endpoints.get_or_create_owned(&[("traffic_policy", policy)]);
+        }
+        // kube-proxy's name ends in _total although it is a gauge; the
+        // encoder would add _total to a counter, not to a gauge.
+        registry.register(
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+            "Number of services with a Local traffic policy and no endpoints on this node",
+            m.no_local_endpoints.clone(),
         );
         registry.register(
             "kubeproxy_proxy_healthz",

@@ -141,13 +141,41 @@ impl Observer for Telemetry {
         }
         m.last_sync_timestamp.set(unix_seconds(wall));
         if let Some(since) = oldest_change {
-            m.network_programming
+            m.change_programming
                 .observe(now.saturating_duration_since(since).as_secs_f64());
         }
         m.service_changes.inc_by(report.service_changes as u64);
         m.endpoint_changes.inc_by(report.endpoint_changes as u64);
         m.kernel_writes.inc_by(report.kernel_writes);
         self.health().updated(wall);
+    }
+
+    /// kube-proxy's network programming latency: from the change in the
+    /// cluster (the slice's trigger time) to the data path holding it.
+    fn programmed(&self, trigger_times: &[SystemTime]) {
+        let now = SystemTime::now();
+        for at in trigger_times {
+            // A trigger time ahead of this node's clock counts as zero.
+            let latency = now.duration_since(*at).unwrap_or_default();
+            self.0.metrics.network_programming.observe(latency.as_secs_f64());
+        }
+    }
+
+    fn pending(&self, services: usize, slices: usize) {
+        let m = &self.0.metrics;
+        m.service_changes_pending
+            .set(i64::try_from(services).unwrap_or(i64::MAX));
+        m.endpoint_changes_pending
+            .set(i64::try_from(slices).unwrap_or(i64::MAX));
+    }
+
+    fn no_local_endpoints(&self, internal: usize, external: usize) {
+        let family = &self.0.metrics.no_local_endpoints;
+        for (policy, count) in [("internal", internal), ("external", external)] {
+            family
+                .get_or_create(&[("traffic_policy", policy)])
+                .set(i64::try_from(count).unwrap_or(i64::MAX));
+        }
     }
 
     fn sync_failed(&self, _error: &anyhow::Error) {

@@ -57,6 +57,13 @@ fn metrics_carry_kube_proxys_names_and_values() {
         Some(Instant::now() - Duration::from_millis(30)),
     );
     t.synced(&report(false, 1, 2), Duration::from_millis(40), None);
+    // Two slice changes whose causes happened 3 s and 20 ms ago.
+    t.programmed(&[
+        SystemTime::now() - Duration::from_secs(3),
+        SystemTime::now() - Duration::from_millis(20),
+    ]);
+    t.pending(2, 9);
+    t.no_local_endpoints(1, 3);
     t.sync_failed(&anyhow::anyhow!("boom"));
     t.problems(&[
         Problem::new("default/a", "bad port"),
@@ -81,24 +88,40 @@ fn metrics_carry_kube_proxys_names_and_values() {
         sample(&text, "kubeproxy_sync_partial_proxy_rules_duration_seconds_count"),
         1.0
     );
-    assert_eq!(
-        sample(&text, "kubeproxy_network_programming_duration_seconds_count"),
-        1.0
-    );
+    assert_eq!(sample(&text, "xproxy_change_programming_duration_seconds_count"), 1.0);
     assert_eq!(
         sample(
             &text,
-            r#"kubeproxy_network_programming_duration_seconds_bucket{le="0.025"}"#
+            r#"xproxy_change_programming_duration_seconds_bucket{le="0.025"}"#
         ),
         0.0
     );
     assert_eq!(
         sample(
             &text,
-            r#"kubeproxy_network_programming_duration_seconds_bucket{le="300.0"}"#
+            r#"xproxy_change_programming_duration_seconds_bucket{le="300.0"}"#
         ),
         1.0
     );
+    assert_eq!(sample(&text, "kubeproxy_sync_proxy_rules_service_changes_pending"), 2.0);
+    assert_eq!(
+        sample(&text, "kubeproxy_sync_proxy_rules_endpoint_changes_pending"),
+        9.0
+    );
+    let no_local = "kubeproxy_sync_proxy_rules_no_local_endpoints_total";
+    assert_eq!(
+        sample(&text, &format!("{no_local}{{traffic_policy=\"internal\"}}")),
+        1.0
+    );
+    assert_eq!(
+        sample(&text, &format!("{no_local}{{traffic_policy=\"external\"}}")),
+        3.0
+    );
+    let latency = "kubeproxy_network_programming_duration_seconds";
+    assert_eq!(sample(&text, &format!("{latency}_count")), 2.0);
+    assert_eq!(sample(&text, &format!("{latency}_bucket{{le=\"0.025\"}}")), 1.0);
+    assert_eq!(sample(&text, &format!("{latency}_bucket{{le=\"2.0\"}}")), 1.0);
+    assert_eq!(sample(&text, &format!("{latency}_bucket{{le=\"5.0\"}}")), 2.0);
     assert_eq!(sample(&text, "kubeproxy_sync_proxy_rules_service_changes_total"), 4.0);
     assert_eq!(sample(&text, "kubeproxy_sync_proxy_rules_endpoint_changes_total"), 7.0);
     assert_eq!(sample(&text, "xproxy_sync_failures_total"), 1.0);

@@ -21,6 +21,16 @@ pub enum Update<K> {
     Replace(Vec<K>),
 }
 
+impl<K> Update<K> {
+    /// How many objects the update carries.
+    pub fn object_count(&self) -> usize {
+        match self {
+            Update::Apply(_) | Update::Delete(_) => 1,
+            Update::Replace(all) => all.len(),
+        }
+    }
+}
+
 // The variants differ in size by a Service's inline fields; boxing them
 // would add an allocation per event for nothing.
 #[allow(clippy::large_enum_variant)]
