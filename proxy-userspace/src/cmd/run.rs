@@ -129,7 +129,7 @@ async fn run_agent(config: Config) -> Result<(), Failure> {
     start_servers(&config, &telemetry).await?;
     let mode = start_mode(&config).await?;
     let (events, receiver) = mpsc::channel(1024);
-    start_source(&config, events).await?;
+    start_source(&config, &telemetry, events).await?;
 
     let policy = SyncPolicy::new(config.sync.min_sync_period, config.sync.sync_period);
     let agent = Agent::new(Reconciler::new(mode), policy, Arc::new(telemetry))
@@ -208,7 +208,11 @@ fn ebpf_failure(error: anyhow::Error) -> Failure {
     Failure::new(code, error.context("starting the ebpf mode"))
 }
 
-async fn start_source(config: &Config, events: mpsc::Sender<source::SourceEvent>) -> Result<(), Failure> {
+async fn start_source(
+    config: &Config,
+    telemetry: &Telemetry,
+    events: mpsc::Sender<source::SourceEvent>,
+) -> Result<(), Failure> {
     match &config.source {
         Source::Manifests(dir) => {
             ManifestDir::new(dir).exit_code(ExitCode::BadConfig)?.spawn(events);
@@ -218,7 +222,9 @@ async fn start_source(config: &Config, events: mpsc::Sender<source::SourceEvent>
                 Source::Kubeconfig(path) => Some(path.as_path()),
                 _ => None,
             };
-            let client = source::kube::client(kubeconfig).await.exit_code(ExitCode::BadConfig)?;
+            let client = source::kube::client(kubeconfig, Some(telemetry.request_counter()))
+                .await
+                .exit_code(ExitCode::BadConfig)?;
             // Never give up on the API server: a node may boot before its
             // control plane, and a proxy that exits then only crash-loops.
             // The watchers retry on their own; this says why nothing syncs

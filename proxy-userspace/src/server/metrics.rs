@@ -44,6 +44,9 @@ const NETWORK_PROGRAMMING_BUCKETS: [f64; 17] = [
     0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 ];
 
+/// client-go's labels of `rest_client_requests_total`.
+pub(super) type RestLabels = [(&'static str, String); 3];
+
 /// One label, `code="200"`.
 pub(super) type CodeLabel = [(&'static str, &'static str); 1];
 
@@ -72,6 +75,7 @@ pub(super) struct Metrics {
     pub service_changes_pending: Gauge,
     pub endpoint_changes_pending: Gauge,
     pub no_local_endpoints: Family<[(&'static str, &'static str); 1], Gauge>,
+    pub rest_client_requests: Family<RestLabels, Counter>,
     pub sync_failures: Counter,
     pub skipped_objects: Counter,
     pub kernel_writes: Counter,
@@ -96,6 +100,7 @@ impl Metrics {
             service_changes_pending: Gauge::default(),
             endpoint_changes_pending: Gauge::default(),
             no_local_endpoints: Family::default(),
+            rest_client_requests: Family::default(),
             sync_failures: Counter::default(),
             skipped_objects: Counter::default(),
             kernel_writes: Counter::default(),
@@ -172,6 +177,11 @@ impl Metrics {
             "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
             "Number of services with a Local traffic policy and no endpoints on this node",
             m.no_local_endpoints.clone(),
+        );
+        registry.register(
+            "rest_client_requests",
+            "Number of HTTP requests to the API server, partitioned by status code, method, and host",
+            m.rest_client_requests.clone(),
         );
         registry.register(
             "kubeproxy_proxy_healthz",

@@ -112,6 +112,19 @@ impl Telemetry {
         answer
     }
 
+    /// Counts the API client's requests in `rest_client_requests_total`.
+    pub fn request_counter(&self) -> crate::source::request_counter::CountRequest {
+        let family = self.0.metrics.rest_client_requests.clone();
+        std::sync::Arc::new(move |method: &str, code: &str, host: &str| {
+            let labels = [
+                ("code", code.to_owned()),
+                ("host", host.to_owned()),
+                ("method", method.to_owned()),
+            ];
+            family.get_or_create(&labels).inc();
+        })
+    }
+
     /// Every metric in the OpenMetrics text format (ends with `# EOF`).
     pub fn encode_metrics(&self) -> Result<String> {
         let mut out = String::new();

@@ -17,6 +17,7 @@ use k8s_openapi::api::{
 };
 use kube::{
     Api, Client, Config, Resource,
+    client::ClientBuilder,
     config::{KubeConfigOptions, Kubeconfig},
     runtime::{WatchStreamExt, utils::Backoff, watcher},
 };
@@ -24,7 +25,10 @@ use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
-use super::{SourceEvent, Update};
+use super::{
+    SourceEvent, Update,
+    request_counter::{CountRequest, RequestCounterLayer},
+};
 
 /// Services kube-proxy ignores: those another proxy implements, and headless ones.
 const SERVICE_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
@@ -33,7 +37,8 @@ const SLICE_SELECTOR: &str = "!service.kubernetes.io/headless";
 
 /// A client from a kubeconfig file, or the in-cluster config if `None`.
 /// Plain `http://` servers without credentials work (as in a test cluster).
-pub async fn client(kubeconfig: Option<&Path>) -> Result<Client> {
+/// Every request is reported to `count` (`rest_client_requests_total`).
+pub async fn client(kubeconfig: Option<&Path>, count: Option<CountRequest>) -> Result<Client> {
     let config = match kubeconfig {
         Some(path) => {
             let kc = Kubeconfig::read_from(path).with_context(|| format!("reading kubeconfig {}", path.display()))?;
@@ -43,7 +48,16 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<Client> {
         }
         None => Config::incluster().context("no kubeconfig given and not running in a cluster")?,
     };
-    Client::try_from(config).context("creating the Kubernetes client")
+    let host = config
+        .cluster_url
+        .authority()
+        .map(ToString::to_string)
+        .unwrap_or_default();
+    let builder = ClientBuilder::try_from(config).context("creating the Kubernetes client")?;
+    Ok(match count {
+        Some(count) => builder.with_layer(&RequestCounterLayer::new(&host, count)).build(),
+        None => builder.build(),
+    })
 }
 
 /// Starts the watchers (Services, EndpointSlices, and the Node named
