@@ -26,6 +26,11 @@ fn main() {
     if bytes.is_empty() {
         refuse_to_link_the_agent(&built);
     }
+    // A new file, not a write into the old one: a target directory seeded
+    // with hard links (one per git worktree) shares the old file's inode,
+    // and writing through it would change the object embedded in the
+    // other checkouts' binaries.
+    let _ = fs::remove_file(&out);
     fs::write(&out, bytes).expect("write the embedded eBPF object into OUT_DIR");
 }
 
