@@ -206,7 +206,7 @@ impl Dataplane for NftablesMode {
             && verified.desired == *desired
         {
             match self.nft.list_table(names::FAMILY, names::TABLE) {
-                Ok(Some(listing)) if listing == verified.listing => {
+                Ok(Some(listing)) if without_affinity_clients(&listing) == verified.listing => {
                     debug!("full nftables sync: the table holds what the last full sync wrote");
                     return Ok(());
                 }
@@ -232,7 +232,7 @@ impl Dataplane for NftablesMode {
             Ok(Some(listing)) => {
                 self.verified = Some(Verified {
                     desired: desired.clone(),
-                    listing,
+                    listing: without_affinity_clients(&listing),
                 });
             }
             Ok(None) => warn!("the nftables table is gone right after a full sync"),
@@ -247,6 +247,32 @@ impl Dataplane for NftablesMode {
     fn kernel_writes(&self) -> u64 {
         self.writes
     }
+}
+
+/// `listing` (`nft list table`) without the elements of the affinity
+/// sets: the kernel adds and expires those as clients come and go, which
+/// is no reason to rewrite the table (and so forget every client).
+fn without_affinity_clients(listing: &str) -> String {
+    let mut out = String::with_capacity(listing.len());
+    let (mut in_affinity_set, mut in_elements) = (false, false);
+    for line in listing.lines() {
+        let trimmed = line.trim();
+        if in_elements {
+            in_elements = !trimmed.ends_with('}');
+            continue;
+        }
+        if trimmed.starts_with(&format!("set {}", names::AFFINITY_PREFIX)) {
+            in_affinity_set = true;
+        } else if in_affinity_set && trimmed == "}" {
+            in_affinity_set = false;
+        } else if in_affinity_set && trimmed.starts_with("elements = {") {
+            in_elements = !trimmed.ends_with('}');
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
 }
 
 /// Removes the `ip xproxy` table (and with it everything the nftables mode
@@ -321,6 +347,7 @@ pub fn options(config: &Config) -> Options {
         local_traffic: LocalTraffic::from_config(config, "nftables"),
         node_ports,
         node_name: Some(config.node_name.clone()),
+        node_ips: config.ipv4_node_ips(),
     }
 }
 
