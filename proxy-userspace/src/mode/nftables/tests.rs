@@ -1091,3 +1091,68 @@ fn clients_in_affinity_sets_do_not_count_as_a_changed_table() {
     assert_ne!(one, listing);
     assert_eq!(without_affinity_clients(&one), stable);
 }
+
+/// Two Services listing the same external IP and port: the lower name has
+/// it, the other's claim is reported once (a problem the agent logs and
+/// counts); when the first goes,
+/// a partial sync gives it to the other. Every script passes the kernel.
+#[test]
+fn a_shared_external_ip_goes_to_one_service_and_the_other_is_counted() {
+    let fake = FakeNft::default();
+    let mut mode = NftablesMode::new(node_a(), Box::new(fake.clone()));
+    let first = ServicePort {
+        load_balancer_ips: vec![],
+        ..lb_port()
+    };
+    let second = ServicePort {
+        name: "default/other".into(),
+        cluster_ip: Ipv4Addr::new(10, 96, 1, 8),
+        node_port: Some(30888),
+        ..first.clone()
+    };
+    let key = format!("{EXTERNAL_IP} . tcp . 80");
+    mode.apply_full(&state(&[first.clone(), second.clone()]))
+        .expect("full sync");
+    let full = fake.last();
+    let lines: Vec<&str> = full
+        .lines()
+        .filter(|l| l.contains(&key))
+        .map(|l| l.trim().trim_end_matches(','))
+        .collect();
+    assert_eq!(
+        lines,
+        [format!("{key} : goto {}", names::external_chain(&first))],
+        "{full}"
+    );
+    let problems = mode.take_problems();
+    assert_eq!(
+        problems.iter().map(|p| p.object.as_str()).collect::<Vec<_>>(),
+        ["default/other"],
+        "{problems:?}"
+    );
+    expect_kernel_accepts("full script with a shared external IP", &full);
+
+    // An endpoint change of the loser: still counted once, key untouched.
+    let mut second_changed = second.clone();
+    second_changed.endpoints.pop();
+    mode.apply(&Plan {
+        upsert: vec![second_changed.clone()],
+        remove: vec![],
+    })
+    .expect("partial sync");
+    assert!(!fake.last().contains(&key), "{}", fake.last());
+    assert!(mode.take_problems().is_empty(), "reported once");
+
+    mode.apply(&Plan {
+        upsert: vec![],
+        remove: vec![first.clone()],
+    })
+    .expect("partial sync");
+    let partial = fake.last();
+    assert!(
+        partial.contains(&format!("\t{key} : goto {}", names::external_chain(&second))),
+        "{partial}"
+    );
+    expect_kernel_accepts("the external IP handed over", &format!("{full}{partial}"));
+    assert!(mode.take_problems().is_empty());
+}
