@@ -379,7 +379,7 @@ fn external_elements(opts: &Options, port: &ServicePort, sets: &EndpointSets<'_>
         });
         for (map, _, key) in &keys {
             out.elements.push(Element {
-                map: *map,
+                map,
                 key: key.clone(),
                 comment: None,
                 verdict: format!("goto {external}"),
