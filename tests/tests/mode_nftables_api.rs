@@ -111,6 +111,16 @@ impl Bed {
         Self { topo, mode }
     }
 
+    /// The bed with `port` programmed by a full sync, if `test` may run.
+    fn start(test: &str, port: &ServicePort) -> Option<Self> {
+        if !require_root(test) {
+            return None;
+        }
+        let mut bed = Self::new();
+        bed.full(port);
+        Some(bed)
+    }
+
     fn full(&mut self, port: &ServicePort) {
         let desired = BTreeMap::from([(port.name.clone(), port.clone())]);
         let mode = &mut self.mode;
@@ -247,12 +257,10 @@ fn only(answers: &BTreeMap<String, usize>, backend: &str) -> bool {
 
 #[test]
 fn nftables_external_and_load_balancer_ips() {
-    if !require_root("nftables_external_and_load_balancer_ips") {
-        return;
-    }
-    let mut bed = Bed::new();
     let port = lb_port();
-    bed.full(&port);
+    let Some(bed) = Bed::start("nftables_external_and_load_balancer_ips", &port) else {
+        return;
+    };
 
     let service_ips = bed.map(names::SERVICE_IPS);
     let external = names::external_chain(&port);
@@ -277,15 +285,13 @@ fn nftables_external_and_load_balancer_ips() {
 
 #[test]
 fn nftables_external_traffic_policy_local_on_external_addresses() {
-    if !require_root("nftables_external_traffic_policy_local_on_external_addresses") {
-        return;
-    }
-    let mut bed = Bed::new();
     let mut port = ServicePort {
         external_policy: TrafficPolicy::Local,
         ..lb_port()
     };
-    bed.full(&port);
+    let Some(mut bed) = Bed::start("nftables_external_traffic_policy_local_on_external_addresses", &port) else {
+        return;
+    };
     for ip in [EXTERNAL_IP, LB_IP] {
         let outside = answers(&bed.topo.client, at(ip, PORT), 8);
         assert!(
@@ -320,15 +326,13 @@ fn nftables_external_traffic_policy_local_on_external_addresses() {
 
 #[test]
 fn nftables_load_balancer_source_ranges() {
-    if !require_root("nftables_load_balancer_source_ranges") {
-        return;
-    }
-    let mut bed = Bed::new();
     let mut port = ServicePort {
         source_ranges: vec![range([203, 0, 113, 0], 24)],
         ..lb_port()
     };
-    bed.full(&port);
+    let Some(mut bed) = Bed::start("nftables_load_balancer_source_ranges", &port) else {
+        return;
+    };
     let firewall = bed.map(names::FIREWALL_IPS);
     assert_eq!(
         firewall,
@@ -353,15 +357,13 @@ fn nftables_load_balancer_source_ranges() {
 
 #[test]
 fn nftables_client_ip_affinity() {
-    if !require_root("nftables_client_ip_affinity") {
-        return;
-    }
-    let mut bed = Bed::new();
     let mut port = ServicePort {
         affinity: Some(Duration::from_secs(600)),
         ..lb_port()
     };
-    bed.full(&port);
+    let Some(mut bed) = Bed::start("nftables_client_ip_affinity", &port) else {
+        return;
+    };
     let client = bed.topo.client_pod.ns.name().to_owned();
     let cluster_ip = at(CLUSTER_IP, PORT);
     let first = answers(&bed.topo.client_pod.ns, cluster_ip, 12);
@@ -402,11 +404,9 @@ fn nftables_client_ip_affinity() {
 /// added after the sync (the kernel checks `fib daddr type local`).
 #[test]
 fn nftables_node_ports_on_every_local_address() {
-    if !require_root("nftables_node_ports_on_every_local_address") {
+    let Some(bed) = Bed::start("nftables_node_ports_on_every_local_address", &lb_port()) else {
         return;
-    }
-    let mut bed = Bed::new();
-    bed.full(&lb_port());
+    };
     let added = Ipv4Addr::new(172, 30, 0, 50);
     bed.topo
         .node
