@@ -379,6 +379,13 @@ fn nftables_client_ip_affinity() {
         "{sets:#?}"
     );
 
+    // A periodic full sync finds the table as it left it (the clients the
+    // kernel added are no change) and writes nothing: affinity survives.
+    let writes = bed.mode.kernel_writes();
+    bed.full(&port);
+    assert_eq!(bed.mode.kernel_writes(), writes, "an idle full sync rewrote the table");
+    assert_eq!(bed.affinity_sets(), sets);
+
     // The endpoint goes: its set goes, the client moves to another one and
     // sticks there.
     port.endpoints.remove(index);
