@@ -1,19 +1,22 @@
 //! The nftables mode, kube-proxy's nftables layout in a table of its own
 //! (`ip xproxy`, so it runs next to a kube-proxy and its cleanup never
 //! touches kube-proxy's `kube-proxy` table): verdict maps keyed by
-//! `daddr . l4proto . dport` (ClusterIPs) and `l4proto . dport` (NodePorts)
-//! jump to a chain per service port, which picks an endpoint chain with
-//! `numgen random`, which DNATs; Services without endpoints are rejected
-//! through two more maps. See [`ruleset`] for the layout.
+//! `daddr . l4proto . dport` (ClusterIPs, external IPs, LB IPs) and
+//! `l4proto . dport` (NodePorts) jump to a chain per service port, which
+//! picks an endpoint chain with `numgen random` (after the ClientIP
+//! affinity sets, if any), which DNATs; Services without endpoints are
+//! rejected through two more maps, LB IPs with source ranges filtered
+//! through a fifth. See [`ruleset`] for the layout.
 //!
 //! Every sync is one `nft -f -` transaction. A full sync replaces the whole
-//! table; a partial sync deletes and adds only the map elements and chains
-//! of the changed service ports (see [`ruleset::partial`]). When the table
-//! still holds exactly what the last full sync of the same state left, a
-//! full sync writes nothing.
+//! table; a partial sync deletes and adds only the map elements, chains and
+//! sets of the changed service ports (see [`ruleset::partial`]). When the
+//! table still holds exactly what the last full sync of the same state left
+//! (the clients in the affinity sets aside), a full sync writes nothing.
 //!
 //! Table, chain and map names (kube-proxy's hashes) are in [`names`], the
-//! rendering is in [`ruleset`], running `nft` is in [`crate::sys::nft`].
+//! rendering is in [`ruleset`], who keeps an address two Services list is
+//! in [`claims`], running `nft` is in [`crate::sys::nft`].
 
 mod claims;
 pub mod names;
