@@ -231,6 +231,7 @@ impl Agent {
                 } else {
                     debug!(took_ms = took.as_secs_f64() * 1e3, "synced, nothing changed");
                 }
+                self.report_problems(&report.problems);
                 self.observer.synced(&report, took, oldest_change);
                 // A full sync re-checks every port (and heals a tally that
                 // missed the changes of a failed sync).

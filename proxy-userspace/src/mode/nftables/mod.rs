@@ -1,20 +1,24 @@
 //! The nftables mode, kube-proxy's nftables layout in a table of its own
 //! (`ip xproxy`, so it runs next to a kube-proxy and its cleanup never
 //! touches kube-proxy's `kube-proxy` table): verdict maps keyed by
-//! `daddr . l4proto . dport` (ClusterIPs) and `l4proto . dport` (NodePorts)
-//! jump to a chain per service port, which picks an endpoint chain with
-//! `numgen random`, which DNATs; Services without endpoints are rejected
-//! through two more maps. See [`ruleset`] for the layout.
+//! `daddr . l4proto . dport` (ClusterIPs, external IPs, LB IPs) and
+//! `l4proto . dport` (NodePorts) jump to a chain per service port, which
+//! picks an endpoint chain with `numgen random` (after the ClientIP
+//! affinity sets, if any), which DNATs; Services without endpoints are
+//! rejected through two more maps, LB IPs with source ranges filtered
+//! through a fifth. See [`ruleset`] for the layout.
 //!
 //! Every sync is one `nft -f -` transaction. A full sync replaces the whole
-//! table; a partial sync deletes and adds only the map elements and chains
-//! of the changed service ports (see [`ruleset::partial`]). When the table
-//! still holds exactly what the last full sync of the same state left, a
-//! full sync writes nothing.
+//! table; a partial sync deletes and adds only the map elements, chains and
+//! sets of the changed service ports (see [`ruleset::partial`]). When the
+//! table still holds exactly what the last full sync of the same state left
+//! (the clients in the affinity sets aside), a full sync writes nothing.
 //!
 //! Table, chain and map names (kube-proxy's hashes) are in [`names`], the
-//! rendering is in [`ruleset`], running `nft` is in [`crate::sys::nft`].
+//! rendering is in [`ruleset`], who keeps an address two Services list is
+//! in [`claims`], running `nft` is in [`crate::sys::nft`].
 
+mod claims;
 pub mod names;
 pub mod ruleset;
 
@@ -26,6 +30,7 @@ use std::{
 
 pub use crate::sys::nft::{Nft, SystemNft};
 use anyhow::{Context, Result};
+use claims::{Claims, frontends};
 use ruleset::{ChainRemoval, Objects, PortRules, port_rules};
 pub use ruleset::{NodePorts, Options};
 use tracing::{debug, info, warn};
@@ -48,6 +53,8 @@ pub struct NftablesMode {
     verified: Option<Verified>,
     /// Chains emptied instead of deleted (old kernels), and since when.
     leftovers: BTreeMap<String, Instant>,
+    /// Who has which map key when Services share an address and port.
+    claims: Claims,
     writes: u64,
     last_script: String,
 }
@@ -71,6 +78,7 @@ impl NftablesMode {
             state: BTreeMap::new(),
             verified: None,
             leftovers: BTreeMap::new(),
+            claims: Claims::default(),
             writes: 0,
             last_script: String::new(),
         }
@@ -93,9 +101,82 @@ impl NftablesMode {
         &self.opts
     }
 
+    /// The renderings a partial sync of `plan` programs: the upserted
+    /// ports, and the ports sharing a frontend with a changed one (who
+    /// keeps it may change), each without the frontends another port has.
+    fn wanted_after(&mut self, plan: &Plan) -> Vec<(ServicePort, PortRules)> {
+        let upserted: BTreeSet<&str> = plan.upsert.iter().map(|p| p.name.as_str()).collect();
+        let removed: BTreeSet<&str> = plan
+            .remove
+            .iter()
+            .map(|p| p.name.as_str())
+            .filter(|name| !upserted.contains(name))
+            .collect();
+        let mut neighbours = BTreeSet::new();
+        for name in &removed {
+            neighbours.extend(self.claims.set(name, BTreeSet::new()));
+        }
+        let mut raw: BTreeMap<String, (ServicePort, PortRules)> = BTreeMap::new();
+        for port in &plan.upsert {
+            let rules = port_rules(&self.opts, port);
+            neighbours.extend(self.claims.set(&port.name, frontends(&rules)));
+            raw.insert(port.name.clone(), (port.clone(), rules));
+        }
+        for name in neighbours {
+            if raw.contains_key(&name) || removed.contains(name.as_str()) {
+                continue;
+            }
+            if let Some((port, _)) = self.state.get(&name) {
+                let rules = port_rules(&self.opts, port);
+                raw.insert(name, (port.clone(), rules));
+            }
+        }
+        raw.into_iter()
+            .map(|(name, (port, rules))| (port, self.claims.honoured(&name, rules)))
+            .collect()
+    }
+
     /// The `nft -f` input of the last sync that wrote something.
     pub fn last_script(&self) -> &str {
         &self.last_script
+    }
+
+    /// Runs a partial sync's `script`; if the kernel refuses to delete
+    /// chains, runs it again emptying them instead (see [`LEFTOVER_GRACE`]).
+    fn run_partial(
+        &mut self,
+        script: &ruleset::Script,
+        before: &Objects,
+        after: &Objects,
+        due: &[String],
+        now: Instant,
+    ) -> Result<()> {
+        match self.run(script) {
+            Ok(()) => {
+                for name in &script.removed_chains {
+                    self.leftovers.remove(name);
+                }
+            }
+            Err(e) if !script.removed_chains.is_empty() => {
+                // Perhaps a kernel before 6.2, which frees a chain only a
+                // moment after the last map element pointing to it is gone:
+                // empty the chains now, delete them in a later sync.
+                let retry = ruleset::partial(before, after, due, ChainRemoval::Flush);
+                self.run(&retry).map_err(|retry_error| {
+                    retry_error.context(format!("partial sync (also without deleting chains; first: {e:#})"))
+                })?;
+                warn!(
+                    chains = retry.removed_chains.len(),
+                    error = format!("{e:#}"),
+                    "could not delete unused chains in the sync's transaction; emptied them for a later sync"
+                );
+                for name in &retry.removed_chains {
+                    self.leftovers.entry(name.clone()).or_insert(now);
+                }
+            }
+            Err(e) => return Err(e.context("partial sync")),
+        }
+        Ok(())
     }
 
     fn run(&mut self, script: &ruleset::Script) -> Result<()> {
@@ -121,13 +202,15 @@ impl Dataplane for NftablesMode {
         }
         // The changed ports as programmed (our own rendering, else the
         // plan's account of what was applied) and as wanted.
+        let claims_before = self.claims.clone();
+        let wanted = self.wanted_after(plan);
         let mut before = Objects::default();
         let mut seen = BTreeSet::new();
         for (port, removed) in plan
             .remove
             .iter()
             .map(|p| (p, true))
-            .chain(plan.upsert.iter().map(|p| (p, false)))
+            .chain(wanted.iter().map(|(p, _)| (p, false)))
         {
             if !seen.insert(port.name.as_str()) {
                 continue;
@@ -138,11 +221,6 @@ impl Dataplane for NftablesMode {
                 None => {}
             }
         }
-        let wanted: Vec<(ServicePort, PortRules)> = plan
-            .upsert
-            .iter()
-            .map(|p| (p.clone(), port_rules(&self.opts, p)))
-            .collect();
         let mut after = Objects::default();
         for (_, rules) in &wanted {
             after.add(rules);
@@ -164,30 +242,10 @@ impl Dataplane for NftablesMode {
             "partial nftables sync"
         );
         self.verified = None;
-        match self.run(&script) {
-            Ok(()) => {
-                for name in &script.removed_chains {
-                    self.leftovers.remove(name);
-                }
-            }
-            Err(e) if !script.removed_chains.is_empty() => {
-                // Perhaps a kernel before 6.2, which frees a chain only a
-                // moment after the last map element pointing to it is gone:
-                // empty the chains now, delete them in a later sync.
-                let retry = ruleset::partial(&before, &after, &due, ChainRemoval::Flush);
-                self.run(&retry).map_err(|retry_error| {
-                    retry_error.context(format!("partial sync (also without deleting chains; first: {e:#})"))
-                })?;
-                warn!(
-                    chains = retry.removed_chains.len(),
-                    error = format!("{e:#}"),
-                    "could not delete unused chains in the sync's transaction; emptied them for a later sync"
-                );
-                for name in &retry.removed_chains {
-                    self.leftovers.entry(name.clone()).or_insert(now);
-                }
-            }
-            Err(e) => return Err(e.context("partial sync")),
+        let result = self.run_partial(&script, &before, &after, &due, now);
+        if let Err(e) = result {
+            self.claims = claims_before;
+            return Err(e);
         }
         for name in after.chains.keys() {
             self.leftovers.remove(name);
@@ -206,7 +264,7 @@ impl Dataplane for NftablesMode {
             && verified.desired == *desired
         {
             match self.nft.list_table(names::FAMILY, names::TABLE) {
-                Ok(Some(listing)) if listing == verified.listing => {
+                Ok(Some(listing)) if without_affinity_clients(&listing) == verified.listing => {
                     debug!("full nftables sync: the table holds what the last full sync wrote");
                     return Ok(());
                 }
@@ -214,9 +272,18 @@ impl Dataplane for NftablesMode {
                 Err(e) => warn!(error = format!("{e:#}"), "cannot read the table; rewriting it"),
             }
         }
-        let state: BTreeMap<String, (ServicePort, PortRules)> = desired
+        let claims_before = self.claims.clone();
+        self.claims.clear();
+        let raw: Vec<(&String, &ServicePort, PortRules)> = desired
             .iter()
-            .map(|(name, port)| (name.clone(), (port.clone(), port_rules(&self.opts, port))))
+            .map(|(name, port)| (name, port, port_rules(&self.opts, port)))
+            .collect();
+        for (name, _, rules) in &raw {
+            self.claims.set(name, frontends(rules));
+        }
+        let state: BTreeMap<String, (ServicePort, PortRules)> = raw
+            .into_iter()
+            .map(|(name, port, rules)| (name.clone(), (port.clone(), self.claims.honoured(name, rules))))
             .collect();
         let script = ruleset::full(
             &self.opts,
@@ -224,7 +291,10 @@ impl Dataplane for NftablesMode {
         );
         debug!(ports = desired.len(), writes = script.writes, "full nftables sync");
         self.verified = None;
-        self.run(&script).context("full sync")?;
+        if let Err(e) = self.run(&script) {
+            self.claims = claims_before;
+            return Err(e.context("full sync"));
+        }
         self.state = state;
         // The table was replaced: no chain of an earlier sync is left.
         self.leftovers.clear();
@@ -232,7 +302,7 @@ impl Dataplane for NftablesMode {
             Ok(Some(listing)) => {
                 self.verified = Some(Verified {
                     desired: desired.clone(),
-                    listing,
+                    listing: without_affinity_clients(&listing),
                 });
             }
             Ok(None) => warn!("the nftables table is gone right after a full sync"),
@@ -247,6 +317,38 @@ impl Dataplane for NftablesMode {
     fn kernel_writes(&self) -> u64 {
         self.writes
     }
+
+    /// Frontends (external IP, LB IP or node port and port) a Service port
+    /// lists but another one has: reported once when lost.
+    fn take_problems(&mut self) -> Vec<crate::model::Problem> {
+        self.claims.take_problems()
+    }
+}
+
+/// `listing` (`nft list table`) without the elements of the affinity
+/// sets: the kernel adds and expires those as clients come and go, which
+/// is no reason to rewrite the table (and so forget every client).
+fn without_affinity_clients(listing: &str) -> String {
+    let mut out = String::with_capacity(listing.len());
+    let (mut in_affinity_set, mut in_elements) = (false, false);
+    for line in listing.lines() {
+        let trimmed = line.trim();
+        if in_elements {
+            in_elements = !trimmed.ends_with('}');
+            continue;
+        }
+        if trimmed.starts_with(&format!("set {}", names::AFFINITY_PREFIX)) {
+            in_affinity_set = true;
+        } else if in_affinity_set && trimmed == "}" {
+            in_affinity_set = false;
+        } else if in_affinity_set && trimmed.starts_with("elements = {") {
+            in_elements = !trimmed.ends_with('}');
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
 }
 
 /// Removes the `ip xproxy` table (and with it everything the nftables mode
@@ -321,6 +423,7 @@ pub fn options(config: &Config) -> Options {
         local_traffic: LocalTraffic::from_config(config, "nftables"),
         node_ports,
         node_name: Some(config.node_name.clone()),
+        node_ips: config.ipv4_node_ips(),
     }
 }
 

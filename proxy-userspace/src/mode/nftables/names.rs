@@ -19,6 +19,7 @@ pub const FAMILY: &str = "ip";
 pub const TABLE: &str = "xproxy";
 
 // Base chains, named `TYPE-HOOK` like kube-proxy's.
+pub const FILTER_PREROUTING: &str = "filter-prerouting";
 pub const FILTER_INPUT: &str = "filter-input";
 pub const FILTER_FORWARD: &str = "filter-forward";
 pub const FILTER_OUTPUT: &str = "filter-output";
@@ -30,6 +31,10 @@ pub const NAT_POSTROUTING: &str = "nat-postrouting";
 pub const SERVICES: &str = "services";
 /// Rejects new connections to Services without endpoints.
 pub const ENDPOINTS_CHECK: &str = "endpoints-check";
+/// Drops new connections to load balancer IPs from outside their
+/// Service's `loadBalancerSourceRanges` (before DNAT, so it still sees the
+/// LB IP).
+pub const FIREWALL_CHECK: &str = "firewall-check";
 /// Where the no-endpoint maps send packets.
 pub const REJECT_CHAIN: &str = "reject-chain";
 /// Where `@no-endpoint-nodeports` sends node-port packets of Services
@@ -50,6 +55,9 @@ pub const SERVICE_NODEPORTS: &str = "service-nodeports";
 pub const NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
 /// `protocol . nodePort` -> `goto reject-chain` for Services without endpoints.
 pub const NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
+/// `LB IP . protocol . port` -> `goto firewall-…` for Services with
+/// `loadBalancerSourceRanges`.
+pub const FIREWALL_IPS: &str = "firewall-ips";
 /// The addresses NodePorts answer on, when they are listed (`[primary]`).
 pub const NODEPORT_IPS: &str = "nodeport-ips";
 /// The networks NodePorts answer in (nodePortAddresses CIDRs).
@@ -59,10 +67,15 @@ pub const NODEPORT_CIDRS: &str = "nodeport-cidrs";
 pub const SERVICE_PREFIX: &str = "service-";
 /// Per service port: picks one of this node's endpoints (`Local` policy).
 pub const LOCAL_PREFIX: &str = "local-";
-/// Per service port: NodePort traffic, marked for masquerade first.
+/// Per service port: NodePort, external IP and LB IP traffic.
 pub const EXTERNAL_PREFIX: &str = "external-";
+/// Per service port: drops LB IP traffic from outside the source ranges.
+pub const FIREWALL_PREFIX: &str = "firewall-";
 /// Per endpoint of a service port: the DNAT.
 pub const ENDPOINT_PREFIX: &str = "endpoint-";
+/// Per endpoint of a service port with ClientIP affinity: the clients it
+/// served lately (a set with the Service's timeout).
+pub const AFFINITY_PREFIX: &str = "affinity-";
 
 /// nftables' limit on names is 256 bytes with the terminating NUL; kube-proxy
 /// keeps the part after the prefix within 240 and so does this.
@@ -119,10 +132,25 @@ pub fn external_chain(port: &ServicePort) -> String {
     format!("{EXTERNAL_PREFIX}{}", hashed(&port_path(port)))
 }
 
+/// `firewall-HASH-ns/svc/proto/port`: the same HASH as the service chain.
+pub fn firewall_chain(port: &ServicePort) -> String {
+    format!("{FIREWALL_PREFIX}{}", hashed(&port_path(port)))
+}
+
+/// `HASH-ns/svc/proto/port__IP/PORT`, shared by an endpoint's chain and set.
+fn endpoint_base(port: &ServicePort, endpoint: &Endpoint) -> String {
+    hashed(&format!("{}__{}/{}", port_path(port), endpoint.addr, endpoint.port))
+}
+
 /// `endpoint-HASH-ns/svc/proto/port__IP/PORT`.
 pub fn endpoint_chain(port: &ServicePort, endpoint: &Endpoint) -> String {
-    let path = format!("{}__{}/{}", port_path(port), endpoint.addr, endpoint.port);
-    format!("{ENDPOINT_PREFIX}{}", hashed(&path))
+    format!("{ENDPOINT_PREFIX}{}", endpoint_base(port, endpoint))
+}
+
+/// `affinity-HASH-ns/svc/proto/port__IP/PORT`: the same HASH as the
+/// endpoint chain (kube-proxy names both from one base).
+pub fn affinity_set(port: &ServicePort, endpoint: &Endpoint) -> String {
+    format!("{AFFINITY_PREFIX}{}", endpoint_base(port, endpoint))
 }
 
 #[cfg(test)]

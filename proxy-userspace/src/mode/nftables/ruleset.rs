@@ -1,18 +1,34 @@
 //! Rendering: service ports -> `nft -f` input, in kube-proxy's layout.
 //!
 //! ```text
+//! filter-prerouting, filter-output (filter, -110): ct state new -> firewall-check
+//!   firewall-check: daddr . proto . dport vmap @firewall-ips -> firewall-HASH-…
+//!   firewall-…: ip saddr != { loadBalancerSourceRanges [, LB IPs] } drop
 //! filter-input/forward/output (filter, priority -110): ct state new -> endpoints-check
 //!   endpoints-check: daddr . proto . dport  vmap @no-endpoint-services  -> reject-chain
 //!                    NODEPORT-DEST proto . dport vmap @no-endpoint-nodeports -> reject-chain
 //! nat-prerouting, nat-output (dstnat, -100) -> services
 //!   services: daddr . proto . dport  vmap @service-ips       -> service-HASH-ns/svc/proto/port
+//!                                                             (ClusterIP), external-HASH-…
+//!                                                             (external IPs, LB IPs)
 //!             NODEPORT-DEST proto . dport vmap @service-nodeports -> external-HASH-…
 //!   external-…: jump mark-for-masquerade; goto service-…
 //!   service-…:  off-cluster source -> mark-for-masquerade;
+//!               [ClientIP affinity: ip saddr @affinity-… goto endpoint-…, per endpoint]
 //!               numgen random mod N vmap { 0 : goto endpoint-…, ... }
-//!   endpoint-…: saddr = endpoint (hairpin) -> mark-for-masquerade; dnat to IP:PORT
+//!   endpoint-…: saddr = endpoint (hairpin) -> mark-for-masquerade;
+//!               [update @affinity-… { ip saddr }]; dnat to IP:PORT
 //! nat-postrouting (srcnat, 100) -> masquerading: marked -> clear the bit, masquerade
 //! ```
+//!
+//! External IPs and load balancer IPs are keys of `@service-ips` like the
+//! ClusterIP, but lead to `external-…` as node ports do, so the external
+//! traffic policy applies to them; without an endpoint for external
+//! traffic they are keys of `@no-endpoint-services`. Only their own
+//! `IP . proto . port` is matched: other ports on those addresses are
+//! left alone. Affinity sets (`affinity-…`, one per endpoint, timeout =
+//! the Service's `timeoutSeconds`) are written before the chains that use
+//! them and deleted after.
 //!
 //! The `Local` traffic policies, as kube-proxy's nftables mode lays them out:
 //!
@@ -98,6 +114,10 @@ pub struct Options {
     /// This node's name: endpoints naming it are the ones the `Local`
     /// traffic policies reach. `None`: no endpoint is local.
     pub node_name: Option<String>,
+    /// This node's IPv4 addresses: when a `loadBalancerSourceRanges` entry
+    /// holds one, the LB IPs themselves are allowed as sources too
+    /// (kube-proxy's allowance for LB IPs bound on the node).
+    pub node_ips: Vec<Ipv4Addr>,
 }
 
 impl Default for Options {
@@ -109,6 +129,7 @@ impl Default for Options {
             local_traffic: None,
             node_ports: NodePorts::AllLocal,
             node_name: None,
+            node_ips: Vec::new(),
         }
     }
 }
@@ -140,6 +161,8 @@ pub enum ChainKind {
     Service,
     Local,
     External,
+    /// Referred to by `@firewall-ips` only.
+    Firewall,
 }
 
 /// One per-service chain and its rules.
@@ -150,7 +173,26 @@ pub struct Chain {
     pub rules: Vec<String>,
 }
 
-/// One element of one of the four verdict maps.
+/// A per-endpoint affinity set: the client addresses the endpoint served
+/// within the last `timeout_secs`, kept by the kernel (`flags dynamic,
+/// timeout`: each `update` restarts an address's timeout).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AffinitySet {
+    pub name: String,
+    pub timeout_secs: u64,
+}
+
+impl AffinitySet {
+    /// The `{ ... }` body of its `add set` command.
+    fn spec(&self) -> String {
+        format!(
+            "{{ type ipv4_addr ; flags dynamic,timeout ; timeout {}s ; }}",
+            self.timeout_secs
+        )
+    }
+}
+
+/// One element of one of the verdict maps.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Element {
     pub map: &'static str,
@@ -169,47 +211,102 @@ pub struct PortRules {
     /// external one.
     pub chains: Vec<Chain>,
     pub elements: Vec<Element>,
+    /// The affinity sets of the endpoint chains (ClientIP affinity only).
+    pub sets: Vec<AffinitySet>,
 }
 
 /// The rendering of `port`: kube-proxy's chains and elements for both
 /// traffic policies. ClusterIP traffic goes to the internal policy's chain
-/// (`service-…` or `local-…`); node-port traffic to `external-…`, which
-/// masquerades everything (`Cluster`) or, with the `Local` policy, sends
-/// this node's pods' and the node's own traffic (masqueraded) to every
-/// endpoint and the rest, unmasqueraded, to `local-…`. Traffic left with no
-/// endpoint is rejected if the port has none at all, else dropped.
+/// (`service-…` or `local-…`); external traffic (node port, external IPs,
+/// LB IPs) to `external-…`, which masquerades everything (`Cluster`) or,
+/// with the `Local` policy, sends this node's pods' and the node's own
+/// traffic (masqueraded) to every endpoint and the rest, unmasqueraded, to
+/// `local-…`. Traffic left with no endpoint is rejected if the port has
+/// none at all, else dropped. LB IPs with source ranges get a firewall
+/// chain; ClientIP affinity gets a set per endpoint.
 pub fn port_rules(opts: &Options, port: &ServicePort) -> PortRules {
-    let proto = port.protocol.lowercase();
     let sets = EndpointSets::of(port, opts.node_name.as_deref());
-    let cluster_key = format!("{} . {proto} . {}", port.cluster_ip, port.port);
-    let node_key = port.node_port.map(|np| format!("{proto} . {np}"));
-    let service = names::service_chain(port);
-    let local = names::local_chain(port);
-    let internal_chain = if port.internal_local() { &local } else { &service };
-    let comment = Some(quote(&port.name));
-    let reject = format!("goto {}", names::REJECT_CHAIN);
-    let (internal_none, external_none) = if sets.has_any() {
+    let mut out = PortRules::default();
+    for ep in sets.reachable() {
+        out.chains.push(endpoint_chain(port, ep));
+        if let Some(set) = affinity_set(port, ep) {
+            out.sets.push(set);
+        }
+    }
+    policy_chains(opts, port, &sets, &mut out);
+    cluster_ip_elements(port, &sets, &mut out);
+    if port.externally_accessible() {
+        external_elements(opts, port, &sets, &mut out);
+    }
+    if let Some(firewall) = firewall_chain(opts, port) {
+        out.chains.push(firewall);
+        out.elements.extend(firewall_elements(port));
+    }
+    out
+}
+
+/// `IP . proto . port`, the key of `@service-ips` and its kin.
+fn address_key(port: &ServicePort, ip: Ipv4Addr) -> String {
+    format!("{ip} . {} . {}", port.protocol.lowercase(), port.port)
+}
+
+/// The verdicts for traffic its policy leaves without an endpoint:
+/// (internal, external). Dropped if the port has endpoints elsewhere
+/// (external traffic through `drop-external-chain`, which lets the node's
+/// own traffic on to its short-circuit), rejected if it has none at all.
+fn no_endpoint_verdicts(sets: &EndpointSets<'_>) -> (String, String) {
+    if sets.has_any() {
         ("drop".to_owned(), format!("goto {}", names::DROP_EXTERNAL_CHAIN))
     } else {
+        let reject = format!("goto {}", names::REJECT_CHAIN);
         (reject.clone(), reject)
-    };
-    let mut out = PortRules::default();
-
-    for ep in sets.reachable() {
-        out.chains.push(Chain {
-            name: names::endpoint_chain(port, ep),
-            kind: ChainKind::Endpoint,
-            rules: vec![
-                // A pod reaching itself through its Service: without SNAT
-                // its reply would bypass the DNAT's reverse.
-                format!("ip saddr {} jump {}", ep.addr, names::MARK_MASQ),
-                format!("meta l4proto {proto} dnat to {}:{}", ep.addr, ep.port),
-            ],
-        });
     }
+}
+
+/// The DNAT chain of one endpoint; with affinity it also records the
+/// client in the endpoint's set.
+fn endpoint_chain(port: &ServicePort, ep: &Endpoint) -> Chain {
+    let proto = port.protocol.lowercase();
+    // A pod reaching itself through its Service: without SNAT its reply
+    // would bypass the DNAT's reverse.
+    let mut rules = vec![format!("ip saddr {} jump {}", ep.addr, names::MARK_MASQ)];
+    if port.affinity.is_some() {
+        rules.push(format!("update @{} {{ ip saddr }}", names::affinity_set(port, ep)));
+    }
+    rules.push(format!("meta l4proto {proto} dnat to {}:{}", ep.addr, ep.port));
+    Chain {
+        name: names::endpoint_chain(port, ep),
+        kind: ChainKind::Endpoint,
+        rules,
+    }
+}
+
+/// The affinity set of one endpoint, if the port has ClientIP affinity.
+fn affinity_set(port: &ServicePort, ep: &Endpoint) -> Option<AffinitySet> {
+    port.affinity.map(|timeout| AffinitySet {
+        name: names::affinity_set(port, ep),
+        // The model keeps the timeout within 1..=86400 s; never 0, which
+        // nft would read as "no timeout".
+        timeout_secs: timeout.as_secs().max(1),
+    })
+}
+
+/// `service-…` and `local-…`, each if some traffic uses it.
+fn policy_chains(opts: &Options, port: &ServicePort, sets: &EndpointSets<'_>, out: &mut PortRules) {
+    let internal_chain = internal_chain(port);
     for (chain, kind, used, endpoints) in [
-        (&service, ChainKind::Service, sets.uses_cluster(), &sets.cluster),
-        (&local, ChainKind::Local, sets.uses_local(), &sets.local),
+        (
+            names::service_chain(port),
+            ChainKind::Service,
+            sets.uses_cluster(),
+            &sets.cluster,
+        ),
+        (
+            names::local_chain(port),
+            ChainKind::Local,
+            sets.uses_local(),
+            &sets.local,
+        ),
     ] {
         if !used {
             continue;
@@ -218,55 +315,141 @@ pub fn port_rules(opts: &Options, port: &ServicePort) -> PortRules {
         if chain == internal_chain {
             rules.extend(internal_masquerade(opts, port));
         }
+        rules.extend(affinity_lookups(port, endpoints));
         rules.push(dispatch(port, endpoints));
         out.chains.push(Chain {
-            name: chain.clone(),
+            name: chain,
             kind,
             rules,
         });
     }
+}
 
+/// The chain ClusterIP traffic goes to.
+fn internal_chain(port: &ServicePort) -> String {
+    if port.internal_local() {
+        names::local_chain(port)
+    } else {
+        names::service_chain(port)
+    }
+}
+
+/// The ClusterIP's element: to the internal chain, or a no-endpoint verdict.
+fn cluster_ip_elements(port: &ServicePort, sets: &EndpointSets<'_>, out: &mut PortRules) {
+    let key = address_key(port, port.cluster_ip);
     if sets.internal().is_empty() {
         out.elements.push(Element {
             map: names::NO_ENDPOINT_SERVICES,
-            key: cluster_key,
-            comment: comment.clone(),
-            verdict: internal_none,
+            key,
+            comment: Some(quote(&port.name)),
+            verdict: no_endpoint_verdicts(sets).0,
         });
     } else {
         out.elements.push(Element {
             map: names::SERVICE_IPS,
-            key: cluster_key,
+            key,
             comment: None,
-            verdict: format!("goto {internal_chain}"),
+            verdict: format!("goto {}", internal_chain(port)),
         });
     }
-    let Some(key) = node_key else {
-        return out;
-    };
+}
+
+/// External traffic: `external-…` and the elements of the node port, the
+/// external IPs and the LB IPs leading to it (or to a no-endpoint verdict).
+fn external_elements(opts: &Options, port: &ServicePort, sets: &EndpointSets<'_>, out: &mut PortRules) {
+    let proto = port.protocol.lowercase();
+    let node_key = port.node_port.map(|np| {
+        (
+            names::SERVICE_NODEPORTS,
+            names::NO_ENDPOINT_NODEPORTS,
+            format!("{proto} . {np}"),
+        )
+    });
+    let address_keys = port
+        .external_addresses()
+        .into_iter()
+        .map(|ip| (names::SERVICE_IPS, names::NO_ENDPOINT_SERVICES, address_key(port, ip)));
+    let keys: Vec<_> = node_key.into_iter().chain(address_keys).collect();
     if sets.has_any() {
         let external = names::external_chain(port);
         out.chains.push(Chain {
             name: external.clone(),
             kind: ChainKind::External,
-            rules: external_rules(opts, port, &sets),
+            rules: external_rules(opts, port, sets),
         });
-        out.elements.push(Element {
-            map: names::SERVICE_NODEPORTS,
-            key: key.clone(),
-            comment: None,
-            verdict: format!("goto {external}"),
-        });
+        for (map, _, key) in &keys {
+            out.elements.push(Element {
+                map,
+                key: key.clone(),
+                comment: None,
+                verdict: format!("goto {external}"),
+            });
+        }
     }
     if sets.external().is_empty() {
-        out.elements.push(Element {
-            map: names::NO_ENDPOINT_NODEPORTS,
-            key,
-            comment,
-            verdict: external_none,
-        });
+        let verdict = no_endpoint_verdicts(sets).1;
+        for (_, map, key) in keys {
+            out.elements.push(Element {
+                map,
+                key,
+                comment: Some(quote(&port.name)),
+                verdict: verdict.clone(),
+            });
+        }
     }
-    out
+}
+
+/// `firewall-…` for a port with LB IPs and `loadBalancerSourceRanges`:
+/// drops new connections from anywhere else. If a range holds a node IP,
+/// the LB IPs count as allowed sources too: an LB IP bound on the node
+/// makes the node's own requests to it leave from the LB IP (kube-proxy
+/// allows them for the same reason).
+fn firewall_chain(opts: &Options, port: &ServicePort) -> Option<Chain> {
+    if port.source_ranges.is_empty() || port.load_balancer_ips.is_empty() {
+        return None;
+    }
+    let mut sources: Vec<String> = port.source_ranges.iter().map(ToString::to_string).collect();
+    let allow_from_node = port
+        .source_ranges
+        .iter()
+        .any(|range| opts.node_ips.iter().any(|ip| range.contains(*ip)));
+    if allow_from_node {
+        sources.extend(port.load_balancer_ips.iter().map(ToString::to_string));
+    }
+    Some(Chain {
+        name: names::firewall_chain(port),
+        kind: ChainKind::Firewall,
+        rules: vec![format!("ip saddr != {{ {} }} drop", sources.join(", "))],
+    })
+}
+
+/// The `@firewall-ips` elements of a port [`firewall_chain`] filters.
+fn firewall_elements(port: &ServicePort) -> impl Iterator<Item = Element> + '_ {
+    let verdict = format!("goto {}", names::firewall_chain(port));
+    port.load_balancer_ips.iter().map(move |ip| Element {
+        map: names::FIREWALL_IPS,
+        key: address_key(port, *ip),
+        comment: Some(quote(&port.name)),
+        verdict: verdict.clone(),
+    })
+}
+
+/// ClientIP affinity: a client an endpoint of `endpoints` served within
+/// the timeout goes to it again, before any balancing.
+fn affinity_lookups(port: &ServicePort, endpoints: &[&Endpoint]) -> Vec<String> {
+    if port.affinity.is_none() {
+        return Vec::new();
+    }
+    endpoints
+        .iter()
+        .map(|ep| {
+            format!(
+                "ip saddr @{} goto {}",
+                names::affinity_set(port, ep),
+                names::endpoint_chain(port, ep)
+            )
+        })
+        .collect()
 }
 
 /// The first rule of the internal policy's chain: which ClusterIP traffic
@@ -334,12 +517,17 @@ fn external_rules(opts: &Options, port: &ServicePort, sets: &EndpointSets<'_>) -
 pub struct Objects {
     pub chains: BTreeMap<String, Chain>,
     pub elements: BTreeMap<(&'static str, String), Element>,
+    /// Affinity sets by name.
+    pub sets: BTreeMap<String, AffinitySet>,
 }
 
 impl Objects {
     pub fn add(&mut self, rules: &PortRules) {
         for chain in &rules.chains {
             self.chains.insert(chain.name.clone(), chain.clone());
+        }
+        for set in &rules.sets {
+            self.sets.insert(set.name.clone(), set.clone());
         }
         for element in &rules.elements {
             self.elements
@@ -367,6 +555,13 @@ impl Script {
 
     fn note(&mut self, text: &str) {
         let _ = writeln!(self.text, "# {}", sanitize(text, COMMENT_MAX));
+    }
+
+    /// `add set`: creates the set, or gives an existing one the new
+    /// timeout (kernels that cannot refuse it; the sync then fails and the
+    /// full sync after it replaces the table).
+    fn set(&mut self, set: &AffinitySet) {
+        self.cmd(1, format_args!("add set {FAMILY} {TABLE} {} {}", set.name, set.spec()));
     }
 
     fn chain(&mut self, chain: &Chain, flush: bool) {
@@ -417,6 +612,7 @@ fn base(opts: &Options, s: &mut Script) {
     // Filtering sees the destination before DNAT; numeric priorities
     // because nft takes names like `dstnat` only on some hooks.
     for (name, kind, hook, priority) in [
+        (names::FILTER_PREROUTING, "filter", "prerouting", -110),
         (names::FILTER_INPUT, "filter", "input", -110),
         (names::FILTER_FORWARD, "filter", "forward", -110),
         (names::FILTER_OUTPUT, "filter", "output", -110),
@@ -431,6 +627,7 @@ fn base(opts: &Options, s: &mut Script) {
     }
     for name in [
         names::SERVICES,
+        names::FIREWALL_CHECK,
         names::ENDPOINTS_CHECK,
         names::MARK_MASQ,
         names::MASQUERADING,
@@ -457,7 +654,7 @@ fn base(opts: &Options, s: &mut Script) {
         (
             names::SERVICE_IPS,
             "ipv4_addr . inet_proto . inet_service",
-            "ClusterIP traffic",
+            "ClusterIP, ExternalIP and LoadBalancer IP traffic",
         ),
         (
             names::SERVICE_NODEPORTS,
@@ -473,6 +670,11 @@ fn base(opts: &Options, s: &mut Script) {
             names::NO_ENDPOINT_NODEPORTS,
             "inet_proto . inet_service",
             "vmap to reject packets to service nodeports with no endpoints",
+        ),
+        (
+            names::FIREWALL_IPS,
+            "ipv4_addr . inet_proto . inet_service",
+            "destinations that are subject to LoadBalancerSourceRanges",
         ),
     ] {
         s.cmd(
@@ -511,6 +713,9 @@ fn base(opts: &Options, s: &mut Script) {
         }
     }
     for (from, matches, to) in [
+        // Before DNAT, which would hide the LB IP.
+        (names::FILTER_PREROUTING, "ct state new ", names::FIREWALL_CHECK),
+        (names::FILTER_OUTPUT, "ct state new ", names::FIREWALL_CHECK),
         (names::FILTER_INPUT, "ct state new ", names::ENDPOINTS_CHECK),
         (names::FILTER_FORWARD, "ct state new ", names::ENDPOINTS_CHECK),
         (names::FILTER_OUTPUT, "ct state new ", names::ENDPOINTS_CHECK),
@@ -532,6 +737,10 @@ fn base(opts: &Options, s: &mut Script) {
         // DNATs it to any endpoint (kube-proxy's short-circuit): let it be.
         (names::DROP_EXTERNAL_CHAIN, "fib saddr type local return".to_owned()),
         (names::DROP_EXTERNAL_CHAIN, "drop".to_owned()),
+        (
+            names::FIREWALL_CHECK,
+            format!("ip daddr . meta l4proto . th dport vmap @{}", names::FIREWALL_IPS),
+        ),
         (
             names::ENDPOINTS_CHECK,
             format!(
@@ -582,6 +791,9 @@ pub fn full<'a>(opts: &Options, ports: impl IntoIterator<Item = (&'a str, &'a Po
         if !rules.chains.is_empty() {
             s.note(name);
         }
+        for set in &rules.sets {
+            s.set(set);
+        }
         for chain in &rules.chains {
             s.chain(chain, false);
         }
@@ -614,6 +826,16 @@ pub fn partial(before: &Objects, after: &Objects, leftover: &[String], removal: 
         .map(|(_, e)| e)
         .collect();
     s.elements("delete", gone);
+
+    // New sets before the chains that use them; a changed one (timeout)
+    // is updated in place.
+    for set in after
+        .sets
+        .values()
+        .filter(|set| before.sets.get(&set.name) != Some(*set))
+    {
+        s.set(set);
+    }
 
     let mut changed: Vec<&Chain> = after
         .chains
@@ -655,6 +877,11 @@ pub fn partial(before: &Objects, after: &Objects, leftover: &[String], removal: 
     for (_, name) in unused {
         s.cmd(1, format_args!("{verb} chain {FAMILY} {TABLE} {name}"));
         s.removed_chains.push(name.to_owned());
+    }
+    // Last: the rules using them are gone (deleted, flushed or rewritten).
+    // With the set go the clients its endpoint kept.
+    for name in before.sets.keys().filter(|name| !after.sets.contains_key(*name)) {
+        s.cmd(1, format_args!("delete set {FAMILY} {TABLE} {name}"));
     }
     s
 }

@@ -767,3 +767,392 @@ fn policy_scripts_pass_the_kernel_check() {
         expect_kernel_accepts("full + partial scripts", &scripts);
     }
 }
+
+// ---------------------------------------------------------------------------
+// External IPs, load balancer IPs, source ranges, ClientIP affinity.
+
+const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
+const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 7);
+const NODE_IP: Ipv4Addr = Ipv4Addr::new(172, 30, 0, 2);
+
+fn range(text: &str) -> crate::model::SourceRange {
+    let (addr, len) = text.split_once('/').expect("a/len");
+    crate::model::SourceRange {
+        addr: addr.parse().expect("addr"),
+        prefix_len: len.parse().expect("len"),
+    }
+}
+
+/// A LoadBalancer Service on node-a: node port, an external IP, an LB IP,
+/// endpoints on node-a and node-b.
+fn lb_port() -> ServicePort {
+    ServicePort {
+        external_ips: vec![EXTERNAL_IP],
+        load_balancer_ips: vec![LB_IP],
+        ..policy_port("lb", 7, Some(30887), &[(17, "node-a"), (17, "node-b")])
+    }
+}
+
+/// Every feature at once: source ranges, affinity, eTP Local.
+fn api_port() -> ServicePort {
+    ServicePort {
+        source_ranges: vec![range("203.0.113.0/24"), range("172.30.0.0/24")],
+        affinity: Some(std::time::Duration::from_secs(600)),
+        external_policy: crate::model::TrafficPolicy::Local,
+        ..lb_port()
+    }
+}
+
+fn node_a_with_ip() -> Options {
+    Options {
+        node_ips: vec![NODE_IP],
+        ..node_a()
+    }
+}
+
+fn elements<'a>(rules: &'a PortRules, map: &str) -> Vec<(&'a str, &'a str)> {
+    rules
+        .elements
+        .iter()
+        .filter(|e| e.map == map)
+        .map(|e| (e.key.as_str(), e.verdict.as_str()))
+        .collect()
+}
+
+/// External and LB IPs are `@service-ips` keys for the Service's own port
+/// only, leading to `external-…` like the node port; nothing filters them
+/// without source ranges.
+#[test]
+fn external_and_load_balancer_ips_go_to_the_external_chain() {
+    let port = lb_port();
+    let rules = port_rules(&node_a(), &port);
+    let (service, external) = (names::service_chain(&port), names::external_chain(&port));
+    assert_eq!(
+        elements(&rules, names::SERVICE_IPS),
+        [
+            ("10.96.1.7 . tcp . 80", format!("goto {service}").as_str()),
+            ("192.0.2.10 . tcp . 80", format!("goto {external}").as_str()),
+            ("198.51.100.7 . tcp . 80", format!("goto {external}").as_str()),
+        ]
+    );
+    assert_eq!(
+        elements(&rules, names::SERVICE_NODEPORTS),
+        [("tcp . 30887", format!("goto {external}").as_str())]
+    );
+    assert_eq!(
+        chain(&rules, &external).expect("external chain").rules,
+        ["jump mark-for-masquerade".to_owned(), format!("goto {service}")]
+    );
+    assert!(elements(&rules, names::FIREWALL_IPS).is_empty());
+    assert!(elements(&rules, names::NO_ENDPOINT_SERVICES).is_empty());
+
+    // A ClusterIP Service with only an external IP still gets the chain.
+    let only_external = ServicePort {
+        node_port: None,
+        load_balancer_ips: vec![],
+        ..lb_port()
+    };
+    let rules = port_rules(&node_a(), &only_external);
+    assert!(chain(&rules, &external).is_some(), "{rules:#?}");
+    assert_eq!(elements(&rules, names::SERVICE_IPS).len(), 2);
+}
+
+/// Without an endpoint for external traffic, the external and LB IPs are
+/// `@no-endpoint-services` keys: rejected if the port has no endpoint at
+/// all, else (eTP Local, none on this node) dropped but for the node's own
+/// traffic, which still enters `external-…` and short-circuits.
+#[test]
+fn external_addresses_without_endpoints_are_rejected_or_dropped() {
+    let mut port = lb_port();
+    port.external_policy = crate::model::TrafficPolicy::Local;
+    port.endpoints.remove(0);
+    let rules = port_rules(&node_a(), &port);
+    let external = names::external_chain(&port);
+    let drop = format!("goto {}", names::DROP_EXTERNAL_CHAIN);
+    assert_eq!(
+        elements(&rules, names::NO_ENDPOINT_SERVICES),
+        [
+            ("192.0.2.10 . tcp . 80", drop.as_str()),
+            ("198.51.100.7 . tcp . 80", drop.as_str()),
+        ]
+    );
+    assert_eq!(
+        elements(&rules, names::SERVICE_IPS)[1..],
+        [
+            ("192.0.2.10 . tcp . 80", format!("goto {external}").as_str()),
+            ("198.51.100.7 . tcp . 80", format!("goto {external}").as_str()),
+        ]
+    );
+
+    port.endpoints.clear();
+    let rules = port_rules(&node_a(), &port);
+    let reject = format!("goto {}", names::REJECT_CHAIN);
+    assert_eq!(
+        elements(&rules, names::NO_ENDPOINT_SERVICES),
+        [
+            ("10.96.1.7 . tcp . 80", reject.as_str()),
+            ("192.0.2.10 . tcp . 80", reject.as_str()),
+            ("198.51.100.7 . tcp . 80", reject.as_str()),
+        ]
+    );
+    assert!(elements(&rules, names::SERVICE_IPS).is_empty(), "{rules:#?}");
+    assert!(rules.chains.is_empty(), "{rules:#?}");
+}
+
+/// loadBalancerSourceRanges: `@firewall-ips` holds the LB IPs only (not
+/// the ClusterIP, external IPs or node port); the chain drops every other
+/// source; the LB IPs are allowed as sources when a range holds a node IP.
+#[test]
+fn source_ranges_filter_the_load_balancer_ips_only() {
+    let port = ServicePort {
+        source_ranges: vec![range("203.0.113.0/24")],
+        ..lb_port()
+    };
+    let firewall = names::firewall_chain(&port);
+    assert!(firewall.starts_with("firewall-") && firewall.ends_with("-default/lb/tcp/"));
+    let rules = port_rules(&node_a_with_ip(), &port);
+    assert_eq!(
+        elements(&rules, names::FIREWALL_IPS),
+        [("198.51.100.7 . tcp . 80", format!("goto {firewall}").as_str())]
+    );
+    let chain_of = |rules: &PortRules| chain(rules, &firewall).expect("firewall chain").clone();
+    assert_eq!(chain_of(&rules).kind, ruleset::ChainKind::Firewall);
+    assert_eq!(chain_of(&rules).rules, ["ip saddr != { 203.0.113.0/24 } drop"]);
+
+    let rules = port_rules(&node_a_with_ip(), &api_port());
+    assert_eq!(
+        chain_of(&rules).rules,
+        ["ip saddr != { 203.0.113.0/24, 172.30.0.0/24, 198.51.100.7 } drop"],
+        "a range holds the node IP: the LB IP is an allowed source"
+    );
+
+    // Ranges without LB IPs filter nothing (kube-proxy ignores them too).
+    let no_lb = ServicePort {
+        load_balancer_ips: vec![],
+        ..api_port()
+    };
+    let rules = port_rules(&node_a_with_ip(), &no_lb);
+    assert!(chain(&rules, &firewall).is_none() && elements(&rules, names::FIREWALL_IPS).is_empty());
+}
+
+/// ClientIP affinity as kube-proxy's nftables mode: a set per endpoint
+/// with the Service's timeout, `update` in the endpoint chain before the
+/// DNAT, lookups before `numgen` in the service and local chains.
+#[test]
+fn affinity_sets_and_rules_like_kube_proxy() {
+    let port = api_port();
+    let rules = port_rules(&node_a_with_ip(), &port);
+    let (a, b) = (&port.endpoints[0], &port.endpoints[1]);
+    let set_a = names::affinity_set(&port, a);
+    let chain_a = names::endpoint_chain(&port, a);
+    assert_eq!(
+        set_a["affinity-".len()..],
+        chain_a["endpoint-".len()..],
+        "one base for both"
+    );
+    let sets: Vec<(&str, u64)> = rules.sets.iter().map(|s| (s.name.as_str(), s.timeout_secs)).collect();
+    assert_eq!(
+        sets,
+        [(set_a.as_str(), 600), (names::affinity_set(&port, b).as_str(), 600)]
+    );
+    assert_eq!(
+        chain(&rules, &chain_a).expect("endpoint chain").rules,
+        [
+            "ip saddr 10.244.1.17 jump mark-for-masquerade".to_owned(),
+            format!("update @{set_a} {{ ip saddr }}"),
+            "meta l4proto tcp dnat to 10.244.1.17:8080".to_owned(),
+        ]
+    );
+    let service = chain(&rules, &names::service_chain(&port)).expect("service chain");
+    assert_eq!(service.rules.len(), 4, "{service:#?}");
+    assert_eq!(service.rules[1], format!("ip saddr @{set_a} goto {chain_a}"));
+    assert!(service.rules[2].contains(&names::affinity_set(&port, b)));
+    assert!(service.rules[3].starts_with("numgen random mod 2 "));
+    let local = chain(&rules, &names::local_chain(&port)).expect("local chain");
+    assert_eq!(
+        local.rules,
+        [
+            format!("ip saddr @{set_a} goto {chain_a}"),
+            format!("numgen random mod 1 vmap {{ 0 : goto {chain_a} }}"),
+        ]
+    );
+    assert!(port_rules(&node_a(), &lb_port()).sets.is_empty());
+}
+
+/// The whole table for [`api_port`] (golden), accepted by the kernel; then
+/// partial syncs: an endpoint goes (its set goes after the chains that used
+/// it), affinity off (every set deleted last), on again (sets before
+/// chains), a new timeout (the set is redefined).
+#[test]
+fn service_api_scripts_match_the_golden_file_and_pass_the_kernel_check() {
+    let fake = FakeNft::default();
+    let mut mode = NftablesMode::new(node_a_with_ip(), Box::new(fake.clone()));
+    let port = api_port();
+    mode.apply_full(&state(&[port.clone(), dns(&[1])])).expect("full sync");
+    let mut scripts = fake.last();
+    assert_golden("service-api-full.nft", &scripts);
+    expect_kernel_accepts("full script with the Service API", &scripts);
+
+    let gone = names::affinity_set(&port, &port.endpoints[1]);
+    let one_left = ServicePort {
+        endpoints: port.endpoints[..1].to_vec(),
+        ..port.clone()
+    };
+    let no_affinity = ServicePort {
+        affinity: None,
+        ..one_left.clone()
+    };
+    let longer = ServicePort {
+        affinity: Some(std::time::Duration::from_secs(10800)),
+        ..one_left.clone()
+    };
+    let kept = names::affinity_set(&port, &port.endpoints[0]);
+    for (next, check) in [
+        (&one_left, "endpoint removed"),
+        (&no_affinity, "affinity off"),
+        (&one_left, "affinity on"),
+        (&longer, "new timeout"),
+    ] {
+        mode.apply(&Plan {
+            upsert: vec![next.clone()],
+            remove: vec![],
+        })
+        .expect(check);
+        let partial = fake.last();
+        let at = |needle: &str| {
+            partial
+                .find(needle)
+                .unwrap_or_else(|| panic!("{check}: {needle} in {partial}"))
+        };
+        match check {
+            "endpoint removed" => {
+                assert!(
+                    partial.ends_with(&format!("delete set ip xproxy {gone}\n")),
+                    "{partial}"
+                );
+                assert!(!partial.contains(&format!("set ip xproxy {kept}")), "{partial}");
+            }
+            "affinity off" => {
+                assert!(
+                    partial.ends_with(&format!("delete set ip xproxy {kept}\n")),
+                    "{partial}"
+                );
+                assert!(!partial.contains("update @"), "{partial}");
+            }
+            "affinity on" => {
+                assert!(
+                    at(&format!("add set ip xproxy {kept} ")) < at("flush chain"),
+                    "{partial}"
+                );
+                assert!(partial.contains("timeout 600s"), "{partial}");
+            }
+            _ => {
+                assert_eq!(
+                    partial,
+                    format!(
+                        "add set ip xproxy {kept} {{ type ipv4_addr ; flags dynamic,timeout ; timeout 10800s ; }}\n"
+                    )
+                );
+            }
+        }
+        scripts.push_str(&partial);
+        expect_kernel_accepts(check, &scripts);
+    }
+}
+
+/// The kernel fills and empties the affinity sets: the check that finds
+/// the table unchanged since the last full sync looks past their elements
+/// (and only theirs).
+#[test]
+fn clients_in_affinity_sets_do_not_count_as_a_changed_table() {
+    let listing = "table ip xproxy {\n\
+        \tset affinity-ABC-default/lb/tcp/__10.0.0.1/80 {\n\
+        \t\ttype ipv4_addr\n\
+        \t\tflags dynamic,timeout\n\
+        \t\ttimeout 10m\n\
+        \t\telements = { 10.1.0.1 timeout 10m expires 9m58s,\n\
+        \t\t\t     10.1.0.2 timeout 10m expires 9m }\n\
+        \t}\n\
+        \tset nodeport-ips {\n\
+        \t\ttype ipv4_addr\n\
+        \t\telements = { 172.30.0.2 }\n\
+        \t}\n\
+        }\n";
+    let stable = without_affinity_clients(listing);
+    assert!(!stable.contains("10.1.0."), "{stable}");
+    assert!(
+        stable.contains("timeout 10m\n\t}\n") && stable.contains("elements = { 172.30.0.2 }"),
+        "{stable}"
+    );
+    let one = listing.replace(
+        "\t\telements = { 10.1.0.1 timeout 10m expires 9m58s,\n\t\t\t     10.1.0.2 timeout 10m expires 9m }\n",
+        "\t\telements = { 10.1.0.9 timeout 10m expires 1s }\n",
+    );
+    assert_ne!(one, listing);
+    assert_eq!(without_affinity_clients(&one), stable);
+}
+
+/// Two Services listing the same external IP and port: the lower name has
+/// it, the other's claim is reported once (a problem the agent logs and
+/// counts); when the first goes,
+/// a partial sync gives it to the other. Every script passes the kernel.
+#[test]
+fn a_shared_external_ip_goes_to_one_service_and_the_other_is_counted() {
+    let fake = FakeNft::default();
+    let mut mode = NftablesMode::new(node_a(), Box::new(fake.clone()));
+    let first = ServicePort {
+        load_balancer_ips: vec![],
+        ..lb_port()
+    };
+    let second = ServicePort {
+        name: "default/other".into(),
+        cluster_ip: Ipv4Addr::new(10, 96, 1, 8),
+        node_port: Some(30888),
+        ..first.clone()
+    };
+    let key = format!("{EXTERNAL_IP} . tcp . 80");
+    mode.apply_full(&state(&[first.clone(), second.clone()]))
+        .expect("full sync");
+    let full = fake.last();
+    let lines: Vec<&str> = full
+        .lines()
+        .filter(|l| l.contains(&key))
+        .map(|l| l.trim().trim_end_matches(','))
+        .collect();
+    assert_eq!(
+        lines,
+        [format!("{key} : goto {}", names::external_chain(&first))],
+        "{full}"
+    );
+    let problems = mode.take_problems();
+    assert_eq!(
+        problems.iter().map(|p| p.object.as_str()).collect::<Vec<_>>(),
+        ["default/other"],
+        "{problems:?}"
+    );
+    expect_kernel_accepts("full script with a shared external IP", &full);
+
+    // An endpoint change of the loser: still counted once, key untouched.
+    let mut second_changed = second.clone();
+    second_changed.endpoints.pop();
+    mode.apply(&Plan {
+        upsert: vec![second_changed.clone()],
+        remove: vec![],
+    })
+    .expect("partial sync");
+    assert!(!fake.last().contains(&key), "{}", fake.last());
+    assert!(mode.take_problems().is_empty(), "reported once");
+
+    mode.apply(&Plan {
+        upsert: vec![],
+        remove: vec![first.clone()],
+    })
+    .expect("partial sync");
+    let partial = fake.last();
+    assert!(
+        partial.contains(&format!("\t{key} : goto {}", names::external_chain(&second))),
+        "{partial}"
+    );
+    expect_kernel_accepts("the external IP handed over", &format!("{full}{partial}"));
+    assert!(mode.take_problems().is_empty());
+}
