@@ -19,7 +19,7 @@ use anyhow::Result;
 use proxy_userspace::{
     mode::{
         Dataplane, Plan,
-        ipvs::{self, IpvsMode, IpvsOptions, NoIpvs, netlink::Ipvs, rules::RuleOptions},
+        ipvs::{self, IpvsMode, IpvsOptions, NoIpvs, netlink::Ipvs, node_ips::NodePortAddresses, rules::RuleOptions},
         options::LocalTraffic,
     },
     model::{Endpoint, Protocol, ServicePort},
@@ -52,7 +52,7 @@ fn seed(endpoints: Vec<Endpoint>) -> ServicePort {
 fn options(scheduler: &str) -> IpvsOptions {
     IpvsOptions {
         scheduler: scheduler.into(),
-        node_ips: vec![NODE_IP],
+        node_ports: NodePortAddresses::Fixed(vec![NODE_IP]),
         exclude_cidrs: Vec::new(),
         rules: RuleOptions {
             masquerade_bit: 14,
