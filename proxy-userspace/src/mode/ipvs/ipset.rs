@@ -79,6 +79,20 @@ pub const SETS: [(&str, &str); 13] = [
 /// Suffix of the copy a set is built in before the swap.
 const NEW_SUFFIX: &str = "-NEW";
 
+/// ipset's longest set name (`IPSET_MAXNAMELEN` less the NUL).
+const MAX_NAME_LEN: usize = 31;
+
+/// The name of the copy `name` is built in: `NAME-NEW`, with
+/// `LOAD-BALANCER` shortened to `LB` where that would be longer than ipset
+/// allows (`KUBE-LB-SOURCE-CIDR-NEW`).
+fn new_copy(name: &str) -> String {
+    let new = format!("{name}{NEW_SUFFIX}");
+    if new.len() <= MAX_NAME_LEN {
+        return new;
+    }
+    new.replace("LOAD-BALANCER", "LB")
+}
+
 /// Set name -> entries, as `ipset save` spells them.
 pub type Entries = BTreeMap<&'static str, BTreeSet<String>>;
 
@@ -194,7 +208,7 @@ pub fn render(desired: &Entries, current: &Entries) -> String {
         if current.get(name) == Some(&want) {
             continue;
         }
-        let new = format!("{name}{NEW_SUFFIX}");
+        let new = new_copy(name);
         out.push_str(&format!("create {name} {options}\n"));
         out.push_str(&format!("create {new} {options}\n"));
         out.push_str(&format!("flush {new}\n"));
@@ -275,6 +289,18 @@ mod tests {
         assert!(input.contains("add KUBE-LOOP-BACK-NEW 10.244.0.11,tcp:80,10.244.0.11\n"));
         assert!(input.contains("swap KUBE-LOOP-BACK-NEW KUBE-LOOP-BACK\ndestroy KUBE-LOOP-BACK-NEW\n"));
         assert_eq!(render(&desired, &desired), "");
+    }
+
+    /// ipset refuses names longer than 31 characters: every set and its
+    /// copy fit.
+    #[test]
+    fn every_set_and_its_copy_fit_ipsets_name_limit() {
+        for (name, _) in SETS {
+            assert!(name.len() <= MAX_NAME_LEN, "{name}");
+            assert!(new_copy(name).len() <= MAX_NAME_LEN, "{}", new_copy(name));
+        }
+        assert_eq!(new_copy(LOAD_BALANCER_SOURCE_CIDR), "KUBE-LB-SOURCE-CIDR-NEW");
+        assert_eq!(new_copy(CLUSTER_IP), "KUBE-CLUSTER-IP-NEW");
     }
 
     /// kube-proxy's `KUBE-NODE-PORT-LOCAL-TCP/UDP`: the node ports of
