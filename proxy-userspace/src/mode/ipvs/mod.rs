@@ -1,30 +1,50 @@
 //! kube-proxy's IPVS mode, kept for side-by-side comparison: every
-//! ClusterIP bound to the dummy interface `kube-ipvs0`, one IPVS virtual
-//! server per Service port (ClusterIP) and per NodePort and node IP, each
-//! with the Service's endpoints as real servers (masquerading forward), and
-//! kube-proxy's constant iptables rules matching ipsets for source NAT.
+//! ClusterIP, external IP and load balancer IP bound to the dummy interface
+//! `kube-ipvs0`, one IPVS virtual server per Service port on each of them
+//! and per NodePort and node IP, each with the Service's endpoints as real
+//! servers (masquerading forward), and kube-proxy's constant iptables rules
+//! matching ipsets for source NAT and `loadBalancerSourceRanges`.
 //!
 //! - [`netlink`]: the IPVS table over generic netlink (no `ipvsadm`).
 //! - [`dummy`]: `kube-ipvs0` and its addresses over rtnetlink.
-//! - [`ipset`]: `KUBE-CLUSTER-IP`, `KUBE-NODE-PORT-TCP/UDP`,
-//!   `KUBE-LOOP-BACK`, written with `ipset restore`.
+//! - [`ipset`]: kube-proxy's sets (`KUBE-CLUSTER-IP`, `KUBE-NODE-PORT-*`,
+//!   `KUBE-EXTERNAL-IP*`, `KUBE-LOAD-BALANCER*`, `KUBE-LOOP-BACK`), written
+//!   with `ipset restore`.
 //! - [`rules`]: the constant iptables chains, one `iptables-restore`.
+//! - [`node_ips`]: the addresses NodePorts are served on, read again at
+//!   every sync.
 //!
 //! Real servers get weight 1; an endpoint that is terminating and not used
-//! any more ([`crate::model::usable_endpoints`]) stays with weight 0, so established
-//! connections drain while no new ones reach it (kube-proxy's graceful
-//! termination). The `Local` traffic policies work as in kube-proxy's IPVS
-//! mode: the ClusterIP's virtual server (`internalTrafficPolicy`) or the
+//! any more ([`crate::model::usable_endpoints`]) stays with weight 0, so
+//! established connections drain while no new ones reach it (kube-proxy's
+//! graceful termination). The `Local` traffic policies work as in
+//! kube-proxy's IPVS mode: the ClusterIP's virtual server
+//! (`internalTrafficPolicy`) or the external IPs', load balancer IPs' and
 //! node ports' (`externalTrafficPolicy`) get this node's endpoints only, and
-//! `Local` node ports go into `KUBE-NODE-PORT-LOCAL-TCP/UDP`, which exempt
-//! them from masquerade. A virtual server left without real servers is
-//! answered by IPVS itself (ICMP port unreachable), not silently dropped as
-//! in the iptables and nftables modes; kube-proxy's IPVS mode does the same. A partial sync touches only the virtual servers of the
-//! changed ports, and within those only the real servers that changed; a
-//! full sync reads the whole table and removes the unwanted virtual servers
-//! that are the mode's (on a `kube-ipvs0` address or a node IP, outside
+//! their `*-LOCAL` sets exempt them from masquerade. A virtual server left
+//! without real servers is answered by IPVS itself (ICMP port unreachable),
+//! not silently dropped as in the iptables and nftables modes; kube-proxy's
+//! IPVS mode does the same.
+//!
+//! `sessionAffinity: ClientIP` is IPVS persistence: each virtual server of
+//! the port is persistent for the affinity's timeout (one template per
+//! client address and virtual server, so a client may get different
+//! endpoints through the ClusterIP and a node port, as in kube-proxy).
+//! Switching it on or off edits the virtual servers in place. A removed
+//! real server releases its clients: IPVS checks a client's template at
+//! its next connection and drops it when the real server is gone (or, with
+//! `expire_quiescent_template`, has weight 0), then schedules anew;
+//! `expire_nodest_conn` ends the removed server's connections at their next
+//! packet.
+//!
+//! A partial sync touches only the virtual servers of the changed ports,
+//! and within those only the real servers that changed; a full sync reads
+//! the whole table and removes the unwanted virtual servers that are the
+//! mode's (on a `kube-ipvs0` address or a node IP, outside
 //! `ipvs.excludeCIDRs`); `xproxy cleanup` removes every virtual server, as
-//! kube-proxy's cleanup does.
+//! kube-proxy's cleanup does. A virtual server two ports claim (an address
+//! and port in two Services) goes to the first by name; the other is
+//! reported once ([`Dataplane::take_problems`]).
 
 pub mod dummy;
 pub mod ipset;
