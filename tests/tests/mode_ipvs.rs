@@ -526,15 +526,25 @@ fn local_policy(bed: &Topology, mode: &mut IpvsMode, port: &mut ServicePort) {
 }
 
 /// nodePortAddresses: an address added after start gets the node ports at
-/// the next sync (the addresses are read again at every sync).
+/// the next sync, a partial one too (the addresses are read again at every
+/// sync); once the address is gone, a full sync removes them again.
 fn late_node_address(bed: &Topology, mode: &mut IpvsMode, port: &ServicePort) {
-    bed.node
-        .add_addr(&bed.uplink, &format!("{LATE_NODE_IP}/24"))
-        .expect("a new node address");
-    let desired = BTreeMap::from([(LB_NAME.to_owned(), port.clone())]);
-    in_ns(&bed.node, || mode.apply_full(&desired)).expect("full sync");
+    let late = format!("{LATE_NODE_IP}/24");
+    bed.node.add_addr(&bed.uplink, &late).expect("a new node address");
+    upsert(&bed.node, mode, port);
     ipvsadm_line(&bed.node, "192.168.77.2:30790");
     answers(&bed.client, LATE_NODE_IP, LB_NODE_PORT, 1);
+
+    bed.node
+        .ip(&["addr", "del", &late, "dev", &bed.uplink])
+        .expect("removing the address");
+    let desired = BTreeMap::from([(LB_NAME.to_owned(), port.clone())]);
+    in_ns(&bed.node, || mode.apply_full(&desired)).expect("full sync");
+    let servers = ipvsadm(&bed.node);
+    assert!(
+        !servers.keys().any(|vs| vs.contains("192.168.77.2")),
+        "a node port stayed on a removed address: {servers:?}"
+    );
 }
 
 /// A field the mode cannot honour (an external IP whose virtual server

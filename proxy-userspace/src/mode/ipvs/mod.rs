@@ -470,10 +470,8 @@ impl Dataplane for IpvsMode {
         touched.extend(plan.upsert.iter().flat_map(|p| self.desired(&[p]).into_keys()));
         if moved.is_some() {
             // Every port's node ports move with the addresses.
-            let all: Vec<ServicePort> = self.state.values().cloned().collect();
-            for port in &all {
-                touched.extend(self.desired_on(&[port], &old_ips).servers.into_keys());
-            }
+            let all: Vec<&ServicePort> = self.state.values().collect();
+            touched.extend(self.desired_on(&all, &old_ips).servers.into_keys());
             touched.extend(desired.keys().copied());
         }
         // Addresses first, so a new virtual server is reachable at once.
