@@ -49,9 +49,9 @@ pub const LOAD_BALANCER_FW: &str = "KUBE-LOAD-BALANCER-FW";
 /// The networks allowed to reach a filtered load balancer IP:
 /// `IP,PROTO:PORT,NET`.
 pub const LOAD_BALANCER_SOURCE_CIDR: &str = "KUBE-LOAD-BALANCER-SOURCE-CIDR";
-/// The node's own traffic to a filtered load balancer IP (whose source is
-/// the load balancer IP itself, bound on `kube-ipvs0`), allowed where a
-/// range holds a node IP: `IP,PROTO:PORT,IP`.
+/// Traffic to a filtered load balancer IP whose source is that IP itself
+/// (kube-proxy's allowance for the node, which holds it on `kube-ipvs0`),
+/// allowed where a range holds a node IP: `IP,PROTO:PORT,IP`.
 pub const LOAD_BALANCER_SOURCE_IP: &str = "KUBE-LOAD-BALANCER-SOURCE-IP";
 
 const HASH_IP_PORT: &str = "hash:ip,port family inet hashsize 1024 maxelem 65536";

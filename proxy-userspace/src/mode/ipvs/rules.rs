@@ -23,11 +23,15 @@
 //! - filter `KUBE-PROXY-FIREWALL` (from INPUT and FORWARD): traffic to a load
 //!   balancer IP with `loadBalancerSourceRanges` (`KUBE-LOAD-BALANCER-FW`)
 //!   goes to `KUBE-SOURCE-RANGES-FIREWALL`, which lets the ranges
-//!   (`KUBE-LOAD-BALANCER-SOURCE-CIDR`) and the node's own traffic
-//!   (`KUBE-LOAD-BALANCER-SOURCE-IP`) through and drops the rest. IPVS
-//!   takes the packets at LOCAL_IN after the filter table, so they are
-//!   dropped before IPVS sees them. (kube-proxy's current names; before
-//!   1.25 it marked them in a nat `KUBE-FIREWALL` chain for dropping.)
+//!   (`KUBE-LOAD-BALANCER-SOURCE-CIDR`) and packets whose source is the
+//!   load balancer IP itself (`KUBE-LOAD-BALANCER-SOURCE-IP`, kube-proxy's
+//!   allowance for the node) through and drops the rest. IPVS takes the
+//!   packets at LOCAL_IN after the filter table, so they are dropped before
+//!   IPVS sees them. The node's own connections IPVS translates at
+//!   LOCAL_OUT: they never pass these hooks with the load balancer IP, so
+//!   they are not filtered, as in kube-proxy's IPVS mode. (kube-proxy's
+//!   current names; before 1.25 it marked them in a nat `KUBE-FIREWALL`
+//!   chain for dropping.)
 //!
 //! Unlike kube-proxy, which writes a set's rule only while the set has
 //! entries, the rules are always all there: a Service never changes them.
