@@ -23,7 +23,7 @@ use proxy_userspace::{
     mode::{
         Dataplane,
         iptables::{self, IptablesMode, SystemIptables},
-        ipvs::{IpvsMode, IpvsOptions, rules::RuleOptions as IpvsRuleOptions},
+        ipvs::{IpvsMode, IpvsOptions, node_ips::NodePortAddresses, rules::RuleOptions as IpvsRuleOptions},
         nftables::{NftablesMode, SystemNft},
         options::LocalTraffic,
     },
@@ -198,7 +198,7 @@ fn ipvs_virtual_servers_and_ipsets() {
     let ns = Netns::new("xg").expect("a namespace");
     let options = IpvsOptions {
         scheduler: "rr".into(),
-        node_ips: vec![NODE_IP],
+        node_ports: NodePortAddresses::Fixed(vec![NODE_IP]),
         exclude_cidrs: Vec::new(),
         rules: IpvsRuleOptions {
             masquerade_bit: 14,

@@ -8,26 +8,39 @@
 //! `KUBE-` chain or ipset. (The seed scenario through the agent in IPVS
 //! mode is in `modes.rs`, with every other mode.)
 //!
+//! The Service API (issue 12) on the seed test bed with real traffic: a
+//! LoadBalancer Service with an external IP, source ranges, ClientIP
+//! affinity and `externalTrafficPolicy: Local` read back (`ipvsadm -Ln`
+//! with persistence, `ipset save`, `iptables-save`, `kube-ipvs0`) and
+//! tried from the client outside, a pod and the node.
+//!
 //! This machine's kernel may have no IPVS: the tests run where
 //! `XPROXY_IPVS_TESTS=1` (set by `cargo xtask vm`, whose 6.1 guest loads
 //! `ip_vs`) and fail there if IPVS is missing; elsewhere they run only when
 //! `/proc/net/ip_vs` exists and are skipped with a message otherwise.
 
-use std::{collections::BTreeMap, net::Ipv4Addr, path::Path};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{Ipv4Addr, SocketAddrV4},
+    path::Path,
+    sync::Arc,
+    time::Duration,
+};
 
 use anyhow::Result;
 use proxy_userspace::{
     mode::{
         Dataplane, Plan,
-        ipvs::{self, IpvsMode, IpvsOptions, NoIpvs, netlink::Ipvs, rules::RuleOptions},
+        ipvs::{self, IpvsMode, IpvsOptions, NoIpvs, netlink::Ipvs, node_ips::NodePortAddresses, rules::RuleOptions},
         options::LocalTraffic,
     },
-    model::{Endpoint, Protocol, ServicePort},
+    model::{Endpoint, Protocol, ServicePort, SourceRange, TrafficPolicy},
 };
 use testbed::{
     agent_bed::ipvs_virtual_servers,
     netns::{self, Netns},
     privileged::{require_ipvs, require_root},
+    topology::{BACKENDS, Offloads, TARGET_PORT, Topology},
 };
 
 const SEED_NAME: &str = "default/nginx-service";
@@ -52,7 +65,7 @@ fn seed(endpoints: Vec<Endpoint>) -> ServicePort {
 fn options(scheduler: &str) -> IpvsOptions {
     IpvsOptions {
         scheduler: scheduler.into(),
-        node_ips: vec![NODE_IP],
+        node_ports: NodePortAddresses::Fixed(vec![NODE_IP]),
         exclude_cidrs: Vec::new(),
         rules: RuleOptions {
             masquerade_bit: 14,
@@ -248,4 +261,309 @@ fn a_kernel_without_ipvs_is_reported() -> Result<()> {
         in_ns(&ns, ipvs::cleanup)?;
     }
     Ok(())
+}
+
+const LB_NAME: &str = "default/lb";
+const LB_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 90);
+const LB_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
+const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 7);
+const LB_NODE_PORT: u16 = 30_790;
+/// An address the node gets after the mode started, inside
+/// `nodePortAddresses`.
+const LATE_NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 2);
+const THIS_NODE: &str = "node-a";
+const WAIT: Duration = Duration::from_secs(2);
+
+fn range(addr: [u8; 4], prefix_len: u8) -> SourceRange {
+    SourceRange {
+        addr: addr.into(),
+        prefix_len,
+    }
+}
+
+/// The LoadBalancer Service on the seed bed: pod-1 on this node, the
+/// others on another; the client's network allowed; affinity for 30 s.
+fn load_balancer() -> ServicePort {
+    let endpoints = BACKENDS
+        .iter()
+        .enumerate()
+        .map(|(i, (_, ip))| Endpoint {
+            node_name: Some(Arc::from(if i == 0 { THIS_NODE } else { "node-b" })),
+            ..Endpoint::ready(*ip, TARGET_PORT)
+        })
+        .collect();
+    ServicePort {
+        name: LB_NAME.into(),
+        protocol: Protocol::Tcp,
+        cluster_ip: LB_CLUSTER_IP,
+        port: 88,
+        node_port: Some(LB_NODE_PORT),
+        endpoints,
+        external_ips: vec![EXTERNAL_IP],
+        load_balancer_ips: vec![LB_IP],
+        source_ranges: vec![range([172, 30, 0, 0], 24)],
+        affinity: Some(Duration::from_secs(30)),
+        ..ServicePort::default()
+    }
+}
+
+fn upsert(ns: &Netns, mode: &mut IpvsMode, port: &ServicePort) {
+    let plan = Plan {
+        upsert: vec![port.clone()],
+        remove: vec![],
+    };
+    in_ns(ns, || mode.apply(&plan)).expect("partial sync");
+}
+
+/// The pods answering `count` requests from `from` to `ip:port`.
+fn answers(from: &Netns, ip: Ipv4Addr, port: u16, count: usize) -> Vec<String> {
+    (0..count)
+        .map(|_| {
+            from.tcp_request(SocketAddrV4::new(ip, port), WAIT)
+                .expect("entering the namespace")
+                .unwrap_or_else(|e| panic!("{ip}:{port} did not answer: {e}"))
+        })
+        .collect()
+}
+
+fn distinct(answers: &[String]) -> BTreeSet<&str> {
+    answers.iter().map(String::as_str).collect()
+}
+
+fn refused_or_dropped(from: &Netns, ip: Ipv4Addr, port: u16) -> bool {
+    from.tcp_request(SocketAddrV4::new(ip, port), Duration::from_secs(1))
+        .expect("entering the namespace")
+        .is_err()
+}
+
+/// `ipvsadm -Ln`'s line for virtual server `vs` (`ADDR:PORT`).
+fn ipvsadm_line(ns: &Netns, vs: &str) -> String {
+    let text = run_in_ns(ns, "ipvsadm", &["-Ln"]);
+    text.lines()
+        .find(|l| l.split_whitespace().nth(1) == Some(vs))
+        .unwrap_or_else(|| panic!("no virtual server {vs} in\n{text}"))
+        .to_owned()
+}
+
+fn assert_lines(text: &str, lines: &[&str], what: &str) {
+    for line in lines {
+        assert!(text.lines().any(|l| l == *line), "missing {line} in {what}:\n{text}");
+    }
+}
+
+/// Issue 12 in the IPVS mode on the seed test bed: read-backs of a
+/// LoadBalancer Service with an external IP, source ranges, ClientIP
+/// affinity and externalTrafficPolicy: Local, then each feature live.
+#[test]
+fn load_balancer_external_ips_source_ranges_affinity_and_local_policy() {
+    if !require_ipvs("load_balancer_external_ips_source_ranges_affinity_and_local_policy") {
+        return;
+    }
+    let bed = Topology::build(Offloads::On).expect("the seed test bed");
+    for net in [LB_IP.to_string(), EXTERNAL_IP.to_string(), "192.168.77.0/24".into()] {
+        bed.client
+            .add_route(&[&net, "via", "172.30.0.2"])
+            .expect("a client route");
+    }
+    let mut opts = options("rr");
+    opts.node_name = Some(THIS_NODE.into());
+    opts.node_ports = NodePortAddresses::Local(Some(vec![
+        "172.30.0.0/24".parse().expect("cidr"),
+        "192.168.77.0/24".parse().expect("cidr"),
+    ]));
+    let mut mode = in_ns(&bed.node, || IpvsMode::start(opts)).expect("starting the ipvs mode");
+    let mut port = load_balancer();
+    let desired = BTreeMap::from([(LB_NAME.to_owned(), port.clone())]);
+    in_ns(&bed.node, || mode.apply_full(&desired)).expect("full sync");
+
+    read_back(&bed.node);
+    affinity_and_release(&bed, &mut mode, &mut port);
+    source_ranges(&bed, &mut mode, &mut port);
+    local_policy(&bed, &mut mode, &mut port);
+    late_node_address(&bed, &mut mode, &port);
+    conflicts_are_reported_once(&bed, &mut mode, &port);
+
+    drop(mode);
+    in_ns(&bed.node, ipvs::cleanup).expect("cleanup");
+    let rules = run_in_ns(&bed.node, "iptables-save", &[]);
+    assert!(!rules.contains("KUBE-"), "KUBE- rules left:\n{rules}");
+}
+
+/// What the Service looks like in `ipvsadm -Ln`, `ipset save`,
+/// `iptables-save` and on kube-ipvs0.
+fn read_back(node: &Netns) {
+    for vs in ["10.96.0.90:88", "192.0.2.10:88", "198.51.100.7:88", "172.30.0.2:30790"] {
+        let line = ipvsadm_line(node, vs);
+        assert!(
+            line.ends_with("rr persistent 30"),
+            "{vs} is not persistent for 30 s: {line}"
+        );
+    }
+    let sets = run_in_ns(node, "ipset", &["save"]);
+    assert_lines(
+        &sets,
+        &[
+            "add KUBE-LOAD-BALANCER 192.0.2.10,tcp:88",
+            "add KUBE-LOAD-BALANCER-FW 192.0.2.10,tcp:88",
+            "add KUBE-LOAD-BALANCER-SOURCE-CIDR 192.0.2.10,tcp:88,172.30.0.0/24",
+            // The range holds the node's address: its own traffic passes.
+            "add KUBE-LOAD-BALANCER-SOURCE-IP 192.0.2.10,tcp:88,192.0.2.10",
+            "add KUBE-EXTERNAL-IP 198.51.100.7,tcp:88",
+        ],
+        "ipset save",
+    );
+    let rules = run_in_ns(node, "iptables-save", &[]);
+    assert_lines(
+        &rules,
+        &[
+            "-A INPUT -m comment --comment \"kube-proxy firewall rules\" -j KUBE-PROXY-FIREWALL",
+            "-A KUBE-SERVICES -m comment --comment \"Kubernetes service lb portal\" -m set --match-set KUBE-LOAD-BALANCER dst,dst -j KUBE-LOAD-BALANCER",
+            "-A KUBE-SOURCE-RANGES-FIREWALL -j DROP",
+        ],
+        "iptables-save",
+    );
+    let addrs = node
+        .ip(&["-4", "-o", "addr", "show", "dev", "kube-ipvs0"])
+        .expect("ip addr");
+    for ip in ["10.96.0.90/32", "192.0.2.10/32", "198.51.100.7/32"] {
+        assert!(addrs.contains(ip), "kube-ipvs0 lacks {ip}:\n{addrs}");
+    }
+}
+
+/// ClientIP affinity: one pod per client; switched off, the scheduler
+/// spreads again; on again, sticky again; a removed pod releases its
+/// clients, who then stick to another.
+fn affinity_and_release(bed: &Topology, mode: &mut IpvsMode, port: &mut ServicePort) {
+    let sticky = answers(&bed.client, LB_IP, 88, 6);
+    assert_eq!(distinct(&sticky).len(), 1, "affinity through the LB IP: {sticky:?}");
+    let external = answers(&bed.client, EXTERNAL_IP, 88, 4);
+    assert_eq!(
+        distinct(&external).len(),
+        1,
+        "affinity through the external IP: {external:?}"
+    );
+
+    port.affinity = None;
+    upsert(&bed.node, mode, port);
+    assert!(
+        ipvsadm_line(&bed.node, "192.0.2.10:88").ends_with("rr"),
+        "persistence left on"
+    );
+    let spread = answers(&bed.client, LB_IP, 88, 6);
+    assert_eq!(distinct(&spread).len(), 3, "round robin without affinity: {spread:?}");
+
+    port.affinity = Some(Duration::from_secs(30));
+    upsert(&bed.node, mode, port);
+    let pinned = answers(&bed.client, LB_IP, 88, 4);
+    assert_eq!(distinct(&pinned).len(), 1, "affinity on again: {pinned:?}");
+
+    // IPVS forgets a client's persistence template when the real server it
+    // names is gone (the template is checked at the next connection).
+    let gone = pinned[0].clone();
+    let kept: Vec<Endpoint> = port
+        .endpoints
+        .iter()
+        .filter(|e| BACKENDS.iter().any(|(name, ip)| *ip == e.addr && *name != gone))
+        .cloned()
+        .collect();
+    let all = std::mem::replace(&mut port.endpoints, kept);
+    upsert(&bed.node, mode, port);
+    let moved = answers(&bed.client, LB_IP, 88, 4);
+    assert_eq!(distinct(&moved).len(), 1, "sticky to the next pod: {moved:?}");
+    assert_ne!(moved[0], gone, "the removed pod still answers");
+    port.endpoints = all;
+    upsert(&bed.node, mode, port);
+}
+
+/// loadBalancerSourceRanges: the LB IP drops clients outside the ranges,
+/// pods too; node ports, external IPs and the ClusterIP stay open. The
+/// node's own connections are not filtered, as in kube-proxy's IPVS mode:
+/// IPVS translates them at LOCAL_OUT, so no filter hook sees the LB IP.
+fn source_ranges(bed: &Topology, mode: &mut IpvsMode, port: &mut ServicePort) {
+    port.source_ranges = vec![range([203, 0, 113, 0], 24)];
+    upsert(&bed.node, mode, port);
+    assert!(
+        refused_or_dropped(&bed.client, LB_IP, 88),
+        "the LB IP let an outside client in"
+    );
+    assert!(
+        refused_or_dropped(&bed.client_pod.ns, LB_IP, 88),
+        "the LB IP let a pod in"
+    );
+    answers(&bed.node, LB_IP, 88, 1);
+    answers(&bed.client, EXTERNAL_IP, 88, 1);
+    answers(&bed.client, Ipv4Addr::new(172, 30, 0, 2), LB_NODE_PORT, 1);
+    answers(&bed.client_pod.ns, LB_CLUSTER_IP, 88, 1);
+
+    port.source_ranges = vec![range([172, 30, 0, 0], 24)];
+    upsert(&bed.node, mode, port);
+    answers(&bed.client, LB_IP, 88, 1);
+}
+
+/// externalTrafficPolicy: Local: the LB IP, external IP and node port
+/// reach this node's pod only, without masquerade.
+fn local_policy(bed: &Topology, mode: &mut IpvsMode, port: &mut ServicePort) {
+    port.external_policy = TrafficPolicy::Local;
+    port.affinity = None;
+    upsert(&bed.node, mode, port);
+    let sets = run_in_ns(&bed.node, "ipset", &["save"]);
+    assert_lines(
+        &sets,
+        &[
+            "add KUBE-LOAD-BALANCER-LOCAL 192.0.2.10,tcp:88",
+            "add KUBE-EXTERNAL-IP-LOCAL 198.51.100.7,tcp:88",
+        ],
+        "ipset save",
+    );
+    for ip in [LB_IP, EXTERNAL_IP] {
+        let local = answers(&bed.client, ip, 88, 4);
+        assert_eq!(distinct(&local), BTreeSet::from([BACKENDS[0].0]), "{ip}: {local:?}");
+    }
+    let node_port = answers(&bed.client, Ipv4Addr::new(172, 30, 0, 2), LB_NODE_PORT, 3);
+    assert_eq!(distinct(&node_port), BTreeSet::from([BACKENDS[0].0]));
+    port.external_policy = TrafficPolicy::Cluster;
+    upsert(&bed.node, mode, port);
+}
+
+/// nodePortAddresses: an address added after start gets the node ports at
+/// the next sync, a partial one too (the addresses are read again at every
+/// sync); once the address is gone, a full sync removes them again.
+fn late_node_address(bed: &Topology, mode: &mut IpvsMode, port: &ServicePort) {
+    let late = format!("{LATE_NODE_IP}/24");
+    bed.node.add_addr(&bed.uplink, &late).expect("a new node address");
+    upsert(&bed.node, mode, port);
+    ipvsadm_line(&bed.node, "192.168.77.2:30790");
+    answers(&bed.client, LATE_NODE_IP, LB_NODE_PORT, 1);
+
+    bed.node
+        .ip(&["addr", "del", &late, "dev", &bed.uplink])
+        .expect("removing the address");
+    let desired = BTreeMap::from([(LB_NAME.to_owned(), port.clone())]);
+    in_ns(&bed.node, || mode.apply_full(&desired)).expect("full sync");
+    let servers = ipvsadm(&bed.node);
+    assert!(
+        !servers.keys().any(|vs| vs.contains("192.168.77.2")),
+        "a node port stayed on a removed address: {servers:?}"
+    );
+}
+
+/// A field the mode cannot honour (an external IP whose virtual server
+/// another Service has) is reported once, not at every sync.
+fn conflicts_are_reported_once(bed: &Topology, mode: &mut IpvsMode, port: &ServicePort) {
+    let _ = mode.take_problems();
+    let other = ServicePort {
+        name: "default/other".into(),
+        cluster_ip: Ipv4Addr::new(10, 96, 0, 91),
+        node_port: None,
+        external_ips: vec![LB_IP],
+        load_balancer_ips: Vec::new(),
+        source_ranges: Vec::new(),
+        ..port.clone()
+    };
+    upsert(&bed.node, mode, &other);
+    let problems = mode.take_problems();
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert_eq!(problems[0].object, "default/other");
+    upsert(&bed.node, mode, &other);
+    assert!(mode.take_problems().is_empty(), "reported twice");
 }

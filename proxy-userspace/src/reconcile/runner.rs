@@ -368,4 +368,35 @@ mod tests {
             "each sync counts its own"
         );
     }
+
+    /// A mode that cannot honour something at every sync and says so.
+    struct Unhonoured;
+
+    impl Dataplane for Unhonoured {
+        fn name(&self) -> &'static str {
+            "unhonoured"
+        }
+        fn apply(&mut self, _plan: &crate::mode::Plan) -> Result<()> {
+            Ok(())
+        }
+        fn apply_full(&mut self, _desired: &BTreeMap<String, ServicePort>) -> Result<()> {
+            Ok(())
+        }
+        fn kernel_writes(&self) -> u64 {
+            0
+        }
+        fn take_problems(&mut self) -> Vec<Problem> {
+            vec![Problem::new("default/web", "a field this mode cannot honour")]
+        }
+    }
+
+    #[test]
+    fn the_modes_problems_are_in_the_report() {
+        let mut r = Reconciler::new(Box::new(Unhonoured));
+        let report = r.sync(&desired(&[1]), &BTreeSet::new(), true).unwrap();
+        assert_eq!(
+            report.problems,
+            [Problem::new("default/web", "a field this mode cannot honour")]
+        );
+    }
 }

@@ -7,12 +7,15 @@
 //! each changed set is filled as a `-NEW` copy and swapped in atomically,
 //! so no packet sees a half-filled set. Read back with `ipset save`.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+};
 
 use anyhow::Result;
 
 use crate::{
-    model::{EndpointSets, Protocol, ServicePort},
+    model::{EndpointSets, Protocol, ServicePort, SourceRange},
     sys::ipset,
 };
 
@@ -29,31 +32,84 @@ pub const NODE_PORT_LOCAL_UDP: &str = "KUBE-NODE-PORT-LOCAL-UDP";
 /// Endpoints that may reach themselves through their Service (hairpin,
 /// masqueraded): `IP,PROTO:PORT,IP`.
 pub const LOOP_BACK: &str = "KUBE-LOOP-BACK";
+/// External IPs of ports with `externalTrafficPolicy: Cluster`
+/// (masqueraded): `IP,PROTO:PORT`.
+pub const EXTERNAL_IP: &str = "KUBE-EXTERNAL-IP";
+/// External IPs of ports with `externalTrafficPolicy: Local` (the client's
+/// address kept): `IP,PROTO:PORT`.
+pub const EXTERNAL_IP_LOCAL: &str = "KUBE-EXTERNAL-IP-LOCAL";
+/// Every load balancer IP: `IP,PROTO:PORT`.
+pub const LOAD_BALANCER: &str = "KUBE-LOAD-BALANCER";
+/// Load balancer IPs of ports with `externalTrafficPolicy: Local` (not
+/// masqueraded): `IP,PROTO:PORT`.
+pub const LOAD_BALANCER_LOCAL: &str = "KUBE-LOAD-BALANCER-LOCAL";
+/// Load balancer IPs with `loadBalancerSourceRanges` (filtered):
+/// `IP,PROTO:PORT`.
+pub const LOAD_BALANCER_FW: &str = "KUBE-LOAD-BALANCER-FW";
+/// The networks allowed to reach a filtered load balancer IP:
+/// `IP,PROTO:PORT,NET`.
+pub const LOAD_BALANCER_SOURCE_CIDR: &str = "KUBE-LOAD-BALANCER-SOURCE-CIDR";
+/// Traffic to a filtered load balancer IP whose source is that IP itself
+/// (kube-proxy's allowance for the node, which holds it on `kube-ipvs0`),
+/// allowed where a range holds a node IP: `IP,PROTO:PORT,IP`.
+pub const LOAD_BALANCER_SOURCE_IP: &str = "KUBE-LOAD-BALANCER-SOURCE-IP";
+
+const HASH_IP_PORT: &str = "hash:ip,port family inet hashsize 1024 maxelem 65536";
+const HASH_IP_PORT_IP: &str = "hash:ip,port,ip family inet hashsize 1024 maxelem 65536";
+const HASH_IP_PORT_NET: &str = "hash:ip,port,net family inet hashsize 1024 maxelem 65536";
+const BITMAP_PORT: &str = "bitmap:port range 0-65535";
 
 /// The sets: name and `ipset create` type and options.
-pub const SETS: [(&str, &str); 6] = [
-    (CLUSTER_IP, "hash:ip,port family inet hashsize 1024 maxelem 65536"),
-    (NODE_PORT_TCP, "bitmap:port range 0-65535"),
-    (NODE_PORT_UDP, "bitmap:port range 0-65535"),
-    (NODE_PORT_LOCAL_TCP, "bitmap:port range 0-65535"),
-    (NODE_PORT_LOCAL_UDP, "bitmap:port range 0-65535"),
-    (LOOP_BACK, "hash:ip,port,ip family inet hashsize 1024 maxelem 65536"),
+pub const SETS: [(&str, &str); 13] = [
+    (CLUSTER_IP, HASH_IP_PORT),
+    (NODE_PORT_TCP, BITMAP_PORT),
+    (NODE_PORT_UDP, BITMAP_PORT),
+    (NODE_PORT_LOCAL_TCP, BITMAP_PORT),
+    (NODE_PORT_LOCAL_UDP, BITMAP_PORT),
+    (LOOP_BACK, HASH_IP_PORT_IP),
+    (EXTERNAL_IP, HASH_IP_PORT),
+    (EXTERNAL_IP_LOCAL, HASH_IP_PORT),
+    (LOAD_BALANCER, HASH_IP_PORT),
+    (LOAD_BALANCER_LOCAL, HASH_IP_PORT),
+    (LOAD_BALANCER_FW, HASH_IP_PORT),
+    (LOAD_BALANCER_SOURCE_CIDR, HASH_IP_PORT_NET),
+    (LOAD_BALANCER_SOURCE_IP, HASH_IP_PORT_IP),
 ];
 
 /// Suffix of the copy a set is built in before the swap.
 const NEW_SUFFIX: &str = "-NEW";
 
+/// ipset's longest set name (`IPSET_MAXNAMELEN` less the NUL).
+const MAX_NAME_LEN: usize = 31;
+
+/// The name of the copy `name` is built in: `NAME-NEW`, with
+/// `LOAD-BALANCER` shortened to `LB` where that would be longer than ipset
+/// allows (`KUBE-LB-SOURCE-CIDR-NEW`).
+fn new_copy(name: &str) -> String {
+    let new = format!("{name}{NEW_SUFFIX}");
+    if new.len() <= MAX_NAME_LEN {
+        return new;
+    }
+    new.replace("LOAD-BALANCER", "LB")
+}
+
 /// Set name -> entries, as `ipset save` spells them.
 pub type Entries = BTreeMap<&'static str, BTreeSet<String>>;
 
-/// What the sets hold for `ports` on the node named `node`.
-pub fn entries<'a>(ports: impl IntoIterator<Item = &'a ServicePort>, node: Option<&str>) -> Entries {
+/// What the sets hold for `ports` on the node named `node` whose addresses
+/// are `node_ips`.
+pub fn entries<'a>(
+    ports: impl IntoIterator<Item = &'a ServicePort>,
+    node: Option<&str>,
+    node_ips: &[Ipv4Addr],
+) -> Entries {
     let mut sets: Entries = SETS.iter().map(|(name, _)| (*name, BTreeSet::new())).collect();
     for port in ports {
         let p = port.protocol.lowercase();
         sets.entry(CLUSTER_IP)
             .or_default()
             .insert(format!("{},{p}:{}", port.cluster_ip, port.port));
+        external_entries(&mut sets, port, node_ips);
         if let Some(node_port) = port.node_port {
             let (set, local_set) = match port.protocol {
                 Protocol::Tcp => (NODE_PORT_TCP, NODE_PORT_LOCAL_TCP),
@@ -71,6 +127,52 @@ pub fn entries<'a>(ports: impl IntoIterator<Item = &'a ServicePort>, node: Optio
         }
     }
     sets
+}
+
+/// The entries of `port`'s external IPs and load balancer IPs, as
+/// kube-proxy's IPVS mode fills them.
+fn external_entries(sets: &mut Entries, port: &ServicePort, node_ips: &[Ipv4Addr]) {
+    let p = port.protocol.lowercase();
+    let local = port.external_local();
+    let mut add = |set: &'static str, entry: String| {
+        sets.entry(set).or_default().insert(entry);
+    };
+    for ip in &port.external_ips {
+        let set = if local { EXTERNAL_IP_LOCAL } else { EXTERNAL_IP };
+        add(set, format!("{ip},{p}:{}", port.port));
+    }
+    for ip in &port.load_balancer_ips {
+        let entry = format!("{ip},{p}:{}", port.port);
+        add(LOAD_BALANCER, entry.clone());
+        if local {
+            add(LOAD_BALANCER_LOCAL, entry.clone());
+        }
+        if port.source_ranges.is_empty() {
+            continue;
+        }
+        add(LOAD_BALANCER_FW, entry.clone());
+        for range in port.source_ranges.iter().flat_map(|r| ipset_networks(*r)) {
+            add(LOAD_BALANCER_SOURCE_CIDR, format!("{entry},{range}"));
+        }
+        let node_allowed = port
+            .source_ranges
+            .iter()
+            .any(|r| node_ips.iter().any(|node_ip| r.contains(*node_ip)));
+        if node_allowed {
+            add(LOAD_BALANCER_SOURCE_IP, format!("{entry},{ip}"));
+        }
+    }
+}
+
+/// `range` as `ipset` takes and prints it in a `hash:*,net` set: a host
+/// without `/32` (`ipset save` leaves it off), and `0.0.0.0/0`, which
+/// ipset refuses, as its two halves.
+fn ipset_networks(range: SourceRange) -> Vec<String> {
+    match range.prefix_len {
+        0 => vec!["0.0.0.0/1".to_owned(), "128.0.0.0/1".to_owned()],
+        32 => vec![range.addr.to_string()],
+        _ => vec![range.to_string()],
+    }
 }
 
 /// Our sets' entries from `ipset save` output (other sets ignored).
@@ -106,7 +208,7 @@ pub fn render(desired: &Entries, current: &Entries) -> String {
         if current.get(name) == Some(&want) {
             continue;
         }
-        let new = format!("{name}{NEW_SUFFIX}");
+        let new = new_copy(name);
         out.push_str(&format!("create {name} {options}\n"));
         out.push_str(&format!("create {new} {options}\n"));
         out.push_str(&format!("flush {new}\n"));
@@ -161,7 +263,7 @@ mod tests {
 
     #[test]
     fn the_seed_fills_cluster_ip_node_port_and_loop_back() {
-        let sets = entries([&seed()], None);
+        let sets = entries([&seed()], None, &[]);
         assert_eq!(sets[CLUSTER_IP], BTreeSet::from(["10.96.0.88,tcp:88".to_owned()]));
         assert_eq!(sets[NODE_PORT_TCP], BTreeSet::from(["30791".to_owned()]));
         assert!(sets[NODE_PORT_UDP].is_empty());
@@ -173,7 +275,7 @@ mod tests {
 
     #[test]
     fn only_changed_sets_are_swapped() {
-        let desired = entries([&seed()], None);
+        let desired = entries([&seed()], None, &[]);
         let current = parse_save(
             "create KUBE-CLUSTER-IP hash:ip,port family inet hashsize 1024 maxelem 65536\n\
              add KUBE-CLUSTER-IP 10.96.0.88,tcp:88\n\
@@ -187,6 +289,18 @@ mod tests {
         assert!(input.contains("add KUBE-LOOP-BACK-NEW 10.244.0.11,tcp:80,10.244.0.11\n"));
         assert!(input.contains("swap KUBE-LOOP-BACK-NEW KUBE-LOOP-BACK\ndestroy KUBE-LOOP-BACK-NEW\n"));
         assert_eq!(render(&desired, &desired), "");
+    }
+
+    /// ipset refuses names longer than 31 characters: every set and its
+    /// copy fit.
+    #[test]
+    fn every_set_and_its_copy_fit_ipsets_name_limit() {
+        for (name, _) in SETS {
+            assert!(name.len() <= MAX_NAME_LEN, "{name}");
+            assert!(new_copy(name).len() <= MAX_NAME_LEN, "{}", new_copy(name));
+        }
+        assert_eq!(new_copy(LOAD_BALANCER_SOURCE_CIDR), "KUBE-LB-SOURCE-CIDR-NEW");
+        assert_eq!(new_copy(CLUSTER_IP), "KUBE-CLUSTER-IP-NEW");
     }
 
     /// kube-proxy's `KUBE-NODE-PORT-LOCAL-TCP/UDP`: the node ports of
@@ -208,12 +322,78 @@ mod tests {
             node_port: Some(30800),
             ..seed()
         };
-        let sets = entries([&tcp, &udp, &cluster], Some("node-a"));
+        let sets = entries([&tcp, &udp, &cluster], Some("node-a"), &[]);
         assert_eq!(sets[NODE_PORT_LOCAL_TCP], BTreeSet::from(["30791".to_owned()]));
         assert_eq!(sets[NODE_PORT_LOCAL_UDP], BTreeSet::from(["30053".to_owned()]));
         assert_eq!(
             sets[NODE_PORT_TCP],
             BTreeSet::from(["30791".to_owned(), "30800".to_owned()])
         );
+    }
+
+    fn range(text: &str) -> SourceRange {
+        let (addr, len) = text.split_once('/').expect("a CIDR");
+        SourceRange {
+            addr: addr.parse().expect("an address"),
+            prefix_len: len.parse().expect("a prefix length"),
+        }
+    }
+
+    fn set(entries: &[&str]) -> BTreeSet<String> {
+        entries.iter().map(|e| (*e).to_owned()).collect()
+    }
+
+    /// kube-proxy's IPVS mode: external IPs go into KUBE-EXTERNAL-IP, or
+    /// KUBE-EXTERNAL-IP-LOCAL with externalTrafficPolicy: Local; load
+    /// balancer IPs into KUBE-LOAD-BALANCER, KUBE-LOAD-BALANCER-LOCAL too
+    /// with Local, and with source ranges into KUBE-LOAD-BALANCER-FW with
+    /// one KUBE-LOAD-BALANCER-SOURCE-CIDR entry per range, plus a
+    /// KUBE-LOAD-BALANCER-SOURCE-IP entry (the node's own traffic) where a
+    /// range holds a node IP.
+    #[test]
+    fn external_and_load_balancer_ips_fill_kube_proxys_sets() {
+        let lb = ServicePort {
+            name: "default/lb".into(),
+            external_ips: vec![Ipv4Addr::new(198, 51, 100, 7)],
+            load_balancer_ips: vec![Ipv4Addr::new(192, 0, 2, 10)],
+            source_ranges: vec![range("172.30.0.0/24"), range("203.0.113.5/32"), range("0.0.0.0/0")],
+            ..seed()
+        };
+        let node_ip = Ipv4Addr::new(172, 30, 0, 2);
+        let sets = entries([&lb], None, &[node_ip]);
+        assert_eq!(sets[EXTERNAL_IP], set(&["198.51.100.7,tcp:88"]));
+        assert!(sets[EXTERNAL_IP_LOCAL].is_empty());
+        assert_eq!(sets[LOAD_BALANCER], set(&["192.0.2.10,tcp:88"]));
+        assert!(sets[LOAD_BALANCER_LOCAL].is_empty());
+        assert_eq!(sets[LOAD_BALANCER_FW], set(&["192.0.2.10,tcp:88"]));
+        assert_eq!(
+            sets[LOAD_BALANCER_SOURCE_CIDR],
+            set(&[
+                "192.0.2.10,tcp:88,0.0.0.0/1",
+                "192.0.2.10,tcp:88,128.0.0.0/1",
+                "192.0.2.10,tcp:88,172.30.0.0/24",
+                "192.0.2.10,tcp:88,203.0.113.5",
+            ])
+        );
+        assert_eq!(sets[LOAD_BALANCER_SOURCE_IP], set(&["192.0.2.10,tcp:88,192.0.2.10"]));
+        // No range holds the node: its own traffic is filtered too.
+        let narrow = ServicePort {
+            source_ranges: vec![range("203.0.113.0/24")],
+            ..lb.clone()
+        };
+        assert!(entries([&narrow], None, &[node_ip])[LOAD_BALANCER_SOURCE_IP].is_empty());
+
+        let local = ServicePort {
+            external_policy: crate::model::TrafficPolicy::Local,
+            source_ranges: Vec::new(),
+            ..lb
+        };
+        let sets = entries([&local], Some("node-a"), &[node_ip]);
+        assert!(sets[EXTERNAL_IP].is_empty());
+        assert_eq!(sets[EXTERNAL_IP_LOCAL], set(&["198.51.100.7,tcp:88"]));
+        assert_eq!(sets[LOAD_BALANCER], set(&["192.0.2.10,tcp:88"]));
+        assert_eq!(sets[LOAD_BALANCER_LOCAL], set(&["192.0.2.10,tcp:88"]));
+        assert!(sets[LOAD_BALANCER_FW].is_empty(), "no source ranges, no filter");
+        assert!(sets[LOAD_BALANCER_SOURCE_CIDR].is_empty());
     }
 }

@@ -1,34 +1,55 @@
 //! kube-proxy's IPVS mode, kept for side-by-side comparison: every
-//! ClusterIP bound to the dummy interface `kube-ipvs0`, one IPVS virtual
-//! server per Service port (ClusterIP) and per NodePort and node IP, each
-//! with the Service's endpoints as real servers (masquerading forward), and
-//! kube-proxy's constant iptables rules matching ipsets for source NAT.
+//! ClusterIP, external IP and load balancer IP bound to the dummy interface
+//! `kube-ipvs0`, one IPVS virtual server per Service port on each of them
+//! and per NodePort and node IP, each with the Service's endpoints as real
+//! servers (masquerading forward), and kube-proxy's constant iptables rules
+//! matching ipsets for source NAT and `loadBalancerSourceRanges`.
 //!
 //! - [`netlink`]: the IPVS table over generic netlink (no `ipvsadm`).
 //! - [`dummy`]: `kube-ipvs0` and its addresses over rtnetlink.
-//! - [`ipset`]: `KUBE-CLUSTER-IP`, `KUBE-NODE-PORT-TCP/UDP`,
-//!   `KUBE-LOOP-BACK`, written with `ipset restore`.
+//! - [`ipset`]: kube-proxy's sets (`KUBE-CLUSTER-IP`, `KUBE-NODE-PORT-*`,
+//!   `KUBE-EXTERNAL-IP*`, `KUBE-LOAD-BALANCER*`, `KUBE-LOOP-BACK`), written
+//!   with `ipset restore`.
 //! - [`rules`]: the constant iptables chains, one `iptables-restore`.
+//! - [`node_ips`]: the addresses NodePorts are served on, read again at
+//!   every sync.
 //!
 //! Real servers get weight 1; an endpoint that is terminating and not used
-//! any more ([`crate::model::usable_endpoints`]) stays with weight 0, so established
-//! connections drain while no new ones reach it (kube-proxy's graceful
-//! termination). The `Local` traffic policies work as in kube-proxy's IPVS
-//! mode: the ClusterIP's virtual server (`internalTrafficPolicy`) or the
+//! any more ([`crate::model::usable_endpoints`]) stays with weight 0, so
+//! established connections drain while no new ones reach it (kube-proxy's
+//! graceful termination). The `Local` traffic policies work as in
+//! kube-proxy's IPVS mode: the ClusterIP's virtual server
+//! (`internalTrafficPolicy`) or the external IPs', load balancer IPs' and
 //! node ports' (`externalTrafficPolicy`) get this node's endpoints only, and
-//! `Local` node ports go into `KUBE-NODE-PORT-LOCAL-TCP/UDP`, which exempt
-//! them from masquerade. A virtual server left without real servers is
-//! answered by IPVS itself (ICMP port unreachable), not silently dropped as
-//! in the iptables and nftables modes; kube-proxy's IPVS mode does the same. A partial sync touches only the virtual servers of the
-//! changed ports, and within those only the real servers that changed; a
-//! full sync reads the whole table and removes the unwanted virtual servers
-//! that are the mode's (on a `kube-ipvs0` address or a node IP, outside
+//! their `*-LOCAL` sets exempt them from masquerade. A virtual server left
+//! without real servers is answered by IPVS itself (ICMP port unreachable),
+//! not silently dropped as in the iptables and nftables modes; kube-proxy's
+//! IPVS mode does the same.
+//!
+//! `sessionAffinity: ClientIP` is IPVS persistence: each virtual server of
+//! the port is persistent for the affinity's timeout (one template per
+//! client address and virtual server, so a client may get different
+//! endpoints through the ClusterIP and a node port, as in kube-proxy).
+//! Switching it on or off edits the virtual servers in place. A removed
+//! real server releases its clients: IPVS checks a client's template at
+//! its next connection and drops it when the real server is gone (or, with
+//! `expire_quiescent_template`, has weight 0), then schedules anew;
+//! `expire_nodest_conn` ends the removed server's connections at their next
+//! packet.
+//!
+//! A partial sync touches only the virtual servers of the changed ports,
+//! and within those only the real servers that changed; a full sync reads
+//! the whole table and removes the unwanted virtual servers that are the
+//! mode's (on a `kube-ipvs0` address or a node IP, outside
 //! `ipvs.excludeCIDRs`); `xproxy cleanup` removes every virtual server, as
-//! kube-proxy's cleanup does.
+//! kube-proxy's cleanup does. A virtual server two ports claim (an address
+//! and port in two Services) goes to the first by name; the other is
+//! reported once ([`Dataplane::take_problems`]).
 
 pub mod dummy;
 pub mod ipset;
 pub mod netlink;
+pub mod node_ips;
 pub mod rules;
 
 use std::{
@@ -39,12 +60,13 @@ use std::{
 use anyhow::{Context, Result};
 pub use netlink::NoIpvs;
 use netlink::{IPVS_CMD_DEL_DEST, IPVS_CMD_NEW_DEST, IPVS_CMD_SET_DEST, Ipvs, VirtualKey, VirtualServer};
+use node_ips::NodePortAddresses;
 use tracing::{debug, info};
 
 use super::{Dataplane, Plan, SyncedChange, conntrack, options::LocalTraffic};
 use crate::{
     config::{Cidr, Config},
-    model::{Endpoint, EndpointSets, ServicePort},
+    model::{Endpoint, EndpointSets, Problem, ServicePort},
     sys::iptables::{Iptables, Saved, SystemIptables},
 };
 
@@ -56,7 +78,7 @@ const WEIGHT: u32 = 1;
 pub struct IpvsOptions {
     pub scheduler: String,
     /// Addresses NodePorts get a virtual server on.
-    pub node_ips: Vec<Ipv4Addr>,
+    pub node_ports: NodePortAddresses,
     /// Virtual servers in these networks are never removed.
     pub exclude_cidrs: Vec<Cidr>,
     pub rules: rules::RuleOptions,
@@ -71,6 +93,16 @@ pub struct IpvsOptions {
     pub node_name: Option<String>,
 }
 
+/// The virtual servers a set of ports needs, and the ports that could not
+/// have theirs.
+#[derive(Default)]
+struct Desired {
+    servers: BTreeMap<VirtualKey, VirtualServer>,
+    /// Which port each virtual server is for.
+    owners: BTreeMap<VirtualKey, String>,
+    conflicts: Vec<Problem>,
+}
+
 pub struct IpvsMode {
     opts: IpvsOptions,
     ipvs: Ipvs,
@@ -79,6 +111,17 @@ pub struct IpvsMode {
     index: u32,
     /// What the last successful syncs programmed, by port name.
     state: BTreeMap<String, ServicePort>,
+    /// The addresses NodePorts are served on now ([`IpvsOptions::node_ports`]
+    /// as last resolved).
+    node_ips: Vec<Ipv4Addr>,
+    /// Every address NodePorts were served on in this run: a full sync
+    /// removes stale node-port virtual servers on them too.
+    former_node_ips: BTreeSet<Ipv4Addr>,
+    /// What could not be programmed, already reported (each once), as
+    /// `(object, reason)`.
+    reported: BTreeSet<(String, String)>,
+    /// Reported since the agent last asked ([`Dataplane::take_problems`]).
+    problems: Vec<Problem>,
     writes: u64,
 }
 
@@ -86,7 +129,7 @@ pub struct IpvsMode {
 pub fn start(config: &Config) -> Result<Box<dyn Dataplane>> {
     let opts = IpvsOptions {
         scheduler: config.ipvs.scheduler.as_str().to_owned(),
-        node_ips: config.ipv4_node_ips(),
+        node_ports: NodePortAddresses::new(config.node_port_addresses.cidrs(), &config.ipv4_node_ips()),
         exclude_cidrs: config.ipvs.exclude_cidrs.clone(),
         rules: rules::RuleOptions {
             masquerade_bit: config.masquerade.bit,
@@ -106,7 +149,9 @@ pub fn start(config: &Config) -> Result<Box<dyn Dataplane>> {
 
 /// The virtual servers `port` needs on a node named `node` with `node_ips`,
 /// with their real servers: for the ClusterIP those of the internal traffic
-/// policy, for the node ports those of the external one.
+/// policy; for the external IPs, load balancer IPs and node ports (external
+/// traffic) those of the external one. With ClientIP affinity every one of
+/// them is persistent for the affinity's timeout, as in kube-proxy.
 pub fn virtual_servers(
     port: &ServicePort,
     node_ips: &[Ipv4Addr],
@@ -114,30 +159,62 @@ pub fn virtual_servers(
     node: Option<&str>,
 ) -> Vec<(VirtualKey, VirtualServer)> {
     let sets = EndpointSets::of(port, node);
+    let persistence = port.affinity.map(seconds);
     let server = |local_only: bool, usable: &[&Endpoint]| VirtualServer {
         scheduler: scheduler.to_owned(),
+        persistence,
         reals: real_servers(port, usable, local_only, node),
     };
+    let key = |addr: Ipv4Addr, port_number: u16| VirtualKey {
+        protocol: port.protocol,
+        addr,
+        port: port_number,
+    };
     let mut out = vec![(
-        VirtualKey {
-            protocol: port.protocol,
-            addr: port.cluster_ip,
-            port: port.port,
-        },
+        key(port.cluster_ip, port.port),
         server(port.internal_local(), sets.internal()),
     )];
+    let external = server(port.external_local(), sets.external());
+    for addr in port.external_addresses() {
+        out.push((key(addr, port.port), external.clone()));
+    }
     if let Some(node_port) = port.node_port {
-        let external = server(port.external_local(), sets.external());
-        out.extend(node_ips.iter().map(|ip| {
-            let key = VirtualKey {
-                protocol: port.protocol,
-                addr: *ip,
-                port: node_port,
-            };
-            (key, external.clone())
-        }));
+        out.extend(node_ips.iter().map(|ip| (key(*ip, node_port), external.clone())));
     }
     out
+}
+
+/// The addresses `port` needs bound to `kube-ipvs0`: its ClusterIP, external
+/// IPs and load balancer IPs (so the kernel takes their packets as local
+/// and IPVS sees them).
+pub fn bound_addresses(port: &ServicePort) -> impl Iterator<Item = Ipv4Addr> + '_ {
+    std::iter::once(port.cluster_ip).chain(port.external_addresses())
+}
+
+/// The virtual servers of `ports` with NodePorts on `node_ips`. IPVS holds
+/// one virtual server per address, port and protocol: where two ports claim
+/// the same one (an external IP or load balancer IP that is another
+/// Service's too), the first by name keeps it and the other is reported.
+fn desired_servers(ports: &[&ServicePort], node_ips: &[Ipv4Addr], scheduler: &str, node: Option<&str>) -> Desired {
+    let mut desired = Desired::default();
+    for port in ports {
+        for (key, server) in virtual_servers(port, node_ips, scheduler, node) {
+            match desired.owners.get(&key) {
+                Some(owner) if *owner != port.name => desired.conflicts.push(Problem::new(
+                    &port.name,
+                    format!(
+                        "virtual server {key} is already {owner}'s (IPVS holds one per address, port and \
+                         protocol); not programmed for this port"
+                    ),
+                )),
+                _ => {
+                    desired.owners.insert(key, port.name.clone());
+                    desired.servers.insert(key, server);
+                }
+            }
+        }
+    }
+    desired
 }
 
 /// `usable` with weight 1, and the other terminating endpoints (those on
@@ -205,33 +282,62 @@ impl IpvsMode {
         ipset::save().context("the IPVS mode needs ipset")?;
         let mut dummy = dummy::Dummy::open()?;
         let index = dummy.ensure()?;
+        let node_ips = opts.node_ports.resolve()?;
         let mut mode = Self {
             opts,
             ipvs,
             dummy,
             index,
             state: BTreeMap::new(),
+            former_node_ips: node_ips.iter().copied().collect(),
+            node_ips,
+            reported: BTreeSet::new(),
+            problems: Vec::new(),
             writes: 0,
         };
         mode.write_sets(true)?;
         rules::write(&mut system, &mode.opts.rules)?;
         mode.writes += 1;
-        info!(scheduler = %mode.opts.scheduler, node_ips = ?mode.opts.node_ips, "ipvs mode ready");
+        info!(scheduler = %mode.opts.scheduler, node_ips = ?mode.node_ips, "ipvs mode ready");
         Ok(mode)
     }
 
+    fn desired_on(&self, ports: &[&ServicePort], node_ips: &[Ipv4Addr]) -> Desired {
+        desired_servers(ports, node_ips, &self.opts.scheduler, self.opts.node_name.as_deref())
+    }
+
     fn desired(&self, ports: &[&ServicePort]) -> BTreeMap<VirtualKey, VirtualServer> {
-        ports
-            .iter()
-            .flat_map(|p| {
-                virtual_servers(
-                    p,
-                    &self.opts.node_ips,
-                    &self.opts.scheduler,
-                    self.opts.node_name.as_deref(),
-                )
-            })
-            .collect()
+        self.desired_on(ports, &self.node_ips).servers
+    }
+
+    /// The virtual servers of the whole state; its conflicts are reported.
+    fn desired_state(&mut self) -> BTreeMap<VirtualKey, VirtualServer> {
+        let all: Vec<&ServicePort> = self.state.values().collect();
+        let desired = self.desired_on(&all, &self.node_ips);
+        self.report(desired.conflicts);
+        desired.servers
+    }
+
+    /// Queues `problems` for the agent (which logs and counts them), each
+    /// only the first time.
+    fn report(&mut self, problems: Vec<Problem>) {
+        for problem in problems {
+            if self.reported.insert((problem.object.clone(), problem.reason.clone())) {
+                self.problems.push(problem);
+            }
+        }
+    }
+
+    /// Reads the NodePort addresses again (kube-proxy does at every sync);
+    /// returns the ones before if they changed.
+    fn refresh_node_ips(&mut self) -> Result<Option<Vec<Ipv4Addr>>> {
+        let now = self.opts.node_ports.resolve()?;
+        if now == self.node_ips {
+            return Ok(None);
+        }
+        info!(before = ?self.node_ips, now = ?now, "the NodePort addresses changed");
+        self.former_node_ips.extend(now.iter().copied());
+        Ok(Some(std::mem::replace(&mut self.node_ips, now)))
     }
 
     fn excluded(&self, key: &VirtualKey) -> bool {
@@ -256,14 +362,17 @@ impl IpvsMode {
                 let empty = VirtualServer::default();
                 let have = match have {
                     Some(have) => {
-                        if have.scheduler != want.scheduler {
-                            self.ipvs.set_scheduler(key, &want.scheduler)?;
+                        // Switching affinity on or off, or a new timeout,
+                        // edits the virtual server in place: its real
+                        // servers and connections stay.
+                        if have.entry() != want.entry() {
+                            self.ipvs.set_service(key, want.entry())?;
                             self.writes += 1;
                         }
                         have
                     }
                     None => {
-                        self.ipvs.add_service(key, &want.scheduler)?;
+                        self.ipvs.add_service(key, want.entry())?;
                         self.writes += 1;
                         &empty
                     }
@@ -291,7 +400,7 @@ impl IpvsMode {
     /// Binds or unbinds `ips` on `kube-ipvs0` as the state needs them.
     fn sync_addresses(&mut self, ips: BTreeSet<Ipv4Addr>) -> Result<()> {
         let have = self.dummy.addresses(self.index)?;
-        let wanted: BTreeSet<Ipv4Addr> = self.state.values().map(|p| p.cluster_ip).collect();
+        let wanted: BTreeSet<Ipv4Addr> = self.state.values().flat_map(bound_addresses).collect();
         for ip in ips {
             match (wanted.contains(&ip), have.contains(&ip)) {
                 (true, false) => {
@@ -311,7 +420,7 @@ impl IpvsMode {
     /// Rewrites the ipsets that differ from the state (read from the
     /// kernel when `read`, else assumed right when unchanged).
     fn write_sets(&mut self, read: bool) -> Result<()> {
-        let desired = ipset::entries(self.state.values(), self.opts.node_name.as_deref());
+        let desired = ipset::entries(self.state.values(), self.opts.node_name.as_deref(), &self.node_ips);
         let current = if read { ipset::save()? } else { ipset::Entries::new() };
         let input = ipset::render(&desired, &current);
         if !input.is_empty() {
@@ -335,6 +444,8 @@ impl Dataplane for IpvsMode {
         if plan.is_empty() {
             return Ok(());
         }
+        let moved = self.refresh_node_ips()?;
+        let old_ips = moved.as_deref().unwrap_or(&self.node_ips).to_vec();
         let old: Vec<ServicePort> = plan
             .remove
             .iter()
@@ -345,23 +456,26 @@ impl Dataplane for IpvsMode {
         let mut touched_ips = BTreeSet::new();
         let mut touched = BTreeSet::new();
         for port in &old {
-            touched_ips.insert(port.cluster_ip);
-            touched.extend(self.desired(&[port]).into_keys());
+            touched_ips.extend(bound_addresses(port));
+            touched.extend(self.desired_on(&[port], &old_ips).servers.into_keys());
         }
         for port in &plan.remove {
             self.state.remove(&port.name);
         }
         for port in &plan.upsert {
-            touched_ips.insert(port.cluster_ip);
+            touched_ips.extend(bound_addresses(port));
             self.state.insert(port.name.clone(), port.clone());
         }
-        // Another port may share a virtual server key only by
-        // misconfiguration; the state decides.
-        let all: Vec<&ServicePort> = self.state.values().collect();
-        let desired = self.desired(&all);
+        let desired = self.desired_state();
         touched.extend(plan.upsert.iter().flat_map(|p| self.desired(&[p]).into_keys()));
+        if moved.is_some() {
+            // Every port's node ports move with the addresses.
+            let all: Vec<&ServicePort> = self.state.values().collect();
+            touched.extend(self.desired_on(&all, &old_ips).servers.into_keys());
+            touched.extend(desired.keys().copied());
+        }
         // Addresses first, so a new virtual server is reachable at once.
-        self.sync_addresses(touched_ips.clone())?;
+        self.sync_addresses(touched_ips)?;
         for key in touched {
             let have = self.ipvs.get(&key)?;
             self.sync_server(&key, desired.get(&key), have.as_ref())?;
@@ -377,20 +491,21 @@ impl Dataplane for IpvsMode {
 
     fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()> {
         self.index = self.dummy.ensure()?;
+        self.refresh_node_ips()?;
         self.state = desired.clone();
-        let all: Vec<&ServicePort> = self.state.values().collect();
-        let want = self.desired(&all);
+        let want = self.desired_state();
         let have = self.ipvs.list()?;
         let bound: BTreeSet<Ipv4Addr> = self.dummy.addresses(self.index)?;
         let mut ips = bound.clone();
-        ips.extend(self.state.values().map(|p| p.cluster_ip));
+        ips.extend(self.state.values().flat_map(bound_addresses));
         self.sync_addresses(ips)?;
         let keys: BTreeSet<VirtualKey> = want.keys().chain(have.keys()).copied().collect();
         for key in keys {
             // Unwanted virtual servers go only if they are the mode's: on
-            // an address of kube-ipvs0 or a node IP, outside excludeCIDRs
-            // (as kube-proxy; others' virtual servers stay).
-            let ours = bound.contains(&key.addr) || self.opts.node_ips.contains(&key.addr);
+            // an address of kube-ipvs0 or a node IP (now or earlier in this
+            // run), outside excludeCIDRs (as kube-proxy; others' virtual
+            // servers stay).
+            let ours = bound.contains(&key.addr) || self.former_node_ips.contains(&key.addr);
             if !want.contains_key(&key) && (!ours || self.excluded(&key)) {
                 continue;
             }
@@ -404,6 +519,10 @@ impl Dataplane for IpvsMode {
             self.writes += 1;
         }
         Ok(())
+    }
+
+    fn take_problems(&mut self) -> Vec<Problem> {
+        std::mem::take(&mut self.problems)
     }
 
     fn kernel_writes(&self) -> u64 {
@@ -551,5 +670,89 @@ mod tests {
         assert_eq!(weights(&servers[0].1), [(14, 1)], "the local draining endpoint serves");
         let servers = virtual_servers(&port, &[], "rr", None);
         assert!(servers[0].1.reals.is_empty(), "{servers:?}");
+    }
+
+    /// kube-proxy's IPVS mode: an external IP and a load balancer IP get
+    /// a virtual server on the Service's port each, with the external
+    /// policy's real servers like the node ports, and bound to kube-ipvs0
+    /// like the ClusterIP; ClientIP affinity makes every one of them
+    /// persistent for its timeout.
+    #[test]
+    fn external_and_load_balancer_ips_get_persistent_virtual_servers() {
+        let mut port = seed(vec![
+            on("node-a", endpoint(11, true, true, false)),
+            on("node-b", endpoint(12, true, true, false)),
+        ]);
+        port.external_ips = vec![Ipv4Addr::new(198, 51, 100, 7)];
+        port.load_balancer_ips = vec![Ipv4Addr::new(192, 0, 2, 10), Ipv4Addr::new(198, 51, 100, 7)];
+        port.external_policy = crate::model::TrafficPolicy::Local;
+        port.affinity = Some(std::time::Duration::from_secs(30));
+        let node_ip = Ipv4Addr::new(172, 30, 0, 2);
+        let servers = virtual_servers(&port, &[node_ip], "rr", Some("node-a"));
+        let keys: Vec<String> = servers.iter().map(|(k, _)| k.to_string()).collect();
+        assert_eq!(
+            keys,
+            [
+                "TCP 10.96.0.88:88",
+                "TCP 198.51.100.7:88",
+                "TCP 192.0.2.10:88",
+                "TCP 172.30.0.2:30791"
+            ]
+        );
+        assert_eq!(weights(&servers[0].1), [(11, 1), (12, 1)], "ClusterIP");
+        for (key, server) in &servers[1..] {
+            assert_eq!(weights(server), [(11, 1)], "{key}: externalTrafficPolicy: Local");
+        }
+        assert!(servers.iter().all(|(_, s)| s.persistence == Some(30)), "{servers:?}");
+        let bound: Vec<Ipv4Addr> = bound_addresses(&port).collect();
+        assert_eq!(
+            bound,
+            [
+                Ipv4Addr::new(10, 96, 0, 88),
+                Ipv4Addr::new(198, 51, 100, 7),
+                Ipv4Addr::new(192, 0, 2, 10)
+            ]
+        );
+
+        port.affinity = None;
+        let servers = virtual_servers(&port, &[node_ip], "rr", Some("node-a"));
+        assert!(servers.iter().all(|(_, s)| s.persistence.is_none()), "{servers:?}");
+    }
+
+    /// IPVS holds one virtual server per address, port and protocol: a
+    /// second Service claiming one keeps none there, and is reported.
+    #[test]
+    fn a_virtual_server_two_ports_claim_goes_to_the_first_and_the_other_is_reported() {
+        let first = ServicePort {
+            load_balancer_ips: vec![Ipv4Addr::new(192, 0, 2, 10)],
+            ..seed(vec![endpoint(11, true, true, false)])
+        };
+        let second = ServicePort {
+            name: "default/other".into(),
+            cluster_ip: Ipv4Addr::new(10, 96, 0, 99),
+            node_port: None,
+            external_ips: vec![Ipv4Addr::new(192, 0, 2, 10)],
+            ..seed(vec![endpoint(12, true, true, false)])
+        };
+        let desired = desired_servers(&[&first, &second], &[], "rr", None);
+        let lb = VirtualKey {
+            protocol: Protocol::Tcp,
+            addr: Ipv4Addr::new(192, 0, 2, 10),
+            port: 88,
+        };
+        assert_eq!(weights(&desired.servers[&lb]), [(11, 1)]);
+        assert_eq!(desired.conflicts.len(), 1, "{:?}", desired.conflicts);
+        assert_eq!(desired.conflicts[0].object, "default/other");
+        assert!(
+            desired.conflicts[0]
+                .reason
+                .contains("TCP 192.0.2.10:88 is already default/nginx-service's"),
+            "{:?}",
+            desired.conflicts
+        );
+        assert!(desired.servers.contains_key(&VirtualKey {
+            addr: Ipv4Addr::new(10, 96, 0, 99),
+            ..lb
+        }));
     }
 }

@@ -58,6 +58,9 @@ const IPVS_DEST_ATTR_L_THRESH: u16 = 6;
 const IPVS_DEST_ATTR_ADDR_FAMILY: u16 = 11;
 /// `IP_VS_CONN_F_MASQ`: real servers are reached by DNAT (as kube-proxy).
 const IP_VS_CONN_F_MASQ: u32 = 0;
+/// `IP_VS_SVC_F_PERSISTENT`: a client keeps its real server (a template
+/// connection per client address) until idle for the service's timeout.
+const IP_VS_SVC_F_PERSISTENT: u32 = 0x0001;
 const AF_INET: u16 = libc::AF_INET as u16;
 
 /// A virtual server's identity: what `ipvsadm -t/-u ADDR:PORT` names.
@@ -74,12 +77,32 @@ impl std::fmt::Display for VirtualKey {
     }
 }
 
-/// A virtual server as programmed: its scheduler and real servers
-/// (`(address, port) -> weight`).
+/// A virtual server as programmed: its scheduler, persistence and real
+/// servers (`(address, port) -> weight`).
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct VirtualServer {
     pub scheduler: String,
+    /// The persistence timeout in seconds (`ipvsadm -p`), kube-proxy's
+    /// `sessionAffinity: ClientIP`; `None`: every connection is scheduled.
+    pub persistence: Option<u32>,
     pub reals: BTreeMap<(Ipv4Addr, u16), u32>,
+}
+
+/// What a virtual server is, without its real servers: what
+/// `IPVS_CMD_NEW_SERVICE` and `SET_SERVICE` write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServiceEntry<'a> {
+    pub scheduler: &'a str,
+    pub persistence: Option<u32>,
+}
+
+impl VirtualServer {
+    pub fn entry(&self) -> ServiceEntry<'_> {
+        ServiceEntry {
+            scheduler: &self.scheduler,
+            persistence: self.persistence,
+        }
+    }
 }
 
 fn ipproto(protocol: Protocol) -> u16 {
@@ -139,14 +162,16 @@ impl Ipvs {
         Ok(())
     }
 
-    pub fn add_service(&mut self, key: &VirtualKey, scheduler: &str) -> Result<()> {
-        let message = service_message(self.family, IPVS_CMD_NEW_SERVICE, key, Some(scheduler));
+    pub fn add_service(&mut self, key: &VirtualKey, entry: ServiceEntry<'_>) -> Result<()> {
+        let message = service_message(self.family, IPVS_CMD_NEW_SERVICE, key, Some(entry));
         self.do_cmd(&message, format_args!("adding the virtual server {key}"))
     }
 
-    pub fn set_scheduler(&mut self, key: &VirtualKey, scheduler: &str) -> Result<()> {
-        let message = service_message(self.family, IPVS_CMD_SET_SERVICE, key, Some(scheduler));
-        self.do_cmd(&message, format_args!("setting the scheduler of {key}"))
+    /// Rewrites the scheduler and persistence of `key` (its real servers
+    /// stay).
+    pub fn set_service(&mut self, key: &VirtualKey, entry: ServiceEntry<'_>) -> Result<()> {
+        let message = service_message(self.family, IPVS_CMD_SET_SERVICE, key, Some(entry));
+        self.do_cmd(&message, format_args!("setting the scheduler and persistence of {key}"))
     }
 
     pub fn del_service(&mut self, key: &VirtualKey) -> Result<()> {
@@ -188,11 +213,18 @@ impl Ipvs {
         let answers = self.socket.request(&message).context("listing the virtual servers")?;
         let mut out = BTreeMap::new();
         for answer in answers {
-            let Some((key, scheduler)) = parse_service(&answer) else {
+            let Some((key, scheduler, persistence)) = parse_service(&answer) else {
                 continue;
             };
             let reals = self.reals(&key)?;
-            out.insert(key, VirtualServer { scheduler, reals });
+            out.insert(
+                key,
+                VirtualServer {
+                    scheduler,
+                    persistence,
+                    reals,
+                },
+            );
         }
         Ok(out)
     }
@@ -205,11 +237,15 @@ impl Ipvs {
             Err(e) if errno(&e) == Some(libc::ESRCH) => return Ok(None),
             Err(e) => return Err(e.context(format!("reading the virtual server {key}"))),
         };
-        let Some((_, scheduler)) = answers.iter().find_map(|a| parse_service(a)) else {
+        let Some((_, scheduler, persistence)) = answers.iter().find_map(|a| parse_service(a)) else {
             return Ok(None);
         };
         let reals = self.reals(key)?;
-        Ok(Some(VirtualServer { scheduler, reals }))
+        Ok(Some(VirtualServer {
+            scheduler,
+            persistence,
+            reals,
+        }))
     }
 
     fn reals(&mut self, key: &VirtualKey) -> Result<BTreeMap<(Ipv4Addr, u16), u32>> {
@@ -230,18 +266,28 @@ fn service_key(m: &mut Message, key: &VirtualKey) {
         .attr(IPVS_SVC_ATTR_PORT, &key.port.to_be_bytes());
 }
 
-/// A service command; `scheduler` makes it a full entry (flags, timeout,
-/// netmask too), as NEW/SET need.
-pub fn service_message(family: u16, cmd: u8, key: &VirtualKey, scheduler: Option<&str>) -> Message {
+/// A service command; `entry` makes it a full entry (scheduler, flags,
+/// timeout, netmask), as NEW/SET need.
+pub fn service_message(family: u16, cmd: u8, key: &VirtualKey, entry: Option<ServiceEntry<'_>>) -> Message {
     let mut message = Message::genl(family, cmd, IPVS_VERSION, NLM_F_REQUEST | NLM_F_ACK);
     message.nested(IPVS_CMD_ATTR_SERVICE, |m| {
         service_key(m, key);
-        if let Some(scheduler) = scheduler {
+        if let Some(entry) = entry {
+            // `struct ip_vs_flags { flags, mask }`: the mask covers every
+            // bit, so a SET clears persistence as well as it sets it.
+            let flag = if entry.persistence.is_some() {
+                IP_VS_SVC_F_PERSISTENT
+            } else {
+                0
+            };
             let mut flags = [0u8; 8];
+            flags[..4].copy_from_slice(&flag.to_ne_bytes());
             flags[4..].copy_from_slice(&u32::MAX.to_ne_bytes());
-            m.string(IPVS_SVC_ATTR_SCHED_NAME, scheduler)
+            // The persistence netmask: one template per client address
+            // (kube-proxy's /32).
+            m.string(IPVS_SVC_ATTR_SCHED_NAME, entry.scheduler)
                 .attr(IPVS_SVC_ATTR_FLAGS, &flags)
-                .u32(IPVS_SVC_ATTR_TIMEOUT, 0)
+                .u32(IPVS_SVC_ATTR_TIMEOUT, entry.persistence.unwrap_or(0))
                 .u32(IPVS_SVC_ATTR_NETMASK, u32::MAX);
         }
     });
@@ -280,8 +326,9 @@ pub fn timeouts_message(family: u16, tcp: u32, tcp_fin: u32, udp: u32) -> Messag
     message
 }
 
-/// `(key, scheduler)` from a generic netlink payload holding a service.
-fn parse_service(payload: &[u8]) -> Option<(VirtualKey, String)> {
+/// `(key, scheduler, persistence)` from a generic netlink payload holding
+/// a service.
+fn parse_service(payload: &[u8]) -> Option<(VirtualKey, String, Option<u32>)> {
     let top = attrs(payload.get(4..)?);
     let service = find(&top, IPVS_CMD_ATTR_SERVICE)?;
     let fields = attrs(&service);
@@ -294,7 +341,17 @@ fn parse_service(payload: &[u8]) -> Option<(VirtualKey, String)> {
     let scheduler = find(&fields, IPVS_SVC_ATTR_SCHED_NAME)
         .map(|s| String::from_utf8_lossy(&s).trim_end_matches('\0').to_owned())
         .unwrap_or_default();
-    Some((VirtualKey { protocol, addr, port }, scheduler))
+    // The kernel answers its own flags (HASHED among them) with a full mask.
+    let flags = find(&fields, IPVS_SVC_ATTR_FLAGS).and_then(|f| read_u32(f.get(..4)?));
+    let persistence = match flags {
+        Some(flags) if flags & IP_VS_SVC_F_PERSISTENT != 0 => Some(
+            find(&fields, IPVS_SVC_ATTR_TIMEOUT)
+                .and_then(|t| read_u32(&t))
+                .unwrap_or(0),
+        ),
+        _ => None,
+    };
+    Some((VirtualKey { protocol, addr, port }, scheduler, persistence))
 }
 
 /// `((address, port), weight)` from a payload holding a destination.
@@ -324,7 +381,11 @@ mod tests {
 
     #[test]
     fn encodes_a_new_service_like_ipvsadm() {
-        let bytes = service_message(0x22, IPVS_CMD_NEW_SERVICE, &SEED, Some("rr")).finish(7);
+        let entry = ServiceEntry {
+            scheduler: "rr",
+            persistence: None,
+        };
+        let bytes = service_message(0x22, IPVS_CMD_NEW_SERVICE, &SEED, Some(entry)).finish(7);
         // nlmsghdr: length, family id, REQUEST|ACK, seq 7, port 0.
         assert_eq!(
             usize::try_from(u32::from_ne_bytes(bytes[0..4].try_into().unwrap())).unwrap(),
@@ -364,7 +425,42 @@ mod tests {
         assert_eq!(top.iter().map(|(k, _)| *k).collect::<Vec<_>>(), [1, 2]);
         // The same payload parses back (as a dump answer would carry it).
         assert_eq!(parse_dest(&bytes[16..]), Some((real, 1)));
-        assert_eq!(parse_service(&bytes[16..]).map(|(k, _)| k), Some(SEED));
+        assert_eq!(parse_service(&bytes[16..]).map(|(k, _, _)| k), Some(SEED));
+    }
+
+    /// kube-proxy's ClientIP affinity: the persistent flag (under a full
+    /// mask, so that switching it off clears it) and the timeout; what the
+    /// kernel answers parses back to the same persistence.
+    #[test]
+    fn persistence_sets_the_flag_and_timeout_and_parses_back() {
+        let sticky = ServiceEntry {
+            scheduler: "rr",
+            persistence: Some(10_800),
+        };
+        let bytes = service_message(0x22, IPVS_CMD_SET_SERVICE, &SEED, Some(sticky)).finish(1);
+        let top = attrs(&bytes[20..]);
+        let fields = attrs(top[0].1);
+        let flags = find(&fields, IPVS_SVC_ATTR_FLAGS).expect("flags");
+        assert_eq!(read_u32(&flags[..4]), Some(IP_VS_SVC_F_PERSISTENT));
+        assert_eq!(read_u32(&flags[4..]), Some(u32::MAX));
+        assert_eq!(
+            find(&fields, IPVS_SVC_ATTR_TIMEOUT).and_then(|t| read_u32(&t)),
+            Some(10_800)
+        );
+        assert_eq!(
+            parse_service(&bytes[16..]).map(|(_, s, p)| (s, p)),
+            Some(("rr".to_owned(), Some(10_800)))
+        );
+
+        let plain = ServiceEntry {
+            persistence: None,
+            ..sticky
+        };
+        let bytes = service_message(0x22, IPVS_CMD_SET_SERVICE, &SEED, Some(plain)).finish(1);
+        let fields = attrs(attrs(&bytes[20..])[0].1);
+        let flags = find(&fields, IPVS_SVC_ATTR_FLAGS).expect("flags");
+        assert_eq!(read_u32(&flags[..4]), Some(0), "switching affinity off clears the flag");
+        assert_eq!(parse_service(&bytes[16..]).map(|(_, _, p)| p), Some(None));
     }
 
     #[test]

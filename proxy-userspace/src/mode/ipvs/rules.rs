@@ -3,10 +3,15 @@
 //! masquerade, matching the ipsets of [`super::ipset`]. Their number does
 //! not depend on the number of Services.
 //!
-//! - nat `KUBE-SERVICES` (from PREROUTING and OUTPUT): ClusterIP traffic not
-//!   from a local pod (or all, with `masqueradeAll`) is marked; traffic to
-//!   a local address goes on to `KUBE-NODE-PORT`; ClusterIP traffic is
-//!   accepted.
+//! - nat `KUBE-SERVICES` (from PREROUTING and OUTPUT): load balancer IP
+//!   traffic goes through `KUBE-LOAD-BALANCER`; ClusterIP traffic not from
+//!   a local pod (or all, with `masqueradeAll`) is marked; external IP
+//!   traffic is marked unless its port has `externalTrafficPolicy: Local`
+//!   (`KUBE-EXTERNAL-IP` / `-LOCAL`) and accepted; traffic to a local
+//!   address goes on to `KUBE-NODE-PORT`; ClusterIP and load balancer
+//!   traffic is accepted.
+//! - nat `KUBE-LOAD-BALANCER`: marks load balancer IP traffic, except to
+//!   ports with `externalTrafficPolicy: Local` (`KUBE-LOAD-BALANCER-LOCAL`).
 //! - nat `KUBE-NODE-PORT`: NodePort traffic (`KUBE-NODE-PORT-TCP/UDP`) is
 //!   marked, except to node ports with `externalTrafficPolicy: Local`
 //!   (`KUBE-NODE-PORT-LOCAL-TCP/UDP`), which keep the client's address.
@@ -15,6 +20,21 @@
 //! - nat `KUBE-MARK-MASQ`: sets the mark bit.
 //! - filter `KUBE-FORWARD`: accepts marked and established forwarded
 //!   traffic despite a DROP policy.
+//! - filter `KUBE-PROXY-FIREWALL` (from INPUT and FORWARD): traffic to a load
+//!   balancer IP with `loadBalancerSourceRanges` (`KUBE-LOAD-BALANCER-FW`)
+//!   goes to `KUBE-SOURCE-RANGES-FIREWALL`, which lets the ranges
+//!   (`KUBE-LOAD-BALANCER-SOURCE-CIDR`) and packets whose source is the
+//!   load balancer IP itself (`KUBE-LOAD-BALANCER-SOURCE-IP`, kube-proxy's
+//!   allowance for the node) through and drops the rest. IPVS takes the
+//!   packets at LOCAL_IN after the filter table, so they are dropped before
+//!   IPVS sees them. The node's own connections IPVS translates at
+//!   LOCAL_OUT: they never pass these hooks with the load balancer IP, so
+//!   they are not filtered, as in kube-proxy's IPVS mode. (kube-proxy's
+//!   current names; before 1.25 it marked them in a nat `KUBE-FIREWALL`
+//!   chain for dropping.)
+//!
+//! Unlike kube-proxy, which writes a set's rule only while the set has
+//! entries, the rules are always all there: a Service never changes them.
 //!
 //! Written with one `iptables-restore --noflush`, which replaces exactly
 //! these chains; the jumps from the built-in chains are inserted when
@@ -27,26 +47,34 @@ use crate::{
     sys::iptables::{Iptables, Saved, SystemIptables, remove_chains, rule_chain, rule_target},
 };
 
-use super::ipset::{CLUSTER_IP, LOOP_BACK, NODE_PORT_LOCAL_TCP, NODE_PORT_LOCAL_UDP, NODE_PORT_TCP, NODE_PORT_UDP};
+use super::ipset::{
+    self, CLUSTER_IP, EXTERNAL_IP, EXTERNAL_IP_LOCAL, LOAD_BALANCER_FW, LOAD_BALANCER_LOCAL, LOAD_BALANCER_SOURCE_CIDR,
+    LOAD_BALANCER_SOURCE_IP, LOOP_BACK, NODE_PORT_LOCAL_TCP, NODE_PORT_LOCAL_UDP, NODE_PORT_TCP, NODE_PORT_UDP,
+};
 
 pub const SERVICES: &str = "KUBE-SERVICES";
 pub const NODE_PORT: &str = "KUBE-NODE-PORT";
+pub const LOAD_BALANCER: &str = "KUBE-LOAD-BALANCER";
 pub const POSTROUTING: &str = "KUBE-POSTROUTING";
 pub const MARK_MASQ: &str = "KUBE-MARK-MASQ";
 pub const FORWARD: &str = "KUBE-FORWARD";
+pub const PROXY_FIREWALL: &str = "KUBE-PROXY-FIREWALL";
+pub const SOURCE_RANGES_FIREWALL: &str = "KUBE-SOURCE-RANGES-FIREWALL";
 
 /// Our chains by table.
 pub const CHAINS: [(&str, &[&str]); 2] = [
-    ("nat", &[SERVICES, NODE_PORT, POSTROUTING, MARK_MASQ]),
-    ("filter", &[FORWARD]),
+    ("nat", &[SERVICES, NODE_PORT, LOAD_BALANCER, POSTROUTING, MARK_MASQ]),
+    ("filter", &[FORWARD, PROXY_FIREWALL, SOURCE_RANGES_FIREWALL]),
 ];
 
 /// `(table, built-in chain, our chain, comment)`: the jumps into our chains.
-pub const JUMPS: [(&str, &str, &str, &str); 4] = [
+pub const JUMPS: [(&str, &str, &str, &str); 6] = [
     ("nat", "PREROUTING", SERVICES, "kubernetes service portals"),
     ("nat", "OUTPUT", SERVICES, "kubernetes service portals"),
     ("nat", "POSTROUTING", POSTROUTING, "kubernetes postrouting rules"),
     ("filter", "FORWARD", FORWARD, "kubernetes forwarding rules"),
+    ("filter", "INPUT", PROXY_FIREWALL, "kube-proxy firewall rules"),
+    ("filter", "FORWARD", PROXY_FIREWALL, "kube-proxy firewall rules"),
 ];
 
 /// What the rules depend on.
@@ -69,7 +97,11 @@ fn if_not_local(local: &LocalTraffic) -> String {
 /// jumps `missing` (from [`missing_jumps`]).
 pub fn render(opts: &RuleOptions, missing: &[(&str, &str, &str, &str)]) -> String {
     let mark = format!("{:#x}", 1u32 << opts.masquerade_bit);
-    let mut nat = vec![];
+    let mut nat = vec![format!(
+        "-A {SERVICES} -m comment --comment \"Kubernetes service lb portal\" \
+         -m set --match-set {} dst,dst -j {LOAD_BALANCER}",
+        ipset::LOAD_BALANCER
+    )];
     // Which ClusterIP traffic to masquerade: all of it; else what does not
     // come from a local pod; else (nothing tells pods apart) what comes
     // *from* a ClusterIP: the node's own connections to a Service, whose
@@ -86,10 +118,16 @@ pub fn render(opts: &RuleOptions, missing: &[(&str, &str, &str, &str)]) -> Strin
         "-A {SERVICES} {source}-m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" \
          -m set --match-set {CLUSTER_IP} {sets} -j {MARK_MASQ}"
     ));
+    nat.extend(external_ip_rules());
     nat.push(format!("-A {SERVICES} -m addrtype --dst-type LOCAL -j {NODE_PORT}"));
+    for set in [CLUSTER_IP, ipset::LOAD_BALANCER] {
+        nat.push(format!("-A {SERVICES} -m set --match-set {set} dst,dst -j ACCEPT"));
+    }
     nat.push(format!(
-        "-A {SERVICES} -m set --match-set {CLUSTER_IP} dst,dst -j ACCEPT"
+        "-A {LOAD_BALANCER} -m comment --comment \"Kubernetes service load balancer ip + port with externalTrafficPolicy=local\" \
+         -m set --match-set {LOAD_BALANCER_LOCAL} dst,dst -j RETURN"
     ));
+    nat.push(format!("-A {LOAD_BALANCER} -j {MARK_MASQ}"));
     for (proto, set, local_set) in [
         ("tcp", NODE_PORT_TCP, NODE_PORT_LOCAL_TCP),
         ("udp", NODE_PORT_UDP, NODE_PORT_LOCAL_UDP),
@@ -115,7 +153,7 @@ pub fn render(opts: &RuleOptions, missing: &[(&str, &str, &str, &str)]) -> Strin
         "-A {POSTROUTING} -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully"
     ));
     nat.push(format!("-A {MARK_MASQ} -j MARK --or-mark {mark}"));
-    let filter = [
+    let mut filter = vec![
         format!(
             "-A {FORWARD} -m comment --comment \"kubernetes forwarding rules\" -m mark --mark {mark}/{mark} -j ACCEPT"
         ),
@@ -124,8 +162,9 @@ pub fn render(opts: &RuleOptions, missing: &[(&str, &str, &str, &str)]) -> Strin
              -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"
         ),
     ];
+    filter.extend(firewall_rules());
     let mut out = String::new();
-    for ((table, chains), rules) in CHAINS.iter().zip([nat, filter.to_vec()]) {
+    for ((table, chains), rules) in CHAINS.iter().zip([nat, filter]) {
         out.push_str(&format!("*{table}\n"));
         for chain in *chains {
             out.push_str(&format!(":{chain} - [0:0]\n"));
@@ -139,6 +178,50 @@ pub fn render(opts: &RuleOptions, missing: &[(&str, &str, &str, &str)]) -> Strin
         out.push_str("COMMIT\n");
     }
     out
+}
+
+/// nat `KUBE-SERVICES` rules for external IPs: those of `Cluster` ports
+/// are marked for masquerade; both kinds are accepted (to IPVS, past the
+/// NodePort rules). kube-proxy accepts them in two rules, from outside the
+/// node (`physdev` and `addrtype` source matches) and to a local address;
+/// here every external IP is bound to `kube-ipvs0` and so local, and the
+/// second rule alone accepts the same packets.
+fn external_ip_rules() -> Vec<String> {
+    let accept = |set: &str, comment: &str| {
+        format!(
+            "-A {SERVICES} -m comment --comment \"{comment}\" -m set --match-set {set} dst,dst \
+             -m addrtype --dst-type LOCAL -j ACCEPT"
+        )
+    };
+    let cluster = "Kubernetes service external ip + port for masquerade and filter purpose";
+    let local = "Kubernetes service external ip + port with externalTrafficPolicy=local";
+    vec![
+        format!(
+            "-A {SERVICES} -m comment --comment \"{cluster}\" -m set --match-set {EXTERNAL_IP} dst,dst -j {MARK_MASQ}"
+        ),
+        accept(EXTERNAL_IP, cluster),
+        accept(EXTERNAL_IP_LOCAL, local),
+    ]
+}
+
+/// filter `KUBE-PROXY-FIREWALL` and `KUBE-SOURCE-RANGES-FIREWALL`:
+/// `loadBalancerSourceRanges`.
+fn firewall_rules() -> Vec<String> {
+    vec![
+        format!(
+            "-A {PROXY_FIREWALL} -m comment --comment \"Kubernetes service load balancer ip + port for load balancer with sourceRange\" \
+             -m set --match-set {LOAD_BALANCER_FW} dst,dst -j {SOURCE_RANGES_FIREWALL}"
+        ),
+        format!(
+            "-A {SOURCE_RANGES_FIREWALL} -m comment --comment \"Kubernetes service load balancer ip + port + source cidr for packet filter purpose\" \
+             -m set --match-set {LOAD_BALANCER_SOURCE_CIDR} dst,dst,src -j RETURN"
+        ),
+        format!(
+            "-A {SOURCE_RANGES_FIREWALL} -m comment --comment \"Kubernetes service load balancer ip + port + source IP for packet filter purpose\" \
+             -m set --match-set {LOAD_BALANCER_SOURCE_IP} dst,dst,src -j RETURN"
+        ),
+        format!("-A {SOURCE_RANGES_FIREWALL} -j DROP"),
+    ]
 }
 
 /// The jumps of [`JUMPS`] not in `saved`.
@@ -213,6 +296,11 @@ mod tests {
             assert!(text.lines().any(|l| l == line), "missing {line} in\n{text}");
         }
         assert_eq!(text.matches("COMMIT").count(), 2);
+        assert!(
+            text.lines()
+                .any(|l| l == "-I INPUT -m comment --comment \"kube-proxy firewall rules\" -j KUBE-PROXY-FIREWALL"),
+            "{text}"
+        );
         // Local node ports return before the masquerade rule marks them.
         let node_port: Vec<&str> = text.lines().filter(|l| l.starts_with("-A KUBE-NODE-PORT ")).collect();
         assert_eq!(node_port.len(), 4, "{node_port:#?}");
@@ -240,7 +328,7 @@ mod tests {
              -A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\nCOMMIT\n",
         );
         let missing = missing_jumps(&saved);
-        assert_eq!(missing.len(), 3);
+        assert_eq!(missing.len(), 5);
         assert!(!missing.iter().any(|(_, from, _, _)| *from == "PREROUTING"));
         assert!(!chains_present(&saved));
     }
@@ -261,5 +349,73 @@ mod tests {
             all.contains("-A KUBE-SERVICES -m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" -m set --match-set KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ"),
             "{all}"
         );
+    }
+
+    /// The lines of `text` in `chain`, in order.
+    fn chain<'a>(text: &'a str, chain: &str) -> Vec<&'a str> {
+        let prefix = format!("-A {chain} ");
+        text.lines().filter(|l| l.starts_with(&prefix)).collect()
+    }
+
+    /// kube-proxy's order: load balancer IPs through KUBE-LOAD-BALANCER
+    /// first, external IPs marked (Cluster) and accepted before the
+    /// NodePort jump, ClusterIPs and load balancer IPs accepted last.
+    #[test]
+    fn load_balancer_and_external_ip_rules_come_in_kube_proxys_order() {
+        let text = render(&opts(), &[]);
+        let services = chain(&text, SERVICES);
+        let position = |needle: &str| {
+            services
+                .iter()
+                .position(|l| l.contains(needle))
+                .unwrap_or_else(|| panic!("no {needle} in {services:#?}"))
+        };
+        assert_eq!(
+            position("--match-set KUBE-LOAD-BALANCER dst,dst -j KUBE-LOAD-BALANCER"),
+            0
+        );
+        let masq = position("--match-set KUBE-EXTERNAL-IP dst,dst -j KUBE-MARK-MASQ");
+        let accept = position("--match-set KUBE-EXTERNAL-IP dst,dst -m addrtype --dst-type LOCAL -j ACCEPT");
+        let local = position("--match-set KUBE-EXTERNAL-IP-LOCAL dst,dst -m addrtype --dst-type LOCAL -j ACCEPT");
+        let node_port = position("-j KUBE-NODE-PORT");
+        assert!(
+            masq < accept && accept < node_port && local < node_port,
+            "{services:#?}"
+        );
+        assert!(position("KUBE-LOAD-BALANCER dst,dst -j ACCEPT") > node_port);
+        assert!(
+            !services
+                .iter()
+                .any(|l| l.contains("KUBE-EXTERNAL-IP-LOCAL") && l.contains("MARK-MASQ"))
+        );
+        assert_eq!(
+            chain(&text, LOAD_BALANCER),
+            [
+                "-A KUBE-LOAD-BALANCER -m comment --comment \"Kubernetes service load balancer ip + port with externalTrafficPolicy=local\" -m set --match-set KUBE-LOAD-BALANCER-LOCAL dst,dst -j RETURN",
+                "-A KUBE-LOAD-BALANCER -j KUBE-MARK-MASQ",
+            ]
+        );
+    }
+
+    /// loadBalancerSourceRanges: filtered load balancer IPs go to
+    /// KUBE-SOURCE-RANGES-FIREWALL, which returns the allowed sources and
+    /// drops the rest.
+    #[test]
+    fn the_firewall_drops_what_no_source_range_allows() {
+        let text = render(&opts(), &[]);
+        assert_eq!(
+            chain(&text, PROXY_FIREWALL),
+            [
+                "-A KUBE-PROXY-FIREWALL -m comment --comment \"Kubernetes service load balancer ip + port for load balancer with sourceRange\" -m set --match-set KUBE-LOAD-BALANCER-FW dst,dst -j KUBE-SOURCE-RANGES-FIREWALL"
+            ]
+        );
+        let ranges = chain(&text, SOURCE_RANGES_FIREWALL);
+        assert_eq!(ranges.len(), 3, "{ranges:#?}");
+        assert!(ranges[0].ends_with("--match-set KUBE-LOAD-BALANCER-SOURCE-CIDR dst,dst,src -j RETURN"));
+        assert!(ranges[1].ends_with("--match-set KUBE-LOAD-BALANCER-SOURCE-IP dst,dst,src -j RETURN"));
+        assert_eq!(ranges[2], "-A KUBE-SOURCE-RANGES-FIREWALL -j DROP");
+        // The filter table holds the firewall chains (not nat).
+        let filter = &text[text.find("*filter").expect("a filter table")..];
+        assert!(filter.contains(":KUBE-PROXY-FIREWALL - [0:0]\n:KUBE-SOURCE-RANGES-FIREWALL - [0:0]\n"));
     }
 }
