@@ -5,6 +5,7 @@
 //! Each mode's read-back is a file of its own.
 
 mod ebpf;
+pub mod nftables;
 pub mod iptables;
 pub mod table;
 
@@ -79,6 +80,7 @@ pub fn read_back(mode: Mode, pin_path: &Path) -> Result<Report> {
             (table, format!("\n{totals}"))
         }
         Mode::Iptables => (iptables::read_back()?, String::new()),
+        Mode::Nftables => (nftables::read_back()?, String::new()),
         other => return Err(anyhow!("reading the {} mode back is not supported yet", other.as_str())),
     };
     Ok(Report { table, footer })
@@ -93,6 +95,7 @@ pub fn detect(pin_path: &Path) -> Result<Option<Mode>> {
     let saved = Saved::parse(&SystemIptables::default().save().context("running iptables-save")?);
     let found: Vec<Mode> = [
         (Mode::Ebpf, ebpf::in_use(pin_path)),
+        (Mode::Nftables, nftables::in_use()?),
         (Mode::Iptables, iptables::in_use(&saved)),
     ]
     .into_iter()
