@@ -7,6 +7,7 @@
 mod ebpf;
 pub mod nftables;
 pub mod iptables;
+pub mod ipvs;
 pub mod table;
 
 use std::path::{Path, PathBuf};
@@ -81,6 +82,7 @@ pub fn read_back(mode: Mode, pin_path: &Path) -> Result<Report> {
         }
         Mode::Iptables => (iptables::read_back()?, String::new()),
         Mode::Nftables => (nftables::read_back()?, String::new()),
+        Mode::Ipvs => (ipvs::read_back()?, String::new()),
         other => return Err(anyhow!("reading the {} mode back is not supported yet", other.as_str())),
     };
     Ok(Report { table, footer })
@@ -97,6 +99,7 @@ pub fn detect(pin_path: &Path) -> Result<Option<Mode>> {
         (Mode::Ebpf, ebpf::in_use(pin_path)),
         (Mode::Nftables, nftables::in_use()?),
         (Mode::Iptables, iptables::in_use(&saved)),
+        (Mode::Ipvs, ipvs::in_use()),
     ]
     .into_iter()
     .filter_map(|(mode, used)| used.then_some(mode))
