@@ -213,27 +213,30 @@ impl<'a> Chains<'a> {
     }
 }
 
-/// The parts of a saved rule the read-back looks at.
+/// The parts of a saved rule the read-back looks at (the userspace
+/// mode's read-back too).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-struct Rule {
-    proto: Option<Protocol>,
+pub(super) struct Rule {
+    pub proto: Option<Protocol>,
     /// `-d ADDR/32`.
-    dst: Option<Ipv4Addr>,
+    pub dst: Option<Ipv4Addr>,
     /// `-m addrtype --dst-type LOCAL`.
-    dst_local: bool,
+    pub dst_local: bool,
     /// `-s CIDR` (not negated).
     src: Option<String>,
-    dport: Option<u16>,
+    pub dport: Option<u16>,
     comment: Option<String>,
-    target: Option<String>,
+    pub target: Option<String>,
     /// `--to-destination IP:PORT` of a DNAT.
-    to_destination: Option<(Ipv4Addr, u16)>,
+    pub to_destination: Option<(Ipv4Addr, u16)>,
+    /// `--to-ports PORT` of a REDIRECT.
+    pub to_ports: Option<u16>,
     /// `-m recent --rcheck --seconds N`: ClientIP affinity.
     recent_seconds: Option<u32>,
 }
 
 impl Rule {
-    fn parse(line: &str) -> Option<Self> {
+    pub fn parse(line: &str) -> Option<Self> {
         let words = words(line.strip_prefix("-A ")?);
         let mut rule = Rule::default();
         let mut negated = false;
@@ -281,6 +284,10 @@ impl Rule {
                     rule.to_destination = socket_addr(v);
                     took = 2;
                 }
+                ("--to-ports", Some(v)) => {
+                    rule.to_ports = v.parse().ok();
+                    took = 2;
+                }
                 ("--seconds", Some(v)) => {
                     seconds = v.parse().ok();
                     took = 2;
@@ -296,7 +303,7 @@ impl Rule {
     }
 
     /// `namespace/name[:port]`: the first word of kube-proxy's comment.
-    fn service(&self) -> Option<String> {
+    pub fn service(&self) -> Option<String> {
         let first = self.comment.as_deref()?.split_whitespace().next()?;
         first.contains('/').then(|| first.to_owned())
     }

@@ -9,6 +9,7 @@ pub mod nftables;
 pub mod iptables;
 pub mod ipvs;
 pub mod table;
+pub mod userspace;
 
 use std::path::{Path, PathBuf};
 
@@ -83,7 +84,10 @@ pub fn read_back(mode: Mode, pin_path: &Path) -> Result<Report> {
         Mode::Iptables => (iptables::read_back()?, String::new()),
         Mode::Nftables => (nftables::read_back()?, String::new()),
         Mode::Ipvs => (ipvs::read_back()?, String::new()),
-        other => return Err(anyhow!("reading the {} mode back is not supported yet", other.as_str())),
+        Mode::Userspace => (
+            userspace::read_back()?,
+            "\nThe agent relays each connection to an endpoint it picks: the endpoints are in its state, not in the kernel's.\n".into(),
+        ),
     };
     Ok(Report { table, footer })
 }
@@ -100,6 +104,7 @@ pub fn detect(pin_path: &Path) -> Result<Option<Mode>> {
         (Mode::Nftables, nftables::in_use()?),
         (Mode::Iptables, iptables::in_use(&saved)),
         (Mode::Ipvs, ipvs::in_use()),
+        (Mode::Userspace, userspace::in_use(&saved)),
     ]
     .into_iter()
     .filter_map(|(mode, used)| used.then_some(mode))
