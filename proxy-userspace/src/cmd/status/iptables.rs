@@ -155,7 +155,10 @@ impl<'a> Chains<'a> {
         let mut rules: BTreeMap<&str, Vec<Rule>> = BTreeMap::new();
         for line in saved.table(table).map(|t| t.rules.as_slice()).unwrap_or_default() {
             if let Some(rule) = Rule::parse(line) {
-                rules.entry(crate::sys::iptables::rule_chain(line).unwrap_or_default()).or_default().push(rule);
+                rules
+                    .entry(crate::sys::iptables::rule_chain(line).unwrap_or_default())
+                    .or_default()
+                    .push(rule);
             }
         }
         Self { rules }
@@ -182,7 +185,11 @@ impl<'a> Chains<'a> {
         // frontend's backends are the latter.
         let local = chain
             .starts_with("KUBE-EXT-")
-            .then(|| rules.iter().find_map(|r| r.target.as_deref().filter(|t| t.starts_with("KUBE-SVL-"))))
+            .then(|| {
+                rules
+                    .iter()
+                    .find_map(|r| r.target.as_deref().filter(|t| t.starts_with("KUBE-SVL-")))
+            })
             .flatten();
         found.local_only |= local.is_some();
         for rule in rules {

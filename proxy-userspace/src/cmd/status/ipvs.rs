@@ -46,7 +46,10 @@ impl Sets {
         for line in save.lines() {
             let mut words = line.split_whitespace();
             if let (Some("add"), Some(set), Some(member)) = (words.next(), words.next(), words.next()) {
-                sets.members.entry(set.to_owned()).or_default().insert(member.to_owned());
+                sets.members
+                    .entry(set.to_owned())
+                    .or_default()
+                    .insert(member.to_owned());
             }
         }
         sets
@@ -80,7 +83,10 @@ fn frontend(server: &VirtualCounters, sets: &Sets) -> Frontend {
     let (kind, local_only) = if sets.has("KUBE-CLUSTER-IP", &member) {
         (Kind::ClusterIp, false)
     } else if sets.has(&format!("KUBE-NODE-PORT-{upper}"), &port) {
-        (Kind::NodePort, sets.has(&format!("KUBE-NODE-PORT-LOCAL-{upper}"), &port))
+        (
+            Kind::NodePort,
+            sets.has(&format!("KUBE-NODE-PORT-LOCAL-{upper}"), &port),
+        )
     } else if sets.has("KUBE-LOAD-BALANCER", &member) {
         (Kind::LoadBalancer, sets.has("KUBE-LOAD-BALANCER-LOCAL", &member))
     } else if sets.has("KUBE-EXTERNAL-IP", &member) {
@@ -96,8 +102,7 @@ fn frontend(server: &VirtualCounters, sets: &Sets) -> Frontend {
         .starting_with("KUBE-LOAD-BALANCER-SOURCE-CIDR", &prefix)
         .map(str::to_owned)
         .collect();
-    frontend.source_filtered =
-        !frontend.source_ranges.is_empty() || sets.has("KUBE-LOAD-BALANCER-FW", &member);
+    frontend.source_filtered = !frontend.source_ranges.is_empty() || sets.has("KUBE-LOAD-BALANCER-FW", &member);
     if !server.scheduler.is_empty() {
         frontend.notes.push(format!("scheduler {}", server.scheduler));
     }

@@ -4,10 +4,10 @@
 //! agent), printed as one table for every mode (`table`), or as JSON.
 //! Each mode's read-back is a file of its own.
 
-mod ebpf;
-pub mod nftables;
+pub mod ebpf;
 pub mod iptables;
 pub mod ipvs;
+pub mod nftables;
 pub mod table;
 pub mod userspace;
 
@@ -78,8 +78,7 @@ pub fn read_back(mode: Mode, pin_path: &Path) -> Result<Report> {
                     pin_path.display()
                 ));
             }
-            let (table, totals) = ebpf::read_back(pin_path)?;
-            (table, format!("\n{totals}"))
+            ebpf::read_back(pin_path)?
         }
         Mode::Iptables => (iptables::read_back()?, String::new()),
         Mode::Nftables => (nftables::read_back()?, String::new()),

@@ -137,7 +137,9 @@ impl Ruleset {
                 .insert(name.to_owned(), u32::try_from(timeout).unwrap_or(u32::MAX));
         }
         let elements = set.get("elem").and_then(Value::as_array);
-        let elements = elements.map(|e| e.iter().filter_map(address_text).collect()).unwrap_or_default();
+        let elements = elements
+            .map(|e| e.iter().filter_map(address_text).collect())
+            .unwrap_or_default();
         self.set_elements.insert(name.to_owned(), elements);
     }
 }
@@ -153,7 +155,11 @@ fn verdict_map(map: &Value) -> Option<VerdictMap> {
         ["inet_proto", "inet_service"] => false,
         _ => return None,
     };
-    let elements = map.get("elem").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+    let elements = map
+        .get("elem")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+        .unwrap_or_default();
     Some(VerdictMap {
         with_address,
         elements: elements.iter().filter_map(element).collect(),
@@ -297,7 +303,9 @@ impl Ruleset {
         // An external chain of a `Local` Service sends pods and the node
         // to the cluster-wide chain, everyone else to this node's: the
         // frontend's backends are the latter.
-        let local = chain.starts_with("external-").then(|| targets.iter().find(|t| t.starts_with("local-")));
+        let local = chain
+            .starts_with("external-")
+            .then(|| targets.iter().find(|t| t.starts_with("local-")));
         if let Some(Some(local)) = local {
             found.local_only = true;
             let local = local.clone();
@@ -316,12 +324,17 @@ impl Ruleset {
     fn read_expression(&self, chain: &str, part: &Value, rule: &[Value], found: &mut Resolved) {
         if let Some(dnat) = part.get("dnat")
             && let Some(addr) = dnat.get("addr").and_then(Value::as_str).and_then(|a| a.parse().ok())
-            && let Some(port) = dnat.get("port").and_then(Value::as_u64).and_then(|p| u16::try_from(p).ok())
+            && let Some(port) = dnat
+                .get("port")
+                .and_then(Value::as_u64)
+                .and_then(|p| u16::try_from(p).ok())
         {
             found.backends.push((addr, port));
         }
         for name in set_references(part) {
-            if name.starts_with("affinity") && let Some(timeout) = self.timeouts.get(name) {
+            if name.starts_with("affinity")
+                && let Some(timeout) = self.timeouts.get(name)
+            {
                 found.affinity_seconds = Some(*timeout);
             }
         }
@@ -338,7 +351,9 @@ impl Ruleset {
     /// The sources of `ip saddr != {...}` / `!= @set`.
     fn negated_sources(&self, part: &Value) -> Option<Vec<String>> {
         let matched = part.get("match")?;
-        if matched.get("op")?.as_str()? != "!=" || matched.get("left")?.get("payload")?.get("field")?.as_str()? != "saddr" {
+        if matched.get("op")?.as_str()? != "!="
+            || matched.get("left")?.get("payload")?.get("field")?.as_str()? != "saddr"
+        {
             return None;
         }
         let right = matched.get("right")?;

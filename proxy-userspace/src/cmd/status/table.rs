@@ -143,15 +143,18 @@ impl Table {
                 .frontends
                 .iter()
                 .position(|f| f.serves(proto, dst, dport) && f.addr == dst);
-            let Some(index) = exact.or_else(|| self.frontends.iter().position(|f| f.serves(proto, dst, dport)))
-            else {
+            let Some(index) = exact.or_else(|| self.frontends.iter().position(|f| f.serves(proto, dst, dport))) else {
                 continue;
             };
             *counts.entry((index, (entry.reply.src, entry.reply.sport))).or_default() += 1;
         }
         for (index, frontend) in self.frontends.iter_mut().enumerate() {
             for backend in &mut frontend.backends {
-                backend.flows = Some(backend.addr.map_or(0, |a| counts.get(&(index, a)).copied().unwrap_or(0)));
+                backend.flows = Some(
+                    backend
+                        .addr
+                        .map_or(0, |a| counts.get(&(index, a)).copied().unwrap_or(0)),
+                );
             }
         }
     }

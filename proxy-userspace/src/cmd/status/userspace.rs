@@ -67,7 +67,11 @@ pub fn parse(saved: &str) -> Table {
         };
         let frontend = frontends.entry(proto, addr, port, kind);
         frontend.service = frontend.service.take().or_else(|| rule.service());
-        if !frontend.backends.iter().any(|b| b.addr == Some((Ipv4Addr::UNSPECIFIED, listener))) {
+        if !frontend
+            .backends
+            .iter()
+            .any(|b| b.addr == Some((Ipv4Addr::UNSPECIFIED, listener)))
+        {
             let mut backend = Backend::new(Ipv4Addr::UNSPECIFIED, listener);
             backend.notes.push(LISTENER_NOTE.into());
             frontend.backends.push(backend);
@@ -191,6 +195,10 @@ TCP  10.96.0.88:88 ClusterIP [default/nginx-service]
 TCP  10.96.0.89:89 ClusterIP (no endpoints: reject) [default/empty-service:http]
 ";
         assert_eq!(table.render(), expected);
-        assert!(table.find(Protocol::Tcp, "10.96.0.88".parse().expect("ip"), 88).is_some());
+        assert!(
+            table
+                .find(Protocol::Tcp, "10.96.0.88".parse().expect("ip"), 88)
+                .is_some()
+        );
     }
 }

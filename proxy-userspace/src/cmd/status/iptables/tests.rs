@@ -26,14 +26,22 @@ fn rows(table: &Table) -> Vec<(String, Vec<String>)> {
 #[test]
 fn reads_the_golden_rules_back() {
     let table = parse(include_str!("../../../../tests/golden/iptables/cluster.iptables-save"));
-    let nginx: Vec<String> = ["10.244.0.11:80", "10.244.0.12:80", "10.244.0.13:80"].map(String::from).into();
+    let nginx: Vec<String> = ["10.244.0.11:80", "10.244.0.12:80", "10.244.0.13:80"]
+        .map(String::from)
+        .into();
     let expected = vec![
         ("TCP 0.0.0.0:30791 NodePort".to_string(), nginx.clone()),
         ("TCP 0.0.0.0:30792 NodePort".to_string(), vec![]),
-        ("TCP 10.96.0.10:53 ClusterIP".to_string(), vec!["10.244.0.21:53".to_string()]),
+        (
+            "TCP 10.96.0.10:53 ClusterIP".to_string(),
+            vec!["10.244.0.21:53".to_string()],
+        ),
         ("TCP 10.96.0.88:88 ClusterIP".to_string(), nginx),
         ("TCP 10.96.0.89:89 ClusterIP".to_string(), vec![]),
-        ("UDP 10.96.0.10:53 ClusterIP".to_string(), vec!["10.244.0.21:5353".to_string()]),
+        (
+            "UDP 10.96.0.10:53 ClusterIP".to_string(),
+            vec!["10.244.0.21:5353".to_string()],
+        ),
     ];
     assert_eq!(rows(&table), expected, "{}", table.render());
     let empty = table.find(Protocol::Tcp, ip("10.96.0.89"), 89).expect("listed");
@@ -112,7 +120,10 @@ fn reads_every_service_api_feature_and_skips_what_it_does_not_know() {
         ("TCP 0.0.0.0:30010 NodePort".to_string(), local.clone()),
         ("TCP 0.0.0.0:30020 NodePort".to_string(), vec![]),
         ("TCP 10.96.1.1:80 ClusterIP".to_string(), both),
-        ("TCP 10.96.1.2:80 ClusterIP".to_string(), vec!["10.244.1.9:80".to_string()]),
+        (
+            "TCP 10.96.1.2:80 ClusterIP".to_string(),
+            vec!["10.244.1.9:80".to_string()],
+        ),
         // 10.96.1.3 jumps to a chain it does not know (looping, leading
         // nowhere): skipped, never a failure.
         ("TCP 192.0.2.10:80 LoadBalancer".to_string(), local.clone()),

@@ -58,8 +58,18 @@ fn kinds_policies_and_counts_come_from_ipvs_and_the_sets() {
     let mut lb = server(Protocol::Tcp, "192.0.2.10", 80, &[("10.244.0.1", 8080, 1, 0, 0)]);
     lb.persistent_seconds = Some(10800);
     let servers = vec![
-        server(Protocol::Tcp, "10.96.0.88", 88, &[("10.244.0.11", 80, 1, 2, 1), ("10.244.0.12", 80, 1, 0, 0)]),
-        server(Protocol::Udp, "10.96.0.10", 53, &[("10.244.0.21", 5353, 1, 0, 3), ("10.244.0.22", 5353, 0, 0, 0)]),
+        server(
+            Protocol::Tcp,
+            "10.96.0.88",
+            88,
+            &[("10.244.0.11", 80, 1, 2, 1), ("10.244.0.12", 80, 1, 0, 0)],
+        ),
+        server(
+            Protocol::Udp,
+            "10.96.0.10",
+            53,
+            &[("10.244.0.21", 5353, 1, 0, 3), ("10.244.0.22", 5353, 0, 0, 0)],
+        ),
         server(Protocol::Tcp, "172.30.0.2", 30791, &[("10.244.0.11", 80, 1, 0, 0)]),
         server(Protocol::Tcp, "172.30.0.2", 30010, &[]),
         server(Protocol::Tcp, "198.51.100.7", 80, &[]),

@@ -40,7 +40,10 @@ fn reads_the_golden_ruleset_back() {
         ("TCP 10.96.0.10:53 ClusterIP".to_string(), strings(&["10.244.0.21:53"])),
         ("TCP 10.96.0.88:88 ClusterIP".to_string(), nginx),
         ("TCP 10.96.0.89:89 ClusterIP".to_string(), vec![]),
-        ("UDP 10.96.0.10:53 ClusterIP".to_string(), strings(&["10.244.0.21:5353"])),
+        (
+            "UDP 10.96.0.10:53 ClusterIP".to_string(),
+            strings(&["10.244.0.21:5353"]),
+        ),
     ];
     assert_eq!(rows(&table), expected, "{}", table.render());
     let seed = table.find(Protocol::Tcp, ip("10.96.0.88"), 88).expect("listed");
@@ -84,12 +87,22 @@ fn reads_every_service_api_feature_and_skips_what_it_does_not_know() {
         let dropped = table.find(Protocol::Tcp, ip(addr), port).expect("listed");
         assert!(dropped.local_only, "{addr}:{port} drops:\n{}", table.render());
     }
-    assert!(!table.find(Protocol::Tcp, ip("10.96.1.4"), 80).expect("listed").local_only);
+    assert!(
+        !table
+            .find(Protocol::Tcp, ip("10.96.1.4"), 80)
+            .expect("listed")
+            .local_only
+    );
 }
 
 #[test]
 fn output_that_is_no_ruleset_is_an_empty_table_or_an_error() {
     assert!(parse("{}").expect("parses").frontends.is_empty());
-    assert!(parse(r#"{"nftables": [{"map": {"map": "verdict"}}, 7]}"#).expect("parses").frontends.is_empty());
+    assert!(
+        parse(r#"{"nftables": [{"map": {"map": "verdict"}}, 7]}"#)
+            .expect("parses")
+            .frontends
+            .is_empty()
+    );
     assert!(parse("not json").is_err());
 }

@@ -48,7 +48,12 @@ pub struct RealCounters {
 impl Ipvs {
     /// Every IPv4 TCP/UDP virtual server with its real servers' counters.
     pub fn list_counters(&mut self) -> Result<Vec<VirtualCounters>> {
-        let message = Message::genl(self.family, IPVS_CMD_GET_SERVICE, IPVS_VERSION, NLM_F_REQUEST | NLM_F_DUMP);
+        let message = Message::genl(
+            self.family,
+            IPVS_CMD_GET_SERVICE,
+            IPVS_VERSION,
+            NLM_F_REQUEST | NLM_F_DUMP,
+        );
         let answers = self.socket.request(&message).context("listing the virtual servers")?;
         let mut out = Vec::new();
         for answer in answers {
