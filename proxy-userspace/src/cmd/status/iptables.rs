@@ -18,7 +18,7 @@ use std::{
 
 use anyhow::{Context, Result};
 
-use super::table::{Frontends, Kind, Table, add_backends};
+use super::table::{Frontends, Kind, Leads, Table};
 use crate::{
     model::Protocol,
     sys::{
@@ -83,31 +83,14 @@ fn add_dispatch(frontends: &mut Frontends, nat: &Chains, rule: &Rule, node_ports
     let kind = if node_ports {
         Kind::NodePort
     } else {
-        kind_of(target, rule.comment.as_deref())
+        Kind::of_address(
+            rule.comment.as_deref(),
+            target.starts_with("KUBE-FW-"),
+            target.starts_with("KUBE-EXT-"),
+        )
     };
     let found = nat.resolve(target);
-    let frontend = frontends.entry(proto, addr, port, kind);
-    frontend.service = frontend.service.take().or_else(|| rule.service());
-    frontend.local_only |= found.local_only;
-    frontend.affinity_seconds = frontend.affinity_seconds.or(found.affinity_seconds);
-    frontend.source_filtered |= found.source_filtered;
-    frontend.source_ranges.extend(found.source_ranges);
-    add_backends(frontend, found.backends);
-}
-
-/// The kind a `KUBE-SERVICES` jump stands for: kube-proxy's comment says
-/// which external address it is; the target tells a ClusterIP.
-fn kind_of(target: &str, comment: Option<&str>) -> Kind {
-    let comment = comment.unwrap_or_default();
-    if target.starts_with("KUBE-FW-") || comment.ends_with("loadbalancer IP") {
-        Kind::LoadBalancer
-    } else if comment.ends_with("external IP") {
-        Kind::ExternalIp
-    } else if target.starts_with("KUBE-EXT-") {
-        Kind::External
-    } else {
-        Kind::ClusterIp
-    }
+    frontends.entry(proto, addr, port, kind).add(found, rule.service());
 }
 
 /// A filter rule refusing a port without endpoints: REJECT (none at all)
@@ -130,16 +113,6 @@ fn add_refusal(frontends: &mut Frontends, rule: &Rule, chain: &str) {
     let frontend = frontends.entry_any_kind(proto, addr, port, kind);
     frontend.local_only |= dropped;
     frontend.service = frontend.service.take().or_else(|| rule.service());
-}
-
-/// What a service's chains lead to.
-#[derive(Default)]
-struct Resolved {
-    backends: Vec<(Ipv4Addr, u16)>,
-    local_only: bool,
-    affinity_seconds: Option<u32>,
-    source_ranges: Vec<String>,
-    source_filtered: bool,
 }
 
 /// One table's rules by chain.
@@ -168,13 +141,13 @@ impl<'a> Chains<'a> {
         self.rules.get(chain).map_or(&[], Vec::as_slice)
     }
 
-    fn resolve(&self, chain: &str) -> Resolved {
-        let mut found = Resolved::default();
+    fn resolve(&self, chain: &str) -> Leads {
+        let mut found = Leads::default();
         self.walk(chain, 0, &mut BTreeSet::new(), &mut found);
         found
     }
 
-    fn walk(&self, chain: &str, depth: usize, seen: &mut BTreeSet<String>, found: &mut Resolved) {
+    fn walk(&self, chain: &str, depth: usize, seen: &mut BTreeSet<String>, found: &mut Leads) {
         if depth > MAX_DEPTH || !seen.insert(chain.to_owned()) {
             return;
         }

@@ -19,7 +19,7 @@ use std::{
 use anyhow::{Context, Result};
 use serde_json::Value;
 
-use super::table::{Frontend, Frontends, Kind, Table, add_backends};
+use super::table::{Frontend, Frontends, Kind, Leads, Table};
 use crate::{
     mode::nftables::names::{FAMILY, TABLE},
     model::Protocol,
@@ -63,8 +63,11 @@ pub fn parse(json: &str) -> Result<Table> {
             let found = element.target.as_deref().map_or_else(
                 // A plain drop: `Local` without a local endpoint.
                 || Resolved {
-                    local_only: true,
-                    ..Resolved::default()
+                    dispatches: false,
+                    leads: Leads {
+                        local_only: true,
+                        ..Leads::default()
+                    },
                 },
                 |target| ruleset.resolve(target),
             );
@@ -211,7 +214,11 @@ fn add_element(frontends: &mut Frontends, map: &VerdictMap, element: &Element, f
     };
     let target = element.target.as_deref().unwrap_or_default();
     let kind = if map.with_address {
-        kind_of(target, element.comment.as_deref())
+        Kind::of_address(
+            element.comment.as_deref(),
+            target.starts_with("firewall-"),
+            target.starts_with("external-"),
+        )
     } else {
         Kind::NodePort
     };
@@ -222,27 +229,7 @@ fn add_element(frontends: &mut Frontends, map: &VerdictMap, element: &Element, f
         // the dispatch maps list.
         frontends.entry_any_kind(proto, addr, port, kind)
     };
-    frontend.service = frontend.service.take().or_else(|| service_of(element));
-    frontend.local_only |= found.local_only;
-    frontend.affinity_seconds = frontend.affinity_seconds.or(found.affinity_seconds);
-    frontend.source_filtered |= found.source_filtered;
-    frontend.source_ranges.extend(found.source_ranges);
-    add_backends(frontend, found.backends);
-}
-
-/// The kind an address element stands for: the comment, if it says, else
-/// the chain it leads to.
-fn kind_of(target: &str, comment: Option<&str>) -> Kind {
-    let comment = comment.unwrap_or_default();
-    if target.starts_with("firewall-") || comment.ends_with("loadbalancer IP") {
-        Kind::LoadBalancer
-    } else if comment.ends_with("external IP") {
-        Kind::ExternalIp
-    } else if target.starts_with("external-") {
-        Kind::External
-    } else {
-        Kind::ClusterIp
-    }
+    frontend.add(found.leads, service_of(element));
 }
 
 /// `namespace/name[:port]` from the element's comment, or the
@@ -267,11 +254,7 @@ struct Resolved {
     /// Whether the chain leads to an endpoint (or is a service chain
     /// without any): the element is a dispatch, not a refusal or filter.
     dispatches: bool,
-    backends: Vec<(Ipv4Addr, u16)>,
-    local_only: bool,
-    affinity_seconds: Option<u32>,
-    source_ranges: Vec<String>,
-    source_filtered: bool,
+    leads: Leads,
 }
 
 /// How deep a goto chain may go: the mode's is external -> local -> endpoint.
@@ -291,7 +274,7 @@ impl Ruleset {
         found.dispatches |= ["service-", "local-", "external-", "endpoint-"]
             .iter()
             .any(|p| chain.starts_with(p));
-        found.local_only |= chain.starts_with("local-") || self.drops_everything(chain);
+        found.leads.local_only |= chain.starts_with("local-") || self.drops_everything(chain);
         let rules = self.chains.get(chain).map(Vec::as_slice).unwrap_or_default();
         let mut targets = Vec::new();
         for expr in rules {
@@ -307,7 +290,7 @@ impl Ruleset {
             .starts_with("external-")
             .then(|| targets.iter().find(|t| t.starts_with("local-")));
         if let Some(Some(local)) = local {
-            found.local_only = true;
+            found.leads.local_only = true;
             let local = local.clone();
             self.walk(&local, depth + 1, seen, found);
             return;
@@ -329,13 +312,13 @@ impl Ruleset {
                 .and_then(Value::as_u64)
                 .and_then(|p| u16::try_from(p).ok())
         {
-            found.backends.push((addr, port));
+            found.leads.backends.push((addr, port));
         }
         for name in set_references(part) {
             if name.starts_with("affinity")
                 && let Some(timeout) = self.timeouts.get(name)
             {
-                found.affinity_seconds = Some(*timeout);
+                found.leads.affinity_seconds = Some(*timeout);
             }
         }
         let drops = rule.iter().any(|p| p.get("drop").is_some());
@@ -343,8 +326,8 @@ impl Ruleset {
             && drops
             && let Some(ranges) = self.negated_sources(part)
         {
-            found.source_filtered = true;
-            found.source_ranges.extend(ranges);
+            found.leads.source_filtered = true;
+            found.leads.source_ranges.extend(ranges);
         }
     }
 

@@ -260,6 +260,66 @@ fn frontend_json(f: &Frontend) -> Value {
     })
 }
 
+/// What a frontend's rules lead to, as a mode's chain walk finds it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Leads {
+    pub backends: Vec<(Ipv4Addr, u16)>,
+    pub local_only: bool,
+    pub affinity_seconds: Option<u32>,
+    pub source_ranges: Vec<String>,
+    pub source_filtered: bool,
+}
+
+impl Frontend {
+    /// Adds what a walk from one of the frontend's rules found, and the
+    /// Service's name if it has none yet.
+    pub fn add(&mut self, leads: Leads, service: Option<String>) {
+        self.service = self.service.take().or(service);
+        self.local_only |= leads.local_only;
+        self.affinity_seconds = self.affinity_seconds.or(leads.affinity_seconds);
+        self.source_filtered |= leads.source_filtered;
+        self.source_ranges.extend(leads.source_ranges);
+        add_backends(self, leads.backends);
+    }
+}
+
+impl Kind {
+    /// The kind of an address frontend in kube-proxy's rule layouts: its
+    /// comment says which external address it is (`... external IP`,
+    /// `... loadbalancer IP`); else a firewall chain means a load
+    /// balancer IP, an external chain an external or load balancer IP,
+    /// anything else a ClusterIP.
+    pub fn of_address(comment: Option<&str>, to_firewall: bool, to_external: bool) -> Kind {
+        let comment = comment.unwrap_or_default();
+        if to_firewall || comment.ends_with("loadbalancer IP") {
+            Kind::LoadBalancer
+        } else if comment.ends_with("external IP") {
+            Kind::ExternalIp
+        } else if to_external {
+            Kind::External
+        } else {
+            Kind::ClusterIp
+        }
+    }
+}
+
+/// `(frontend, backends)` per frontend, for tests comparing tables.
+#[cfg(test)]
+pub fn rows(table: &Table) -> Vec<(String, Vec<String>)> {
+    table
+        .frontends
+        .iter()
+        .map(|f| {
+            let backends = f
+                .backends
+                .iter()
+                .filter_map(|b| b.addr.map(|(a, p)| format!("{a}:{p}")))
+                .collect();
+            (format!("{} {}:{} {}", f.proto, f.addr, f.port, f.kind.name()), backends)
+        })
+        .collect()
+}
+
 /// Frontends gathered from several places of one mode's state (a rule
 /// with endpoints in one table, a REJECT in another), merged by protocol,
 /// address, port and kind: later facts add to earlier ones.

@@ -5,25 +5,10 @@
 //! (`features.json`, from `features.nft`).
 
 use super::*;
+use crate::cmd::status::table::rows;
 
 fn ip(text: &str) -> Ipv4Addr {
     text.parse().expect("an address")
-}
-
-/// `(frontend line, backends)` per frontend.
-fn rows(table: &Table) -> Vec<(String, Vec<String>)> {
-    table
-        .frontends
-        .iter()
-        .map(|f| {
-            let backends = f
-                .backends
-                .iter()
-                .filter_map(|b| b.addr.map(|(a, p)| format!("{a}:{p}")))
-                .collect();
-            (format!("{} {}:{} {}", f.proto, f.addr, f.port, f.kind.name()), backends)
-        })
-        .collect()
 }
 
 fn strings(items: &[&str]) -> Vec<String> {
