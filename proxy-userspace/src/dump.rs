@@ -75,7 +75,13 @@ pub fn render_services(snapshot: &Snapshot) -> String {
 
 /// Everything: services, flow totals and verdict counters.
 pub fn render(snapshot: &Snapshot) -> String {
-    let mut out = render_services(snapshot);
+    render_services(snapshot) + &render_totals(snapshot)
+}
+
+/// Flow totals, the conntrack table's fill and the verdict counters: what
+/// `xproxy status` prints below the ebpf mode's table.
+pub fn render_totals(snapshot: &Snapshot) -> String {
+    let mut out = String::new();
     let _ = write!(
         out,
         "\nTracked flows: {} ({} reply entries)",

@@ -8,7 +8,7 @@ use std::{path::PathBuf, process::ExitCode};
 use clap::{Parser, Subcommand};
 use proxy_userspace::{
     cmd::{self, Failure},
-    config::{DEFAULT_PIN_PATH, Logging, RunFlags},
+    config::{DEFAULT_PIN_PATH, Logging, Mode, RunFlags},
 };
 
 #[derive(Parser)]
@@ -27,10 +27,17 @@ enum Command {
     /// Run the agent in the foreground. SIGTERM/SIGINT stop it and leave the
     /// data path in place, like kube-proxy; only `cleanup` removes it.
     Run(Box<RunFlags>),
-    /// Show the live services, backends and flow counts.
+    /// Show the live services, backends and flow counts, read back from
+    /// what the mode in use programmed (any mode: one table).
     Status {
         #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_PATH)]
         pin_path: PathBuf,
+        /// The mode to read back; by default the one found programmed.
+        #[arg(long, value_enum)]
+        mode: Option<Mode>,
+        /// Print the table as JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Remove what xproxy installed: by default what carries its own names
     /// (the ebpf mode's programs, maps and SNAT chain, the nftables mode's
@@ -56,7 +63,7 @@ fn main() -> ExitCode {
     }
     let result = match cli.command {
         Command::Run(flags) => cmd::run::run(&flags),
-        Command::Status { pin_path } => cmd::status::status(&pin_path),
+        Command::Status { pin_path, mode, json } => cmd::status::status(&cmd::status::Options { pin_path, mode, json }),
         Command::Cleanup { pin_path, scope } => cmd::cleanup::cleanup(&pin_path, scope),
     };
     match result {

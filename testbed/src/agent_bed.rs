@@ -506,6 +506,17 @@ impl NodeAgent {
         )
     }
 
+    /// `xproxy status --pin-path PINS` inside `node`, where the rule-based
+    /// modes' state is (the ebpf mode's pins are global).
+    pub fn status_in(&self, node: &Netns) -> Result<String> {
+        netns::run(
+            node.command(&self.xproxy)?
+                .arg("status")
+                .arg("--pin-path")
+                .arg(self.pins.path()),
+        )
+    }
+
     /// The agent's `/metrics`, scraped inside `node`.
     pub fn metrics(node: &Netns) -> Result<Metrics> {
         let (code, body) = http_get(node, METRICS_ADDR, "/metrics")?;
@@ -699,9 +710,10 @@ impl AgentBed {
         self.agent.cleanup(&self.topo.node, scope)
     }
 
-    /// `xproxy status --pin-path PINS` (works with or without a running agent).
+    /// `xproxy status --pin-path PINS` in the node namespace (works with
+    /// or without a running agent).
     pub fn status(&self) -> Result<String> {
-        self.agent.status()
+        self.agent.status_in(&self.topo.node)
     }
 
     /// The agent's `/metrics`, scraped inside the node namespace.

@@ -18,7 +18,8 @@
 //!    unreachable, except from the node in the rule-based modes: see below).
 //! 4. Traffic that is no Service's behaves as in the baseline; the
 //!    differences between the modes (below) hold.
-//! 5. The mode's own read-back: `xproxy status` (ebpf), `iptables-save`
+//! 5. The mode's own read-back: `xproxy status` (every mode: the table
+//!    of frontends and backends, the mode found by itself), `iptables-save`
 //!    (iptables: the chain walk with kube-proxy's probabilities; userspace:
 //!    the KUBE-PORTALS-* / KUBE-NODEPORT-* rules redirect to ports the
 //!    agent listens on, REJECT for the Service without endpoints), `nft
@@ -1294,15 +1295,54 @@ fn read_back(mode: Mode, bed: &AgentBed, stage: Stage) -> Result<String> {
         let left = leftovers(mode, bed)?;
         return Ok(format!("{left}; {}", cleanup_again(mode, bed)?));
     }
-    match mode {
-        Mode::Ebpf => ebpf_read_back(bed, stage),
+    let own = match mode {
+        Mode::Ebpf => return ebpf_read_back(bed, stage),
         Mode::Iptables => iptables_read_back(bed, stage),
         Mode::Nftables => nftables_read_back(bed, stage),
         Mode::Ipvs => ipvs_read_back(bed, stage),
         // Endpoint changes never touch its rules: the same at every stage.
         Mode::Userspace => userspace_listeners(&bed.topo.node)
             .map(|listeners| format!("the rules redirect to the agent's listeners {listeners:?}")),
+    }?;
+    Ok(format!("{own}; {}", status_read_back(mode, bed, stage)?))
+}
+
+/// Step 5 beside the mode's own tool: `xproxy status`, finding the mode
+/// by itself, lists the seed and empty Services' frontends with their
+/// backends (the userspace mode: the agent's listener).
+fn status_read_back(mode: Mode, bed: &AgentBed, stage: Stage) -> Result<String> {
+    let status = bed.status()?;
+    ensure!(
+        status.starts_with(&format!("Mode: {}\n", mode.name())),
+        "xproxy status found another mode:\n{status}"
+    );
+    let seen = frontends(&status);
+    let n = match mode {
+        Mode::Userspace => 1,
+        _ => stage.seed_backends().len(),
+    };
+    // The rule-based modes match NodePorts on every local address; IPVS
+    // has a virtual server per node IP.
+    let node_ip = match mode {
+        Mode::Ebpf | Mode::Ipvs => NODE_IP,
+        _ => Ipv4Addr::UNSPECIFIED,
+    };
+    let mut expected = BTreeMap::new();
+    for protocol in PROTOCOLS {
+        let p = proto_name(protocol);
+        expected.insert(format!("{p} {}", seed_cluster_ip()), ("ClusterIP", n));
+        expected.insert(format!("{p} {node_ip}:{}", seed_node_port().port()), ("NodePort", n));
+        expected.insert(format!("{p} {}", empty_cluster_ip()), ("ClusterIP", 0));
+        expected.insert(format!("{p} {node_ip}:{}", empty_node_port().port()), ("NodePort", 0));
     }
+    for (frontend, (kind, backends)) in &expected {
+        let got = seen.get(frontend).map(|(k, b)| (k.as_str(), *b));
+        ensure!(
+            got == Some((*kind, *backends)),
+            "xproxy status: {frontend}: expected {kind} with {backends} backends, got {got:?}:\n{status}"
+        );
+    }
+    Ok(format!("xproxy status lists {} frontends as expected", expected.len()))
 }
 
 /// Ok if nothing `mode` installs is left in the node (reads only).

@@ -95,6 +95,7 @@ pub const KERNELS: &[GuestKernel] = &[
             "mode_golden:ipvs",
             "traffic:ipvs",
             "bulk:ipvs",
+            "status:ipvs",
             "two_node:two_node_iptables",
             "two_node:two_node_nftables",
         ],

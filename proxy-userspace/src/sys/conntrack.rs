@@ -83,6 +83,32 @@ pub struct Entry {
     zone: Option<u16>,
 }
 
+impl Entry {
+    /// An entry of the default zone (for tables built by hand).
+    pub fn new(orig: Tuple, reply: Tuple, dst_nat: bool) -> Self {
+        Self {
+            orig,
+            reply,
+            dst_nat,
+            zone: None,
+        }
+    }
+}
+
+/// Every IPv4 entry of the calling thread's network namespace (`xproxy
+/// status` counts the rule-based modes' flows from them).
+pub fn list_entries() -> Result<Vec<Entry>> {
+    let mut socket = Socket::open(NETLINK_NETFILTER)?;
+    let mut entries = Vec::new();
+    socket
+        .request_each(&dump_message(), |payload| {
+            entries.extend(parse_entry(payload));
+            Ok(())
+        })
+        .context("listing the conntrack table")?;
+    Ok(entries)
+}
+
 /// Deletes the flows any of `filters` matches from the calling thread's
 /// network namespace; returns how many entries went. An entry that expires
 /// between the dump and its deletion is not an error.

@@ -18,6 +18,10 @@ use crate::{
     },
 };
 
+mod counters;
+
+pub use counters::{RealCounters, VirtualCounters};
+
 // Generic netlink controller (linux/genetlink.h).
 const GENL_ID_CTRL: u16 = 0x10;
 const CTRL_CMD_GETFAMILY: u8 = 3;

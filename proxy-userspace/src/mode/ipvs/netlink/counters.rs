@@ -1,0 +1,164 @@
+//! What `ipvsadm -Ln` shows beyond the table the mode programs: each
+//! virtual server's persistence (ClientIP affinity) and each real server's
+//! connection counters (active, inactive, persistent), read over the same
+//! generic netlink socket. `xproxy status` prints them.
+
+use std::net::Ipv4Addr;
+
+use anyhow::{Context, Result};
+
+use super::{
+    IPVS_CMD_ATTR_DEST, IPVS_CMD_ATTR_SERVICE, IPVS_CMD_GET_DEST, IPVS_CMD_GET_SERVICE, IPVS_DEST_ATTR_ADDR,
+    IPVS_DEST_ATTR_PORT, IPVS_DEST_ATTR_WEIGHT, IPVS_VERSION, Ipvs, VirtualKey, parse_service, service_key,
+};
+use crate::sys::netlink::{Message, NLM_F_DUMP, NLM_F_REQUEST, attrs, find, read_ipv4, read_u32};
+
+// linux/ip_vs.h.
+const IPVS_DEST_ATTR_ACTIVE_CONNS: u16 = 7;
+const IPVS_DEST_ATTR_INACT_CONNS: u16 = 8;
+const IPVS_DEST_ATTR_PERSIST_CONNS: u16 = 9;
+
+/// A virtual server with its counters.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VirtualCounters {
+    pub key: VirtualKey,
+    pub scheduler: String,
+    /// Persistence timeout in seconds, if the service is persistent.
+    pub persistent_seconds: Option<u32>,
+    pub reals: Vec<RealCounters>,
+}
+
+/// A real server with its connection counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RealCounters {
+    pub addr: Ipv4Addr,
+    pub port: u16,
+    pub weight: u32,
+    /// Connections established (TCP) or in use.
+    pub active: u32,
+    /// Other connections (TCP not established, UDP).
+    pub inactive: u32,
+    /// Persistence templates (affinity entries) pointing here.
+    pub persistent: u32,
+}
+
+impl Ipvs {
+    /// Every IPv4 TCP/UDP virtual server with its real servers' counters.
+    pub fn list_counters(&mut self) -> Result<Vec<VirtualCounters>> {
+        let message = Message::genl(
+            self.family,
+            IPVS_CMD_GET_SERVICE,
+            IPVS_VERSION,
+            NLM_F_REQUEST | NLM_F_DUMP,
+        );
+        let answers = self.socket.request(&message).context("listing the virtual servers")?;
+        let mut out = Vec::new();
+        for answer in answers {
+            let Some((key, scheduler, persistent_seconds)) = parse_service(&answer) else {
+                continue;
+            };
+            let reals = self.real_counters(&key)?;
+            out.push(VirtualCounters {
+                key,
+                scheduler,
+                persistent_seconds,
+                reals,
+            });
+        }
+        Ok(out)
+    }
+
+    fn real_counters(&mut self, key: &VirtualKey) -> Result<Vec<RealCounters>> {
+        let mut message = Message::genl(self.family, IPVS_CMD_GET_DEST, IPVS_VERSION, NLM_F_REQUEST | NLM_F_DUMP);
+        message.nested(IPVS_CMD_ATTR_SERVICE, |m| service_key(m, key));
+        let answers = self
+            .socket
+            .request(&message)
+            .with_context(|| format!("listing the real servers of {key}"))?;
+        Ok(answers.iter().filter_map(|a| parse_real(a)).collect())
+    }
+}
+
+/// A real server and its counters from a payload holding a destination;
+/// a counter the kernel leaves out is 0.
+fn parse_real(payload: &[u8]) -> Option<RealCounters> {
+    let top = attrs(payload.get(4..)?);
+    let dest = find(&top, IPVS_CMD_ATTR_DEST)?;
+    let fields = attrs(&dest);
+    let counter = |kind| find(&fields, kind).and_then(|v| read_u32(&v)).unwrap_or(0);
+    Some(RealCounters {
+        addr: read_ipv4(&find(&fields, IPVS_DEST_ATTR_ADDR)?)?,
+        port: u16::from_be_bytes(find(&fields, IPVS_DEST_ATTR_PORT)?.get(..2)?.try_into().ok()?),
+        weight: read_u32(&find(&fields, IPVS_DEST_ATTR_WEIGHT)?)?,
+        active: counter(IPVS_DEST_ATTR_ACTIVE_CONNS),
+        inactive: counter(IPVS_DEST_ATTR_INACT_CONNS),
+        persistent: counter(IPVS_DEST_ATTR_PERSIST_CONNS),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        mode::ipvs::netlink::{IPVS_CMD_NEW_DEST, IPVS_CMD_NEW_SERVICE, dest_message, service_message},
+        model::Protocol,
+    };
+
+    const KEY: VirtualKey = VirtualKey {
+        protocol: Protocol::Tcp,
+        addr: Ipv4Addr::new(10, 96, 0, 88),
+        port: 88,
+    };
+
+    /// A service payload as a dump answer carries it, with `flags` and
+    /// `timeout` as the kernel would fill them.
+    fn service_answer(flags: u32, timeout: u32) -> Vec<u8> {
+        let mut message = Message::genl(0x22, IPVS_CMD_NEW_SERVICE, IPVS_VERSION, 0);
+        message.nested(IPVS_CMD_ATTR_SERVICE, |m| {
+            service_key(m, &KEY);
+            let mut both = [0u8; 8];
+            both[..4].copy_from_slice(&flags.to_ne_bytes());
+            both[4..].copy_from_slice(&u32::MAX.to_ne_bytes());
+            m.string(super::super::IPVS_SVC_ATTR_SCHED_NAME, "rr")
+                .attr(IPVS_SVC_ATTR_FLAGS, &both)
+                .u32(IPVS_SVC_ATTR_TIMEOUT, timeout);
+        });
+        message.finish(1)[16..].to_vec()
+    }
+
+    #[test]
+    fn a_persistent_service_shows_its_timeout() {
+        assert_eq!(persistence(&service_answer(IP_VS_SVC_F_PERSISTENT, 10800)), Some(10800));
+        assert_eq!(persistence(&service_answer(0, 10800)), None);
+        let plain = service_message(0x22, IPVS_CMD_NEW_SERVICE, &KEY, Some("rr")).finish(1);
+        assert_eq!(persistence(&plain[16..]), None);
+    }
+
+    #[test]
+    fn reads_counters_and_takes_missing_ones_as_zero() {
+        let real = (Ipv4Addr::new(10, 244, 0, 11), 80);
+        let mut message = dest_message(0x22, IPVS_CMD_NEW_DEST, &KEY, real, 1);
+        assert_eq!(
+            parse_real(&message.finish(1)[16..]),
+            Some(RealCounters {
+                addr: real.0,
+                port: 80,
+                weight: 1,
+                active: 0,
+                inactive: 0,
+                persistent: 0,
+            })
+        );
+        message = Message::genl(0x22, IPVS_CMD_NEW_DEST, IPVS_VERSION, 0);
+        message.nested(IPVS_CMD_ATTR_DEST, |m| {
+            m.attr(IPVS_DEST_ATTR_ADDR, &super::super::inet_addr(real.0))
+                .attr(IPVS_DEST_ATTR_PORT, &80u16.to_be_bytes())
+                .u32(IPVS_DEST_ATTR_WEIGHT, 0)
+                .u32(IPVS_DEST_ATTR_ACTIVE_CONNS, 3)
+                .u32(IPVS_DEST_ATTR_INACT_CONNS, 2)
+                .u32(IPVS_DEST_ATTR_PERSIST_CONNS, 1);
+        });
+        let got = parse_real(&message.finish(1)[16..]).expect("parses");
+        assert_eq!((got.weight, got.active, got.inactive, got.persistent), (0, 3, 2, 1));
+    }
+}
