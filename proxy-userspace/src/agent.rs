@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
 use crate::{
-    model::{Cluster, Problem, object_key},
+    model::{Cluster, Problem, object_key, topology::ZONE_LABEL},
     reconcile::runner::{Reconciler, Schedule, SyncPolicy, SyncReport},
     source::{SourceEvent, Update},
 };
@@ -145,13 +145,25 @@ impl Agent {
             }
             SourceEvent::Problems(problems) => problems,
             SourceEvent::Node(update) => {
-                // Only health cares about the Node; the desired state is unchanged.
-                match update {
-                    Update::Apply(node) => self.observer.node_updated(Some(&node)),
-                    Update::Delete(_) => self.observer.node_updated(None),
-                    Update::Replace(nodes) => self.observer.node_updated(nodes.first()),
+                let node = match &update {
+                    Update::Apply(node) => Some(node),
+                    Update::Delete(_) => None,
+                    Update::Replace(nodes) => nodes.first(),
+                };
+                self.observer.node_updated(node);
+                // A Node that is gone keeps its last zone: its endpoints
+                // stay as they were programmed until it comes back.
+                if let Some(node) = node
+                    && self.cluster.set_node_zone(node_zone(node))
+                {
+                    info!(
+                        zone = node_zone(node),
+                        "this node's zone changed; re-joining Services with topology hints"
+                    );
+                    vec![]
+                } else {
+                    return;
                 }
-                return;
             }
         };
         self.report_problems(&problems);
@@ -212,6 +224,16 @@ impl Agent {
             }
         }
     }
+}
+
+/// The zone a Node object names (its `topology.kubernetes.io/zone` label).
+pub fn node_zone(node: &Node) -> Option<&str> {
+    node.metadata
+        .labels
+        .as_ref()
+        .and_then(|labels| labels.get(ZONE_LABEL))
+        .map(String::as_str)
+        .filter(|zone| !zone.is_empty())
 }
 
 async fn sleep_until_some(deadline: Option<tokio::time::Instant>) {
@@ -342,6 +364,52 @@ mod tests {
                 && runs() == 2
         })
         .await;
+        stop.send(()).unwrap();
+        task.await.unwrap().unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_nodes_zone_label_reprograms_services_with_zone_hints() {
+        let fake = Fake::default();
+        let policy = SyncPolicy::new(Duration::from_millis(10), Duration::from_secs(30));
+        let agent = Agent::new(Reconciler::new(Box::new(fake.clone())), policy, Arc::new(NullObserver));
+        let (tx, rx) = mpsc::channel(16);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(agent.run(rx, async move { stopped.await.unwrap_or(()) }));
+        let node = |zone: &str| -> Node {
+            serde_json::from_value(json!({"metadata": {"name": "n1", "labels": {ZONE_LABEL: zone}}})).unwrap()
+        };
+        let hinted: EndpointSlice = serde_json::from_value(json!({
+            "metadata": {"name": "web-1", "namespace": "default", "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4", "ports": [{"port": 8080}], "endpoints": [
+                {"addresses": ["10.244.0.1"], "hints": {"forZones": [{"name": "z1"}]}},
+                {"addresses": ["10.244.0.2"], "hints": {"forZones": [{"name": "z2"}]}}]}))
+        .unwrap();
+        tx.send(SourceEvent::Node(Update::Replace(vec![node("z1")])))
+            .await
+            .unwrap();
+        tx.send(SourceEvent::Services(Update::Replace(vec![svc()])))
+            .await
+            .unwrap();
+        tx.send(SourceEvent::Slices(Update::Replace(vec![hinted])))
+            .await
+            .unwrap();
+        let zone_is = |zone: &'static str| {
+            move |f: &Fake| {
+                f.programmed()
+                    .get("default/web")
+                    .is_some_and(|p| p.node_zone.as_deref() == Some(zone))
+            }
+        };
+        next_programmed(&fake, zone_is("z1")).await;
+        tx.send(SourceEvent::Node(Update::Apply(node("z2")))).await.unwrap();
+        next_programmed(&fake, zone_is("z2")).await;
+        let programmed = fake.programmed();
+        let sets = crate::model::EndpointSets::of(&programmed["default/web"], Some("n1"));
+        assert_eq!(
+            sets.cluster.iter().map(|e| e.addr.to_string()).collect::<Vec<_>>(),
+            ["10.244.0.2"]
+        );
         stop.send(()).unwrap();
         task.await.unwrap().unwrap();
     }

@@ -172,7 +172,10 @@ fn ebpf_failure(error: anyhow::Error) -> Failure {
 async fn start_source(config: &Config, events: mpsc::Sender<source::SourceEvent>) -> Result<(), Failure> {
     match &config.source {
         Source::Manifests(dir) => {
-            ManifestDir::new(dir).exit_code(ExitCode::BadConfig)?.spawn(events);
+            ManifestDir::new(dir)
+                .exit_code(ExitCode::BadConfig)?
+                .for_node(&config.node_name)
+                .spawn(events);
         }
         Source::Kubeconfig(_) | Source::InCluster => {
             let kubeconfig = match &config.source {
