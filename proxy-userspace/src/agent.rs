@@ -17,6 +17,7 @@ use tracing::{debug, info, warn};
 use crate::{
     model::{Cluster, Problem, object_key, topology::ZONE_LABEL},
     reconcile::runner::{Reconciler, Schedule, SyncPolicy, SyncReport},
+    server::service_health::ServiceHealth,
     source::{SourceEvent, Update},
 };
 
@@ -61,6 +62,8 @@ pub struct Agent {
     /// Runs after a sync that took in a (re)list (the binary hands the
     /// list's freed memory back to the kernel).
     after_relist_synced: Option<Box<dyn Fn() + Send>>,
+    /// The health check node ports, brought up to date after each sync.
+    service_health: Option<ServiceHealth>,
 }
 
 impl Agent {
@@ -75,7 +78,14 @@ impl Agent {
             logged_problems: Vec::new(),
             relisted: false,
             after_relist_synced: None,
+            service_health: None,
         }
+    }
+
+    /// Serves the health check node ports of the programmed Services.
+    pub fn with_service_health(mut self, service_health: ServiceHealth) -> Self {
+        self.service_health = Some(service_health);
+        self
     }
 
     /// Calls `hook` after each sync that took in a (re)list.
@@ -212,6 +222,9 @@ impl Agent {
                     debug!(took_ms = took.as_secs_f64() * 1e3, "synced, nothing changed");
                 }
                 self.observer.synced(&report, took, oldest_change);
+                if let Some(service_health) = &mut self.service_health {
+                    service_health.update(desired, &changed, full);
+                }
                 if std::mem::take(&mut self.relisted)
                     && let Some(hook) = &self.after_relist_synced
                 {

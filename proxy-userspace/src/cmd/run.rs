@@ -15,7 +15,10 @@ use crate::{
         ebpf::{MissingInterface, NotBpffs},
     },
     reconcile::runner::{Reconciler, SyncPolicy},
-    server::{Telemetry, bind_healthz, bind_metrics},
+    server::{
+        Telemetry, bind_healthz, bind_metrics,
+        service_health::{self, ServiceHealth},
+    },
     source::{self, manifest::ManifestDir},
 };
 
@@ -112,9 +115,16 @@ async fn run_agent(config: Config) -> Result<(), Failure> {
     start_source(&config, events).await?;
 
     let policy = SyncPolicy::new(config.sync.min_sync_period, config.sync.sync_period);
-    let agent = Agent::new(Reconciler::new(mode), policy, Arc::new(telemetry)).after_relist_synced(|| {
-        tokio::task::spawn_blocking(release_freed_memory);
-    });
+    let service_health = ServiceHealth::new(
+        Some(config.node_name.clone()),
+        service_health::listen_addresses(&config),
+        telemetry.clone(),
+    );
+    let agent = Agent::new(Reconciler::new(mode), policy, Arc::new(telemetry))
+        .with_service_health(service_health)
+        .after_relist_synced(|| {
+            tokio::task::spawn_blocking(release_freed_memory);
+        });
     agent
         .run(receiver, shutdown_signal())
         .await
