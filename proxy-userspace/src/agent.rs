@@ -15,10 +15,10 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
 use crate::{
-    model::{Cluster, Problem, object_key, topology::ZONE_LABEL},
+    model::{Cluster, Problem, object_key},
     reconcile::runner::{Reconciler, Schedule, SyncPolicy, SyncReport},
     server::service_health::ServiceHealth,
-    source::{SourceEvent, Update},
+    source::{SourceEvent, Update, node},
 };
 
 /// What health and metrics need to know about the loop.
@@ -164,10 +164,10 @@ impl Agent {
                 // A Node that is gone keeps its last zone: its endpoints
                 // stay as they were programmed until it comes back.
                 if let Some(node) = node
-                    && self.cluster.set_node_zone(node_zone(node))
+                    && self.cluster.set_node_zone(node::zone(node))
                 {
                     info!(
-                        zone = node_zone(node),
+                        zone = node::zone(node),
                         "this node's zone changed; re-joining Services with topology hints"
                     );
                     vec![]
@@ -237,16 +237,6 @@ impl Agent {
             }
         }
     }
-}
-
-/// The zone a Node object names (its `topology.kubernetes.io/zone` label).
-pub fn node_zone(node: &Node) -> Option<&str> {
-    node.metadata
-        .labels
-        .as_ref()
-        .and_then(|labels| labels.get(ZONE_LABEL))
-        .map(String::as_str)
-        .filter(|zone| !zone.is_empty())
 }
 
 async fn sleep_until_some(deadline: Option<tokio::time::Instant>) {
@@ -390,7 +380,8 @@ mod tests {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(agent.run(rx, async move { stopped.await.unwrap_or(()) }));
         let node = |zone: &str| -> Node {
-            serde_json::from_value(json!({"metadata": {"name": "n1", "labels": {ZONE_LABEL: zone}}})).unwrap()
+            serde_json::from_value(json!({"metadata": {"name": "n1", "labels": {"topology.kubernetes.io/zone": zone}}}))
+                .unwrap()
         };
         let hinted: EndpointSlice = serde_json::from_value(json!({
             "metadata": {"name": "web-1", "namespace": "default", "labels": {"kubernetes.io/service-name": "web"}},

@@ -233,6 +233,33 @@ fn api_server_changes_are_programmed_within_a_second() {
     });
 }
 
+/// Without `--node-ip` the agent takes the node's IPs from its Node
+/// object's `InternalIP`, as kube-proxy does: the ebpf mode finds its
+/// uplink by that address and the NodePort answers on it.
+#[test]
+fn node_ips_come_from_the_node_object_without_node_ip() {
+    const TEST: &str = "node_ips_come_from_the_node_object_without_node_ip";
+    if !require_root(TEST) {
+        return;
+    }
+    run(TEST, |bed| {
+        bed.start_api_server()?;
+        bed.start_agent_finding_node_ip("ebpf", &bed.kubeconfig_args())?;
+        let ready = bed.wait_answering(seed_node_port(), READY_WITHIN)?;
+        let found = log_lines(&bed.log(), "node IPs found");
+        ensure!(
+            found.iter().any(|l| l.contains(&NODE_IP.to_string())),
+            "the log does not say {NODE_IP} was found: {found:?}"
+        );
+        let seen = bed.expect_all_backends(&bed.topo.client, seed_node_port(), ALL_BACKENDS_REQUESTS)?;
+        note(
+            TEST,
+            format!("NodePort on the Node's InternalIP answering {ready:.1?} after the start: {seen}"),
+        );
+        Ok(())
+    });
+}
+
 // ---------------------------------------------------------------------------
 // 3: API server outage and 410.
 

@@ -327,7 +327,7 @@ endpoints:
         let mut source = ManifestDir::new(&dir).unwrap().for_node("node-a");
         source.reload_if_changed().unwrap().unwrap();
         let node = source.node().expect("node-a is there");
-        assert_eq!(crate::agent::node_zone(node), Some("z1"));
+        assert_eq!(super::super::node::zone(node), Some("z1"));
         let mut nameless = ManifestDir::new(&dir).unwrap();
         nameless.reload_if_changed().unwrap().unwrap();
         assert!(nameless.node().is_none());

@@ -3,6 +3,7 @@
 
 pub mod kube;
 pub mod manifest;
+pub mod node;
 
 use k8s_openapi::api::{
     core::v1::{Node, Service},
