@@ -260,6 +260,59 @@ fn node_ips_come_from_the_node_object_without_node_ip() {
     });
 }
 
+/// The node's zone comes from its Node object through the API watch: zone
+/// hints keep the Service's traffic in this node's zone, and when the
+/// Node's zone label changes the agent re-programs the Service for the
+/// new zone (kube-proxy's topology-aware routing; the fall-backs are
+/// unit-tested in the model).
+#[test]
+fn zone_hints_follow_the_node_objects_zone() {
+    const TEST: &str = "zone_hints_follow_the_node_objects_zone";
+    if !require_root(TEST) {
+        return;
+    }
+    let node_in = |zone: &str| {
+        let mut node = fixtures::node();
+        node["metadata"]["labels"]["topology.kubernetes.io/zone"] = json!(zone);
+        node
+    };
+    run(TEST, |bed| {
+        bed.start_api_server()?;
+        let api = bed.api();
+        api.apply(&node_in("zone-1"))?;
+        let mut hinted = slice(fixtures::SEED_SLICE, fixtures::SEED_NAME, TARGET_PORT, &backend_ips());
+        for (i, endpoint) in hinted["endpoints"].as_array_mut().into_iter().flatten().enumerate() {
+            let zone = if i == 0 { "zone-1" } else { "zone-2" };
+            endpoint["zone"] = json!(zone);
+            endpoint["hints"] = json!({"forZones": [{"name": zone}]});
+        }
+        api.apply(&hinted)?;
+        bed.start_agent(&bed.kubeconfig_args())?;
+        bed.wait_answering(seed_node_port(), READY_WITHIN)?;
+        let zone_1 = testbed::probe::expect_backends(
+            &bed.topo.client,
+            testbed::probe::Protocol::Tcp,
+            seed_node_port(),
+            &["pod-1"],
+            ALL_BACKENDS_REQUESTS,
+        )?;
+        bed.api().apply(&node_in("zone-2"))?;
+        let client = &bed.topo.client;
+        let zone_2 = netns::wait_for("zone-2's pods to answer alone", READY_WITHIN, || {
+            testbed::probe::expect_backends(
+                client,
+                testbed::probe::Protocol::Tcp,
+                seed_node_port(),
+                &["pod-2", "pod-3"],
+                ALL_BACKENDS_REQUESTS,
+            )
+            .map_err(|e| format!("{e:#}"))
+        })?;
+        note(TEST, format!("in zone-1: {zone_1}; moved to zone-2: {zone_2}"));
+        Ok(())
+    });
+}
+
 // ---------------------------------------------------------------------------
 // 3: API server outage and 410.
 
