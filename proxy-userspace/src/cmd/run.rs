@@ -201,7 +201,8 @@ const NODE_IP_WAIT: Duration = Duration::from_secs(10);
 
 /// The node IPs when `--node-ip` is not given: from this node's Node
 /// object (the API's, or the manifest directory's Node document), else
-/// `bindAddress` (see [`source::node::node_ips`]).
+/// `bindAddress`, else the default route's interface (see
+/// [`source::node::node_ips`]).
 async fn find_node_ips(config: &Config, client: Option<kube::Client>) -> Vec<std::net::IpAddr> {
     let node = match (&config.source, client) {
         (Source::Manifests(dir), _) => ManifestDir::new(dir).ok().and_then(|source| {
@@ -212,14 +213,21 @@ async fn find_node_ips(config: &Config, client: Option<kube::Client>) -> Vec<std
         (_, Some(client)) => source::node::fetch(client, &config.node_name, NODE_IP_WAIT).await,
         (_, None) => None,
     };
-    let local = crate::sys::addrs::local_ipv4().unwrap_or_else(|e| {
-        warn!(error = format!("{e:#}"), "cannot list this node's addresses");
-        Vec::new()
-    });
-    let ips = source::node::node_ips(node.as_ref(), &local, config.bind_address);
+    let listed = |what: &str, addrs: anyhow::Result<Vec<std::net::Ipv4Addr>>| {
+        addrs.unwrap_or_else(|e| {
+            warn!(error = format!("{e:#}"), "cannot list {what}");
+            Vec::new()
+        })
+    };
+    let interfaces = source::node::Interfaces {
+        local: listed("this node's addresses", crate::sys::addrs::local_ipv4()),
+        default_route: listed("the default route's addresses", crate::sys::addrs::default_route_ipv4()),
+    };
+    let ips = source::node::node_ips(node.as_ref(), &interfaces, config.bind_address);
     if ips.is_empty() {
         warn!(
-            "no node IP: none given (--node-ip), none on the Node object, no bindAddress; the modes use the interfaces' addresses"
+            "no node IP: none given (--node-ip), none on the Node object, no bindAddress, no default route; \
+             NodePorts answer where the mode finds addresses itself"
         );
     } else {
         info!(node_ips = ?ips, from_node = node.is_some(), "node IPs found");

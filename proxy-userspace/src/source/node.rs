@@ -47,24 +47,39 @@ pub fn host_ips(node: &Node) -> Vec<IpAddr> {
     std::iter::once(primary).chain(secondary).collect()
 }
 
+/// This node's interfaces, as [`node_ips`] reads them.
+pub struct Interfaces {
+    /// Every local IPv4 address.
+    pub local: Vec<Ipv4Addr>,
+    /// The addresses of the interface the default route leaves by.
+    pub default_route: Vec<Ipv4Addr>,
+}
+
 /// The node IPs to use when `--node-ip` is not given: the Node's
-/// ([`host_ips`]), only those on this node's interfaces (`local`) if any
-/// is (an `ExternalIP` that a cloud translates to the node is no address
-/// packets arrive at); else `bindAddress` when it is set, as kube-proxy
-/// falls back; else none (the modes then use the interfaces' addresses).
-pub fn node_ips(node: Option<&Node>, local: &[Ipv4Addr], bind_address: IpAddr) -> Vec<IpAddr> {
-    let from_node = node.map(host_ips).unwrap_or_default();
-    let is_local = |ip: &IpAddr| matches!(ip, IpAddr::V4(v4) if local.contains(v4));
-    if from_node.iter().any(is_local) {
-        return from_node.into_iter().filter(is_local).collect();
-    }
+/// ([`host_ips`]), only those on this node's interfaces if any is (an
+/// `ExternalIP` that a cloud translates to the node is no address packets
+/// arrive at); else `bindAddress` when it is set, as kube-proxy falls
+/// back; else the addresses of the default route's interface (where
+/// kube-proxy would assume loopback); else none.
+pub fn node_ips(node: Option<&Node>, interfaces: &Interfaces, bind_address: IpAddr) -> Vec<IpAddr> {
+    let from_node = from_node(node, &interfaces.local);
     if !from_node.is_empty() {
         return from_node;
     }
-    if bind_address.is_unspecified() {
-        Vec::new()
+    if !bind_address.is_unspecified() {
+        return vec![bind_address];
+    }
+    interfaces.default_route.iter().copied().map(IpAddr::V4).collect()
+}
+
+/// The Node's IPs, only those in `local` if any is.
+fn from_node(node: Option<&Node>, local: &[Ipv4Addr]) -> Vec<IpAddr> {
+    let from_node = node.map(host_ips).unwrap_or_default();
+    let is_local = |ip: &IpAddr| matches!(ip, IpAddr::V4(v4) if local.contains(v4));
+    if from_node.iter().any(is_local) {
+        from_node.into_iter().filter(is_local).collect()
     } else {
-        vec![bind_address]
+        from_node
     }
 }
 
@@ -128,26 +143,38 @@ mod tests {
     }
 
     #[test]
-    fn addresses_on_this_nodes_interfaces_win_then_the_node_then_the_bind_address() {
-        let local = [Ipv4Addr::new(10, 0, 0, 5)];
+    fn the_node_then_the_bind_address_then_the_default_routes_interface() {
+        let interfaces = Interfaces {
+            local: vec![Ipv4Addr::new(10, 0, 0, 5), Ipv4Addr::new(192, 168, 9, 1)],
+            default_route: vec![Ipv4Addr::new(10, 0, 0, 5)],
+        };
         let unspecified = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
         let bind: IpAddr = "10.0.0.9".parse().unwrap();
-        let both = node(json!([
+        let external = node(json!([
             {"type": "ExternalIP", "address": "203.0.113.5"},
             {"type": "ExternalIP", "address": "fd00::5"},
         ]));
-        assert_eq!(node_ips(Some(&both), &local, bind), ips(&["203.0.113.5", "fd00::5"]));
+        assert_eq!(
+            node_ips(Some(&external), &interfaces, bind),
+            ips(&["203.0.113.5", "fd00::5"]),
+            "none local: the Node's all the same"
+        );
         let with_local = node(json!([
             {"type": "ExternalIP", "address": "203.0.113.5"},
             {"type": "InternalIP", "address": "fd00::5"},
-            {"type": "InternalIP", "address": "10.0.0.5"},
+            {"type": "InternalIP", "address": "192.168.9.1"},
         ]));
-        assert_eq!(host_ips(&with_local), ips(&["fd00::5", "10.0.0.5"]));
-        assert_eq!(node_ips(Some(&with_local), &local, bind), ips(&["10.0.0.5"]));
+        assert_eq!(host_ips(&with_local), ips(&["fd00::5", "192.168.9.1"]));
+        assert_eq!(node_ips(Some(&with_local), &interfaces, bind), ips(&["192.168.9.1"]));
         let bare = node(json!([]));
-        assert_eq!(node_ips(Some(&bare), &local, bind), vec![bind]);
-        assert_eq!(node_ips(None, &local, bind), vec![bind]);
-        assert!(node_ips(None, &local, unspecified).is_empty());
+        assert_eq!(node_ips(Some(&bare), &interfaces, bind), vec![bind]);
+        assert_eq!(node_ips(None, &interfaces, bind), vec![bind]);
+        assert_eq!(node_ips(None, &interfaces, unspecified), ips(&["10.0.0.5"]));
+        let no_route = Interfaces {
+            default_route: vec![],
+            ..interfaces
+        };
+        assert!(node_ips(None, &no_route, unspecified).is_empty());
     }
 
     #[test]
