@@ -897,8 +897,8 @@ fn two_node_nftables() {
 
 // ---------------------------------------------------------------------------
 // The agent's mode-independent Service features on two nodes: health check
-// node ports and topology hints (issue 12, items 4 and 5). One mode is
-// enough: both are decided before a mode sees the state (health checks
+// node ports and topology hints (issue 12, items 4 and 5), the same in
+// every mode: both are decided before a mode sees the state (health checks
 // read the desired state, topology narrows `EndpointSets` for every mode).
 
 /// `type: LoadBalancer`, `externalTrafficPolicy: Local`, node-a's backends
@@ -1097,4 +1097,20 @@ fn two_node_agent_features_iptables() {
         return;
     }
     agent_features(Mode::Iptables);
+}
+
+#[test]
+fn two_node_agent_features_ebpf() {
+    if !require_root("two_node_agent_features_ebpf") {
+        return;
+    }
+    agent_features(Mode::Ebpf);
+}
+
+#[test]
+fn two_node_agent_features_nftables() {
+    if !require_root("two_node_agent_features_nftables") {
+        return;
+    }
+    agent_features(Mode::Nftables);
 }
