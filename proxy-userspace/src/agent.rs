@@ -277,14 +277,27 @@ mod tests {
         .expect("the agent programmed the expected state in time");
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn nothing_is_programmed_until_both_kinds_are_listed() {
-        let fake = Fake::default();
+    /// Runs an agent programming `fake` (10 ms minimum sync interval):
+    /// its event sender, its stop switch and its task.
+    fn spawn_agent(
+        fake: &Fake,
+    ) -> (
+        mpsc::Sender<SourceEvent>,
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<Result<()>>,
+    ) {
         let policy = SyncPolicy::new(Duration::from_millis(10), Duration::from_secs(30));
         let agent = Agent::new(Reconciler::new(Box::new(fake.clone())), policy, Arc::new(NullObserver));
         let (tx, rx) = mpsc::channel(16);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(agent.run(rx, async move { stopped.await.unwrap_or(()) }));
+        (tx, stop, task)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn nothing_is_programmed_until_both_kinds_are_listed() {
+        let fake = Fake::default();
+        let (tx, stop, task) = spawn_agent(&fake);
 
         tx.send(SourceEvent::Services(Update::Replace(vec![svc()])))
             .await
@@ -374,11 +387,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_nodes_zone_label_reprograms_services_with_zone_hints() {
         let fake = Fake::default();
-        let policy = SyncPolicy::new(Duration::from_millis(10), Duration::from_secs(30));
-        let agent = Agent::new(Reconciler::new(Box::new(fake.clone())), policy, Arc::new(NullObserver));
-        let (tx, rx) = mpsc::channel(16);
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(agent.run(rx, async move { stopped.await.unwrap_or(()) }));
+        let (tx, stop, task) = spawn_agent(&fake);
         let node = |zone: &str| -> Node {
             serde_json::from_value(json!({"metadata": {"name": "n1", "labels": {"topology.kubernetes.io/zone": zone}}}))
                 .unwrap()

@@ -30,18 +30,9 @@ pub struct SliceInfo {
 
 /// An endpoint's topology hints; `None` if it names no zone and no node.
 fn hints(hints: &k8s_openapi::api::discovery::v1::EndpointHints) -> Option<Arc<Hints>> {
-    let zones: Vec<Arc<str>> = hints
-        .for_zones
-        .iter()
-        .flatten()
-        .map(|z| Arc::from(z.name.as_str()))
-        .collect();
-    let nodes: Vec<Arc<str>> = hints
-        .for_nodes
-        .iter()
-        .flatten()
-        .map(|n| Arc::from(n.name.as_str()))
-        .collect();
+    let names = |names: Vec<&String>| -> Vec<Arc<str>> { names.into_iter().map(|n| Arc::from(n.as_str())).collect() };
+    let zones = names(hints.for_zones.iter().flatten().map(|z| &z.name).collect());
+    let nodes = names(hints.for_nodes.iter().flatten().map(|n| &n.name).collect());
     (!zones.is_empty() || !nodes.is_empty()).then(|| Arc::new(Hints { zones, nodes }))
 }
 

@@ -222,11 +222,20 @@ pub fn listen_addresses(config: &Config) -> Vec<IpAddr> {
             if ips.is_empty() { any } else { ips }
         }
         NodePortAddresses::Cidrs(cidrs) => match crate::sys::addrs::local_ipv4() {
-            Ok(local) => local
-                .into_iter()
-                .map(IpAddr::V4)
-                .filter(|ip| cidrs.iter().any(|c| c.contains(*ip)))
-                .collect(),
+            Ok(local) => {
+                let ips: Vec<IpAddr> = local
+                    .into_iter()
+                    .map(IpAddr::V4)
+                    .filter(|ip| cidrs.iter().any(|c| c.contains(*ip)))
+                    .collect();
+                if ips.is_empty() {
+                    warn!(
+                        ?cidrs,
+                        "no address of this node is in nodePortAddresses: health check node ports listen nowhere"
+                    );
+                }
+                ips
+            }
             Err(e) => {
                 // kube-proxy does the same when it cannot list addresses.
                 warn!(error = %format!("{e:#}"), "cannot list this node's addresses: health check node ports listen on every address");
