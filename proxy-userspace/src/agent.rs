@@ -17,7 +17,8 @@ use tracing::{debug, info, warn};
 use crate::{
     model::{Cluster, NoLocalEndpoints, Problem, object_key},
     reconcile::runner::{Reconciler, Schedule, SyncPolicy, SyncReport},
-    source::{SourceEvent, Update},
+    server::service_health::ServiceHealth,
+    source::{SourceEvent, Update, node},
 };
 
 /// What health and metrics need to know about the loop.
@@ -81,6 +82,8 @@ pub struct Agent {
     /// This node's name, for the no-local-endpoints tally.
     node_name: Option<String>,
     no_local: NoLocalEndpoints,
+    /// The health check node ports, brought up to date after each sync.
+    service_health: Option<ServiceHealth>,
 }
 
 impl Agent {
@@ -98,12 +101,19 @@ impl Agent {
             pending: (0, 0),
             node_name: None,
             no_local: NoLocalEndpoints::default(),
+            service_health: None,
         }
     }
 
     /// The node the agent runs on (the Local policies' endpoints).
     pub fn on_node(mut self, name: &str) -> Self {
         self.node_name = Some(name.to_owned());
+        self
+    }
+
+    /// Serves the health check node ports of the programmed Services.
+    pub fn with_service_health(mut self, service_health: ServiceHealth) -> Self {
+        self.service_health = Some(service_health);
         self
     }
 
@@ -176,13 +186,25 @@ impl Agent {
             }
             SourceEvent::Problems(problems) => problems,
             SourceEvent::Node(update) => {
-                // Only health cares about the Node; the desired state is unchanged.
-                match update {
-                    Update::Apply(node) => self.observer.node_updated(Some(&node)),
-                    Update::Delete(_) => self.observer.node_updated(None),
-                    Update::Replace(nodes) => self.observer.node_updated(nodes.first()),
+                let node = match &update {
+                    Update::Apply(node) => Some(node),
+                    Update::Delete(_) => None,
+                    Update::Replace(nodes) => nodes.first(),
+                };
+                self.observer.node_updated(node);
+                // A Node that is gone keeps its last zone: its endpoints
+                // stay as they were programmed until it comes back.
+                if let Some(node) = node
+                    && self.cluster.set_node_zone(node::zone(node))
+                {
+                    info!(
+                        zone = node::zone(node),
+                        "this node's zone changed; re-joining Services with topology hints"
+                    );
+                    vec![]
+                } else {
+                    return;
                 }
-                return;
             }
         };
         self.report_problems(&problems);
@@ -233,6 +255,9 @@ impl Agent {
                 }
                 self.report_problems(&report.problems);
                 self.observer.synced(&report, took, oldest_change);
+                if let Some(service_health) = &mut self.service_health {
+                    service_health.update(desired, &changed, full);
+                }
                 // A full sync re-checks every port (and heals a tally that
                 // missed the changes of a failed sync).
                 let checked = if full {
@@ -297,14 +322,27 @@ mod tests {
         .expect("the agent programmed the expected state in time");
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn nothing_is_programmed_until_both_kinds_are_listed() {
-        let fake = Fake::default();
+    /// Runs an agent programming `fake` (10 ms minimum sync interval):
+    /// its event sender, its stop switch and its task.
+    fn spawn_agent(
+        fake: &Fake,
+    ) -> (
+        mpsc::Sender<SourceEvent>,
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<Result<()>>,
+    ) {
         let policy = SyncPolicy::new(Duration::from_millis(10), Duration::from_secs(30));
         let agent = Agent::new(Reconciler::new(Box::new(fake.clone())), policy, Arc::new(NullObserver));
         let (tx, rx) = mpsc::channel(16);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(agent.run(rx, async move { stopped.await.unwrap_or(()) }));
+        (tx, stop, task)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn nothing_is_programmed_until_both_kinds_are_listed() {
+        let fake = Fake::default();
+        let (tx, stop, task) = spawn_agent(&fake);
 
         tx.send(SourceEvent::Services(Update::Replace(vec![svc()])))
             .await
@@ -387,6 +425,49 @@ mod tests {
                 && runs() == 2
         })
         .await;
+        stop.send(()).unwrap();
+        task.await.unwrap().unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_nodes_zone_label_reprograms_services_with_zone_hints() {
+        let fake = Fake::default();
+        let (tx, stop, task) = spawn_agent(&fake);
+        let node = |zone: &str| -> Node {
+            serde_json::from_value(json!({"metadata": {"name": "n1", "labels": {"topology.kubernetes.io/zone": zone}}}))
+                .unwrap()
+        };
+        let hinted: EndpointSlice = serde_json::from_value(json!({
+            "metadata": {"name": "web-1", "namespace": "default", "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4", "ports": [{"port": 8080}], "endpoints": [
+                {"addresses": ["10.244.0.1"], "hints": {"forZones": [{"name": "z1"}]}},
+                {"addresses": ["10.244.0.2"], "hints": {"forZones": [{"name": "z2"}]}}]}))
+        .unwrap();
+        tx.send(SourceEvent::Node(Update::Replace(vec![node("z1")])))
+            .await
+            .unwrap();
+        tx.send(SourceEvent::Services(Update::Replace(vec![svc()])))
+            .await
+            .unwrap();
+        tx.send(SourceEvent::Slices(Update::Replace(vec![hinted])))
+            .await
+            .unwrap();
+        let zone_is = |zone: &'static str| {
+            move |f: &Fake| {
+                f.programmed()
+                    .get("default/web")
+                    .is_some_and(|p| p.node_zone.as_deref() == Some(zone))
+            }
+        };
+        next_programmed(&fake, zone_is("z1")).await;
+        tx.send(SourceEvent::Node(Update::Apply(node("z2")))).await.unwrap();
+        next_programmed(&fake, zone_is("z2")).await;
+        let programmed = fake.programmed();
+        let sets = crate::model::EndpointSets::of(&programmed["default/web"], Some("n1"));
+        assert_eq!(
+            sets.cluster.iter().map(|e| e.addr.to_string()).collect::<Vec<_>>(),
+            ["10.244.0.2"]
+        );
         stop.send(()).unwrap();
         task.await.unwrap().unwrap();
     }

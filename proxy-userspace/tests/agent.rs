@@ -276,6 +276,86 @@ fn trigger_time_latency_is_measured(bed: &mut AgentBed) -> Result<()> {
     }
 }
 
+/// Without `--node-ip` the agent takes the node's IPs from its Node
+/// object's `InternalIP`, as kube-proxy does: the ebpf mode finds its
+/// uplink by that address and the NodePort answers on it.
+#[test]
+fn node_ips_come_from_the_node_object_without_node_ip() {
+    const TEST: &str = "node_ips_come_from_the_node_object_without_node_ip";
+    if !require_root(TEST) {
+        return;
+    }
+    run(TEST, |bed| {
+        bed.start_api_server()?;
+        bed.start_agent_finding_node_ip("ebpf", &bed.kubeconfig_args())?;
+        let ready = bed.wait_answering(seed_node_port(), READY_WITHIN)?;
+        let found = log_lines(&bed.log(), "node IPs found");
+        ensure!(
+            found.iter().any(|l| l.contains(&NODE_IP.to_string())),
+            "the log does not say {NODE_IP} was found: {found:?}"
+        );
+        let seen = bed.expect_all_backends(&bed.topo.client, seed_node_port(), ALL_BACKENDS_REQUESTS)?;
+        note(
+            TEST,
+            format!("NodePort on the Node's InternalIP answering {ready:.1?} after the start: {seen}"),
+        );
+        Ok(())
+    });
+}
+
+/// The node's zone comes from its Node object through the API watch: zone
+/// hints keep the Service's traffic in this node's zone, and when the
+/// Node's zone label changes the agent re-programs the Service for the
+/// new zone (kube-proxy's topology-aware routing; the fall-backs are
+/// unit-tested in the model).
+#[test]
+fn zone_hints_follow_the_node_objects_zone() {
+    const TEST: &str = "zone_hints_follow_the_node_objects_zone";
+    if !require_root(TEST) {
+        return;
+    }
+    let node_in = |zone: &str| {
+        let mut node = fixtures::node();
+        node["metadata"]["labels"]["topology.kubernetes.io/zone"] = json!(zone);
+        node
+    };
+    run(TEST, |bed| {
+        bed.start_api_server()?;
+        let api = bed.api();
+        api.apply(&node_in("zone-1"))?;
+        let mut hinted = slice(fixtures::SEED_SLICE, fixtures::SEED_NAME, TARGET_PORT, &backend_ips());
+        for (i, endpoint) in hinted["endpoints"].as_array_mut().into_iter().flatten().enumerate() {
+            let zone = if i == 0 { "zone-1" } else { "zone-2" };
+            endpoint["zone"] = json!(zone);
+            endpoint["hints"] = json!({"forZones": [{"name": zone}]});
+        }
+        api.apply(&hinted)?;
+        bed.start_agent(&bed.kubeconfig_args())?;
+        bed.wait_answering(seed_node_port(), READY_WITHIN)?;
+        let zone_1 = testbed::probe::expect_backends(
+            &bed.topo.client,
+            testbed::probe::Protocol::Tcp,
+            seed_node_port(),
+            &["pod-1"],
+            ALL_BACKENDS_REQUESTS,
+        )?;
+        bed.api().apply(&node_in("zone-2"))?;
+        let client = &bed.topo.client;
+        let zone_2 = netns::wait_for("zone-2's pods to answer alone", READY_WITHIN, || {
+            testbed::probe::expect_backends(
+                client,
+                testbed::probe::Protocol::Tcp,
+                seed_node_port(),
+                &["pod-2", "pod-3"],
+                ALL_BACKENDS_REQUESTS,
+            )
+            .map_err(|e| format!("{e:#}"))
+        })?;
+        note(TEST, format!("in zone-1: {zone_1}; moved to zone-2: {zone_2}"));
+        Ok(())
+    });
+}
+
 // ---------------------------------------------------------------------------
 // 3: API server outage and 410.
 

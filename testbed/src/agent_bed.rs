@@ -669,6 +669,16 @@ impl AgentBed {
         self.start_agent_in("ebpf", source_args)
     }
 
+    /// [`Self::start_agent_in`] without `--node-ip`: the agent finds the
+    /// node's IPs itself (from its Node object).
+    pub fn start_agent_finding_node_ip(&mut self, mode: &str, source_args: &[String]) -> Result<()> {
+        let mut args = source_args.to_vec();
+        let [mode_flag, mode, _, _, name_flag, name] = node_args(mode, NODE_IP, NODE_NAME);
+        args.extend([mode_flag, mode, name_flag, name]);
+        let log = format!("agent-{}.log", self.agent.started() + 1);
+        self.agent.start(&self.topo.node, &args, &log)
+    }
+
     /// [`Self::start_agent`] with `--mode mode`.
     pub fn start_agent_in(&mut self, mode: &str, source_args: &[String]) -> Result<()> {
         let mut args = source_args.to_vec();

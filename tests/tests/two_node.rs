@@ -894,3 +894,223 @@ fn two_node_nftables() {
     }
     scenario(Mode::Nftables, Offloads::On);
 }
+
+// ---------------------------------------------------------------------------
+// The agent's mode-independent Service features on two nodes: health check
+// node ports and topology hints (issue 12, items 4 and 5), the same in
+// every mode: both are decided before a mode sees the state (health checks
+// read the desired state, topology narrows `EndpointSets` for every mode).
+
+/// `type: LoadBalancer`, `externalTrafficPolicy: Local`, node-a's backends
+/// only: node-a's health check answers 200 with 2, node-b's 503 with 0.
+const LB_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 1, 90);
+const LB_PORT: u16 = 90;
+const LB_NODE_PORT: u16 = 30890;
+const HEALTH_CHECK_PORT: u16 = 32090;
+/// Zone hints on every endpoint (each its node's zone): each node's pods
+/// reach their zone's backends only.
+const ZONAL_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 1, 91);
+const ZONAL_PORT: u16 = 91;
+/// Zone hints on all but b-2: ignored, every backend.
+const PARTLY_HINTED_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 1, 92);
+const PARTLY_HINTED_PORT: u16 = 92;
+const AGENT_FEATURES: &str = "agent-features.yaml";
+
+fn zone_of(node: &str) -> &'static str {
+    if node == NODE_A.name { "zone-a" } else { "zone-b" }
+}
+
+/// This bed's Node objects (what the manifests source reads a node's zone
+/// from), node-a in `zone_a`.
+fn nodes(zone_a: &str) -> Vec<Value> {
+    [(NODE_A.name, zone_a), (NODE_B.name, zone_of(NODE_B.name))]
+        .into_iter()
+        .map(|(name, zone)| {
+            serde_json::json!({"apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": name, "labels": {"topology.kubernetes.io/zone": zone}}})
+        })
+        .collect()
+}
+
+/// The Services of this scenario; the load balancer only `with_lb`.
+fn agent_feature_objects(topo: &TwoNodes, zone_a: &str, with_lb: bool) -> Result<Vec<Value>> {
+    let mut out = nodes(zone_a);
+    if with_lb {
+        let lb = [PortDef::tcp(LB_PORT, PEER_PORT, Some(LB_NODE_PORT))];
+        let mut svc = service_with("lb-a", LB_IP, &lb, Some(TrafficPolicy::Local));
+        svc["spec"]["type"] = serde_json::json!("LoadBalancer");
+        svc["spec"]["healthCheckNodePort"] = serde_json::json!(HEALTH_CHECK_PORT);
+        out.push(svc);
+        out.push(slice_with(
+            "lb-a-1",
+            "lb-a",
+            &lb,
+            &endpoints_of(topo, &NODE_A_BACKENDS)?,
+        ));
+    }
+    for (name, ip, port, unhinted) in [
+        ("zonal", ZONAL_IP, ZONAL_PORT, None),
+        ("partly-hinted", PARTLY_HINTED_IP, PARTLY_HINTED_PORT, Some("b-2")),
+    ] {
+        let ports = [PortDef::tcp(port, TARGET_PORT, None)];
+        out.push(service_with(name, ip, &ports, None));
+        let mut slice = slice_with(&format!("{name}-1"), name, &ports, &endpoints_of(topo, &BACKENDS)?);
+        let unhinted_ip = unhinted
+            .map(|pod| pod_addr(topo, pod, 0))
+            .transpose()?
+            .map(|a| a.ip().to_string());
+        for endpoint in slice["endpoints"].as_array_mut().into_iter().flatten() {
+            let zone = zone_of(endpoint["nodeName"].as_str().unwrap_or_default());
+            endpoint["zone"] = serde_json::json!(zone);
+            if endpoint["addresses"][0].as_str() != unhinted_ip.as_deref() {
+                endpoint["hints"] = serde_json::json!({"forZones": [{"name": zone}]});
+            }
+        }
+        out.push(slice);
+    }
+    Ok(out)
+}
+
+/// `GET /` on `to` from the outside client: status, headers (lowercase)
+/// and body.
+fn health_check(topo: &TwoNodes, to: SocketAddrV4) -> Result<(u16, String, Value)> {
+    let url = format!("http://{to}/");
+    let out = netns::run(topo.client.command("curl")?.args(["-s", "-i", "--max-time", "2", &url]))?;
+    let (head, body) = out
+        .split_once("\r\n\r\n")
+        .with_context(|| format!("not HTTP: {out:?}"))?;
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .with_context(|| format!("no status in {head:?}"))?;
+    let body = serde_json::from_str(body).with_context(|| format!("not JSON: {body:?}"))?;
+    Ok((status, head.to_ascii_lowercase(), body))
+}
+
+fn expect_health_check(topo: &TwoNodes, node: &Node, status: u16, local: u64) -> Result<String> {
+    let (got, head, body) = health_check(topo, node_port(node, HEALTH_CHECK_PORT))?;
+    ensure!(got == status, "status {got}, expected {status}: {body}");
+    ensure!(body["localEndpoints"] == local, "localEndpoints not {local}: {body}");
+    ensure!(
+        body["service"] == serde_json::json!({"namespace": "default", "name": "lb-a"}),
+        "{body}"
+    );
+    for header in [
+        "content-type: application/json".to_string(),
+        "x-content-type-options: nosniff".to_string(),
+        format!("x-load-balancing-endpoint-weight: {local}"),
+    ] {
+        ensure!(head.contains(&header), "no {header:?} in {head}");
+    }
+    Ok(format!("{status} {body}"))
+}
+
+fn agent_features(mode: Mode) {
+    let label = format!("two_node_agent_features_{}", mode.name());
+    let mut bed = TwoNodeBed::new(&label, Offloads::On).unwrap_or_else(|e| panic!("{label}: test bed: {e:#}"));
+    let mut checks = Checks::new(&label);
+    if let Err(e) = agent_feature_steps(mode, &mut bed, &mut checks) {
+        panic!("{label}: {e:#}\nchecks failed before: {}", checks.failures());
+    }
+    checks.finish();
+}
+
+fn agent_feature_steps(mode: Mode, bed: &mut TwoNodeBed, checks: &mut Checks) -> Result<()> {
+    let write = |bed: &TwoNodeBed, zone_a: &str, with_lb: bool| -> Result<()> {
+        let objects = agent_feature_objects(&bed.topo, zone_a, with_lb)?;
+        bed.write_manifest(AGENT_FEATURES, &yaml_documents(&objects))?;
+        Ok(())
+    };
+    write(bed, "zone-a", true)?;
+    bed.start_agents(mode.name())?;
+    bed.wait_first_syncs(READY_WITHIN)?;
+    let topo = &bed.topo;
+    let (node_a, node_b) = (topo.node_a(), topo.node_b());
+
+    // Health check node ports: the listener opens after the sync.
+    netns::wait_for("node-a's health check node port", READY_WITHIN, || {
+        health_check(topo, node_port(node_a, HEALTH_CHECK_PORT)).map_err(|e| format!("{e:#}"))
+    })?;
+    checks.check(
+        "node-a's health check node port: 200, 2 local endpoints",
+        expect_health_check(topo, node_a, 200, 2),
+    );
+    checks.check(
+        "node-b's health check node port: 503, no local endpoint",
+        expect_health_check(topo, node_b, 503, 0),
+    );
+
+    // Zone hints: each node's pods reach their zone's backends.
+    let (_, a_client) = topo.find_pod("a-client").context("pod a-client")?;
+    let (_, b_2) = topo.find_pod("b-2").context("pod b-2")?;
+    let zonal = addr(ZONAL_IP, ZONAL_PORT);
+    checks.check(
+        &format!("a-client -> {zonal} (zone hints, node-a in zone-a): only {NODE_A_BACKENDS:?}"),
+        expect_backends(&a_client.ns, Protocol::Tcp, zonal, &NODE_A_BACKENDS, REQUESTS),
+    );
+    checks.check(
+        &format!("b-2 -> {zonal} (zone hints, node-b in zone-b): only b-1 and b-2"),
+        expect_backends(&b_2.ns, Protocol::Tcp, zonal, &["b-1", "b-2"], REQUESTS),
+    );
+    let partly = addr(PARTLY_HINTED_IP, PARTLY_HINTED_PORT);
+    checks.check(
+        &format!("a-client -> {partly} (b-2 has no hint: hints ignored): {BACKENDS:?}"),
+        expect_backends(&a_client.ns, Protocol::Tcp, partly, &BACKENDS, REQUESTS),
+    );
+
+    // node-a moves to zone-b and the load balancer goes: its pods follow
+    // the new zone, and both health check ports close.
+    write(bed, "zone-b", false)?;
+    let a_client_ns = &a_client.ns;
+    let moved = netns::wait_for("a-client to reach zone-b's backends", READY_WITHIN, || {
+        expect_backends(a_client_ns, Protocol::Tcp, zonal, &["b-1", "b-2"], REQUESTS).map_err(|e| format!("{e:#}"))
+    });
+    checks.check(
+        "a-client -> zonal after node-a moved to zone-b: only b-1 and b-2",
+        moved,
+    );
+    for node in [node_a, node_b] {
+        let to = node_port(node, HEALTH_CHECK_PORT);
+        let closed = netns::wait_for(&format!("{to} to close"), READY_WITHIN, || {
+            match topo
+                .client
+                .tcp_request(to, REQUEST_TIMEOUT)
+                .map_err(|e| format!("{e:#}"))?
+            {
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => Ok("refused".to_string()),
+                other => Err(format!("still open: {other:?}")),
+            }
+        });
+        checks.check(
+            &format!("{}'s health check node port closes with the Service", node.name()),
+            closed,
+        );
+    }
+    bed.stop_agents()?;
+    Ok(())
+}
+
+#[test]
+fn two_node_agent_features_iptables() {
+    if !require_root("two_node_agent_features_iptables") {
+        return;
+    }
+    agent_features(Mode::Iptables);
+}
+
+#[test]
+fn two_node_agent_features_ebpf() {
+    if !require_root("two_node_agent_features_ebpf") {
+        return;
+    }
+    agent_features(Mode::Ebpf);
+}
+
+#[test]
+fn two_node_agent_features_nftables() {
+    if !require_root("two_node_agent_features_nftables") {
+        return;
+    }
+    agent_features(Mode::Nftables);
+}

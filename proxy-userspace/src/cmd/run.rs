@@ -15,7 +15,10 @@ use crate::{
         ebpf::{MissingInterface, NotBpffs},
     },
     reconcile::runner::{Reconciler, SyncPolicy},
-    server::{Telemetry, bind_healthz, bind_metrics},
+    server::{
+        Telemetry, bind_healthz, bind_metrics,
+        service_health::{self, ServiceHealth},
+    },
     source::{self, manifest::ManifestDir},
 };
 
@@ -122,18 +125,28 @@ fn release_freed_memory() {
     }
 }
 
-async fn run_agent(config: Config) -> Result<(), Failure> {
+async fn run_agent(mut config: Config) -> Result<(), Failure> {
     info!(mode = %config.mode, node = config.node_name, source = ?config.source, "starting");
     let stats_pin = (config.mode == Mode::Ebpf).then(|| config.pin_path.clone());
     let telemetry = Telemetry::new(config.mode.as_str(), config.sync.sync_period, stats_pin);
     start_servers(&config, &telemetry).await?;
+    let client = api_client(&config, &telemetry).await?;
+    if config.node_ips.is_empty() {
+        config.node_ips = find_node_ips(&config, client.clone()).await;
+    }
     let mode = start_mode(&config).await?;
     let (events, receiver) = mpsc::channel(1024);
-    start_source(&config, &telemetry, events).await?;
+    start_source(&config, client, events)?;
 
     let policy = SyncPolicy::new(config.sync.min_sync_period, config.sync.sync_period);
+    let service_health = ServiceHealth::new(
+        Some(config.node_name.clone()),
+        service_health::listen_addresses(&config),
+        telemetry.clone(),
+    );
     let agent = Agent::new(Reconciler::new(mode), policy, Arc::new(telemetry))
         .on_node(&config.node_name)
+        .with_service_health(service_health)
         .after_relist_synced(|| {
             tokio::task::spawn_blocking(release_freed_memory);
         });
@@ -208,29 +221,85 @@ fn ebpf_failure(error: anyhow::Error) -> Failure {
     Failure::new(code, error.context("starting the ebpf mode"))
 }
 
-async fn start_source(
+/// The API client, for the API sources (`None` with `--manifests`).
+async fn api_client(config: &Config, telemetry: &Telemetry) -> Result<Option<kube::Client>, Failure> {
+    let kubeconfig = match &config.source {
+        Source::Manifests(_) => return Ok(None),
+        Source::Kubeconfig(path) => Some(path.as_path()),
+        Source::InCluster => None,
+    };
+    let client = source::kube::client(kubeconfig, Some(telemetry.request_counter()))
+        .await
+        .exit_code(ExitCode::BadConfig)?;
+    Ok(Some(client))
+}
+
+/// How long the agent waits at start for its Node object when it needs
+/// the node IPs from it (kube-proxy waits up to 30 s; a node whose API
+/// server is down goes on sooner, with what the interfaces say).
+const NODE_IP_WAIT: Duration = Duration::from_secs(10);
+
+/// The node IPs when `--node-ip` is not given: from this node's Node
+/// object (the API's, or the manifest directory's Node document), else
+/// `bindAddress`, else the default route's interface (see
+/// [`source::node::node_ips`]).
+async fn find_node_ips(config: &Config, client: Option<kube::Client>) -> Vec<std::net::IpAddr> {
+    let node = match (&config.source, client) {
+        (Source::Manifests(dir), _) => ManifestDir::new(dir).ok().and_then(|source| {
+            let mut source = source.for_node(&config.node_name);
+            source.reload_if_changed().ok()?;
+            source.node().cloned()
+        }),
+        (_, Some(client)) => source::node::fetch(client, &config.node_name, NODE_IP_WAIT).await,
+        (_, None) => None,
+    };
+    let listed = |what: &str, addrs: anyhow::Result<Vec<std::net::Ipv4Addr>>| {
+        addrs.unwrap_or_else(|e| {
+            warn!(error = format!("{e:#}"), "cannot list {what}");
+            Vec::new()
+        })
+    };
+    let interfaces = source::node::Interfaces {
+        local: listed("this node's addresses", crate::sys::addrs::local_ipv4()),
+        default_route: listed("the default route's addresses", crate::sys::addrs::default_route_ipv4()),
+    };
+    let ips = source::node::node_ips(node.as_ref(), &interfaces, config.bind_address);
+    if ips.is_empty() {
+        warn!(
+            "no node IP: none given (--node-ip), none on the Node object, no bindAddress, no default route; \
+             NodePorts answer where the mode finds addresses itself"
+        );
+    } else {
+        info!(node_ips = ?ips, from_node = node.is_some(), "node IPs found");
+    }
+    ips
+}
+
+fn start_source(
     config: &Config,
-    telemetry: &Telemetry,
+    client: Option<kube::Client>,
     events: mpsc::Sender<source::SourceEvent>,
 ) -> Result<(), Failure> {
-    match &config.source {
-        Source::Manifests(dir) => {
-            ManifestDir::new(dir).exit_code(ExitCode::BadConfig)?.spawn(events);
+    match (&config.source, client) {
+        (Source::Manifests(dir), _) => {
+            ManifestDir::new(dir)
+                .exit_code(ExitCode::BadConfig)?
+                .for_node(&config.node_name)
+                .spawn(events);
         }
-        Source::Kubeconfig(_) | Source::InCluster => {
-            let kubeconfig = match &config.source {
-                Source::Kubeconfig(path) => Some(path.as_path()),
-                _ => None,
-            };
-            let client = source::kube::client(kubeconfig, Some(telemetry.request_counter()))
-                .await
-                .exit_code(ExitCode::BadConfig)?;
+        (_, Some(client)) => {
             // Never give up on the API server: a node may boot before its
             // control plane, and a proxy that exits then only crash-loops.
             // The watchers retry on their own; this says why nothing syncs
             // (/healthz stays 503 until the first sync, as kube-proxy's).
             tokio::spawn(report_api_server(client.clone()));
             source::kube::spawn(client, &config.node_name, events);
+        }
+        (_, None) => {
+            return Err(Failure::new(
+                ExitCode::Error,
+                anyhow!("no API client for the API source"),
+            ));
         }
     }
     Ok(())

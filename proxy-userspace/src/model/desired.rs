@@ -3,6 +3,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
+    sync::Arc,
     time::SystemTime,
 };
 
@@ -36,6 +37,8 @@ pub struct Cluster {
     /// happened (a pod became ready, ...), for kube-proxy's network
     /// programming latency.
     trigger_times: Vec<SystemTime>,
+    /// This node's zone, for the endpoints' zone hints.
+    node_zone: Option<Arc<str>>,
 }
 
 /// The annotation the EndpointSlice controller sets to the time of the
@@ -134,6 +137,25 @@ impl Cluster {
         std::mem::take(&mut self.trigger_times)
     }
 
+    /// Sets this node's zone (`topology.kubernetes.io/zone` of its Node;
+    /// `None`: unknown). The Services whose endpoints carry topology hints
+    /// are joined again; returns whether there are any.
+    pub fn set_node_zone(&mut self, zone: Option<&str>) -> bool {
+        if self.node_zone.as_deref() == zone {
+            return false;
+        }
+        self.node_zone = zone.map(Arc::from);
+        let hinted: Vec<ObjectKey> = self
+            .slices
+            .iter()
+            .filter(|(_, slice)| slice.endpoints.iter().any(|e| e.hints.is_some()))
+            .map(|((ns, _), slice)| (ns.clone(), slice.service.clone()))
+            .collect();
+        let any = !hinted.is_empty();
+        self.dirty.extend(hinted);
+        any
+    }
+
     pub fn service_count(&self) -> usize {
         self.services.len()
     }
@@ -183,20 +205,29 @@ impl Cluster {
             .collect();
         info.ports
             .iter()
-            .map(|spec| ServicePort {
-                name: port_name(key, &spec.port_name),
-                protocol: spec.protocol,
-                cluster_ip: spec.cluster_ip,
-                port: spec.port,
-                node_port: spec.node_port,
-                endpoints: endpoints_for(&slices, &spec.port_name, spec.protocol),
-                external_policy: spec.external_policy,
-                internal_policy: spec.internal_policy,
-                external_ips: info.external_ips.clone(),
-                load_balancer_ips: info.load_balancer_ips.clone(),
-                source_ranges: info.source_ranges.clone(),
-                affinity: info.affinity,
-                health_check_node_port: info.health_check_node_port,
+            .map(|spec| {
+                let endpoints = endpoints_for(&slices, &spec.port_name, spec.protocol);
+                // Only a port with hints depends on the zone (see the field).
+                let node_zone = self
+                    .node_zone
+                    .clone()
+                    .filter(|_| endpoints.iter().any(|e| e.hints.is_some()));
+                ServicePort {
+                    name: port_name(key, &spec.port_name),
+                    protocol: spec.protocol,
+                    cluster_ip: spec.cluster_ip,
+                    port: spec.port,
+                    node_port: spec.node_port,
+                    endpoints,
+                    external_policy: spec.external_policy,
+                    internal_policy: spec.internal_policy,
+                    external_ips: info.external_ips.clone(),
+                    load_balancer_ips: info.load_balancer_ips.clone(),
+                    source_ranges: info.source_ranges.clone(),
+                    affinity: info.affinity,
+                    health_check_node_port: info.health_check_node_port,
+                    node_zone,
+                }
             })
             .collect()
     }
@@ -386,6 +417,47 @@ mod tests {
             json!([{"addresses": ["not-an-ip"]}, {"addresses": ["10.0.0.1"]}]),
         ));
         assert_eq!(problems.len(), 1);
+    }
+
+    /// A zone change re-joins the Services with hinted endpoints, and
+    /// only those: the others' ports stay as they are.
+    #[test]
+    fn a_zone_change_rejoins_only_services_with_hints() {
+        let mut cluster = seed();
+        cluster.upsert_service(&service(
+            "zonal",
+            json!({"clusterIP": "10.96.0.20", "trafficDistribution": "PreferClose", "ports": [{"port": 80}]}),
+        ));
+        cluster.upsert_slice(&slice(
+            "zonal-1",
+            "zonal",
+            json!([{"port": 8080}]),
+            json!([
+                {"addresses": ["10.244.1.1"], "zone": "z1", "hints": {"forZones": [{"name": "z1"}]}},
+                {"addresses": ["10.244.1.2"], "zone": "z2", "hints": {"forZones": [{"name": "z2"}]}},
+            ]),
+        ));
+        cluster.refresh();
+        let cluster_set = |c: &Cluster| -> Vec<String> {
+            crate::model::EndpointSets::of(&c.ports()["default/zonal"], Some("node-1"))
+                .cluster
+                .iter()
+                .map(|e| e.addr.to_string())
+                .collect()
+        };
+        assert_eq!(cluster_set(&cluster), ["10.244.1.1", "10.244.1.2"], "zone unknown");
+        assert!(cluster.set_node_zone(Some("z2")));
+        assert_eq!(cluster.refresh(), BTreeSet::from(["default/zonal".to_string()]));
+        assert_eq!(cluster_set(&cluster), ["10.244.1.2"]);
+        assert_eq!(
+            cluster.ports()["default/nginx-service"].node_zone,
+            None,
+            "no hints: no zone"
+        );
+        assert!(!cluster.set_node_zone(Some("z2")), "no change");
+        assert!(cluster.set_node_zone(None));
+        cluster.refresh();
+        assert_eq!(cluster_set(&cluster), ["10.244.1.1", "10.244.1.2"]);
     }
 
     #[test]

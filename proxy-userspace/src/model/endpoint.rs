@@ -4,7 +4,7 @@ use std::{net::Ipv4Addr, sync::Arc};
 
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
-use super::{Endpoint, Problem, Protocol, service::valid_port};
+use super::{Endpoint, Hints, Problem, Protocol, service::valid_port};
 
 /// The label naming the Service an EndpointSlice belongs to.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -26,6 +26,14 @@ pub struct SliceInfo {
     pub ports: Vec<SlicePort>,
     /// Endpoints with `port` left 0: each slice port gives the real one.
     pub endpoints: Vec<Endpoint>,
+}
+
+/// An endpoint's topology hints; `None` if it names no zone and no node.
+fn hints(hints: &k8s_openapi::api::discovery::v1::EndpointHints) -> Option<Arc<Hints>> {
+    let names = |names: Vec<&String>| -> Vec<Arc<str>> { names.into_iter().map(|n| Arc::from(n.as_str())).collect() };
+    let zones = names(hints.for_zones.iter().flatten().map(|z| &z.name).collect());
+    let nodes = names(hints.for_nodes.iter().flatten().map(|n| &n.name).collect());
+    (!zones.is_empty() || !nodes.is_empty()).then(|| Arc::new(Hints { zones, nodes }))
 }
 
 /// Reads an EndpointSlice. `None` for slices xproxy does not use (no
@@ -87,6 +95,7 @@ pub fn slice_info(slice: &EndpointSlice) -> (Option<SliceInfo>, Vec<Problem>) {
             terminating,
             node_name: ep.node_name.as_deref().map(Arc::from),
             zone: ep.zone.as_deref().map(Arc::from),
+            hints: ep.hints.as_ref().and_then(hints),
         });
     }
     (

@@ -1,8 +1,9 @@
 //! Endpoint selection by traffic policy: which of a Service port's
 //! endpoints each kind of traffic reaches from this node, as kube-proxy
-//! sorts them. Every mode programs these sets in its own language.
+//! sorts them (with topology hints, see [`super::topology`]). Every mode
+//! programs these sets in its own language.
 
-use super::{Endpoint, ServicePort};
+use super::{Endpoint, ServicePort, topology::Topology};
 
 /// The endpoints every mode sends traffic to, kube-proxy's choice: the ready
 /// ones; if there are none, those serving while terminating (so draining
@@ -20,13 +21,15 @@ fn usable(candidates: Vec<&Endpoint>) -> Vec<&Endpoint> {
 }
 
 /// A service port's endpoints sorted by the traffic policies, as kube-proxy
-/// sorts them (`CategorizeEndpoints`, without topology hints): which ones
+/// sorts them (`CategorizeEndpoints`): which ones
 /// ClusterIP traffic and node-port traffic may reach from this node.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EndpointSets<'a> {
-    /// The usable endpoints anywhere ([`usable_endpoints`]): what `Cluster`
-    /// policy traffic reaches. Empty only if the port has no usable endpoint
-    /// at all (then its traffic is rejected, whatever the policies).
+    /// The usable endpoints anywhere ([`usable_endpoints`]), narrowed by
+    /// the topology hints when they apply (the port's `node_zone`): what
+    /// `Cluster` policy traffic reaches. Empty only if the port has no
+    /// usable endpoint at all (then its traffic is rejected, whatever the
+    /// policies).
     pub cluster: Vec<&'a Endpoint>,
     /// The usable endpoints on this node, chosen among this node's endpoints
     /// alone (ready ones, else serving and terminating ones): what `Local`
@@ -41,7 +44,7 @@ pub struct EndpointSets<'a> {
 
 impl<'a> EndpointSets<'a> {
     /// Sorts `port`'s endpoints for a node named `node` (`None`: no endpoint
-    /// is local).
+    /// is local) in the zone `port.node_zone`.
     pub fn of(port: &'a ServicePort, node: Option<&str>) -> Self {
         let internal_local = port.internal_local();
         let external_local = port.external_local();
@@ -51,7 +54,7 @@ impl<'a> EndpointSets<'a> {
             Vec::new()
         };
         Self {
-            cluster: distinct(usable_endpoints(&port.endpoints)),
+            cluster: distinct(cluster_endpoints(port, node)),
             local: distinct(local),
             internal_local,
             external_local,
@@ -110,6 +113,21 @@ impl<'a> EndpointSets<'a> {
         }
         out
     }
+}
+
+/// What `Cluster` traffic reaches: the ready endpoints the topology
+/// allows; if there is no ready one anywhere, the serving and terminating
+/// ones, hints ignored (a topology only applies when one of its ready
+/// endpoints matches, so it never empties a set with ready endpoints).
+fn cluster_endpoints<'a>(port: &'a ServicePort, node: Option<&str>) -> Vec<&'a Endpoint> {
+    let topology = Topology::of(&port.endpoints, node, port.node_zone.as_deref());
+    if topology == Topology::Any {
+        return usable_endpoints(&port.endpoints);
+    }
+    port.endpoints
+        .iter()
+        .filter(|e| e.ready && topology.allows(e))
+        .collect()
 }
 
 /// `endpoints` with each address and port once (the model joins slices so,
@@ -254,5 +272,40 @@ mod tests {
         );
         let sets = EndpointSets::of(&p, Some("a"));
         assert_eq!((lasts(&sets.cluster), lasts(&sets.local)), (vec![1], vec![1]));
+    }
+
+    /// Zone hints narrow the `Cluster` set only: `Local` traffic keeps
+    /// every local endpoint, and the fall-backs use every endpoint.
+    #[test]
+    fn zone_hints_narrow_the_cluster_set_only() {
+        let hinted = |last: u8, node: &str, zone: &str| Endpoint {
+            hints: Some(std::sync::Arc::new(crate::model::Hints {
+                zones: vec![zone.into()],
+                nodes: vec![],
+            })),
+            ..ep(last, node, true, false)
+        };
+        let mut p = port(
+            vec![hinted(1, "a", "z1"), hinted(2, "b", "z2"), hinted(3, "a", "z2")],
+            Some(30000),
+            TrafficPolicy::Local,
+            TrafficPolicy::Cluster,
+        );
+        p.node_zone = Some("z1".into());
+        let sets = EndpointSets::of(&p, Some("a"));
+        assert_eq!(lasts(sets.internal()), [1]);
+        assert_eq!(lasts(sets.external()), [1, 3], "Local ignores hints");
+        assert_eq!(lasts(&sets.reachable()), [1, 3]);
+        // Zone unknown, or no endpoint for it: every endpoint.
+        for zone in [None, Some("z9")] {
+            p.node_zone = zone.map(Into::into);
+            assert_eq!(lasts(EndpointSets::of(&p, Some("a")).internal()), [1, 2, 3]);
+        }
+        // Nothing ready: the terminating ones, whatever their hints.
+        p.node_zone = Some("z1".into());
+        for e in &mut p.endpoints {
+            (e.ready, e.terminating) = (false, true);
+        }
+        assert_eq!(lasts(EndpointSets::of(&p, Some("a")).internal()), [1, 2, 3]);
     }
 }

@@ -10,6 +10,7 @@ mod endpoint_sets;
 mod join;
 mod no_local;
 pub mod service;
+pub mod topology;
 
 use std::{fmt, net::Ipv4Addr, sync::Arc};
 
@@ -126,6 +127,12 @@ pub struct ServicePort {
     /// balancer's health check for the Service (set by the API server for
     /// LoadBalancer Services with `externalTrafficPolicy: Local`).
     pub health_check_node_port: Option<u16>,
+    /// This node's zone (its Node's `topology.kubernetes.io/zone` label)
+    /// as of the join, for the endpoints' zone hints
+    /// ([`EndpointSets`]). `None` when the zone is unknown or no endpoint
+    /// of the port carries hints: a zone change then leaves the port as
+    /// it is.
+    pub node_zone: Option<Arc<str>>,
 }
 
 /// One entry of `loadBalancerSourceRanges`: an IPv4 network.
@@ -166,6 +173,7 @@ impl Default for ServicePort {
             source_ranges: Vec::new(),
             affinity: None,
             health_check_node_port: None,
+            node_zone: None,
         }
     }
 }
@@ -214,6 +222,20 @@ pub struct Endpoint {
     /// into each mode's bookkeeping, 100,000 of them at 10,000 Services.
     pub node_name: Option<Arc<str>>,
     pub zone: Option<Arc<str>>,
+    /// The EndpointSlice's topology hints (`hints.forZones`,
+    /// `hints.forNodes`): where the slice controller wants the endpoint
+    /// used (`trafficDistribution: PreferClose` / `PreferSameNode`, or the
+    /// topology-aware-hints annotation). `None` without hints.
+    pub hints: Option<Arc<Hints>>,
+}
+
+/// An endpoint's topology hints, as the EndpointSlice names them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Hints {
+    /// `hints.forZones[].name`: zones whose nodes should use the endpoint.
+    pub zones: Vec<Arc<str>>,
+    /// `hints.forNodes[].name`: nodes that should use the endpoint.
+    pub nodes: Vec<Arc<str>>,
 }
 
 impl Endpoint {
@@ -235,6 +257,7 @@ impl Endpoint {
             terminating: false,
             node_name: None,
             zone: None,
+            hints: None,
         }
     }
 }

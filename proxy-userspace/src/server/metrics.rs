@@ -79,6 +79,7 @@ pub(super) struct Metrics {
     pub sync_failures: Counter,
     pub skipped_objects: Counter,
     pub kernel_writes: Counter,
+    pub health_check_bind_failures: Counter,
     pub healthz: Family<CodeLabel, Counter>,
     pub livez: Family<CodeLabel, Counter>,
 }
@@ -104,6 +105,7 @@ impl Metrics {
             sync_failures: Counter::default(),
             skipped_objects: Counter::default(),
             kernel_writes: Counter::default(),
+            health_check_bind_failures: Counter::default(),
             healthz: Family::default(),
             livez: Family::default(),
         };
@@ -207,6 +209,11 @@ impl Metrics {
             "xproxy_sync_kernel_writes",
             "Kernel writes (map updates and deletes, rules) issued by syncs; a restart that finds the data path in place adds none",
             m.kernel_writes.clone(),
+        );
+        registry.register(
+            "xproxy_health_check_node_port_bind_failures",
+            "Attempts to open a Service's health check node port that failed (the port is retried at the next full sync)",
+            m.health_check_bind_failures.clone(),
         );
 
         let info: Family<[(&'static str, String); 1], Gauge> = Family::default();

@@ -5,7 +5,10 @@
 //! - the health server (kube-proxy's `:10256`): `/healthz` and `/livez`,
 //!   JSON, 200 or 503 (see [`healthz`] for the rule);
 //! - the metrics server (kube-proxy's `:10249`): `/metrics` (OpenMetrics
-//!   text), `/healthz` ("ok": the process answers) and `/proxyMode`.
+//!   text), `/healthz` ("ok": the process answers) and `/proxyMode`;
+//! - the health check node ports of `externalTrafficPolicy: Local` load
+//!   balancers ([`service_health`]), opened and closed as Services come
+//!   and go.
 //!
 //! ```no_run
 //! # async fn run() -> anyhow::Result<()> {
@@ -24,6 +27,7 @@ pub mod healthz;
 mod http;
 pub mod metrics;
 mod process;
+pub mod service_health;
 
 use std::{
     net::SocketAddr,
@@ -123,6 +127,11 @@ impl Telemetry {
             ];
             family.get_or_create(&labels).inc();
         })
+    }
+
+    /// Counts a health check node port that could not be opened.
+    pub fn health_check_bind_failed(&self) {
+        self.0.metrics.health_check_bind_failures.inc();
     }
 
     /// Every metric in the OpenMetrics text format (ends with `# EOF`).

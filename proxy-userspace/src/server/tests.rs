@@ -234,7 +234,7 @@ fn health_follows_the_agent() {
 }
 
 /// Status, lower-cased head, and body of one HTTP/1.1 GET.
-async fn get(addr: SocketAddr, path: &str) -> (u16, String, String) {
+pub(super) async fn get(addr: SocketAddr, path: &str) -> (u16, String, String) {
     let mut stream = TcpStream::connect(addr).await.expect("connect");
     let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
     stream.write_all(request.as_bytes()).await.expect("send");
@@ -254,7 +254,7 @@ async fn get(addr: SocketAddr, path: &str) -> (u16, String, String) {
     (status, head.to_ascii_lowercase(), body.to_owned())
 }
 
-fn json(body: &str) -> Value {
+pub(super) fn json(body: &str) -> Value {
     serde_json::from_str(body).unwrap_or_else(|e| panic!("{body:?}: {e}"))
 }
 

@@ -1,6 +1,11 @@
 //! `--manifests DIR`: Service and EndpointSlice YAML files, reloaded when
 //! they change.
 //!
+//! A `v1` `Node` document named like this node stands for this node's Node
+//! object, as the API source watches it: its `topology.kubernetes.io/zone`
+//! label is the node's zone for topology hints, its addresses give the
+//! node IPs when `--node-ip` is not set (see [`ManifestDir::node`]).
+//!
 //! Every `.yaml`, `.yml` and `.json` file in the directory is read as a
 //! multi-document stream. Documents of other kinds (a Deployment in the same
 //! file, say) are skipped. A file that cannot be parsed keeps what it
@@ -13,7 +18,10 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
 use serde_json::Value;
 use tokio::sync::mpsc;
 use tracing::debug;
@@ -26,6 +34,7 @@ use crate::model::Problem;
 struct FileObjects {
     services: Vec<Service>,
     slices: Vec<EndpointSlice>,
+    nodes: Vec<Node>,
 }
 
 /// Name, length and modification time of every manifest file: when it
@@ -43,6 +52,8 @@ pub struct ManifestDir {
     dir: PathBuf,
     files: BTreeMap<PathBuf, FileObjects>,
     fingerprint: Option<Fingerprint>,
+    /// This node's name: the Node document it looks for.
+    node_name: Option<String>,
 }
 
 impl ManifestDir {
@@ -57,7 +68,25 @@ impl ManifestDir {
             dir: dir.to_owned(),
             files: BTreeMap::new(),
             fingerprint: None,
+            node_name: None,
         })
+    }
+
+    /// Looks for the Node document named `name` (this node's).
+    #[must_use]
+    pub fn for_node(mut self, name: &str) -> Self {
+        self.node_name = Some(name.to_owned());
+        self
+    }
+
+    /// This node's Node document as of the last reading, if there is one
+    /// (the first of that name).
+    pub fn node(&self) -> Option<&Node> {
+        let name = self.node_name.as_deref()?;
+        self.files
+            .values()
+            .flat_map(|f| &f.nodes)
+            .find(|n| n.metadata.name.as_deref() == Some(name))
     }
 
     fn manifest_files(&self) -> Result<Vec<PathBuf>> {
@@ -130,10 +159,13 @@ impl ManifestDir {
                 match self.reload_if_changed() {
                     Ok(Some((services, slices, problems))) => {
                         debug!(services = services.len(), slices = slices.len(), "manifests loaded");
+                        let node: Vec<Node> = self.node().cloned().into_iter().collect();
                         let sent = async {
                             if !problems.is_empty() {
                                 events.send(SourceEvent::Problems(problems)).await?;
                             }
+                            // The zone first, so the first sync already uses it.
+                            events.send(SourceEvent::Node(Update::Replace(node))).await?;
                             events.send(SourceEvent::Services(Update::Replace(services))).await?;
                             events.send(SourceEvent::Slices(Update::Replace(slices))).await
                         };
@@ -178,6 +210,10 @@ fn parse_manifest(path: &Path, text: &str, problems: &mut Vec<Problem>) -> Resul
             ("discovery.k8s.io/v1", "EndpointSlice") => match serde_json::from_value::<EndpointSlice>(doc) {
                 Ok(slice) => objects.slices.push(slice),
                 Err(e) => problems.push(Problem::new(&what, format!("invalid EndpointSlice: {e}"))),
+            },
+            ("v1", "Node") => match serde_json::from_value::<Node>(doc) {
+                Ok(node) => objects.nodes.push(node),
+                Err(e) => problems.push(Problem::new(&what, format!("invalid Node: {e}"))),
             },
             _ => debug!(file, api_version, kind, "skipping a document of another kind"),
         }
@@ -278,6 +314,23 @@ endpoints:
         assert_eq!(services.len(), 1);
         assert_eq!(problems.len(), 1);
         assert!(problems[0].object.ends_with("document 1"), "{problems:?}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn this_nodes_node_document_is_found_by_name() {
+        let dir = temp_dir();
+        let nodes = "apiVersion: v1\nkind: Node\nmetadata:\n  name: other\n---\n\
+                     apiVersion: v1\nkind: Node\nmetadata:\n  name: node-a\n  labels:\n    \
+                     topology.kubernetes.io/zone: z1\n";
+        std::fs::write(dir.join("nodes.yaml"), nodes).unwrap();
+        let mut source = ManifestDir::new(&dir).unwrap().for_node("node-a");
+        source.reload_if_changed().unwrap().unwrap();
+        let node = source.node().expect("node-a is there");
+        assert_eq!(super::super::node::zone(node), Some("z1"));
+        let mut nameless = ManifestDir::new(&dir).unwrap();
+        nameless.reload_if_changed().unwrap().unwrap();
+        assert!(nameless.node().is_none());
         std::fs::remove_dir_all(dir).unwrap();
     }
 

@@ -3,6 +3,7 @@
 
 pub mod kube;
 pub mod manifest;
+pub mod node;
 pub mod request_counter;
 
 use k8s_openapi::api::{

@@ -100,7 +100,7 @@ fn parse_real(payload: &[u8]) -> Option<RealCounters> {
 mod tests {
     use super::*;
     use crate::{
-        mode::ipvs::netlink::{IPVS_CMD_NEW_DEST, IPVS_CMD_NEW_SERVICE, dest_message, service_message},
+        mode::ipvs::netlink::{IPVS_CMD_NEW_DEST, dest_message},
         model::Protocol,
     };
 
@@ -109,30 +109,6 @@ mod tests {
         addr: Ipv4Addr::new(10, 96, 0, 88),
         port: 88,
     };
-
-    /// A service payload as a dump answer carries it, with `flags` and
-    /// `timeout` as the kernel would fill them.
-    fn service_answer(flags: u32, timeout: u32) -> Vec<u8> {
-        let mut message = Message::genl(0x22, IPVS_CMD_NEW_SERVICE, IPVS_VERSION, 0);
-        message.nested(IPVS_CMD_ATTR_SERVICE, |m| {
-            service_key(m, &KEY);
-            let mut both = [0u8; 8];
-            both[..4].copy_from_slice(&flags.to_ne_bytes());
-            both[4..].copy_from_slice(&u32::MAX.to_ne_bytes());
-            m.string(super::super::IPVS_SVC_ATTR_SCHED_NAME, "rr")
-                .attr(IPVS_SVC_ATTR_FLAGS, &both)
-                .u32(IPVS_SVC_ATTR_TIMEOUT, timeout);
-        });
-        message.finish(1)[16..].to_vec()
-    }
-
-    #[test]
-    fn a_persistent_service_shows_its_timeout() {
-        assert_eq!(persistence(&service_answer(IP_VS_SVC_F_PERSISTENT, 10800)), Some(10800));
-        assert_eq!(persistence(&service_answer(0, 10800)), None);
-        let plain = service_message(0x22, IPVS_CMD_NEW_SERVICE, &KEY, Some("rr")).finish(1);
-        assert_eq!(persistence(&plain[16..]), None);
-    }
 
     #[test]
     fn reads_counters_and_takes_missing_ones_as_zero() {
