@@ -27,7 +27,7 @@ use proxy_userspace::{
     mode::{
         Dataplane,
         iptables::{self, IptablesMode, SystemIptables},
-        ipvs::{IpvsMode, IpvsOptions, rules::RuleOptions as IpvsRuleOptions},
+        ipvs::{IpvsMode, IpvsOptions, node_ips::NodePortAddresses, rules::RuleOptions as IpvsRuleOptions},
         nftables::{NftablesMode, SystemNft},
     },
     model::{Endpoint, Protocol, ServicePort},
@@ -251,7 +251,7 @@ fn ipvs_status() {
     let ns = node();
     let options = IpvsOptions {
         scheduler: "rr".into(),
-        node_ips: vec![NODE_IP],
+        node_ports: NodePortAddresses::Fixed(vec![NODE_IP]),
         exclude_cidrs: Vec::new(),
         rules: IpvsRuleOptions {
             masquerade_bit: 14,
