@@ -1353,7 +1353,7 @@ mod tests {
     #[test]
     fn external_and_load_balancer_ips_like_kube_proxy() {
         let port = api_port();
-        let text = full(&api_options(), &state(&[port.clone()])).text;
+        let text = full(&api_options(), &state(std::slice::from_ref(&port))).text;
         let names = PortChains::of(&port);
         let services = rules_of(&text, chains::SERVICES);
         assert!(
@@ -1420,7 +1420,7 @@ mod tests {
         assert!(port_chains(&api_options(), &port).contains(&names.fw));
 
         // Without a range holding a node address, LB IPs as sources are not allowed.
-        let text = full(&node_a_options(), &state(&[port.clone()])).text;
+        let text = full(&node_a_options(), &state(std::slice::from_ref(&port))).text;
         assert_eq!(rules_of(&text, &names.fw).len(), 3, "{text}");
         // Without source ranges: no KUBE-FW, the LB IPs go to KUBE-EXT.
         let mut open = port.clone();
@@ -1472,7 +1472,7 @@ mod tests {
     #[test]
     fn affinity_like_kube_proxy() {
         let port = api_port();
-        let text = full(&api_options(), &state(&[port.clone()])).text;
+        let text = full(&api_options(), &state(std::slice::from_ref(&port))).text;
         let names = PortChains::of(&port);
         let local = sep_chain(&port.name, port.protocol, "10.244.1.31:8080");
         let remote = sep_chain(&port.name, port.protocol, "10.244.2.32:8080");

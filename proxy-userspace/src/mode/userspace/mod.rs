@@ -3,7 +3,8 @@
 //! ([`listener`]) and iptables rules send the Service's traffic there
 //! ([`rules`]); TCP connections are relayed to an endpoint ([`tcp`]), UDP
 //! datagrams through one session per client ([`udp`]); endpoints are
-//! taken in turn ([`balancer`]).
+//! taken in turn, or with `sessionAffinity: ClientIP` kept per client
+//! address until idle past the timeout ([`balancer`]).
 //!
 //! Every sync is at most one `iptables-restore --noflush` that rewrites the
 //! mode's five chains whole. Endpoint changes never touch the rules (only
