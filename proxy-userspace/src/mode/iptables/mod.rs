@@ -31,7 +31,7 @@ use rules::{Rewrite, SyncInput, jumps, port_chains, render};
 use tracing::{debug, info, warn};
 
 pub use super::options::LocalTraffic;
-use super::{Dataplane, Plan, SyncedChange, conntrack, options::NodePortScope};
+use super::{Dataplane, Plan, SyncedChange, conntrack, options::NodePortScope, unhonoured::Unhonoured};
 use crate::{
     config::{Cidr, Config},
     model::ServicePort,
@@ -62,6 +62,7 @@ pub struct IptablesMode {
     verified: Option<Verified>,
     writes: u64,
     last_input: String,
+    unhonoured: Unhonoured,
 }
 
 struct Verified {
@@ -108,6 +109,7 @@ impl IptablesMode {
             verified: None,
             writes: 0,
             last_input: String::new(),
+            unhonoured: Unhonoured::new("iptables"),
         }
     }
 
@@ -176,6 +178,20 @@ impl IptablesMode {
         &self.last_input
     }
 
+    /// How many (port, field) pairs the mode found it cannot honour.
+    pub fn unhonoured(&self) -> usize {
+        self.unhonoured.count()
+    }
+
+    /// Logs once and counts what of `ports` the mode cannot do as asked.
+    fn report_unhonoured<'a>(&mut self, ports: impl IntoIterator<Item = &'a ServicePort>) {
+        for port in ports {
+            if let Some((field, how)) = rules::unhonoured(&self.opts, port) {
+                self.unhonoured.report(port, field, how);
+            }
+        }
+    }
+
     fn restore(&mut self, text: String, writes: u64) -> Result<()> {
         self.iptables.restore(&text)?;
         self.writes += writes;
@@ -199,6 +215,7 @@ impl Dataplane for IptablesMode {
         }
         // KUBE-SERVICES is rewritten whole: with the addresses of now.
         self.refresh_node_ports();
+        self.report_unhonoured(&plan.upsert);
         // Chains the touched ports used before, and what to put back if
         // the restore fails.
         let mut gone = BTreeSet::new();
@@ -256,6 +273,7 @@ impl Dataplane for IptablesMode {
 
     fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()> {
         self.refresh_node_ports();
+        self.report_unhonoured(desired.values());
         let saved = Saved::parse(&self.iptables.save().context("reading the current rules")?);
         let active: BTreeSet<String> = desired.values().flat_map(|p| port_chains(&self.opts, p)).collect();
         let stale: BTreeSet<String> = saved

@@ -361,6 +361,18 @@ fn uses_firewall(port: &ServicePort) -> bool {
     !port.load_balancer_ips.is_empty() && !port.source_ranges.is_empty()
 }
 
+/// What of `port` these rules cannot do as kube-proxy would, as (field,
+/// how it is handled instead): only that without a known node address
+/// the node's own traffic to source-ranged load balancer IPs cannot be
+/// let through (kube-proxy lets it through when a range holds the node IP).
+pub fn unhonoured(opts: &RuleOptions, port: &ServicePort) -> Option<(&'static str, &'static str)> {
+    (uses_firewall(port) && opts.node_ips.is_empty()).then_some((
+        "spec.loadBalancerSourceRanges",
+        "no node IP is known (--node-ip): the node's own traffic to the load balancer IPs \
+         is filtered by the source ranges like any client's",
+    ))
+}
+
 /// The lines of one table: rules are grouped by chain, in the order the
 /// chains were declared.
 #[derive(Default)]

@@ -439,3 +439,20 @@ async fn client_ip_affinity_keeps_a_client_on_one_backend() {
     let again = answers_from(a, port, 6).await;
     assert!(again.iter().all(|x| *x == again[0]), "{again:?}");
 }
+
+/// What the mode does not serve (external and LB IPs, the Local policies)
+/// is reported once per port and field, however often it is synced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fields_the_mode_cannot_honour_are_reported_once() {
+    let kernel = FakeIptables::default();
+    let mut mode = mode(&kernel);
+    let mut web = service("default/web", Protocol::Tcp, &[ep(1)]);
+    web.external_ips = vec![Ipv4Addr::new(198, 51, 100, 7)];
+    web.load_balancer_ips = vec![Ipv4Addr::new(203, 0, 113, 5)];
+    web.external_policy = crate::model::TrafficPolicy::Local;
+    let plain = service("default/plain", Protocol::Tcp, &[ep(2)]);
+    let want = desired(&[web, plain]);
+    sync(|| mode.apply_full(&want)).expect("full sync");
+    sync(|| mode.apply_full(&want)).expect("full sync again");
+    assert_eq!(mode.unhonoured(), 3);
+}
