@@ -54,6 +54,9 @@ pub struct IptablesMode {
     /// are looked up again at every sync (kube-proxy does too), so an
     /// address added later answers from the next sync on.
     node_port_cidrs: Option<NodePortCidrs>,
+    /// Whether `node_port_cidrs` were looked up once (the first lookup is
+    /// always logged).
+    node_ports_resolved: bool,
     iptables: Box<dyn Iptables>,
     /// What the last successful sync programmed.
     state: BTreeMap<String, ServicePort>,
@@ -104,6 +107,7 @@ impl IptablesMode {
         Self {
             opts,
             node_port_cidrs: None,
+            node_ports_resolved: false,
             iptables,
             state: BTreeMap::new(),
             verified: None,
@@ -135,7 +139,8 @@ impl IptablesMode {
             }
         };
         let now = NodePortDestinations::Addresses(ips);
-        if now != self.opts.node_ports {
+        if now != self.opts.node_ports || !self.node_ports_resolved {
+            self.node_ports_resolved = true;
             if matches!(&now, NodePortDestinations::Addresses(ips) if ips.is_empty()) {
                 warn!(cidrs = ?cidrs.cidrs, "no local IPv4 address is in nodePortAddresses: NodePorts answer nowhere");
             } else {
