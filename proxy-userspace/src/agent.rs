@@ -199,6 +199,7 @@ impl Agent {
                 } else {
                     debug!(took_ms = took.as_secs_f64() * 1e3, "synced, nothing changed");
                 }
+                self.report_problems(&report.problems);
                 self.observer.synced(&report, took, oldest_change);
                 if std::mem::take(&mut self.relisted)
                     && let Some(hook) = &self.after_relist_synced

@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 
 use anyhow::Result;
 
-use crate::model::ServicePort;
+use crate::model::{Problem, ServicePort};
 
 /// Changes for a data-plane mode to apply: first `remove`, then `upsert`.
 /// The reconciler computes it (`reconcile::diff`); every mode takes it.
@@ -72,6 +72,13 @@ pub trait Dataplane: Send {
     fn delete_stale_flows(&mut self, change: &SyncedChange<'_>) -> u64 {
         let _ = change;
         0
+    }
+
+    /// Service fields the mode could not honour since it was last asked
+    /// (each reported once by the mode), for the agent to log and count.
+    /// The default has none.
+    fn take_problems(&mut self) -> Vec<Problem> {
+        Vec::new()
     }
 }
 

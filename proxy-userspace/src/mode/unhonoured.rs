@@ -1,43 +1,35 @@
 //! Service fields a mode cannot honour (issue 12 item 7): never silently
-//! wrong. Each mode says which fields of a port it leaves out, and how;
-//! [`Unhonoured`] logs that once per port and field and counts it in
-//! [`UNHONOURED_FIELDS`] (`xproxy_unhonoured_service_fields_total`).
+//! wrong. A mode says which fields of a port it leaves out, and how;
+//! [`Unhonoured`] turns each (port, field) into one [`Problem`], once, which
+//! the mode hands to the agent ([`super::Dataplane::take_problems`]) to
+//! log and count with the objects it skips (`xproxy_skipped_objects_total`).
 
-use std::{collections::HashSet, sync::LazyLock};
+use std::collections::HashSet;
 
-use prometheus_client::metrics::counter::Counter;
-use tracing::warn;
+use crate::model::{Problem, ServicePort};
 
-use crate::model::ServicePort;
-
-/// Every (service port, field) some mode of this process found it cannot
-/// honour, counted once each; the metrics server exports it.
-pub static UNHONOURED_FIELDS: LazyLock<Counter> = LazyLock::new(Counter::default);
-
-/// What one mode has reported so far.
+/// What one mode has reported, and what the agent has not taken yet.
+#[derive(Default)]
 pub struct Unhonoured {
-    mode: &'static str,
     reported: HashSet<(String, &'static str)>,
+    pending: Vec<Problem>,
 }
 
 impl Unhonoured {
-    pub fn new(mode: &'static str) -> Self {
-        Self {
-            mode,
-            reported: HashSet::new(),
-        }
-    }
-
-    /// Logs and counts `field` of `port`, which the mode handles as `how`
-    /// says, unless it was reported for that port before.
+    /// Reports `field` of `port`, which the mode handles as `how` says,
+    /// unless it was reported for that port before.
     pub fn report(&mut self, port: &ServicePort, field: &'static str, how: &str) {
         if self.reported.insert((port.name.clone(), field)) {
-            warn!(mode = self.mode, port = port.name, field, "{how}");
-            UNHONOURED_FIELDS.inc();
+            self.pending.push(Problem::new(&port.name, format!("{field}: {how}")));
         }
     }
 
-    /// How many (port, field) pairs this mode reported.
+    /// The problems reported since the last call.
+    pub fn take(&mut self) -> Vec<Problem> {
+        std::mem::take(&mut self.pending)
+    }
+
+    /// How many (port, field) pairs were reported.
     pub fn count(&self) -> usize {
         self.reported.len()
     }
@@ -49,7 +41,7 @@ mod tests {
 
     #[test]
     fn reported_once_per_port_and_field() {
-        let mut unhonoured = Unhonoured::new("test");
+        let mut unhonoured = Unhonoured::default();
         let a = ServicePort {
             name: "default/a".into(),
             ..ServicePort::default()
@@ -58,13 +50,23 @@ mod tests {
             name: "default/b".into(),
             ..ServicePort::default()
         };
-        let before = UNHONOURED_FIELDS.get();
         unhonoured.report(&a, "spec.externalIPs", "not served");
         unhonoured.report(&a, "spec.externalIPs", "not served");
         unhonoured.report(&a, "status.loadBalancer.ingress", "not served");
+        assert_eq!(
+            unhonoured.take(),
+            [
+                Problem::new("default/a", "spec.externalIPs: not served"),
+                Problem::new("default/a", "status.loadBalancer.ingress: not served"),
+            ]
+        );
+        unhonoured.report(&a, "spec.externalIPs", "not served");
         unhonoured.report(&b, "spec.externalIPs", "not served");
+        assert_eq!(
+            unhonoured.take(),
+            [Problem::new("default/b", "spec.externalIPs: not served")]
+        );
+        assert!(unhonoured.take().is_empty());
         assert_eq!(unhonoured.count(), 3);
-        // Other tests may count at the same time: at least ours.
-        assert!(UNHONOURED_FIELDS.get() >= before + 3);
     }
 }

@@ -17,7 +17,7 @@ use anyhow::Result;
 use super::{diff, diff_of};
 use crate::{
     mode::{Dataplane, SyncedChange},
-    model::ServicePort,
+    model::{Problem, ServicePort},
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -148,6 +148,8 @@ pub struct SyncReport {
     /// Deletions of UDP flows the sync left stale, as the mode counts them
     /// ([`Dataplane::delete_stale_flows`]).
     pub stale_flow_deletions: u64,
+    /// What the mode could not honour ([`Dataplane::take_problems`]).
+    pub problems: Vec<Problem>,
 }
 
 /// Holds the mode and what it was last told successfully.
@@ -194,6 +196,7 @@ impl Reconciler {
             endpoint_changes: plan.endpoint_changes(),
             kernel_writes: 0,
             stale_flow_deletions: 0,
+            problems: Vec::new(),
         };
         let writes_before = self.mode.kernel_writes();
         let result = if full {
@@ -209,6 +212,7 @@ impl Reconciler {
             return Err(e);
         }
         report.kernel_writes = self.mode.kernel_writes() - writes_before;
+        report.problems = self.mode.take_problems();
         // After the new state is in place, so the flows' next packets pick
         // a current endpoint.
         report.stale_flow_deletions = self.mode.delete_stale_flows(&SyncedChange {

@@ -161,11 +161,6 @@ impl Metrics {
             m.skipped_objects.clone(),
         );
         registry.register(
-            "xproxy_unhonoured_service_fields",
-            "Service port fields the mode cannot honour (each logged once)",
-            crate::mode::unhonoured::UNHONOURED_FIELDS.clone(),
-        );
-        registry.register(
             "xproxy_sync_kernel_writes",
             "Kernel writes (map updates and deletes, rules) issued by syncs; a restart that finds the data path in place adds none",
             m.kernel_writes.clone(),

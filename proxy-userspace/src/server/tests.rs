@@ -20,6 +20,7 @@ fn report(full: bool, service_changes: usize, endpoint_changes: usize) -> SyncRe
         endpoint_changes,
         kernel_writes: 3,
         stale_flow_deletions: 0,
+        problems: Vec::new(),
     }
 }
 

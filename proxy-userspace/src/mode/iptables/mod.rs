@@ -113,7 +113,7 @@ impl IptablesMode {
             verified: None,
             writes: 0,
             last_input: String::new(),
-            unhonoured: Unhonoured::new("iptables"),
+            unhonoured: Unhonoured::default(),
         }
     }
 
@@ -346,6 +346,10 @@ impl Dataplane for IptablesMode {
 
     fn kernel_writes(&self) -> u64 {
         self.writes
+    }
+
+    fn take_problems(&mut self) -> Vec<crate::model::Problem> {
+        self.unhonoured.take()
     }
 }
 

@@ -25,7 +25,7 @@
 //! client's address be kept: the backend's peer is always the agent. A
 //! port asking for `Local` is proxied as `Cluster`; external and load
 //! balancer IPs are not served. Each of these is logged once per port and
-//! counted (`xproxy_unhonoured_service_fields_total`).
+//! counted with the skipped objects (`xproxy_skipped_objects_total`).
 
 pub mod balancer;
 pub mod listener;
@@ -92,7 +92,7 @@ impl UserspaceMode {
             written: None,
             verified: None,
             writes: 0,
-            unhonoured: Unhonoured::new("userspace"),
+            unhonoured: Unhonoured::default(),
         }
     }
 
@@ -262,6 +262,10 @@ impl Dataplane for UserspaceMode {
 
     fn kernel_writes(&self) -> u64 {
         self.writes
+    }
+
+    fn take_problems(&mut self) -> Vec<crate::model::Problem> {
+        self.unhonoured.take()
     }
 }
 
