@@ -85,6 +85,14 @@ fn bed() -> Topology {
     bed
 }
 
+/// The bed with a mode in its node, fully synced to `port`.
+fn started(port: &ServicePort) -> (Topology, IptablesMode) {
+    let bed = bed();
+    let mut mode = IptablesMode::new(options(), Box::new(SystemIptables::default()));
+    full(&bed.node, &mut mode, &[port]);
+    (bed, mode)
+}
+
 fn full(ns: &Netns, mode: &mut IptablesMode, ports: &[&ServicePort]) {
     let desired: BTreeMap<String, ServicePort> = ports.iter().map(|p| (p.name.clone(), (*p).clone())).collect();
     ns.run_in(|| mode.apply_full(&desired))
@@ -123,10 +131,8 @@ fn iptables_external_and_load_balancer_ips() {
     if !require_root("iptables_external_and_load_balancer_ips") {
         return;
     }
-    let bed = bed();
-    let mut mode = IptablesMode::new(options(), Box::new(SystemIptables::default()));
     let mut port = api_port();
-    full(&bed.node, &mut mode, &[&port]);
+    let (bed, mut mode) = started(&port);
     let all: Vec<&str> = BACKENDS.iter().map(|(name, _)| *name).collect();
     let mut checks = Checks::new("iptables external addresses");
     for ip in [EXTERNAL_IP, LB_IP] {
@@ -196,12 +202,10 @@ fn iptables_load_balancer_source_ranges() {
     if !require_root("iptables_load_balancer_source_ranges") {
         return;
     }
-    let bed = bed();
-    let mut mode = IptablesMode::new(options(), Box::new(SystemIptables::default()));
     let mut port = api_port();
     // Neither the client (172.30.0.1) nor the node (172.30.0.2) is inside.
     port.source_ranges = vec![range("192.0.2.0/24")];
-    full(&bed.node, &mut mode, &[&port]);
+    let (bed, mut mode) = started(&port);
     let lb = at(LB_IP, SEED_PORT);
     let mut checks = Checks::new("iptables source ranges");
     checks.check(
@@ -241,11 +245,9 @@ fn iptables_client_ip_affinity() {
     if !require_root("iptables_client_ip_affinity") {
         return;
     }
-    let bed = bed();
-    let mut mode = IptablesMode::new(options(), Box::new(SystemIptables::default()));
     let mut port = api_port();
     port.affinity = Some(std::time::Duration::from_secs(600));
-    full(&bed.node, &mut mode, &[&port]);
+    let (bed, mut mode) = started(&port);
     let addr = at(EXTERNAL_IP, SEED_PORT);
 
     let first = answers(&bed.client, addr, 20);

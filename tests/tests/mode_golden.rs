@@ -130,17 +130,24 @@ fn iptables_save(ns: &Netns) -> String {
         .collect()
 }
 
+/// An iptables mode with kube-proxy's defaults and the bed's pod CIDR,
+/// `with` changing the options.
+fn iptables_mode(with: impl FnOnce(&mut iptables::RuleOptions)) -> IptablesMode {
+    let mut options = iptables::RuleOptions {
+        local_traffic: local_traffic(),
+        ..iptables::RuleOptions::default()
+    };
+    with(&mut options);
+    IptablesMode::new(options, Box::new(SystemIptables::default()))
+}
+
 #[test]
 fn iptables_rules() {
     if !require_root("iptables_rules") {
         return;
     }
     let ns = Netns::new("xg").expect("a namespace");
-    let options = iptables::RuleOptions {
-        local_traffic: local_traffic(),
-        ..iptables::RuleOptions::default()
-    };
-    let mut mode = IptablesMode::new(options, Box::new(SystemIptables::default()));
+    let mut mode = iptables_mode(|_| {});
     apply(&ns, &mut mode);
     assert_golden(
         "iptables/cluster.iptables-save",
@@ -157,13 +164,10 @@ fn iptables_service_api() {
         return;
     }
     let ns = Netns::new("xg").expect("a namespace");
-    let options = iptables::RuleOptions {
-        local_traffic: local_traffic(),
-        node_name: Some("demo-node".into()),
-        node_ips: vec![NODE_IP],
-        ..iptables::RuleOptions::default()
-    };
-    let mut mode = IptablesMode::new(options, Box::new(SystemIptables::default()));
+    let mut mode = iptables_mode(|o| {
+        o.node_name = Some("demo-node".into());
+        o.node_ips = vec![NODE_IP];
+    });
     let desired = desired_from(&[("service-api.yaml", IPTABLES_API_YAML)]).expect("the Service API input");
     assert_eq!(desired.len(), 1, "{desired:?}");
     ns.run_in(|| mode.apply_full(&desired))
