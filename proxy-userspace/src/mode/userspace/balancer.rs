@@ -23,7 +23,7 @@ use std::{
     net::{Ipv4Addr, SocketAddrV4},
     sync::{
         Arc, Mutex, MutexGuard, PoisonError,
-        atomic::{AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -38,6 +38,8 @@ pub type Endpoints = Arc<[SocketAddrV4]>;
 pub struct Balancer {
     endpoints: watch::Sender<Endpoints>,
     cursor: AtomicUsize,
+    /// Whether `affinity` has a timeout: without, picks skip its lock.
+    sticky: AtomicBool,
     affinity: Mutex<Affinity>,
 }
 
@@ -76,6 +78,7 @@ impl Balancer {
         Self {
             endpoints: watch::Sender::new(endpoints.into()),
             cursor: AtomicUsize::new(0),
+            sticky: AtomicBool::new(false),
             affinity: Mutex::new(Affinity::default()),
         }
     }
@@ -94,6 +97,7 @@ impl Balancer {
                 timeout,
                 ..Affinity::default()
             };
+            self.sticky.store(timeout.is_some(), Ordering::Release);
         }
     }
 
@@ -122,13 +126,16 @@ impl Balancer {
         self.pick_for(client, false)
     }
 
-    /// As [`Self::pick`], but never the client's last endpoint (it failed
-    /// to connect): the next in turn, remembered for the client.
+    /// As [`Self::pick`], but the next in turn even if the client has an
+    /// endpoint (it failed to connect); remembered for the client.
     pub fn pick_again(&self, client: Ipv4Addr) -> Option<SocketAddrV4> {
         self.pick_for(client, true)
     }
 
     fn pick_for(&self, client: Ipv4Addr, anew: bool) -> Option<SocketAddrV4> {
+        if !self.sticky.load(Ordering::Acquire) {
+            return self.next();
+        }
         let mut affinity = self.affinity();
         let Some(timeout) = affinity.timeout else {
             drop(affinity);
