@@ -8,6 +8,7 @@
 //! |----------|---------------------------|------------------------------
 //! | ebpf     | `ebpf/cluster.maps`       | the pinned maps (`xproxy status`)
 //! | iptables | `iptables/cluster.iptables-save` | `iptables-save`
+//! | iptables | `iptables/service-api.iptables-save` (input `iptables/service-api.yaml`) | `iptables-save`
 //! | nftables | `nftables/cluster.nft-list` | `nft list table ip xproxy`
 //! | ipvs     | `ipvs/cluster.ipvsadm`    | `ipvsadm -Ln` and `ipset list` (sorted)
 //!
@@ -45,11 +46,21 @@ const NODE_IP: Ipv4Addr = Ipv4Addr::new(172, 30, 0, 2);
 const SEED_YAML: &str = include_str!("../../examples/seed/manifests/nginx.yaml");
 const MORE_YAML: &str = include_str!("../../proxy-userspace/tests/golden/cluster/more.yaml");
 
+/// The iptables mode's Service API input (one LoadBalancer Service with
+/// every field of issue 12).
+const IPTABLES_API_YAML: &str = include_str!("../../proxy-userspace/tests/golden/iptables/service-api.yaml");
+
 /// The Service ports the agent would program from the YAML.
 fn desired() -> Result<BTreeMap<String, ServicePort>> {
+    desired_from(&[("nginx.yaml", SEED_YAML), ("more.yaml", MORE_YAML)])
+}
+
+/// The Service ports the agent would program from these YAML files.
+fn desired_from(files: &[(&str, &str)]) -> Result<BTreeMap<String, ServicePort>> {
     let dir = TempDir::new("golden-input")?;
-    std::fs::write(dir.path().join("nginx.yaml"), SEED_YAML)?;
-    std::fs::write(dir.path().join("more.yaml"), MORE_YAML)?;
+    for (name, yaml) in files {
+        std::fs::write(dir.path().join(name), yaml)?;
+    }
     let (services, slices, problems) = ManifestDir::new(dir.path())?
         .reload_if_changed()?
         .context("a first reading")?;
@@ -119,21 +130,52 @@ fn iptables_save(ns: &Netns) -> String {
         .collect()
 }
 
+/// An iptables mode with kube-proxy's defaults and the bed's pod CIDR,
+/// `with` changing the options.
+fn iptables_mode(with: impl FnOnce(&mut iptables::RuleOptions)) -> IptablesMode {
+    let mut options = iptables::RuleOptions {
+        local_traffic: local_traffic(),
+        ..iptables::RuleOptions::default()
+    };
+    with(&mut options);
+    IptablesMode::new(options, Box::new(SystemIptables::default()))
+}
+
 #[test]
 fn iptables_rules() {
     if !require_root("iptables_rules") {
         return;
     }
     let ns = Netns::new("xg").expect("a namespace");
-    let options = iptables::RuleOptions {
-        local_traffic: local_traffic(),
-        ..iptables::RuleOptions::default()
-    };
-    let mut mode = IptablesMode::new(options, Box::new(SystemIptables::default()));
+    let mut mode = iptables_mode(|_| {});
     apply(&ns, &mut mode);
     assert_golden(
         "iptables/cluster.iptables-save",
         include_str!("../../proxy-userspace/tests/golden/iptables/cluster.iptables-save"),
+        &iptables_save(&ns),
+    );
+}
+
+/// A LoadBalancer Service with external and LB IPs, source ranges,
+/// affinity and eTP Local, on the node its first endpoint runs on.
+#[test]
+fn iptables_service_api() {
+    if !require_root("iptables_service_api") {
+        return;
+    }
+    let ns = Netns::new("xg").expect("a namespace");
+    let mut mode = iptables_mode(|o| {
+        o.node_name = Some("demo-node".into());
+        o.node_ips = vec![NODE_IP];
+    });
+    let desired = desired_from(&[("service-api.yaml", IPTABLES_API_YAML)]).expect("the Service API input");
+    assert_eq!(desired.len(), 1, "{desired:?}");
+    ns.run_in(|| mode.apply_full(&desired))
+        .expect("entering the namespace")
+        .unwrap_or_else(|e| panic!("full sync: {e:#}"));
+    assert_golden(
+        "iptables/service-api.iptables-save",
+        include_str!("../../proxy-userspace/tests/golden/iptables/service-api.iptables-save"),
         &iptables_save(&ns),
     );
 }

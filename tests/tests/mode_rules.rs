@@ -8,6 +8,8 @@
 //!   rewrites only the changed Service's chains (the rule counters of the
 //!   others survive); removal and stale chains go, foreign chains stay; an
 //!   idle full sync writes nothing; cleanup leaves no `KUBE-` chain.
+//!   ClientIP affinity: the `recent` rules and the kernel's lists per
+//!   endpoint follow endpoint removal and affinity off and on.
 //! - nftables: a full sync writes the `ip xproxy` table (golden file); a
 //!   partial sync rewrites only the changed Service's chains (the rule
 //!   handles of the others stay); removal takes elements and chains away; a
@@ -310,6 +312,71 @@ fn iptables_mode_in_a_namespace() {
     );
     let again = ns.run_in(iptables::cleanup).expect("thread").expect("second cleanup");
     assert_eq!(again, 0);
+}
+
+/// The kernel's `recent` lists in the calling thread's namespace (one per
+/// endpoint chain while a rule names it).
+fn recent_lists() -> BTreeSet<String> {
+    std::fs::read_dir("/proc/thread-self/net/xt_recent")
+        .map(|dir| dir.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect())
+        .unwrap_or_default()
+}
+
+/// ClientIP affinity read back: `--rcheck` / `--set` rules and the
+/// kernel's lists per endpoint; a removed endpoint's list goes with its
+/// rules (its clients are released); off, no list is left; on again, the
+/// lists come back.
+#[test]
+fn iptables_affinity_in_a_namespace() {
+    if !require_root("iptables_affinity_in_a_namespace") {
+        return;
+    }
+    let ns = bare_namespace().expect("creating the namespace");
+    let mut mode = IptablesMode::new(rule_options(), Box::new(SystemIptables::default()));
+    let mut port = other_port(&[1, 2]);
+    port.affinity = Some(Duration::from_secs(600));
+    let sep = |last: u8| chains::sep_chain(&port.name, port.protocol, &format!("10.244.1.{last}:8080"));
+    let (one, two) = (sep(1), sep(2));
+    full(&ns, &mut mode, [&port], "full sync with affinity");
+    let saved = save(&ns, false).expect("iptables-save");
+    for chain in [&one, &two] {
+        assert!(
+            saved.contains(&format!(
+                "-m recent --rcheck --seconds 600 --reap --name {chain} --mask 255.255.255.255 --rsource -j {chain}"
+            )),
+            "{saved}"
+        );
+        assert!(saved.contains(&format!("-m recent --set --name {chain} ")), "{saved}");
+    }
+    let lists = ns.run_in(recent_lists).expect("thread");
+    assert_eq!(lists, [one.clone(), two.clone()].into(), "the kernel's recent lists");
+
+    // Endpoint 1 goes: its rules and list with it.
+    let mut fewer = port.clone();
+    fewer.endpoints.remove(0);
+    partial(&ns, &mut mode, &[&fewer], &[], "removing an endpoint");
+    let saved = save(&ns, false).expect("iptables-save");
+    assert!(!saved.contains(&one), "{saved}");
+    assert_eq!(ns.run_in(recent_lists).expect("thread"), [two.clone()].into());
+
+    // Off: no recent match, no list.
+    let mut off = fewer.clone();
+    off.affinity = None;
+    partial(&ns, &mut mode, &[&off], &[], "affinity off");
+    let saved = save(&ns, false).expect("iptables-save");
+    assert!(!saved.contains("-m recent"), "{saved}");
+    assert!(ns.run_in(recent_lists).expect("thread").is_empty());
+
+    // On again, with another timeout.
+    let mut on = fewer;
+    on.affinity = Some(Duration::from_secs(30));
+    partial(&ns, &mut mode, &[&on], &[], "affinity on again");
+    let saved = save(&ns, false).expect("iptables-save");
+    assert!(
+        saved.contains(&format!("--rcheck --seconds 30 --reap --name {two} ")),
+        "{saved}"
+    );
+    assert_eq!(ns.run_in(recent_lists).expect("thread"), [two].into());
 }
 
 // ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ pub mod iptables;
 pub mod ipvs;
 pub mod nftables;
 pub mod options;
+pub mod unhonoured;
 pub mod userspace;
 
 use std::collections::BTreeMap;

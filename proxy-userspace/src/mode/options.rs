@@ -51,7 +51,7 @@ impl LocalTraffic {
 /// Where NodePorts answer, as the configuration puts it (kube-proxy's
 /// `nodePortAddresses`, IPv4 only). A mode turns this into its own match:
 /// the iptables mode resolves networks to the local addresses in them at
-/// start, the nftables mode lets the kernel check them per packet.
+/// every sync, the nftables mode lets the kernel check them per packet.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum NodePortScope {
     /// Every local address; 127.0.0.0/8 too if `localhost` and the mode can

@@ -15,9 +15,10 @@ use crate::model::{Endpoint, Protocol, ServicePort};
 
 /// nat and filter: the entry chain for Service traffic.
 pub const SERVICES: &str = "KUBE-SERVICES";
-/// filter: rejects external traffic (NodePorts) of Services without endpoints.
+/// filter: rejects external traffic (NodePorts, external and load
+/// balancer IPs) of Services without endpoints.
 pub const EXTERNAL_SERVICES: &str = "KUBE-EXTERNAL-SERVICES";
-/// nat: NodePort dispatch; filter: health-check node ports (empty here).
+/// nat: NodePort dispatch; filter: accepts health-check node ports.
 pub const NODE_PORTS: &str = "KUBE-NODEPORTS";
 /// nat: masquerades packets carrying the mark, clears the mark.
 pub const POSTROUTING: &str = "KUBE-POSTROUTING";
@@ -28,6 +29,9 @@ pub const FORWARD: &str = "KUBE-FORWARD";
 /// filter: drops martian packets to 127.0.0.0/8 when NodePorts answer on
 /// localhost (`route_localnet=1`).
 pub const FIREWALL: &str = "KUBE-FIREWALL";
+/// filter: drops what a `KUBE-FW-` chain let through without a DNAT (load
+/// balancer traffic from outside `loadBalancerSourceRanges`).
+pub const PROXY_FIREWALL: &str = "KUBE-PROXY-FIREWALL";
 
 /// Per service port: dispatch to the endpoints (`Cluster` traffic policy).
 pub const SVC_PREFIX: &str = "KUBE-SVC-";
@@ -38,20 +42,26 @@ pub const SVL_PREFIX: &str = "KUBE-SVL-";
 pub const EXT_PREFIX: &str = "KUBE-EXT-";
 /// Per endpoint of a service port: the DNAT.
 pub const SEP_PREFIX: &str = "KUBE-SEP-";
-/// kube-proxy's load-balancer firewall chains: never written by xproxy,
-/// but removed like the others when found stale.
-const OTHER_SERVICE_PREFIXES: [&str; 1] = ["KUBE-FW-"];
+/// Per service port with `loadBalancerSourceRanges`: load balancer
+/// traffic from the allowed ranges goes on to `KUBE-EXT-`.
+pub const FW_PREFIX: &str = "KUBE-FW-";
 
 /// Every fixed chain xproxy's iptables mode may create, by table.
 pub const NAT_CHAINS: [&str; 4] = [SERVICES, NODE_PORTS, POSTROUTING, MARK_MASQ];
-pub const FILTER_CHAINS: [&str; 5] = [NODE_PORTS, SERVICES, EXTERNAL_SERVICES, FORWARD, FIREWALL];
+pub const FILTER_CHAINS: [&str; 6] = [
+    NODE_PORTS,
+    SERVICES,
+    EXTERNAL_SERVICES,
+    FORWARD,
+    PROXY_FIREWALL,
+    FIREWALL,
+];
 
 /// Whether `chain` is a per-service chain (of xproxy or kube-proxy): one
 /// found in the kernel but not wanted is stale and deleted.
 pub fn is_service_chain(chain: &str) -> bool {
-    [SVC_PREFIX, SVL_PREFIX, EXT_PREFIX, SEP_PREFIX]
+    [SVC_PREFIX, SVL_PREFIX, EXT_PREFIX, FW_PREFIX, SEP_PREFIX]
         .into_iter()
-        .chain(OTHER_SERVICE_PREFIXES)
         .any(|prefix| chain.starts_with(prefix))
 }
 
@@ -87,6 +97,11 @@ pub fn ext_chain(name: &str, protocol: Protocol) -> String {
     format!("{EXT_PREFIX}{}", hash16(&format!("{name}{}", protocol.lowercase())))
 }
 
+/// `KUBE-FW-…`: the same hash as the service's `KUBE-SVC-` chain.
+pub fn fw_chain(name: &str, protocol: Protocol) -> String {
+    format!("{FW_PREFIX}{}", hash16(&format!("{name}{}", protocol.lowercase())))
+}
+
 /// `KUBE-SEP-…` of one endpoint (`ip:port`) of a service port.
 pub fn sep_chain(name: &str, protocol: Protocol, endpoint: &str) -> String {
     format!(
@@ -101,6 +116,7 @@ pub struct PortChains {
     pub svc: String,
     pub svl: String,
     pub ext: String,
+    pub fw: String,
 }
 
 impl PortChains {
@@ -109,6 +125,7 @@ impl PortChains {
             svc: svc_chain(&port.name, port.protocol),
             svl: svl_chain(&port.name, port.protocol),
             ext: ext_chain(&port.name, port.protocol),
+            fw: fw_chain(&port.name, port.protocol),
         }
     }
 }
@@ -138,6 +155,7 @@ mod tests {
         }
         assert_eq!(ext_chain("ns2/svc2:p80", Protocol::Tcp), "KUBE-EXT-GNZBNJ2PO5MGZ6GT");
         assert_eq!(svl_chain("ns2/svc2:p80", Protocol::Tcp), "KUBE-SVL-GNZBNJ2PO5MGZ6GT");
+        assert_eq!(fw_chain("ns2/svc2:p80", Protocol::Tcp), "KUBE-FW-GNZBNJ2PO5MGZ6GT");
         let seps = [
             ("ns1/svc1:p80", "10.180.0.1:80", "KUBE-SEP-SXIVWICOYRO3J4NJ"),
             ("ns2/svc2:p80", "10.180.0.2:80", "KUBE-SEP-RS4RBKLTHTF2IUXJ"),
@@ -175,6 +193,7 @@ mod tests {
         assert!(!is_ours("nat", "KUBE-KUBELET-CANARY"));
         assert!(!is_ours("nat", "DOCKER"));
         assert!(is_ours("filter", "KUBE-EXTERNAL-SERVICES"));
+        assert!(is_ours("filter", "KUBE-PROXY-FIREWALL"));
         assert!(!is_ours("filter", "KUBE-SEP-SXIVWICOYRO3J4NJ"));
         assert!(!is_ours("mangle", "KUBE-SERVICES"));
     }

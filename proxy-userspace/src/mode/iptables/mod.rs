@@ -31,9 +31,9 @@ use rules::{Rewrite, SyncInput, jumps, port_chains, render};
 use tracing::{debug, info, warn};
 
 pub use super::options::LocalTraffic;
-use super::{Dataplane, Plan, SyncedChange, conntrack, options::NodePortScope};
+use super::{Dataplane, Plan, SyncedChange, conntrack, options::NodePortScope, unhonoured::Unhonoured};
 use crate::{
-    config::Config,
+    config::{Cidr, Config},
     model::ServicePort,
     sys::{
         addrs,
@@ -50,6 +50,13 @@ const TCP_BE_LIBERAL: &str = "/proc/sys/net/netfilter/nf_conntrack_tcp_be_libera
 
 pub struct IptablesMode {
     opts: RuleOptions,
+    /// `nodePortAddresses` given as networks: the local addresses in them
+    /// are looked up again at every sync (kube-proxy does too), so an
+    /// address added later answers from the next sync on.
+    node_port_cidrs: Option<NodePortCidrs>,
+    /// Whether `node_port_cidrs` were looked up once (the first lookup is
+    /// always logged).
+    node_ports_resolved: bool,
     iptables: Box<dyn Iptables>,
     /// What the last successful sync programmed.
     state: BTreeMap<String, ServicePort>,
@@ -58,11 +65,35 @@ pub struct IptablesMode {
     verified: Option<Verified>,
     writes: u64,
     last_input: String,
+    unhonoured: Unhonoured,
 }
 
 struct Verified {
     desired: BTreeMap<String, ServicePort>,
+    /// The options it was written with (node port addresses may change).
+    opts: RuleOptions,
     ours: Vec<String>,
+}
+
+/// `nodePortAddresses` as networks, and whether 127.0.0.0/8 may answer
+/// (`iptables.localhostNodePorts`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodePortCidrs {
+    pub cidrs: Vec<Cidr>,
+    pub localhost: bool,
+}
+
+impl NodePortCidrs {
+    /// The local addresses (of the calling thread's network namespace)
+    /// NodePorts answer on.
+    pub fn resolve(&self) -> Result<Vec<Ipv4Addr>> {
+        Ok(addrs::local_ipv4()
+            .context("listing local addresses for nodePortAddresses")?
+            .into_iter()
+            .filter(|ip| self.cidrs.iter().any(|c| c.contains((*ip).into())))
+            .filter(|ip| !ip.is_loopback() || self.localhost)
+            .collect())
+    }
 }
 
 /// Starts the iptables mode for `xproxy run` (see [`IptablesMode::start`]).
@@ -75,11 +106,47 @@ impl IptablesMode {
     pub fn new(opts: RuleOptions, iptables: Box<dyn Iptables>) -> Self {
         Self {
             opts,
+            node_port_cidrs: None,
+            node_ports_resolved: false,
             iptables,
             state: BTreeMap::new(),
             verified: None,
             writes: 0,
             last_input: String::new(),
+            unhonoured: Unhonoured::default(),
+        }
+    }
+
+    /// NodePorts answer on the local addresses inside `cidrs`, looked up at
+    /// every sync (replaces `node_ports` of the options).
+    #[must_use]
+    pub fn with_node_port_cidrs(mut self, cidrs: NodePortCidrs) -> Self {
+        self.node_port_cidrs = Some(cidrs);
+        self
+    }
+
+    /// Looks the node port addresses up again when they are given as
+    /// networks; a failure keeps the last ones.
+    fn refresh_node_ports(&mut self) {
+        let Some(cidrs) = &self.node_port_cidrs else {
+            return;
+        };
+        let ips = match cidrs.resolve() {
+            Ok(ips) => ips,
+            Err(e) => {
+                warn!(error = format!("{e:#}"), "NodePorts keep the addresses found before");
+                return;
+            }
+        };
+        let now = NodePortDestinations::Addresses(ips);
+        if now != self.opts.node_ports || !self.node_ports_resolved {
+            self.node_ports_resolved = true;
+            if matches!(&now, NodePortDestinations::Addresses(ips) if ips.is_empty()) {
+                warn!(cidrs = ?cidrs.cidrs, "no local IPv4 address is in nodePortAddresses: NodePorts answer nowhere");
+            } else {
+                info!(node_ports = ?now, "NodePorts answer on these addresses");
+            }
+            self.opts.node_ports = now;
         }
     }
 
@@ -90,8 +157,11 @@ impl IptablesMode {
     pub fn start(config: &Config) -> Result<Self> {
         let system = SystemIptables::default();
         system.check()?;
-        let opts = rule_options(config)?;
-        if opts.node_ports.localhost() {
+        let (opts, node_port_cidrs) = rule_options(config);
+        let localhost_in_cidrs = node_port_cidrs
+            .as_ref()
+            .is_some_and(|c| c.localhost && c.cidrs.iter().any(|cidr| cidr.contains(Ipv4Addr::LOCALHOST.into())));
+        if opts.node_ports.localhost() || localhost_in_cidrs {
             info!(
                 "setting route_localnet=1 so that NodePorts answer on 127.0.0.1 \
                  (turn off with iptables.localhostNodePorts: false, or leave 127.0.0.0/8 out of nodePortAddresses)"
@@ -99,7 +169,9 @@ impl IptablesMode {
             std::fs::write(ROUTE_LOCALNET, "1").with_context(|| format!("writing 1 to {ROUTE_LOCALNET}"))?;
         }
         info!(?opts, "iptables mode ready");
-        Ok(Self::new(opts, Box::new(system)))
+        let mut mode = Self::new(opts, Box::new(system));
+        mode.node_port_cidrs = node_port_cidrs;
+        Ok(mode)
     }
 
     pub fn options(&self) -> &RuleOptions {
@@ -109,6 +181,20 @@ impl IptablesMode {
     /// The `iptables-restore` input of the last sync that wrote something.
     pub fn last_input(&self) -> &str {
         &self.last_input
+    }
+
+    /// How many (port, field) pairs the mode found it cannot honour.
+    pub fn unhonoured(&self) -> usize {
+        self.unhonoured.count()
+    }
+
+    /// Logs once and counts what of `ports` the mode cannot do as asked.
+    fn report_unhonoured<'a>(&mut self, ports: impl IntoIterator<Item = &'a ServicePort>) {
+        for port in ports {
+            if let Some((field, how)) = rules::unhonoured(&self.opts, port) {
+                self.unhonoured.report(port, field, how);
+            }
+        }
     }
 
     fn restore(&mut self, text: String, writes: u64) -> Result<()> {
@@ -132,6 +218,9 @@ impl Dataplane for IptablesMode {
         if plan.is_empty() {
             return Ok(());
         }
+        // KUBE-SERVICES is rewritten whole: with the addresses of now.
+        self.refresh_node_ports();
+        self.report_unhonoured(&plan.upsert);
         // Chains the touched ports used before, and what to put back if
         // the restore fails.
         let mut gone = BTreeSet::new();
@@ -188,6 +277,8 @@ impl Dataplane for IptablesMode {
     }
 
     fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()> {
+        self.refresh_node_ports();
+        self.report_unhonoured(desired.values());
         let saved = Saved::parse(&self.iptables.save().context("reading the current rules")?);
         let active: BTreeSet<String> = desired.values().flat_map(|p| port_chains(&self.opts, p)).collect();
         let stale: BTreeSet<String> = saved
@@ -212,7 +303,7 @@ impl Dataplane for IptablesMode {
         let unchanged = self
             .verified
             .as_ref()
-            .is_some_and(|v| v.desired == *desired && v.ours == ours_now);
+            .is_some_and(|v| v.desired == *desired && v.opts == self.opts && v.ours == ours_now);
         if unchanged && stale.is_empty() && missing.is_empty() {
             debug!("full iptables sync: the kernel holds what the last full sync wrote");
             self.state = desired.clone();
@@ -241,6 +332,7 @@ impl Dataplane for IptablesMode {
             Ok(after) => {
                 self.verified = Some(Verified {
                     desired: desired.clone(),
+                    opts: self.opts.clone(),
                     ours: owned_lines(&Saved::parse(&after), chains::is_ours),
                 });
             }
@@ -254,6 +346,10 @@ impl Dataplane for IptablesMode {
 
     fn kernel_writes(&self) -> u64 {
         self.writes
+    }
+
+    fn take_problems(&mut self) -> Vec<crate::model::Problem> {
+        self.unhonoured.take()
     }
 }
 
@@ -282,39 +378,36 @@ pub fn cleanup_with(iptables: &mut dyn Iptables) -> Result<usize> {
     remove_chains(iptables, chains::is_ours)
 }
 
-/// The rule options `config` asks for, completed from the kernel.
-pub fn rule_options(config: &Config) -> Result<RuleOptions> {
-    let node_ports = match NodePortScope::from_config(config) {
-        NodePortScope::AllLocal { localhost } => NodePortDestinations::AllLocal { localhost },
-        NodePortScope::NodeIps(ips) => NodePortDestinations::Addresses(ips),
+/// The rule options `config` asks for, completed from the kernel, and the
+/// networks of `nodePortAddresses` when it gives networks (their local
+/// addresses are looked up at every sync, see [`NodePortCidrs`]).
+pub fn rule_options(config: &Config) -> (RuleOptions, Option<NodePortCidrs>) {
+    let (node_ports, cidrs) = match NodePortScope::from_config(config) {
+        NodePortScope::AllLocal { localhost } => (NodePortDestinations::AllLocal { localhost }, None),
+        NodePortScope::NodeIps(ips) => (NodePortDestinations::Addresses(ips), None),
         NodePortScope::Cidrs(cidrs) => {
-            let ips: Vec<Ipv4Addr> = addrs::local_ipv4()
-                .context("listing local addresses for nodePortAddresses")?
-                .into_iter()
-                .filter(|ip| cidrs.iter().any(|c| c.contains((*ip).into())))
-                .filter(|ip| !ip.is_loopback() || config.localhost_node_ports)
-                .collect();
-            if ips.is_empty() && !cidrs.is_empty() {
-                warn!(
-                    ?cidrs,
-                    "no local IPv4 address is in nodePortAddresses: NodePorts answer nowhere"
-                );
-            }
-            NodePortDestinations::Addresses(ips)
+            let cidrs = NodePortCidrs {
+                cidrs,
+                localhost: config.localhost_node_ports,
+            };
+            // Filled in by the first sync.
+            (NodePortDestinations::Addresses(Vec::new()), Some(cidrs))
         }
     };
     let be_liberal = std::fs::read_to_string(TCP_BE_LIBERAL).is_ok_and(|v| v.trim() != "0");
     if be_liberal {
         info!("nf_conntrack_tcp_be_liberal is set: INVALID packets are not dropped");
     }
-    Ok(RuleOptions {
+    let opts = RuleOptions {
         masquerade_bit: config.masquerade.bit,
         masquerade_all: config.masquerade.all,
         local_traffic: LocalTraffic::from_config(config, "iptables"),
         node_ports,
         drop_invalid: !be_liberal,
         node_name: Some(config.node_name.clone()),
-    })
+        node_ips: config.ipv4_node_ips(),
+    };
+    (opts, cidrs)
 }
 
 #[cfg(test)]

@@ -4,15 +4,23 @@
 //! ```text
 //! nat    PREROUTING, OUTPUT -> KUBE-SERVICES
 //!          per port: -d CLUSTER_IP --dport PORT -> KUBE-SVC-x
+//!                    -d EXTERNAL_IP --dport PORT -> KUBE-EXT-x
+//!                    -d LB_IP --dport PORT -> KUBE-EXT-x (KUBE-FW-x with source ranges)
 //!          last:     -m addrtype --dst-type LOCAL -> KUBE-NODEPORTS
 //!        KUBE-NODEPORTS: --dport NODE_PORT -> KUBE-EXT-x
+//!        KUBE-FW-x: -s RANGE -> KUBE-EXT-x, ...; the rest falls through
 //!        KUBE-EXT-x: -> KUBE-MARK-MASQ, -> KUBE-SVC-x
 //!        KUBE-SVC-x: off-cluster source -> KUBE-MARK-MASQ;
+//!                    (ClientIP affinity: -m recent --rcheck -> KUBE-SEP-a, ...)
 //!                    -m statistic --probability 1/n -> KUBE-SEP-a, ... -> KUBE-SEP-z
-//!        KUBE-SEP-a: -s ENDPOINT (hairpin) -> KUBE-MARK-MASQ; DNAT --to-destination ENDPOINT
+//!        KUBE-SEP-a: -s ENDPOINT (hairpin) -> KUBE-MARK-MASQ;
+//!                    (-m recent --set) DNAT --to-destination ENDPOINT
 //!        POSTROUTING -> KUBE-POSTROUTING: marked -> clear the mark, MASQUERADE
 //! filter INPUT, FORWARD, OUTPUT -> KUBE-SERVICES / KUBE-EXTERNAL-SERVICES:
-//!          REJECT for ports without endpoints; FORWARD -> KUBE-FORWARD
+//!          REJECT for ports without endpoints; FORWARD -> KUBE-FORWARD;
+//!          KUBE-PROXY-FIREWALL: DROP to LB_IP --dport PORT (what KUBE-FW-x
+//!          did not send on: it is still addressed to the LB IP);
+//!          KUBE-NODEPORTS: ACCEPT the health check node port
 //! ```
 //!
 //! The `Local` traffic policies, as kube-proxy lays them out:
@@ -99,6 +107,11 @@ pub struct RuleOptions {
     /// This node's name: endpoints naming it are the ones the `Local`
     /// traffic policies reach. `None`: no endpoint is local.
     pub node_name: Option<String>,
+    /// This node's IPv4 addresses, as far as known: when a
+    /// `loadBalancerSourceRanges` entry holds one, the node's own traffic
+    /// to the load balancer IPs (which may come back with a load balancer
+    /// IP as its source) is let through too, as kube-proxy does.
+    pub node_ips: Vec<Ipv4Addr>,
 }
 
 impl Default for RuleOptions {
@@ -111,6 +124,7 @@ impl Default for RuleOptions {
             node_ports: NodePortDestinations::AllLocal { localhost: true },
             drop_invalid: true,
             node_name: None,
+            node_ips: Vec::new(),
         }
     }
 }
@@ -162,7 +176,7 @@ const CTSTATE_NEW: &str = "-m conntrack --ctstate NEW";
 
 /// kube-proxy's jumps (`iptablesJumpChains`), in its order: each is
 /// inserted at the top of its chain, so the last one ends up first.
-const JUMPS: [Jump; 9] = [
+const JUMPS: [Jump; 12] = [
     Jump {
         table: "filter",
         from: "INPUT",
@@ -204,6 +218,27 @@ const JUMPS: [Jump; 9] = [
         to: chains::FORWARD,
         matches: "",
         comment: "kubernetes forwarding rules",
+    },
+    Jump {
+        table: "filter",
+        from: "INPUT",
+        to: chains::PROXY_FIREWALL,
+        matches: CTSTATE_NEW,
+        comment: "kubernetes load balancer firewall",
+    },
+    Jump {
+        table: "filter",
+        from: "OUTPUT",
+        to: chains::PROXY_FIREWALL,
+        matches: CTSTATE_NEW,
+        comment: "kubernetes load balancer firewall",
+    },
+    Jump {
+        table: "filter",
+        from: "FORWARD",
+        to: chains::PROXY_FIREWALL,
+        matches: CTSTATE_NEW,
+        comment: "kubernetes load balancer firewall",
     },
     Jump {
         table: "nat",
@@ -307,13 +342,35 @@ pub fn port_chains(opts: &RuleOptions, port: &ServicePort) -> BTreeSet<String> {
     if sets.uses_local() {
         out.insert(names.svl);
     }
-    if port.node_port.is_some() {
+    if port.externally_accessible() {
         out.insert(names.ext);
+    }
+    if uses_firewall(port) {
+        out.insert(names.fw);
     }
     for ep in sets.reachable() {
         out.insert(sep_chain(&port.name, port.protocol, &endpoint_string(ep)));
     }
     out
+}
+
+/// Whether load balancer traffic of `port` passes a `KUBE-FW-` chain: it
+/// has load balancer IPs and source ranges (kube-proxy; the caller checks
+/// that the port has endpoints).
+fn uses_firewall(port: &ServicePort) -> bool {
+    !port.load_balancer_ips.is_empty() && !port.source_ranges.is_empty()
+}
+
+/// What of `port` these rules cannot do as kube-proxy would, as (field,
+/// how it is handled instead): only that without a known node address
+/// the node's own traffic to source-ranged load balancer IPs cannot be
+/// let through (kube-proxy lets it through when a range holds the node IP).
+pub fn unhonoured(opts: &RuleOptions, port: &ServicePort) -> Option<(&'static str, &'static str)> {
+    (uses_firewall(port) && opts.node_ips.is_empty()).then_some((
+        "spec.loadBalancerSourceRanges",
+        "no node IP is known (--node-ip): the node's own traffic to the load balancer IPs \
+         is filtered by the source ranges like any client's",
+    ))
 }
 
 /// The lines of one table: rules are grouped by chain, in the order the
@@ -384,6 +441,7 @@ pub fn render(opts: &RuleOptions, input: &SyncInput<'_>) -> Rendered {
         chains::SERVICES,
         chains::EXTERNAL_SERVICES,
         chains::FORWARD,
+        chains::PROXY_FIREWALL,
     ] {
         filter.chain(chain);
     }
@@ -472,71 +530,196 @@ pub fn render(opts: &RuleOptions, input: &SyncInput<'_>) -> Rendered {
 /// One port's rules: always its entries in the top-level chains, and its
 /// own chains if `own_chains`. Laid out like kube-proxy's for both traffic
 /// policies: ClusterIP traffic enters the internal policy's chain
-/// (`KUBE-SVC` or `KUBE-SVL`), node-port traffic `KUBE-EXT`, which for the
-/// `Local` policy masquerades and short-circuits only the node's (and its
-/// pods') own traffic before it enters `KUBE-SVL`.
+/// (`KUBE-SVC` or `KUBE-SVL`); external traffic (node port, external IPs,
+/// load balancer IPs, the latter through `KUBE-FW` with source ranges)
+/// enters `KUBE-EXT`, which for the `Local` policy masquerades and
+/// short-circuits only the node's (and its pods') own traffic before it
+/// enters `KUBE-SVL`.
 fn render_port(opts: &RuleOptions, port: &ServicePort, own_chains: bool, filter: &mut Table, nat: &mut Table) {
-    let name = &port.name;
-    let proto = port.protocol.lowercase();
     let sets = EndpointSets::of(port, opts.node_name.as_deref());
     let names = PortChains::of(port);
-    let internal_chain = if port.internal_local() { &names.svl } else { &names.svc };
-    let cluster_ip_match = format!(
-        "-m comment --comment {} -m {proto} -p {proto} -d {} --dport {}",
-        quote(&format!("{name} cluster IP")),
-        port.cluster_ip,
-        port.port
-    );
-    // Traffic with no endpoint to go to: rejected if the port has none at
-    // all, dropped if only its traffic policy leaves it none (kube-proxy).
-    let (target, comment) = if sets.has_any() {
-        ("DROP", quote(&format!("{name} has no local endpoints")))
-    } else {
-        ("REJECT", quote(&format!("{name} has no endpoints")))
-    };
-
-    if sets.internal().is_empty() {
-        filter.rule(
-            chains::SERVICES,
-            format!(
-                "-m comment --comment {comment} -m {proto} -p {proto} -d {} --dport {} -j {target}",
-                port.cluster_ip, port.port
-            ),
-        );
-    } else {
-        nat.rule(chains::SERVICES, format!("{cluster_ip_match} -j {internal_chain}"));
+    let entries = Entries::new(port, &names, &sets);
+    entries.cluster_ip(filter, nat);
+    entries.external_ips(filter, nat);
+    entries.load_balancer_ips(filter, nat);
+    entries.node_port(filter, nat);
+    entries.health_check_node_port(filter);
+    if own_chains && sets.has_any() {
+        own_chains_of(opts, port, &names, &sets, nat);
     }
-    if let Some(node_port) = port.node_port {
-        if sets.has_any() {
+}
+
+/// A port's entries in the top-level chains: where each of its addresses
+/// leads in nat, and what filter drops or rejects when it leads nowhere.
+struct Entries<'a> {
+    port: &'a ServicePort,
+    names: &'a PortChains,
+    proto: &'static str,
+    has_any: bool,
+    has_internal: bool,
+    has_external: bool,
+    /// What filter does to traffic without an endpoint: REJECT if the port
+    /// has none at all, DROP if only its traffic policy leaves it none
+    /// (kube-proxy), with the comment saying which.
+    no_endpoint: (&'static str, String),
+}
+
+impl<'a> Entries<'a> {
+    fn new(port: &'a ServicePort, names: &'a PortChains, sets: &EndpointSets<'_>) -> Self {
+        let has_any = sets.has_any();
+        let no_endpoint = if has_any {
+            ("DROP", quote(&format!("{} has no local endpoints", port.name)))
+        } else {
+            ("REJECT", quote(&format!("{} has no endpoints", port.name)))
+        };
+        Self {
+            port,
+            names,
+            proto: port.protocol.lowercase(),
+            has_any,
+            has_internal: !sets.internal().is_empty(),
+            has_external: !sets.external().is_empty(),
+            no_endpoint,
+        }
+    }
+
+    /// `-m tcp -p tcp -d IP --dport PORT`, kube-proxy's match for one of
+    /// the port's addresses.
+    fn to(&self, ip: Ipv4Addr) -> String {
+        format!("-m {0} -p {0} -d {ip} --dport {1}", self.proto, self.port.port)
+    }
+
+    fn refuse(&self, filter: &mut Table, chain: &str, matches: &str) {
+        let (target, comment) = &self.no_endpoint;
+        filter.rule(chain, format!("-m comment --comment {comment} {matches} -j {target}"));
+    }
+
+    fn cluster_ip(&self, filter: &mut Table, nat: &mut Table) {
+        let to = self.to(self.port.cluster_ip);
+        if self.has_internal {
+            let comment = quote(&format!("{} cluster IP", self.port.name));
+            let chain = if self.port.internal_local() {
+                &self.names.svl
+            } else {
+                &self.names.svc
+            };
+            nat.rule(
+                chains::SERVICES,
+                format!("-m comment --comment {comment} {to} -j {chain}"),
+            );
+        } else {
+            self.refuse(filter, chains::SERVICES, &to);
+        }
+    }
+
+    /// External IPs take external traffic from every source, as kube-proxy.
+    fn external_ips(&self, filter: &mut Table, nat: &mut Table) {
+        let comment = quote(&format!("{} external IP", self.port.name));
+        for ip in &self.port.external_ips {
+            let to = self.to(*ip);
+            if self.has_any {
+                nat.rule(
+                    chains::SERVICES,
+                    format!("-m comment --comment {comment} {to} -j {}", self.names.ext),
+                );
+            }
+            if !self.has_external {
+                self.refuse(filter, chains::EXTERNAL_SERVICES, &to);
+            }
+        }
+    }
+
+    /// Load balancer IPs: to `KUBE-EXT`, or through `KUBE-FW` when source
+    /// ranges restrict them; what `KUBE-FW` lets through without a DNAT is
+    /// dropped in filter `KUBE-PROXY-FIREWALL`.
+    fn load_balancer_ips(&self, filter: &mut Table, nat: &mut Table) {
+        let firewall = self.has_any && uses_firewall(self.port);
+        let chain = if firewall { &self.names.fw } else { &self.names.ext };
+        let name = &self.port.name;
+        let comment = quote(&format!("{name} loadbalancer IP"));
+        let not_accepted = quote(&format!("{name} traffic not accepted by {}", self.names.fw));
+        for ip in &self.port.load_balancer_ips {
+            let to = self.to(*ip);
+            if self.has_any {
+                nat.rule(
+                    chains::SERVICES,
+                    format!("-m comment --comment {comment} {to} -j {chain}"),
+                );
+            }
+            if firewall {
+                filter.rule(
+                    chains::PROXY_FIREWALL,
+                    format!("-m comment --comment {not_accepted} {to} -j DROP"),
+                );
+            }
+        }
+        if !self.has_external {
+            for ip in &self.port.load_balancer_ips {
+                self.refuse(filter, chains::EXTERNAL_SERVICES, &self.to(*ip));
+            }
+        }
+    }
+
+    /// Node ports are not filtered by source ranges (kube-proxy: "for
+    /// better or for worse").
+    fn node_port(&self, filter: &mut Table, nat: &mut Table) {
+        let Some(node_port) = self.port.node_port else {
+            return;
+        };
+        let proto = self.proto;
+        if self.has_any {
             nat.rule(
                 chains::NODE_PORTS,
                 format!(
                     "-m comment --comment {} -m {proto} -p {proto} --dport {node_port} -j {}",
-                    quote(name),
-                    names.ext
+                    quote(&self.port.name),
+                    self.names.ext
                 ),
             );
         }
-        if sets.external().is_empty() {
-            filter.rule(
+        if !self.has_external {
+            self.refuse(
+                filter,
                 chains::EXTERNAL_SERVICES,
-                format!(
-                    "-m comment --comment {comment} -m addrtype --dst-type LOCAL -m {proto} -p {proto} --dport {node_port} -j {target}"
-                ),
+                &format!("-m addrtype --dst-type LOCAL -m {proto} -p {proto} --dport {node_port}"),
             );
         }
-    }
-    if !own_chains || !sets.has_any() {
-        return;
     }
 
+    /// The health check node port is accepted whether or not the node has
+    /// endpoints (the answer says which); the server is the agent's.
+    fn health_check_node_port(&self, filter: &mut Table) {
+        let Some(port) = self.port.health_check_node_port else {
+            return;
+        };
+        filter.rule(
+            chains::NODE_PORTS,
+            format!(
+                "-m comment --comment {} -m tcp -p tcp --dport {port} -j ACCEPT",
+                quote(&format!("{} health check node port", self.port.name))
+            ),
+        );
+    }
+}
+
+/// The port's own chains (it has endpoints): policy chains, `KUBE-EXT`,
+/// `KUBE-FW` and one `KUBE-SEP` per endpoint some traffic reaches.
+fn own_chains_of(opts: &RuleOptions, port: &ServicePort, names: &PortChains, sets: &EndpointSets<'_>, nat: &mut Table) {
     if sets.uses_cluster() {
         nat.chain(&names.svc);
     }
     if sets.uses_local() {
         nat.chain(&names.svl);
     }
+    let internal_chain = if port.internal_local() { &names.svl } else { &names.svc };
     if !sets.internal().is_empty() {
+        let cluster_ip_match = format!(
+            "-m comment --comment {} -m {proto} -p {proto} -d {} --dport {}",
+            quote(&format!("{} cluster IP", port.name)),
+            port.cluster_ip,
+            port.port,
+            proto = port.protocol.lowercase(),
+        );
         if opts.masquerade_all {
             nat.rule(internal_chain, format!("{cluster_ip_match} -j {}", chains::MARK_MASQ));
         } else if let Some(local) = &opts.local_traffic {
@@ -548,9 +731,13 @@ fn render_port(opts: &RuleOptions, port: &ServicePort, own_chains: bool, filter:
             );
         }
     }
-    if port.node_port.is_some() {
+    if port.externally_accessible() {
         nat.chain(&names.ext);
-        external_rules(opts, port, &names, !sets.external().is_empty(), nat);
+        external_rules(opts, port, names, !sets.external().is_empty(), nat);
+    }
+    if uses_firewall(port) {
+        nat.chain(&names.fw);
+        firewall_rules(opts, port, names, nat);
     }
     if sets.uses_cluster() {
         dispatch(nat, &names.svc, port, &sets.cluster);
@@ -559,28 +746,74 @@ fn render_port(opts: &RuleOptions, port: &ServicePort, own_chains: bool, filter:
         dispatch(nat, &names.svl, port, &sets.local);
     }
     for ep in sets.reachable() {
-        let sep = sep_chain(name, port.protocol, &endpoint_string(ep));
-        nat.chain(&sep);
-        // A pod reaching itself through its Service: masquerade, or the
-        // reply would bypass the DNAT.
+        endpoint_rules(port, ep, nat);
+    }
+}
+
+/// `KUBE-SEP-x`: masquerade hairpin traffic, remember the client for
+/// affinity, DNAT.
+fn endpoint_rules(port: &ServicePort, ep: &Endpoint, nat: &mut Table) {
+    let proto = port.protocol.lowercase();
+    let comment = quote(&port.name);
+    let sep = sep_chain(&port.name, port.protocol, &endpoint_string(ep));
+    nat.chain(&sep);
+    // A pod reaching itself through its Service: masquerade, or the
+    // reply would bypass the DNAT.
+    nat.rule(
+        &sep,
+        format!("-m comment --comment {comment} -s {} -j {}", ep.addr, chains::MARK_MASQ),
+    );
+    // The client's last use of this endpoint, checked by the policy
+    // chains' `--rcheck` rules (the list is named after this chain).
+    let remember = if port.affinity.is_some() {
+        format!(" -m recent --name {sep} --set")
+    } else {
+        String::new()
+    };
+    nat.rule(
+        &sep,
+        format!(
+            "-m comment --comment {comment}{remember} -m {proto} -p {proto} -j DNAT --to-destination {}",
+            endpoint_string(ep)
+        ),
+    );
+}
+
+/// `KUBE-FW-x`: load balancer traffic from the allowed source ranges (and
+/// from the load balancer IPs themselves when a range holds a node
+/// address: the node's own traffic to a load balancer IP configured on
+/// it comes back with that IP as its source) goes on to `KUBE-EXT-x`;
+/// the rest leaves the chain without a DNAT and is dropped in filter
+/// `KUBE-PROXY-FIREWALL`.
+fn firewall_rules(opts: &RuleOptions, port: &ServicePort, names: &PortChains, nat: &mut Table) {
+    let fw = &names.fw;
+    let comment = quote(&format!("{} loadbalancer IP", port.name));
+    for range in &port.source_ranges {
         nat.rule(
-            &sep,
-            format!(
-                "-m comment --comment {} -s {} -j {}",
-                quote(name),
-                ep.addr,
-                chains::MARK_MASQ
-            ),
-        );
-        nat.rule(
-            &sep,
-            format!(
-                "-m comment --comment {} -m {proto} -p {proto} -j DNAT --to-destination {}",
-                quote(name),
-                endpoint_string(ep)
-            ),
+            fw,
+            format!("-m comment --comment {comment} -s {range} -j {}", names.ext),
         );
     }
+    let allow_from_node = port
+        .source_ranges
+        .iter()
+        .any(|range| opts.node_ips.iter().any(|ip| range.contains(*ip)));
+    if allow_from_node {
+        for ip in &port.load_balancer_ips {
+            nat.rule(fw, format!("-m comment --comment {comment} -s {ip} -j {}", names.ext));
+        }
+    }
+    nat.rule(
+        fw,
+        format!(
+            "-m comment --comment {}",
+            quote(&format!(
+                "other traffic to {} will be dropped by {}",
+                port.name,
+                chains::PROXY_FIREWALL
+            ))
+        ),
+    );
 }
 
 /// `KUBE-EXT-x`: with the `Cluster` policy every node-port flow may cross
@@ -635,15 +868,33 @@ fn external_rules(opts: &RuleOptions, port: &ServicePort, names: &PortChains, ha
     }
 }
 
-/// The rules of a policy chain (`KUBE-SVC` / `KUBE-SVL`): each takes
-/// 1/(remaining) of what reaches it to an endpoint's chain; the last takes
-/// all.
+/// The rules of a policy chain (`KUBE-SVC` / `KUBE-SVL`): with ClientIP
+/// affinity first one rule per endpoint that sends a client seen there
+/// within the timeout back to it (`--reap` forgets older entries); then
+/// each rule takes 1/(remaining) of what reaches it to an endpoint's
+/// chain, the last takes all.
 fn dispatch(nat: &mut Table, chain: &str, port: &ServicePort, endpoints: &[&Endpoint]) {
     let n = endpoints.len();
-    for (i, ep) in endpoints.iter().enumerate() {
-        let endpoint = endpoint_string(ep);
-        let sep = sep_chain(&port.name, port.protocol, &endpoint);
-        let comment = quote(&format!("{} -> {endpoint}", port.name));
+    let seps: Vec<(String, String)> = endpoints
+        .iter()
+        .map(|ep| {
+            let endpoint = endpoint_string(ep);
+            let comment = quote(&format!("{} -> {endpoint}", port.name));
+            (sep_chain(&port.name, port.protocol, &endpoint), comment)
+        })
+        .collect();
+    if let Some(timeout) = port.affinity {
+        let seconds = timeout.as_secs();
+        for (sep, comment) in &seps {
+            nat.rule(
+                chain,
+                format!(
+                    "-m comment --comment {comment} -m recent --name {sep} --rcheck --seconds {seconds} --reap -j {sep}"
+                ),
+            );
+        }
+    }
+    for (i, (sep, comment)) in seps.iter().enumerate() {
         let statistic = if i + 1 < n {
             format!(" -m statistic --mode random --probability {}", probability(n - i))
         } else {
@@ -660,7 +911,7 @@ mod tests {
     use super::*;
     use crate::{
         mode::fixtures::policy_port,
-        model::{Endpoint, Protocol},
+        model::{Endpoint, Protocol, SourceRange},
     };
 
     fn seed_port() -> ServicePort {
@@ -731,10 +982,10 @@ mod tests {
         empty.endpoints.clear();
         let rendered = full(&opts, &state(&[seed_port(), empty]));
         assert_golden("seed.rules", &rendered.text);
-        // 9 jumps + 3 POSTROUTING + 1 MARK-MASQ + 1 KUBE-FIREWALL + 3 KUBE-FORWARD
+        // 12 jumps + 3 POSTROUTING + 1 MARK-MASQ + 1 KUBE-FIREWALL + 3 KUBE-FORWARD
         // + 2 REJECT + 2 KUBE-SERVICES + 1 KUBE-NODEPORTS
         // + SVC (masq + 3) + EXT 2 + SEP 3 x 2
-        assert_eq!(rendered.writes, 11 + 3 + 1 + 1 + 3 + 2 + 2 + 1 + 4 + 2 + 6);
+        assert_eq!(rendered.writes, 14 + 3 + 1 + 1 + 3 + 2 + 2 + 1 + 4 + 2 + 6);
     }
 
     #[test]
@@ -1068,5 +1319,209 @@ mod tests {
         let text = full(&nameless, &state(&[port.clone()])).text;
         assert!(!declared(&text, &PortChains::of(&port).svl), "{text}");
         assert!(text.contains("default/web has no local endpoints"), "{text}");
+    }
+
+    /// The Service API fields together on node-a: a LoadBalancer Service
+    /// with external IPs, load balancer IPs behind source ranges (one of
+    /// which holds the node's address), ClientIP affinity, the `Local`
+    /// external policy and a health check node port.
+    fn api_port() -> ServicePort {
+        let mut port = policy_port("lb", 5, Some(30885), &[(31, "node-a"), (32, "node-b")]);
+        port.external_policy = crate::model::TrafficPolicy::Local;
+        port.external_ips = vec![Ipv4Addr::new(198, 51, 100, 7)];
+        port.load_balancer_ips = vec![Ipv4Addr::new(203, 0, 113, 5), Ipv4Addr::new(203, 0, 113, 6)];
+        port.source_ranges = vec![
+            SourceRange {
+                addr: Ipv4Addr::new(192, 0, 2, 0),
+                prefix_len: 24,
+            },
+            SourceRange {
+                addr: Ipv4Addr::new(172, 30, 0, 0),
+                prefix_len: 16,
+            },
+        ];
+        port.affinity = Some(std::time::Duration::from_secs(600));
+        port.health_check_node_port = Some(32005);
+        port
+    }
+
+    fn api_options() -> RuleOptions {
+        RuleOptions {
+            node_ips: vec![Ipv4Addr::new(172, 30, 0, 2)],
+            ..node_a_options()
+        }
+    }
+
+    #[test]
+    fn service_api_golden() {
+        let rendered = full(&api_options(), &state(&[api_port()]));
+        assert_golden("service-api.rules", &rendered.text);
+    }
+
+    /// External IPs and load balancer IPs lead to KUBE-EXT like the node
+    /// port; with source ranges the LB IPs pass KUBE-FW first, whose
+    /// leftovers filter KUBE-PROXY-FIREWALL drops; the node's own traffic
+    /// (source = an LB IP) is let through because a range holds the node IP.
+    #[test]
+    fn external_and_load_balancer_ips_like_kube_proxy() {
+        let port = api_port();
+        let text = full(&api_options(), &state(std::slice::from_ref(&port))).text;
+        let names = PortChains::of(&port);
+        let services = rules_of(&text, chains::SERVICES);
+        assert!(
+            services.contains(
+                &format!(
+                    "-m comment --comment \"default/lb external IP\" -m tcp -p tcp -d 198.51.100.7 --dport 80 -j {}",
+                    names.ext
+                )
+                .as_str()
+            ),
+            "{text}"
+        );
+        for lb in ["203.0.113.5", "203.0.113.6"] {
+            assert!(
+                services.contains(
+                    &format!(
+                        "-m comment --comment \"default/lb loadbalancer IP\" -m tcp -p tcp -d {lb} --dport 80 -j {}",
+                        names.fw
+                    )
+                    .as_str()
+                ),
+                "{text}"
+            );
+            assert!(
+                rules_of(&text, chains::PROXY_FIREWALL).contains(
+                    &format!(
+                        "-m comment --comment \"default/lb traffic not accepted by {}\" -m tcp -p tcp -d {lb} --dport 80 -j DROP",
+                        names.fw
+                    )
+                    .as_str()
+                ),
+                "{text}"
+            );
+        }
+        let ext = &names.ext;
+        assert_eq!(
+            rules_of(&text, &names.fw),
+            [
+                format!("-m comment --comment \"default/lb loadbalancer IP\" -s 192.0.2.0/24 -j {ext}"),
+                format!("-m comment --comment \"default/lb loadbalancer IP\" -s 172.30.0.0/16 -j {ext}"),
+                format!("-m comment --comment \"default/lb loadbalancer IP\" -s 203.0.113.5 -j {ext}"),
+                format!("-m comment --comment \"default/lb loadbalancer IP\" -s 203.0.113.6 -j {ext}"),
+                "-m comment --comment \"other traffic to default/lb will be dropped by KUBE-PROXY-FIREWALL\""
+                    .to_owned(),
+            ],
+            "{text}"
+        );
+        // eTP Local: KUBE-EXT short-circuits pods and the node, then KUBE-SVL.
+        let ext_rules = rules_of(&text, ext);
+        assert_eq!(ext_rules.len(), 4, "{ext_rules:#?}");
+        assert_eq!(ext_rules[3], format!("-j {}", names.svl));
+        assert!(
+            rules_of(&text, chains::NODE_PORTS)
+                .iter()
+                .any(|r| r.ends_with(&format!("--dport 30885 -j {ext}"))),
+            "node ports are not filtered by source ranges:\n{text}"
+        );
+        assert!(
+            text.contains(
+                "-A KUBE-NODEPORTS -m comment --comment \"default/lb health check node port\" -m tcp -p tcp --dport 32005 -j ACCEPT\n"
+            ),
+            "{text}"
+        );
+        assert!(port_chains(&api_options(), &port).contains(&names.fw));
+
+        // Without a range holding a node address, LB IPs as sources are not allowed.
+        let text = full(&node_a_options(), &state(std::slice::from_ref(&port))).text;
+        assert_eq!(rules_of(&text, &names.fw).len(), 3, "{text}");
+        // Without source ranges: no KUBE-FW, the LB IPs go to KUBE-EXT.
+        let mut open = port.clone();
+        open.source_ranges.clear();
+        let text = full(&api_options(), &state(&[open.clone()])).text;
+        assert!(!declared(&text, &names.fw), "{text}");
+        assert!(rules_of(&text, chains::PROXY_FIREWALL).is_empty(), "{text}");
+        assert!(
+            text.contains(&format!("-d 203.0.113.5 --dport 80 -j {ext}\n")),
+            "{text}"
+        );
+        assert!(!port_chains(&api_options(), &open).contains(&names.fw));
+    }
+
+    /// Without a local endpoint the external addresses drop what KUBE-EXT
+    /// did not short-circuit; without any endpoint they reject, and no nat
+    /// rule leads anywhere.
+    #[test]
+    fn external_addresses_without_endpoints_drop_or_reject() {
+        let mut remote = api_port();
+        remote.endpoints.retain(|e| e.is_on(Some("node-b")));
+        let text = full(&api_options(), &state(&[remote])).text;
+        let external = rules_of(&text, chains::EXTERNAL_SERVICES);
+        for addr in ["198.51.100.7", "203.0.113.5", "203.0.113.6"] {
+            assert!(
+                external.contains(
+                    &format!("-m comment --comment \"default/lb has no local endpoints\" -m tcp -p tcp -d {addr} --dport 80 -j DROP")
+                        .as_str()
+                ),
+                "{text}"
+            );
+        }
+        assert_eq!(external.len(), 4, "3 addresses and the node port: {external:#?}");
+
+        let mut empty = api_port();
+        empty.endpoints.clear();
+        let text = full(&api_options(), &state(&[empty.clone()])).text;
+        let external = rules_of(&text, chains::EXTERNAL_SERVICES);
+        assert_eq!(external.len(), 4, "{external:#?}");
+        assert!(external.iter().all(|r| r.ends_with("-j REJECT")), "{external:#?}");
+        assert!(rules_of(&text, chains::PROXY_FIREWALL).is_empty(), "{text}");
+        assert!(!text.contains("KUBE-FW-") && !text.contains("KUBE-EXT-"), "{text}");
+        assert!(port_chains(&api_options(), &empty).is_empty());
+    }
+
+    /// ClientIP affinity: `--rcheck` per endpoint before the random
+    /// choice in every policy chain, `--set` in the endpoint chains; off
+    /// again, no `recent` match is left.
+    #[test]
+    fn affinity_like_kube_proxy() {
+        let port = api_port();
+        let text = full(&api_options(), &state(std::slice::from_ref(&port))).text;
+        let names = PortChains::of(&port);
+        let local = sep_chain(&port.name, port.protocol, "10.244.1.31:8080");
+        let remote = sep_chain(&port.name, port.protocol, "10.244.2.32:8080");
+        let svc = rules_of(&text, &names.svc);
+        assert!(svc[0].ends_with("-j KUBE-MARK-MASQ"), "{svc:#?}");
+        assert_eq!(
+            &svc[1..3],
+            [
+                format!(
+                    "-m comment --comment \"default/lb -> 10.244.1.31:8080\" -m recent --name {local} --rcheck --seconds 600 --reap -j {local}"
+                ),
+                format!(
+                    "-m comment --comment \"default/lb -> 10.244.2.32:8080\" -m recent --name {remote} --rcheck --seconds 600 --reap -j {remote}"
+                ),
+            ],
+            "{text}"
+        );
+        assert!(svc[3].contains("--probability 0.5000000000"), "{svc:#?}");
+        assert_eq!(
+            rules_of(&text, &names.svl),
+            [
+                format!(
+                    "-m comment --comment \"default/lb -> 10.244.1.31:8080\" -m recent --name {local} --rcheck --seconds 600 --reap -j {local}"
+                ),
+                format!("-m comment --comment \"default/lb -> 10.244.1.31:8080\" -j {local}"),
+            ],
+            "{text}"
+        );
+        assert_eq!(
+            rules_of(&text, &remote)[1],
+            format!(
+                "-m comment --comment default/lb -m recent --name {remote} --set -m tcp -p tcp -j DNAT --to-destination 10.244.2.32:8080"
+            )
+        );
+        let mut off = port;
+        off.affinity = None;
+        let text = full(&api_options(), &state(&[off])).text;
+        assert!(!text.contains("-m recent"), "{text}");
     }
 }

@@ -472,3 +472,41 @@ fn cleanup_removes_everything_ours_once() {
     assert_eq!(cleanup_with(&mut k).expect("second cleanup"), 0);
     assert_eq!(kernel.restores().len(), restores, "nothing to do, nothing run");
 }
+
+/// Source ranges come and go by partial syncs: KUBE-FW and the filter
+/// KUBE-PROXY-FIREWALL rules with them. Without a node IP the node's own
+/// traffic cannot be let through: reported once, however often synced.
+#[test]
+fn source_ranges_add_and_remove_the_firewall_chain() {
+    let (mut mode, kernel) = mode();
+    let mut lb = port("lb", 5, Some(30005), &[11, 12]);
+    lb.load_balancer_ips = vec![Ipv4Addr::new(203, 0, 113, 5)];
+    lb.source_ranges = vec![crate::model::SourceRange {
+        addr: Ipv4Addr::new(192, 0, 2, 0),
+        prefix_len: 24,
+    }];
+    let fw = chains::PortChains::of(&lb).fw;
+    mode.apply_full(&state([&lb])).expect("full sync");
+    assert!(service_chains(&kernel).contains(&fw));
+    assert_eq!(kernel.rules("filter", chains::PROXY_FIREWALL).len(), 1);
+    mode.apply_full(&state([&lb])).expect("full sync again");
+    assert_eq!(mode.unhonoured(), 1, "no node IP: reported once");
+
+    lb.source_ranges.clear();
+    let plan = Plan {
+        upsert: vec![lb.clone()],
+        remove: vec![],
+    };
+    mode.apply(&plan).expect("ranges gone");
+    assert!(!service_chains(&kernel).contains(&fw), "{:?}", service_chains(&kernel));
+    assert!(kernel.rules("filter", chains::PROXY_FIREWALL).is_empty());
+    let ext = chains::PortChains::of(&lb).ext;
+    assert!(
+        kernel
+            .rules("nat", chains::SERVICES)
+            .iter()
+            .any(|r| r.contains("-d 203.0.113.5 ") && r.ends_with(&format!("-j {ext}"))),
+        "{:?}",
+        kernel.rules("nat", chains::SERVICES)
+    );
+}

@@ -62,6 +62,7 @@ impl PortProxy {
         // Sockets register with the runtime's reactor when created.
         let _entered = runtime.enter();
         let balancer = Arc::new(Balancer::new(endpoint_addrs(service)));
+        balancer.set_affinity(service.affinity);
         let name: Arc<str> = service.name.as_str().into();
         let (port, task) = match service.protocol {
             Protocol::Tcp => {
@@ -93,8 +94,10 @@ impl PortProxy {
         self.port
     }
 
-    /// Takes `service`'s current endpoints; returns whether they changed.
+    /// Takes `service`'s current endpoints and affinity; returns whether
+    /// the endpoints changed.
     pub fn update(&self, service: &ServicePort) -> bool {
+        self.balancer.set_affinity(service.affinity);
         self.balancer.set(endpoint_addrs(service))
     }
 }

@@ -3,7 +3,8 @@
 //! ([`listener`]) and iptables rules send the Service's traffic there
 //! ([`rules`]); TCP connections are relayed to an endpoint ([`tcp`]), UDP
 //! datagrams through one session per client ([`udp`]); endpoints are
-//! taken in turn ([`balancer`]).
+//! taken in turn, or with `sessionAffinity: ClientIP` kept per client
+//! address until idle past the timeout ([`balancer`]).
 //!
 //! Every sync is at most one `iptables-restore --noflush` that rewrites the
 //! mode's five chains whole. Endpoint changes never touch the rules (only
@@ -22,7 +23,9 @@
 //! which predates them: a Service port's ClusterIP and node port share one
 //! listener and every connection goes to any endpoint. Nor could the
 //! client's address be kept: the backend's peer is always the agent. A
-//! port asking for `Local` is proxied as `Cluster`, with a warning.
+//! port asking for `Local` is proxied as `Cluster`; external and load
+//! balancer IPs are not served. Each of these is logged once per port and
+//! counted with the skipped objects (`xproxy_skipped_objects_total`).
 
 pub mod balancer;
 pub mod listener;
@@ -41,7 +44,7 @@ use rules::{JUMPS, Jump, PortRules, Target};
 use tokio::runtime::Handle;
 use tracing::{debug, info, warn};
 
-use super::{Dataplane, Plan, options::NodePortScope};
+use super::{Dataplane, Plan, options::NodePortScope, unhonoured::Unhonoured};
 use crate::{
     config::Config,
     model::{ServicePort, usable_endpoints},
@@ -68,6 +71,7 @@ pub struct UserspaceMode {
     /// Our lines of `iptables-save` after the last full sync's write.
     verified: Option<Vec<String>>,
     writes: u64,
+    unhonoured: Unhonoured,
 }
 
 /// Starts the userspace mode for `xproxy run` (see [`UserspaceMode::start`]).
@@ -88,6 +92,7 @@ impl UserspaceMode {
             written: None,
             verified: None,
             writes: 0,
+            unhonoured: Unhonoured::default(),
         }
     }
 
@@ -129,13 +134,19 @@ impl UserspaceMode {
         let proxy = PortProxy::open(&self.runtime, &self.opts.listen, service)
             .with_context(|| format!("listening for {}", service.name))?;
         info!(port = service.name, protocol = %service.protocol, listener = proxy.port(), "proxying");
-        if service.external_local() || service.internal_local() {
-            warn!(
-                port = service.name,
-                "the userspace mode does not support the Local traffic policies: every endpoint serves"
-            );
-        }
         Ok(self.proxies.insert(service.name.clone(), proxy))
+    }
+
+    /// How many (port, field) pairs the mode found it cannot honour.
+    pub fn unhonoured(&self) -> usize {
+        self.unhonoured.count()
+    }
+
+    /// Logs once and counts what of `service` the mode does not do.
+    fn report_unhonoured(&mut self, service: &ServicePort) {
+        for (field, how) in unhonoured_fields(service) {
+            self.unhonoured.report(service, field, how);
+        }
     }
 
     /// The rules for the current state: each port to its proxy, or rejected.
@@ -181,6 +192,7 @@ impl Dataplane for UserspaceMode {
             retired.extend(self.proxies.remove(&service.name));
         }
         for service in &plan.upsert {
+            self.report_unhonoured(service);
             retired.extend(self.ensure_proxy(service)?);
             self.state.insert(service.name.clone(), service.clone());
         }
@@ -208,6 +220,7 @@ impl Dataplane for UserspaceMode {
             retired.extend(self.proxies.remove(&name));
         }
         for service in desired.values() {
+            self.report_unhonoured(service);
             retired.extend(self.ensure_proxy(service)?);
         }
         self.state = desired.clone();
@@ -250,6 +263,10 @@ impl Dataplane for UserspaceMode {
     fn kernel_writes(&self) -> u64 {
         self.writes
     }
+
+    fn take_problems(&mut self) -> Vec<crate::model::Problem> {
+        self.unhonoured.take()
+    }
 }
 
 impl Drop for UserspaceMode {
@@ -269,6 +286,39 @@ impl Drop for UserspaceMode {
         }
         self.proxies.clear();
     }
+}
+
+/// The fields of `service` the userspace mode leaves out, with how: it
+/// proxies the ClusterIP and the node port only, from one listener that
+/// reaches every endpoint (kube-proxy's legacy userspace mode predates the
+/// traffic policies).
+fn unhonoured_fields(service: &ServicePort) -> Vec<(&'static str, &'static str)> {
+    let mut out = Vec::new();
+    if !service.external_ips.is_empty() {
+        out.push((
+            "spec.externalIPs",
+            "not served: only the ClusterIP and the node port are proxied",
+        ));
+    }
+    if !service.load_balancer_ips.is_empty() {
+        out.push((
+            "status.loadBalancer.ingress",
+            "not served: only the ClusterIP and the node port are proxied",
+        ));
+    }
+    if service.external_local() {
+        out.push((
+            "spec.externalTrafficPolicy",
+            "Local is not supported: every endpoint serves, and the client's address is not kept",
+        ));
+    }
+    if service.internal_local() {
+        out.push((
+            "spec.internalTrafficPolicy",
+            "Local is not supported: every endpoint serves",
+        ));
+    }
+    out
 }
 
 /// Removes the userspace mode's chains (and kube-proxy's userspace ones)

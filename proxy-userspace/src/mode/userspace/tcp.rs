@@ -7,7 +7,7 @@
 //! kernel modes; they end when the agent exits.
 
 use std::{
-    net::{SocketAddr, SocketAddrV4},
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
     sync::Arc,
     time::Duration,
 };
@@ -48,7 +48,7 @@ pub async fn serve(listener: TcpListener, balancer: Arc<Balancer>, name: Arc<str
 /// Proxies one accepted connection. Without a reachable endpoint the client
 /// is reset (not closed cleanly, which would read as an empty answer).
 async fn relay(mut client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>, name: Arc<str>) {
-    let Some((mut backend, endpoint)) = connect(&balancer, &name).await else {
+    let Some((mut backend, endpoint)) = connect(&balancer, &name, client_ip(peer)).await else {
         debug!(port = %name, %peer, "no endpoint accepted the connection: resetting it");
         let _ = client.set_zero_linger();
         return;
@@ -67,11 +67,26 @@ async fn relay(mut client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>,
     }
 }
 
-/// Connects to the next endpoint in turn, up to one attempt per
-/// [`DIAL_TIMEOUTS`] entry.
-async fn connect(balancer: &Balancer, name: &str) -> Option<(TcpStream, SocketAddrV4)> {
-    for timeout in DIAL_TIMEOUTS {
-        let endpoint = balancer.next()?;
+/// The client's IPv4 address (affinity's key); an IPv4-mapped IPv6 peer
+/// counts as its IPv4 address, any other IPv6 one as 0.0.0.0.
+fn client_ip(peer: SocketAddr) -> Ipv4Addr {
+    match peer {
+        SocketAddr::V4(v4) => *v4.ip(),
+        SocketAddr::V6(v6) => v6.ip().to_ipv4_mapped().unwrap_or(Ipv4Addr::UNSPECIFIED),
+    }
+}
+
+/// Connects to the client's endpoint ([`Balancer::pick`]), up to one
+/// attempt per [`DIAL_TIMEOUTS`] entry; after a failure the next in turn
+/// (and with affinity the client's endpoint from then on, as kube-proxy's
+/// userspace mode resets a session whose endpoint failed).
+async fn connect(balancer: &Balancer, name: &str, client: Ipv4Addr) -> Option<(TcpStream, SocketAddrV4)> {
+    for (attempt, timeout) in DIAL_TIMEOUTS.into_iter().enumerate() {
+        let endpoint = if attempt == 0 {
+            balancer.pick(client)?
+        } else {
+            balancer.pick_again(client)?
+        };
         match tokio::time::timeout(timeout, TcpStream::connect(endpoint)).await {
             Ok(Ok(stream)) => return Some((stream, endpoint)),
             Ok(Err(e)) => debug!(port = name, %endpoint, error = %e, "endpoint refused: trying the next"),

@@ -347,3 +347,112 @@ async fn dropping_the_mode_removes_its_chains_and_jumps() {
     assert!(saved.contains("-A PREROUTING -j DOCKER"), "{saved}");
     assert_eq!(cleanup_with(&mut other).expect("cleanup"), 0, "nothing left to clean");
 }
+
+/// One connection from `client` (a 127.0.0.0/8 address) through the
+/// proxy on `port`: the backend's answer.
+async fn answer_from(client: Ipv4Addr, port: u16) -> String {
+    let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+    socket.bind((client, 0).into()).expect("bind the client address");
+    let mut conn = socket
+        .connect((Ipv4Addr::LOCALHOST, port).into())
+        .await
+        .expect("connect to the proxy");
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).await.expect("an answer");
+    answer
+}
+
+/// The answers of `n` connections from `client`.
+async fn answers_from(client: Ipv4Addr, port: u16, n: usize) -> Vec<String> {
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        out.push(answer_from(client, port).await);
+    }
+    out
+}
+
+/// ClientIP affinity with real sockets: each client address sticks to one
+/// backend; the backend leaving releases its client, the other client
+/// keeps its own; affinity off spreads a client again, on sticks it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_ip_affinity_keeps_a_client_on_one_backend() {
+    let kernel = FakeIptables::default();
+    let mut mode = mode(&kernel);
+    let backends = [backend("pod-1").await, backend("pod-2").await, backend("pod-3").await];
+    let mut web = service("default/web", Protocol::Tcp, &backends);
+    web.affinity = Some(Duration::from_secs(600));
+    sync(|| mode.apply_full(&desired(std::slice::from_ref(&web)))).expect("full sync");
+    let port = mode.listener_port(&web.name).expect("listener");
+    let (a, b) = (Ipv4Addr::new(127, 0, 0, 2), Ipv4Addr::new(127, 0, 0, 3));
+
+    let first_a = answers_from(a, port, 6).await;
+    let first_b = answers_from(b, port, 6).await;
+    assert!(first_a.iter().all(|x| *x == first_a[0]), "{first_a:?}");
+    assert!(first_b.iter().all(|x| *x == first_b[0]), "{first_b:?}");
+    assert_ne!(first_a[0], first_b[0], "two new clients are balanced");
+
+    // A's backend leaves: A moves (and sticks), B stays.
+    let gone = ["pod-1", "pod-2", "pod-3"]
+        .iter()
+        .position(|name| *name == first_a[0])
+        .expect("a backend answered");
+    let rest: Vec<SocketAddrV4> = backends
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != gone)
+        .map(|(_, e)| *e)
+        .collect();
+    web = ServicePort {
+        endpoints: service("default/web", Protocol::Tcp, &rest).endpoints,
+        ..web
+    };
+    let plan = Plan {
+        upsert: vec![web.clone()],
+        remove: vec![],
+    };
+    sync(|| mode.apply(&plan)).expect("partial sync");
+    let second_a = answers_from(a, port, 6).await;
+    assert!(
+        second_a.iter().all(|x| *x == second_a[0] && *x != first_a[0]),
+        "{second_a:?}"
+    );
+    assert!(answers_from(b, port, 3).await.iter().all(|x| *x == first_b[0]));
+
+    // Off: A is spread over both remaining backends.
+    web.affinity = None;
+    let plan = Plan {
+        upsert: vec![web.clone()],
+        remove: vec![],
+    };
+    sync(|| mode.apply(&plan)).expect("affinity off");
+    let spread = answers_from(a, port, 4).await;
+    let distinct: std::collections::BTreeSet<&String> = spread.iter().collect();
+    assert_eq!(distinct.len(), 2, "{spread:?}");
+
+    // On again: sticks.
+    web.affinity = Some(Duration::from_secs(600));
+    let plan = Plan {
+        upsert: vec![web],
+        remove: vec![],
+    };
+    sync(|| mode.apply(&plan)).expect("affinity on");
+    let again = answers_from(a, port, 6).await;
+    assert!(again.iter().all(|x| *x == again[0]), "{again:?}");
+}
+
+/// What the mode does not serve (external and LB IPs, the Local policies)
+/// is reported once per port and field, however often it is synced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fields_the_mode_cannot_honour_are_reported_once() {
+    let kernel = FakeIptables::default();
+    let mut mode = mode(&kernel);
+    let mut web = service("default/web", Protocol::Tcp, &[ep(1)]);
+    web.external_ips = vec![Ipv4Addr::new(198, 51, 100, 7)];
+    web.load_balancer_ips = vec![Ipv4Addr::new(203, 0, 113, 5)];
+    web.external_policy = crate::model::TrafficPolicy::Local;
+    let plain = service("default/plain", Protocol::Tcp, &[ep(2)]);
+    let want = desired(&[web, plain]);
+    sync(|| mode.apply_full(&want)).expect("full sync");
+    sync(|| mode.apply_full(&want)).expect("full sync again");
+    assert_eq!(mode.unhonoured(), 3);
+}

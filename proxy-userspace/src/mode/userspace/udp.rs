@@ -171,9 +171,11 @@ impl Sessions {
         }
     }
 
-    /// A session with the next endpoint in turn; `None` if there is none.
+    /// A session with the client's endpoint ([`Balancer::pick`]: the next
+    /// in turn, or with affinity the one the client had); `None` if there
+    /// is none.
     fn open(&mut self, key: SessionKey) -> io::Result<Option<Session>> {
-        let Some(endpoint) = self.balancer.next() else {
+        let Some(endpoint) = self.balancer.pick(*key.0.ip()) else {
             return Ok(None);
         };
         let socket = std::net::UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
