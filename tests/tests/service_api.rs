@@ -296,30 +296,13 @@ macro_rules! per_mode {
         mod $feature {
             use super::{Mode, run};
 
-            #[test]
-            fn ebpf() {
-                run(stringify!($feature), Mode::Ebpf, super::$feature);
-            }
-
-            #[test]
-            fn iptables() {
-                run(stringify!($feature), Mode::Iptables, super::$feature);
-            }
-
-            #[test]
-            fn nftables() {
-                run(stringify!($feature), Mode::Nftables, super::$feature);
-            }
-
-            #[test]
-            fn ipvs() {
-                run(stringify!($feature), Mode::Ipvs, super::$feature);
-            }
-
-            #[test]
-            fn userspace() {
-                run(stringify!($feature), Mode::Userspace, super::$feature);
-            }
+            per_mode!(@tests $feature: ebpf Ebpf, iptables Iptables, nftables Nftables, ipvs Ipvs, userspace Userspace);
+        }
+    )*};
+    (@tests $feature:ident: $($test:ident $mode:ident),*) => {$(
+        #[test]
+        fn $test() {
+            run(stringify!($feature), Mode::$mode, super::$feature);
         }
     )*};
 }
