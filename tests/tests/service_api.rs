@@ -47,7 +47,7 @@
 //! | ... an entry that does not parse | skipped, logged, counted | the same | the same | the same | the same | skipped, logged |
 //! | `sessionAffinity: ClientIP` | sticks; moves after the timeout, and when its backend leaves | the same (`-m recent`) | the same (affinity sets) | sticks; after the timeout it stays while IPVS still holds connection entries of the client (TIME_WAIT, 2 min) under its persistence template, as in kube-proxy's IPVS mode | the same as ebpf (the agent's balancer) | sticks; moves after the timeout |
 //! | NodePort from the node, `NODE_IP:NODEPORT` | answered | answered | answered | answered | answered | answered |
-//! | NodePort on an address added after the agent started | answered (within a sync period) | answered | answered | answered | answered | answered |
+//! | NodePort on an address added after the agent started (`nodePortAddresses` unset, whatever `--node-ip` says) | answered | answered (`addrtype LOCAL`) | answered (`fib daddr type local`) | answered from the next sync (it lists the node's addresses at each sync) | answered (`addrtype LOCAL`) | answered (IPVS mode: from the next sync) |
 //!
 //! The userspace mode is kube-proxy's legacy userspace proxier, which
 //! xproxy keeps for comparison with ClusterIPs and NodePorts only: of the
