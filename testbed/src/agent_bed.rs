@@ -37,7 +37,7 @@ use crate::{
     fixtures::{NODE_NAME, SEED_NODE_PORT, node, seed_objects},
     netns::{self, Netns},
     privileged::{self, PinDir, unique_name},
-    probe::{self, Protocol, error_kind, is_backend_name},
+    probe::{self, Checks, Protocol, error_kind, is_backend_name},
     topology::{NODE_IP, Offloads, Topology},
 };
 
@@ -787,6 +787,19 @@ impl AgentBed {
     pub fn expect_all_backends(&self, from: &Netns, addr: SocketAddrV4, count: usize) -> Result<String> {
         probe::expect_backends(from, Protocol::Tcp, addr, &probe::backend_names(), count)
     }
+}
+
+/// Runs `steps` on a test bed of its own labeled `label`; panics with every
+/// failed check.
+pub fn on_own_bed(label: &str, steps: impl FnOnce(&mut AgentBed, &mut Checks) -> Result<()>) {
+    let started = Instant::now();
+    let mut bed = AgentBed::new(label).unwrap_or_else(|e| panic!("{label}: setting up the test bed: {e:#}"));
+    let mut checks = Checks::new(label);
+    if let Err(e) = steps(&mut bed, &mut checks) {
+        panic!("{label}: {e:#}\nchecks failed before: {}", checks.failures());
+    }
+    checks.finish();
+    eprintln!("[{label}] passed in {:.1?}", started.elapsed());
 }
 
 /// `--mode MODE --node-ip IP --hostname-override NAME`: what places an

@@ -656,7 +656,90 @@ fn answer_tcp(mut stream: TcpStream, reply: &[u8]) -> io::Result<()> {
 /// Runs in the calling thread's namespace: see [`Netns::run_in`].
 pub fn tcp_request(addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
     let deadline = Instant::now() + timeout;
-    let mut stream = TcpStream::connect_timeout(&SocketAddr::V4(addr), timeout)?;
+    let stream = TcpStream::connect_timeout(&SocketAddr::V4(addr), timeout)?;
+    exchange_line(stream, deadline)
+}
+
+/// [`tcp_request`] from the local address `source` (one of the calling
+/// thread's namespace): a second client on the same host.
+pub fn tcp_request_from_addr(source: Ipv4Addr, addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
+    let deadline = Instant::now() + timeout;
+    let stream = tcp_connect_from(source, addr, timeout)?;
+    exchange_line(stream, deadline)
+}
+
+/// [`udp_request`] from the local address `source`.
+pub fn udp_request_from_addr(source: Ipv4Addr, addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
+    udp_request_bound(SocketAddrV4::new(source, 0), addr, timeout)
+}
+
+/// A TCP connection from `source` (any port) to `addr`, given up after
+/// `timeout` (`TimedOut`). std cannot bind before connecting, so this is
+/// socket(2), bind(2) and a blocking connect(2), which Linux gives up after
+/// `SO_SNDTIMEO` (with EINPROGRESS).
+fn tcp_connect_from(source: Ipv4Addr, addr: SocketAddrV4, timeout: Duration) -> io::Result<TcpStream> {
+    let check = |ret: libc::c_int| if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(ret) };
+    // SAFETY: plain socket(2); the fd is owned right away.
+    let fd = check(unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) })?;
+    // SAFETY: fd is a fresh, valid descriptor nobody else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let limit = libc::timeval {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_usec: libc::suseconds_t::from(timeout.subsec_micros()),
+    };
+    let len = |size: usize| libc::socklen_t::try_from(size).unwrap_or(libc::socklen_t::MAX);
+    // SAFETY: a valid timeval of the length given.
+    check(unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDTIMEO,
+            (&raw const limit).cast(),
+            len(std::mem::size_of::<libc::timeval>()),
+        )
+    })?;
+    let local = sockaddr_in(SocketAddrV4::new(source, 0));
+    // SAFETY: a valid sockaddr_in of the length given.
+    check(unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&raw const local).cast(),
+            len(std::mem::size_of::<libc::sockaddr_in>()),
+        )
+    })?;
+    let remote = sockaddr_in(addr);
+    // SAFETY: a valid sockaddr_in of the length given.
+    let connected = check(unsafe {
+        libc::connect(
+            fd.as_raw_fd(),
+            (&raw const remote).cast(),
+            len(std::mem::size_of::<libc::sockaddr_in>()),
+        )
+    });
+    match connected {
+        Ok(_) => Ok(TcpStream::from(fd)),
+        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("no connection from {source} to {addr} in {timeout:?}"),
+        )),
+        Err(e) => Err(e),
+    }
+}
+
+fn sockaddr_in(addr: SocketAddrV4) -> libc::sockaddr_in {
+    libc::sockaddr_in {
+        sin_family: libc::sa_family_t::try_from(libc::AF_INET).unwrap_or_default(),
+        sin_port: addr.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes(addr.ip().octets()),
+        },
+        sin_zero: [0; 8],
+    }
+}
+
+/// Sends a line on `stream`, half-closes and reads the answer to its end,
+/// all before `deadline`; the answer without surrounding whitespace.
+fn exchange_line(mut stream: TcpStream, deadline: Instant) -> io::Result<String> {
     let left = deadline
         .saturating_duration_since(Instant::now())
         .max(Duration::from_millis(1));
@@ -686,7 +769,11 @@ pub fn udp_request(addr: SocketAddrV4, timeout: Duration) -> io::Result<String> 
 /// [`udp_request`] from local port `source_port` (0: any): the same port
 /// again is the same flow to conntrack.
 pub fn udp_request_from(source_port: u16, addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
-    let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, source_port))?;
+    udp_request_bound(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, source_port), addr, timeout)
+}
+
+fn udp_request_bound(local: SocketAddrV4, addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
+    let socket = UdpSocket::bind(local)?;
     socket.connect(addr)?;
     socket.set_read_timeout(Some(timeout))?;
     socket.send(b"hello\n")?;

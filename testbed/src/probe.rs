@@ -10,7 +10,7 @@ use std::{
     collections::BTreeMap,
     fmt::Display,
     io,
-    net::SocketAddrV4,
+    net::{Ipv4Addr, SocketAddrV4},
     time::{Duration, Instant},
 };
 
@@ -74,6 +74,16 @@ pub fn request(protocol: Protocol, addr: SocketAddrV4, timeout: Duration) -> io:
     }
 }
 
+/// [`request`] from the local address `source` (`None`: the one the route
+/// picks), for a second client in one namespace.
+pub fn request_from(source: Option<Ipv4Addr>, protocol: Protocol, addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
+    match (protocol, source) {
+        (_, None) => request(protocol, addr, timeout),
+        (Protocol::Tcp, Some(source)) => netns::tcp_request_from_addr(source, addr, timeout),
+        (Protocol::Udp, Some(source)) => netns::udp_request_from_addr(source, addr, timeout),
+    }
+}
+
 /// Sends `count` requests from `from` to `addr`: every one must be
 /// answered, only by `backends`, and each of `backends` must answer.
 /// Returns the answers per backend.
@@ -84,11 +94,24 @@ pub fn expect_backends(
     backends: &[&str],
     count: usize,
 ) -> Result<String> {
+    expect_backends_from(from, None, protocol, addr, backends, count)
+}
+
+/// [`expect_backends`] from the local address `source` of `from` (`None`:
+/// the one the route picks).
+pub fn expect_backends_from(
+    from: &Netns,
+    source: Option<Ipv4Addr>,
+    protocol: Protocol,
+    addr: SocketAddrV4,
+    backends: &[&str],
+    count: usize,
+) -> Result<String> {
     let answers = from.run_in(|| -> Result<Vec<String>> {
         let mut answers = Vec::with_capacity(count);
         for i in 0..count {
             let started = Instant::now();
-            match request(protocol, addr, REQUEST_TIMEOUT) {
+            match request_from(source, protocol, addr, REQUEST_TIMEOUT) {
                 Ok(answer) => answers.push(answer),
                 Err(e) => bail!(
                     "request {} of {count} failed after {:?}: {e} ({} answered before: {answers:?})",
@@ -211,7 +234,19 @@ pub fn outcome(from: &Netns, protocol: Protocol, addr: SocketAddrV4, timeout: Du
 
 /// Expects a single request from `from` to `addr` to end as `expected`.
 pub fn expect_outcome(from: &Netns, protocol: Protocol, addr: SocketAddrV4, expected: &Outcome) -> Result<String> {
-    let got = outcome(from, protocol, addr, REQUEST_TIMEOUT)?;
+    expect_outcome_from(from, None, protocol, addr, expected)
+}
+
+/// [`expect_outcome`] from the local address `source` of `from` (`None`:
+/// the one the route picks).
+pub fn expect_outcome_from(
+    from: &Netns,
+    source: Option<Ipv4Addr>,
+    protocol: Protocol,
+    addr: SocketAddrV4,
+    expected: &Outcome,
+) -> Result<String> {
+    let got = Outcome::of(from.run_in(|| request_from(source, protocol, addr, REQUEST_TIMEOUT))?);
     ensure!(got == *expected, "expected {expected:?}, got {got:?}");
     Ok(format!("{got:?}"))
 }
@@ -332,6 +367,69 @@ pub fn answers(from: &Netns, addr: SocketAddrV4) -> Result<String, String> {
         Ok(Ok(name)) if is_backend_name(&name) => Ok(name),
         Ok(Ok(other)) => Err(format!("{addr} answered {other:?}")),
         Ok(Err(e)) => Err(format!("{addr}: {}", error_kind(&e))),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Stages: local ports of their own.
+
+/// Local ports for the stages' flows of [`Stages`]: the tests keep their
+/// fixed local ports outside this range.
+pub const STAGE_PORTS: std::ops::Range<u16> = 10_000..60_000;
+
+/// Hands each of `count` stages of a test a range of local ports of its own for the
+/// client, the client pod and the node: no request of a stage shares a
+/// 5-tuple (and so a conntrack entry, whose NAT would decide where the
+/// packets go) with one of an earlier stage.
+pub struct Stages {
+    next: u16,
+    width: u16,
+}
+
+impl Stages {
+    pub fn new(count: usize) -> Self {
+        let span = usize::from(STAGE_PORTS.end - STAGE_PORTS.start);
+        // Even, so each range starts even and ends odd, as the kernel likes.
+        let width = u16::try_from(span / count.max(1)).unwrap_or(u16::MAX) & !1;
+        Self {
+            next: STAGE_PORTS.start,
+            width,
+        }
+    }
+
+    /// Makes the client, the client pod and the node open flows from the
+    /// next range from now on.
+    pub fn next(&mut self, topo: &Topology) -> Result<()> {
+        ensure!(
+            self.next <= STAGE_PORTS.end - self.width,
+            "more stages than port ranges planned"
+        );
+        for ns in [&topo.client, &topo.client_pod.ns, &topo.node] {
+            fresh_port_range(ns, self.next, self.width)?;
+        }
+        self.next += self.width;
+        Ok(())
+    }
+}
+
+/// Where a probe of the one-node bed is sent from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Place {
+    /// The client outside the node ([`crate::topology::CLIENT_IP`]).
+    Client,
+    /// The pod that is no backend ([`crate::topology::CLIENT_POD`]).
+    ClientPod,
+    /// A process of the node itself.
+    Node,
+}
+
+impl Place {
+    pub fn ns(self, topo: &Topology) -> &Netns {
+        match self {
+            Place::Client => &topo.client,
+            Place::ClientPod => &topo.client_pod.ns,
+            Place::Node => &topo.node,
+        }
     }
 }
 

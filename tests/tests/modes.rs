@@ -93,7 +93,7 @@ use serde_json::Value;
 use testbed::{
     agent_bed::{
         AgentBed, DATAPATH_PACKETS, EchoClients, KERNEL_WRITES, Mode, READY_WITHIN, frontends, ipvs_virtual_servers,
-        seed_node_port,
+        on_own_bed, seed_node_port,
     },
     fixtures::{
         self, EMPTY_CLUSTER_IP, EMPTY_NODE_PORT, EMPTY_PORT, PortDef, SEED_CLUSTER_IP, SEED_NODE_PORT, SEED_PORT,
@@ -102,8 +102,8 @@ use testbed::{
     netns::{self, Netns, udp_request_from},
     privileged::require_root,
     probe::{
-        self, Checks, NODE_SERVER_PORT, Outcome, PROTOCOLS, Protocol, REQUESTS, backend_names, check_non_service,
-        expect_all_backends, expect_backends, expect_outcome, expect_rejected, fresh_port_range, proto_name,
+        self, Checks, NODE_SERVER_PORT, Outcome, PROTOCOLS, Place, Protocol, REQUESTS, Stages, backend_names,
+        check_non_service, expect_all_backends, expect_backends, expect_outcome, expect_rejected, proto_name,
     },
     topology::{BACKENDS, CLIENT_IP, CLIENT_POD, NODE_IP, POD_GATEWAY, TARGET_PORT, Topology},
 };
@@ -370,23 +370,6 @@ impl Differences for Mode {
 // ---------------------------------------------------------------------------
 // Requests compared with the baseline.
 
-#[derive(Clone, Copy, Debug)]
-enum Place {
-    Client,
-    ClientPod,
-    Node,
-}
-
-impl Place {
-    fn ns(self, topo: &Topology) -> &Netns {
-        match self {
-            Place::Client => &topo.client,
-            Place::ClientPod => &topo.client_pod.ns,
-            Place::Node => &topo.node,
-        }
-    }
-}
-
 type Probe = probe::Probe<Place>;
 
 fn probe(from: Place, protocol: Protocol, to: SocketAddrV4, service: bool) -> Probe {
@@ -452,45 +435,6 @@ impl Baseline {
     /// Ok if the probes to what is no Service's end as without a proxy.
     fn same_beside_services(&self, topo: &Topology) -> Result<String> {
         self.0.same_beside_services(|p| Ok(p.ns(topo)))
-    }
-}
-
-/// Local ports for the stages' flows, outside every fixed port of the
-/// tests ([`FLOW_PORTS`]).
-const STAGE_PORTS: std::ops::Range<u16> = 10_000..60_000;
-
-/// Hands each stage of a test a range of local ports of its own for the
-/// client, the client pod and the node: no request of a stage shares a
-/// 5-tuple (and so a conntrack entry, whose NAT would decide where the
-/// packets go) with one of an earlier stage.
-struct Stages {
-    next: u16,
-    width: u16,
-}
-
-impl Stages {
-    fn new(count: usize) -> Self {
-        let span = usize::from(STAGE_PORTS.end - STAGE_PORTS.start);
-        // Even, so each range starts even and ends odd, as the kernel likes.
-        let width = u16::try_from(span / count.max(1)).unwrap_or(u16::MAX) & !1;
-        Self {
-            next: STAGE_PORTS.start,
-            width,
-        }
-    }
-
-    /// Makes the client, the client pod and the node open flows from the
-    /// next range from now on.
-    fn next(&mut self, topo: &Topology) -> Result<()> {
-        ensure!(
-            self.next <= STAGE_PORTS.end - self.width,
-            "more stages than port ranges planned"
-        );
-        for ns in [&topo.client, &topo.client_pod.ns, &topo.node] {
-            fresh_port_range(ns, self.next, self.width)?;
-        }
-        self.next += self.width;
-        Ok(())
     }
 }
 
@@ -666,7 +610,7 @@ fn wait_pod3_gone(bed: &mut AgentBed) -> Result<()> {
 }
 
 /// Local ports for the flows of [`find_pod3_flow`], outside every range of
-/// [`Stages`].
+/// [`Stages`] ([`testbed::probe::STAGE_PORTS`]).
 const FLOW_PORTS: std::ops::RangeInclusive<u16> = 61_001..=61_040;
 
 /// From the client pod, UDP flows from fixed local ports to the seed's
@@ -706,19 +650,6 @@ fn partial_sync(bed: &AgentBed) -> Result<String> {
 
 // ---------------------------------------------------------------------------
 // The scenario.
-
-/// Runs `steps` on a test bed of its own labeled `label`; panics with every
-/// failed check.
-fn on_own_bed(label: &str, steps: impl FnOnce(&mut AgentBed, &mut Checks) -> Result<()>) {
-    let started = Instant::now();
-    let mut bed = AgentBed::new(label).unwrap_or_else(|e| panic!("{label}: setting up the test bed: {e:#}"));
-    let mut checks = Checks::new(label);
-    if let Err(e) = steps(&mut bed, &mut checks) {
-        panic!("{label}: {e:#}\nchecks failed before: {}", checks.failures());
-    }
-    checks.finish();
-    eprintln!("[{label}] passed in {:.1?}", started.elapsed());
-}
 
 fn seed_scenario(mode: Mode) {
     let label = format!("seed_scenario_{}", mode.name());

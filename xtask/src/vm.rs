@@ -91,6 +91,7 @@ pub const KERNELS: &[GuestKernel] = &[
         suites: &[
             "mode_ipvs",
             "modes:ipvs",
+            "service_api:ipvs",
             "modes:switching",
             "mode_golden:ipvs",
             "traffic:ipvs",
