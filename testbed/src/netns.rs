@@ -678,7 +678,13 @@ pub fn udp_request_from_addr(source: Ipv4Addr, addr: SocketAddrV4, timeout: Dura
 /// socket(2), bind(2) and a blocking connect(2), which Linux gives up after
 /// `SO_SNDTIMEO` (with EINPROGRESS).
 fn tcp_connect_from(source: Ipv4Addr, addr: SocketAddrV4, timeout: Duration) -> io::Result<TcpStream> {
-    let check = |ret: libc::c_int| if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(ret) };
+    let check = |ret: libc::c_int| {
+        if ret < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(ret)
+        }
+    };
     // SAFETY: plain socket(2); the fd is owned right away.
     let fd = check(unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) })?;
     // SAFETY: fd is a fresh, valid descriptor nobody else owns.

@@ -76,7 +76,12 @@ pub fn request(protocol: Protocol, addr: SocketAddrV4, timeout: Duration) -> io:
 
 /// [`request`] from the local address `source` (`None`: the one the route
 /// picks), for a second client in one namespace.
-pub fn request_from(source: Option<Ipv4Addr>, protocol: Protocol, addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
+pub fn request_from(
+    source: Option<Ipv4Addr>,
+    protocol: Protocol,
+    addr: SocketAddrV4,
+    timeout: Duration,
+) -> io::Result<String> {
     match (protocol, source) {
         (_, None) => request(protocol, addr, timeout),
         (Protocol::Tcp, Some(source)) => netns::tcp_request_from_addr(source, addr, timeout),

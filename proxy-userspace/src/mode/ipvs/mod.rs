@@ -63,7 +63,10 @@ use netlink::{IPVS_CMD_DEL_DEST, IPVS_CMD_NEW_DEST, IPVS_CMD_SET_DEST, Ipvs, Vir
 use node_ips::NodePortAddresses;
 use tracing::{debug, info};
 
-use super::{Dataplane, Plan, SyncedChange, conntrack, options::LocalTraffic};
+use super::{
+    Dataplane, Plan, SyncedChange, conntrack,
+    options::{LocalTraffic, NodePortScope},
+};
 use crate::{
     config::{Cidr, Config},
     model::{Endpoint, EndpointSets, Problem, ServicePort},
@@ -129,7 +132,7 @@ pub struct IpvsMode {
 pub fn start(config: &Config) -> Result<Box<dyn Dataplane>> {
     let opts = IpvsOptions {
         scheduler: config.ipvs.scheduler.as_str().to_owned(),
-        node_ports: NodePortAddresses::new(config.node_port_addresses.cidrs(), &config.ipv4_node_ips()),
+        node_ports: NodePortAddresses::from_scope(&NodePortScope::from_config(config)),
         exclude_cidrs: config.ipvs.exclude_cidrs.clone(),
         rules: rules::RuleOptions {
             masquerade_bit: config.masquerade.bit,

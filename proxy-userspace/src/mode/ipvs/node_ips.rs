@@ -9,7 +9,7 @@ use std::net::Ipv4Addr;
 use anyhow::{Context, Result};
 
 use super::dummy::DUMMY;
-use crate::config::Cidr;
+use crate::{config::Cidr, mode::options::NodePortScope};
 
 /// Where NodePorts answer.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -22,14 +22,15 @@ pub enum NodePortAddresses {
 }
 
 impl NodePortAddresses {
-    /// What the agent's configuration says: `nodePortAddresses` networks
-    /// (`cidrs`) win; else the configured node IPs; else every local
-    /// address.
-    pub fn new(cidrs: Option<&[Cidr]>, node_ips: &[Ipv4Addr]) -> Self {
-        match cidrs {
-            Some(cidrs) => Self::Local(Some(cidrs.iter().filter(|c| c.is_ipv4()).copied().collect())),
-            None if node_ips.is_empty() => Self::Local(None),
-            None => Self::Fixed(node_ips.to_vec()),
+    /// What `nodePortAddresses` says: unset, every local address (as
+    /// kube-proxy's IPVS mode, whatever `--node-ip` says, and re-read at
+    /// every sync so addresses added later answer too); `[primary]`, the
+    /// node IPs; networks, the local addresses inside them.
+    pub fn from_scope(scope: &NodePortScope) -> Self {
+        match scope {
+            NodePortScope::AllLocal { .. } => Self::Local(None),
+            NodePortScope::NodeIps(ips) => Self::Fixed(ips.clone()),
+            NodePortScope::Cidrs(cidrs) => Self::Local(Some(cidrs.iter().filter(|c| c.is_ipv4()).copied().collect())),
         }
     }
 
@@ -68,17 +69,20 @@ mod tests {
     }
 
     #[test]
-    fn networks_win_over_node_ips_and_no_node_ip_means_every_local_address() {
-        let node = [Ipv4Addr::new(172, 30, 0, 2)];
+    fn unset_means_every_local_address_primary_the_node_ips_networks_their_addresses() {
+        let node = vec![Ipv4Addr::new(172, 30, 0, 2)];
         assert_eq!(
-            NodePortAddresses::new(Some(&[cidr("fd00::/64"), cidr("172.30.0.0/24")]), &node),
+            NodePortAddresses::from_scope(&NodePortScope::Cidrs(vec![cidr("fd00::/64"), cidr("172.30.0.0/24")])),
             NodePortAddresses::Local(Some(vec![cidr("172.30.0.0/24")]))
         );
         assert_eq!(
-            NodePortAddresses::new(None, &node),
-            NodePortAddresses::Fixed(node.to_vec())
+            NodePortAddresses::from_scope(&NodePortScope::NodeIps(node.clone())),
+            NodePortAddresses::Fixed(node)
         );
-        assert_eq!(NodePortAddresses::new(None, &[]), NodePortAddresses::Local(None));
+        assert_eq!(
+            NodePortAddresses::from_scope(&NodePortScope::AllLocal { localhost: true }),
+            NodePortAddresses::Local(None)
+        );
     }
 
     #[test]
