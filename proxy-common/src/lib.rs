@@ -64,5 +64,6 @@ impl_aya_pod!(
     AffinityKey,
     AffinityValue,
     MemberKey,
-    SourceRangeKey
+    SourceRangeKey,
+    SourceRangeData
 );

@@ -38,6 +38,7 @@ mod service_maps;
 mod slot_layout;
 mod snapshot;
 pub mod snat;
+mod source_ranges;
 pub mod stale_flows;
 mod write_batch;
 /// Attaches the uplink programs to `iface`. Under `--xdp auto` an uplink
