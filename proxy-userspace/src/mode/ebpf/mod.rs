@@ -60,6 +60,8 @@ fn attach_uplink(datapath: &mut Datapath, iface: &str, hook: Hook, policy: XdpPo
 }
 
 #[cfg(test)]
+mod writer_api_tests;
+#[cfg(test)]
 mod writer_tests;
 
 use std::{
