@@ -34,6 +34,11 @@ use testbed::{
     testrun::*,
 };
 
+// Issue 12's Service fields, beside this file (a test target's root looks
+// for modules next to itself).
+#[path = "packet/api.rs"]
+mod api;
+
 #[derive(Clone, Debug)]
 enum Expect {
     /// Passed on untouched and counted under this verdict.
@@ -1846,6 +1851,7 @@ fn sync_policy_service(h: &mut Harness, endpoints: Vec<Endpoint>, external: Traf
             endpoints: endpoints.clone(),
             external_policy: external,
             internal_policy: internal,
+            ..ServicePort::default()
         });
     }
 }
@@ -2068,6 +2074,7 @@ fn external_local_keeps_the_source_under_masquerade_all_but_not_for_hairpin() {
             endpoints: backends_on([THIS_NODE, OTHER_NODE, OTHER_NODE]),
             external_policy: TrafficPolicy::Local,
             internal_policy: TrafficPolicy::Cluster,
+            ..ServicePort::default()
         });
     }
     let (np_flags, _) = frontend_backends(&h, node_port(), proto::TCP);
