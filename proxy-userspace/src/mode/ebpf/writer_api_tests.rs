@@ -112,7 +112,7 @@ fn external_and_load_balancer_ips_are_external_frontends_on_the_service_port() {
         assert_eq!(value.flags, kind | FLAG_EXTERNAL_LOCAL, "{ip}:{p}");
         let backends = w.backend_set(&value).expect("backends");
         assert_eq!(
-            backends.iter().map(|b| b.addr()).collect::<Vec<_>>(),
+            backends.iter().map(proxy_common::Backend::addr).collect::<Vec<_>>(),
             [Ipv4Addr::new(10, 244, 0, 1)]
         );
     }
@@ -222,7 +222,12 @@ fn affinity_sets_flag_timeout_and_members_and_forgets_clients_when_off() {
         assert_eq!(value.affinity_timeout_s, 30, "{ip}:{p}");
     }
     let cluster = frontend(&w, CLUSTER_IP, 80);
-    let slots: Vec<Ipv4Addr> = w.backend_set(&cluster).expect("set").iter().map(|b| b.addr()).collect();
+    let slots: Vec<Ipv4Addr> = w
+        .backend_set(&cluster)
+        .expect("set")
+        .iter()
+        .map(proxy_common::Backend::addr)
+        .collect();
     let want: BTreeSet<(Ipv4Addr, u32)> = slots.iter().copied().zip(0..).collect();
     assert_eq!(members(&w, &cluster), want, "every backend of the set, at its slot");
 
