@@ -56,6 +56,9 @@ pub struct Agent {
     /// Problems of the desired state last logged, so a standing problem is
     /// not logged again at every sync.
     logged_problems: Vec<Problem>,
+    /// What the mode does not honour, as last logged (each is logged and
+    /// counted once, not at every sync).
+    logged_unsupported: Vec<Problem>,
     /// A (re)list came in since the last successful sync.
     relisted: bool,
     /// Runs after a sync that took in a (re)list (the binary hands the
@@ -73,6 +76,7 @@ impl Agent {
             slices_synced: false,
             observer,
             logged_problems: Vec::new(),
+            logged_unsupported: Vec::new(),
             relisted: false,
             after_relist_synced: None,
         }
@@ -169,6 +173,27 @@ impl Agent {
         }
     }
 
+    /// Logs and counts what the mode does not honour and was not reported
+    /// at the last sync.
+    fn report_unsupported(&mut self, unsupported: Vec<Problem>) {
+        let new: Vec<Problem> = (unsupported.iter())
+            .filter(|p| !self.logged_unsupported.contains(p))
+            .cloned()
+            .collect();
+        for problem in &new {
+            warn!(
+                object = problem.object,
+                mode = self.reconciler.mode_name(),
+                reason = problem.reason,
+                "not honoured by this mode"
+            );
+        }
+        if !new.is_empty() {
+            self.observer.problems(&new);
+        }
+        self.logged_unsupported = unsupported;
+    }
+
     fn sync(&mut self) {
         let now = Instant::now();
         let changed = self.cluster.refresh();
@@ -200,6 +225,8 @@ impl Agent {
                     debug!(took_ms = took.as_secs_f64() * 1e3, "synced, nothing changed");
                 }
                 self.observer.synced(&report, took, oldest_change);
+                let unsupported = self.reconciler.unsupported(desired);
+                self.report_unsupported(unsupported);
                 if std::mem::take(&mut self.relisted)
                     && let Some(hook) = &self.after_relist_synced
                 {

@@ -72,6 +72,15 @@ pub trait Dataplane: Send {
         let _ = change;
         0
     }
+
+    /// What this mode does not honour of `port` as kube-proxy would (a
+    /// field it ignores or serves differently), in words; `None` if
+    /// nothing. The agent logs each once and counts it with the skipped
+    /// objects (issue 12: never silently wrong).
+    fn unsupported(&self, port: &ServicePort) -> Option<String> {
+        let _ = port;
+        None
+    }
 }
 
 /// What a successful sync changed: what a mode needs to find the flows the

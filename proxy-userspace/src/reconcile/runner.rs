@@ -17,7 +17,7 @@ use anyhow::Result;
 use super::{diff, diff_of};
 use crate::{
     mode::{Dataplane, SyncedChange},
-    model::ServicePort,
+    model::{Problem, ServicePort},
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -171,6 +171,14 @@ impl Reconciler {
 
     pub fn mode_name(&self) -> &'static str {
         self.mode.name()
+    }
+
+    /// What the mode does not honour of the ports in `desired`, one
+    /// problem a port ([`Dataplane::unsupported`]).
+    pub fn unsupported(&self, desired: &BTreeMap<String, ServicePort>) -> Vec<Problem> {
+        (desired.values())
+            .filter_map(|port| (self.mode.unsupported(port)).map(|reason| Problem::new(&port.name, reason)))
+            .collect()
     }
 
     /// Brings the mode to `desired`: everything if `full`, else the ports

@@ -304,9 +304,26 @@ fn spawn_pod_interface_watcher(datapath: Arc<Mutex<Datapath>>, uplinks: Vec<Inte
     Ok(())
 }
 
+/// What the programs do not honour of `port`. They cannot tell a pod's
+/// packet from the uplink's on the hooks they share, so a pod's flow to an
+/// external or load balancer IP of a `Local` Service is external traffic
+/// (this node's endpoints), where kube-proxy short-circuits it to every
+/// endpoint.
+fn not_honoured(port: &ServicePort) -> Option<String> {
+    (port.external_local() && !port.external_addresses().is_empty()).then(|| {
+        "externalTrafficPolicy: Local: pods' traffic to the external and load balancer IPs \
+         reaches this node's endpoints only (kube-proxy: every endpoint)"
+            .to_owned()
+    })
+}
+
 impl Dataplane for EbpfMode {
     fn name(&self) -> &'static str {
         "ebpf"
+    }
+
+    fn unsupported(&self, port: &ServicePort) -> Option<String> {
+        not_honoured(port)
     }
 
     fn apply(&mut self, plan: &Plan) -> Result<()> {

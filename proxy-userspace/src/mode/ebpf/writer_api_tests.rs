@@ -279,3 +279,19 @@ fn affinity_sets_flag_timeout_and_members_and_forgets_clients_when_off() {
     };
     assert!(!w.maps().member_keys().expect("members").contains(&gone));
 }
+
+#[test]
+fn what_the_programs_do_not_honour_is_named() {
+    let mut port = lb_port(vec![]);
+    assert_eq!(super::not_honoured(&port), None, "Cluster policy: all honoured");
+    port.external_policy = TrafficPolicy::Local;
+    let reason = super::not_honoured(&port).expect("Local with LB IPs");
+    assert!(reason.contains("every endpoint"), "{reason}");
+    port.external_ips.clear();
+    port.load_balancer_ips.clear();
+    assert_eq!(
+        super::not_honoured(&port),
+        None,
+        "a Local NodePort is a known difference, not reported"
+    );
+}
