@@ -12,29 +12,38 @@ use crate::{
     select,
 };
 
-/// A backend for a new flow of a frontend with affinity: the client's
-/// remembered one if it still serves, else a random one, remembered.
+/// The affinity entry's key of the packet's client at `svc`.
 #[inline(always)]
-pub fn backend(flow: &Flow, svc: &ServiceValue) -> Option<(u32, Backend)> {
-    let key = AffinityKey {
+fn key_of(flow: &Flow, svc: &ServiceValue) -> AffinityKey {
+    AffinityKey {
         rev_nat_id: svc.rev_nat_id,
         client_be: flow.saddr_be,
-    };
-    // SAFETY: a helper without arguments.
-    let now = unsafe { bpf_ktime_get_coarse_ns() };
-    if let Some(kept) = remembered(&key, svc, now) {
-        return Some(kept);
     }
-    let picked = select::random_backend(svc)?;
+}
+
+#[inline(always)]
+fn now_ns() -> u64 {
+    // SAFETY: a helper without arguments.
+    unsafe { bpf_ktime_get_coarse_ns() }
+}
+
+/// The client's remembered backend, if it still serves (see [`remembered`]).
+#[inline(always)]
+pub fn kept_backend(flow: &Flow, svc: &ServiceValue) -> Option<(u32, Backend)> {
+    remembered(&key_of(flow, svc), svc, now_ns())
+}
+
+/// Remembers `backend_id` as the client's backend at `svc`, from now on.
+#[inline(always)]
+pub fn remember(flow: &Flow, svc: &ServiceValue, backend_id: u32) {
     let value = AffinityValue {
-        backend_id: picked.0,
+        backend_id,
         _pad: 0,
-        last_seen_ns: now,
+        last_seen_ns: now_ns(),
     };
     // A full map evicts its least recently used client; a failure only
     // costs this client its affinity.
-    let _ = AFFINITY.insert(&key, &value, 0);
-    Some(picked)
+    let _ = AFFINITY.insert(&key_of(flow, svc), &value, 0);
 }
 
 /// The client's backend, if its entry is fresh and the backend is in the

@@ -173,14 +173,19 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outcom
 }
 
 /// The backend of a new flow: the client's of before under ClientIP
-/// affinity, else a random one of the frontend's run.
+/// affinity, else a random one of the frontend's run (remembered under
+/// affinity). One call site of `random_backend`: the verifier walks it once.
 #[inline(always)]
 fn pick_backend(flow: &Flow, svc: &ServiceValue) -> Option<(u32, Backend)> {
-    if svc.flags & FLAG_AFFINITY_CLIENT_IP != 0 {
-        affinity::backend(flow, svc)
-    } else {
-        select::random_backend(svc)
+    let sticky = svc.flags & FLAG_AFFINITY_CLIENT_IP != 0;
+    if sticky && let Some(kept) = affinity::kept_backend(flow, svc) {
+        return Some(kept);
     }
+    let picked = select::random_backend(svc)?;
+    if sticky {
+        affinity::remember(flow, svc, picked.0);
+    }
+    Some(picked)
 }
 
 /// Whether the kernel must also source-NAT the flow, for its replies to come
