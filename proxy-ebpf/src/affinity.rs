@@ -43,7 +43,7 @@ pub fn remember(flow: &Flow, svc: &ServiceValue, backend_id: u32) {
     };
     // A full map evicts its least recently used client; a failure only
     // costs this client its affinity.
-    let _ = AFFINITY.insert(&key_of(flow, svc), &value, 0);
+    let _ = AFFINITY.insert(key_of(flow, svc), value, 0);
 }
 
 /// The client's backend, if its entry is fresh and the backend is in the

@@ -7,8 +7,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlotKey, MemberKey, SourceRangeData, CtKey, CtTimeouts, CtValue, FragKey, FragPorts, PortBits, RevNat, ServiceKey,
-    ServiceValue, Verdict, VerdictCounter,
+    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtTimeouts, CtValue, FragKey, FragPorts, MemberKey,
+    PortBits, RevNat, ServiceKey, ServiceValue, SourceRangeData, Verdict, VerdictCounter,
     conntrack::{seconds_to_ns, state_index},
     maps::{
         AFFINITY_MAX, BACKEND_SLOTS_MAX, BACKENDS_MAX, CONNTRACK_MAX, FRAGMENTS_MAX, MEMBERS_MAX, REV_NAT_MAX,
