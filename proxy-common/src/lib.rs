@@ -10,6 +10,7 @@
 //! constructors, which take host-order values). Everything else is host order.
 #![no_std]
 
+pub mod affinity;
 pub mod backend;
 pub mod conntrack;
 pub mod fragment;
@@ -17,14 +18,17 @@ pub mod maps;
 pub mod nat;
 pub mod ports;
 pub mod service;
+pub mod source_range;
 pub mod stats;
 
+pub use affinity::{AffinityKey, AffinityValue, MemberKey};
 pub use backend::{Backend, BackendSlotKey};
 pub use conntrack::{CtKey, CtTimeouts, CtValue};
 pub use fragment::{FragKey, FragPorts};
 pub use nat::RevNat;
 pub use ports::PortBits;
 pub use service::{ServiceKey, ServiceValue};
+pub use source_range::{SourceRangeData, SourceRangeKey};
 pub use stats::{Verdict, VerdictCounter};
 
 /// IP protocol numbers of the L4 protocols a Service can use.
@@ -56,5 +60,10 @@ impl_aya_pod!(
     FragPorts,
     RevNat,
     PortBits,
-    VerdictCounter
+    VerdictCounter,
+    AffinityKey,
+    AffinityValue,
+    MemberKey,
+    SourceRangeKey,
+    SourceRangeData
 );

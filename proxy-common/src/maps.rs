@@ -12,6 +12,9 @@ pub const STATS: &str = "XP_STATS";
 pub const PORTS: &str = "XP_PORTS";
 pub const CT_STATS: &str = "XP_CT_STATS";
 pub const FRAGMENTS: &str = "XP_FRAGS";
+pub const AFFINITY: &str = "XP_AFFINITY";
+pub const MEMBERS: &str = "XP_MEMBERS";
+pub const SOURCE_RANGES: &str = "XP_SRC_RANGES";
 
 /// Frontends (service ports x frontend addresses).
 pub const SERVICES_MAX: u32 = 262_144;
@@ -26,6 +29,15 @@ pub const REV_NAT_MAX: u32 = 262_144;
 /// evicted. The size the program object declares: the agent sizes the map
 /// from its `conntrack` configuration at load time.
 pub const CONNTRACK_MAX: u32 = 524_288;
+
+/// Clients remembered for ClientIP affinity (preallocated, LRU: the
+/// least recently seen client is forgotten first).
+pub const AFFINITY_MAX: u32 = 65_536;
+/// Backends of the sets of Service ports with affinity (see
+/// [`crate::MemberKey`]): as many as slots can be.
+pub const MEMBERS_MAX: u32 = BACKEND_SLOTS_MAX;
+/// loadBalancerSourceRanges entries over every load balancer IP.
+pub const SOURCE_RANGES_MAX: u32 = 65_536;
 
 /// Datagrams in flight whose first fragment's ports are remembered.
 pub const FRAGMENTS_MAX: u32 = 16_384;

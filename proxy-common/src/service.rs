@@ -68,14 +68,17 @@ pub struct ServiceValue {
 
 /// The frontend is a node IP with a node port (not a ClusterIP).
 pub const FLAG_NODE_PORT: u32 = 1 << 0;
-/// A node-port frontend with externalTrafficPolicy=Local: its slots are this
+/// An external frontend ([`FLAGS_EXTERNAL`]) with externalTrafficPolicy=Local: its slots are this
 /// node's backends only, flows keep the client's address (no SNAT), and
 /// with no slot new flows are dropped (not rejected). Set only while the
 /// Service has usable endpoints somewhere: one with none is rejected.
 pub const FLAG_EXTERNAL_LOCAL: u32 = 1 << 1;
-/// sessionAffinity=ClientIP (timeout in `affinity_timeout_s`).
+/// sessionAffinity=ClientIP (timeout in `affinity_timeout_s`): a client's
+/// new flows go to the backend of its last one (see [`crate::affinity`]).
 pub const FLAG_AFFINITY_CLIENT_IP: u32 = 1 << 2;
-/// loadBalancerSourceRanges restrict who may use the frontend.
+/// loadBalancerSourceRanges restrict who may use the frontend (a load
+/// balancer IP): a new flow from a source outside every range of the
+/// source ranges map under the frontend's `rev_nat_id` is dropped.
 pub const FLAG_SOURCE_RANGES: u32 = 1 << 3;
 /// Translated flows must also be source-NATed by the kernel fallback.
 pub const FLAG_NEEDS_SNAT: u32 = 1 << 4;
@@ -84,6 +87,12 @@ pub const FLAG_NEEDS_SNAT: u32 = 1 << 4;
 /// while the Service has usable endpoints somewhere, like
 /// [`FLAG_EXTERNAL_LOCAL`].
 pub const FLAG_INTERNAL_LOCAL: u32 = 1 << 5;
+/// The frontend is an external IP or a load balancer IP on the Service's
+/// port: external traffic as a node port is (`FLAG_EXTERNAL_LOCAL` applies,
+/// flows to other nodes' backends are source-NATed), but not a node IP.
+pub const FLAG_EXTERNAL_ADDR: u32 = 1 << 6;
+/// Either kind of external frontend (node port, external or LB IP).
+pub const FLAGS_EXTERNAL: u32 = FLAG_NODE_PORT | FLAG_EXTERNAL_ADDR;
 /// Either `Local` policy flag: an empty frontend drops instead of rejecting.
 pub const FLAGS_LOCAL: u32 = FLAG_EXTERNAL_LOCAL | FLAG_INTERNAL_LOCAL;
 

@@ -44,10 +44,14 @@ pub enum Verdict {
     /// its way (outer and quoted headers). Errors about other packets are
     /// passed as not ours.
     IcmpError = 11,
+    /// A new flow to a load balancer IP from a source outside its
+    /// Service's loadBalancerSourceRanges: dropped, like kube-proxy's
+    /// KUBE-FW chain.
+    DropSourceRange = 12,
 }
 
 impl Verdict {
-    pub const COUNT: u32 = 12;
+    pub const COUNT: u32 = 13;
     pub const ALL: [Verdict; Self::COUNT as usize] = [
         Verdict::PassNotService,
         Verdict::PassNotIpv4OrL4,
@@ -61,6 +65,7 @@ impl Verdict {
         Verdict::DropNoLocalBackend,
         Verdict::PassFragmentUntracked,
         Verdict::IcmpError,
+        Verdict::DropSourceRange,
     ];
 
     /// Stable lower-case name used in metrics and `xproxy status`.
@@ -78,6 +83,7 @@ impl Verdict {
             Verdict::DropNoLocalBackend => "drop_no_local_backend",
             Verdict::PassFragmentUntracked => "pass_fragment_untracked",
             Verdict::IcmpError => "icmp_error",
+            Verdict::DropSourceRange => "drop_source_range",
         }
     }
 }

@@ -5,7 +5,9 @@
 //! `fragments` (a later IPv4 fragment gets its first's ports) ->
 //! `ports` (could it be Service traffic at all?) -> `conntrack` (a packet
 //! of a known flow, either way?) -> `lookup` (else: is it for a Service
-//! frontend?) -> `select` (a backend for a new flow) -> `nat` (DNAT,
+//! frontend?) -> `source_range` (may this client use a load balancer IP?)
+//! -> `affinity` (the client's backend of before, for ClientIP affinity)
+//! or `select` (a backend for a new flow) -> `nat` (DNAT,
 //! reverse NAT) or `reject` (RST / ICMP when a Service has no backends; a
 //! frontend whose `Local` traffic policy finds no backend on this node
 //! drops instead, as kube-proxy does).
@@ -22,6 +24,7 @@
 #![no_std]
 #![no_main]
 
+mod affinity;
 mod conntrack;
 mod context;
 mod csum;
@@ -37,6 +40,7 @@ mod ports;
 mod reject;
 mod route;
 mod select;
+mod source_range;
 mod stats;
 
 use aya_ebpf::{

@@ -4,13 +4,16 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    Backend, BackendSlotKey, CtKey, CtTimeouts, CtValue, FragKey, FragPorts, PortBits, RevNat, ServiceKey,
-    ServiceValue, Verdict, VerdictCounter,
+    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtTimeouts, CtValue, FragKey, FragPorts, MemberKey,
+    PortBits, RevNat, ServiceKey, ServiceValue, SourceRangeData, Verdict, VerdictCounter,
     conntrack::{seconds_to_ns, state_index},
-    maps::{BACKEND_SLOTS_MAX, BACKENDS_MAX, CONNTRACK_MAX, FRAGMENTS_MAX, REV_NAT_MAX, SERVICES_MAX},
+    maps::{
+        AFFINITY_MAX, BACKEND_SLOTS_MAX, BACKENDS_MAX, CONNTRACK_MAX, FRAGMENTS_MAX, MEMBERS_MAX, REV_NAT_MAX,
+        SERVICES_MAX, SOURCE_RANGES_MAX,
+    },
     ports::PORT_WORDS,
 };
 
@@ -27,6 +30,20 @@ pub static BACKENDS: HashMap<u32, Backend> = HashMap::pinned(BACKENDS_MAX, BPF_F
 
 #[map(name = "XP_REV_NAT")]
 pub static REV_NAT: HashMap<u32, RevNat> = HashMap::pinned(REV_NAT_MAX, BPF_F_NO_PREALLOC);
+
+// Written for the backend sets of Service ports with ClientIP affinity.
+#[map(name = "XP_MEMBERS")]
+pub static MEMBERS: HashMap<MemberKey, u32> = HashMap::pinned(MEMBERS_MAX, BPF_F_NO_PREALLOC);
+
+// loadBalancerSourceRanges of every load balancer IP (an LPM trie is never
+// preallocated).
+#[map(name = "XP_SRC_RANGES")]
+pub static SOURCE_RANGES: LpmTrie<SourceRangeData, u8> = LpmTrie::pinned(SOURCE_RANGES_MAX, 0);
+
+// Written from the data path on every new flow of a Service port with
+// ClientIP affinity.
+#[map(name = "XP_AFFINITY")]
+pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::pinned(AFFINITY_MAX, 0);
 
 // Written from the data path on every new flow: LRU maps are preallocated.
 #[map(name = "XP_CT")]

@@ -1,16 +1,20 @@
 //! The packet's way through the steps, the same for every hook: parse ->
 //! fragments (a later fragment gets its first's ports) -> ports (the port
-//! filter) -> conntrack -> (new flows: lookup -> select) -> nat or reject;
+//! filter) -> conntrack -> (new flows: lookup -> source_range -> affinity
+//! or select) -> nat or reject;
 //! an ICMP error of a tracked flow goes to icmp_error. Each step is its own
 //! module; this one only chains them and names the verdict and the outcome.
 
 use proxy_common::{
     Backend, ServiceValue, Verdict,
     backend::FLAG_LOCAL,
-    service::{FLAG_EXTERNAL_LOCAL, FLAG_NEEDS_SNAT, FLAG_NODE_PORT, FLAGS_LOCAL},
+    service::{
+        FLAG_AFFINITY_CLIENT_IP, FLAG_EXTERNAL_LOCAL, FLAG_NEEDS_SNAT, FLAG_SOURCE_RANGES, FLAGS_EXTERNAL, FLAGS_LOCAL,
+    },
 };
 
 use crate::{
+    affinity,
     conntrack::{self, Tracked},
     context::Ctx,
     fragments,
@@ -19,7 +23,7 @@ use crate::{
     parse::{self, Flow},
     ports,
     reject::{self, Rejection},
-    select, stats,
+    select, source_range, stats,
 };
 
 /// What the hook should do with the packet.
@@ -32,8 +36,9 @@ pub enum Outcome {
     ReverseTranslated,
     /// Rewritten into an answer: send it back where it came from.
     Reply,
-    /// Must not go anywhere: half-rewritten after a helper failed, or for a
-    /// frontend whose `Local` traffic policy finds no backend on this node.
+    /// Must not go anywhere: half-rewritten after a helper failed, for a
+    /// frontend whose `Local` traffic policy finds no backend on this node,
+    /// or from a source outside a load balancer IP's source ranges.
     Drop,
 }
 
@@ -125,7 +130,13 @@ fn reverse(ctx: &impl Ctx, flow: &Flow, tracked: &Tracked) -> (Verdict, Outcome)
 
 #[inline(always)]
 fn new_flow(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outcome) {
-    let Some((id, backend)) = select::random_backend(svc) else {
+    // Only new flows are filtered: an established one was allowed at its
+    // first packet (kube-proxy's KUBE-FW chain is in the nat table, which
+    // sees only a connection's first packet, too).
+    if svc.flags & FLAG_SOURCE_RANGES != 0 && !source_range::allowed(flow, svc) {
+        return (Verdict::DropSourceRange, Outcome::Drop);
+    }
+    let Some((id, backend)) = pick_backend(flow, svc) else {
         if svc.backend_count != 0 {
             return (Verdict::Error, Outcome::Pass);
         }
@@ -161,20 +172,37 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outcom
     )
 }
 
+/// The backend of a new flow: the client's of before under ClientIP
+/// affinity, else a random one of the frontend's run (remembered under
+/// affinity). One call site of `random_backend`: the verifier walks it once.
+#[inline(always)]
+fn pick_backend(flow: &Flow, svc: &ServiceValue) -> Option<(u32, Backend)> {
+    let sticky = svc.flags & FLAG_AFFINITY_CLIENT_IP != 0;
+    if sticky && let Some(kept) = affinity::kept_backend(flow, svc) {
+        return Some(kept);
+    }
+    let picked = select::random_backend(svc)?;
+    if sticky {
+        affinity::remember(flow, svc, picked.0);
+    }
+    Some(picked)
+}
+
 /// Whether the kernel must also source-NAT the flow, for its replies to come
 /// back through this node: a pod reaching itself through its Service
-/// (hairpin), a NodePort to a backend on another node (never with the
-/// `Local` external policy, which keeps the client's address), or
+/// (hairpin), external traffic (node port, external or LB IP) to a
+/// backend on another node (never with the `Local` external policy, which
+/// keeps the client's address), or
 /// masqueradeAll. Off when the agent configured no mark.
 #[inline(always)]
 fn needs_snat(flow: &Flow, svc: &ServiceValue, backend: &Backend) -> bool {
     if maps::snat_mark() == 0 {
         return false;
     }
-    let node_port_cluster = svc.flags & (FLAG_NODE_PORT | FLAG_EXTERNAL_LOCAL) == FLAG_NODE_PORT;
+    let external_cluster = svc.flags & FLAGS_EXTERNAL != 0 && svc.flags & FLAG_EXTERNAL_LOCAL == 0;
     svc.flags & FLAG_NEEDS_SNAT != 0
         || flow.saddr_be == backend.addr_be
-        || (node_port_cluster && backend.flags & FLAG_LOCAL == 0)
+        || (external_cluster && backend.flags & FLAG_LOCAL == 0)
 }
 
 #[inline(always)]

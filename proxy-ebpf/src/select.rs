@@ -29,8 +29,9 @@ pub fn random_backend(svc: &ServiceValue) -> Option<(u32, Backend)> {
     Some((id, backend))
 }
 
+/// The backend with id `id`, `None` if it is gone.
 #[inline(always)]
-fn backend(id: u32) -> Option<Backend> {
+pub fn backend(id: u32) -> Option<Backend> {
     // SAFETY: copied out at once, as in `lookup::frontend`.
     unsafe { BACKENDS.get(id).copied() }
 }

@@ -1,6 +1,7 @@
 //! The verifier is part of the test suite: every program must load on the
 //! running kernel, and its maps must be pinned under the names user space
-//! opens them by.
+//! opens them by. It prints how many instructions the verifier processed
+//! per program (`--nocapture`), to keep the programs' growth in view.
 
 use proxy_common::maps;
 use proxy_userspace::mode::ebpf::{Datapath, ServiceMaps};
@@ -12,7 +13,8 @@ fn every_program_loads_and_pins_its_maps() {
         return;
     }
     let pins = PinDir::new();
-    let _datapath = Datapath::load(pins.path()).expect("programs pass the verifier");
+    let mut datapath = Datapath::load(pins.path()).expect("programs pass the verifier");
+    print_verified_instructions(&mut datapath);
     for name in [
         maps::SERVICES,
         maps::BACKEND_SLOTS,
@@ -21,8 +23,26 @@ fn every_program_loads_and_pins_its_maps() {
         maps::CONNTRACK,
         maps::STATS,
         maps::PORTS,
+        maps::AFFINITY,
+        maps::MEMBERS,
+        maps::SOURCE_RANGES,
     ] {
         assert!(pins.path().join(name).exists(), "map {name} is not pinned");
     }
     ServiceMaps::open(pins.path(), vec![]).expect("pinned maps open with the expected layouts");
+}
+
+/// The verifier's processed-instruction count of each program (the kernel
+/// reports it from 5.16 on).
+fn print_verified_instructions(datapath: &mut Datapath) {
+    let xdp = datapath.xdp().expect("xdp_uplink").info().expect("xdp_uplink's info");
+    eprintln!(
+        "verified instructions: {} {:?}",
+        maps::PROG_XDP_UPLINK,
+        xdp.verified_instruction_count()
+    );
+    for name in [maps::PROG_TC_INGRESS, maps::PROG_TC_EGRESS] {
+        let info = datapath.tc(name).expect(name).info().expect("tc program's info");
+        eprintln!("verified instructions: {name} {:?}", info.verified_instruction_count());
+    }
 }

@@ -108,7 +108,7 @@ impl Bed {
             tc.load().with_context(|| format!("verifier rejected {name}"))?;
         }
         let mut maps = ServiceMaps::open(pin.path(), vec![node_ip])?;
-        for svc in seed_services() {
+        for svc in seed_services().into_iter().chain(super::cases::api_services()) {
             maps.sync_service(&svc)
                 .with_context(|| format!("programming {}", svc.name))?;
         }

@@ -4,15 +4,17 @@
 use std::{
     net::{Ipv4Addr, SocketAddrV4},
     os::fd::BorrowedFd,
+    time::Duration,
 };
 
 use anyhow::{Context, Result, bail, ensure};
 use proxy_common::{CtKey, Verdict, proto};
+use proxy_userspace::model::{ServicePort, SourceRange};
 use rand::{SeedableRng, rngs::StdRng, seq::SliceRandom};
 use serde::Serialize;
 use testbed::{
     frame::{Frame, Strict, check, parse_strict, tcp_flags},
-    testrun::{NODE_IP, Prog, cluster_ip, node_port, seed_backends},
+    testrun::{NODE_IP, Prog, cluster_ip, node_port, seed_backends, service},
 };
 
 use super::{
@@ -40,13 +42,19 @@ pub enum Kind {
     /// Such packets of many different flows (the conntrack lookup every
     /// packet that is no Service's gets, in case it is a reply, cold).
     MissWorkingSet,
+    /// A new flow of a client a ClientIP affinity Service remembers: its
+    /// backend of before, the entry's time moved on.
+    AffinityHit,
+    /// A new flow of a client never seen: a random backend, remembered
+    /// (an LRU insert).
+    AffinityMiss,
 }
 
 impl Kind {
     /// The verdict every packet of the case must be counted under.
     pub fn verdict(self) -> Verdict {
         match self {
-            Kind::NewFlow => Verdict::DnatNew,
+            Kind::NewFlow | Kind::AffinityHit | Kind::AffinityMiss => Verdict::DnatNew,
             Kind::Established | Kind::EstablishedWorkingSet => Verdict::DnatEstablished,
             Kind::Reply | Kind::ReplyWorkingSet => Verdict::RevNat,
             Kind::Miss | Kind::MissWorkingSet => Verdict::PassNotService,
@@ -57,7 +65,7 @@ impl Kind {
     /// direction) 40, new flows 100; none for misses.
     pub fn target_ns(self) -> Option<f64> {
         match self {
-            Kind::NewFlow => Some(100.0),
+            Kind::NewFlow | Kind::AffinityHit | Kind::AffinityMiss => Some(100.0),
             Kind::Established | Kind::EstablishedWorkingSet | Kind::Reply | Kind::ReplyWorkingSet => Some(40.0),
             Kind::Miss | Kind::MissWorkingSet => None,
         }
@@ -72,6 +80,8 @@ impl Kind {
             Kind::ReplyWorkingSet => format!("reply (rev-NAT), {} flows", thousands(working_set)),
             Kind::Miss => "miss (no Service)".into(),
             Kind::MissWorkingSet => format!("miss (no Service), {} flows", thousands(working_set)),
+            Kind::AffinityHit => "new flow, affinity hit".into(),
+            Kind::AffinityMiss => "new flow, affinity miss".into(),
         }
     }
 }
@@ -90,6 +100,10 @@ fn thousands(n: usize) -> String {
 pub enum Frontend {
     NodePort,
     ClusterIp,
+    /// The ClusterIP of a Service with ClientIP affinity ([`api_services`]).
+    AffinityClusterIp,
+    /// A load balancer IP with loadBalancerSourceRanges ([`api_services`]).
+    LoadBalancerIp,
     None,
 }
 
@@ -98,6 +112,8 @@ impl Frontend {
         match self {
             Frontend::NodePort => Some(node_port()),
             Frontend::ClusterIp => Some(cluster_ip()),
+            Frontend::AffinityClusterIp => Some(SocketAddrV4::new(AFFINITY_IP, 88)),
+            Frontend::LoadBalancerIp => Some(SocketAddrV4::new(LB_IP, 88)),
             Frontend::None => None,
         }
     }
@@ -106,9 +122,56 @@ impl Frontend {
         match self {
             Frontend::NodePort => "NodePort",
             Frontend::ClusterIp => "ClusterIP",
+            Frontend::AffinityClusterIp => "ClusterIP, ClientIP affinity",
+            Frontend::LoadBalancerIp => "LB IP, 4 source ranges",
             Frontend::None => "-",
         }
     }
+}
+
+/// The ClusterIP of the affinity Service and the LB IP of the source
+/// ranges one.
+const AFFINITY_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 40);
+const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 20);
+
+/// Besides the seed Services: one with ClientIP affinity (3 h), one with
+/// a load balancer IP whose source ranges hold the uplink's clients
+/// (198.18.0.0/15, checked last of four ranges in no particular order:
+/// the trie's depth, not the list's order, sets the cost).
+pub fn api_services() -> Vec<ServicePort> {
+    let backends = seed_backends();
+    let affinity = ServicePort {
+        affinity: Some(Duration::from_secs(10_800)),
+        ..service("bench/affinity:http", tcp(), AFFINITY_IP, 88, None, &backends)
+    };
+    let ranges = [
+        ([10, 0, 0, 0], 8),
+        ([172, 16, 0, 0], 12),
+        ([192, 168, 0, 0], 16),
+        ([198, 18, 0, 0], 15),
+    ];
+    let load_balancer = ServicePort {
+        load_balancer_ips: vec![LB_IP],
+        source_ranges: (ranges.iter())
+            .map(|(a, len)| SourceRange {
+                addr: Ipv4Addr::from(*a),
+                prefix_len: *len,
+            })
+            .collect(),
+        ..service(
+            "bench/lb:http",
+            tcp(),
+            Ipv4Addr::new(10, 96, 0, 50),
+            88,
+            None,
+            &backends,
+        )
+    };
+    vec![affinity, load_balancer]
+}
+
+fn tcp() -> proxy_userspace::model::Protocol {
+    proxy_userspace::model::Protocol::Tcp
 }
 
 /// Which loaded data path a case runs in. The uplink's and the pods' flows
@@ -198,9 +261,16 @@ enum Feed {
         clients: FlowSource,
         frontend: SocketAddrV4,
     },
+    /// A new flow's first packet every call, each from a client address
+    /// not seen for a long while (a cycle through 100.64.0.0/10, far more
+    /// addresses than the affinity map keeps).
+    FreshClients { next: u32, frontend: SocketAddrV4 },
     /// Prepared packets, sent in order and from the start again when done.
     Cycle { next: usize },
 }
+
+/// The client addresses of [`Feed::FreshClients`]: 100.64.0.0/10.
+const FRESH_CLIENTS: (u32, u32) = (0x6440_0000, 1 << 22);
 
 /// One case, ready to run batches of calls.
 pub struct Case {
@@ -271,6 +341,19 @@ impl Case {
                     self.batch.push(i);
                 }
             }
+            Feed::FreshClients { next, frontend } => {
+                self.packets.clear();
+                for i in 0..calls {
+                    let ip = Ipv4Addr::from(FRESH_CLIENTS.0 + *next % FRESH_CLIENTS.1);
+                    *next = next.wrapping_add(1);
+                    let frame = Frame::tcp(SocketAddrV4::new(ip, 1024), *frontend, tcp_flags::SYN).build();
+                    self.packets.push(Packet {
+                        frame,
+                        expect: Expect::DnatToAny,
+                    });
+                    self.batch.push(i);
+                }
+            }
             Feed::Cycle { next } => {
                 for _ in 0..calls {
                     self.batch.push(*next);
@@ -319,7 +402,7 @@ impl Case {
             let out = &out[..run.out_len.min(out.len())];
             check_output(&packet.frame, out, packet.expect)
                 .with_context(|| format!("{} on a {} packet", self.prog.name(), self.label))?;
-            if self.kind == Kind::NewFlow {
+            if matches!(self.kind, Kind::NewFlow | Kind::AffinityHit | Kind::AffinityMiss) {
                 self.created.extend(conntrack_keys(&packet.frame, out)?);
             }
             timings.push(Timing {
@@ -485,6 +568,7 @@ pub fn build(beds: &[Bed; 2], working_set: usize, progress: &dyn Fn(&str)) -> Re
         let case = Case::new(Side::Uplink, xdp, Kind::Established, frontend, working_set, cycle());
         cases.push(case.cycled(packets));
     }
+    cases.extend(api_cases(&mut clients, working_set)?);
     progress(&format!("per-packet: opening {working_set} flows through xdp_uplink"));
     let np = node_port();
     let flows = open_flows(uplink, xdp, &mut clients, np, working_set)?;
@@ -588,6 +672,33 @@ pub fn build(beds: &[Bed; 2], working_set: usize, progress: &dyn Fn(&str)) -> Re
     };
     cases.push(Case::new(Side::Pods, egress, Kind::Miss, Frontend::None, working_set, cycle()).cycled(vec![packet]));
     Ok(cases)
+}
+
+/// New flows through xdp_uplink to the [`api_services`], beside the plain
+/// ClusterIP's: an affinity hit (one client, a new port each time), an
+/// affinity miss (a new client each time) and a source range check.
+fn api_cases(clients: &mut Clients, working_set: usize) -> Result<Vec<Case>> {
+    let xdp = Prog::XdpUplink;
+    let affinity = Frontend::AffinityClusterIp.addr().context("a frontend")?;
+    let lb = Frontend::LoadBalancerIp.addr().context("a frontend")?;
+    let hit = Feed::Fresh {
+        clients: clients.block(),
+        frontend: affinity,
+    };
+    let miss = Feed::FreshClients {
+        next: 0,
+        frontend: affinity,
+    };
+    let ranges = Feed::Fresh {
+        clients: clients.block(),
+        frontend: lb,
+    };
+    let case = |kind, frontend, feed| Case::new(Side::Uplink, xdp, kind, frontend, working_set, feed);
+    Ok(vec![
+        case(Kind::AffinityHit, Frontend::AffinityClusterIp, hit),
+        case(Kind::AffinityMiss, Frontend::AffinityClusterIp, miss),
+        case(Kind::NewFlow, Frontend::LoadBalancerIp, ranges),
+    ])
 }
 
 fn cycle() -> Feed {

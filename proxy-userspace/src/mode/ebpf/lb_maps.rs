@@ -9,16 +9,20 @@
 //! of a flush (`write_batch::FLUSH_STAGES`), which may run on threads of
 //! their own: hence `&self` and `Sync`.
 
+use std::collections::BTreeSet;
+
 use anyhow::Result;
 use proxy_common::{
-    Backend, BackendSlotKey, CtKey, CtValue, PortBits, ServiceKey, ServiceValue, Verdict, VerdictCounter,
+    Backend, BackendSlotKey, CtKey, CtValue, MemberKey, PortBits, ServiceKey, ServiceValue, SourceRangeKey, Verdict,
+    VerdictCounter,
 };
 
 use super::write_batch::{SplitStaged, Step};
 
 /// The Service maps (`XP_SERVICES`, `XP_SLOTS`, `XP_BACKENDS`,
-/// `XP_REV_NAT`), the port filter (`XP_PORTS`) and what the programs
-/// write that a snapshot shows (`XP_CT`, `XP_STATS`).
+/// `XP_REV_NAT`, `XP_MEMBERS`, `XP_SRC_RANGES`), the port filter
+/// (`XP_PORTS`), what the programs write that a snapshot shows (`XP_CT`,
+/// `XP_STATS`) and the affinity map the programs fill (`XP_AFFINITY`).
 pub trait LbMaps: Sync {
     /// Every frontend: `XP_SERVICES`.
     fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>>;
@@ -34,6 +38,13 @@ pub trait LbMaps: Sync {
     fn backend(&self, id: u32) -> Result<Option<Backend>>;
     /// Every reverse NAT id: `XP_REV_NAT`.
     fn rev_nat_ids(&self) -> Result<Vec<u32>>;
+    /// Every backend set member's key: `XP_MEMBERS`.
+    fn member_keys(&self) -> Result<Vec<MemberKey>>;
+    /// Every source range entry: `XP_SRC_RANGES`.
+    fn source_range_keys(&self) -> Result<Vec<SourceRangeKey>>;
+    /// Deletes the affinity entries (`XP_AFFINITY`) of the frontends with
+    /// these reverse NAT ids; returns how many went.
+    fn forget_affinity(&self, rev_nat_ids: &BTreeSet<u32>) -> Result<u64>;
 
     /// Writes (or deletes) what `step` takes of `staged`. An error may
     /// leave part of the step done, as a kernel batch call does.

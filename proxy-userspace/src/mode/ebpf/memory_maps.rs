@@ -10,7 +10,7 @@
 //! that no order of writes ever shows one.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeSet, HashMap},
     hash::Hash,
     sync::{
         Arc, Mutex, MutexGuard,
@@ -20,8 +20,8 @@ use std::{
 
 use anyhow::{Result, bail};
 use proxy_common::{
-    Backend, BackendSlotKey, CtKey, CtValue, PortBits, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter, maps,
-    ports,
+    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtValue, MemberKey, PortBits, RevNat, ServiceKey,
+    ServiceValue, SourceRangeKey, Verdict, VerdictCounter, maps, ports,
 };
 
 use super::{
@@ -107,8 +107,11 @@ struct State {
     slots: MemTable<BackendSlotKey, u32>,
     backends: MemTable<u32, Backend>,
     rev_nat: MemTable<u32, RevNat>,
+    members: MemTable<MemberKey, u32>,
+    source_ranges: MemTable<SourceRangeKey, u8>,
     ports: Vec<PortBits>,
     conntrack: Vec<(CtKey, CtValue)>,
+    affinity: Vec<(AffinityKey, AffinityValue)>,
     /// Frontends a packet would have found torn after some step.
     torn: Vec<String>,
 }
@@ -121,10 +124,14 @@ impl State {
             Step::Write(Table::Slots) => self.slots.write(&staged.slots)?,
             Step::Write(Table::RevNat) => self.rev_nat.write(&staged.rev_nat)?,
             Step::Write(Table::Services) => self.services.write(&staged.services)?,
+            Step::Write(Table::Members) => self.members.write(&staged.members)?,
+            Step::Write(Table::SourceRanges) => self.source_ranges.write(&staged.source_ranges)?,
             Step::Delete(Table::Backends) => self.backends.delete(&staged.backends),
             Step::Delete(Table::Slots) => self.slots.delete(&staged.slots),
             Step::Delete(Table::RevNat) => self.rev_nat.delete(&staged.rev_nat),
             Step::Delete(Table::Services) => self.services.delete(&staged.services),
+            Step::Delete(Table::Members) => self.members.delete(&staged.members),
+            Step::Delete(Table::SourceRanges) => self.source_ranges.delete(&staged.source_ranges),
         })
     }
 
@@ -153,6 +160,8 @@ impl State {
             Table::Slots => &mut self.slots.max_entries,
             Table::RevNat => &mut self.rev_nat.max_entries,
             Table::Services => &mut self.services.max_entries,
+            Table::Members => &mut self.members.max_entries,
+            Table::SourceRanges => &mut self.source_ranges.max_entries,
         }
     }
 }
@@ -165,8 +174,11 @@ impl MemoryMaps {
             slots: MemTable::new(maps::BACKEND_SLOTS_MAX),
             backends: MemTable::new(maps::BACKENDS_MAX),
             rev_nat: MemTable::new(maps::REV_NAT_MAX),
+            members: MemTable::new(maps::MEMBERS_MAX),
+            source_ranges: MemTable::new(maps::SOURCE_RANGES_MAX),
             ports: vec![PortBits::default(); ports::PORT_WORDS as usize],
             conntrack: Vec::new(),
+            affinity: Vec::new(),
             torn: Vec::new(),
         };
         Self {
@@ -215,6 +227,21 @@ impl MemoryMaps {
     pub fn track(&self, entries: &[(CtKey, CtValue)]) {
         self.state().conntrack.extend(entries.iter().copied());
     }
+
+    /// Adds affinity entries, as the programs would.
+    pub fn remember_clients(&self, entries: &[(AffinityKey, AffinityValue)]) {
+        self.state().affinity.extend(entries.iter().copied());
+    }
+
+    /// The affinity entries left.
+    pub fn affinity_entries(&self) -> Vec<(AffinityKey, AffinityValue)> {
+        self.state().affinity.clone()
+    }
+
+    /// Backend set members as (key, slot).
+    pub fn members(&self) -> Vec<(MemberKey, u32)> {
+        self.state().members.all()
+    }
 }
 
 impl LbMaps for MemoryMaps {
@@ -244,6 +271,21 @@ impl LbMaps for MemoryMaps {
 
     fn rev_nat_ids(&self) -> Result<Vec<u32>> {
         Ok(self.state().rev_nat.keys())
+    }
+
+    fn member_keys(&self) -> Result<Vec<MemberKey>> {
+        Ok(self.state().members.keys())
+    }
+
+    fn source_range_keys(&self) -> Result<Vec<SourceRangeKey>> {
+        Ok(self.state().source_ranges.keys())
+    }
+
+    fn forget_affinity(&self, rev_nat_ids: &BTreeSet<u32>) -> Result<u64> {
+        let mut state = self.state();
+        let before = state.affinity.len();
+        state.affinity.retain(|(k, _)| !rev_nat_ids.contains(&k.rev_nat_id));
+        Ok((before - state.affinity.len()) as u64)
     }
 
     fn write_step(&self, step: Step, staged: &SplitStaged) -> Result<()> {
@@ -356,6 +398,18 @@ impl LbMaps for FaultyMaps {
 
     fn rev_nat_ids(&self) -> Result<Vec<u32>> {
         self.inner.rev_nat_ids()
+    }
+
+    fn member_keys(&self) -> Result<Vec<MemberKey>> {
+        self.inner.member_keys()
+    }
+
+    fn source_range_keys(&self) -> Result<Vec<SourceRangeKey>> {
+        self.inner.source_range_keys()
+    }
+
+    fn forget_affinity(&self, rev_nat_ids: &BTreeSet<u32>) -> Result<u64> {
+        self.inner.forget_affinity(rev_nat_ids)
     }
 
     fn write_step(&self, step: Step, staged: &SplitStaged) -> Result<()> {

@@ -38,6 +38,7 @@ mod service_maps;
 mod slot_layout;
 mod snapshot;
 pub mod snat;
+mod source_ranges;
 pub mod stale_flows;
 mod write_batch;
 /// Attaches the uplink programs to `iface`. Under `--xdp auto` an uplink
@@ -59,6 +60,8 @@ fn attach_uplink(datapath: &mut Datapath, iface: &str, hook: Hook, policy: XdpPo
 }
 
 #[cfg(test)]
+mod writer_api_tests;
+#[cfg(test)]
 mod writer_tests;
 
 use std::{
@@ -79,10 +82,10 @@ pub use service_maps::ServiceMaps;
 use tracing::{debug, info, warn};
 pub use write_batch::{Split, SplitStaged, Step, Table};
 
-use super::{Dataplane, Plan, SyncedChange};
+use super::{Dataplane, Plan, SyncedChange, unhonoured::Unhonoured};
 use crate::{
     config::{Cidr, Config, XdpPolicy},
-    model::{Protocol, ServicePort},
+    model::{Problem, Protocol, ServicePort},
 };
 
 /// Where the ebpf mode attaches and what it programs NodePorts on.
@@ -145,6 +148,8 @@ pub struct EbpfMode {
     datapath: Arc<Mutex<Datapath>>,
     node_ips: Vec<Ipv4Addr>,
     pin_path: PathBuf,
+    /// What the programs do differently from kube-proxy, reported once a port.
+    unhonoured: Unhonoured,
 }
 
 impl EbpfMode {
@@ -217,6 +222,7 @@ impl EbpfMode {
             datapath,
             node_ips,
             pin_path: opts.pin_path.clone(),
+            unhonoured: Unhonoured::default(),
         })
     }
 
@@ -301,9 +307,39 @@ fn spawn_pod_interface_watcher(datapath: Arc<Mutex<Datapath>>, uplinks: Vec<Inte
     Ok(())
 }
 
+/// What the programs do not honour of `port`. They cannot tell a pod's
+/// packet from the uplink's on the hooks they share, so a pod's flow to an
+/// external or load balancer IP of a `Local` Service is external traffic
+/// (this node's endpoints), where kube-proxy short-circuits it to every
+/// endpoint.
+impl EbpfMode {
+    /// Reports, once a port, what the programs do differently from
+    /// kube-proxy for the ports just programmed.
+    fn note_unhonoured<'a>(&mut self, ports: impl Iterator<Item = &'a ServicePort>) {
+        for port in ports {
+            if let Some(how) = not_honoured(port) {
+                self.unhonoured.report(port, "externalTrafficPolicy", &how);
+            }
+        }
+    }
+}
+
+/// What the programs do differently from kube-proxy for `port`, if anything.
+fn not_honoured(port: &ServicePort) -> Option<String> {
+    (port.external_local() && !port.external_addresses().is_empty()).then(|| {
+        "Local: pods' traffic to the external and load balancer IPs \
+         reaches this node's endpoints only (kube-proxy: every endpoint)"
+            .to_owned()
+    })
+}
+
 impl Dataplane for EbpfMode {
     fn name(&self) -> &'static str {
         "ebpf"
+    }
+
+    fn take_problems(&mut self) -> Vec<Problem> {
+        self.unhonoured.take()
     }
 
     fn apply(&mut self, plan: &Plan) -> Result<()> {
@@ -317,7 +353,9 @@ impl Dataplane for EbpfMode {
                     .with_context(|| format!("programming {}", port.name))?;
             }
             Ok(())
-        })
+        })?;
+        self.note_unhonoured(plan.upsert.iter());
+        Ok(())
     }
 
     fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()> {
@@ -331,7 +369,9 @@ impl Dataplane for EbpfMode {
                     .with_context(|| format!("programming {}", port.name))?;
             }
             Ok(())
-        })
+        })?;
+        self.note_unhonoured(desired.values());
+        Ok(())
     }
 
     fn kernel_writes(&self) -> u64 {

@@ -2,15 +2,16 @@
 //! the kernel's implementation of [`LbMaps`] (what the agent runs on).
 
 use std::{
+    collections::BTreeSet,
     os::fd::{AsFd, BorrowedFd},
     path::Path,
 };
 
 use anyhow::{Context, Result};
-use aya::maps::{Array, HashMap, IterableMap, Map, MapData, MapError, PerCpuArray};
+use aya::maps::{Array, HashMap, IterableMap, LpmTrie, Map, MapData, MapError, PerCpuArray};
 use proxy_common::{
-    Backend, BackendSlotKey, CtKey, CtValue, PortBits, RevNat, ServiceKey, ServiceValue, Verdict, VerdictCounter, maps,
-    ports,
+    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtValue, MemberKey, PortBits, RevNat, ServiceKey,
+    ServiceValue, SourceRangeData, SourceRangeKey, Verdict, VerdictCounter, maps, ports,
 };
 
 use super::{
@@ -64,6 +65,9 @@ pub struct PinnedMaps {
     slots: HashMap<MapData, BackendSlotKey, u32>,
     backends: HashMap<MapData, u32, Backend>,
     rev_nat: HashMap<MapData, u32, RevNat>,
+    members: HashMap<MapData, MemberKey, u32>,
+    source_ranges: LpmTrie<MapData, SourceRangeData, u8>,
+    affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     conntrack: HashMap<MapData, CtKey, CtValue>,
     stats: PerCpuArray<MapData, VerdictCounter>,
     ports: Array<MapData, PortBits>,
@@ -79,6 +83,10 @@ impl PinnedMaps {
             slots: open(pin_path, maps::BACKEND_SLOTS)?,
             backends: open(pin_path, maps::BACKENDS)?,
             rev_nat: open(pin_path, maps::REV_NAT)?,
+            members: open(pin_path, maps::MEMBERS)?,
+            source_ranges: LpmTrie::try_from(pinned(pin_path, maps::SOURCE_RANGES)?)
+                .with_context(|| layout(maps::SOURCE_RANGES))?,
+            affinity: open(pin_path, maps::AFFINITY)?,
             conntrack: open(pin_path, maps::CONNTRACK)?,
             stats: PerCpuArray::try_from(pinned(pin_path, maps::STATS)?).with_context(|| layout(maps::STATS))?,
             ports: Array::try_from(pinned(pin_path, maps::PORTS)?).with_context(|| layout(maps::PORTS))?,
@@ -93,15 +101,28 @@ impl PinnedMaps {
         self.writer.without_batches();
     }
 
-    /// Entries in the four Service maps (for tests).
+    /// Entries in the Service maps (for tests).
     #[cfg(test)]
     pub(super) fn entries(&self) -> usize {
         self.services.keys().count()
             + self.rev_nat.keys().count()
             + self.slots.keys().count()
             + self.backends.keys().count()
+            + self.members.keys().count()
+            + self.source_ranges.keys().count()
+    }
+
+    /// The descriptor of the source ranges map, whose keys are written as
+    /// [`SourceRangeKey`]s (the same 12 bytes as aya's `Key<SourceRangeData>`).
+    fn source_ranges_fd(&self) -> BorrowedFd<'_> {
+        fd_of(&self.source_ranges)
     }
 }
+
+const _: () = assert!(
+    size_of::<SourceRangeKey>() == size_of::<aya::maps::lpm_trie::Key<SourceRangeData>>(),
+    "the source range key is the trie's key"
+);
 
 /// One entry of `map`; `None` if it is not there.
 fn get<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>, key: &K) -> Result<Option<V>> {
@@ -162,17 +183,62 @@ impl LbMaps for PinnedMaps {
         Ok(self.rev_nat.keys().collect::<Result<_, _>>()?)
     }
 
+    fn member_keys(&self) -> Result<Vec<MemberKey>> {
+        Ok(self.members.keys().collect::<Result<_, _>>()?)
+    }
+
+    fn source_range_keys(&self) -> Result<Vec<SourceRangeKey>> {
+        let keys = self.source_ranges.keys().collect::<Result<Vec<_>, _>>()?;
+        Ok(keys
+            .into_iter()
+            .map(|k| {
+                let data = k.data();
+                SourceRangeKey {
+                    prefix_len: k.prefix_len(),
+                    rev_nat_id_be: data.rev_nat_id_be,
+                    addr_be: data.addr_be,
+                }
+            })
+            .collect())
+    }
+
+    fn forget_affinity(&self, rev_nat_ids: &BTreeSet<u32>) -> Result<u64> {
+        let keys: Vec<AffinityKey> = (self.affinity.keys())
+            .filter_map(Result::ok)
+            .filter(|k| rev_nat_ids.contains(&k.rev_nat_id))
+            .collect();
+        let mut gone = 0;
+        for key in &keys {
+            // SAFETY: aya opened `affinity` with `AffinityKey`'s size checked.
+            match unsafe { bpf_sys::map::delete_elem(fd_of(&self.affinity), key) } {
+                Ok(()) => gone += 1,
+                // Evicted meanwhile by the programs' LRU.
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+                Err(e) => return Err(e).context("deleting an affinity entry"),
+            }
+        }
+        Ok(gone)
+    }
+
     fn write_step(&self, step: Step, staged: &SplitStaged) -> Result<()> {
         let w = &self.writer;
+        let ranges = self.source_ranges_fd();
         match step {
             Step::Write(Table::Backends) => write_to(w, &self.backends, &staged.backends),
             Step::Write(Table::Slots) => write_to(w, &self.slots, &staged.slots),
             Step::Write(Table::RevNat) => write_to(w, &self.rev_nat, &staged.rev_nat),
             Step::Write(Table::Services) => write_to(w, &self.services, &staged.services),
+            Step::Write(Table::Members) => write_to(w, &self.members, &staged.members),
+            // SAFETY: the trie's key is a `SourceRangeKey` (asserted above)
+            // and its value a `u8` (aya checked both sizes at open).
+            Step::Write(Table::SourceRanges) => unsafe { w.write(ranges, &staged.source_ranges) },
             Step::Delete(Table::Backends) => delete_from(w, &self.backends, &staged.backends),
             Step::Delete(Table::Slots) => delete_from(w, &self.slots, &staged.slots),
             Step::Delete(Table::RevNat) => delete_from(w, &self.rev_nat, &staged.rev_nat),
             Step::Delete(Table::Services) => delete_from(w, &self.services, &staged.services),
+            Step::Delete(Table::Members) => delete_from(w, &self.members, &staged.members),
+            // SAFETY: as for the writes.
+            Step::Delete(Table::SourceRanges) => unsafe { w.delete(ranges, &staged.source_ranges) },
         }
     }
 

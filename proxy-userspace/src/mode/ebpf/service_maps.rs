@@ -34,10 +34,15 @@ use std::{
 
 use anyhow::{Context, Result};
 use proxy_common::{
-    Backend, BackendSlotKey, CtKey, CtValue, ServiceKey, ServiceValue, Verdict, VerdictCounter,
+    Backend, BackendSlotKey, CtKey, CtValue, MemberKey, ServiceKey, ServiceValue, SourceRangeKey, Verdict,
+    VerdictCounter,
     backend::FLAG_LOCAL,
-    service::{FLAG_EXTERNAL_LOCAL, FLAG_INTERNAL_LOCAL, FLAG_NEEDS_SNAT, FLAG_NODE_PORT},
+    service::{
+        FLAG_AFFINITY_CLIENT_IP, FLAG_EXTERNAL_ADDR, FLAG_EXTERNAL_LOCAL, FLAG_INTERNAL_LOCAL, FLAG_NEEDS_SNAT,
+        FLAG_NODE_PORT, FLAG_SOURCE_RANGES, FLAGS_EXTERNAL,
+    },
 };
+use tracing::debug;
 
 use super::{
     ids::{Acquired, BackendRefs, IdAllocator},
@@ -46,6 +51,7 @@ use super::{
     port_filter::PortFilter,
     slot_layout::SlotLayout,
     snapshot,
+    source_ranges::{self, RangeKeyOrd},
     write_batch::{FLUSH_STAGES, Job, SPREAD_FROM, Staged, run_stage},
 };
 use crate::{
@@ -61,6 +67,29 @@ struct Applied {
     backend_set: u32,
     /// Backend ids in slot order.
     backends: Vec<u32>,
+    /// The set's members are in the members map (for ClientIP affinity).
+    members: bool,
+    /// The source range entries of the port's load balancer IPs.
+    ranges: BTreeSet<RangeKeyOrd>,
+}
+
+/// What a frontend of a Service port is, which decides its flags and the
+/// run of slots it picks from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FrontendKind {
+    ClusterIp,
+    NodePort,
+    /// An external IP, or a load balancer IP (`load_balancer`): on the
+    /// Service's port, external traffic like a node port.
+    ExternalAddr {
+        load_balancer: bool,
+    },
+}
+
+impl FrontendKind {
+    fn is_external(self) -> bool {
+        self != Self::ClusterIp
+    }
 }
 
 /// `ServiceKey` ordered by its bytes, for deterministic iteration.
@@ -105,6 +134,9 @@ pub struct ServiceMaps<M = PinnedMaps> {
     leftovers: Leftovers,
     /// Writes of the batch under way, not in the maps yet.
     staged: Staged,
+    /// Frontends (by reverse NAT id) whose clients' affinity entries go
+    /// after the batch: affinity switched off, or the frontend removed.
+    forget_affinity: BTreeSet<u32>,
     /// Inside [`Self::batch`]: writes wait for its end.
     batching: bool,
     /// A batch failed: the bookkeeping above may not match the maps.
@@ -117,6 +149,8 @@ struct Leftovers {
     slots: Vec<BackendSlotKey>,
     backends: Vec<u32>,
     rev_nats: Vec<u32>,
+    members: Vec<MemberKey>,
+    source_ranges: Vec<SourceRangeKey>,
 }
 
 impl ServiceMaps<PinnedMaps> {
@@ -145,6 +179,7 @@ impl<M: LbMaps> ServiceMaps<M> {
             rev_nat_ids: IdAllocator::default(),
             leftovers: Leftovers::default(),
             staged: Staged::default(),
+            forget_affinity: BTreeSet::new(),
             batching: false,
             must_read_back: false,
         };
@@ -175,6 +210,11 @@ impl<M: LbMaps> ServiceMaps<M> {
     /// backend set they share. A group whose slots or backends are missing
     /// is adopted without a set, so the next sync writes it afresh.
     fn adopt(&mut self) -> Result<()> {
+        let ranges_found = self.maps.source_range_keys()?;
+        let mut member_counts: BTreeMap<u32, usize> = BTreeMap::new();
+        for key in self.maps.member_keys()? {
+            *member_counts.entry(key.backend_set).or_default() += 1;
+        }
         let mut groups: BTreeMap<u32, Vec<(ServiceKey, ServiceValue)>> = BTreeMap::new();
         for (key, value) in self.maps.services()? {
             groups.entry(value.backend_set).or_default().push((key, value));
@@ -182,7 +222,7 @@ impl<M: LbMaps> ServiceMaps<M> {
         for (set, members) in groups {
             let (cluster_key, _) = *members
                 .iter()
-                .find(|(_, v)| v.flags & FLAG_NODE_PORT == 0)
+                .find(|(_, v)| v.flags & FLAGS_EXTERNAL == 0)
                 .unwrap_or(&members[0]);
             // The frontends use runs of one set: it ends where the last run does.
             let len = members
@@ -198,12 +238,23 @@ impl<M: LbMaps> ServiceMaps<M> {
                 Some(ids) => (set, ids),
                 None => (0, Vec::new()),
             };
+            let ids: BTreeSet<u32> = members.iter().map(|(_, v)| v.rev_nat_id).collect();
+            let ranges = (ranges_found.iter())
+                .filter(|k| ids.contains(&k.rev_nat_id()))
+                .map(|k| RangeKeyOrd::from(*k))
+                .collect();
+            // Members of a set written halfway are leftovers: the set is
+            // written again with them if its port has affinity.
+            let has_members =
+                backend_set != 0 && !backends.is_empty() && member_counts.get(&set) == Some(&backends.len());
             self.applied.insert(
                 cluster_key.into(),
                 Applied {
                     frontends,
                     backend_set,
                     backends,
+                    members: has_members,
+                    ranges,
                 },
             );
         }
@@ -259,6 +310,8 @@ impl<M: LbMaps> ServiceMaps<M> {
             self.set_ids.reserve(key.backend_set);
             found.slots.push(key);
         }
+        found.members = self.maps.member_keys()?;
+        found.source_ranges = self.maps.source_range_keys()?;
         Ok(found)
     }
 
@@ -268,6 +321,13 @@ impl<M: LbMaps> ServiceMaps<M> {
         let sets: BTreeSet<u32> = self.applied.values().map(|a| a.backend_set).collect();
         found.slots.retain(|k| !sets.contains(&k.backend_set));
         found.backends.retain(|id| !self.backends.holds(*id));
+        let member_sets: BTreeSet<u32> = (self.applied.values())
+            .filter(|a| a.members)
+            .map(|a| a.backend_set)
+            .collect();
+        found.members.retain(|k| !member_sets.contains(&k.backend_set));
+        let ranges: BTreeSet<RangeKeyOrd> = self.applied.values().flat_map(|a| a.ranges.iter().copied()).collect();
+        found.source_ranges.retain(|k| !ranges.contains(&RangeKeyOrd::from(*k)));
         found
     }
 
@@ -295,7 +355,7 @@ impl<M: LbMaps> ServiceMaps<M> {
         self.batching = true;
         let result = f(self);
         self.batching = false;
-        let flushed = self.flush();
+        let flushed = self.flush().and_then(|()| self.forget_stale_affinity());
         self.must_read_back = result.is_err() || flushed.is_err();
         let value = result?;
         flushed?;
@@ -327,32 +387,42 @@ impl<M: LbMaps> ServiceMaps<M> {
             let local = self.is_local(ep);
             backends.push(self.acquire_backend(ep.addr, ep.port, proto, local)?);
         }
-        let backend_set = if backends == old.backends && old.backend_set != 0 {
+        // Affinity needs the set's members: a set written without them is
+        // written again with them (and the other way round).
+        let members = svc.affinity.is_some() && !backends.is_empty();
+        let backend_set = if backends == old.backends && old.backend_set != 0 && old.members == members {
             old.backend_set
         } else {
-            self.write_backend_set(&backends)?
+            self.write_backend_set(&backends, members)?
         };
 
         let ports = self.frontends_of(svc).into_iter().map(|(key, _)| key.port());
         self.port_filter
             .allow(&self.maps, ports, layout.slots.iter().map(|ep| ep.port))?;
         let mut frontends = BTreeMap::new();
-        for (key, is_node_port) in self.frontends_of(svc) {
+        let mut ranges = BTreeSet::new();
+        for (key, kind) in self.frontends_of(svc) {
             let ord = ServiceKeyOrd::from(key);
             let written = old.frontends.get(&ord);
             let rev_nat_id = match written {
                 Some(value) => value.rev_nat_id,
                 None => self.rev_nat_ids.allocate()?,
             };
-            let (backend_offset, backend_count, flags) = self.frontend_use(svc, &sets, &layout, is_node_port);
+            let (backend_offset, backend_count, flags) = self.frontend_use(svc, &sets, &layout, kind);
+            if flags & FLAG_SOURCE_RANGES != 0 {
+                ranges.extend(source_ranges::entries(svc, rev_nat_id));
+            }
             let value = ServiceValue {
                 backend_set,
                 backend_count,
                 rev_nat_id,
                 flags,
-                affinity_timeout_s: 0,
+                affinity_timeout_s: affinity_timeout_s(svc),
                 backend_offset,
             };
+            if written.is_some_and(|w| w.flags & !flags & FLAG_AFFINITY_CLIENT_IP != 0) {
+                self.forget_affinity.insert(rev_nat_id);
+            }
             // The bookkeeping, not a read of the map: it matches the map
             // (read back after any failure), and a read per frontend costs.
             if written != Some(&value) {
@@ -361,14 +431,21 @@ impl<M: LbMaps> ServiceMaps<M> {
             frontends.insert(ord, value);
         }
 
+        for range in ranges.difference(&old.ranges) {
+            self.staged.source_ranges.write((*range).into(), 1);
+        }
+
         // Everything below removes what the new state no longer references.
         for (ord, value) in &old.frontends {
             if !frontends.contains_key(ord) {
-                self.remove_frontend((*ord).into(), value.rev_nat_id);
+                self.remove_frontend((*ord).into(), value);
             }
         }
+        for range in old.ranges.difference(&ranges) {
+            self.staged.source_ranges.delete((*range).into());
+        }
         if old.backend_set != 0 && old.backend_set != backend_set {
-            self.delete_backend_set(old.backend_set, old.backends.len());
+            self.delete_backend_set(old.backend_set, &old.backends, old.members);
         }
         for id in &old.backends {
             self.release_backend(*id)?;
@@ -379,6 +456,8 @@ impl<M: LbMaps> ServiceMaps<M> {
                 frontends,
                 backend_set,
                 backends,
+                members,
+                ranges,
             },
         );
         Ok(())
@@ -391,23 +470,35 @@ impl<M: LbMaps> ServiceMaps<M> {
         svc: &ServicePort,
         sets: &EndpointSets<'_>,
         layout: &SlotLayout<'_>,
-        is_node_port: bool,
+        kind: FrontendKind,
     ) -> (u32, u32, u32) {
-        let (local_policy, kind, local_flag) = if is_node_port {
-            (svc.external_local(), FLAG_NODE_PORT, FLAG_EXTERNAL_LOCAL)
+        let (local_policy, local_flag) = if kind.is_external() {
+            (svc.external_local(), FLAG_EXTERNAL_LOCAL)
         } else {
-            (svc.internal_local(), 0, FLAG_INTERNAL_LOCAL)
+            (svc.internal_local(), FLAG_INTERNAL_LOCAL)
         };
         let (offset, count) = if local_policy { layout.local } else { layout.cluster };
-        let mut flags = kind;
+        let mut flags = match kind {
+            FrontendKind::ClusterIp => 0,
+            FrontendKind::NodePort => FLAG_NODE_PORT,
+            FrontendKind::ExternalAddr { .. } => FLAG_EXTERNAL_ADDR,
+        };
         // A Service without any endpoint is rejected, whatever its policies.
         if local_policy && sets.has_any() {
             flags |= local_flag;
         }
         // masqueradeAll, like kube-proxy's, leaves the client's address to
         // the Local external policy.
-        if self.masquerade_all && !(is_node_port && local_policy) {
+        if self.masquerade_all && !(kind.is_external() && local_policy) {
             flags |= FLAG_NEEDS_SNAT;
+        }
+        if svc.affinity.is_some() {
+            flags |= FLAG_AFFINITY_CLIENT_IP;
+        }
+        // kube-proxy filters the load balancer IPs only (its KUBE-FW
+        // chain): node ports, external IPs and the ClusterIP stay open.
+        if kind == (FrontendKind::ExternalAddr { load_balancer: true }) && !svc.source_ranges.is_empty() {
+            flags |= FLAG_SOURCE_RANGES;
         }
         (offset, count, flags)
     }
@@ -458,6 +549,12 @@ impl<M: LbMaps> ServiceMaps<M> {
             self.staged.slots.delete(key);
             self.set_ids.release(key.backend_set);
         }
+        for key in leftovers.members {
+            self.staged.members.delete(key);
+        }
+        for key in leftovers.source_ranges {
+            self.staged.source_ranges.delete(key);
+        }
         for id in leftovers.backends {
             self.staged.backends.delete(id);
             self.backends.ids().release(id);
@@ -478,10 +575,13 @@ impl<M: LbMaps> ServiceMaps<M> {
             return Ok(());
         };
         for (ord, value) in &old.frontends {
-            self.remove_frontend((*ord).into(), value.rev_nat_id);
+            self.remove_frontend((*ord).into(), value);
+        }
+        for range in &old.ranges {
+            self.staged.source_ranges.delete((*range).into());
         }
         if old.backend_set != 0 {
-            self.delete_backend_set(old.backend_set, old.backends.len());
+            self.delete_backend_set(old.backend_set, &old.backends, old.members);
         }
         for id in &old.backends {
             self.release_backend(*id)?;
@@ -550,37 +650,91 @@ impl<M: LbMaps> ServiceMaps<M> {
         snapshot::backend_set(&self.maps, value)
     }
 
-    fn frontends_of(&self, svc: &ServicePort) -> Vec<(ServiceKey, bool)> {
+    /// The frontends of `svc`: its ClusterIP, every node IP with its node
+    /// port, and its external and load balancer IPs on its port.
+    fn frontends_of(&self, svc: &ServicePort) -> Vec<(ServiceKey, FrontendKind)> {
         let proto = svc.protocol.number();
-        let mut out = vec![(ServiceKey::new(svc.cluster_ip, svc.port, proto), false)];
+        let mut out = vec![(
+            ServiceKey::new(svc.cluster_ip, svc.port, proto),
+            FrontendKind::ClusterIp,
+        )];
         if let Some(node_port) = svc.node_port {
             out.extend(
                 self.node_ips
                     .iter()
-                    .map(|ip| (ServiceKey::new(*ip, node_port, proto), true)),
+                    .map(|ip| (ServiceKey::new(*ip, node_port, proto), FrontendKind::NodePort)),
             );
+        }
+        for ip in svc.external_addresses() {
+            // A Service's ClusterIP listed again is not a second frontend.
+            if ip == svc.cluster_ip {
+                continue;
+            }
+            let load_balancer = svc.load_balancer_ips.contains(&ip);
+            let kind = FrontendKind::ExternalAddr { load_balancer };
+            out.push((ServiceKey::new(ip, svc.port, proto), kind));
         }
         out
     }
 
-    fn write_backend_set(&mut self, backends: &[u32]) -> Result<u32> {
+    /// Stages a new backend set (and its members, for affinity); returns its id.
+    fn write_backend_set(&mut self, backends: &[u32], members: bool) -> Result<u32> {
         let set = self.set_ids.allocate()?;
         for (slot, id) in (0u32..).zip(backends) {
             self.staged.slots.write(BackendSlotKey { backend_set: set, slot }, *id);
         }
+        if members {
+            // A backend in two slots keeps its first: slots hold distinct
+            // endpoints in every layout the model makes.
+            let mut seen = BTreeSet::new();
+            for (slot, id) in (0u32..).zip(backends) {
+                if seen.insert(*id) {
+                    let key = MemberKey {
+                        backend_set: set,
+                        backend_id: *id,
+                    };
+                    self.staged.members.write(key, slot);
+                }
+            }
+        }
         Ok(set)
     }
 
-    fn delete_backend_set(&mut self, set: u32, len: usize) {
-        for slot in (0u32..).take(len) {
+    fn delete_backend_set(&mut self, set: u32, backends: &[u32], members: bool) {
+        for slot in (0u32..).take(backends.len()) {
             self.staged.slots.delete(BackendSlotKey { backend_set: set, slot });
+        }
+        if members {
+            for id in backends.iter().collect::<BTreeSet<_>>() {
+                self.staged.members.delete(MemberKey {
+                    backend_set: set,
+                    backend_id: *id,
+                });
+            }
         }
         self.set_ids.release(set);
     }
 
-    fn remove_frontend(&mut self, key: ServiceKey, rev_nat_id: u32) {
+    fn remove_frontend(&mut self, key: ServiceKey, value: &ServiceValue) {
         self.staged.services.delete(key);
-        self.rev_nat_ids.release(rev_nat_id);
+        self.rev_nat_ids.release(value.rev_nat_id);
+        // Its id may be handed to another frontend: its clients must not
+        // follow.
+        if value.flags & FLAG_AFFINITY_CLIENT_IP != 0 {
+            self.forget_affinity.insert(value.rev_nat_id);
+        }
+    }
+
+    /// Deletes the affinity entries of frontends that lost affinity or
+    /// went, after the flush took their flag out of the programs' view.
+    fn forget_stale_affinity(&mut self) -> Result<()> {
+        let ids = std::mem::take(&mut self.forget_affinity);
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let gone = self.maps.forget_affinity(&ids).context("forgetting affinity entries")?;
+        debug!(frontends = ids.len(), entries = gone, "affinity entries forgotten");
+        Ok(())
     }
 
     fn acquire_backend(&mut self, addr: Ipv4Addr, port: u16, proto: u8, local: bool) -> Result<u32> {
@@ -601,6 +755,13 @@ impl<M: LbMaps> ServiceMaps<M> {
         }
         Ok(())
     }
+}
+
+/// The frontend's affinity timeout: whole seconds, at least 1 (the model
+/// keeps it within the API's 1..=86,400), 0 without affinity.
+fn affinity_timeout_s(svc: &ServicePort) -> u32 {
+    svc.affinity
+        .map_or(0, |t| u32::try_from(t.as_secs()).unwrap_or(u32::MAX).max(1))
 }
 
 #[cfg(test)]

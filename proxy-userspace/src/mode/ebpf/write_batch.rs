@@ -12,7 +12,7 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use proxy_common::{Backend, BackendSlotKey, RevNat, ServiceKey, ServiceValue};
+use proxy_common::{Backend, BackendSlotKey, MemberKey, RevNat, ServiceKey, ServiceValue, SourceRangeKey};
 use tracing::info;
 
 use bpf_sys::map::{self as bpf_map, BatchError};
@@ -24,6 +24,8 @@ pub struct Staged {
     pub slots: Pending<BackendSlotKey, u32>,
     pub backends: Pending<u32, Backend>,
     pub rev_nat: Pending<u32, RevNat>,
+    pub members: Pending<MemberKey, u32>,
+    pub source_ranges: Pending<SourceRangeKey, u8>,
 }
 
 impl Staged {
@@ -33,6 +35,8 @@ impl Staged {
             slots: self.slots.split(),
             backends: self.backends.split(),
             rev_nat: self.rev_nat.split(),
+            members: self.members.split(),
+            source_ranges: self.source_ranges.split(),
         }
     }
 }
@@ -43,6 +47,8 @@ pub struct SplitStaged {
     pub slots: Split<BackendSlotKey, u32>,
     pub backends: Split<u32, Backend>,
     pub rev_nat: Split<u32, RevNat>,
+    pub members: Split<MemberKey, u32>,
+    pub source_ranges: Split<SourceRangeKey, u8>,
 }
 
 impl SplitStaged {
@@ -57,6 +63,8 @@ impl SplitStaged {
             Table::Slots => self.slots.entries_of(step),
             Table::RevNat => self.rev_nat.entries_of(step),
             Table::Services => self.services.entries_of(step),
+            Table::Members => self.members.entries_of(step),
+            Table::SourceRanges => self.source_ranges.entries_of(step),
         }
     }
 }
@@ -150,12 +158,16 @@ impl<K: Copy + Eq + Hash, V: Copy> Pending<K, V> {
 
 /// The Service maps a flush writes: slots name backends, frontends name
 /// slots; reverse NAT entries are only deleted (see [`FLUSH_STAGES`]).
+/// Members (backend sets with affinity) go with the slots, a frontend's
+/// source ranges with the frontend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Table {
     Backends,
     Slots,
     RevNat,
     Services,
+    Members,
+    SourceRanges,
 }
 
 /// One map's writes, or its deletes, of a flush.
@@ -184,6 +196,8 @@ impl std::fmt::Display for Step {
             Table::Slots => "backend slots",
             Table::RevNat => "reverse NAT entries",
             Table::Services => "frontends",
+            Table::Members => "backend set members",
+            Table::SourceRanges => "source ranges",
         };
         write!(f, "{verb} {what}")
     }
@@ -196,12 +210,19 @@ impl std::fmt::Display for Step {
 /// frontend stops pointing at something (rewritten or deleted) before that
 /// goes: old slots before the backends they name. Reverse NAT entries are
 /// only ever deleted (older agents' leftovers: the programs read none).
+/// A frontend's source ranges are in place before it is flagged to check
+/// them (a missing one would drop an allowed client) and go after it.
 pub(super) const FLUSH_STAGES: [&[Step]; 6] = [
-    &[Step::Write(Table::Backends), Step::Write(Table::Slots)],
+    &[
+        Step::Write(Table::Backends),
+        Step::Write(Table::Slots),
+        Step::Write(Table::Members),
+        Step::Write(Table::SourceRanges),
+    ],
     &[Step::Write(Table::Services)],
     &[Step::Delete(Table::Services)],
-    &[Step::Delete(Table::RevNat)],
-    &[Step::Delete(Table::Slots)],
+    &[Step::Delete(Table::RevNat), Step::Delete(Table::SourceRanges)],
+    &[Step::Delete(Table::Slots), Step::Delete(Table::Members)],
     &[Step::Delete(Table::Backends)],
 ];
 
@@ -464,15 +485,18 @@ mod tests {
             stage
         };
         let before = |a, b| assert!(stage_of(a) < stage_of(b), "{a} must end before {b} starts");
-        for table in [Table::Backends, Table::Slots] {
+        let pointed_at = [Table::Backends, Table::Slots, Table::Members, Table::SourceRanges];
+        for table in pointed_at {
             before(Step::Write(table), Step::Write(Table::Services));
         }
-        for table in [Table::Backends, Table::Slots, Table::RevNat] {
+        for table in pointed_at.into_iter().chain([Table::RevNat]) {
+            before(Step::Write(Table::Services), Step::Delete(table));
             before(Step::Delete(Table::Services), Step::Delete(table));
         }
         before(Step::Write(Table::Services), Step::Delete(Table::Services));
         before(Step::Delete(Table::Slots), Step::Delete(Table::Backends));
-        assert_eq!(FLUSH_STAGES.iter().map(|s| s.len()).sum::<usize>(), 7);
+        before(Step::Delete(Table::Members), Step::Delete(Table::Backends));
+        assert_eq!(FLUSH_STAGES.iter().map(|s| s.len()).sum::<usize>(), 11);
     }
 
     #[test]

@@ -1,0 +1,76 @@
+//! sessionAffinity: ClientIP. A client's new flow goes to the backend its
+//! last one went to, while that was recent enough and the backend is still
+//! in the frontend's run of slots; else it is balanced anew and remembered
+//! (see `proxy_common::affinity`).
+
+use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;
+use proxy_common::{AffinityKey, AffinityValue, Backend, MemberKey, ServiceValue, affinity::fresh};
+
+use crate::{
+    maps::{AFFINITY, MEMBERS},
+    parse::Flow,
+    select,
+};
+
+/// The affinity entry's key of the packet's client at `svc`.
+#[inline(always)]
+fn key_of(flow: &Flow, svc: &ServiceValue) -> AffinityKey {
+    AffinityKey {
+        rev_nat_id: svc.rev_nat_id,
+        client_be: flow.saddr_be,
+    }
+}
+
+#[inline(always)]
+fn now_ns() -> u64 {
+    // SAFETY: a helper without arguments.
+    unsafe { bpf_ktime_get_coarse_ns() }
+}
+
+/// The client's remembered backend, if it still serves (see [`remembered`]).
+#[inline(always)]
+pub fn kept_backend(flow: &Flow, svc: &ServiceValue) -> Option<(u32, Backend)> {
+    remembered(&key_of(flow, svc), svc, now_ns())
+}
+
+/// Remembers `backend_id` as the client's backend at `svc`, from now on.
+#[inline(always)]
+pub fn remember(flow: &Flow, svc: &ServiceValue, backend_id: u32) {
+    let value = AffinityValue {
+        backend_id,
+        _pad: 0,
+        last_seen_ns: now_ns(),
+    };
+    // A full map evicts its least recently used client; a failure only
+    // costs this client its affinity.
+    let _ = AFFINITY.insert(key_of(flow, svc), value, 0);
+}
+
+/// The client's backend, if its entry is fresh and the backend is in the
+/// frontend's slots now (a backend that left the Service, or a `Local`
+/// frontend's backend that is not this node's any more, releases its
+/// clients). Its time is moved on in place.
+#[inline(always)]
+fn remembered(key: &AffinityKey, svc: &ServiceValue, now: u64) -> Option<(u32, Backend)> {
+    let entry = AFFINITY.get_ptr_mut(key)?;
+    // SAFETY: a map value pointer stays valid for the program's run (an
+    // LRU entry deleted meanwhile is recycled, not freed); a racing
+    // update of the same client's entry only changes which backend wins.
+    let remembered = unsafe { *entry };
+    if !fresh(remembered.last_seen_ns, now, svc.affinity_timeout_s) {
+        return None;
+    }
+    let member = MemberKey {
+        backend_set: svc.backend_set,
+        backend_id: remembered.backend_id,
+    };
+    // SAFETY: copied out at once, as in `lookup::frontend`.
+    let slot = unsafe { *MEMBERS.get(member)? };
+    if slot.wrapping_sub(svc.backend_offset) >= svc.backend_count {
+        return None;
+    }
+    let backend = select::backend(remembered.backend_id)?;
+    // SAFETY: as above: a valid, aligned pointer to the entry.
+    unsafe { (*entry).last_seen_ns = now };
+    Some((remembered.backend_id, backend))
+}

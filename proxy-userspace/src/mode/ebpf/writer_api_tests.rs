@@ -1,0 +1,297 @@
+//! The Service writer's part of issue 12 on maps in memory: external and
+//! load balancer IP frontends, source range entries and ClientIP affinity
+//! (flags, timeout, backend set members, entries forgotten), read back
+//! from the maps.
+
+use std::{collections::BTreeSet, net::Ipv4Addr, time::Duration};
+
+use proxy_common::{
+    AffinityKey, AffinityValue, MemberKey, ServiceValue, SourceRangeKey, proto,
+    service::{FLAG_AFFINITY_CLIENT_IP, FLAG_EXTERNAL_ADDR, FLAG_EXTERNAL_LOCAL, FLAG_NODE_PORT, FLAG_SOURCE_RANGES},
+};
+
+use super::{LbMaps, MemoryMaps, ServiceMaps};
+use crate::model::{Endpoint, ServicePort, SourceRange, TrafficPolicy};
+
+const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
+const THIS_NODE: &str = "node-a";
+const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 1);
+const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
+const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
+
+fn ep(last: u8, node: &str) -> Endpoint {
+    Endpoint {
+        node_name: Some(node.into()),
+        ..Endpoint::ready(Ipv4Addr::new(10, 244, 0, last), 8080)
+    }
+}
+
+/// A LoadBalancer Service port with an external IP, two endpoints (one on
+/// this node) and the given source ranges.
+fn lb_port(source_ranges: Vec<SourceRange>) -> ServicePort {
+    ServicePort {
+        name: "default/lb:http".into(),
+        cluster_ip: CLUSTER_IP,
+        port: 80,
+        node_port: Some(30080),
+        endpoints: vec![ep(1, THIS_NODE), ep(2, "node-b")],
+        external_ips: vec![EXTERNAL_IP],
+        load_balancer_ips: vec![LB_IP],
+        source_ranges,
+        ..ServicePort::default()
+    }
+}
+
+fn range(a: u8, b: u8, c: u8, d: u8, prefix_len: u8) -> SourceRange {
+    SourceRange {
+        addr: Ipv4Addr::new(a, b, c, d),
+        prefix_len,
+    }
+}
+
+fn writer(maps: MemoryMaps) -> ServiceMaps<MemoryMaps> {
+    let mut writer = ServiceMaps::on(maps, vec![NODE_IP]).expect("the maps read back");
+    writer.set_topology(Some(THIS_NODE.into()), false);
+    writer
+}
+
+fn sync(w: &mut ServiceMaps<MemoryMaps>, port: &ServicePort) {
+    w.sync_service(port).expect("sync");
+}
+
+fn frontend(w: &ServiceMaps<MemoryMaps>, addr: Ipv4Addr, port: u16) -> ServiceValue {
+    w.frontend(addr, port, proto::TCP)
+        .unwrap_or_else(|| panic!("no frontend {addr}:{port}"))
+}
+
+/// The source range entries in the maps, as (frontend id, network).
+fn range_entries(w: &ServiceMaps<MemoryMaps>) -> BTreeSet<(u32, String)> {
+    let keys = w.maps().source_range_keys().expect("source ranges");
+    keys.iter()
+        .map(|k: &SourceRangeKey| (k.rev_nat_id(), format!("{}/{}", k.addr(), k.range_len())))
+        .collect()
+}
+
+fn set_of(entries: &[(u32, &str)]) -> BTreeSet<(u32, String)> {
+    entries.iter().map(|(id, n)| (*id, (*n).to_owned())).collect()
+}
+
+#[test]
+fn external_and_load_balancer_ips_are_external_frontends_on_the_service_port() {
+    let mut w = writer(MemoryMaps::new());
+    let mut port = lb_port(vec![]);
+    sync(&mut w, &port);
+    let cluster = frontend(&w, CLUSTER_IP, 80);
+    for ip in [EXTERNAL_IP, LB_IP] {
+        let value = frontend(&w, ip, 80);
+        assert_eq!(value.flags, FLAG_EXTERNAL_ADDR, "{ip}");
+        assert_eq!(value.backend_set, cluster.backend_set, "{ip} shares the port's set");
+        assert_eq!(value.backend_count, 2);
+        assert_eq!(
+            w.frontend(ip, 30080, proto::TCP),
+            None,
+            "only the Service's port on {ip}"
+        );
+        assert_eq!(
+            w.frontend(ip, 80, proto::UDP),
+            None,
+            "only the Service's protocol on {ip}"
+        );
+    }
+    assert_eq!(frontend(&w, NODE_IP, 30080).flags, FLAG_NODE_PORT);
+
+    // externalTrafficPolicy: Local reaches them as the node port.
+    port.external_policy = TrafficPolicy::Local;
+    sync(&mut w, &port);
+    for (ip, p, kind) in [
+        (EXTERNAL_IP, 80, FLAG_EXTERNAL_ADDR),
+        (LB_IP, 80, FLAG_EXTERNAL_ADDR),
+        (NODE_IP, 30080, FLAG_NODE_PORT),
+    ] {
+        let value = frontend(&w, ip, p);
+        assert_eq!(value.flags, kind | FLAG_EXTERNAL_LOCAL, "{ip}:{p}");
+        let backends = w.backend_set(&value).expect("backends");
+        assert_eq!(
+            backends.iter().map(proxy_common::Backend::addr).collect::<Vec<_>>(),
+            [Ipv4Addr::new(10, 244, 0, 1)]
+        );
+    }
+    assert_eq!(
+        frontend(&w, CLUSTER_IP, 80).backend_count,
+        2,
+        "the ClusterIP is not external"
+    );
+
+    // An address taken out of the Service is no frontend any more.
+    port.external_ips.clear();
+    sync(&mut w, &port);
+    assert_eq!(w.frontend(EXTERNAL_IP, 80, proto::TCP), None);
+
+    // A restarted agent adopts every frontend: the same sync writes nothing.
+    let mut again = writer(w.maps().clone());
+    let before = again.writes();
+    sync(&mut again, &port);
+    assert_eq!(again.writes(), before);
+    again.remove_port(&port).expect("remove");
+    assert!(again.maps().services().expect("services").is_empty());
+}
+
+#[test]
+fn source_ranges_restrict_the_load_balancer_ips_only() {
+    let mut w = writer(MemoryMaps::new());
+    let mut port = lb_port(vec![range(203, 0, 113, 0, 24), range(10, 0, 0, 0, 8)]);
+    sync(&mut w, &port);
+    let lb = frontend(&w, LB_IP, 80);
+    assert_eq!(lb.flags, FLAG_EXTERNAL_ADDR | FLAG_SOURCE_RANGES);
+    for (ip, p) in [(EXTERNAL_IP, 80), (NODE_IP, 30080), (CLUSTER_IP, 80)] {
+        assert_eq!(
+            frontend(&w, ip, p).flags & FLAG_SOURCE_RANGES,
+            0,
+            "{ip}:{p} is not filtered"
+        );
+    }
+    let id = lb.rev_nat_id;
+    assert_eq!(
+        range_entries(&w),
+        set_of(&[(id, "10.0.0.0/8"), (id, "203.0.113.0/24"), (id, "198.51.100.2/32")]),
+        "the ranges and the LB IP itself, under the LB frontend's id"
+    );
+
+    // A changed list writes and deletes the difference only.
+    port.source_ranges = vec![range(203, 0, 113, 0, 24), range(192, 168, 0, 0, 16)];
+    let before = w.writes();
+    sync(&mut w, &port);
+    assert_eq!(w.writes() - before, 2, "one range written, one deleted");
+    assert_eq!(
+        range_entries(&w),
+        set_of(&[(id, "192.168.0.0/16"), (id, "203.0.113.0/24"), (id, "198.51.100.2/32")])
+    );
+
+    // Adopted by a restarted agent; gone with the list, then the Service.
+    let mut w = writer(w.maps().clone());
+    let before = w.writes();
+    sync(&mut w, &port);
+    assert_eq!(w.writes(), before, "adopted as they are");
+    port.source_ranges.clear();
+    sync(&mut w, &port);
+    assert_eq!(frontend(&w, LB_IP, 80).flags & FLAG_SOURCE_RANGES, 0);
+    assert!(range_entries(&w).is_empty());
+    port.source_ranges = vec![range(203, 0, 113, 0, 24)];
+    sync(&mut w, &port);
+    assert_eq!(range_entries(&w).len(), 2);
+    w.retain(&[]).expect("retain nothing");
+    assert!(range_entries(&w).is_empty());
+}
+
+/// A frontend's members, as (backend address, slot).
+fn members(w: &ServiceMaps<MemoryMaps>, value: &ServiceValue) -> BTreeSet<(Ipv4Addr, u32)> {
+    let maps = w.maps();
+    (maps.members().into_iter())
+        .filter(|(k, _)| k.backend_set == value.backend_set)
+        .map(|(k, slot)| {
+            let backend = maps.backend(k.backend_id).expect("read").expect("the member's backend");
+            (backend.addr(), slot)
+        })
+        .collect()
+}
+
+fn client_entry(rev_nat_id: u32, last: u8) -> (AffinityKey, AffinityValue) {
+    let key = AffinityKey {
+        rev_nat_id,
+        client_be: u32::from_ne_bytes([203, 0, 113, last]),
+    };
+    let value = AffinityValue {
+        backend_id: 1,
+        _pad: 0,
+        last_seen_ns: 0,
+    };
+    (key, value)
+}
+
+#[test]
+fn affinity_sets_flag_timeout_and_members_and_forgets_clients_when_off() {
+    let mut w = writer(MemoryMaps::new());
+    let mut port = ServicePort {
+        affinity: Some(Duration::from_secs(30)),
+        ..lb_port(vec![])
+    };
+    sync(&mut w, &port);
+    for (ip, p) in [(CLUSTER_IP, 80), (NODE_IP, 30080), (LB_IP, 80), (EXTERNAL_IP, 80)] {
+        let value = frontend(&w, ip, p);
+        assert_ne!(value.flags & FLAG_AFFINITY_CLIENT_IP, 0, "{ip}:{p}");
+        assert_eq!(value.affinity_timeout_s, 30, "{ip}:{p}");
+    }
+    let cluster = frontend(&w, CLUSTER_IP, 80);
+    let slots: Vec<Ipv4Addr> = w
+        .backend_set(&cluster)
+        .expect("set")
+        .iter()
+        .map(proxy_common::Backend::addr)
+        .collect();
+    let want: BTreeSet<(Ipv4Addr, u32)> = slots.iter().copied().zip(0..).collect();
+    assert_eq!(members(&w, &cluster), want, "every backend of the set, at its slot");
+
+    // A backend leaves: the new set's members no longer name it.
+    port.endpoints.pop();
+    sync(&mut w, &port);
+    let cluster = frontend(&w, CLUSTER_IP, 80);
+    assert_eq!(members(&w, &cluster), [(Ipv4Addr::new(10, 244, 0, 1), 0)].into());
+    assert_eq!(w.maps().members().len(), 1, "the old set's members went with it");
+
+    // The programs remembered clients; switching affinity off forgets
+    // them (and only them), and the members go.
+    let lb = frontend(&w, LB_IP, 80);
+    let other = client_entry(9999, 1);
+    w.maps().remember_clients(&[
+        client_entry(cluster.rev_nat_id, 1),
+        client_entry(lb.rev_nat_id, 2),
+        other,
+    ]);
+    port.affinity = None;
+    sync(&mut w, &port);
+    let cluster = frontend(&w, CLUSTER_IP, 80);
+    assert_eq!(
+        (cluster.flags & FLAG_AFFINITY_CLIENT_IP, cluster.affinity_timeout_s),
+        (0, 0)
+    );
+    assert!(w.maps().members().is_empty());
+    assert_eq!(w.maps().affinity_entries(), vec![other]);
+
+    // On again: members back, a new timeout.
+    port.affinity = Some(Duration::from_secs(10_800));
+    sync(&mut w, &port);
+    let cluster = frontend(&w, CLUSTER_IP, 80);
+    assert_eq!(cluster.affinity_timeout_s, 10_800);
+    assert_eq!(members(&w, &cluster).len(), 1);
+
+    // Adopted with its members; removing the port forgets its clients.
+    let mut w = writer(w.maps().clone());
+    let before = w.writes();
+    sync(&mut w, &port);
+    assert_eq!(w.writes(), before, "adopted with its members");
+    w.maps().remember_clients(&[client_entry(cluster.rev_nat_id, 3)]);
+    w.remove_port(&port).expect("remove");
+    assert!(w.maps().members().is_empty());
+    assert_eq!(w.maps().affinity_entries(), vec![other]);
+    let gone = MemberKey {
+        backend_set: cluster.backend_set,
+        backend_id: 1,
+    };
+    assert!(!w.maps().member_keys().expect("members").contains(&gone));
+}
+
+#[test]
+fn what_the_programs_do_not_honour_is_named() {
+    let mut port = lb_port(vec![]);
+    assert_eq!(super::not_honoured(&port), None, "Cluster policy: all honoured");
+    port.external_policy = TrafficPolicy::Local;
+    let reason = super::not_honoured(&port).expect("Local with LB IPs");
+    assert!(reason.contains("every endpoint"), "{reason}");
+    port.external_ips.clear();
+    port.load_balancer_ips.clear();
+    assert_eq!(
+        super::not_honoured(&port),
+        None,
+        "a Local NodePort is a known difference, not reported"
+    );
+}
