@@ -17,6 +17,7 @@ pub mod maps;
 pub mod nat;
 pub mod ports;
 pub mod service;
+pub mod socket_lb;
 pub mod stats;
 
 pub use backend::{Backend, BackendSlotKey};
@@ -56,5 +57,7 @@ impl_aya_pod!(
     FragPorts,
     RevNat,
     PortBits,
-    VerdictCounter
+    VerdictCounter,
+    socket_lb::SockLbConfig,
+    socket_lb::SockRevKey
 );
