@@ -560,6 +560,13 @@ impl<M: LbMaps> ServiceMaps<M> {
                     .map(|ip| (ServiceKey::new(*ip, node_port, proto), true)),
             );
         }
+        // External IPs and load balancer IPs on the Service port: external
+        // frontends, like node ports.
+        out.extend(
+            svc.external_addresses()
+                .into_iter()
+                .map(|ip| (ServiceKey::new(ip, svc.port, proto), true)),
+        );
         out
     }
 
