@@ -2,7 +2,7 @@
 //! running kernel, and its maps must be pinned under the names user space
 //! opens them by.
 
-use proxy_common::maps;
+use proxy_common::{maps, socket_lb};
 use proxy_userspace::mode::ebpf::{Datapath, ServiceMaps};
 use testbed::privileged::{PinDir, require_root};
 
@@ -21,6 +21,9 @@ fn every_program_loads_and_pins_its_maps() {
         maps::CONNTRACK,
         maps::STATS,
         maps::PORTS,
+        socket_lb::SOCK_CONFIG,
+        socket_lb::NODE_ADDRS,
+        socket_lb::SOCK_REV_NAT,
     ] {
         assert!(pins.path().join(name).exists(), "map {name} is not pinned");
     }
