@@ -123,14 +123,6 @@ fn translate(ctx: &SockAddrContext) -> Option<()> {
     let config = in_node_netns(ctx)?;
     let svc = frontend(&dest, &config)?;
     let (_, backend) = random_backend(&node_run(&svc))?;
-    // SAFETY: the helper only reads the program's own context.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let key = SockRevKey {
-        cookie,
-        addr_be: backend.addr_be,
-        port_be: backend.port_be,
-        _pad: 0,
-    };
     let frontend = RevNat {
         addr_be: dest.addr_be,
         port_be: dest.port_be,
@@ -138,13 +130,10 @@ fn translate(ctx: &SockAddrContext) -> Option<()> {
     };
     // Without its reverse entry a UDP reply would come from an address the
     // process never addressed: better not translate at all.
-    SOCK_REV_NAT.insert(&key, &frontend, 0).ok()?;
-    // SAFETY: user_ip4 and user_port are writable 4-byte fields of the
-    // context in these hooks.
-    unsafe {
-        (*ctx.sock_addr).user_ip4 = backend.addr_be;
-        (*ctx.sock_addr).user_port = u32::from(backend.port_be);
-    }
+    SOCK_REV_NAT
+        .insert(&rev_key(ctx, backend.addr_be, backend.port_be), &frontend, 0)
+        .ok()?;
+    set_address(ctx, backend.addr_be, backend.port_be);
     Some(())
 }
 
@@ -154,22 +143,33 @@ fn translate(ctx: &SockAddrContext) -> Option<()> {
 fn translate_back(ctx: &SockAddrContext) -> Option<()> {
     let peer = destination(ctx)?;
     in_node_netns(ctx)?;
-    // SAFETY: the helper only reads the program's own context.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let key = SockRevKey {
-        cookie,
-        addr_be: peer.addr_be,
-        port_be: peer.port_be,
-        _pad: 0,
-    };
     // SAFETY: copied out at once, as in `lookup::frontend`.
-    let frontend = unsafe { *SOCK_REV_NAT.get(&key)? };
-    // SAFETY: as in `translate`.
-    unsafe {
-        (*ctx.sock_addr).user_ip4 = frontend.addr_be;
-        (*ctx.sock_addr).user_port = u32::from(frontend.port_be);
-    }
+    let frontend = unsafe { *SOCK_REV_NAT.get(&rev_key(ctx, peer.addr_be, peer.port_be))? };
+    set_address(ctx, frontend.addr_be, frontend.port_be);
     Some(())
+}
+
+/// The reverse translation key of this socket and a backend.
+#[inline(always)]
+fn rev_key(ctx: &SockAddrContext, addr_be: u32, port_be: u16) -> SockRevKey {
+    SockRevKey {
+        // SAFETY: the helper only reads the program's own context.
+        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
+        addr_be,
+        port_be,
+        _pad: 0,
+    }
+}
+
+/// Rewrites the address the socket call names (destination or peer).
+#[inline(always)]
+fn set_address(ctx: &SockAddrContext, addr_be: u32, port_be: u16) {
+    // SAFETY: user_ip4 and user_port are writable 4-byte fields of the
+    // context in these hooks.
+    unsafe {
+        (*ctx.sock_addr).user_ip4 = addr_be;
+        (*ctx.sock_addr).user_port = u32::from(port_be);
+    }
 }
 
 /// The frontend the node's socket addresses, if it is one this hook
