@@ -131,7 +131,7 @@ fn translate(ctx: &SockAddrContext) -> Option<()> {
     // Without its reverse entry a UDP reply would come from an address the
     // process never addressed: better not translate at all.
     SOCK_REV_NAT
-        .insert(&rev_key(ctx, backend.addr_be, backend.port_be), &frontend, 0)
+        .insert(rev_key(ctx, backend.addr_be, backend.port_be), frontend, 0)
         .ok()?;
     set_address(ctx, backend.addr_be, backend.port_be);
     Some(())
@@ -144,7 +144,7 @@ fn translate_back(ctx: &SockAddrContext) -> Option<()> {
     let peer = destination(ctx)?;
     in_node_netns(ctx)?;
     // SAFETY: copied out at once, as in `lookup::frontend`.
-    let frontend = unsafe { *SOCK_REV_NAT.get(&rev_key(ctx, peer.addr_be, peer.port_be))? };
+    let frontend = unsafe { *SOCK_REV_NAT.get(rev_key(ctx, peer.addr_be, peer.port_be))? };
     set_address(ctx, frontend.addr_be, frontend.port_be);
     Some(())
 }
@@ -181,7 +181,7 @@ fn set_address(ctx: &SockAddrContext, addr_be: u32, port_be: u16) {
 #[inline(always)]
 fn frontend(dest: &ServiceKey, config: &SockLbConfig) -> Option<ServiceValue> {
     // SAFETY: copied out at once, as in `lookup::frontend`.
-    let on_node_addr = unsafe { NODE_ADDRS.get(&dest.addr_be).is_some() };
+    let on_node_addr = unsafe { NODE_ADDRS.get(dest.addr_be).is_some() };
     // SAFETY: as above.
     let own = unsafe { SERVICES.get(dest).copied() };
     let svc = match own {
@@ -193,7 +193,7 @@ fn frontend(dest: &ServiceKey, config: &SockLbConfig) -> Option<ServiceValue> {
                 ..*dest
             };
             // SAFETY: as above.
-            let svc = unsafe { SERVICES.get(&anchored).copied()? };
+            let svc = unsafe { SERVICES.get(anchored).copied()? };
             if svc.flags & FLAG_NODE_PORT == 0 {
                 return None;
             }
@@ -238,7 +238,7 @@ fn set_size(svc: &ServiceValue) -> u32 {
             slot: mid - 1,
         };
         // SAFETY: only tested for presence.
-        if unsafe { BACKEND_SLOTS.get(&key).is_some() } {
+        if unsafe { BACKEND_SLOTS.get(key).is_some() } {
             low = mid;
         } else {
             high = mid - 1;
