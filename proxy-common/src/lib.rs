@@ -18,6 +18,7 @@ pub mod maps;
 pub mod nat;
 pub mod ports;
 pub mod service;
+pub mod socket_lb;
 pub mod source_range;
 pub mod stats;
 
@@ -65,5 +66,7 @@ impl_aya_pod!(
     AffinityValue,
     MemberKey,
     SourceRangeKey,
-    SourceRangeData
+    SourceRangeData,
+    socket_lb::SockLbConfig,
+    socket_lb::SockRevKey
 );

@@ -20,7 +20,8 @@
 //! counted). After the steps, `route` holds tc's own redirects: to the
 //! interface the kernel would forward the packet out of, or back where it
 //! came from. The entry points below only map the outcome to each hook's
-//! return codes.
+//! return codes. Beside the packet path, `socket_lb` translates the node's
+//! own connections to its node ports at the socket (cgroup hooks).
 #![no_std]
 #![no_main]
 
@@ -41,6 +42,7 @@ mod reject;
 mod route;
 mod select;
 mod source_range;
+mod socket_lb;
 mod stats;
 
 use aya_ebpf::{

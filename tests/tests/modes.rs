@@ -51,13 +51,13 @@
 //! | what | ebpf | iptables | nftables | ipvs | userspace | kube-proxy (iptables)
 //! |---|---|---|---|---|---|---
 //! | hairpin: a backend pod reaches its own Service | works (the programs DNAT and mark, the kernel masquerades) | works (masquerade) | works (masquerade) | works (KUBE-LOOP-BACK masquerade) | works (the agent connects to the pod from the node) | works
-//! | NodePort from the node itself, `NODE_IP:30791` | refused: the node's own traffic to a local address never passes the programs | answers | answers | answers | answers (OUTPUT DNAT to the agent on 127.0.0.1) | answers
-//! | NodePort on localhost, `127.0.0.1:30791` | refused | answers (`localhostNodePorts`, `route_localnet=1`) | refused (as kube-proxy's nftables mode) | refused (no virtual server on 127.0.0.1, as kube-proxy's IPVS mode) | answers (the same DNAT; no `route_localnet` needed) | answers
+//! | NodePort from the node itself, `NODE_IP:30791` | answers (socket programs on the root cgroup, for the node's network namespace only, rewrite the destination at connect/sendmsg; any node address, also one added later) | answers | answers | answers | answers (OUTPUT DNAT to the agent on 127.0.0.1) | answers
+//! | NodePort on localhost, `127.0.0.1:30791` | answers (`localhostNodePorts`, default true, as kube-proxy's iptables mode; no `route_localnet` needed: the socket never sends to 127.0.0.1) | answers (`localhostNodePorts`, `route_localnet=1`) | refused (as kube-proxy's nftables mode) | refused (no virtual server on 127.0.0.1, as kube-proxy's IPVS mode) | answers (the same DNAT; no `route_localnet` needed) | answers
 //! | source a backend sees of NodePort traffic | the client's (no SNAT: every backend is on this node; one on another node would see the node's) | the node's (masquerade) | the node's (masquerade) | the node's (masquerade) | the node's (the agent's own connection) | the node's
 //! | source a backend sees of ClusterIP traffic from a pod | the pod's | the pod's | the pod's | the pod's | the node's address towards the pods (the agent's own connection) | the pod's
 //! | source a backend sees of ClusterIP traffic from the node | `NODE_IP` | `NODE_IP` | `NODE_IP` | the node's address towards the pods (the VIP on kube-ipvs0 is the source, masqueraded) | the node's address towards the pods (the agent's own connection) | `NODE_IP`
 //! | UDP from the node to a Service without endpoints: ClusterIP | ECONNREFUSED (the program's ICMP port unreachable) | EPERM at `send` (REJECT drops the node's own packet) | EPERM at `send` | EPERM at `send` | EPERM at `send` (REJECT in OUTPUT) | EPERM at `send`
-//! | ... and its NodePort, `NODE_IP:30792` | ECONNREFUSED (the node's own traffic never passes the programs; nothing listens) | ECONNREFUSED (rejected in INPUT, after the packet left: the ICMP error comes back) | EPERM at `send` (the endpoints check is in the output hook too) | EPERM at `send` (virtual server on `NODE_IP` without real servers) | EPERM at `send` (REJECT in OUTPUT) | ECONNREFUSED (KUBE-EXTERNAL-SERVICES is in INPUT)
+//! | ... and its NodePort, `NODE_IP:30792` | ECONNREFUSED (the socket programs leave a frontend without backends alone; nothing listens) | ECONNREFUSED (rejected in INPUT, after the packet left: the ICMP error comes back) | EPERM at `send` (the endpoints check is in the output hook too) | EPERM at `send` (virtual server on `NODE_IP` without real servers) | EPERM at `send` (REJECT in OUTPUT) | ECONNREFUSED (KUBE-EXTERNAL-SERVICES is in INPUT)
 //! | a UDP flow whose endpoint left the Service | moves (the agent deletes the flow's entries from the programs' conntrack after the sync) | moves (the agent deletes the flow's conntrack entries after the sync) | moves (the same) | moves (`expire_nodest_conn`, and the same deletion) | moves (its session is closed at once; the next datagram opens one to a remaining endpoint) | moves (kube-proxy deletes them too)
 //! | the data path after SIGTERM | stays (pinned programs and maps) | stays (the rules) | stays (the table) | stays (virtual servers, rules, ipsets) | gone with the agent (it removes its rules); after SIGKILL the rules refuse Service requests until `xproxy cleanup` | stays
 //!
@@ -251,22 +251,22 @@ impl Differences for Mode {
     /// `NODE_IP:30791` from a process on the node.
     fn node_port_from_node(self) -> NodeLocal {
         match self {
-            // The node's traffic to its own address goes through `lo`,
-            // where no program is attached (no socket-level hook yet).
-            Mode::Ebpf => NodeLocal::Refused,
             // IPVS hooks LOCAL_OUT too: the node's own packets to a virtual
             // server are balanced like any other. The userspace mode's
-            // OUTPUT rule DNATs them to its listener on 127.0.0.1.
-            Mode::Iptables | Mode::Nftables | Mode::Ipvs | Mode::Userspace => NodeLocal::Answers,
+            // OUTPUT rule DNATs them to its listener on 127.0.0.1. The
+            // ebpf mode's socket programs rewrite the destination at
+            // connect / sendmsg (its packets through `lo` pass no tc program).
+            Mode::Ebpf | Mode::Iptables | Mode::Nftables | Mode::Ipvs | Mode::Userspace => NodeLocal::Answers,
         }
     }
 
     /// `127.0.0.1:30791` from a process on the node.
     fn node_port_on_localhost(self) -> NodeLocal {
         match self {
-            Mode::Ebpf => NodeLocal::Refused,
-            // kube-proxy's default `iptables.localhostNodePorts: true`.
-            Mode::Iptables => NodeLocal::Answers,
+            // kube-proxy's default `iptables.localhostNodePorts: true`
+            // (the ebpf mode follows it: its socket programs take
+            // 127.0.0.1 as a node address).
+            Mode::Ebpf | Mode::Iptables => NodeLocal::Answers,
             // kube-proxy's nftables mode never answers on 127.0.0.0/8.
             Mode::Nftables => NodeLocal::Refused,
             // Virtual servers exist for the node IPs only (kube-proxy's
@@ -297,8 +297,9 @@ impl Differences for Mode {
     /// endpoints on the node's address fails.
     fn node_udp_node_port_rejection(self) -> io::ErrorKind {
         match self {
-            // The node's own traffic never passes the programs: nothing
-            // listens, the kernel answers with ICMP port unreachable.
+            // The socket programs leave a frontend without backends
+            // alone: nothing listens, the kernel answers with ICMP port
+            // unreachable.
             Mode::Ebpf => io::ErrorKind::ConnectionRefused,
             // As kube-proxy's rules: NodePorts without endpoints are
             // rejected in INPUT (KUBE-EXTERNAL-SERVICES), after the packet

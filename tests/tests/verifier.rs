@@ -3,7 +3,7 @@
 //! opens them by. It prints how many instructions the verifier processed
 //! per program (`--nocapture`), to keep the programs' growth in view.
 
-use proxy_common::maps;
+use proxy_common::{maps, socket_lb};
 use proxy_userspace::mode::ebpf::{Datapath, ServiceMaps};
 use testbed::privileged::{PinDir, require_root};
 
@@ -26,6 +26,9 @@ fn every_program_loads_and_pins_its_maps() {
         maps::AFFINITY,
         maps::MEMBERS,
         maps::SOURCE_RANGES,
+        socket_lb::SOCK_CONFIG,
+        socket_lb::NODE_ADDRS,
+        socket_lb::SOCK_REV_NAT,
     ] {
         assert!(pins.path().join(name).exists(), "map {name} is not pinned");
     }

@@ -65,6 +65,12 @@ pub struct RunFlags {
     #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_PATH)]
     pub pin_path: PathBuf,
 
+    /// ebpf mode: the cgroup (v2 directory) whose processes' connections to
+    /// the node's own node ports are translated at the socket. Default: the
+    /// root of the cgroup v2 hierarchy, i.e. every process of the node.
+    #[arg(long, value_name = "DIR")]
+    pub socket_lb_cgroup: Option<PathBuf>,
+
     /// Health check server address; overrides healthzBindAddress
     /// [default: 0.0.0.0:10256].
     #[arg(long, value_name = "ADDR:PORT")]
@@ -146,6 +152,7 @@ impl Default for RunFlags {
             xdp: XdpPolicy::Auto,
             cluster_cidr: None,
             pin_path: PathBuf::from(DEFAULT_PIN_PATH),
+            socket_lb_cgroup: None,
             healthz_bind_address: None,
             metrics_bind_address: None,
             nodeport_addresses: None,

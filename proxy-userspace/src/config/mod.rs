@@ -339,6 +339,8 @@ pub struct Config {
     pub enable_profiling: bool,
     /// bpffs directory for pinned maps and programs.
     pub pin_path: PathBuf,
+    /// `--socket-lb-cgroup` (ebpf mode); `None`: the cgroup v2 root.
+    pub socket_lb_cgroup: Option<PathBuf>,
     /// From the section of the file that matches `mode`.
     pub sync: SyncPeriods,
     /// Informer resync period (`configSyncPeriod`, default 15m).

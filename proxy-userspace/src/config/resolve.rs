@@ -206,6 +206,7 @@ pub fn resolve(flags: &RunFlags, file: Option<&ConfigFile>, env: &Environment) -
             metrics_bind_address,
             enable_profiling: spec.enable_profiling.unwrap_or(false),
             pin_path,
+            socket_lb_cgroup: flags.socket_lb_cgroup.clone(),
             sync,
             config_sync_period,
             masquerade,

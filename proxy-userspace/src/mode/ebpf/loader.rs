@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use aya::{
     Ebpf, EbpfLoader,
     programs::{
-        SchedClassifier, TcAttachType, Xdp, XdpMode,
+        CgroupSockAddr, SchedClassifier, TcAttachType, Xdp, XdpMode,
         links::{FdLink, LinkError, PinnedLink},
         tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
         xdp::XdpLink,
@@ -84,6 +84,10 @@ impl Datapath {
             .with_context(|| format!("verifier rejected {}", maps::PROG_XDP_UPLINK))?;
         for name in [maps::PROG_TC_INGRESS, maps::PROG_TC_EGRESS] {
             let prog: &mut SchedClassifier = program(&mut ebpf, name)?.try_into()?;
+            prog.load().with_context(|| format!("verifier rejected {name}"))?;
+        }
+        for name in proxy_common::socket_lb::PROGRAMS {
+            let prog: &mut CgroupSockAddr = program(&mut ebpf, name)?.try_into()?;
             prog.load().with_context(|| format!("verifier rejected {name}"))?;
         }
         warn_on_adopted_conntrack_size(pin_path, options.conntrack.entries);
@@ -219,6 +223,11 @@ impl Datapath {
         Ok(program(&mut self.ebpf, maps::PROG_XDP_UPLINK)?.try_into()?)
     }
 
+    /// A socket program by name (`proxy_common::socket_lb::PROGRAMS`).
+    pub fn socket_program(&mut self, name: &str) -> Result<&mut CgroupSockAddr> {
+        Ok(program(&mut self.ebpf, name)?.try_into()?)
+    }
+
     /// A tc program by name ([`maps::PROG_TC_INGRESS`] or [`maps::PROG_TC_EGRESS`]).
     pub fn tc(&mut self, name: &str) -> Result<&mut SchedClassifier> {
         Ok(program(&mut self.ebpf, name)?.try_into()?)
@@ -330,7 +339,7 @@ pub fn detach_pinned_links(pin_path: &Path) -> Result<usize> {
     Ok(detached)
 }
 
-fn open_pinned_link(pin: &Path) -> Result<Option<FdLink>> {
+pub(super) fn open_pinned_link(pin: &Path) -> Result<Option<FdLink>> {
     match PinnedLink::from_pin(pin) {
         Ok(link) => Ok(Some(FdLink::from(link))),
         Err(LinkError::SyscallError(e)) if e.io_error.kind() == std::io::ErrorKind::NotFound => Ok(None),
@@ -338,7 +347,7 @@ fn open_pinned_link(pin: &Path) -> Result<Option<FdLink>> {
     }
 }
 
-fn pin_link(link: FdLink, pin: &Path) -> Result<()> {
+pub(super) fn pin_link(link: FdLink, pin: &Path) -> Result<()> {
     if let Some(dir) = pin.parent() {
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }

@@ -10,9 +10,10 @@
 //! origin, the programs do not: a pod's request to a `Local` node port is
 //! treated like the outside client's (this node's backends, or dropped),
 //! which is what kube-proxy does when it cannot recognise pod traffic (no
-//! `clusterCIDR`), not its short-circuit to every backend; the node's own
-//! requests to its node ports never pass the programs at all (refused, as
-//! with the `Cluster` policy).
+//! `clusterCIDR`), not its short-circuit to every backend. The node's own
+//! requests to its node ports, external and load balancer IPs are taken by
+//! the socket programs (`socket_lb`), which short-circuit them to every
+//! endpoint, as kube-proxy does.
 //!
 //! Tracked flows follow kube-proxy: a flow's conntrack entries hold its
 //! backend (and its frontend, for the replies), so a TCP flow goes on to
@@ -38,6 +39,7 @@ mod service_maps;
 mod slot_layout;
 mod snapshot;
 pub mod snat;
+pub mod socket_lb;
 mod source_ranges;
 pub mod stale_flows;
 mod write_batch;
@@ -111,6 +113,8 @@ pub struct EbpfOptions {
     pub xdp: XdpPolicy,
     /// The conntrack table's size and timeouts.
     pub conntrack: conntrack::CtSettings,
+    /// The node's own traffic to its node ports (socket programs).
+    pub socket_lb: socket_lb::SocketLbOptions,
 }
 
 impl EbpfOptions {
@@ -126,6 +130,7 @@ impl EbpfOptions {
             masquerade_all: config.masquerade.all,
             xdp: config.xdp,
             conntrack: conntrack::CtSettings::from_config(&config.conntrack, online_cpus()),
+            socket_lb: socket_lb::SocketLbOptions::from_config(config),
         }
     }
 }
@@ -202,6 +207,7 @@ impl EbpfMode {
                 );
             }
         }
+        start_socket_lb(&mut datapath, &opts.socket_lb, node_ips.first().copied()).await;
         // Now that no older program writes old entries any more.
         match legacy_ct::migrate(&opts.pin_path) {
             Ok(0) => {}
@@ -238,6 +244,23 @@ impl EbpfMode {
     pub fn with_datapath<T>(&self, f: impl FnOnce(&mut Datapath) -> T) -> T {
         let mut guard = self.datapath.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         f(&mut guard)
+    }
+}
+
+/// Attaches the socket programs that take the node's own connections to
+/// its node ports, external and load balancer IPs (see `socket_lb`), and
+/// keeps their node addresses current. Without them the data path still
+/// serves every other client: a failure is warned about, not fatal.
+async fn start_socket_lb(datapath: &mut Datapath, opts: &socket_lb::SocketLbOptions, anchor: Option<Ipv4Addr>) {
+    let started = match socket_lb::attach(datapath, opts, anchor) {
+        Ok(()) => socket_lb::keep_node_addrs(datapath.pin_path().to_owned(), opts.clone()).await,
+        Err(e) => Err(e),
+    };
+    if let Err(e) = started {
+        warn!(
+            error = format!("{e:#}"),
+            "no socket programs: the node's own connections to its node ports will be refused"
+        );
     }
 }
 

@@ -1,0 +1,325 @@
+//! The node's own traffic to its node ports, external and load balancer IPs:
+//! the socket programs (`proxy-ebpf/src/socket_lb.rs`) attached to a
+//! cgroup, the node's network namespace cookie they check, and the node
+//! addresses they take node ports on, kept current as addresses come and go.
+//!
+//! Why sockets and not packets: the node's connection to one of its own
+//! addresses goes through `lo`, where no tc or XDP program runs. kube-proxy
+//! DNATs it in netfilter's OUTPUT hook; the programs here rewrite the
+//! destination when the socket connects or sends instead, as Cilium's
+//! kube-proxy replacement does.
+//!
+//! Why the root cgroup, filtered by network namespace: cgroup programs run
+//! for every process of the cgroup's subtree, whatever its network
+//! namespace, and the node's processes can sit anywhere in the hierarchy.
+//! So the programs are attached (as bpf links, which run beside anyone
+//! else's programs) to the root of the cgroup v2 hierarchy by default
+//! (`--socket-lb-cgroup` picks another), and act only on sockets of the
+//! namespace whose cookie the agent writes into their config map: several
+//! agents on one host, each in its own namespace (the test beds), leave
+//! each other's sockets alone. The links are pinned beside the tc links
+//! (`links/<program>/cgroup`), so they outlive the agent like the rest of
+//! the data path and `xproxy cleanup` detaches them with the others.
+
+use std::{
+    collections::BTreeSet,
+    fs::File,
+    net::{IpAddr, Ipv4Addr, UdpSocket},
+    os::fd::AsRawFd,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context, Result, bail};
+use aya::{
+    maps::{Array, HashMap, MapData},
+    programs::{CgroupAttachMode, links::FdLink},
+};
+use futures_util::StreamExt;
+use proxy_common::socket_lb::{self, NODE_ADDR_PRESENT, SockLbConfig};
+use rtnetlink::{MulticastGroup, packet_core::NetlinkPayload, packet_route::RouteNetlinkMessage};
+use tracing::{debug, info, warn};
+
+use super::{
+    interfaces,
+    loader::{Datapath, open_pinned_link, pin_link},
+    pinned_maps::{open, pinned},
+};
+use crate::{config::Config, mode::options::NodePortScope};
+
+/// What the socket programs are attached to and which node addresses take
+/// node ports.
+#[derive(Clone, Debug)]
+pub struct SocketLbOptions {
+    /// The cgroup v2 directory; `None`: the root of the hierarchy.
+    pub cgroup: Option<PathBuf>,
+    /// kube-proxy's `nodePortAddresses`.
+    pub scope: NodePortScope,
+    /// `iptables.localhostNodePorts`: node ports answer on `127.0.0.1`
+    /// too (kube-proxy's iptables mode, the default, does; its nftables and
+    /// IPVS modes do not). Only where `scope` takes loopback addresses.
+    pub localhost: bool,
+}
+
+impl SocketLbOptions {
+    pub fn from_config(config: &Config) -> Self {
+        Self {
+            cgroup: config.socket_lb_cgroup.clone(),
+            scope: NodePortScope::from_config(config),
+            localhost: config.localhost_node_ports,
+        }
+    }
+}
+
+/// Attaches the socket programs to the cgroup of `opts`, pinned, replacing
+/// (without a gap) the links an earlier agent pinned; then points them at
+/// this network namespace with `anchor` as the node IP whose node port
+/// frontends serve every node address.
+pub fn attach(datapath: &mut Datapath, opts: &SocketLbOptions, anchor: Option<Ipv4Addr>) -> Result<()> {
+    let cgroup = open_cgroup(opts.cgroup.as_deref())?;
+    for name in socket_lb::PROGRAMS {
+        attach_one(datapath, &cgroup, name).with_context(|| format!("attaching {name} to the cgroup"))?;
+    }
+    let config = SockLbConfig::new(netns_cookie()?, anchor);
+    let mut map: Array<MapData, SockLbConfig> = Array::try_from(pinned(datapath.pin_path(), socket_lb::SOCK_CONFIG)?)
+        .context("the socket config map has an unexpected layout")?;
+    map.set(0, config, 0).context("writing the socket config map")?;
+    info!(netns_cookie = config.netns_cookie, ?anchor, "socket programs attached");
+    Ok(())
+}
+
+/// A new link first, then the old one detached: for a moment both run,
+/// which is harmless (the second sees a backend, no frontend).
+fn attach_one(datapath: &mut Datapath, cgroup: &File, name: &str) -> Result<()> {
+    let pin = datapath.link_pin(CGROUP_LINK, name);
+    let old = open_pinned_link(&pin)?;
+    let prog = datapath.socket_program(name)?;
+    // A bpf link (aya makes one from 5.7 on) runs beside every other
+    // program of the cgroup whatever the mode; the kernel refuses any
+    // flag on a cgroup link (EINVAL), and `Single` is no flag.
+    let id = prog.attach(cgroup, CgroupAttachMode::Single)?;
+    let link = FdLink::try_from(prog.take_link(id)?).context("cgroup program attached without a bpf link")?;
+    if let Some(old) = old {
+        drop(old);
+        bpf_sys::obj::detach_pinned_link(&pin).context("detaching the earlier agent's link")?;
+        std::fs::remove_file(&pin).with_context(|| format!("removing {}", pin.display()))?;
+    }
+    pin_link(link, &pin)
+}
+
+/// The name of the socket programs' links under `links/<program>/`.
+const CGROUP_LINK: &str = "cgroup";
+
+/// The cgroup directory at `path`, or the root of the cgroup v2 hierarchy:
+/// where it is mounted, or (a machine that has only cgroup v1 mounted, the
+/// test VM) mounted for the moment on a directory of our own (the
+/// attachment holds the cgroup, not the mount).
+fn open_cgroup(path: Option<&Path>) -> Result<File> {
+    if let Some(path) = path {
+        return File::open(path).with_context(|| format!("opening cgroup {}", path.display()));
+    }
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").context("reading /proc/self/mountinfo")?;
+    if let Some(root) = cgroup2_root(&mountinfo) {
+        return File::open(&root).with_context(|| format!("opening cgroup {}", root.display()));
+    }
+    open_cgroup2_root_by_mounting()
+}
+
+/// The mount point of the cgroup v2 hierarchy's root, from
+/// `/proc/self/mountinfo` (a mount of a sub-cgroup, as a container's
+/// cgroup namespace shows it, does not count).
+fn cgroup2_root(mountinfo: &str) -> Option<PathBuf> {
+    mountinfo.lines().find_map(|line| {
+        let (fields, rest) = line.split_once(" - ")?;
+        let fields: Vec<&str> = fields.split(' ').collect();
+        let fstype = rest.split(' ').next()?;
+        let mount_point = fields.get(4)?;
+        (fstype == "cgroup2" && fields.get(3) == Some(&"/")).then(|| PathBuf::from(mount_point))
+    })
+}
+
+fn open_cgroup2_root_by_mounting() -> Result<File> {
+    let dir = std::env::temp_dir().join(format!("xproxy-cgroup2-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let c_dir = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).context("temporary directory name")?;
+    // SAFETY: every pointer is a NUL-terminated string that outlives the
+    // call; no data argument.
+    let rc = unsafe {
+        libc::mount(
+            c"cgroup2".as_ptr(),
+            c_dir.as_ptr(),
+            c"cgroup2".as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    let opened = if rc == 0 {
+        let opened = File::open(&dir).context("opening the cgroup v2 root");
+        // SAFETY: as above. Lazily: our descriptor holds the cgroup, not the mount.
+        unsafe { libc::umount2(c_dir.as_ptr(), libc::MNT_DETACH) };
+        opened
+    } else {
+        Err(std::io::Error::last_os_error())
+            .with_context(|| format!("no cgroup v2 mounted, and mounting one on {} failed", dir.display()))
+    };
+    if let Err(e) = std::fs::remove_dir(&dir) {
+        debug!(error = %e, "removing the temporary cgroup v2 mount point");
+    }
+    opened
+}
+
+/// The cookie of the calling thread's network namespace.
+fn netns_cookie() -> Result<u64> {
+    let socket = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).context("opening a socket for SO_NETNS_COOKIE")?;
+    let mut cookie: u64 = 0;
+    let mut len = libc::socklen_t::try_from(std::mem::size_of::<u64>()).context("socklen")?;
+    // SAFETY: `cookie` is a valid u64 and `len` says so; the kernel writes
+    // at most `len` bytes.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_NETNS_COOKIE,
+            (&raw mut cookie).cast(),
+            &raw mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error()).context("SO_NETNS_COOKIE (Linux 5.14 or newer)");
+    }
+    if cookie == 0 {
+        bail!("the kernel returned network namespace cookie 0");
+    }
+    Ok(cookie)
+}
+
+/// The local addresses that take node ports under `opts`, out of every
+/// local IPv4 address `local`.
+pub fn node_port_addresses(opts: &SocketLbOptions, local: &[Ipv4Addr]) -> BTreeSet<Ipv4Addr> {
+    let loopback_ok = |ip: &Ipv4Addr| !ip.is_loopback() || opts.localhost;
+    match &opts.scope {
+        NodePortScope::AllLocal { localhost } => local
+            .iter()
+            .filter(|ip| !ip.is_loopback() || *localhost)
+            .copied()
+            .collect(),
+        NodePortScope::NodeIps(ips) => ips.iter().copied().collect(),
+        NodePortScope::Cidrs(cidrs) => local
+            .iter()
+            .filter(|ip| loopback_ok(ip) && cidrs.iter().any(|c| c.contains(IpAddr::V4(**ip))))
+            .copied()
+            .collect(),
+    }
+}
+
+/// Makes the node address map hold exactly `wanted`.
+fn write_node_addrs(pin_path: &Path, wanted: &BTreeSet<Ipv4Addr>) -> Result<()> {
+    let mut map: HashMap<MapData, u32, u32> = open(pin_path, socket_lb::NODE_ADDRS)?;
+    let key = |ip: &Ipv4Addr| u32::from_ne_bytes(ip.octets());
+    let present: Vec<u32> = map.keys().collect::<Result<_, _>>().context("listing node addresses")?;
+    for old in present {
+        if !wanted.iter().any(|ip| key(ip) == old) {
+            map.remove(&old).context("removing a node address")?;
+        }
+    }
+    for ip in wanted {
+        map.insert(key(ip), NODE_ADDR_PRESENT, 0)
+            .with_context(|| format!("adding node address {ip}"))?;
+    }
+    Ok(())
+}
+
+/// The node addresses the socket programs take node ports on, read back.
+pub fn read_node_addrs(pin_path: &Path) -> Result<BTreeSet<Ipv4Addr>> {
+    let map: HashMap<MapData, u32, u32> = open(pin_path, socket_lb::NODE_ADDRS)?;
+    map.keys()
+        .map(|k| Ok(Ipv4Addr::from(k.context("listing node addresses")?.to_ne_bytes())))
+        .collect()
+}
+
+/// Writes the node addresses now and again whenever an IPv4 address is
+/// added or removed in this network namespace.
+pub async fn keep_node_addrs(pin_path: PathBuf, opts: SocketLbOptions) -> Result<()> {
+    // Subscribed before the first listing, so no change slips between.
+    let (conn, _, mut events) =
+        rtnetlink::new_multicast_connection(&[MulticastGroup::Ipv4Ifaddr]).context("subscribing to address events")?;
+    tokio::spawn(conn);
+    let (conn, handle, _) = rtnetlink::new_connection().context("opening rtnetlink")?;
+    tokio::spawn(conn);
+    sync_node_addrs(&handle, &pin_path, &opts).await?;
+    tokio::spawn(async move {
+        while let Some((msg, _)) = events.next().await {
+            if !matches!(
+                msg.payload,
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewAddress(_) | RouteNetlinkMessage::DelAddress(_))
+            ) {
+                continue;
+            }
+            if let Err(e) = sync_node_addrs(&handle, &pin_path, &opts).await {
+                warn!(
+                    error = format!("{e:#}"),
+                    "updating the node addresses of the socket programs"
+                );
+            }
+        }
+    });
+    Ok(())
+}
+
+async fn sync_node_addrs(handle: &rtnetlink::Handle, pin_path: &Path, opts: &SocketLbOptions) -> Result<()> {
+    let local: Vec<Ipv4Addr> = interfaces::list(handle)
+        .await?
+        .into_iter()
+        .flat_map(|i| i.ipv4)
+        .collect();
+    let wanted = node_port_addresses(opts, &local);
+    write_node_addrs(pin_path, &wanted)?;
+    debug!(?wanted, "node addresses of the socket programs");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(scope: NodePortScope, localhost: bool) -> SocketLbOptions {
+        SocketLbOptions {
+            cgroup: None,
+            scope,
+            localhost,
+        }
+    }
+
+    fn ip(text: &str) -> Ipv4Addr {
+        text.parse().expect("ip")
+    }
+
+    #[test]
+    fn node_port_addresses_follow_node_port_addresses_and_localhost_node_ports() {
+        let local = [ip("127.0.0.1"), ip("172.30.0.2"), ip("10.1.0.5")];
+        let all = |localhost| node_port_addresses(&opts(NodePortScope::AllLocal { localhost }, true), &local);
+        assert_eq!(all(true), local.into_iter().collect());
+        assert_eq!(all(false), [ip("172.30.0.2"), ip("10.1.0.5")].into_iter().collect());
+        let cidrs = |localhost| {
+            let scope = NodePortScope::Cidrs(vec![
+                "127.0.0.0/8".parse().expect("cidr"),
+                "10.0.0.0/8".parse().expect("cidr"),
+            ]);
+            node_port_addresses(&opts(scope, localhost), &local)
+        };
+        assert_eq!(cidrs(true), [ip("127.0.0.1"), ip("10.1.0.5")].into_iter().collect());
+        assert_eq!(cidrs(false), [ip("10.1.0.5")].into_iter().collect());
+        let primary = node_port_addresses(&opts(NodePortScope::NodeIps(vec![ip("172.30.0.2")]), true), &local);
+        assert_eq!(primary, [ip("172.30.0.2")].into_iter().collect());
+    }
+
+    #[test]
+    fn the_cgroup2_root_is_the_mount_of_the_hierarchy_root() {
+        let mountinfo = "\
+30 25 0:26 / /sys/fs/cgroup rw,nosuid - tmpfs tmpfs ro,mode=755
+35 30 0:31 /kubepods/pod1 /sys/fs/cgroup/sub rw - cgroup2 cgroup2 rw
+36 30 0:31 / /sys/fs/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw
+";
+        assert_eq!(cgroup2_root(mountinfo), Some(PathBuf::from("/sys/fs/cgroup/unified")));
+        assert_eq!(cgroup2_root("30 25 0:26 / /sys/fs/cgroup rw - tmpfs tmpfs ro\n"), None);
+    }
+}
