@@ -150,22 +150,8 @@ pub fn service_info(svc: &Service) -> Result<(ServiceInfo, Vec<Problem>), Skip> 
 
 /// `spec.externalIPs`, IPv4 only; anything else is a problem and skipped.
 fn external_ips(spec: &ServiceSpec, object: &str, problems: &mut Vec<Problem>) -> Vec<Ipv4Addr> {
-    let mut out = Vec::new();
-    for text in spec.external_ips.iter().flatten() {
-        match text.trim().parse::<std::net::IpAddr>() {
-            Ok(std::net::IpAddr::V4(ip)) if !out.contains(&ip) => out.push(ip),
-            Ok(std::net::IpAddr::V4(_)) => {}
-            Ok(std::net::IpAddr::V6(_)) => problems.push(Problem::new(
-                object,
-                format!("externalIP {text} is IPv6 (IPv4 only for now); skipped"),
-            )),
-            Err(_) => problems.push(Problem::new(
-                object,
-                format!("externalIP {text:?} is not an IP address; skipped"),
-            )),
-        }
-    }
-    out
+    let texts = spec.external_ips.iter().flatten().map(|t| t.trim());
+    distinct_ipv4(texts, "externalIP", object, problems)
 }
 
 /// The load balancer's ingress IPs of a `LoadBalancer` Service, without
@@ -178,22 +164,33 @@ fn load_balancer_ips(svc: &Service, object: &str, problems: &mut Vec<Problem>) -
         .as_ref()
         .and_then(|s| s.load_balancer.as_ref())
         .and_then(|lb| lb.ingress.as_ref());
+    let texts = (ingress.into_iter().flatten())
+        .filter(|_| is_load_balancer)
+        .filter(|entry| entry.ip_mode.as_deref() != Some("Proxy"))
+        .filter_map(|entry| entry.ip.as_deref());
+    distinct_ipv4(texts, "load balancer IP", object, problems)
+}
+
+/// The IPv4 addresses among `texts`, each once; an IPv6 address or text
+/// that is no address is a problem and skipped.
+fn distinct_ipv4<'a>(
+    texts: impl Iterator<Item = &'a str>,
+    what: &str,
+    object: &str,
+    problems: &mut Vec<Problem>,
+) -> Vec<Ipv4Addr> {
     let mut out = Vec::new();
-    for entry in ingress.into_iter().flatten().filter(|_| is_load_balancer) {
-        if entry.ip_mode.as_deref() == Some("Proxy") {
-            continue;
-        }
-        let Some(text) = entry.ip.as_deref() else { continue };
+    for text in texts {
         match text.parse::<std::net::IpAddr>() {
             Ok(std::net::IpAddr::V4(ip)) if !out.contains(&ip) => out.push(ip),
             Ok(std::net::IpAddr::V4(_)) => {}
             Ok(std::net::IpAddr::V6(_)) => problems.push(Problem::new(
                 object,
-                format!("load balancer IP {text} is IPv6 (IPv4 only for now); skipped"),
+                format!("{what} {text} is IPv6 (IPv4 only for now); skipped"),
             )),
             Err(_) => problems.push(Problem::new(
                 object,
-                format!("load balancer IP {text:?} is not an IP address; skipped"),
+                format!("{what} {text:?} is not an IP address; skipped"),
             )),
         }
     }

@@ -208,18 +208,8 @@ impl Ipvs {
 
     /// Every IPv4 TCP/UDP virtual server with its real servers.
     pub fn list(&mut self) -> Result<BTreeMap<VirtualKey, VirtualServer>> {
-        let message = Message::genl(
-            self.family,
-            IPVS_CMD_GET_SERVICE,
-            IPVS_VERSION,
-            NLM_F_REQUEST | NLM_F_DUMP,
-        );
-        let answers = self.socket.request(&message).context("listing the virtual servers")?;
         let mut out = BTreeMap::new();
-        for answer in answers {
-            let Some((key, scheduler, persistence)) = parse_service(&answer) else {
-                continue;
-            };
+        for (key, scheduler, persistence) in self.dump_services()? {
             let reals = self.reals(&key)?;
             out.insert(
                 key,
@@ -231,6 +221,18 @@ impl Ipvs {
             );
         }
         Ok(out)
+    }
+
+    /// `(key, scheduler, persistence)` of every IPv4 TCP/UDP virtual server.
+    pub(super) fn dump_services(&mut self) -> Result<Vec<(VirtualKey, String, Option<u32>)>> {
+        let message = Message::genl(
+            self.family,
+            IPVS_CMD_GET_SERVICE,
+            IPVS_VERSION,
+            NLM_F_REQUEST | NLM_F_DUMP,
+        );
+        let answers = self.socket.request(&message).context("listing the virtual servers")?;
+        Ok(answers.iter().filter_map(|answer| parse_service(answer)).collect())
     }
 
     /// One virtual server, if it exists.

@@ -8,8 +8,8 @@ use std::net::Ipv4Addr;
 use anyhow::{Context, Result};
 
 use super::{
-    IPVS_CMD_ATTR_DEST, IPVS_CMD_ATTR_SERVICE, IPVS_CMD_GET_DEST, IPVS_CMD_GET_SERVICE, IPVS_DEST_ATTR_ADDR,
-    IPVS_DEST_ATTR_PORT, IPVS_DEST_ATTR_WEIGHT, IPVS_VERSION, Ipvs, VirtualKey, parse_service, service_key,
+    IPVS_CMD_ATTR_DEST, IPVS_CMD_ATTR_SERVICE, IPVS_CMD_GET_DEST, IPVS_DEST_ATTR_ADDR, IPVS_DEST_ATTR_PORT,
+    IPVS_DEST_ATTR_WEIGHT, IPVS_VERSION, Ipvs, VirtualKey, service_key,
 };
 use crate::sys::netlink::{Message, NLM_F_DUMP, NLM_F_REQUEST, attrs, find, read_ipv4, read_u32};
 
@@ -45,18 +45,8 @@ pub struct RealCounters {
 impl Ipvs {
     /// Every IPv4 TCP/UDP virtual server with its real servers' counters.
     pub fn list_counters(&mut self) -> Result<Vec<VirtualCounters>> {
-        let message = Message::genl(
-            self.family,
-            IPVS_CMD_GET_SERVICE,
-            IPVS_VERSION,
-            NLM_F_REQUEST | NLM_F_DUMP,
-        );
-        let answers = self.socket.request(&message).context("listing the virtual servers")?;
         let mut out = Vec::new();
-        for answer in answers {
-            let Some((key, scheduler, persistent_seconds)) = parse_service(&answer) else {
-                continue;
-            };
+        for (key, scheduler, persistent_seconds) in self.dump_services()? {
             let reals = self.real_counters(&key)?;
             out.push(VirtualCounters {
                 key,
