@@ -41,8 +41,8 @@ mod ports;
 mod reject;
 mod route;
 mod select;
-mod source_range;
 mod socket_lb;
+mod source_range;
 mod stats;
 
 use aya_ebpf::{
