@@ -837,7 +837,9 @@ fn bad_input_is_skipped_and_the_seed_keeps_working() {
 // ---------------------------------------------------------------------------
 // 6: health, metrics and status.
 
+/// What `xproxy status` shows of the seed (the mode found on its own).
 const SEED_STATUS: &str = "\
+Mode: ebpf
 Prot LocalAddress:Port Kind
   -> RemoteAddress:Port           Flows
 TCP  10.96.0.88:88 ClusterIP
