@@ -771,14 +771,20 @@ mod tests {
         assert_eq!(
             names,
             [
+                "XP_AFFINITY",
                 "XP_BACKENDS",
                 "XP_CT",
                 "XP_CT_STATS",
                 "XP_FRAGS",
+                "XP_MEMBERS",
+                "XP_NODE_ADDRS",
                 "XP_PORTS",
                 "XP_REV_NAT",
                 "XP_SERVICES",
                 "XP_SLOTS",
+                "XP_SOCK_CFG",
+                "XP_SOCK_REV",
+                "XP_SRC_RANGES",
                 "XP_STATS"
             ]
         );

@@ -30,7 +30,9 @@ pub fn test(root: &Path, options: &Options) -> Result<()> {
     build_ebpf::build_ebpf(root, &build_ebpf::Options { debug: false })?;
 
     let mut cmd = command::workspace_cargo(root);
-    cmd.arg("test");
+    // Every test binary runs even after one fails, so a run (and CI's
+    // log) shows every failure, not the first.
+    cmd.args(["test", "--no-fail-fast"]);
     if !selects_packages(&options.cargo_args) {
         cmd.arg("--workspace");
     }
