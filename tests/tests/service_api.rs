@@ -837,6 +837,16 @@ fn node_port_addresses(mode: Mode, _label: &str, bed: &mut AgentBed, checks: &mu
 /// the client and the pod are refused as without a proxy (nothing listens
 /// there).
 fn added_address_from_the_node_only(topo: &Topology, added: SocketAddrV4, checks: &mut Checks) -> Result<()> {
+    // The socket programs learn the address from the address event.
+    let waited = netns::wait_for(
+        &format!("{added}, on an address added after the agent started, to answer the node"),
+        ADDED_WITHIN,
+        || probe::answers(&topo.node, added),
+    );
+    checks.check(
+        &format!("{added} answers the node within {ADDED_WITHIN:?}"),
+        waited.map(|answer| format!("first answer from {answer}")),
+    );
     for protocol in PROTOCOLS {
         let p = proto_name(protocol);
         checks.check(

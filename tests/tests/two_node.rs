@@ -52,7 +52,7 @@
 //! | NodePort: source a backend on the OTHER node sees      | the entry node's IP (the programs DNAT and mark, the kernel masquerades) | the entry node's IP (masquerade) | the entry node's IP | the entry node's IP
 //! | NodePort: source a backend on the entry node sees      | the client's (DNAT only: its replies pass the entry node anyway) | the entry node's pod gateway (masquerade) | the same as iptables | the node's (masquerade)
 //! | NodePort with `externalTrafficPolicy: Local`           | this node's backends only, the client's source kept; none here: dropped | the same (KUBE-EXT -> KUBE-SVL; DROP in KUBE-EXTERNAL-SERVICES) | the same (external-… -> local-…; drop-external-chain) | the same
-//! | the node's own request to its NodePort with `Local` and no backend on it | refused: the node's own traffic to a local address never passes the programs | short-circuited: answered by the other node's backends, which see the node's IP (masquerade) | the same | the same as iptables
+//! | the node's own request to its NodePort with `Local` and no backend on it | short-circuited by the socket programs: answered by the other node's backends, which see the node's IP (the socket leaves from it) | short-circuited: answered by the other node's backends, which see the node's IP (masquerade) | the same | the same as iptables
 //!
 //! The same in every mode (asserted): the client reaches every backend
 //! through the NodePort of either node; pod-to-pod Service traffic keeps the
@@ -216,8 +216,10 @@ impl Mode {
     /// answering backend and the source it saw, or `None` if refused.
     fn own_local_node_port(self, node: &Node) -> Option<Ipv4Addr> {
         match self {
-            // The node's own traffic to a local address passes no program.
-            Mode::Ebpf => None,
+            // The socket programs connect the node's own socket to any
+            // backend (kube-proxy's short-circuit); it leaves from the
+            // node's address on the route to the other node.
+            Mode::Ebpf => Some(node.ip()),
             // kube-proxy's short-circuit: masqueraded, to any backend.
             Mode::Iptables | Mode::Nftables => Some(node.ip()),
         }
