@@ -396,6 +396,9 @@ fn scenario_steps(mode: Mode, bed: &mut TwoNodeBed, checks: &mut Checks) -> Resu
     new_flows(&bed.topo, 20_000)?;
     start(bed, mode)?;
     check_node_ports(bed, checks);
+    if mode == Mode::Ebpf {
+        check_masquerade_ports(bed, checks);
+    }
     check_node_port_sources(mode, bed, checks);
     check_cluster_ip(bed, checks);
     check_hairpin(bed, checks);
@@ -478,6 +481,65 @@ fn check_node_ports(bed: &TwoNodeBed, checks: &mut Checks) {
             );
         }
     }
+}
+
+/// The node port range the agents run with (`--node-port-range`'s default).
+const NODE_PORT_RANGE: std::ops::RangeInclusive<u16> = 30000..=32767;
+
+/// ebpf only, after step 2: the kernel masquerades the flows the programs
+/// sent to the other node to source ports above the node port range, read
+/// back from both the rules and the kernel's conntrack table. A port in the
+/// range would let the programs take the backend's reply for a new
+/// connection to that node port (it happened: one flow in a few thousand).
+fn check_masquerade_ports(bed: &TwoNodeBed, checks: &mut Checks) {
+    for node in &bed.topo.nodes {
+        checks.check(
+            &format!(
+                "{}: flows to the other node's backends are masqueraded to ports above {NODE_PORT_RANGE:?}",
+                node.name()
+            ),
+            masquerade_ports(node),
+        );
+    }
+}
+
+fn masquerade_ports(node: &Node) -> Result<String> {
+    let rules = node.ns.exec(&["iptables-save", "-t", "nat"])?;
+    for protocol in ["tcp", "udp"] {
+        let rule = format!("-p {protocol} -j MASQUERADE --to-ports 32768-65535 --random-fully");
+        ensure!(rules.contains(&rule), "no rule {rule:?} in:\n{rules}");
+    }
+    let table = node.ns.exec(&["conntrack", "-L"])?;
+    let node_ip = format!("dst={}", node.ip());
+    // The reply tuple (the second `src= dst= sport= dport=`) of a
+    // masqueraded flow goes to the node's IP, at the port it picked.
+    let picked: Vec<u16> = table
+        .lines()
+        .filter_map(|line| {
+            let tuples: Vec<&str> = line
+                .split_whitespace()
+                .filter(|w| ["src=", "dst=", "sport=", "dport="].iter().any(|k| w.starts_with(k)))
+                .collect();
+            let reply = tuples.get(4..8)?;
+            (reply[1] == node_ip).then(|| reply[3].strip_prefix("dport=")?.parse().ok())?
+        })
+        .collect();
+    ensure!(
+        picked.len() >= 100,
+        "only {} masqueraded flows in:\n{table}",
+        picked.len()
+    );
+    let inside: Vec<&u16> = picked.iter().filter(|p| **p <= *NODE_PORT_RANGE.end()).collect();
+    ensure!(
+        inside.is_empty(),
+        "masqueraded to ports {inside:?} (of {})",
+        picked.len()
+    );
+    Ok(format!(
+        "{} flows, every port above {}",
+        picked.len(),
+        NODE_PORT_RANGE.end()
+    ))
 }
 
 /// Requests per check of how evenly a NodePort spreads its flows.

@@ -8,6 +8,8 @@ use super::{Mode, XdpPolicy};
 
 /// Where the agent pins its maps and programs unless told otherwise.
 pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/xproxy";
+/// kube-apiserver's default `--service-node-port-range`.
+pub const DEFAULT_NODE_PORT_RANGE: &str = "30000-32767";
 
 /// The agent's run flags. Every flag that is given wins over the
 /// configuration file (kube-proxy's precedence).
@@ -70,6 +72,12 @@ pub struct RunFlags {
     /// root of the cgroup v2 hierarchy, i.e. every process of the node.
     #[arg(long, value_name = "DIR")]
     pub socket_lb_cgroup: Option<PathBuf>,
+
+    /// The API server's `--service-node-port-range`, which node ports
+    /// come from. ebpf mode: flows to backends on other nodes are
+    /// masqueraded to source ports outside it (see `mode::ebpf::snat`).
+    #[arg(long, value_name = "FIRST-LAST", default_value = DEFAULT_NODE_PORT_RANGE)]
+    pub node_port_range: String,
 
     /// Health check server address; overrides healthzBindAddress
     /// [default: 0.0.0.0:10256].
@@ -153,6 +161,7 @@ impl Default for RunFlags {
             cluster_cidr: None,
             pin_path: PathBuf::from(DEFAULT_PIN_PATH),
             socket_lb_cgroup: None,
+            node_port_range: DEFAULT_NODE_PORT_RANGE.to_owned(),
             healthz_bind_address: None,
             metrics_bind_address: None,
             nodeport_addresses: None,

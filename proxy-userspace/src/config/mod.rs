@@ -341,6 +341,8 @@ pub struct Config {
     pub pin_path: PathBuf,
     /// `--socket-lb-cgroup` (ebpf mode); `None`: the cgroup v2 root.
     pub socket_lb_cgroup: Option<PathBuf>,
+    /// `--node-port-range`: where the API server allocates node ports.
+    pub node_port_range: RangeInclusive<u16>,
     /// From the section of the file that matches `mode`.
     pub sync: SyncPeriods,
     /// Informer resync period (`configSyncPeriod`, default 15m).

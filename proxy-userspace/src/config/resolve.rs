@@ -20,6 +20,8 @@ const DEFAULT_MIN_SYNC_PERIOD: Duration = Duration::from_secs(1);
 const DEFAULT_CONFIG_SYNC_PERIOD: Duration = Duration::from_secs(15 * 60);
 const DEFAULT_MASQUERADE_BIT: u8 = 14;
 const DEFAULT_OOM_SCORE_ADJ: i32 = -999;
+/// `DEFAULT_NODE_PORT_RANGE`, parsed.
+const DEFAULT_NODE_PORTS: std::ops::RangeInclusive<u16> = 30000..=32767;
 const MAX_IFNAME_LEN: usize = 15;
 
 /// Resolves flags over the file (if any) over the defaults into a validated
@@ -164,6 +166,9 @@ pub fn resolve(flags: &RunFlags, file: Option<&ConfigFile>, env: &Environment) -
     let port_range = errs
         .check("portRange", parse_port_range(spec.port_range.as_deref().unwrap_or("")))
         .flatten();
+    let node_port_range = errs
+        .check("--node-port-range", parse_node_port_range(&flags.node_port_range))
+        .unwrap_or(DEFAULT_NODE_PORTS);
     let show_hidden_metrics_for_version = match non_empty(spec.show_hidden_metrics_for_version.as_deref()) {
         Some(v) if is_major_minor(v) => Some(v.to_owned()),
         Some(v) => {
@@ -207,6 +212,7 @@ pub fn resolve(flags: &RunFlags, file: Option<&ConfigFile>, env: &Environment) -
             enable_profiling: spec.enable_profiling.unwrap_or(false),
             pin_path,
             socket_lb_cgroup: flags.socket_lb_cgroup.clone(),
+            node_port_range,
             sync,
             config_sync_period,
             masquerade,
@@ -590,6 +596,18 @@ fn conntrack_config(
             defaults.udp_stream_timeout,
         ),
     }
+}
+
+/// `--node-port-range`: a port range that leaves some unprivileged ports
+/// (1024 and up) outside it, for masquerading.
+fn parse_node_port_range(input: &str) -> Result<std::ops::RangeInclusive<u16>, String> {
+    let range = parse_port_range(input)?.ok_or_else(|| "is empty (expected FIRST-LAST)".to_owned())?;
+    if *range.start() <= 1024 && *range.end() == u16::MAX {
+        return Err(format!(
+            "{input:?} leaves no port from 1024 up for masquerading outside it"
+        ));
+    }
+    Ok(range)
 }
 
 fn is_major_minor(v: &str) -> bool {

@@ -715,11 +715,39 @@ fn invalid_flags_name_the_flag() {
             flags_with(|f| f.pin_path = "relative/pins".into()),
             "--pin-path: \"relative/pins\" is not an absolute path",
         ),
+        (
+            flags_with(|f| f.node_port_range = "30000-".to_owned()),
+            "--node-port-range: \"30000-\" is not a port range",
+        ),
+        (
+            flags_with(|f| f.node_port_range = String::new()),
+            "--node-port-range: is empty",
+        ),
+        (
+            flags_with(|f| f.node_port_range = "1000-65535".to_owned()),
+            "--node-port-range: \"1000-65535\" leaves no port from 1024 up",
+        ),
     ];
     for (flags, want) in cases {
         let err = resolve(&flags, None, &env()).unwrap_err().to_string();
         assert!(err.contains(want), "want: {want}\ngot:  {err}");
     }
+}
+
+#[test]
+fn node_port_range_defaults_to_the_api_servers_and_takes_a_flag() {
+    assert_eq!(
+        resolve(&RunFlags::default(), None, &env())
+            .unwrap()
+            .config
+            .node_port_range,
+        30000..=32767
+    );
+    let flags = flags_with(|f| f.node_port_range = "20000-22767".to_owned());
+    assert_eq!(
+        resolve(&flags, None, &env()).unwrap().config.node_port_range,
+        20000..=22767
+    );
 }
 
 #[test]

@@ -69,6 +69,7 @@ mod writer_tests;
 use std::{
     collections::BTreeMap,
     net::Ipv4Addr,
+    ops::RangeInclusive,
     path::PathBuf,
     sync::{Arc, Mutex},
 };
@@ -105,6 +106,9 @@ pub struct EbpfOptions {
     /// The skb mark bit for flows the kernel must masquerade (kube-proxy's
     /// masqueradeBit as a mask); 0 turns the SNAT fallback off.
     pub snat_mark: u32,
+    /// The source ports the kernel masquerades to: outside the node port
+    /// range (see `snat`).
+    pub snat_ports: RangeInclusive<u16>,
     /// This node's name: endpoints naming another node are remote backends.
     pub node_name: Option<String>,
     /// kube-proxy's masqueradeAll.
@@ -126,6 +130,7 @@ impl EbpfOptions {
             interfaces: config.interfaces.clone(),
             node_port_cidrs: config.node_port_addresses.cidrs().map(<[Cidr]>::to_vec),
             snat_mark: 1 << config.masquerade.bit,
+            snat_ports: snat::ports_outside(&config.node_port_range),
             node_name: Some(config.node_name.clone()),
             masquerade_all: config.masquerade.all,
             xdp: config.xdp,
@@ -153,6 +158,8 @@ pub struct EbpfMode {
     datapath: Arc<Mutex<Datapath>>,
     node_ips: Vec<Ipv4Addr>,
     pin_path: PathBuf,
+    /// See [`EbpfOptions::snat_ports`].
+    snat_ports: RangeInclusive<u16>,
     /// What the programs do differently from kube-proxy, reported once a port.
     unhonoured: Unhonoured,
 }
@@ -163,7 +170,7 @@ impl EbpfMode {
     /// attaching pod interfaces that appear later. Must run inside a tokio
     /// runtime, in the node's network namespace.
     pub async fn start(opts: &EbpfOptions) -> Result<Self> {
-        let snat_mark = install_snat_rules(opts.snat_mark);
+        let snat_mark = install_snat_rules(opts.snat_mark, &opts.snat_ports);
         let load = LoadOptions {
             snat_mark,
             conntrack: opts.conntrack,
@@ -228,6 +235,7 @@ impl EbpfMode {
             datapath,
             node_ips,
             pin_path: opts.pin_path.clone(),
+            snat_ports: opts.snat_ports.clone(),
             unhonoured: Unhonoured::default(),
         })
     }
@@ -264,15 +272,19 @@ async fn start_socket_lb(datapath: &mut Datapath, opts: &socket_lb::SocketLbOpti
     }
 }
 
-/// Installs the kernel's masquerade rules for `mark`; returns the mark the
-/// programs may use (0 if the rules could not be installed: then no flow is
-/// marked, rather than marked for a rule that is not there).
-fn install_snat_rules(mark: u32) -> u32 {
+/// Installs the kernel's masquerade rules for `mark`, to source `ports`;
+/// returns the mark the programs may use (0 if the rules could not be
+/// installed: then no flow is marked, rather than marked for a rule that is
+/// not there).
+fn install_snat_rules(mark: u32, ports: &RangeInclusive<u16>) -> u32 {
     if mark == 0 {
         return 0;
     }
     let mut iptables = crate::sys::iptables::SystemIptables::default();
-    match iptables.check().and_then(|()| snat::install(&mut iptables, mark)) {
+    match iptables
+        .check()
+        .and_then(|()| snat::install(&mut iptables, mark, ports))
+    {
         Ok(()) => mark,
         Err(e) => {
             warn!(
@@ -343,8 +355,22 @@ impl EbpfMode {
             if let Some(how) = not_honoured(port) {
                 self.unhonoured.report(port, "externalTrafficPolicy", &how);
             }
+            if let Some(how) = node_port_among_snat_ports(port, &self.snat_ports) {
+                self.unhonoured.report(port, "nodePort", &how);
+            }
         }
     }
+}
+
+/// Why `port`'s node port is at risk, if it is among the ports flows to
+/// other nodes are masqueraded to (see `snat`).
+fn node_port_among_snat_ports(port: &ServicePort, snat_ports: &RangeInclusive<u16>) -> Option<String> {
+    let node_port = port.node_port.filter(|p| snat_ports.contains(p))?;
+    Some(format!(
+        "{node_port} is outside --node-port-range, among the ports flows to other nodes are \
+         masqueraded to: a reply to such a flow may be taken for a new connection to it \
+         (set --node-port-range to the API server's)"
+    ))
 }
 
 /// What the programs do differently from kube-proxy for `port`, if anything.

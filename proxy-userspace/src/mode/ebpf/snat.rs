@@ -2,6 +2,16 @@
 //! that must also be source-NATed (hairpin, NodePort to another node,
 //! masqueradeAll); these constant rules masquerade marked packets. Their
 //! number never grows with the number of Services.
+//!
+//! The masqueraded source ports stay out of the node port range. The
+//! programs see a packet before the kernel's conntrack does: a backend's
+//! reply to `node IP:port`, where the port the kernel picked happened to
+//! be a node port, would be taken for a new connection to that node port
+//! and sent to one of its backends (kube-proxy's rules never see it: the
+//! kernel knows it as a reply first). Cilium keeps its own SNAT ports
+//! above the node port range for the same reason.
+
+use std::ops::RangeInclusive;
 
 use anyhow::{Context, Result};
 use tracing::info;
@@ -12,15 +22,42 @@ use crate::sys::iptables::{Iptables, Saved, SystemIptables, remove_chains, rule_
 pub const CHAIN: &str = "XPROXY-SNAT";
 const JUMP_COMMENT: &str = "xproxy: masquerade flows the ebpf programs marked";
 
+/// The lowest port masquerading may pick: below are the privileged ones.
+const FIRST_UNPRIVILEGED_PORT: u16 = 1024;
+
+/// The source ports to masquerade to: the larger of the two runs of
+/// unprivileged ports on either side of `node_ports` (32768-65535 for
+/// kube-apiserver's default 30000-32767).
+pub fn ports_outside(node_ports: &RangeInclusive<u16>) -> RangeInclusive<u16> {
+    let below = FIRST_UNPRIVILEGED_PORT..=node_ports.start().saturating_sub(1);
+    let above = node_ports.end().saturating_add(1)..=u16::MAX;
+    let len = |r: &RangeInclusive<u16>| (u32::from(*r.end()) + 1).saturating_sub(u32::from(*r.start()));
+    if *node_ports.end() == u16::MAX || len(&below) > len(&above) {
+        below
+    } else {
+        above
+    }
+}
+
+/// Protocols whose ports masquerading picks (`--to-ports` needs one named).
+const PORTED_PROTOCOLS: [&str; 3] = ["tcp", "udp", "sctp"];
+
 /// The rules, for `iptables-restore --noflush` (declaring the chain
 /// flushes it, so installing again replaces them).
-fn rules(mark: u32, with_jump: bool) -> String {
+fn rules(mark: u32, ports: &RangeInclusive<u16>, with_jump: bool) -> String {
     let mut input = format!(
         "*nat\n:{CHAIN} - [0:0]\n\
          -A {CHAIN} -m mark ! --mark {mark:#x}/{mark:#x} -j RETURN\n\
-         -A {CHAIN} -j MARK --xor-mark {mark:#x}\n\
-         -A {CHAIN} -j MASQUERADE --random-fully\n"
+         -A {CHAIN} -j MARK --xor-mark {mark:#x}\n"
     );
+    let (first, last) = (ports.start(), ports.end());
+    for protocol in PORTED_PROTOCOLS {
+        input.push_str(&format!(
+            "-A {CHAIN} -p {protocol} -j MASQUERADE --to-ports {first}-{last} --random-fully\n"
+        ));
+    }
+    // Other protocols (ICMP echo): nothing the programs take for a node port.
+    input.push_str(&format!("-A {CHAIN} -j MASQUERADE --random-fully\n"));
     if with_jump {
         input.push_str(&format!(
             "-A POSTROUTING -m comment --comment \"{JUMP_COMMENT}\" -j {CHAIN}\n"
@@ -44,12 +81,13 @@ fn jumps(saved: &Saved) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Installs the rules for `mark` (idempotent: one jump, whatever was there).
-pub fn install(iptables: &mut dyn Iptables, mark: u32) -> Result<()> {
+/// Installs the rules for `mark`, masquerading to `ports` (idempotent: one
+/// jump, whatever was there).
+pub fn install(iptables: &mut dyn Iptables, mark: u32, ports: &RangeInclusive<u16>) -> Result<()> {
     let saved = Saved::parse(&iptables.save().context("reading the current rules")?);
     let with_jump = jumps(&saved).is_empty();
     iptables
-        .restore(&rules(mark, with_jump))
+        .restore(&rules(mark, ports, with_jump))
         .context("installing the SNAT fallback rules")
 }
 
@@ -99,18 +137,35 @@ mod tests {
             saved: "*nat\n:POSTROUTING ACCEPT [0:0]\nCOMMIT\n".into(),
             ..Default::default()
         };
-        install(&mut fake, 0x4000).unwrap();
+        install(&mut fake, 0x4000, &(32768..=65535)).unwrap();
         let input = &fake.restored[0];
         assert!(
             input.contains("-A XPROXY-SNAT -m mark ! --mark 0x4000/0x4000 -j RETURN"),
             "{input}"
         );
-        assert!(input.contains("-j MASQUERADE --random-fully"));
+        for protocol in ["tcp", "udp", "sctp"] {
+            assert!(
+                input.contains(&format!(
+                    "-A XPROXY-SNAT -p {protocol} -j MASQUERADE --to-ports 32768-65535 --random-fully"
+                )),
+                "{input}"
+            );
+        }
+        assert!(input.ends_with("-A XPROXY-SNAT -j MASQUERADE --random-fully\n-A POSTROUTING -m comment --comment \"xproxy: masquerade flows the ebpf programs marked\" -j XPROXY-SNAT\nCOMMIT\n"), "{input}");
         assert_eq!(input.matches("-A POSTROUTING").count(), 1);
         // Already jumped to: no second jump.
         fake.saved = format!("*nat\n:POSTROUTING ACCEPT [0:0]\n:{CHAIN} - [0:0]\n-A POSTROUTING -j {CHAIN}\nCOMMIT\n");
-        install(&mut fake, 0x4000).unwrap();
+        install(&mut fake, 0x4000, &(32768..=65535)).unwrap();
         assert_eq!(fake.restored[1].matches("-A POSTROUTING").count(), 0);
+    }
+
+    #[test]
+    fn masquerades_to_the_larger_run_of_ports_beside_the_node_ports() {
+        assert_eq!(ports_outside(&(30000..=32767)), 32768..=65535);
+        assert_eq!(ports_outside(&(40000..=60000)), 1024..=39999);
+        assert_eq!(ports_outside(&(30000..=65535)), 1024..=29999);
+        assert_eq!(ports_outside(&(1..=1023)), 1024..=65535);
+        assert_eq!(ports_outside(&(0..=20000)), 20001..=65535);
     }
 
     #[test]

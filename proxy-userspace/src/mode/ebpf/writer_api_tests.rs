@@ -295,3 +295,16 @@ fn what_the_programs_do_not_honour_is_named() {
         "a Local NodePort is a known difference, not reported"
     );
 }
+
+#[test]
+fn a_node_port_among_the_masquerade_ports_is_named() {
+    let mut port = lb_port(vec![]);
+    let snat_ports = super::snat::ports_outside(&(30000..=32767));
+    port.node_port = Some(30080);
+    assert_eq!(super::node_port_among_snat_ports(&port, &snat_ports), None);
+    port.node_port = Some(40080);
+    let reason = super::node_port_among_snat_ports(&port, &snat_ports).expect("40080 is masqueraded to");
+    assert!(reason.contains("--node-port-range"), "{reason}");
+    port.node_port = None;
+    assert_eq!(super::node_port_among_snat_ports(&port, &snat_ports), None);
+}
