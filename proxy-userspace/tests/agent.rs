@@ -613,8 +613,10 @@ fn sigkill_and_restart_keep_traffic_and_adopt_the_maps() {
         bed.wait_answering(seed_node_port(), READY_WITHIN)?;
         let before = services_masked(&bed.status()?);
         let shown = frontends(&before);
+        // Each a ClusterIP and a node port on both node addresses (the
+        // node IP and the pods' gateway).
         ensure!(
-            shown.len() == 4,
+            shown.len() == 6,
             "expected the seed's and echo's frontends, status shows:\n{before}"
         );
 
@@ -837,12 +839,18 @@ fn bad_input_is_skipped_and_the_seed_keeps_working() {
 // ---------------------------------------------------------------------------
 // 6: health, metrics and status.
 
-/// What `xproxy status` shows of the seed (the mode found on its own).
+/// What `xproxy status` shows of the seed (the mode found on its own):
+/// the node port on every address of the node, the pods' gateway too
+/// (kube-proxy's `addrtype LOCAL`).
 const SEED_STATUS: &str = "\
 Mode: ebpf
 Prot LocalAddress:Port Kind
   -> RemoteAddress:Port           Flows
 TCP  10.96.0.88:88 ClusterIP
+  -> 10.244.0.11:80               *
+  -> 10.244.0.12:80               *
+  -> 10.244.0.13:80               *
+TCP  10.244.0.1:30791 NodePort
   -> 10.244.0.11:80               *
   -> 10.244.0.12:80               *
   -> 10.244.0.13:80               *

@@ -47,7 +47,7 @@
 //! | ... an entry that does not parse | skipped, logged, counted | the same | the same | the same | the same | skipped, logged |
 //! | `sessionAffinity: ClientIP` | sticks; moves after the timeout, and when its backend leaves | the same (`-m recent`) | the same (affinity sets) | sticks; after the timeout it stays while IPVS still holds connection entries of the client (TIME_WAIT, 2 min) under its persistence template, as in kube-proxy's IPVS mode | the same as ebpf (the agent's balancer) | sticks; moves after the timeout |
 //! | NodePort from the node, `NODE_IP:NODEPORT` | answered | answered | answered | answered | answered | answered |
-//! | NodePort on an address added after the agent started (`nodePortAddresses` unset, whatever `--node-ip` says) | from the node only (the socket programs follow address events; the tc/XDP frontends hold the node IPs known at start) | answered (`addrtype LOCAL`) | answered (`fib daddr type local`) | answered from the next sync (it lists the node's addresses at each sync) | answered (`addrtype LOCAL`) | answered (IPVS mode: from the next sync) |
+//! | NodePort on an address added after the agent started (`nodePortAddresses` unset, whatever `--node-ip` says) | answered from the next sync (it lists the node's addresses at each full sync; the node's own traffic at once: the socket programs follow address events) | answered (`addrtype LOCAL`) | answered (`fib daddr type local`) | answered from the next sync (it lists the node's addresses at each sync) | answered (`addrtype LOCAL`) | answered (IPVS mode: from the next sync) |
 //!
 //! The userspace mode is kube-proxy's legacy userspace proxier, which
 //! xproxy keeps for comparison with ClusterIPs and NodePorts only: of the
@@ -232,7 +232,6 @@ trait Differences {
     fn serves_external_addresses(self) -> bool;
     fn other_ports(self) -> OtherPorts;
     fn affinity_after_idle(self) -> AfterIdle;
-    fn added_address_serves_outside(self) -> bool;
 }
 
 impl Differences for Mode {
@@ -270,19 +269,6 @@ impl Differences for Mode {
             // entry stays in TIME_WAIT for 2 minutes: longer than the
             // scenario waits (kube-proxy's IPVS mode behaves the same).
             Mode::Ipvs => AfterIdle::Stays,
-        }
-    }
-
-    /// Whether a node address added after the agent started takes node
-    /// ports for traffic from outside and from pods.
-    fn added_address_serves_outside(self) -> bool {
-        match self {
-            Mode::Iptables | Mode::Nftables | Mode::Ipvs | Mode::Userspace => true,
-            // The programs' node port frontends are keyed by the node IPs
-            // the agent knew at start; only the node's own traffic (the
-            // socket programs, which follow address events) reaches a
-            // later address. Left open in issue 12.
-            Mode::Ebpf => false,
         }
     }
 }
@@ -809,9 +795,6 @@ fn node_port_addresses(mode: Mode, _label: &str, bed: &mut AgentBed, checks: &mu
 
     topo.node.add_addr(&topo.uplink, &format!("{ADDED_IP}/24"))?;
     let added = at(ADDED_IP, SEED_NODE_PORT);
-    if !mode.added_address_serves_outside() {
-        return added_address_from_the_node_only(topo, added, checks);
-    }
     let waited = netns::wait_for(
         &format!("{added}, on an address added after the agent started, to answer the client"),
         ADDED_WITHIN,
@@ -829,38 +812,6 @@ fn node_port_addresses(mode: Mode, _label: &str, bed: &mut AgentBed, checks: &mu
                 expect_all_backends(from.ns(topo), protocol, added),
             );
         }
-    }
-    Ok(())
-}
-
-/// The ebpf mode's difference: the node itself reaches `added` at once,
-/// the client and the pod are refused as without a proxy (nothing listens
-/// there).
-fn added_address_from_the_node_only(topo: &Topology, added: SocketAddrV4, checks: &mut Checks) -> Result<()> {
-    // The socket programs learn the address from the address event.
-    let waited = netns::wait_for(
-        &format!("{added}, on an address added after the agent started, to answer the node"),
-        ADDED_WITHIN,
-        || probe::answers(&topo.node, added),
-    );
-    checks.check(
-        &format!("{added} answers the node within {ADDED_WITHIN:?}"),
-        waited.map(|answer| format!("first answer from {answer}")),
-    );
-    for protocol in PROTOCOLS {
-        let p = proto_name(protocol);
-        checks.check(
-            &format!("{p} Node -> {added}: every backend answers"),
-            expect_all_backends(Place::Node.ns(topo), protocol, added),
-        );
-    }
-    for from in [Place::Client, Place::ClientPod] {
-        checks.check(
-            &format!("TCP {from:?} -> {added}: refused (not served from outside in the ebpf mode)"),
-            probe::refused(from.ns(topo), added)
-                .map(|()| "refused".to_owned())
-                .map_err(|e| anyhow!(e)),
-        );
     }
     Ok(())
 }

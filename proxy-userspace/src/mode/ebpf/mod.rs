@@ -101,7 +101,8 @@ pub struct EbpfOptions {
     /// Uplinks by name; if empty, the interfaces carrying `node_ips`.
     pub interfaces: Vec<String>,
     /// kube-proxy's nodePortAddresses as CIDRs: NodePorts answer on every
-    /// local IPv4 address inside them. `None`: on the node IPs.
+    /// local IPv4 address inside them. `None`: on every local address
+    /// (see [`node_port_ips`]).
     pub node_port_cidrs: Option<Vec<Cidr>>,
     /// The skb mark bit for flows the kernel must masquerade (kube-proxy's
     /// masqueradeBit as a mask); 0 turns the SNAT fallback off.
@@ -156,7 +157,10 @@ pub struct EbpfMode {
     maps: ServiceMaps,
     /// Shared with the task that attaches pod interfaces as they appear.
     datapath: Arc<Mutex<Datapath>>,
+    /// The addresses NodePorts answer on (see [`node_port_ips`]).
     node_ips: Vec<Ipv4Addr>,
+    /// See [`EbpfOptions::node_port_cidrs`].
+    node_port_cidrs: Option<Vec<Cidr>>,
     pin_path: PathBuf,
     /// See [`EbpfOptions::snat_ports`].
     snat_ports: RangeInclusive<u16>,
@@ -183,15 +187,14 @@ impl EbpfMode {
             bail!("the ebpf mode needs --node-ip or --interface to know the node's uplinks");
         }
         let uplinks = interfaces::uplinks(&all, &opts.interfaces, &opts.node_ips)?;
-        let node_ips: Vec<Ipv4Addr> = match &opts.node_port_cidrs {
-            Some(cidrs) => all
-                .iter()
-                .flat_map(|i| i.ipv4.iter().copied())
-                .filter(|ip| cidrs.iter().any(|c| c.contains((*ip).into())))
-                .collect(),
-            None if opts.node_ips.is_empty() => uplinks.iter().flat_map(|u| u.ipv4.iter().copied()).collect(),
-            None => opts.node_ips.clone(),
-        };
+        let local = all.iter().flat_map(|i| i.ipv4.iter().copied());
+        let node_ips = node_port_ips(local, opts.node_port_cidrs.as_deref());
+        // The address the socket programs' replies seem to come from.
+        let primary = opts
+            .node_ips
+            .first()
+            .or_else(|| uplinks.iter().find_map(|u| u.ipv4.first()))
+            .copied();
         for uplink in &uplinks {
             let hook = match opts.xdp {
                 XdpPolicy::Native => Hook::Uplink,
@@ -214,7 +217,7 @@ impl EbpfMode {
                 );
             }
         }
-        start_socket_lb(&mut datapath, &opts.socket_lb, node_ips.first().copied()).await;
+        start_socket_lb(&mut datapath, &opts.socket_lb, primary).await;
         // Now that no older program writes old entries any more.
         match legacy_ct::migrate(&opts.pin_path) {
             Ok(0) => {}
@@ -234,14 +237,11 @@ impl EbpfMode {
             maps,
             datapath,
             node_ips,
+            node_port_cidrs: opts.node_port_cidrs.clone(),
             pin_path: opts.pin_path.clone(),
             snat_ports: opts.snat_ports.clone(),
             unhonoured: Unhonoured::default(),
         })
-    }
-
-    pub fn node_ips(&self) -> &[Ipv4Addr] {
-        &self.node_ips
     }
 
     pub fn maps(&self) -> &ServiceMaps {
@@ -253,6 +253,24 @@ impl EbpfMode {
         let mut guard = self.datapath.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         f(&mut guard)
     }
+}
+
+/// The addresses NodePorts answer on, of the node's `local` IPv4 ones:
+/// those inside nodePortAddresses, or, without it, every one but loopback
+/// addresses, as kube-proxy's `addrtype LOCAL` (the node's own connections
+/// to 127.0.0.1 are the socket programs'; no packet from outside comes to
+/// it). Sorted, so that two listings compare.
+fn node_port_ips(local: impl IntoIterator<Item = Ipv4Addr>, cidrs: Option<&[Cidr]>) -> Vec<Ipv4Addr> {
+    let mut ips: Vec<Ipv4Addr> = local
+        .into_iter()
+        .filter(|ip| match cidrs {
+            Some(cidrs) => cidrs.iter().any(|c| c.contains((*ip).into())),
+            None => !ip.is_loopback(),
+        })
+        .collect();
+    ips.sort_unstable();
+    ips.dedup();
+    ips
 }
 
 /// Attaches the socket programs that take the node's own connections to
@@ -348,6 +366,29 @@ fn spawn_pod_interface_watcher(datapath: Arc<Mutex<Datapath>>, uplinks: Vec<Inte
 /// (this node's endpoints), where kube-proxy short-circuits it to every
 /// endpoint.
 impl EbpfMode {
+    /// Lists the node's addresses again, so that one added since the last
+    /// full sync takes node ports from this one and a removed one gives
+    /// them up (kube-proxy reads them at every sync, too). The socket
+    /// programs follow address events on their own.
+    fn follow_node_addresses(&mut self) {
+        let local = match crate::sys::addrs::local_ipv4() {
+            Ok(local) => local,
+            Err(e) => {
+                warn!(
+                    error = format!("{e:#}"),
+                    "node addresses not listed: node ports stay where they are"
+                );
+                return;
+            }
+        };
+        let node_ips = node_port_ips(local, self.node_port_cidrs.as_deref());
+        if node_ips != self.node_ips {
+            info!(was = ?self.node_ips, now = ?node_ips, "node port addresses changed");
+            self.maps.set_node_ips(node_ips.clone());
+            self.node_ips = node_ips;
+        }
+    }
+
     /// Reports, once a port, what the programs do differently from
     /// kube-proxy for the ports just programmed.
     fn note_unhonoured<'a>(&mut self, ports: impl Iterator<Item = &'a ServicePort>) {
@@ -408,6 +449,7 @@ impl Dataplane for EbpfMode {
     }
 
     fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()> {
+        self.follow_node_addresses();
         self.maps.batch(|maps| {
             // Removals first, as in `apply`: a frontend a removed port
             // shares with a desired one (a node port that moved) must end

@@ -522,6 +522,12 @@ impl<M: LbMaps> ServiceMaps<M> {
         })
     }
 
+    /// The addresses NodePort frontends are programmed on from the next
+    /// sync of each Service on (a full sync writes them all).
+    pub fn set_node_ips(&mut self, node_ips: Vec<Ipv4Addr>) {
+        self.node_ips = node_ips;
+    }
+
     /// Removes every Service port not in `keep` (adopted ones included), then
     /// whatever the maps held at open (or after a failed write) that no
     /// Service port references.

@@ -308,3 +308,29 @@ fn a_node_port_among_the_masquerade_ports_is_named() {
     port.node_port = None;
     assert_eq!(super::node_port_among_snat_ports(&port, &snat_ports), None);
 }
+
+#[test]
+fn node_ports_answer_on_every_local_address_or_those_in_node_port_addresses() {
+    let ip = |s: &str| s.parse::<std::net::Ipv4Addr>().expect("ip");
+    let local = [
+        ip("10.0.0.2"),
+        ip("127.0.0.1"),
+        ip("10.244.1.1"),
+        ip("192.168.5.5"),
+        ip("10.0.0.2"),
+    ];
+    assert_eq!(
+        super::node_port_ips(local, None),
+        [ip("10.0.0.2"), ip("10.244.1.1"), ip("192.168.5.5")],
+        "every address but loopback, once each"
+    );
+    let cidrs = [
+        "10.0.0.0/24".parse().expect("cidr"),
+        "127.0.0.0/8".parse().expect("cidr"),
+    ];
+    assert_eq!(
+        super::node_port_ips(local, Some(&cidrs)),
+        [ip("10.0.0.2"), ip("127.0.0.1")],
+        "only those inside the CIDRs"
+    );
+}
