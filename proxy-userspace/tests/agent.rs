@@ -1530,3 +1530,71 @@ fn xdp_auto_falls_back_to_tc_where_native_xdp_is_refused() {
     );
     note(TEST, "bridge uplink: native XDP refused, tc attached, synced");
 }
+
+// ---------------------------------------------------------------------------
+// Pod interfaces are rescanned on every full sync.
+
+/// A pod interface whose link event the agent missed (simulated: its tc
+/// links are detached and unpinned by hand while the agent runs) gets its
+/// programs back at the next full sync, and the pod reaches the ClusterIP
+/// again.
+#[test]
+fn a_pod_interface_without_programs_is_attached_by_the_next_full_sync() {
+    const TEST: &str = "a_pod_interface_without_programs_is_attached_by_the_next_full_sync";
+    /// The config's syncPeriod (the ebpf mode reads the iptables
+    /// section's, as kube-proxy's own modes do): how often a full sync runs.
+    const SYNC_PERIOD: Duration = Duration::from_secs(2);
+    if !require_root(TEST) {
+        return;
+    }
+    run(TEST, |bed| {
+        let config = bed.dir().join("proxy.yaml");
+        std::fs::write(
+            &config,
+            format!(
+                "kind: KubeProxyConfiguration\napiVersion: kubeproxy.config.k8s.io/v1alpha1\n\
+                 iptables:\n  syncPeriod: {}s\n",
+                SYNC_PERIOD.as_secs()
+            ),
+        )?;
+        bed.copy_seed_manifests()?;
+        let mut args = bed.manifest_args();
+        args.extend(["--config".to_owned(), config.display().to_string()]);
+        bed.start_agent(&args)?;
+        bed.wait_first_sync(READY_WITHIN)?;
+        let cluster_ip = SocketAddrV4::new(SEED_CLUSTER_IP, SEED_PORT);
+        let pod = &bed.topo.client_pod;
+        answers(&pod.ns, cluster_ip).map_err(|e| anyhow::anyhow!("before: {e}"))?;
+
+        let pins: Vec<std::path::PathBuf> = ["tc_ingress", "tc_egress"]
+            .iter()
+            .map(|prog| bed.pin_path().join("links").join(prog).join(&pod.node_if))
+            .collect();
+        for pin in &pins {
+            bpf_sys::obj::detach_pinned_link(pin).with_context(|| format!("detaching {}", pin.display()))?;
+            std::fs::remove_file(pin)?;
+        }
+        // (The pod still reaches the ClusterIP meanwhile, through the
+        // uplink's egress program: what it loses is the translation at its
+        // own interface, e.g. for traffic that never leaves by the uplink.)
+        let detached = Instant::now();
+        // A pin is made only for a link the kernel created (this bpftool
+        // predates tcx and cannot show the link's interface).
+        netns::wait_for("the pod's links pinned again", SYNC_PERIOD * 5, || {
+            if pins.iter().all(|p| p.exists()) {
+                Ok(())
+            } else {
+                Err("not yet".to_owned())
+            }
+        })?;
+        ensure!(
+            !log_lines(&bed.log(), "full sync's rescan").is_empty(),
+            "the links came back, but not by the rescan:\n{}",
+            bed.log()
+        );
+        answers(&pod.ns, cluster_ip).map_err(|e| anyhow::anyhow!("after the rescan: {e}"))?;
+        let back = detached.elapsed();
+        note(TEST, format!("programs back on {} after {back:?}", pod.node_if));
+        Ok(())
+    });
+}

@@ -123,6 +123,17 @@ impl Datapath {
         Ok(())
     }
 
+    /// Whether `iface` has both tc programs in pinned links; `None` before
+    /// tcx (Linux 6.6), where the programs are filters that leave no pin
+    /// (attaching again there only replaces the filters' program).
+    pub fn has_tc_links(&self, iface: &str) -> Option<bool> {
+        has_tcx().then(|| {
+            [maps::PROG_TC_INGRESS, maps::PROG_TC_EGRESS]
+                .iter()
+                .all(|prog| self.link_pin(iface, prog).exists())
+        })
+    }
+
     /// Where the link of program `prog` on `iface` is pinned:
     /// `links/<prog>/<iface>`. bpffs refuses names with a dot, which
     /// interface names may have (`eth0.100`), so dots become `~`.

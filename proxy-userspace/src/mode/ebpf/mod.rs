@@ -82,6 +82,7 @@ pub use memory_maps::{FaultyMaps, MemoryMaps};
 pub use object::object_bytes;
 pub use pinned_maps::{PinnedMaps, sum_verdicts};
 pub use service_maps::ServiceMaps;
+use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 pub use write_batch::{Split, SplitStaged, Step, Table};
 
@@ -157,6 +158,8 @@ pub struct EbpfMode {
     maps: ServiceMaps,
     /// Shared with the task that attaches pod interfaces as they appear.
     datapath: Arc<Mutex<Datapath>>,
+    /// Asks that task to look for pod interfaces without programs.
+    rescan_pods: mpsc::Sender<()>,
     /// The addresses NodePorts answer on (see [`node_port_ips`]).
     node_ips: Vec<Ipv4Addr>,
     /// See [`EbpfOptions::node_port_cidrs`].
@@ -228,7 +231,7 @@ impl EbpfMode {
             ),
         }
         let datapath = Arc::new(Mutex::new(datapath));
-        spawn_pod_interface_watcher(datapath.clone(), uplinks)?;
+        let rescan_pods = spawn_pod_interface_watcher(datapath.clone(), uplinks, handle)?;
         spawn_conntrack_sweeper(opts.pin_path.clone(), opts.conntrack);
         let mut maps = ServiceMaps::open(&opts.pin_path, node_ips.clone())?;
         maps.set_topology(opts.node_name.clone(), opts.masquerade_all);
@@ -236,6 +239,7 @@ impl EbpfMode {
         Ok(Self {
             maps,
             datapath,
+            rescan_pods,
             node_ips,
             node_port_cidrs: opts.node_port_cidrs.clone(),
             pin_path: opts.pin_path.clone(),
@@ -337,34 +341,85 @@ fn spawn_conntrack_sweeper(pin_path: PathBuf, settings: conntrack::CtSettings) {
     });
 }
 
-fn spawn_pod_interface_watcher(datapath: Arc<Mutex<Datapath>>, uplinks: Vec<Interface>) -> Result<()> {
+/// Attaches the programs to pod interfaces as they appear (link events),
+/// and, whenever asked (every full sync), to any pod interface that has
+/// none: a link event can be missed (a netlink socket buffer overrun under
+/// a burst of pod starts), and a pod without programs goes untranslated.
+/// Returns the sender that asks for such a rescan.
+fn spawn_pod_interface_watcher(
+    datapath: Arc<Mutex<Datapath>>,
+    uplinks: Vec<Interface>,
+    handle: rtnetlink::Handle,
+) -> Result<mpsc::Sender<()>> {
     let mut new_veths = interfaces::watch_new_veths()?;
+    // One pending request is enough: a rescan looks at every interface.
+    let (rescan, mut rescans) = mpsc::channel(1);
     tokio::spawn(async move {
-        while let Some(iface) = new_veths.recv().await {
-            if uplinks.iter().any(|u| u.index == iface.index) {
-                continue;
-            }
-            let mut datapath = datapath.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            // Attaching again to an attached interface only swaps the
-            // program in its pinned link, so repeated events are harmless.
-            match datapath.attach(&iface.name, Hook::Pod) {
-                Ok(()) => info!(iface = iface.name, "pod interface attached"),
-                Err(e) => warn!(
-                    iface = iface.name,
-                    error = format!("{e:#}"),
-                    "could not attach to new pod interface"
-                ),
+        loop {
+            tokio::select! {
+                Some(iface) = new_veths.recv() => {
+                    if !uplinks.iter().any(|u| u.index == iface.index) {
+                        attach_pod(&datapath, &iface.name, "pod interface attached", true);
+                    }
+                }
+                Some(()) = rescans.recv() => rescan_pods(&datapath, &uplinks, &handle).await,
+                else => break,
             }
         }
     });
-    Ok(())
+    Ok(rescan)
 }
 
-/// What the programs do not honour of `port`. They cannot tell a pod's
-/// packet from the uplink's on the hooks they share, so a pod's flow to an
-/// external or load balancer IP of a `Local` Service is external traffic
-/// (this node's endpoints), where kube-proxy short-circuits it to every
-/// endpoint.
+/// Attaches the pod programs to `iface`; logs `done` (at debug level
+/// unless `notable`) or the failure. Attaching again to an attached
+/// interface only swaps the program in its pinned link (or filter), so
+/// repeated events are harmless.
+fn attach_pod(datapath: &Mutex<Datapath>, iface: &str, done: &str, notable: bool) {
+    let mut datapath = datapath.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    match datapath.attach(iface, Hook::Pod) {
+        Ok(()) if notable => info!(iface, "{done}"),
+        Ok(()) => debug!(iface, "{done}"),
+        Err(e) => warn!(iface, error = format!("{e:#}"), "could not attach to a pod interface"),
+    }
+}
+
+/// Attaches to every pod interface that lacks its tc links.
+async fn rescan_pods(datapath: &Mutex<Datapath>, uplinks: &[Interface], handle: &rtnetlink::Handle) {
+    let all = match interfaces::list(handle).await {
+        Ok(all) => all,
+        Err(e) => {
+            warn!(
+                error = format!("{e:#}"),
+                "cannot list interfaces to rescan pod interfaces"
+            );
+            return;
+        }
+    };
+    for pod in interfaces::pod_interfaces(&all, uplinks) {
+        let attached = datapath
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .has_tc_links(&pod.name);
+        match attached {
+            Some(true) => {}
+            // A pod the link events missed: worth a line in the log.
+            Some(false) => attach_pod(
+                datapath,
+                &pod.name,
+                "pod interface attached by the full sync's rescan",
+                true,
+            ),
+            // Filters (before 6.6) cannot be told apart: re-attach quietly.
+            None => attach_pod(
+                datapath,
+                &pod.name,
+                "pod interface's filters refreshed by the rescan",
+                false,
+            ),
+        }
+    }
+}
+
 impl EbpfMode {
     /// Lists the node's addresses again, so that one added since the last
     /// full sync takes node ports from this one and a removed one gives
@@ -414,7 +469,11 @@ fn node_port_among_snat_ports(port: &ServicePort, snat_ports: &RangeInclusive<u1
     ))
 }
 
-/// What the programs do differently from kube-proxy for `port`, if anything.
+/// What the programs do differently from kube-proxy for `port`, if
+/// anything. They cannot tell a pod's packet from the uplink's on the hooks
+/// they share, so a pod's flow to an external or load balancer IP of a
+/// `Local` Service is external traffic (this node's endpoints), where
+/// kube-proxy short-circuits it to every endpoint.
 fn not_honoured(port: &ServicePort) -> Option<String> {
     (port.external_local() && !port.external_addresses().is_empty()).then(|| {
         "Local: pods' traffic to the external and load balancer IPs \
@@ -450,6 +509,8 @@ impl Dataplane for EbpfMode {
 
     fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()> {
         self.follow_node_addresses();
+        // Full (not yet run) means a rescan is already waiting.
+        let _ = self.rescan_pods.try_send(());
         self.maps.batch(|maps| {
             // Removals first, as in `apply`: a frontend a removed port
             // shares with a desired one (a node port that moved) must end
