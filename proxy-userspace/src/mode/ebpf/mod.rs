@@ -383,17 +383,18 @@ fn attach_pod(datapath: &Mutex<Datapath>, iface: &str, done: &str, notable: bool
     }
 }
 
+/// `result`'s value, or `None` after a warning that says what it means.
+fn ok_or_warn<T>(result: Result<T>, meaning: &str) -> Option<T> {
+    result.map_err(|e| warn!(error = format!("{e:#}"), "{meaning}")).ok()
+}
+
 /// Attaches to every pod interface that lacks its tc links.
 async fn rescan_pods(datapath: &Mutex<Datapath>, uplinks: &[Interface], handle: &rtnetlink::Handle) {
-    let all = match interfaces::list(handle).await {
-        Ok(all) => all,
-        Err(e) => {
-            warn!(
-                error = format!("{e:#}"),
-                "cannot list interfaces to rescan pod interfaces"
-            );
-            return;
-        }
+    let Some(all) = ok_or_warn(
+        interfaces::list(handle).await,
+        "cannot list interfaces to rescan pod interfaces",
+    ) else {
+        return;
     };
     for pod in interfaces::pod_interfaces(&all, uplinks) {
         let attached = datapath
@@ -426,15 +427,11 @@ impl EbpfMode {
     /// them up (kube-proxy reads them at every sync, too). The socket
     /// programs follow address events on their own.
     fn follow_node_addresses(&mut self) {
-        let local = match crate::sys::addrs::local_ipv4() {
-            Ok(local) => local,
-            Err(e) => {
-                warn!(
-                    error = format!("{e:#}"),
-                    "node addresses not listed: node ports stay where they are"
-                );
-                return;
-            }
+        let Some(local) = ok_or_warn(
+            crate::sys::addrs::local_ipv4(),
+            "node addresses not listed: node ports stay where they are",
+        ) else {
+            return;
         };
         let node_ips = node_port_ips(local, self.node_port_cidrs.as_deref());
         if node_ips != self.node_ips {
