@@ -15,6 +15,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
 use crate::{
+    mode::ModeCounters,
     model::{Cluster, NoLocalEndpoints, Problem, object_key},
     reconcile::runner::{Reconciler, Schedule, SyncPolicy, SyncReport},
     server::service_health::ServiceHealth,
@@ -48,6 +49,10 @@ pub trait Observer: Send + Sync {
     fn problems(&self, problems: &[Problem]);
     /// This node's Node object changed (`None`: deleted or not found).
     fn node_updated(&self, node: Option<&Node>);
+    /// The mode's own counts after a sync, failed or not.
+    fn mode_counters(&self, counters: &ModeCounters) {
+        let _ = counters;
+    }
 }
 
 /// An observer that ignores everything (the agent loop logs by itself): for
@@ -281,6 +286,7 @@ impl Agent {
                 self.observer.sync_failed(&e);
             }
         }
+        self.observer.mode_counters(&self.reconciler.mode_counters());
     }
 }
 

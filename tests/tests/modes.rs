@@ -1494,11 +1494,41 @@ fn iptables_read_back(bed: &AgentBed, stage: Stage) -> Result<String> {
     find("-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES")?;
     find("-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES")?;
     find("-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE")?;
+    let counted = if stage == Stage::Seed {
+        rule_count_metrics(bed)?
+    } else {
+        String::new()
+    };
     Ok(format!(
-        "KUBE-SERVICES -> KUBE-SVC -> {} KUBE-SEP per protocol, probabilities {:?}",
+        "KUBE-SERVICES -> KUBE-SVC -> {} KUBE-SEP per protocol, probabilities {:?}{counted}",
         backends.len(),
         probabilities(backends.len())
     ))
+}
+
+/// After the first (full) sync, kube-proxy's rule count per table equals
+/// the KUBE-* rules `iptables-save` shows there: those in KUBE-* chains
+/// and the jumps into them (every KUBE-* chain in the bed is the agent's).
+fn rule_count_metrics(bed: &AgentBed) -> Result<String> {
+    let metrics = bed.metrics()?;
+    let mut counts = Vec::new();
+    for table in ["filter", "nat"] {
+        let saved = bed.topo.node.exec(&["iptables-save", "-t", table])?;
+        let rules = saved
+            .lines()
+            .filter(|l| l.starts_with("-A KUBE-") || (l.starts_with("-A ") && l.contains(" -j KUBE-")))
+            .count();
+        let shown = metrics.labeled(
+            "kubeproxy_sync_proxy_rules_iptables_total",
+            &format!("table=\"{table}\""),
+        );
+        ensure!(
+            shown == Some(rules as f64),
+            "kubeproxy_sync_proxy_rules_iptables_total{{table={table:?}}} is {shown:?}, iptables-save shows {rules} rules:\n{saved}"
+        );
+        counts.push(format!("{table} {rules}"));
+    }
+    Ok(format!("; rule counts in the metrics: {}", counts.join(", ")))
 }
 
 // --- nftables: `nft list table ip xproxy`.

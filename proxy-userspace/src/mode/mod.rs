@@ -80,6 +80,29 @@ pub trait Dataplane: Send {
     fn take_problems(&mut self) -> Vec<Problem> {
         Vec::new()
     }
+
+    /// The mode's own counts behind kube-proxy's mode-specific metrics.
+    /// The default has none.
+    fn counters(&self) -> ModeCounters {
+        ModeCounters::default()
+    }
+}
+
+/// What a mode counts of its kernel interface, for kube-proxy's metrics of
+/// that mode (`kubeproxy_sync_proxy_rules_iptables_*`, `..._nftables_*`).
+/// Counts only grow; the rule counts are a reading.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ModeCounters {
+    /// iptables: rules in the mode's chains and jumps into them, per
+    /// table, as read back after the last full sync that wrote them.
+    pub iptables_rules: Vec<(&'static str, u64)>,
+    /// iptables: `iptables-restore` runs that failed, of full syncs.
+    pub iptables_restore_failures: u64,
+    /// iptables: `iptables-restore` runs that failed, of partial syncs.
+    pub iptables_partial_restore_failures: u64,
+    /// nftables: `nft` transactions that failed (kube-proxy counts them
+    /// the same way, a retried one too).
+    pub nftables_sync_failures: u64,
 }
 
 /// What a successful sync changed: what a mode needs to find the flows the

@@ -16,7 +16,7 @@ use anyhow::Result;
 
 use super::{diff, diff_of};
 use crate::{
-    mode::{Dataplane, SyncedChange},
+    mode::{Dataplane, ModeCounters, SyncedChange},
     model::{Problem, ServicePort},
 };
 
@@ -173,6 +173,11 @@ impl Reconciler {
 
     pub fn mode_name(&self) -> &'static str {
         self.mode.name()
+    }
+
+    /// The mode's own counts ([`Dataplane::counters`]).
+    pub fn mode_counters(&self) -> ModeCounters {
+        self.mode.counters()
     }
 
     /// Brings the mode to `desired`: everything if `full`, else the ports

@@ -9,7 +9,10 @@
 use std::{
     fmt,
     path::{Path, PathBuf},
-    sync::atomic::{AtomicBool, AtomicU64, Ordering},
+    sync::{
+        Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
 };
 
 use anyhow::{Context, Result};
@@ -29,6 +32,7 @@ use prometheus_client::{
 };
 use proxy_common::{Verdict, VerdictCounter, maps, stats::ct_stat};
 
+use crate::mode::ModeCounters;
 pub use crate::mode::ebpf::conntrack::{ConntrackCounts, read_conntrack_counts};
 use tracing::warn;
 
@@ -82,6 +86,7 @@ pub(super) struct Metrics {
     pub health_check_bind_failures: Counter,
     pub healthz: Family<CodeLabel, Counter>,
     pub livez: Family<CodeLabel, Counter>,
+    pub mode_metrics: ModeMetrics,
 }
 
 impl Metrics {
@@ -108,6 +113,7 @@ impl Metrics {
             health_check_bind_failures: Counter::default(),
             healthz: Family::default(),
             livez: Family::default(),
+            mode_metrics: ModeMetrics::default(),
         };
         // Both codes show from the start, like kube-proxy's fixed series.
         for code in ["200", "503"] {
@@ -220,11 +226,83 @@ impl Metrics {
         info.get_or_create(&[("mode", mode.to_owned())]).set(1);
         registry.register("xproxy_info", "The running agent's data-plane mode", info);
 
+        m.mode_metrics.register(registry, mode);
         registry.register_collector(Box::new(super::process::ProcessCollector));
         if let Some(read) = datapath {
             registry.register_collector(Box::new(DatapathStats { read }));
         }
         m
+    }
+}
+
+/// kube-proxy's metrics of one mode, from the mode's own counts
+/// ([`ModeCounters`]); registered only in that mode, as only that mode of
+/// kube-proxy moves them.
+#[derive(Default)]
+pub(super) struct ModeMetrics {
+    iptables_rules: Family<[(&'static str, &'static str); 1], Gauge>,
+    iptables_restore_failures: Counter,
+    iptables_partial_restore_failures: Counter,
+    nftables_sync_failures: Counter,
+    /// The counts of the last update: counters move by the difference.
+    last: Mutex<ModeCounters>,
+}
+
+impl ModeMetrics {
+    fn register(&self, registry: &mut Registry, mode: &str) {
+        match mode {
+            "iptables" => {
+                // A gauge named _total, as kube-proxy names it (the encoder
+                // appends _total to counters only).
+                registry.register(
+                    "kubeproxy_sync_proxy_rules_iptables_total",
+                    "Total number of iptables rules owned by kube-proxy (xproxy: read back after the last full sync)",
+                    self.iptables_rules.clone(),
+                );
+                registry.register(
+                    "kubeproxy_sync_proxy_rules_iptables_restore_failures",
+                    "Cumulative proxy iptables restore failures",
+                    self.iptables_restore_failures.clone(),
+                );
+                registry.register(
+                    "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures",
+                    "Cumulative proxy iptables partial restore failures",
+                    self.iptables_partial_restore_failures.clone(),
+                );
+            }
+            "nftables" => registry.register(
+                "kubeproxy_sync_proxy_rules_nftables_sync_failures",
+                "Total number of nftables sync failures",
+                self.nftables_sync_failures.clone(),
+            ),
+            _ => {}
+        }
+    }
+
+    /// Takes the mode's counts after a sync.
+    pub fn update(&self, now: &ModeCounters) {
+        let mut last = self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (table, rules) in &now.iptables_rules {
+            self.iptables_rules
+                .get_or_create(&[("table", *table)])
+                .set(i64::try_from(*rules).unwrap_or(i64::MAX));
+        }
+        let grown = |now: u64, before: u64| now.saturating_sub(before);
+        self.iptables_restore_failures
+            .inc_by(grown(now.iptables_restore_failures, last.iptables_restore_failures));
+        self.iptables_partial_restore_failures.inc_by(grown(
+            now.iptables_partial_restore_failures,
+            last.iptables_partial_restore_failures,
+        ));
+        self.nftables_sync_failures
+            .inc_by(grown(now.nftables_sync_failures, last.nftables_sync_failures));
+        *last = now.clone();
+    }
+}
+
+impl fmt::Debug for ModeMetrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ModeMetrics").finish_non_exhaustive()
     }
 }
 

@@ -209,6 +209,10 @@ impl Observer for Telemetry {
         self.0.metrics.skipped_objects.inc_by(problems.len() as u64);
     }
 
+    fn mode_counters(&self, counters: &crate::mode::ModeCounters) {
+        self.0.metrics.mode_metrics.update(counters);
+    }
+
     /// A node that is gone keeps its last verdict: kube-proxy only reacts
     /// to the deletion mark, which arrives before the object disappears.
     fn node_updated(&self, node: Option<&k8s_openapi::api::core::v1::Node>) {

@@ -343,3 +343,50 @@ async fn a_port_in_use_is_a_clear_startup_error() {
     assert!(msg.contains("healthz"), "{msg}");
     assert!(msg.to_ascii_lowercase().contains("address already in use"), "{msg}");
 }
+
+#[test]
+fn a_modes_own_counts_become_kube_proxys_metrics_of_that_mode() {
+    let t = Telemetry::new("iptables", Duration::from_secs(30), None);
+    let counts = |restore, partial| crate::mode::ModeCounters {
+        iptables_rules: vec![("filter", 7), ("nat", 42)],
+        iptables_restore_failures: restore,
+        iptables_partial_restore_failures: partial,
+        nftables_sync_failures: 0,
+    };
+    t.mode_counters(&counts(1, 2));
+    t.mode_counters(&counts(1, 5));
+    let text = metrics(&t);
+    assert_eq!(
+        sample(&text, r#"kubeproxy_sync_proxy_rules_iptables_total{table="nat"}"#),
+        42.0
+    );
+    assert_eq!(
+        sample(&text, r#"kubeproxy_sync_proxy_rules_iptables_total{table="filter"}"#),
+        7.0
+    );
+    assert_eq!(
+        sample(&text, "kubeproxy_sync_proxy_rules_iptables_restore_failures_total"),
+        1.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total"
+        ),
+        5.0
+    );
+    assert!(!text.contains("nftables"), "{text}");
+
+    let t = Telemetry::new("nftables", Duration::from_secs(30), None);
+    let failed = crate::mode::ModeCounters {
+        nftables_sync_failures: 3,
+        ..crate::mode::ModeCounters::default()
+    };
+    t.mode_counters(&failed);
+    let text = metrics(&t);
+    assert_eq!(
+        sample(&text, "kubeproxy_sync_proxy_rules_nftables_sync_failures_total"),
+        3.0
+    );
+    assert!(!text.contains("iptables_restore"), "{text}");
+}

@@ -139,15 +139,38 @@ pub fn owned_lines(saved: &Saved, is_ours: impl Fn(&str, &str) -> bool) -> Vec<S
         for chain in table.chains.iter().filter(|c| is_ours(name, c)) {
             out.push(format!("{name} :{chain}"));
         }
-        for rule in &table.rules {
-            let in_ours = rule_chain(rule).is_some_and(|c| is_ours(name, c));
-            let into_ours = rule_target(rule).is_some_and(|t| is_ours(name, t));
-            if in_ours || into_ours {
-                out.push(format!("{name} {rule}"));
-            }
-        }
+        out.extend(owned_rules(name, table, &is_ours).map(|rule| format!("{name} {rule}")));
     }
     out
+}
+
+/// How many rules of `tables` are in chains `is_ours` accepts or jump into
+/// them (0 for a table without any).
+pub fn owned_rule_counts(
+    saved: &Saved,
+    tables: &[&'static str],
+    is_ours: impl Fn(&str, &str) -> bool,
+) -> Vec<(&'static str, u64)> {
+    tables
+        .iter()
+        .map(|name| {
+            let count = saved
+                .table(name)
+                .map_or(0, |table| owned_rules(name, table, &is_ours).count());
+            (*name, count as u64)
+        })
+        .collect()
+}
+
+/// The rules of `table` in chains `is_ours` accepts or jumping into them.
+fn owned_rules<'a>(
+    name: &'a str,
+    table: &'a SavedTable,
+    is_ours: &'a impl Fn(&str, &str) -> bool,
+) -> impl Iterator<Item = &'a String> {
+    table.rules.iter().filter(move |rule| {
+        rule_chain(rule).is_some_and(|c| is_ours(name, c)) || rule_target(rule).is_some_and(|t| is_ours(name, t))
+    })
 }
 
 /// Removes the chains `is_ours` accepts and the jumps into them through

@@ -31,13 +31,13 @@ use rules::{Rewrite, SyncInput, jumps, port_chains, render};
 use tracing::{debug, info, warn};
 
 pub use super::options::LocalTraffic;
-use super::{Dataplane, Plan, SyncedChange, conntrack, options::NodePortScope, unhonoured::Unhonoured};
+use super::{Dataplane, ModeCounters, Plan, SyncedChange, conntrack, options::NodePortScope, unhonoured::Unhonoured};
 use crate::{
     config::{Cidr, Config},
     model::ServicePort,
     sys::{
         addrs,
-        iptables::{owned_lines, remove_chains},
+        iptables::{owned_lines, owned_rule_counts, remove_chains},
     },
 };
 
@@ -66,7 +66,13 @@ pub struct IptablesMode {
     writes: u64,
     last_input: String,
     unhonoured: Unhonoured,
+    /// Restore failures and the rules read back (see [`ModeCounters`]).
+    counters: ModeCounters,
 }
+
+/// The tables kube-proxy counts its rules in
+/// (`kubeproxy_sync_proxy_rules_iptables_total{table}`).
+const RULE_TABLES: &[&str] = &["filter", "nat"];
 
 struct Verified {
     desired: BTreeMap<String, ServicePort>,
@@ -114,6 +120,7 @@ impl IptablesMode {
             writes: 0,
             last_input: String::new(),
             unhonoured: Unhonoured::default(),
+            counters: ModeCounters::default(),
         }
     }
 
@@ -265,6 +272,7 @@ impl Dataplane for IptablesMode {
         );
         self.verified = None;
         if let Err(e) = self.restore(rendered.text, rendered.writes) {
+            self.counters.iptables_partial_restore_failures += 1;
             for (name, old) in undo.into_iter().rev() {
                 match old {
                     Some(old) => self.state.insert(name, old),
@@ -326,14 +334,19 @@ impl Dataplane for IptablesMode {
             "full iptables sync"
         );
         self.verified = None;
-        self.restore(rendered.text, rendered.writes).context("full sync")?;
+        if let Err(e) = self.restore(rendered.text, rendered.writes) {
+            self.counters.iptables_restore_failures += 1;
+            return Err(e.context("full sync"));
+        }
         self.state = desired.clone();
         match self.iptables.save() {
             Ok(after) => {
+                let after = Saved::parse(&after);
+                self.counters.iptables_rules = owned_rule_counts(&after, RULE_TABLES, chains::is_ours);
                 self.verified = Some(Verified {
                     desired: desired.clone(),
                     opts: self.opts.clone(),
-                    ours: owned_lines(&Saved::parse(&after), chains::is_ours),
+                    ours: owned_lines(&after, chains::is_ours),
                 });
             }
             Err(e) => warn!(
@@ -346,6 +359,10 @@ impl Dataplane for IptablesMode {
 
     fn kernel_writes(&self) -> u64 {
         self.writes
+    }
+
+    fn counters(&self) -> ModeCounters {
+        self.counters.clone()
     }
 
     fn take_problems(&mut self) -> Vec<crate::model::Problem> {

@@ -444,6 +444,37 @@ fn a_failed_partial_sync_changes_nothing_and_a_full_one_recovers() {
 }
 
 #[test]
+fn counters_give_the_rules_read_back_and_the_failed_restores() {
+    let (mut mode, kernel) = mode();
+    assert_eq!(mode.counters(), ModeCounters::default());
+    let a = port("a", 1, Some(30001), &[11, 12]);
+    mode.apply_full(&state([&a])).expect("full sync");
+    let counted = mode.counters().iptables_rules;
+    for (table, rules) in &counted {
+        let saved = Saved::parse(&kernel.clone().save().expect("save"));
+        let ours = owned_lines(&saved, chains::is_ours)
+            .iter()
+            .filter(|l| l.starts_with(&format!("{table} -A")))
+            .count();
+        assert_eq!(*rules, ours as u64, "{table}: {counted:?}");
+    }
+    assert!(counted.iter().all(|(_, n)| *n > 0), "{counted:?}");
+    kernel.fail_next();
+    let plan = Plan {
+        upsert: vec![port("a", 1, Some(30001), &[13])],
+        remove: vec![],
+    };
+    assert!(mode.apply(&plan).is_err());
+    kernel.fail_next();
+    let b = port("b", 2, None, &[14]);
+    assert!(mode.apply_full(&state([&a, &b])).is_err());
+    let counters = mode.counters();
+    assert_eq!(counters.iptables_partial_restore_failures, 1);
+    assert_eq!(counters.iptables_restore_failures, 1);
+    assert_eq!(counters.iptables_rules, counted, "the last reading stays");
+}
+
+#[test]
 fn cleanup_removes_everything_ours_once() {
     let (mut mode, kernel) = mode();
     kernel.tamper("*nat\n:MY-CHAIN - [0:0]\n-A MY-CHAIN -j RETURN\n-A OUTPUT -j MY-CHAIN\nCOMMIT\n");

@@ -36,7 +36,7 @@ pub use ruleset::{NodePorts, Options};
 use tracing::{debug, info, warn};
 
 pub use super::options::LocalTraffic;
-use super::{Dataplane, Plan, SyncedChange, conntrack, options::NodePortScope};
+use super::{Dataplane, ModeCounters, Plan, SyncedChange, conntrack, options::NodePortScope};
 use crate::{config::Config, model::ServicePort};
 
 /// How long an emptied chain waits before it is deleted (kube-proxy's
@@ -57,6 +57,8 @@ pub struct NftablesMode {
     claims: Claims,
     writes: u64,
     last_script: String,
+    /// Failed transactions (see [`ModeCounters`]).
+    counters: ModeCounters,
 }
 
 struct Verified {
@@ -81,6 +83,7 @@ impl NftablesMode {
             claims: Claims::default(),
             writes: 0,
             last_script: String::new(),
+            counters: ModeCounters::default(),
         }
     }
 
@@ -180,7 +183,10 @@ impl NftablesMode {
     }
 
     fn run(&mut self, script: &ruleset::Script) -> Result<()> {
-        self.nft.run(&script.text)?;
+        if let Err(e) = self.nft.run(&script.text) {
+            self.counters.nftables_sync_failures += 1;
+            return Err(e);
+        }
         self.writes += script.writes;
         self.last_script.clone_from(&script.text);
         Ok(())
@@ -316,6 +322,10 @@ impl Dataplane for NftablesMode {
 
     fn kernel_writes(&self) -> u64 {
         self.writes
+    }
+
+    fn counters(&self) -> ModeCounters {
+        self.counters.clone()
     }
 
     /// Frontends (external IP, LB IP or node port and port) a Service port

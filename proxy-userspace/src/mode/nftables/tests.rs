@@ -390,6 +390,8 @@ fn chains_the_kernel_will_not_delete_yet_are_emptied_and_deleted_later() {
         remove: vec![],
     })
     .expect("partial sync with the fallback");
+    // As kube-proxy counts it: the transaction failed, its retry did not.
+    assert_eq!(mode.counters().nftables_sync_failures, 1);
     let script = fake.last();
     let gone = names::endpoint_chain(&seed(&[]), &Endpoint::ready(Ipv4Addr::new(10, 244, 0, 12), 80));
     assert!(script.ends_with(&format!("flush chain ip xproxy {gone}\n")), "{script}");
@@ -433,6 +435,11 @@ fn a_failed_sync_is_an_error_and_changes_no_bookkeeping() {
     fake.fail_on("add", 1);
     assert!(mode.apply_full(&state(&[seed(&[11])])).is_err());
     assert!(mode.verified.is_none());
+    assert_eq!(
+        mode.counters().nftables_sync_failures,
+        2,
+        "each failed transaction counted"
+    );
 }
 
 #[test]
