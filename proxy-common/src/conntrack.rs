@@ -261,6 +261,22 @@ pub fn is_closed(state: u8) -> bool {
     state == state::TCP_TIME_WAIT || state == state::TCP_CLOSE
 }
 
+/// The state an entry's flow is in: `state`, unless both FIN flags are
+/// set, which is TIME_WAIT (CLOSE stays). The programs set a FIN flag with
+/// an atomic OR but write the state byte plainly, from the flags each saw:
+/// when the two sides' FINs are handled on two CPUs at once, both flags
+/// end up set while the state byte may still say FIN_WAIT. The flags are
+/// the authority; a flow stuck in FIN_WAIT would keep its tuple pinned to
+/// its backend when the client reuses the port.
+#[inline(always)]
+pub fn settled_state(state: u8, flags: u8) -> u8 {
+    if flags & FLOW_FLAGS == FLOW_FLAGS && state != state::TCP_CLOSE {
+        state::TCP_TIME_WAIT
+    } else {
+        state
+    }
+}
+
 /// How long a flow may be idle in each state, in seconds, indexed by
 /// [`state`]. The programs read it as a read-only global the agent sets at
 /// load time ([`crate::maps::GLOBAL_CT_TIMEOUTS`]).
@@ -324,6 +340,11 @@ pub const LAST_SEEN_GRANULARITY_NS: u64 = 1_000_000_000;
 
 const _: () = assert!(core::mem::size_of::<CtKey>() == 16);
 const _: () = assert!(core::mem::size_of::<CtValue>() == 24);
+// The programs OR FIN flags into the 64-bit word that starts at `flags`
+// (with `state`, `nat_port_be` and `nat_addr_be`, the value's last 8
+// bytes): it must be 8-byte aligned.
+const _: () = assert!(core::mem::offset_of!(CtValue, flags) % 8 == 0);
+const _: () = assert!(core::mem::align_of::<CtValue>() == 8);
 const _: () = assert!(core::mem::offset_of!(CtValue, nat_addr_be) == 20);
 const _: () = assert!(core::mem::size_of::<CtTimeouts>() == 4 * state::COUNT);
 const _: () = assert!(state::COUNT.is_power_of_two());
@@ -344,6 +365,17 @@ mod tests {
 
     const FWD: bool = false;
     const REP: bool = true;
+
+    #[test]
+    fn both_fin_flags_settle_the_state_as_time_wait() {
+        // Two CPUs each saw one FIN: the flags say both, the state one.
+        let both = FLAG_FIN_FORWARD | FLAG_FIN_REPLY | FLAG_REPLY;
+        assert_eq!(settled_state(TCP_FIN_WAIT, both), TCP_TIME_WAIT);
+        assert_eq!(settled_state(TCP_ESTABLISHED, both), TCP_TIME_WAIT);
+        assert_eq!(settled_state(TCP_CLOSE, both), TCP_CLOSE, "a RST stays a RST");
+        assert_eq!(settled_state(TCP_FIN_WAIT, FLAG_FIN_FORWARD), TCP_FIN_WAIT);
+        assert_eq!(settled_state(UDP_REPLIED, FLAG_REPLY), UDP_REPLIED);
+    }
 
     #[test]
     fn tcp_states_follow_the_kernels() {

@@ -4,12 +4,14 @@
 //! packets of both directions; a flow that is over gives way to a packet
 //! that opens a new one on its tuple.
 
+use core::intrinsics::{AtomicOrdering, atomic_or};
+
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns};
 use proxy_common::{
     Backend, CtKey, CtValue,
     conntrack::{
         FLAG_HANDED_TO_TC, FLAG_REPLY, FLAG_SNAT, FLAG_STATEFUL, FLOW_FLAGS, LAST_SEEN_GRANULARITY_NS, idle_past,
-        initial_state, is_closed, next_state, opens_flow, partner_key, tcp_flags,
+        initial_state, is_closed, next_state, opens_flow, partner_key, settled_state, tcp_flags,
     },
     proto,
     stats::ct_stat,
@@ -124,10 +126,11 @@ fn begins_anew(flow: &Flow, reply: bool) -> bool {
 /// keeps its flow alive).
 #[inline(always)]
 fn is_over(key: &CtKey, value: &CtValue, now: u64) -> bool {
-    if is_closed(value.state) {
+    let state = settled_state(value.state, value.flags);
+    if is_closed(state) {
         return true;
     }
-    let timeout = ct_timeout_ns(value.state);
+    let timeout = ct_timeout_ns(state);
     if !idle_past(timeout, value.last_seen_ns, now) {
         return false;
     }
@@ -164,18 +167,20 @@ fn partner_of(key: &CtKey, value: &CtValue) -> Option<*mut CtValue> {
 fn advance(key: &CtKey, entry: *mut CtValue, flow: &Flow, reply: bool, now: u64) {
     // SAFETY: `lookup`, the one caller, passes its `CONNTRACK` value
     // pointer. Another CPU may write the same entry at once (a flow's
-    // packets in both directions): the fields are plain integers, and the
-    // worst outcome is one of two timestamps or state steps lost, which the
-    // next packet repeats.
+    // packets in both directions): a FIN flag is set atomically (see
+    // `set_state`); the other fields are plain integers, and the worst
+    // outcome is one of two timestamps or state steps lost, which the next
+    // packet repeats.
     let value = unsafe { &mut *entry };
     let flow_flags = value.flags & FLOW_FLAGS;
     let (state, new_flags) = next_state(value.state, flow_flags, flow.proto, reply, flow.tcp_flags);
     if state != value.state || new_flags != flow_flags {
-        set_state(value, state, new_flags);
+        let fins = new_flags & !flow_flags;
+        set_state(entry, state, fins);
         if let Some(other) = partner_of(key, value) {
-            // SAFETY: valid as `value` is; at another key (`create` never
-            // makes an entry its own partner), so the two do not alias.
-            set_state(unsafe { &mut *other }, state, new_flags);
+            // At another key (`create` never makes an entry its own
+            // partner), so the two do not alias.
+            set_state(other, state, fins);
         }
     }
     if now.wrapping_sub(value.last_seen_ns) > LAST_SEEN_GRANULARITY_NS {
@@ -183,11 +188,44 @@ fn advance(key: &CtKey, entry: *mut CtValue, flow: &Flow, reply: bool, now: u64)
     }
 }
 
+/// Sets the FIN flags `fins` in the entry with one atomic OR, then its
+/// state, settled by every FIN flag now set. Each side's FIN may be handled
+/// on its own CPU at the same moment: a plain read-modify-write of the
+/// flags byte could lose one of them and leave the flow half-closed for
+/// good (its tuple would stay pinned to the old backend when reused).
 #[inline(always)]
-fn set_state(value: &mut CtValue, state: u8, flow_flags: u8) {
-    value.state = state;
-    value.flags = (value.flags & !FLOW_FLAGS) | flow_flags;
+fn set_state(entry: *mut CtValue, state: u8, fins: u8) {
+    let flags = if fins == 0 {
+        // SAFETY: a `CONNTRACK` value pointer of this run (`advance`).
+        unsafe { (*entry).flags }
+    } else {
+        or_flags(entry, fins) | fins
+    };
+    // SAFETY: as above.
+    unsafe { (*entry).state = settled_state(state, flags) };
 }
+
+/// ORs `bits` into the entry's flags atomically; returns the flags before.
+#[inline(always)]
+fn or_flags(entry: *mut CtValue, bits: u8) -> u8 {
+    // SAFETY: a `CONNTRACK` value pointer of this run (`advance`): the
+    // field's address, nothing read.
+    let word = unsafe { core::ptr::addr_of_mut!((*entry).flags) }.cast::<u64>();
+    // SAFETY: as above. `flags`
+    // starts an 8-byte aligned word of the value (asserted in proxy-common)
+    // and is its lowest byte on this little-endian target, so ORing `bits`
+    // into the word changes `flags` alone. The intrinsic, because core's
+    // atomic types give this target (no compare-and-swap) no `fetch_or`;
+    // it compiles to one BPF_ATOMIC | BPF_OR | BPF_FETCH (cpu v3).
+    let before = unsafe { atomic_or::<u64, u64, { AtomicOrdering::Relaxed }>(word, u64::from(bits)) };
+    // Truncation keeps the lowest byte: `flags`.
+    #[allow(clippy::cast_possible_truncation)]
+    let flags = before as u8;
+    flags
+}
+
+#[cfg(target_endian = "big")]
+compile_error!("or_flags assumes `flags` is the lowest byte of its word");
 
 /// The tc hook took over a flow XDP handed to it: later packets are
 /// established ones.

@@ -24,6 +24,9 @@
 //! own connections to its node ports at the socket (cgroup hooks).
 #![no_std]
 #![no_main]
+// One atomic OR on a map value (conntrack's FIN flags): see conntrack.rs.
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
 
 mod affinity;
 mod conntrack;

@@ -13,7 +13,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 
 use proxy_common::{
     CtKey, CtTimeouts, Verdict, VerdictCounter,
-    conntrack::{FLAG_SNAT, FLAG_STATEFUL, state},
+    conntrack::{FLAG_FIN_FORWARD, FLAG_FIN_REPLY, FLAG_SNAT, FLAG_STATEFUL, state},
     proto,
     service::{FLAG_EXTERNAL_LOCAL, FLAG_INTERNAL_LOCAL, FLAG_NEEDS_SNAT, FLAG_NODE_PORT},
     stats::ct_stat,
@@ -2252,6 +2252,44 @@ fn a_syn_on_a_closed_flows_tuple_picks_a_current_backend() {
         states.sort();
         assert_eq!(states, [state::TCP_SYN_SENT, state::TCP_SYN_SENT, old], "{what}");
     }
+}
+
+/// Each side's FIN handled on its own CPU at the same moment: the programs
+/// set both FIN flags (atomically), but the state byte may keep the
+/// FIN_WAIT one CPU wrote. Such a flow is closed all the same: a SYN on its
+/// tuple picks a current backend (the churn test once saw a reused tuple
+/// follow its old flow to a pod that had left the Service).
+#[test]
+fn a_flow_with_both_fins_is_closed_whatever_its_state_byte_says() {
+    if !require_root("a_flow_with_both_fins_is_closed_whatever_its_state_byte_says") {
+        return;
+    }
+    let mut h = Harness::seeded();
+    let seed = seed_backends();
+    let (syn, backend) = open_tcp(&mut h, cluster_ip(), &seed);
+    let path = h.pin_dir().join(proxy_common::maps::CONNTRACK);
+    let data = aya::maps::MapData::from_pin(&path).expect("pinned conntrack");
+    let mut ct: aya::maps::HashMap<_, CtKey, proxy_common::CtValue> =
+        aya::maps::HashMap::try_from(aya::maps::Map::from_map_data(data).expect("a map")).expect("a hash map");
+    for (key, mut value) in h.conntrack() {
+        value.flags |= FLAG_FIN_FORWARD | FLAG_FIN_REPLY;
+        value.state = state::TCP_FIN_WAIT;
+        ct.insert(key, value, 0).expect("rewrite");
+    }
+    let remaining: Vec<SocketAddrV4> = seed.iter().copied().filter(|b| *b != backend).collect();
+    h.sync(&service(
+        SEED_TCP,
+        Protocol::Tcp,
+        CLUSTER_IP,
+        SERVICE_PORT,
+        Some(NODE_PORT),
+        &remaining,
+    ));
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat("SYN on the tuple", syn, &remaining, Verdict::DnatNew),
+    );
 }
 
 /// The failure the seed scenario once showed: a client connects directly

@@ -16,7 +16,7 @@ use anyhow::{Context, Result};
 use aya::maps::{HashMap, MapData, MapError, PerCpuArray, PerCpuValues};
 use proxy_common::{
     CtKey, CtTimeouts, CtValue,
-    conntrack::{partner_key, state},
+    conntrack::{partner_key, settled_state, state},
     maps,
     stats::ct_stat,
 };
@@ -138,7 +138,8 @@ pub fn expired(entries: &[(CtKey, CtValue)], timeouts: &CtTimeouts, now: u64) ->
     entries
         .iter()
         .filter(|(key, value)| {
-            let idle = |seen| timeouts.idle_past(value.state, seen, now);
+            let state = settled_state(value.state, value.flags);
+            let idle = |seen| timeouts.idle_past(state, seen, now);
             idle(value.last_seen_ns) && last_seen.get(&partner_key(key, value)).is_none_or(|seen| idle(*seen))
         })
         .map(|(key, _)| *key)

@@ -12,7 +12,7 @@ use std::{
 use anyhow::{Context, Result};
 use proxy_common::{
     Backend, BackendSlotKey, ServiceKey, ServiceValue,
-    conntrack::FLAG_REPLY,
+    conntrack::{FLAG_REPLY, settled_state},
     service::{FLAG_NODE_PORT, FLAGS_LOCAL},
 };
 
@@ -36,7 +36,7 @@ pub fn snapshot(maps: &impl LbMaps) -> Result<Snapshot> {
         } else {
             forward += 1;
             *flows.entry((ct.rev_nat_id, ct.backend_id)).or_default() += 1;
-            *states.entry(ct.state).or_default() += 1;
+            *states.entry(settled_state(ct.state, ct.flags)).or_default() += 1;
         }
     }
     let mut frontends = Vec::new();
