@@ -1,0 +1,230 @@
+//! `xproxy trace` against a running agent: the real binary in the ebpf
+//! mode on the seed (ClusterIP 10.96.0.88:88, NodePort 30791, three
+//! backends) in the test bed's node namespace, traced to the ClusterIP
+//! from a pod, to the NodePort from outside and to an address that is no
+//! Service; the live maps read back before and after through their pins.
+//!
+//! No traffic is sent: the only packets the programs count meanwhile are
+//! the kernel's own (ARP, IPv6 neighbour discovery), which count as
+//! `pass_not_ipv4_or_l4`; every other counter and the conntrack table must
+//! be exactly as they were.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use anyhow::{Context, Result, ensure};
+use proxy_common::{CtKey, CtValue, Verdict, VerdictCounter, maps};
+use proxy_userspace::mode::ebpf::{LINKS_DIR, ServiceMaps};
+use serde_json::Value;
+use testbed::{
+    agent_bed::{AgentBed, READY_WITHIN},
+    fixtures::{SEED_CLUSTER_IP, SEED_NODE_PORT, SEED_PORT, backend_ips},
+    netns,
+    privileged::require_root,
+    topology::{CLIENT_IP, CLIENT_POD, NODE_IP, TARGET_PORT},
+};
+
+/// What the pinned maps hold that a trace must leave alone.
+#[derive(Debug, PartialEq, Eq)]
+struct State {
+    conntrack: Vec<(CtKey, CtValue)>,
+    /// Every verdict but `pass_not_ipv4_or_l4` (the kernel's own packets).
+    verdicts: Vec<(Verdict, VerdictCounter)>,
+}
+
+fn state(bed: &AgentBed) -> Result<State> {
+    let maps = ServiceMaps::open(bed.pin_path(), vec![]).context("opening the pinned maps")?;
+    let mut conntrack = maps.conntrack_entries()?;
+    conntrack.sort_by_key(|(k, _)| (k.saddr_be, k.daddr_be, k.sport_be, k.dport_be, k.proto));
+    let verdicts = maps
+        .verdict_counts()?
+        .into_iter()
+        .filter(|(v, _)| *v != Verdict::PassNotIpv4OrL4)
+        .collect();
+    Ok(State { conntrack, verdicts })
+}
+
+/// `xproxy trace --pin-path PINS ARGS` in the node namespace; its stdout.
+fn trace(bed: &AgentBed, args: &[&str]) -> Result<String> {
+    let mut cmd = bed.topo.node.command(bed.xproxy())?;
+    cmd.arg("trace").arg("--pin-path").arg(bed.pin_path()).args(args);
+    netns::run(&mut cmd)
+}
+
+fn trace_json(bed: &AgentBed, args: &[&str]) -> Result<Value> {
+    let mut args = args.to_vec();
+    args.push("--json");
+    let out = trace(bed, &args)?;
+    serde_json::from_str(&out).with_context(|| format!("trace output is not JSON:\n{out}"))
+}
+
+fn endpoint(headers: &Value, side: &str) -> Option<SocketAddrV4> {
+    let addr: Ipv4Addr = headers[side].as_str()?.parse().ok()?;
+    let port = u16::try_from(headers[format!("{side}_port")].as_u64()?).ok()?;
+    Some(SocketAddrV4::new(addr, port))
+}
+
+/// A trace to a Service frontend: a new flow DNATed to one of the seed's
+/// backends, the rewritten destination that backend, the source kept, the
+/// flow's two conntrack entries undone.
+fn expect_dnat(report: &Value, frontend: SocketAddrV4) -> Result<SocketAddrV4> {
+    ensure!(report["verdict"] == "dnat_new", "verdict:\n{report:#}");
+    ensure!(report["action"] == "TC_ACT_OK", "return code:\n{report:#}");
+    let backend: SocketAddrV4 = report["backend"]
+        .as_str()
+        .and_then(|b| b.parse().ok())
+        .with_context(|| format!("no backend:\n{report:#}"))?;
+    let seed: Vec<SocketAddrV4> = backend_ips()
+        .into_iter()
+        .map(|ip| SocketAddrV4::new(ip, TARGET_PORT))
+        .collect();
+    ensure!(seed.contains(&backend), "backend {backend} is not one of {seed:?}");
+    ensure!(
+        endpoint(&report["before"], "dst") == Some(frontend),
+        "destination before:\n{report:#}"
+    );
+    ensure!(
+        endpoint(&report["after"], "dst") == Some(backend),
+        "the destination was not rewritten to the backend {backend}:\n{report:#}"
+    );
+    ensure!(
+        endpoint(&report["after"], "src") == endpoint(&report["before"], "src"),
+        "the source changed:\n{report:#}"
+    );
+    ensure!(
+        report["undone"]["conntrack_entries"] == 2 && report["undone"]["counters"] == true,
+        "undone:\n{report:#}"
+    );
+    Ok(backend)
+}
+
+/// Whether conntrack holds an entry of the flow from `client` either way.
+fn tracks(state: &State, client: SocketAddrV4) -> bool {
+    let be = u32::from_ne_bytes(client.ip().octets());
+    let port = client.port().to_be();
+    state
+        .conntrack
+        .iter()
+        .any(|(k, _)| (k.saddr_be == be && k.sport_be == port) || (k.daddr_be == be && k.dport_be == port))
+}
+
+#[test]
+fn trace_shows_verdict_backend_and_rewrite_and_changes_nothing() {
+    const TEST: &str = "trace_shows_verdict_backend_and_rewrite_and_changes_nothing";
+    if !require_root(TEST) {
+        return;
+    }
+    let mut bed = AgentBed::new(TEST).unwrap_or_else(|e| panic!("{TEST}: setting up the test bed: {e:#}"));
+    if let Err(e) = scenario(&mut bed) {
+        panic!("{TEST}: {e:#}");
+    }
+}
+
+fn scenario(bed: &mut AgentBed) -> Result<()> {
+    bed.copy_seed_manifests()?;
+    bed.start_agent(&bed.manifest_args())?;
+    bed.wait_first_sync(READY_WITHIN)?;
+    let uplink = bed.topo.uplink.clone();
+    let link = bed.pin_path().join(LINKS_DIR).join(maps::PROG_TC_INGRESS).join(&uplink);
+    netns::wait_for("the agent's link on the uplink", READY_WITHIN, || {
+        if link.exists() {
+            Ok(())
+        } else {
+            Err(format!("no {}", link.display()))
+        }
+    })?;
+    let before = state(bed)?;
+
+    let cluster_ip = SocketAddrV4::new(SEED_CLUSTER_IP, SEED_PORT);
+    let pod = CLIENT_POD.1.to_string();
+    let to_cluster_ip = trace_json(
+        bed,
+        &[
+            "--from",
+            &pod,
+            "--to",
+            &cluster_ip.to_string(),
+            "--hook",
+            "pod",
+            "--syn",
+        ],
+    )?;
+    expect_dnat(&to_cluster_ip, cluster_ip)?;
+    ensure!(
+        to_cluster_ip["hook"] == "pod" && to_cluster_ip["iface"] != uplink.as_str(),
+        "the pod hook ran on the uplink:\n{to_cluster_ip:#}"
+    );
+
+    let node_port = SocketAddrV4::new(NODE_IP, SEED_NODE_PORT);
+    let client = format!("{CLIENT_IP}:40001");
+    let to_node_port = trace_json(
+        bed,
+        &[
+            "--from",
+            &client,
+            "--to",
+            &node_port.to_string(),
+            "--iface",
+            &uplink,
+            "--syn",
+        ],
+    )?;
+    expect_dnat(&to_node_port, node_port)?;
+    ensure!(to_node_port["program"] == "tc_ingress", "{to_node_port:#}");
+
+    let not_a_service = trace_json(
+        bed,
+        &["--from", &pod, "--to", &format!("{NODE_IP}:22"), "--hook", "tc-ingress"],
+    )?;
+    ensure!(
+        not_a_service["verdict"] == "pass_not_service"
+            && not_a_service["action"] == "TC_ACT_OK"
+            && not_a_service["backend"].is_null()
+            && not_a_service["after"] == not_a_service["before"],
+        "a packet to no Service:\n{not_a_service:#}"
+    );
+
+    let text = trace(
+        bed,
+        &[
+            "--from",
+            &pod,
+            "--to",
+            &cluster_ip.to_string(),
+            "--hook",
+            "pod",
+            "--proto",
+            "udp",
+        ],
+    )?;
+    ensure!(
+        text.contains("counted as pass_not_service: not a Service") && text.contains("backend:      -"),
+        "UDP to a TCP-only Service port:\n{text}"
+    );
+
+    eprintln!(
+        "[trace] to the ClusterIP from a pod, as text:\n{}",
+        trace(
+            bed,
+            &[
+                "--from",
+                &pod,
+                "--to",
+                &cluster_ip.to_string(),
+                "--hook",
+                "pod",
+                "--syn"
+            ]
+        )?
+    );
+    eprintln!("[trace] to the NodePort from outside:\n{to_node_port:#}");
+    let after = state(bed)?;
+    for report in [&to_cluster_ip, &to_node_port, &not_a_service] {
+        let client = endpoint(&report["before"], "src").context("traced source")?;
+        ensure!(!tracks(&after, client), "conntrack holds the traced flow of {client}");
+    }
+    ensure!(
+        after == before,
+        "the trace changed the maps:\nbefore: {before:#?}\nafter: {after:#?}"
+    );
+    Ok(())
+}
