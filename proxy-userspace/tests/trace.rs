@@ -69,15 +69,7 @@ fn endpoint(headers: &Value, side: &str) -> Option<SocketAddrV4> {
 fn expect_dnat(report: &Value, frontend: SocketAddrV4) -> Result<SocketAddrV4> {
     ensure!(report["verdict"] == "dnat_new", "verdict:\n{report:#}");
     ensure!(report["action"] == "TC_ACT_OK", "return code:\n{report:#}");
-    let backend: SocketAddrV4 = report["backend"]
-        .as_str()
-        .and_then(|b| b.parse().ok())
-        .with_context(|| format!("no backend:\n{report:#}"))?;
-    let seed: Vec<SocketAddrV4> = backend_ips()
-        .into_iter()
-        .map(|ip| SocketAddrV4::new(ip, TARGET_PORT))
-        .collect();
-    ensure!(seed.contains(&backend), "backend {backend} is not one of {seed:?}");
+    let backend = seed_backend(report)?;
     ensure!(
         endpoint(&report["before"], "dst") == Some(frontend),
         "destination before:\n{report:#}"
@@ -97,6 +89,51 @@ fn expect_dnat(report: &Value, frontend: SocketAddrV4) -> Result<SocketAddrV4> {
     Ok(backend)
 }
 
+/// The backend the report names, which must be one of the seed's.
+fn seed_backend(report: &Value) -> Result<SocketAddrV4> {
+    let backend: SocketAddrV4 = report["backend"]
+        .as_str()
+        .and_then(|b| b.parse().ok())
+        .with_context(|| format!("no backend:\n{report:#}"))?;
+    let seed: Vec<SocketAddrV4> = backend_ips()
+        .into_iter()
+        .map(|ip| SocketAddrV4::new(ip, TARGET_PORT))
+        .collect();
+    ensure!(seed.contains(&backend), "backend {backend} is not one of {seed:?}");
+    Ok(backend)
+}
+
+/// A backend reaching itself through the Service (hairpin): traced until
+/// the pick is the backend itself (each pick is one of three, so 40 tries
+/// all miss with a chance of (2/3)^40 < 1e-7), the skb then carries the
+/// mark that asks the kernel to masquerade the flow.
+fn hairpin(bed: &AgentBed, cluster_ip: SocketAddrV4) -> Result<Value> {
+    let backend = backend_ips()[0];
+    let from = backend.to_string();
+    for _ in 0..40 {
+        let report = trace_json(
+            bed,
+            &[
+                "--from",
+                &from,
+                "--to",
+                &cluster_ip.to_string(),
+                "--hook",
+                "pod",
+                "--syn",
+            ],
+        )?;
+        if expect_dnat(&report, cluster_ip)?.ip() == &backend {
+            ensure!(
+                report["mark"].as_u64().is_some_and(|m| m != 0),
+                "a hairpin flow is not marked for masquerade:\n{report:#}"
+            );
+            return Ok(report);
+        }
+    }
+    anyhow::bail!("40 traces from {backend} to {cluster_ip} never picked {backend}")
+}
+
 /// Whether conntrack holds an entry of the flow from `client` either way.
 fn tracks(state: &State, client: SocketAddrV4) -> bool {
     let be = u32::from_ne_bytes(client.ip().octets());
@@ -107,31 +144,47 @@ fn tracks(state: &State, client: SocketAddrV4) -> bool {
         .any(|(k, _)| (k.saddr_be == be && k.sport_be == port) || (k.daddr_be == be && k.dport_be == port))
 }
 
-#[test]
-fn trace_shows_verdict_backend_and_rewrite_and_changes_nothing() {
-    const TEST: &str = "trace_shows_verdict_backend_and_rewrite_and_changes_nothing";
-    if !require_root(TEST) {
+/// Runs `scenario` on a fresh bed; an error fails the test (the bed
+/// prints the agent's log as it unwinds).
+fn run(test: &str, scenario: impl FnOnce(&mut AgentBed) -> Result<()>) {
+    if !require_root(test) {
         return;
     }
-    let mut bed = AgentBed::new(TEST).unwrap_or_else(|e| panic!("{TEST}: setting up the test bed: {e:#}"));
+    let mut bed = AgentBed::new(test).unwrap_or_else(|e| panic!("{test}: setting up the test bed: {e:#}"));
     if let Err(e) = scenario(&mut bed) {
-        panic!("{TEST}: {e:#}");
+        panic!("{test}: {e:#}");
     }
 }
 
-fn scenario(bed: &mut AgentBed) -> Result<()> {
+/// Starts the agent on the seed with `extra` flags and waits until its
+/// program `program` is linked to the uplink.
+fn start(bed: &mut AgentBed, extra: &[&str], program: &str) -> Result<()> {
     bed.copy_seed_manifests()?;
-    bed.start_agent(&bed.manifest_args())?;
+    let mut args = bed.manifest_args();
+    args.extend(extra.iter().map(|a| (*a).to_owned()));
+    bed.start_agent(&args)?;
     bed.wait_first_sync(READY_WITHIN)?;
-    let uplink = bed.topo.uplink.clone();
-    let link = bed.pin_path().join(LINKS_DIR).join(maps::PROG_TC_INGRESS).join(&uplink);
+    let link = bed.pin_path().join(LINKS_DIR).join(program).join(&bed.topo.uplink);
     netns::wait_for("the agent's link on the uplink", READY_WITHIN, || {
         if link.exists() {
             Ok(())
         } else {
             Err(format!("no {}", link.display()))
         }
-    })?;
+    })
+}
+
+#[test]
+fn trace_shows_verdict_backend_and_rewrite_and_changes_nothing() {
+    run(
+        "trace_shows_verdict_backend_and_rewrite_and_changes_nothing",
+        tc_scenario,
+    );
+}
+
+fn tc_scenario(bed: &mut AgentBed) -> Result<()> {
+    start(bed, &[], maps::PROG_TC_INGRESS)?;
+    let uplink = bed.topo.uplink.clone();
     let before = state(bed)?;
 
     let cluster_ip = SocketAddrV4::new(SEED_CLUSTER_IP, SEED_PORT);
@@ -154,6 +207,12 @@ fn scenario(bed: &mut AgentBed) -> Result<()> {
         "the pod hook ran on the uplink:\n{to_cluster_ip:#}"
     );
 
+    ensure!(
+        to_cluster_ip["mark"] == 0,
+        "a pod's flow to another pod is not masqueraded:\n{to_cluster_ip:#}"
+    );
+    let hairpin = hairpin(bed, cluster_ip)?;
+
     let node_port = SocketAddrV4::new(NODE_IP, SEED_NODE_PORT);
     let client = format!("{CLIENT_IP}:40001");
     let to_node_port = trace_json(
@@ -169,7 +228,12 @@ fn scenario(bed: &mut AgentBed) -> Result<()> {
         ],
     )?;
     expect_dnat(&to_node_port, node_port)?;
-    ensure!(to_node_port["program"] == "tc_ingress", "{to_node_port:#}");
+    // The seed's backends are on another node (`demo-node`): the kernel
+    // must masquerade the flow for its replies to come back this way.
+    ensure!(
+        to_node_port["program"] == "tc_ingress" && to_node_port["mark"].as_u64().is_some_and(|m| m != 0),
+        "a NodePort flow to another node's backend is not marked:\n{to_node_port:#}"
+    );
 
     let not_a_service = trace_json(
         bed,
@@ -201,24 +265,24 @@ fn scenario(bed: &mut AgentBed) -> Result<()> {
         "UDP to a TCP-only Service port:\n{text}"
     );
 
-    eprintln!(
-        "[trace] to the ClusterIP from a pod, as text:\n{}",
-        trace(
-            bed,
-            &[
-                "--from",
-                &pod,
-                "--to",
-                &cluster_ip.to_string(),
-                "--hook",
-                "pod",
-                "--syn"
-            ]
-        )?
+    let args = [
+        "--from",
+        &pod,
+        "--to",
+        &cluster_ip.to_string(),
+        "--hook",
+        "pod",
+        "--syn",
+    ];
+    let text = trace(bed, &args)?;
+    ensure!(
+        text.contains("counted as dnat_new") && text.contains("undone:       2 conntrack entries"),
+        "to the ClusterIP, as text:\n{text}"
     );
+    eprintln!("[trace] to the ClusterIP from a pod, as text:\n{text}");
     eprintln!("[trace] to the NodePort from outside:\n{to_node_port:#}");
     let after = state(bed)?;
-    for report in [&to_cluster_ip, &to_node_port, &not_a_service] {
+    for report in [&to_cluster_ip, &hairpin, &to_node_port, &not_a_service] {
         let client = endpoint(&report["before"], "src").context("traced source")?;
         ensure!(!tracks(&after, client), "conntrack holds the traced flow of {client}");
     }
@@ -227,4 +291,38 @@ fn scenario(bed: &mut AgentBed) -> Result<()> {
         "the trace changed the maps:\nbefore: {before:#?}\nafter: {after:#?}"
     );
     Ok(())
+}
+
+/// With native XDP on the uplink, a trace on the uplink runs the XDP
+/// program. The seed's backends are on another node, so the NodePort flow
+/// needs the kernel's masquerade, which needs an skb: XDP picks the
+/// backend and passes the packet on untouched for tc to mark and DNAT.
+#[test]
+fn trace_runs_the_xdp_program_of_an_uplink() {
+    run("trace_runs_the_xdp_program_of_an_uplink", |bed| {
+        start(bed, &["--xdp", "native"], maps::PROG_XDP_UPLINK)?;
+        let before = state(bed)?;
+        let node_port = SocketAddrV4::new(NODE_IP, SEED_NODE_PORT).to_string();
+        let uplink = bed.topo.uplink.clone();
+        let client = CLIENT_IP.to_string();
+        let report = trace_json(
+            bed,
+            &["--from", &client, "--to", &node_port, "--iface", &uplink, "--syn"],
+        )?;
+        ensure!(
+            report["program"] == "xdp_uplink" && report["hook"] == "xdp" && report["mark"].is_null(),
+            "not the XDP program:\n{report:#}"
+        );
+        ensure!(
+            report["verdict"] == "pass_to_tc" && report["action"] == "XDP_PASS" && report["after"] == report["before"],
+            "not left to tc untouched:\n{report:#}"
+        );
+        seed_backend(&report)?;
+        let after = state(bed)?;
+        ensure!(
+            after == before,
+            "the trace changed the maps:\nbefore: {before:#?}\nafter: {after:#?}"
+        );
+        Ok(())
+    });
 }

@@ -27,6 +27,7 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail};
+use bpf_sys::test_run::{self, skb_ctx};
 use proxy_common::{CtKey, ServiceKey, ServiceValue, Verdict, maps};
 
 pub use self::program::HookArg;
@@ -141,7 +142,12 @@ fn run(flags: &Flags) -> Result<Report> {
         proto,
     };
     let frame = frame::build(&tuple, flags.syn);
-    let (code, out, effect) = run_undone(&live, &mut maps, &tuple, &frame)?;
+    let Ran {
+        code,
+        frame: out,
+        mark,
+        effect,
+    } = run_undone(&live, &mut maps, &tuple, &frame)?;
     let before = frame::headers(&frame).context("the frame just built is IPv4")?;
     let backend = effect.entry.filter(|e| !e.is_reply()).map(|e| {
         let (addr, port) = e.nat();
@@ -161,6 +167,7 @@ fn run(flags: &Flags) -> Result<Report> {
         backend,
         before,
         after: frame::headers(&out),
+        mark,
         undone: Undone {
             conntrack_entries: effect.conntrack_undone,
             affinity_entry: effect.affinity_undone,
@@ -169,20 +176,59 @@ fn run(flags: &Flags) -> Result<Report> {
     })
 }
 
+/// What one run gave back.
+struct Ran {
+    code: u32,
+    /// The frame as the program left it.
+    frame: Vec<u8>,
+    /// The skb's mark after a tc program's run.
+    mark: Option<u32>,
+    effect: Effect,
+}
+
 /// Runs `frame` through the live program and puts back what it changed,
-/// also when the run failed; returns the code, the frame left and the effect.
-fn run_undone(live: &LiveProgram, maps: &mut Maps, tuple: &Tuple, frame: &[u8]) -> Result<(u32, Vec<u8>, Effect)> {
+/// also when the run failed.
+fn run_undone(live: &LiveProgram, maps: &mut Maps, tuple: &Tuple, frame: &[u8]) -> Result<Ran> {
     let key = ct_key(tuple);
+    let mut ctx = (!live.hook.is_xdp()).then(|| skb_context(live));
     let cpu = guard::pin_to_current_cpu()?;
     let before = maps.before(&key, cpu)?;
     let mut out = vec![0; OUT_LEN];
-    let run = bpf_sys::test_run::prog_test_run(live.fd.as_fd(), frame, &mut out);
+    let run = match ctx.as_mut() {
+        Some(ctx) => test_run::prog_test_run_skb(live.fd.as_fd(), frame, &mut out, ctx),
+        None => test_run::prog_test_run(live.fd.as_fd(), frame, &mut out),
+    };
     let effect = maps
         .undo(before, &key, frame.len())
         .context("undoing the trace's changes")?;
     let run = run.with_context(|| format!("BPF_PROG_TEST_RUN of program {} ({})", live.id, live.hook.program()))?;
     out.truncate(run.out_len.min(OUT_LEN));
-    Ok((run.code, out, effect))
+    Ok(Ran {
+        code: run.code,
+        frame: out,
+        mark: ctx.map(|ctx| skb_ctx::get(&ctx, skb_ctx::MARK)),
+        effect,
+    })
+}
+
+/// The skb a tc program sees: on the interface traced (so that its route
+/// lookups start there), arrived on it for an ingress hook. An interface
+/// of another network namespace (the pins are global) leaves the skb on
+/// the kernel's loopback device, which changes no verdict.
+fn skb_context(live: &LiveProgram) -> [u8; skb_ctx::SIZE] {
+    let mut ctx = [0; skb_ctx::SIZE];
+    let Ok(ifindex) = nix::net::if_::if_nametoindex(live.iface.as_str()) else {
+        tracing::warn!(
+            iface = live.iface,
+            "not in this network namespace: the skb is on loopback"
+        );
+        return ctx;
+    };
+    skb_ctx::set(&mut ctx, skb_ctx::IFINDEX, ifindex);
+    if live.hook != HookArg::TcEgress {
+        skb_ctx::set(&mut ctx, skb_ctx::INGRESS_IFINDEX, ifindex);
+    }
+    ctx
 }
 
 fn ct_key(tuple: &Tuple) -> CtKey {

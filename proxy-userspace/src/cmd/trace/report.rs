@@ -32,6 +32,9 @@ pub struct Report {
     pub before: Headers,
     /// The frame as the program left it (`None` if it left no IPv4 frame).
     pub after: Option<Headers>,
+    /// The skb's mark after a tc program's run: the programs set only the
+    /// bit that asks the kernel to masquerade the flow.
+    pub mark: Option<u32>,
     pub undone: Undone,
 }
 
@@ -129,6 +132,15 @@ impl Report {
                 let _ = writeln!(out, "headers:      the program left no IPv4 frame");
             }
         }
+        match self.mark {
+            Some(0) => {
+                let _ = writeln!(out, "mark:         none");
+            }
+            Some(mark) => {
+                let _ = writeln!(out, "mark:         {mark:#x}: the kernel masquerades the flow");
+            }
+            None => {}
+        }
         let _ = writeln!(
             out,
             "undone:       {} conntrack entries, affinity {}, counters {}",
@@ -187,6 +199,7 @@ mod tests {
             backend: Some(SocketAddrV4::new(BACKEND.0, BACKEND.1)),
             before: headers(CLIENT, CLUSTER_IP),
             after: Some(headers(CLIENT, BACKEND)),
+            mark: Some(0),
             undone: Undone {
                 conntrack_entries: 2,
                 affinity_entry: false,
@@ -223,6 +236,7 @@ verdict:      TC_ACT_OK (0), counted as dnat_new: a new flow to a Service: DNATe
 backend:      10.244.0.12:80
 source:       10.244.0.14:49152 -> 10.244.0.14:49152
 destination:  10.96.0.88:88 -> 10.244.0.12:80
+mark:         none
 undone:       2 conntrack entries, affinity untouched, counters restored
 ";
         assert_eq!(text, expected);
@@ -248,6 +262,19 @@ undone:       2 conntrack entries, affinity untouched, counters restored
     }
 
     #[test]
+    fn text_says_when_the_kernel_masquerades() {
+        let mut report = dnat_report();
+        report.mark = Some(0x4000);
+        assert!(
+            report
+                .text()
+                .contains("mark:         0x4000: the kernel masquerades the flow\n")
+        );
+        report.mark = None;
+        assert!(!report.text().contains("mark:"), "XDP has no mark");
+    }
+
+    #[test]
     fn json_has_the_fields_scripts_read() {
         let json = serde_json::to_value(dnat_report()).expect("serialisable");
         assert_eq!(json["verdict"], "dnat_new");
@@ -258,5 +285,6 @@ undone:       2 conntrack entries, affinity untouched, counters restored
         assert_eq!(json["after"]["dst_port"], 80);
         assert_eq!(json["before"]["src_port"], 49152);
         assert_eq!(json["undone"]["conntrack_entries"], 2);
+        assert_eq!(json["mark"], 0);
     }
 }
