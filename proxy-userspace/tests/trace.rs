@@ -20,6 +20,7 @@ use testbed::{
     fixtures::{SEED_CLUSTER_IP, SEED_NODE_PORT, SEED_PORT, backend_ips},
     netns,
     privileged::require_root,
+    probe::answers,
     topology::{CLIENT_IP, CLIENT_POD, NODE_IP, TARGET_PORT},
 };
 
@@ -43,17 +44,18 @@ fn state(bed: &AgentBed) -> Result<State> {
     Ok(State { conntrack, verdicts })
 }
 
-/// `xproxy trace --pin-path PINS ARGS` in the node namespace; its stdout.
-fn trace(bed: &AgentBed, args: &[&str]) -> Result<String> {
+/// `xproxy trace --pin-path PINS --from FROM --to TO EXTRA...` in the
+/// node namespace; its stdout.
+fn trace(bed: &AgentBed, from: &str, to: &str, extra: &[&str]) -> Result<String> {
     let mut cmd = bed.topo.node.command(bed.xproxy())?;
-    cmd.arg("trace").arg("--pin-path").arg(bed.pin_path()).args(args);
+    cmd.arg("trace").arg("--pin-path").arg(bed.pin_path());
+    cmd.args(["--from", from, "--to", to]).args(extra);
     netns::run(&mut cmd)
 }
 
-fn trace_json(bed: &AgentBed, args: &[&str]) -> Result<Value> {
-    let mut args = args.to_vec();
-    args.push("--json");
-    let out = trace(bed, &args)?;
+/// [`trace`] with `--json`, parsed.
+fn trace_json(bed: &AgentBed, from: &str, to: &str, extra: &[&str]) -> Result<Value> {
+    let out = trace(bed, from, to, &[extra, &["--json"]].concat())?;
     serde_json::from_str(&out).with_context(|| format!("trace output is not JSON:\n{out}"))
 }
 
@@ -111,18 +113,7 @@ fn hairpin(bed: &AgentBed, cluster_ip: SocketAddrV4) -> Result<Value> {
     let backend = backend_ips()[0];
     let from = backend.to_string();
     for _ in 0..40 {
-        let report = trace_json(
-            bed,
-            &[
-                "--from",
-                &from,
-                "--to",
-                &cluster_ip.to_string(),
-                "--hook",
-                "pod",
-                "--syn",
-            ],
-        )?;
+        let report = trace_json(bed, &from, &cluster_ip.to_string(), &["--hook", "pod", "--syn"])?;
         if expect_dnat(&report, cluster_ip)?.ip() == &backend {
             ensure!(
                 report["mark"].as_u64().is_some_and(|m| m != 0),
@@ -189,44 +180,21 @@ fn tc_scenario(bed: &mut AgentBed) -> Result<()> {
 
     let cluster_ip = SocketAddrV4::new(SEED_CLUSTER_IP, SEED_PORT);
     let pod = CLIENT_POD.1.to_string();
-    let to_cluster_ip = trace_json(
-        bed,
-        &[
-            "--from",
-            &pod,
-            "--to",
-            &cluster_ip.to_string(),
-            "--hook",
-            "pod",
-            "--syn",
-        ],
-    )?;
+    let to_cluster_ip = trace_json(bed, &pod, &cluster_ip.to_string(), &["--hook", "pod", "--syn"])?;
     expect_dnat(&to_cluster_ip, cluster_ip)?;
     ensure!(
         to_cluster_ip["hook"] == "pod" && to_cluster_ip["iface"] != uplink.as_str(),
         "the pod hook ran on the uplink:\n{to_cluster_ip:#}"
     );
-
     ensure!(
         to_cluster_ip["mark"] == 0,
-        "a pod's flow to another pod is not masqueraded:\n{to_cluster_ip:#}"
+        "a pod's flow to another pod is masqueraded:\n{to_cluster_ip:#}"
     );
     let hairpin = hairpin(bed, cluster_ip)?;
 
     let node_port = SocketAddrV4::new(NODE_IP, SEED_NODE_PORT);
     let client = format!("{CLIENT_IP}:40001");
-    let to_node_port = trace_json(
-        bed,
-        &[
-            "--from",
-            &client,
-            "--to",
-            &node_port.to_string(),
-            "--iface",
-            &uplink,
-            "--syn",
-        ],
-    )?;
+    let to_node_port = trace_json(bed, &client, &node_port.to_string(), &["--iface", &uplink, "--syn"])?;
     expect_dnat(&to_node_port, node_port)?;
     // The seed's backends are on another node (`demo-node`): the kernel
     // must masquerade the flow for its replies to come back this way.
@@ -235,10 +203,7 @@ fn tc_scenario(bed: &mut AgentBed) -> Result<()> {
         "a NodePort flow to another node's backend is not marked:\n{to_node_port:#}"
     );
 
-    let not_a_service = trace_json(
-        bed,
-        &["--from", &pod, "--to", &format!("{NODE_IP}:22"), "--hook", "tc-ingress"],
-    )?;
+    let not_a_service = trace_json(bed, &pod, &format!("{NODE_IP}:22"), &["--hook", "tc-ingress"])?;
     ensure!(
         not_a_service["verdict"] == "pass_not_service"
             && not_a_service["action"] == "TC_ACT_OK"
@@ -247,34 +212,13 @@ fn tc_scenario(bed: &mut AgentBed) -> Result<()> {
         "a packet to no Service:\n{not_a_service:#}"
     );
 
-    let text = trace(
-        bed,
-        &[
-            "--from",
-            &pod,
-            "--to",
-            &cluster_ip.to_string(),
-            "--hook",
-            "pod",
-            "--proto",
-            "udp",
-        ],
-    )?;
+    let text = trace(bed, &pod, &cluster_ip.to_string(), &["--hook", "pod", "--proto", "udp"])?;
     ensure!(
         text.contains("counted as pass_not_service: not a Service") && text.contains("backend:      -"),
         "UDP to a TCP-only Service port:\n{text}"
     );
 
-    let args = [
-        "--from",
-        &pod,
-        "--to",
-        &cluster_ip.to_string(),
-        "--hook",
-        "pod",
-        "--syn",
-    ];
-    let text = trace(bed, &args)?;
+    let text = trace(bed, &pod, &cluster_ip.to_string(), &["--hook", "pod", "--syn"])?;
     ensure!(
         text.contains("counted as dnat_new") && text.contains("undone:       2 conntrack entries"),
         "to the ClusterIP, as text:\n{text}"
@@ -305,10 +249,7 @@ fn trace_runs_the_xdp_program_of_an_uplink() {
         let node_port = SocketAddrV4::new(NODE_IP, SEED_NODE_PORT).to_string();
         let uplink = bed.topo.uplink.clone();
         let client = CLIENT_IP.to_string();
-        let report = trace_json(
-            bed,
-            &["--from", &client, "--to", &node_port, "--iface", &uplink, "--syn"],
-        )?;
+        let report = trace_json(bed, &client, &node_port, &["--iface", &uplink, "--syn"])?;
         ensure!(
             report["program"] == "xdp_uplink" && report["hook"] == "xdp" && report["mark"].is_null(),
             "not the XDP program:\n{report:#}"
@@ -325,4 +266,61 @@ fn trace_runs_the_xdp_program_of_an_uplink() {
         );
         Ok(())
     });
+}
+
+/// A packet of a flow conntrack tracks (a real connection from the client
+/// pod, closed): traced with the flow's source port and no SYN, it goes to
+/// the flow's backend, and the flow's entries are left exactly as they
+/// were (a trace restores what it changed, it does not only delete).
+#[test]
+fn trace_of_a_tracked_flow_follows_it_and_restores_its_entries() {
+    run("trace_of_a_tracked_flow_follows_it_and_restores_its_entries", |bed| {
+        start(bed, &[], maps::PROG_TC_INGRESS)?;
+        let cluster_ip = SocketAddrV4::new(SEED_CLUSTER_IP, SEED_PORT);
+        answers(&bed.topo.client_pod.ns, cluster_ip).map_err(anyhow::Error::msg)?;
+        let (key, value) = netns::wait_for("the flow's close in conntrack", READY_WITHIN, || {
+            closed_flow(bed, CLIENT_POD.1, cluster_ip)
+        })?;
+        // Its last ACK may still be on its way: wait until the maps settle.
+        let before = netns::wait_for("the maps to settle", READY_WITHIN, || {
+            let (first, second) = (state(bed), state(bed));
+            match (first, second) {
+                (Ok(first), Ok(second)) if first == second => Ok(first),
+                (Err(e), _) | (_, Err(e)) => Err(format!("{e:#}")),
+                _ => Err("the maps still change".to_owned()),
+            }
+        })?;
+        let from = SocketAddrV4::new(CLIENT_POD.1, key.sport()).to_string();
+        let report = trace_json(bed, &from, &cluster_ip.to_string(), &["--hook", "pod"])?;
+        let (addr, port) = value.nat();
+        let backend = SocketAddrV4::new(addr, port);
+        ensure!(
+            report["verdict"] == "dnat_established"
+                && report["backend"] == backend.to_string().as_str()
+                && endpoint(&report["after"], "dst") == Some(backend),
+            "not the tracked flow's backend {backend}:\n{report:#}"
+        );
+        let after = state(bed)?;
+        ensure!(
+            after == before,
+            "the trace changed the maps:\nbefore: {before:#?}\nafter: {after:#?}"
+        );
+        Ok(())
+    });
+}
+
+/// The forward entry of the flow from `client` to `frontend`, once both
+/// sides have sent their FIN.
+fn closed_flow(bed: &AgentBed, client: Ipv4Addr, frontend: SocketAddrV4) -> Result<(CtKey, CtValue), String> {
+    let state = state(bed).map_err(|e| format!("{e:#}"))?;
+    state
+        .conntrack
+        .into_iter()
+        .find(|(k, v)| {
+            k.saddr() == client
+                && SocketAddrV4::new(k.daddr(), k.dport()) == frontend
+                && !v.is_reply()
+                && v.state == proxy_common::conntrack::state::TCP_TIME_WAIT
+        })
+        .ok_or_else(|| format!("no closed flow of {client} to {frontend}"))
 }

@@ -42,7 +42,7 @@ use proxy_common::{
     conntrack::partner_key, maps, stats::ct_stat,
 };
 
-use crate::mode::ebpf::{open_pinned, pinned};
+use crate::mode::ebpf::{open_pinned, pinned, pinned_entry as get};
 
 /// The conntrack counters the programs add to (the agent writes the others).
 const CT_STATS_OF_PROGRAMS: [u32; 2] = [ct_stat::INSERTED, ct_stat::REMOVED];
@@ -152,11 +152,35 @@ impl Maps {
         })
     }
 
+    /// Takes the run's one packet out of the verdict counter it moved and
+    /// puts the conntrack counters of the run's CPU back; returns the verdict.
     fn undo_counters(&mut self, before: &Before, frame_len: usize) -> Result<Option<Verdict>> {
         let counted = VerdictCounter {
             packets: 1,
             bytes: frame_len as u64,
         };
+        let mut moved = self.moved_verdicts(before)?;
+        // The run counted one packet of the frame's length; a real packet
+        // counted on this CPU meanwhile may have moved another verdict.
+        let index = moved
+            .iter()
+            .position(|(_, delta, _)| *delta == counted)
+            .or_else(|| (!moved.is_empty()).then_some(0));
+        let verdict = match index {
+            Some(index) => {
+                let (verdict, _, now) = moved.swap_remove(index);
+                self.uncount(verdict, now, before.cpu, counted)?;
+                Some(verdict)
+            }
+            None => None,
+        };
+        self.restore_ct_stats(before)?;
+        Ok(verdict)
+    }
+
+    /// The verdicts whose counters moved on the run's CPU: each with the
+    /// difference there and its per-CPU values now.
+    fn moved_verdicts(&self, before: &Before) -> Result<Vec<(Verdict, VerdictCounter, PerCpuValues<VerdictCounter>)>> {
         let mut moved = Vec::new();
         for (verdict, was) in Verdict::ALL.iter().zip(&before.stats) {
             let (Some(was), Some(now)) = (was, per_cpu(&self.stats, *verdict as u32)?) else {
@@ -171,31 +195,39 @@ impl Maps {
                 moved.push((*verdict, delta, now));
             }
         }
-        // The run counted one packet of the frame's length; a real packet
-        // counted on this CPU meanwhile may have moved another verdict.
-        let Some(index) = moved
-            .iter()
-            .position(|(_, delta, _)| *delta == counted)
-            .or_else(|| (!moved.is_empty()).then_some(0))
-        else {
-            return Ok(None);
-        };
-        let (verdict, _, now) = moved.swap_remove(index);
+        Ok(moved)
+    }
+
+    /// Writes `now` back to `verdict`'s counter less `counted` on `cpu`.
+    fn uncount(
+        &mut self,
+        verdict: Verdict,
+        now: PerCpuValues<VerdictCounter>,
+        cpu: usize,
+        counted: VerdictCounter,
+    ) -> Result<()> {
         let mut values = now.to_vec();
-        let here = &mut values[before.cpu];
-        here.packets = here.packets.saturating_sub(counted.packets);
-        here.bytes = here.bytes.saturating_sub(counted.bytes);
-        write_per_cpu(&mut self.stats, verdict as u32, values)?;
+        if let Some(here) = values.get_mut(cpu) {
+            here.packets = here.packets.saturating_sub(counted.packets);
+            here.bytes = here.bytes.saturating_sub(counted.bytes);
+        }
+        write_per_cpu(&mut self.stats, verdict as u32, values)
+    }
+
+    /// Puts the conntrack counters the programs write back to their values
+    /// before, on the run's CPU.
+    fn restore_ct_stats(&mut self, before: &Before) -> Result<()> {
         for &(index, was) in &before.ct_stats {
             let mut values = per_cpu(&self.ct_stats, index)?
                 .with_context(|| format!("no conntrack counter {index}"))?
                 .to_vec();
-            if values[before.cpu] != was {
-                values[before.cpu] = was;
-                write_per_cpu(&mut self.ct_stats, index, values)?;
+            match values.get_mut(before.cpu) {
+                Some(here) if *here != was => *here = was,
+                _ => continue,
             }
+            write_per_cpu(&mut self.ct_stats, index, values)?;
         }
-        Ok(Some(verdict))
+        Ok(())
     }
 
     /// Restores every conntrack entry the run may have touched: those read
@@ -243,15 +275,6 @@ pub fn pin_to_current_cpu() -> Result<usize> {
         return Err(std::io::Error::last_os_error()).context("pinning the trace to one CPU");
     }
     Ok(cpu)
-}
-
-/// One entry of `map`; `None` if it is not there.
-fn get<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>, key: &K) -> Result<Option<V>> {
-    match map.get(key, 0) {
-        Ok(value) => Ok(Some(value)),
-        Err(MapError::KeyNotFound) => Ok(None),
-        Err(e) => Err(e).context("reading a map entry"),
-    }
 }
 
 /// Puts `key` back to `was` (deleting it if it was not there); whether it

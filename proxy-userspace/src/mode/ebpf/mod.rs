@@ -80,7 +80,7 @@ pub use lb_maps::LbMaps;
 pub use loader::{Datapath, Hook, LINKS_DIR, LoadOptions, NotBpffs, detach_pinned_links, detach_tc_filters, link_pin};
 pub use memory_maps::{FaultyMaps, MemoryMaps};
 pub use object::object_bytes;
-pub use pinned_maps::{PinnedMaps, open as open_pinned, pinned, sum_verdicts};
+pub use pinned_maps::{PinnedMaps, get as pinned_entry, open as open_pinned, pinned, sum_verdicts};
 pub use service_maps::ServiceMaps;
 use tracing::{debug, info, warn};
 pub use write_batch::{Split, SplitStaged, Step, Table};

@@ -125,7 +125,7 @@ const _: () = assert!(
 );
 
 /// One entry of `map`; `None` if it is not there.
-fn get<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>, key: &K) -> Result<Option<V>> {
+pub fn get<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>, key: &K) -> Result<Option<V>> {
     match map.get(key, 0) {
         Ok(value) => Ok(Some(value)),
         Err(MapError::KeyNotFound) => Ok(None),
