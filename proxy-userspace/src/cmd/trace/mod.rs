@@ -142,24 +142,32 @@ fn run(flags: &Flags) -> Result<Report> {
         proto,
     };
     let frame = frame::build(&tuple, flags.syn);
+    let ran = run_undone(&live, &mut maps, &tuple, &frame)?;
+    let before = frame::headers(&frame).context("the frame just built is IPv4")?;
+    Ok(report_of(live, before, flags.syn && proto == Protocol::Tcp, ran))
+}
+
+/// The report of a run of the frame with headers `before` through `live`.
+fn report_of(live: LiveProgram, before: frame::Headers, syn: bool, ran: Ran) -> Report {
     let Ran {
         code,
         frame: out,
         mark,
         effect,
-    } = run_undone(&live, &mut maps, &tuple, &frame)?;
-    let before = frame::headers(&frame).context("the frame just built is IPv4")?;
+    } = ran;
+    // The forward entry of the frame's flow holds its backend; a reply
+    // entry (the frame was a backend's answer) holds the frontend.
     let backend = effect.entry.filter(|e| !e.is_reply()).map(|e| {
         let (addr, port) = e.nat();
         SocketAddrV4::new(addr, port)
     });
     let verdict = effect.verdict;
-    Ok(Report {
+    Report {
         program: live.hook.program(),
         hook: live.hook,
         iface: live.iface,
         program_id: live.id,
-        syn: flags.syn && proto == Protocol::Tcp,
+        syn,
         code,
         action: report::action_name(live.hook.is_xdp(), code),
         verdict: verdict.map(Verdict::name),
@@ -173,7 +181,7 @@ fn run(flags: &Flags) -> Result<Report> {
             affinity_entry: effect.affinity_undone,
             counters: verdict.is_some(),
         },
-    })
+    }
 }
 
 /// What one run gave back.
