@@ -69,8 +69,13 @@ fn endpoint(headers: &Value, side: &str) -> Option<SocketAddrV4> {
 /// backends, the rewritten destination that backend, the source kept, the
 /// flow's two conntrack entries undone.
 fn expect_dnat(report: &Value, frontend: SocketAddrV4) -> Result<SocketAddrV4> {
-    ensure!(report["verdict"] == "dnat_new", "verdict:\n{report:#}");
     ensure!(report["action"] == "TC_ACT_OK", "return code:\n{report:#}");
+    expect_dnat_to(report, frontend)
+}
+
+/// [`expect_dnat`] whatever the program returned.
+fn expect_dnat_to(report: &Value, frontend: SocketAddrV4) -> Result<SocketAddrV4> {
+    ensure!(report["verdict"] == "dnat_new", "verdict:\n{report:#}");
     let backend = seed_backend(report)?;
     ensure!(
         endpoint(&report["before"], "dst") == Some(frontend),
@@ -203,6 +208,21 @@ fn tc_scenario(bed: &mut AgentBed) -> Result<()> {
         "a NodePort flow to another node's backend is not marked:\n{to_node_port:#}"
     );
 
+    // The node's own packet to the ClusterIP, on the uplink's egress (where
+    // the default route sends it): DNATed, then redirected to the
+    // backend's interface, which the route to the backend names.
+    let from_node = trace_json(
+        bed,
+        &NODE_IP.to_string(),
+        &cluster_ip.to_string(),
+        &["--hook", "tc-egress", "--iface", &uplink, "--syn"],
+    )?;
+    ensure!(
+        from_node["program"] == "tc_egress" && from_node["action"] == "TC_ACT_REDIRECT",
+        "the node's packet is not redirected:\n{from_node:#}"
+    );
+    expect_dnat_to(&from_node, cluster_ip)?;
+
     let not_a_service = trace_json(bed, &pod, &format!("{NODE_IP}:22"), &["--hook", "tc-ingress"])?;
     ensure!(
         not_a_service["verdict"] == "pass_not_service"
@@ -226,7 +246,7 @@ fn tc_scenario(bed: &mut AgentBed) -> Result<()> {
     eprintln!("[trace] to the ClusterIP from a pod, as text:\n{text}");
     eprintln!("[trace] to the NodePort from outside:\n{to_node_port:#}");
     let after = state(bed)?;
-    for report in [&to_cluster_ip, &hairpin, &to_node_port, &not_a_service] {
+    for report in [&to_cluster_ip, &hairpin, &to_node_port, &from_node, &not_a_service] {
         let client = endpoint(&report["before"], "src").context("traced source")?;
         ensure!(!tracks(&after, client), "conntrack holds the traced flow of {client}");
     }
