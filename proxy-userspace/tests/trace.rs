@@ -290,8 +290,9 @@ fn trace_runs_the_xdp_program_of_an_uplink() {
 
 /// A packet of a flow conntrack tracks (a real connection from the client
 /// pod, closed): traced with the flow's source port and no SYN, it goes to
-/// the flow's backend, and the flow's entries are left exactly as they
-/// were (a trace restores what it changed, it does not only delete).
+/// the flow's backend, and the backend's answer is rewritten back to the
+/// ClusterIP; the flow's entries are left exactly as they were (a trace
+/// restores what it changed, it does not only delete).
 #[test]
 fn trace_of_a_tracked_flow_follows_it_and_restores_its_entries() {
     run("trace_of_a_tracked_flow_follows_it_and_restores_its_entries", |bed| {
@@ -319,6 +320,15 @@ fn trace_of_a_tracked_flow_follows_it_and_restores_its_entries() {
                 && report["backend"] == backend.to_string().as_str()
                 && endpoint(&report["after"], "dst") == Some(backend),
             "not the tracked flow's backend {backend}:\n{report:#}"
+        );
+        // The backend's answer on the flow's way back: its source
+        // rewritten to the ClusterIP.
+        let reply = trace_json(bed, &backend.to_string(), &from, &["--hook", "pod"])?;
+        ensure!(
+            reply["verdict"] == "rev_nat"
+                && reply["frontend"] == cluster_ip.to_string().as_str()
+                && endpoint(&reply["after"], "src") == Some(cluster_ip),
+            "the backend's reply is not rewritten back to {cluster_ip}:\n{reply:#}"
         );
         let after = state(bed)?;
         ensure!(

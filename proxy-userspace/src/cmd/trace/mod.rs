@@ -157,10 +157,12 @@ fn report_of(live: LiveProgram, before: frame::Headers, syn: bool, ran: Ran) -> 
     } = ran;
     // The forward entry of the frame's flow holds its backend; a reply
     // entry (the frame was a backend's answer) holds the frontend.
-    let backend = effect.entry.filter(|e| !e.is_reply()).map(|e| {
-        let (addr, port) = e.nat();
-        SocketAddrV4::new(addr, port)
-    });
+    let nat = |reply: bool| {
+        let entry = effect.entry.filter(|e| e.is_reply() == reply)?;
+        let (addr, port) = entry.nat();
+        Some(SocketAddrV4::new(addr, port))
+    };
+    let (backend, frontend) = (nat(false), nat(true));
     let verdict = effect.verdict;
     Report {
         program: live.hook.program(),
@@ -173,6 +175,7 @@ fn report_of(live: LiveProgram, before: frame::Headers, syn: bool, ran: Ran) -> 
         verdict: verdict.map(Verdict::name),
         meaning: report::meaning(verdict),
         backend,
+        frontend,
         before,
         after: frame::headers(&out),
         mark,

@@ -29,6 +29,9 @@ pub struct Report {
     pub meaning: &'static str,
     /// The backend of the frame's flow, as conntrack holds it after the run.
     pub backend: Option<SocketAddrV4>,
+    /// For a backend's reply of a tracked flow: the frontend its source is
+    /// rewritten back to.
+    pub frontend: Option<SocketAddrV4>,
     pub before: Headers,
     /// The frame as the program left it (`None` if it left no IPv4 frame).
     pub after: Option<Headers>,
@@ -118,6 +121,9 @@ impl Report {
         );
         let backend = self.backend.map_or_else(|| "-".to_owned(), |b| b.to_string());
         let _ = writeln!(out, "backend:      {backend}");
+        if let Some(frontend) = self.frontend {
+            let _ = writeln!(out, "frontend:     {frontend}");
+        }
         match &self.after {
             Some(after) => {
                 let _ = writeln!(out, "source:       {} -> {}", self.before.source(), after.source());
@@ -197,6 +203,7 @@ mod tests {
             verdict: Some(Verdict::DnatNew.name()),
             meaning: meaning(Some(Verdict::DnatNew)),
             backend: Some(SocketAddrV4::new(BACKEND.0, BACKEND.1)),
+            frontend: None,
             before: headers(CLIENT, CLUSTER_IP),
             after: Some(headers(CLIENT, BACKEND)),
             mark: Some(0),
@@ -257,6 +264,25 @@ undone:       2 conntrack entries, affinity untouched, counters restored
         assert!(text.contains("backend:      -\n"), "{text}");
         assert!(
             text.contains("destination:  10.96.0.88:88 -> 10.96.0.88:88\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn text_of_a_reply_names_the_frontend() {
+        let mut report = dnat_report();
+        report.verdict = Some(Verdict::RevNat.name());
+        report.backend = None;
+        report.frontend = Some(SocketAddrV4::new(CLUSTER_IP.0, CLUSTER_IP.1));
+        report.before = headers(BACKEND, CLIENT);
+        report.after = Some(headers(CLUSTER_IP, CLIENT));
+        let text = report.text();
+        assert!(
+            text.contains("backend:      -\nfrontend:     10.96.0.88:88\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("source:       10.244.0.12:80 -> 10.96.0.88:88\n"),
             "{text}"
         );
     }
