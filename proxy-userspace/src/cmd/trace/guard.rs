@@ -231,12 +231,13 @@ impl Maps {
     }
 
     /// Restores every conntrack entry the run may have touched: those read
-    /// before, and the partner of the frame's entry after.
+    /// before, and the partner of the frame's entry after, if the run made
+    /// it (its key was unknown before the run picked a backend).
     fn undo_conntrack(&mut self, before: &Before, key: &CtKey, after: Option<CtValue>) -> Result<usize> {
         let mut guarded = before.conntrack.clone();
         if let Some(value) = after {
             let partner = partner_key(key, &value);
-            if !guarded.iter().any(|(k, _)| *k == partner) {
+            if !guarded.iter().any(|(k, _)| *k == partner) && self.points_back(&partner, key)? {
                 guarded.push((partner, None));
             }
         }
@@ -247,6 +248,14 @@ impl Maps {
             }
         }
         Ok(undone)
+    }
+
+    /// Whether the entry at `partner` is the other half of `key`'s flow.
+    /// One that is not belongs to another flow whose tuple happens to be
+    /// this flow's reply tuple (see `proxy_common::conntrack`): the
+    /// programs did not overwrite it, and neither may the trace delete it.
+    fn points_back(&self, partner: &CtKey, key: &CtKey) -> Result<bool> {
+        Ok(get(&self.conntrack, partner)?.is_some_and(|value| partner_key(partner, &value) == *key))
     }
 }
 
