@@ -15,13 +15,16 @@
 //!
 //! - conntrack: the frame's own tuple and the other entry of its flow
 //!   (before and after the run, through [`partner_key`]), each restored to
-//!   what it held before (deleted if it was not there);
+//!   what it held before (deleted if it was not there; an entry on the
+//!   reply tuple only if it is this flow's);
 //! - affinity: the entry of the frame's source at the frontend it is
 //!   addressed to;
 //! - counters: the thread is pinned to one CPU, so the run counts in that
 //!   CPU's slot only; one packet of the frame's length is subtracted from
 //!   the verdict it moved (the run counts exactly one), and the conntrack
 //!   counters the programs write go back to their values before.
+//!
+//! The fragments map is not touched: the frame is a whole datagram.
 //!
 //! What is not undone, and why that is acceptable: the per-CPU arrays are
 //! written whole (Linux 6.18 cannot write one CPU's slot), so a packet that
