@@ -1,7 +1,8 @@
 //! `xproxy`: the node agent. `run` keeps the data path equal to what the API
 //! server (or a manifest directory) says; `status` shows the live data path;
 //! `cleanup` removes what xproxy installed (`--scope kube-proxy`: the
-//! rules under kube-proxy's names).
+//! rules under kube-proxy's names); `trace` runs one synthetic packet
+//! through the live programs.
 
 use std::{path::PathBuf, process::ExitCode};
 
@@ -53,6 +54,9 @@ enum Command {
         #[arg(long, value_enum, default_value = "own")]
         scope: cmd::cleanup::Scope,
     },
+    /// Run one synthetic packet through the live eBPF programs and show the
+    /// verdict, the backend and the rewritten headers; changes no state.
+    Trace(Box<cmd::trace::Flags>),
 }
 
 fn main() -> ExitCode {
@@ -65,6 +69,7 @@ fn main() -> ExitCode {
         Command::Run(flags) => cmd::run::run(&flags),
         Command::Status { pin_path, mode, json } => cmd::status::status(&cmd::status::Options { pin_path, mode, json }),
         Command::Cleanup { pin_path, scope } => cmd::cleanup::cleanup(&pin_path, scope),
+        Command::Trace(flags) => cmd::trace::trace(&flags),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -5,6 +5,7 @@ pub mod logging;
 mod node_setup;
 pub mod run;
 pub mod status;
+pub mod trace;
 
 /// Exit codes, so scripts can tell failures apart.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -138,7 +138,7 @@ impl Datapath {
     /// `links/<prog>/<iface>`. bpffs refuses names with a dot, which
     /// interface names may have (`eth0.100`), so dots become `~`.
     pub fn link_pin(&self, iface: &str, prog: &str) -> PathBuf {
-        self.pin_path.join(LINKS_DIR).join(prog).join(iface.replace('.', "~"))
+        link_pin(&self.pin_path, iface, prog)
     }
 
     fn attach_xdp(&mut self, iface: &str) -> Result<()> {
@@ -247,6 +247,12 @@ impl Datapath {
 
 /// Subdirectory of the pin path holding the pinned links.
 pub const LINKS_DIR: &str = "links";
+
+/// Where the link of program `prog` on `iface` is pinned under `pin_path`
+/// (see [`Datapath::link_pin`]).
+pub fn link_pin(pin_path: &Path, iface: &str, prog: &str) -> PathBuf {
+    pin_path.join(LINKS_DIR).join(prog).join(iface.replace('.', "~"))
+}
 
 /// Where our tc filters sit on kernels without tcx (see
 /// [`Datapath::attach_tc_filter`]): a priority tc(8) users rarely pick by

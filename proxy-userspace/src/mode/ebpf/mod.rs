@@ -77,10 +77,10 @@ use std::{
 use anyhow::{Context, Result, bail};
 pub use interfaces::{Interface, MissingInterface};
 pub use lb_maps::LbMaps;
-pub use loader::{Datapath, Hook, LINKS_DIR, LoadOptions, NotBpffs, detach_pinned_links, detach_tc_filters};
+pub use loader::{Datapath, Hook, LINKS_DIR, LoadOptions, NotBpffs, detach_pinned_links, detach_tc_filters, link_pin};
 pub use memory_maps::{FaultyMaps, MemoryMaps};
 pub use object::object_bytes;
-pub use pinned_maps::{PinnedMaps, sum_verdicts};
+pub use pinned_maps::{PinnedMaps, get as pinned_entry, open as open_pinned, pinned, sum_verdicts};
 pub use service_maps::ServiceMaps;
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};

@@ -20,14 +20,14 @@ use super::{
 };
 
 /// The map pinned as `name` under `pin_path`.
-pub(super) fn pinned(pin_path: &Path, name: &str) -> Result<Map> {
+pub fn pinned(pin_path: &Path, name: &str) -> Result<Map> {
     let path = pin_path.join(name);
     let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
     Ok(Map::from_map_data(data)?)
 }
 
 /// The hash map pinned as `name` under `pin_path`.
-pub(super) fn open<K: aya::Pod, V: aya::Pod>(pin_path: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
+pub fn open<K: aya::Pod, V: aya::Pod>(pin_path: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
     HashMap::try_from(pinned(pin_path, name)?).with_context(|| format!("map {name} has an unexpected layout"))
 }
 
@@ -125,7 +125,7 @@ const _: () = assert!(
 );
 
 /// One entry of `map`; `None` if it is not there.
-fn get<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>, key: &K) -> Result<Option<V>> {
+pub fn get<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>, key: &K) -> Result<Option<V>> {
     match map.get(key, 0) {
         Ok(value) => Ok(Some(value)),
         Err(MapError::KeyNotFound) => Ok(None),
