@@ -20,7 +20,7 @@ mod program;
 mod report;
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     net::{Ipv4Addr, SocketAddrV4},
     os::fd::AsFd,
     path::{Path, PathBuf},
@@ -276,14 +276,20 @@ fn uplinks(pin_path: &Path) -> Result<Vec<String>> {
         .collect();
     let services: aya::maps::HashMap<_, ServiceKey, ServiceValue> = open_pinned(pin_path, maps::SERVICES)?;
     let frontends: BTreeSet<u32> = services.keys().filter_map(Result::ok).map(|k| k.addr_be).collect();
+    // Node ports answer on every local address, the pods' gateway too,
+    // which every pod veth carries: only an address one interface alone
+    // carries marks an uplink.
+    let mut carriers: BTreeMap<u32, Vec<String>> = BTreeMap::new();
     for ifaddr in nix::ifaddrs::getifaddrs().context("listing this namespace's addresses")? {
         let Some(addr) = ifaddr.address.as_ref().and_then(|a| a.as_sockaddr_in()) else {
             continue;
         };
-        if frontends.contains(&u32::from_ne_bytes(addr.ip().octets())) {
-            names.insert(ifaddr.interface_name);
+        let addr = u32::from_ne_bytes(addr.ip().octets());
+        if frontends.contains(&addr) {
+            carriers.entry(addr).or_default().push(ifaddr.interface_name);
         }
     }
+    names.extend(carriers.into_values().filter(|c| c.len() == 1).flatten());
     Ok(names.into_iter().collect())
 }
 
