@@ -26,11 +26,25 @@ impl AgentProcess {
     /// Starts the agent; `args` follow `xproxy run` (without `--pin-path`).
     /// Its output goes to `log` if given, else to this process's stderr.
     pub fn start(xproxy: &Path, node: &Netns, pin_path: &Path, args: &[String], log: Option<&Path>) -> Result<Self> {
-        let mut cmd = node.command(xproxy)?;
+        let mut agent = Self {
+            child: None,
+            xproxy: xproxy.to_owned(),
+            pin_path: pin_path.to_owned(),
+            node_ns: node.path().to_owned(),
+        };
+        agent.restart(args, log)?;
+        Ok(agent)
+    }
+
+    /// Starts the agent again on the same data path after it was stopped
+    /// ([`Self::stop`]): the new process adopts the pinned maps and links.
+    pub fn restart(&mut self, args: &[String], log: Option<&Path>) -> Result<()> {
+        anyhow::ensure!(self.child.is_none(), "the agent is still running");
+        let mut cmd = netns::command_in(&self.node_ns, &self.xproxy)?;
         cmd.arg("run")
             .args(args)
             .arg("--pin-path")
-            .arg(pin_path)
+            .arg(&self.pin_path)
             .stdin(Stdio::null());
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "info");
@@ -39,13 +53,11 @@ impl AgentProcess {
             let file = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
             cmd.stdout(file.try_clone()?).stderr(file);
         }
-        let child = cmd.spawn().with_context(|| format!("starting {}", xproxy.display()))?;
-        Ok(Self {
-            child: Some(child),
-            xproxy: xproxy.to_owned(),
-            pin_path: pin_path.to_owned(),
-            node_ns: node.path().to_owned(),
-        })
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("starting {}", self.xproxy.display()))?;
+        self.child = Some(child);
+        Ok(())
     }
 
     pub fn pid(&self) -> Option<u32> {

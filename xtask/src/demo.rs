@@ -3,9 +3,13 @@
 //! Builds the programs and the agent, creates a node with three nginx-like
 //! pods (each answers with its name) and an outside client in network
 //! namespaces, runs `xproxy run` in the node with the user's own
-//! `proxy.yaml` and the seed manifests, and shows which pod answered each
-//! request through the NodePort and the ClusterIP. Everything is removed
-//! at the end, also on failure.
+//! `proxy.yaml` and (a copy of) the seed manifests, and shows which pod
+//! answered each request through the NodePort and the ClusterIP. Then
+//! [`story`]: a scale-up, a pod removed, `kill -9` of the agent under load
+//! without a failed request, and cleanup. Everything is removed at the
+//! end, also on failure.
+
+mod story;
 
 use std::{
     net::{Ipv4Addr, SocketAddrV4},
@@ -45,17 +49,18 @@ pub fn demo(root: &Path) -> Result<()> {
     build_ebpf::build_ebpf(root, &build_ebpf::Options::default())?;
     let xproxy = build_agent(root)?;
 
-    step("creating the cluster: a node, pods nginx-1..3 and an outside client (network namespaces)");
+    step("creating the cluster: a node, the seed's pods pod-1..3 and an outside client (network namespaces)");
     let topo = Topology::build(Offloads::On)?;
     let pin_path = PathBuf::from("/sys/fs/bpf").join(unique_name("xproxy-demo-"));
     let seed = root.join("examples/seed");
+    let manifests = story::Manifests::copy(&seed.join("manifests"))?;
     let args: Vec<String> = vec![
         "--config".into(),
         seed.join("proxy.yaml").display().to_string(),
         "--mode".into(),
         "ebpf".into(),
         "--manifests".into(),
-        seed.join("manifests").display().to_string(),
+        manifests.dir.display().to_string(),
         "--node-ip".into(),
         NODE_IP.to_string(),
         // The node the seed's EndpointSlice puts the pods on: local
@@ -68,11 +73,25 @@ pub fn demo(root: &Path) -> Result<()> {
         args.join(" "),
         pin_path.display()
     ));
-    let agent = AgentProcess::start(&xproxy, &topo.node, &pin_path, &args, None)?;
+    let mut agent = AgentProcess::start(&xproxy, &topo.node, &pin_path, &args, None)?;
 
-    let result = show_traffic(&topo, &agent);
-    step("cleaning up");
+    let result = show_traffic(&topo, &agent).and_then(|()| {
+        story::run(&mut story::Demo {
+            topo: &topo,
+            agent: &mut agent,
+            agent_args: &args,
+            manifests: &manifests,
+            xproxy: &xproxy,
+        })
+    });
+    step("removing the namespaces and anything left of the agent");
     drop(agent);
+    if result.is_ok() {
+        println!(
+            "
+The demo ran every step: xproxy served the seed Service through every change."
+        );
+    }
     result
 }
 
