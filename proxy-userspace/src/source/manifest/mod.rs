@@ -418,4 +418,3 @@ fn parallel_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Ve
 
 #[cfg(test)]
 mod tests;
-
