@@ -370,6 +370,29 @@ items:
     }
 
     #[test]
+    fn documents_are_split_at_markers_only() {
+        let text = "# a comment before anything\n---\na: 1\nb: |\n  --- not a marker, indented\n--- {c: 2}\n---\n# only a comment\n...\n---\nd: 3\n";
+        let docs = yaml_documents(text);
+        assert_eq!(docs.len(), 3, "{docs:?}");
+        assert!(docs[0].contains("not a marker"), "{docs:?}");
+        assert_eq!(docs[1], "--- {c: 2}\n");
+        assert_eq!(docs[2], "---\nd: 3\n");
+    }
+
+    /// A stream the document splitter cannot cut (a directive belongs to the
+    /// document after it) is parsed whole, as one stream.
+    #[test]
+    fn a_directive_between_documents() {
+        let text = "apiVersion: v1\nkind: Service\nmetadata: {name: a}\n...\n%YAML 1.2\n---\n\
+                    apiVersion: v1\nkind: Service\nmetadata: {name: b}\n";
+        let pieces = yaml_documents(text);
+        assert!(parse_yaml_document(pieces[0], "f.yaml", 0).is_err(), "{pieces:?}");
+        let (objects, problems) = yaml(text);
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(names(&objects.services), ["a", "b"]);
+    }
+
+    #[test]
     fn formats_by_extension() {
         assert_eq!(Format::of(Path::new("a/b.yml")), Some(Format::Yaml));
         assert_eq!(Format::of(Path::new("b.yaml")), Some(Format::Yaml));

@@ -222,3 +222,18 @@ fn an_empty_directory_is_a_reading_too() {
     assert!(source.reload_if_changed().unwrap().is_none());
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A document that does not parse alone (a directive before the next
+/// one) sends the file through the whole-stream parser, which reads it.
+#[test]
+fn a_file_the_splitter_cannot_cut_is_read_whole() {
+    let dir = temp_dir();
+    let text = "apiVersion: v1\nkind: Service\nmetadata: {name: a}\n...\n%YAML 1.2\n---\n\
+                apiVersion: v1\nkind: Service\nmetadata: {name: b}\n";
+    std::fs::write(dir.join("directive.yaml"), text).unwrap();
+    let mut source = ManifestDir::new(&dir).unwrap();
+    let (services, _, problems) = source.reload_if_changed().unwrap().unwrap();
+    assert!(problems.is_empty(), "{problems:?}");
+    assert_eq!(services.len(), 2);
+    std::fs::remove_dir_all(dir).unwrap();
+}
