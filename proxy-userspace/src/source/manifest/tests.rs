@@ -113,6 +113,16 @@ fn many_documents(n: usize) -> String {
     testbed::fixtures::yaml_documents(&objects)
 }
 
+/// A source over `dir` holding `files` (name, text), and its first reading.
+fn first_reading(dir: &Path, files: &[(&str, &str)]) -> (ManifestDir, Reading) {
+    for (name, text) in files {
+        std::fs::write(dir.join(name), text).unwrap();
+    }
+    let mut source = ManifestDir::new(dir).unwrap();
+    let reading = source.reload_if_changed().unwrap().expect("the first reading");
+    (source, reading)
+}
+
 #[test]
 fn any_number_of_documents_in_one_file() {
     let dir = temp_dir();
@@ -158,11 +168,9 @@ fn a_broken_file_is_reported_by_name_and_keeps_its_objects_beside_the_others() {
 #[test]
 fn a_file_that_turned_into_a_list() {
     let dir = temp_dir();
-    let file = dir.join("svc.yaml");
-    std::fs::write(&file, SEED).unwrap();
-    let mut source = ManifestDir::new(&dir).unwrap();
-    let (services, ..) = source.reload_if_changed().unwrap().unwrap();
+    let (mut source, (services, ..)) = first_reading(&dir, &[("svc.yaml", SEED)]);
     assert_eq!(services.len(), 1);
+    let file = dir.join("svc.yaml");
     let list = "apiVersion: v1\nkind: List\nitems:\n\
                 - {apiVersion: v1, kind: Service, metadata: {name: a}, spec: {clusterIP: 10.96.0.1}}\n\
                 - {apiVersion: v1, kind: Service, metadata: {name: b}, spec: {clusterIP: 10.96.0.2}}\n\
@@ -182,11 +190,8 @@ fn a_file_that_turned_into_a_list() {
 #[test]
 fn only_changed_files_are_read_again() {
     let dir = temp_dir();
+    let (mut source, _) = first_reading(&dir, &[("a.yaml", SEED), ("b.yaml", &many_documents(1))]);
     let untouched = dir.join("a.yaml");
-    std::fs::write(&untouched, SEED).unwrap();
-    std::fs::write(dir.join("b.yaml"), many_documents(1)).unwrap();
-    let mut source = ManifestDir::new(&dir).unwrap();
-    source.reload_if_changed().unwrap().unwrap();
     let modified = std::fs::metadata(&untouched).unwrap().modified().unwrap();
     let file = std::fs::OpenOptions::new().write(true).open(&untouched).unwrap();
     std::io::Write::write_all(&mut &file, &vec![b'['; SEED.len()]).unwrap();
