@@ -289,7 +289,10 @@ impl ManifestDir {
 fn serialize_objects(services: &[Service], slices: &[EndpointSlice]) -> Vec<u8> {
     // Serializing objects that were just deserialized cannot fail: they
     // hold no maps with non-string keys and no failing Serialize impls.
-    serde_json::to_vec(&(services, slices)).unwrap_or_default()
+    let mut json = serde_json::to_vec(&(services, slices)).unwrap_or_default();
+    // Kept for as long as the file does not change: not the growth room.
+    json.shrink_to_fit();
+    json
 }
 
 /// What one file gave: its objects and the documents skipped, or why it
