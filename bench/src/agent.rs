@@ -1,6 +1,7 @@
 //! The real agent, `xproxy run --mode MODE --kubeconfig ...`, in the bench's
-//! node, fed by the test API server; and what its log says about when the
-//! Services were delivered and how long its syncs took.
+//! node, fed by the test API server (or `--manifests DIR`, a directory of
+//! YAML files); and what its log says about when the Services were
+//! delivered and how long its syncs took.
 //!
 //! The bench never runs `xproxy cleanup`: every agent gets a node of its
 //! own, and deleting the node's namespace takes its rules with it (removing
@@ -42,6 +43,24 @@ ipvs:
   syncPeriod: 1h
 ";
 
+/// Where the agent takes its Services from.
+#[derive(Clone, Copy, Debug)]
+pub enum Source<'a> {
+    /// The test API server, through this kubeconfig.
+    Kubeconfig(&'a Path),
+    /// A manifest directory.
+    Manifests(&'a Path),
+}
+
+impl Source<'_> {
+    fn args(self) -> [String; 2] {
+        match self {
+            Source::Kubeconfig(path) => ["--kubeconfig".into(), path.display().to_string()],
+            Source::Manifests(dir) => ["--manifests".into(), dir.display().to_string()],
+        }
+    }
+}
+
 pub struct BenchAgent {
     /// `None` once stopped.
     process: Option<AgentProcess>,
@@ -67,20 +86,21 @@ impl BenchAgent {
         xproxy: &Path,
         node: &Netns,
         mode: &str,
-        kubeconfig: &Path,
+        source: Source<'_>,
         dir: &Path,
         check: bool,
     ) -> Result<Started> {
         let config = dir.join("bench-proxy.yaml");
         fs::write(&config, CONFIG).with_context(|| format!("writing {}", config.display()))?;
         let log = dir.join(format!("agent-{mode}-{}.log", unique_name("")));
+        let [source_flag, source_path] = source.args();
         let args: Vec<String> = [
             "--config",
             &config.display().to_string(),
             "--mode",
             mode,
-            "--kubeconfig",
-            &kubeconfig.display().to_string(),
+            &source_flag,
+            &source_path,
             "--node-ip",
             &NODE_IP.to_string(),
             "--hostname-override",
@@ -205,10 +225,14 @@ fn last_error(log: &str) -> String {
 /// What the agent's log says.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct LogFacts {
-    /// When each source kind finished its list (`listed kind=...`).
+    /// When each source kind finished its list (`listed kind=...`), or
+    /// the manifest directory was read (`manifests read ...`, kind
+    /// `manifests`, the Services as objects).
     pub listed: Vec<(String, SystemTime, u64)>,
     /// Every sync that changed something: (services, took in seconds).
     pub syncs: Vec<(u64, f64)>,
+    /// How long the agent's first reading of the manifest directory took.
+    pub manifests_read_s: Option<f64>,
     /// Syncs that failed, and the error of the last one.
     pub sync_failures: usize,
     pub last_sync_failure: Option<String>,
@@ -242,6 +266,16 @@ pub fn parse_log(text: &str) -> LogFacts {
             let kind = field(fields, "kind").unwrap_or_default().trim_matches('"').to_owned();
             let objects = field(fields, "objects").and_then(|n| n.parse().ok()).unwrap_or(0);
             facts.listed.push((kind, SystemTime::from(at), objects));
+        } else if let Some(fields) = message.strip_prefix("manifests read ") {
+            let Ok(at) = stamp.parse::<jiff::Timestamp>() else {
+                continue;
+            };
+            let services = field(fields, "services").and_then(|n| n.parse().ok()).unwrap_or(0);
+            facts
+                .listed
+                .push(("manifests".to_owned(), SystemTime::from(at), services));
+            let took_ms = field(fields, "took_ms").and_then(|n| n.parse::<f64>().ok());
+            facts.manifests_read_s = facts.manifests_read_s.or(took_ms.map(|ms| ms / 1e3));
         } else if message.starts_with("sync failed") {
             let error = message.split_once("error=").map_or(message, |(_, e)| e);
             facts.sync_failures += 1;
@@ -290,6 +324,18 @@ mod tests {
         assert_eq!(facts.first_sync_with(101), Some(0.1235));
         assert_eq!(facts.first_sync_with(102), None);
         assert_eq!(facts.last_sync_failure.as_deref(), Some("writing a backend: E2BIG"));
+    }
+
+    #[test]
+    fn a_manifest_directory_read_is_a_delivery() {
+        let log = "2026-12-02T15:11:23.100000Z  INFO xproxy::source::manifest: manifests read \
+                   files=20 read=20 services=10001 slices=10001 took_ms=812.5\n";
+        let facts = parse_log(log);
+        assert_eq!(facts.listed.len(), 1);
+        assert_eq!((facts.listed[0].0.as_str(), facts.listed[0].2), ("manifests", 10_001));
+        let expected: jiff::Timestamp = "2026-12-02T15:11:23.1Z".parse().expect("timestamp");
+        assert_eq!(facts.delivered(), Some(SystemTime::from(expected)));
+        assert_eq!(facts.manifests_read_s, Some(0.8125));
     }
 
     #[test]

@@ -57,7 +57,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Measure (as root) and write the results, the report and the charts.
-    Run(RunOptions),
+    Run(Box<RunOptions>),
     /// Render the report and the charts of a results file again.
     Report {
         /// A `bench/results/*.json` file; the report and charts go next to it.

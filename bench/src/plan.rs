@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{Result, bail};
 
-use crate::{services::EndpointCount, throughput::WrkOptions};
+use crate::{results::ScaleSource, services::EndpointCount, throughput::WrkOptions};
 
 pub const ALL_MODES: [&str; 5] = ["ebpf", "iptables", "nftables", "ipvs", "userspace"];
 const FULL_SERVICES: [usize; 4] = [100, 1_000, 10_000, 20_000];
@@ -57,6 +57,13 @@ pub struct RunOptions {
     /// Skip the ebpf scale runs (10,000 x 10 endpoints, 100,000 Services); --quick skips them.
     #[arg(long)]
     pub no_scale: bool,
+    /// Where the scale runs take the Services from, comma-separated: the
+    /// API server, a manifest directory.
+    #[arg(long, value_delimiter = ',', default_values_t = [ScaleSource::Api, ScaleSource::Manifests])]
+    pub scale_sources: Vec<ScaleSource>,
+    /// Only the scale runs: no per-mode runs, no per-packet part.
+    #[arg(long, conflicts_with = "no_scale")]
+    pub only_scale: bool,
     /// Skip the per-packet measurement (BPF_PROG_TEST_RUN).
     #[arg(long)]
     pub no_per_packet: bool,
@@ -73,6 +80,7 @@ pub struct RunOptions {
 pub struct ScalePoint {
     pub services: usize,
     pub endpoints: EndpointCount,
+    pub source: ScaleSource,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -92,6 +100,8 @@ pub struct Plan {
     /// How long a probe of a Service not programmed yet waits for an answer.
     pub probe_timeout: std::time::Duration,
     pub scale: Vec<ScalePoint>,
+    /// Measure the modes at each N (else only the scale runs).
+    pub mode_runs: bool,
     pub per_packet: bool,
 }
 
@@ -131,12 +141,24 @@ impl Plan {
                 ScalePoint {
                     services: 10_000,
                     endpoints: EndpointCount::Fixed(10),
+                    source: ScaleSource::Api,
                 },
                 ScalePoint {
                     services: 100_000,
                     endpoints: EndpointCount::Random,
+                    source: ScaleSource::Api,
+                },
+                // The same 10,000 x 10 read from YAML files: the manifests
+                // source's parsing is what this one measures.
+                ScalePoint {
+                    services: 10_000,
+                    endpoints: EndpointCount::Fixed(10),
+                    source: ScaleSource::Manifests,
                 },
             ]
+            .into_iter()
+            .filter(|p| o.scale_sources.contains(&p.source))
+            .collect()
         };
         Ok(Self {
             quick,
@@ -160,7 +182,8 @@ impl Plan {
                 o.probe_timeout_ms.unwrap_or(DEFAULT_PROBE_TIMEOUT_MS).max(1),
             ),
             scale,
-            per_packet: !o.no_per_packet,
+            mode_runs: !o.only_scale,
+            per_packet: !o.no_per_packet && !o.only_scale,
         })
     }
 }
@@ -191,7 +214,8 @@ mod tests {
             (p.connections, p.rounds, p.changes, p.change_at),
             (2000, 5, 100, 10_000)
         );
-        assert_eq!(p.scale.len(), 2);
+        assert_eq!(p.scale.len(), 3);
+        assert_eq!(p.scale[2].source, ScaleSource::Manifests);
         assert!(p.per_packet);
     }
 
@@ -204,6 +228,18 @@ mod tests {
         assert_eq!(p.wrk.duration_s, 1);
         let p = plan(&["--quick", "--services", "1000,100,1000"]).expect("plan");
         assert_eq!(p.services, [100, 1000]);
+    }
+
+    #[test]
+    fn only_the_manifests_scale_run() {
+        let p = plan(&["--modes", "ebpf", "--only-scale", "--scale-sources", "manifests"]).expect("plan");
+        assert!(!p.mode_runs && !p.per_packet);
+        assert_eq!(p.scale.len(), 1);
+        assert_eq!(
+            (p.scale[0].services, p.scale[0].source),
+            (10_000, ScaleSource::Manifests)
+        );
+        assert!(plan(&["--only-scale", "--no-scale"]).is_err());
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use crate::{
     latency::Latency,
     programming::Programming,
-    results::{ModeStatus, Results, Run},
+    results::{ModeStatus, Results, Run, ScaleRun, ScaleSource},
     stats::{Summary, ratio},
 };
 
@@ -485,14 +485,16 @@ pub fn targets(r: &Results) -> Vec<TargetCheck> {
     }
 
     // Programming at scale.
-    let scale = |services: usize, fixed: Option<usize>| {
-        r.scale.iter().find(|s| {
+    let scale_from = |source: ScaleSource, services: usize, fixed: Option<usize>| {
+        r.scale.iter().find(move |s| {
             s.mode == SUBJECT
+                && s.source == source
                 && s.services == services
                 && s.error.is_none()
                 && fixed.is_none_or(|e| s.endpoints == services * e)
         })
     };
+    let scale = |services: usize, fixed: Option<usize>| scale_from(ScaleSource::Api, services, fixed);
     let within = |target: &'static str, p: Option<&Programming>, limit: f64, missing: &str| match p {
         Some(p) if p.seconds().is_some() => {
             let (s, bound) = p.seconds().unwrap_or((f64::NAN, true));
@@ -518,6 +520,7 @@ pub fn targets(r: &Results) -> Vec<TargetCheck> {
         3.0,
         "no scale run at 100,000 (full runs do one)",
     ));
+    checks.push(manifests_target(scale_from(ScaleSource::Manifests, 10_000, Some(10))));
 
     // One endpoint change.
     const CHANGE: &str = "one endpoint change at 10,000 Services applied in ≤ 10 ms p99";
@@ -618,6 +621,47 @@ pub fn targets(r: &Results) -> Vec<TargetCheck> {
         None => checks.push(not_measured(RSS, "no scale run at 10,000 × 10 (full runs do one)")),
     }
     checks
+}
+
+/// 10,000 Services x 10 endpoints from a manifest directory: answering
+/// within 1 s of the agent's start, with the agent at most 150 MiB.
+fn manifests_target(run: Option<&ScaleRun>) -> TargetCheck {
+    const TARGET: &str =
+        "10,000 Services × 10 endpoints from YAML manifests: answering ≤ 1 s from agent start, RSS ≤ 150 MiB";
+    let Some((p, m)) = run.and_then(|s| Some((s.programming.as_ref()?, s.memory.as_ref()?))) else {
+        return not_measured(TARGET, "no manifests scale run (full runs do one)");
+    };
+    let rss = m.agent_rss_bytes as f64 / (1024.0 * 1024.0);
+    let start = p.start_to_answer_s;
+    let answered = p.timed_out_after_s.is_none();
+    check(
+        TARGET,
+        format!(
+            "{} from start (read -> answering {}), {rss:.1} MiB (peak {} MiB)",
+            seconds(Some(start)),
+            programming_cell(p),
+            mib(m.agent_peak_rss_bytes)
+        ),
+        answered && start <= 1.0 && rss <= 150.0,
+        || {
+            let mut over = Vec::new();
+            if !answered || start > 1.0 {
+                over.push(format!("{} over", seconds(Some(start - 1.0))));
+            }
+            if rss > 150.0 {
+                over.push(format!("{:.1} MiB over", rss - 150.0));
+            }
+            over.join(", ")
+        },
+    )
+}
+
+/// A scale run's row label: the mode, and the source when not the API.
+fn scale_label(s: &ScaleRun) -> String {
+    match s.source {
+        ScaleSource::Api => format!("{} (scale run)", s.mode),
+        ScaleSource::Manifests => format!("{} (scale run, manifests)", s.mode),
+    }
 }
 
 fn targets_section(out: &mut String, r: &Results) {
@@ -726,7 +770,7 @@ fn tables(out: &mut String, r: &Results) {
     for s in &r.scale {
         let Some(p) = &s.programming else { continue };
         rows.push(vec![
-            format!("{} (scale run)", s.mode),
+            scale_label(s),
             s.services.to_string(),
             s.endpoints.to_string(),
             programming_cell(p),
@@ -875,7 +919,7 @@ fn memory_table(out: &mut String, r: &Results) {
     for s in &r.scale {
         let Some(mem) = &s.memory else { continue };
         rows.push(vec![
-            format!("{} (scale run)", s.mode),
+            scale_label(s),
             s.services.to_string(),
             s.endpoints.to_string(),
             mib(mem.agent_rss_bytes),
@@ -1045,6 +1089,65 @@ pub mod tests {
         let rps = by_name("new-connection requests/s");
         assert_eq!(rps.standing, Standing::Met);
         assert!(rps.measured.starts_with("3.00×"), "{}", rps.measured);
+    }
+
+    fn scale_run(source: ScaleSource, start_s: f64, rss_mib: u64) -> ScaleRun {
+        ScaleRun {
+            mode: "ebpf".into(),
+            source,
+            services: 10_000,
+            endpoints: 100_000,
+            programming: Some(Programming {
+                delivered_to_answer_s: Some(0.2),
+                start_to_answer_s: start_s,
+                sync_s: Some(0.2),
+                timed_out_after_s: None,
+            }),
+            memory: Some(crate::memory::Memory {
+                agent_rss_bytes: rss_mib << 20,
+                agent_peak_rss_bytes: rss_mib << 20,
+                bpf_maps: Vec::new(),
+            }),
+            note: None,
+            error: None,
+        }
+    }
+
+    #[test]
+    fn the_manifests_target_reads_the_manifests_run_only() {
+        const TARGET: &str = "10,000 Services × 10 endpoints from YAML";
+        let standing = |results: &Results| {
+            targets(results)
+                .into_iter()
+                .find(|c| c.target.starts_with(TARGET))
+                .expect("the manifests target")
+                .standing
+        };
+        let mut results = fixture::results();
+        results.scale = vec![scale_run(ScaleSource::Api, 0.4, 100)];
+        assert!(matches!(standing(&results), Standing::NotMeasured(_)));
+        assert_eq!(
+            by_prefix(&targets(&results), "10,000 Services × 10 endpoints programmed").standing,
+            Standing::Met,
+            "the API run is the one the programming target reads"
+        );
+        results.scale.push(scale_run(ScaleSource::Manifests, 0.8, 120));
+        assert_eq!(standing(&results), Standing::Met);
+        results.scale[1] = scale_run(ScaleSource::Manifests, 1.5, 160);
+        assert_eq!(
+            standing(&results),
+            Standing::Missed("500.0 ms over, 10.0 MiB over".into())
+        );
+        let text = render(&results, &[]);
+        assert!(text.contains("| ebpf (scale run, manifests) | 10000 |"), "{text}");
+    }
+
+    fn by_prefix(checks: &[TargetCheck], prefix: &str) -> TargetCheck {
+        checks
+            .iter()
+            .find(|c| c.target.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no target {prefix}"))
+            .clone()
     }
 
     #[test]

@@ -166,9 +166,36 @@ pub struct RunThroughput {
     pub clusterip_keepalive: Throughput,
 }
 
+/// Where a scale run's agent took its Services from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ScaleSource {
+    /// The test API server (list and watch).
+    #[default]
+    Api,
+    /// A manifest directory (`--manifests`): YAML files of
+    /// [`MANIFEST_FILE_SERVICES`] Services each.
+    Manifests,
+}
+
+impl std::fmt::Display for ScaleSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ScaleSource::Api => "api",
+            ScaleSource::Manifests => "manifests",
+        })
+    }
+}
+
+/// Services (each with its EndpointSlice) per file of a manifests scale run.
+pub const MANIFEST_FILE_SERVICES: usize = 500;
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ScaleRun {
     pub mode: String,
+    /// Results written before the manifests runs came from the API server.
+    #[serde(default)]
+    pub source: ScaleSource,
     pub services: usize,
     pub endpoints: usize,
     pub programming: Option<Programming>,

@@ -17,7 +17,7 @@ use anyhow::{Context, Result, bail};
 use testbed::topology::NODE_IP;
 use testbed::{
     agent_bed::{NodeApiServer, TempDir},
-    fixtures::node,
+    fixtures::{node, yaml_documents},
 };
 
 use crate::{
@@ -27,7 +27,10 @@ use crate::{
     plan::{Plan, ScalePoint},
     programming::{self, EndpointPod},
     progress::Progress,
-    results::{Baseline, ModeResult, ModeStatus, Parameters, Run, RunLatency, RunThroughput, ScaleRun},
+    results::{
+        Baseline, MANIFEST_FILE_SERVICES, ModeResult, ModeStatus, Parameters, Run, RunLatency, RunThroughput, ScaleRun,
+        ScaleSource,
+    },
     services::{self, CHANGE_CLUSTER_IP, PORT, ServiceSet},
     throughput,
     topology::{self, BenchTopology, pod_ip, pod_name},
@@ -50,7 +53,12 @@ pub struct Runner<'a> {
 
 /// The steps of the progress bar.
 pub fn steps(plan: &Plan) -> u64 {
-    (plan.modes.len() * (plan.services.len() + 1) + plan.scale.len() + usize::from(plan.per_packet)) as u64
+    let mode_steps = if plan.mode_runs {
+        plan.modes.len() * (plan.services.len() + 1)
+    } else {
+        0
+    };
+    (mode_steps + plan.scale.len() + usize::from(plan.per_packet)) as u64
 }
 
 impl<'a> Runner<'a> {
@@ -104,7 +112,11 @@ impl<'a> Runner<'a> {
     }
 
     pub fn run(&self) -> Outcome {
-        let modes = self.plan.modes.iter().map(|mode| self.mode(mode)).collect();
+        let modes = if self.plan.mode_runs {
+            self.plan.modes.iter().map(|mode| self.mode(mode)).collect()
+        } else {
+            Vec::new()
+        };
         let scale = self.scale_runs();
         let per_packet = self.plan.per_packet.then(|| {
             let result = self.progress.part("per-packet (BPF_PROG_TEST_RUN)", || {
@@ -205,7 +217,8 @@ impl<'a> Runner<'a> {
         api.apply(&node())?;
         let kubeconfig = self.scratch.path().join("kubeconfig-empty.yaml");
         api.server().write_kubeconfig(&kubeconfig)?;
-        match BenchAgent::start(&self.xproxy, &topo.node, mode, &kubeconfig, self.scratch.path(), true)? {
+        let source = agent::Source::Kubeconfig(&kubeconfig);
+        match BenchAgent::start(&self.xproxy, &topo.node, mode, source, self.scratch.path(), true)? {
             Started::Running(mut agent) => {
                 agent.stop(libc::SIGTERM);
                 Ok(None)
@@ -254,8 +267,28 @@ impl<'a> Runner<'a> {
         Ok((api, kubeconfig))
     }
 
-    fn start_agent(&self, topo: &BenchTopology, mode: &str, kubeconfig: &Path) -> Result<BenchAgent> {
-        match BenchAgent::start(&self.xproxy, &topo.node, mode, kubeconfig, self.scratch.path(), false)? {
+    /// The Services of `set` (and the node's Node) as YAML files of
+    /// [`MANIFEST_FILE_SERVICES`] Services each, in a fresh directory.
+    fn write_manifests(&self, set: &ServiceSet) -> Result<PathBuf> {
+        let dir = self.scratch.path().join(format!("manifests-{}", set.len()));
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+        }
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let write = |name: String, objects: &[serde_json::Value]| {
+            let path = dir.join(name);
+            std::fs::write(&path, yaml_documents(objects)).with_context(|| format!("writing {}", path.display()))
+        };
+        write("node.yaml".into(), &[node()])?;
+        // A Service and its EndpointSlice are next to each other.
+        for (i, file) in set.objects(pod_ip(0)).chunks(2 * MANIFEST_FILE_SERVICES).enumerate() {
+            write(format!("services-{i:03}.yaml"), file)?;
+        }
+        Ok(dir)
+    }
+
+    fn start_agent(&self, topo: &BenchTopology, mode: &str, source: agent::Source<'_>) -> Result<BenchAgent> {
+        match BenchAgent::start(&self.xproxy, &topo.node, mode, source, self.scratch.path(), false)? {
             Started::Running(agent) => Ok(agent),
             Started::Unavailable(reason) => bail!("the mode became unavailable: {reason}"),
         }
@@ -268,7 +301,7 @@ impl<'a> Runner<'a> {
         let (api, kubeconfig) = self.progress.part(&format!("{label}: loading the API server"), || {
             self.start_api(topo, &set)
         })?;
-        let mut agent = self.start_agent(topo, mode, &kubeconfig)?;
+        let mut agent = self.start_agent(topo, mode, agent::Source::Kubeconfig(&kubeconfig))?;
         let outcome = self.measure_with_agent(topo, &api, &mut agent, &set, &label, run);
         if let Err(e) = outcome {
             let log = agent.log_text();
@@ -462,14 +495,31 @@ impl<'a> Runner<'a> {
         let mode = "ebpf";
         let set = ServiceSet::generate_with(point.services, self.plan.seed, point.endpoints)?;
         let label = format!(
-            "scale: {mode} at {} Services, {} endpoints",
+            "scale: {mode} at {} Services, {} endpoints, from {}",
             set.len(),
-            set.endpoint_count()
+            set.endpoint_count(),
+            point.source
         );
-        let (api, kubeconfig) = self.progress.part(&format!("{label}: loading the API server"), || {
-            self.start_api(topo, &set)
-        })?;
-        let mut agent = self.start_agent(topo, mode, &kubeconfig)?;
+        // The API server (and its kubeconfig) or the manifest directory,
+        // the agent's source: kept until the agent stopped.
+        let mut api = None;
+        let path = match point.source {
+            ScaleSource::Api => {
+                let (server, kubeconfig) = self.progress.part(&format!("{label}: loading the API server"), || {
+                    self.start_api(topo, &set)
+                })?;
+                api = Some(server);
+                kubeconfig
+            }
+            ScaleSource::Manifests => self.progress.part(&format!("{label}: writing the manifests"), || {
+                self.write_manifests(&set)
+            })?,
+        };
+        let source = match point.source {
+            ScaleSource::Api => agent::Source::Kubeconfig(&path),
+            ScaleSource::Manifests => agent::Source::Manifests(&path),
+        };
+        let mut agent = self.start_agent(topo, mode, source)?;
         let last = SocketAddrV4::new(set.last().cluster_ip, PORT);
         let programming = self.progress.part(&format!("{label}: programming"), || {
             programming::wait_programmed(
@@ -480,10 +530,13 @@ impl<'a> Runner<'a> {
                 (self.plan.probe_timeout, self.plan.program_timeout),
             )
         })?;
+        let read = agent::parse_log(&agent.log_text()).manifests_read_s;
         self.say(&format!(
-            "{label}: delivered -> answering {}, agent's sync {}",
+            "{label}: start -> answering {}, delivered -> answering {}, agent's sync {}{}",
+            fmt_s(Some(programming.start_to_answer_s)),
             fmt_s(programming.delivered_to_answer_s),
-            fmt_s(programming.sync_s)
+            fmt_s(programming.sync_s),
+            read.map_or(String::new(), |s| format!(", reading the manifests {}", fmt_s(Some(s))))
         ));
         let pid = agent.pid().context("the agent's pid")?;
         let memory = memory::measure(pid, agent.pin_path())?;
@@ -495,6 +548,7 @@ impl<'a> Runner<'a> {
         });
         Ok(ScaleRun {
             mode: mode.to_owned(),
+            source: point.source,
             services: set.len(),
             endpoints: set.endpoint_count(),
             programming: Some(programming),
@@ -524,6 +578,7 @@ fn empty_run(n: usize, seed: u64) -> Run {
 fn failed_scale(point: &ScalePoint, error: String) -> ScaleRun {
     ScaleRun {
         mode: "ebpf".into(),
+        source: point.source,
         services: point.services,
         endpoints: 0,
         programming: None,

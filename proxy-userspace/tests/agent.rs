@@ -742,6 +742,34 @@ fn sigkill_and_restart_keep_traffic_and_adopt_the_maps() {
 // ---------------------------------------------------------------------------
 // 5: bad input.
 
+/// kubectl's shapes: the seed as `kubectl get svc,endpointslices -o json`
+/// writes it (a `v1` `List`) is served; a file that is not YAML is an
+/// ERROR naming it and a skipped object in the metrics.
+#[test]
+fn a_kubectl_list_is_served_and_a_broken_file_is_an_error() {
+    const TEST: &str = "a_kubectl_list_is_served_and_a_broken_file_is_an_error";
+    if !require_root(TEST) {
+        return;
+    }
+    run(TEST, |bed| {
+        let list = json!({"apiVersion": "v1", "kind": "List", "items": fixtures::seed_objects(), "metadata": {}});
+        bed.write_manifest("seed.json", &list.to_string())?;
+        bed.write_manifest("broken.yaml", BROKEN_YAML)?;
+        bed.start_agent(&bed.manifest_args())?;
+        bed.wait_answering(seed_node_port(), READY_WITHIN)?;
+        let seen = bed.expect_all_backends(&bed.topo.client, seed_node_port(), ALL_BACKENDS_REQUESTS)?;
+        note(TEST, format!("the List's seed answers from every backend: {seen}"));
+        let errors = log_lines(&bed.log(), "manifest file not used");
+        ensure!(
+            errors.iter().any(|l| l.contains("ERROR") && l.contains("broken.yaml")),
+            "no ERROR naming broken.yaml: {errors:#?}"
+        );
+        let skipped = bed.metrics()?.value(h::SKIPPED);
+        ensure!(skipped >= Some(1.0), "{} = {skipped:?}", h::SKIPPED);
+        Ok(())
+    });
+}
+
 const BROKEN_YAML: &str = "apiVersion: v1\nkind: Service\nmetadata:\n  name: broken\n spec: [unclosed\n";
 
 fn bad_objects() -> Vec<Value> {
