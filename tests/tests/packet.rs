@@ -1029,10 +1029,7 @@ fn an_older_agents_conntrack_entries_are_migrated() {
     );
     let backend = dnat_dst(&out);
     // Turn the two entries into what the older programs wrote.
-    let path = h.pin_dir().join(proxy_common::maps::CONNTRACK);
-    let data = aya::maps::MapData::from_pin(&path).expect("pinned conntrack");
-    let mut ct: aya::maps::HashMap<_, CtKey, proxy_common::CtValue> =
-        aya::maps::HashMap::try_from(aya::maps::Map::from_map_data(data).expect("a map")).expect("a hash map");
+    let mut ct = pinned_conntrack(&h);
     for (key, mut value) in h.conntrack() {
         ct.remove(&key).expect("delete");
         let mut old_key = key;
@@ -1095,14 +1092,7 @@ fn flows_of_a_removed_backend_never_reach_another_services_backend() {
     // backend (the freed id is the smallest free one).
     let gone = flows[0].1;
     let remaining: Vec<SocketAddrV4> = seed.iter().copied().filter(|b| *b != gone).collect();
-    h.sync(&service(
-        SEED_TCP,
-        Protocol::Tcp,
-        CLUSTER_IP,
-        SERVICE_PORT,
-        Some(NODE_PORT),
-        &remaining,
-    ));
+    sync_seed_tcp(&mut h, &remaining);
     let intruder = addr(Ipv4Addr::new(10, 244, 9, 99), 9999);
     h.sync(&service(
         "default/other:http",
@@ -2121,6 +2111,25 @@ fn flow_states(h: &Harness, client: SocketAddrV4) -> Vec<u8> {
         .collect()
 }
 
+/// The harness's conntrack map, to write entries as programs left them.
+fn pinned_conntrack(h: &Harness) -> aya::maps::HashMap<aya::maps::MapData, CtKey, proxy_common::CtValue> {
+    let path = h.pin_dir().join(proxy_common::maps::CONNTRACK);
+    let data = aya::maps::MapData::from_pin(&path).expect("pinned conntrack");
+    aya::maps::HashMap::try_from(aya::maps::Map::from_map_data(data).expect("a map")).expect("a hash map")
+}
+
+/// The seed's TCP port, now with `backends` only.
+fn sync_seed_tcp(h: &mut Harness, backends: &[SocketAddrV4]) {
+    h.sync(&service(
+        SEED_TCP,
+        Protocol::Tcp,
+        CLUSTER_IP,
+        SERVICE_PORT,
+        Some(NODE_PORT),
+        backends,
+    ));
+}
+
 /// Opens a TCP flow through tc ingress; returns its SYN and backend.
 fn open_tcp(h: &mut Harness, to: SocketAddrV4, backends: &[SocketAddrV4]) -> (Frame, SocketAddrV4) {
     let syn = Frame::tcp(client(h), to, SYN);
@@ -2228,14 +2237,7 @@ fn a_syn_on_a_closed_flows_tuple_picks_a_current_backend() {
         .copied()
         .filter(|b| *b != backend && *b != reset_backend)
         .collect();
-    h.sync(&service(
-        SEED_TCP,
-        Protocol::Tcp,
-        CLUSTER_IP,
-        SERVICE_PORT,
-        Some(NODE_PORT),
-        &remaining,
-    ));
+    sync_seed_tcp(&mut h, &remaining);
     for (what, frame, old) in [
         ("SYN after TIME_WAIT", syn, state::TCP_TIME_WAIT),
         ("SYN after RST", reset_syn, state::TCP_CLOSE),
@@ -2267,24 +2269,14 @@ fn a_flow_with_both_fins_is_closed_whatever_its_state_byte_says() {
     let mut h = Harness::seeded();
     let seed = seed_backends();
     let (syn, backend) = open_tcp(&mut h, cluster_ip(), &seed);
-    let path = h.pin_dir().join(proxy_common::maps::CONNTRACK);
-    let data = aya::maps::MapData::from_pin(&path).expect("pinned conntrack");
-    let mut ct: aya::maps::HashMap<_, CtKey, proxy_common::CtValue> =
-        aya::maps::HashMap::try_from(aya::maps::Map::from_map_data(data).expect("a map")).expect("a hash map");
+    let mut ct = pinned_conntrack(&h);
     for (key, mut value) in h.conntrack() {
         value.flags |= FLAG_FIN_FORWARD | FLAG_FIN_REPLY;
         value.state = state::TCP_FIN_WAIT;
         ct.insert(key, value, 0).expect("rewrite");
     }
     let remaining: Vec<SocketAddrV4> = seed.iter().copied().filter(|b| *b != backend).collect();
-    h.sync(&service(
-        SEED_TCP,
-        Protocol::Tcp,
-        CLUSTER_IP,
-        SERVICE_PORT,
-        Some(NODE_PORT),
-        &remaining,
-    ));
+    sync_seed_tcp(&mut h, &remaining);
     run_case(
         &mut h,
         Prog::TcIngress,
