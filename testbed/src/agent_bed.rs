@@ -192,16 +192,7 @@ impl Drop for TempDir {
     }
 }
 
-/// Writes `text` to `path` atomically (a temporary file in the same
-/// directory, renamed over it) and returns the moment the rename was done.
-/// The temporary name does not end in `.yaml`, so a directory watcher never
-/// reads it half-written.
-pub fn write_atomically(path: &Path, text: &str) -> Result<Instant> {
-    let tmp = path.with_extension("tmp~");
-    fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
-    fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
-    Ok(Instant::now())
-}
+pub use crate::fixtures::write_atomically;
 
 // ---------------------------------------------------------------------------
 // The test API server, listening inside the node namespace.

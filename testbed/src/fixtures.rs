@@ -285,6 +285,18 @@ fn yaml_key(key: &str) -> String {
     }
 }
 
+/// Writes `text` to `path` atomically (a temporary file in the same
+/// directory, renamed over it) and returns the moment the rename was done.
+/// The temporary name does not end in `.yaml`, so a directory watcher never
+/// reads it half-written.
+pub fn write_atomically(path: &std::path::Path, text: &str) -> anyhow::Result<std::time::Instant> {
+    use anyhow::Context as _;
+    let tmp = path.with_extension("tmp~");
+    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    Ok(std::time::Instant::now())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -72,12 +72,7 @@ impl Manifests {
         let endpoints: Vec<(Ipv4Addr, &str)> = pods.iter().map(|(_, ip)| (*ip, NODE)).collect();
         let slice = slice_with(SLICE, SERVICE, &[PortDef::tcp(0, TARGET_PORT, None)], &endpoints);
         let text = format!("{}\n{}", kept.join("\n---\n"), yaml_documents(&[slice]));
-        // Whole or not at all: the agent must never read half a file.
-        let path = self.dir.join(SEED_FILE);
-        let partial = self.dir.join(format!(".{SEED_FILE}.partial"));
-        std::fs::write(&partial, text).with_context(|| format!("writing {}", partial.display()))?;
-        std::fs::rename(&partial, &path).with_context(|| format!("replacing {}", path.display()))?;
-        Ok(Instant::now())
+        testbed::fixtures::write_atomically(&self.dir.join(SEED_FILE), &text)
     }
 }
 
