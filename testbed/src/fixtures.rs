@@ -151,6 +151,21 @@ pub fn service_with(name: &str, cluster_ip: Ipv4Addr, ports: &[PortDef], policy:
     })
 }
 
+/// `svc` as a LoadBalancer Service whose load balancer reports `ingress`
+/// (`(ip, ipMode)`).
+pub fn load_balancer(mut svc: Value, ingress: &[(Ipv4Addr, Option<&str>)]) -> Value {
+    svc["spec"]["type"] = json!("LoadBalancer");
+    let ingress: Vec<Value> = ingress
+        .iter()
+        .map(|(ip, mode)| match mode {
+            Some(mode) => json!({"ip": ip.to_string(), "ipMode": mode}),
+            None => json!({"ip": ip.to_string()}),
+        })
+        .collect();
+    svc["status"] = json!({"loadBalancer": {"ingress": ingress}});
+    svc
+}
+
 /// A Service of type NodePort (if `node_port`) or ClusterIP, one TCP port.
 pub fn service(name: &str, cluster_ip: Ipv4Addr, port: u16, target_port: u16, node_port: Option<u16>) -> Value {
     service_with(name, cluster_ip, &[PortDef::tcp(port, target_port, node_port)], None)

@@ -180,6 +180,16 @@ impl Topology {
         })
     }
 
+    /// Routes `nets` from the client to the node (a Service's LoadBalancer
+    /// and external IPs, which no network of the bed holds).
+    pub fn route_to_node(&self, nets: &[&str]) -> Result<()> {
+        for net in nets {
+            self.client
+                .add_route(&[net, "via", &NODE_IP.to_string(), "dev", &self.client_if])?;
+        }
+        Ok(())
+    }
+
     /// The node-side ends of every pod's veth.
     pub fn pod_ifs(&self) -> Vec<String> {
         self.backends

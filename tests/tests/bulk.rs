@@ -19,7 +19,12 @@
 //! - ClusterIP from the node itself;
 //! - hairpin: a backend to the ClusterIP of a Service whose only endpoint
 //!   is itself;
-//! - NodePort with `externalTrafficPolicy: Local` from the outside client.
+//! - NodePort with `externalTrafficPolicy: Local` from the outside client;
+//! - a LoadBalancer ingress IP from the outside client, and the same
+//!   Service's external IP from a pod (the client routes both to the node);
+//! - ClientIP affinity: a ClusterIP with every pod behind it, from a pod:
+//!   whichever pod served the first small download must serve every
+//!   transfer after it.
 //!
 //! Each in ebpf, iptables, nftables, IPVS (where the kernel has it: `cargo
 //! xtask vm` runs `bulk:ipvs` in its guest) and userspace mode, with the
@@ -50,6 +55,9 @@
 //! | ClusterIP from the node | intact (translated at the uplink's tc egress and redirected to the pod: the node's own GSO packets, whole) | intact | intact | intact | intact (copied)
 //! | hairpin | intact (the programs DNAT and mark, the kernel masquerades) | intact | intact | intact | intact (copied)
 //! | `externalTrafficPolicy: Local` NodePort | intact | intact | intact | intact | intact (copied)
+//! | LoadBalancer IP from the client | intact (the uplink's hook, as a NodePort) | intact | intact | intact (the address bound to `kube-ipvs0`) | not run (the mode serves no LB IP)
+//! | external IP from a pod | intact (tc on the pod's veth) | intact | intact | intact | not run (no external IPs)
+//! | ClientIP affinity, ClusterIP from a pod | intact, every transfer to the first pod | intact (`-m recent`) | intact (affinity set) | intact (persistence) | intact (the agent's balancer)
 //! | two nodes: NodePort to the other node's backend | intact (DNAT and mark at the uplink, the kernel masquerades and forwards it back out of the uplink) | intact | intact | not run | not run
 //! | two nodes: ClusterIP from a pod to the other node's backend | intact | intact | intact | not run | not run
 
@@ -60,11 +68,11 @@ use std::{
 };
 
 use anyhow::{Context, Result, ensure};
-use serde_json::Value;
+use serde_json::{Value, json};
 use testbed::{
     agent_bed::{AgentBed, Mode, READY_WITHIN},
     bulk::{BULK_PORT, Direction, Report},
-    fixtures::{NODE_NAME, PortDef, TrafficPolicy, service_with, slice_with, yaml_documents},
+    fixtures::{NODE_NAME, PortDef, TrafficPolicy, load_balancer, on_node, service_with, slice_with, yaml_documents},
     netns::{self, Netns},
     probe::{Checks, Protocol},
     topology::{BACKENDS, NODE_IP, Offloads, Topology},
@@ -99,6 +107,20 @@ const BULK_POD: usize = 0;
 /// One node: pod-2 only, `externalTrafficPolicy: Local`.
 const LOCAL: OneEndpoint = OneEndpoint::new("bulk-local", Ipv4Addr::new(10, 96, 0, 82), 30882, TrafficPolicy::Local);
 const LOCAL_POD: usize = 1;
+/// One node: pod-3 only, a LoadBalancer with [`LB_IP`] and [`EXTERNAL_IP`].
+const LB: OneEndpoint = OneEndpoint::new("bulk-lb", Ipv4Addr::new(10, 96, 0, 83), 30883, TrafficPolicy::Cluster);
+const LB_POD: usize = 2;
+const LB_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 83);
+const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 83);
+/// What the client routes to the node: [`LB_IP`] and [`EXTERNAL_IP`].
+const EXTERNAL_NETS: [&str; 2] = ["203.0.113.0/24", "198.51.100.0/24"];
+/// One node: every pod, `sessionAffinity: ClientIP`.
+const STICKY: OneEndpoint = OneEndpoint::new(
+    "bulk-sticky",
+    Ipv4Addr::new(10, 96, 0, 84),
+    30884,
+    TrafficPolicy::Cluster,
+);
 /// Two nodes: b-1 (on node-b) only, behind a NodePort on both nodes.
 const REMOTE: OneEndpoint = OneEndpoint::new(
     "bulk-remote",
@@ -122,17 +144,21 @@ impl OneEndpoint {
 
     /// The Service and its EndpointSlice: `pod` on node `node`.
     fn objects(&self, pod: Ipv4Addr, node: &str) -> [Value; 2] {
-        let ports = [PortDef {
+        let ports = self.ports();
+        [
+            service_with(self.name, self.ip, &ports, Some(self.policy)),
+            slice_with(&format!("{}-1", self.name), self.name, &ports, &[(pod, node)]),
+        ]
+    }
+
+    fn ports(&self) -> [PortDef; 1] {
+        [PortDef {
             name: Some("bulk"),
             protocol: Protocol::Tcp,
             port: SERVICE_PORT,
             target_port: BULK_PORT,
             node_port: Some(self.node_port),
-        }];
-        [
-            service_with(self.name, self.ip, &ports, Some(self.policy)),
-            slice_with(&format!("{}-1", self.name), self.name, &ports, &[(pod, node)]),
-        ]
+        }]
     }
 
     fn cluster_ip(&self) -> SocketAddrV4 {
@@ -148,6 +174,15 @@ fn one_node_objects() -> Vec<Value> {
     let mut objects = Vec::new();
     objects.extend(BULK.objects(BACKENDS[BULK_POD].1, NODE_NAME));
     objects.extend(LOCAL.objects(BACKENDS[LOCAL_POD].1, NODE_NAME));
+    let [lb, lb_slice] = LB.objects(BACKENDS[LB_POD].1, NODE_NAME);
+    let mut lb = load_balancer(lb, &[(LB_IP, None)]);
+    lb["spec"]["externalIPs"] = json!([EXTERNAL_IP.to_string()]);
+    objects.extend([lb, lb_slice]);
+    let mut sticky = service_with(STICKY.name, STICKY.ip, &STICKY.ports(), None);
+    sticky["spec"]["sessionAffinity"] = json!("ClientIP");
+    let every_pod: Vec<Ipv4Addr> = BACKENDS.iter().map(|(_, ip)| *ip).collect();
+    let sticky_slice = slice_with("bulk-sticky-1", STICKY.name, &STICKY.ports(), &on_node(&every_pod));
+    objects.extend([sticky, sticky_slice]);
     objects
 }
 
@@ -163,21 +198,39 @@ enum Path {
     ClusterIpFromNode,
     Hairpin,
     LocalNodePortFromClient,
+    LbIpFromClient,
+    ExternalIpFromPod,
+    StickyClusterIpFromPod,
 }
 
 impl Path {
-    const ALL: [Path; 6] = [
+    const ALL: [Path; 9] = [
         Path::NodePortFromClient,
         Path::NodePortFromPod,
         Path::ClusterIpFromPod,
         Path::ClusterIpFromNode,
         Path::Hairpin,
         Path::LocalNodePortFromClient,
+        Path::LbIpFromClient,
+        Path::ExternalIpFromPod,
+        Path::StickyClusterIpFromPod,
     ];
 
-    /// Where the client runs, what it connects to, and the pod that must serve.
-    fn ends(self, topo: &Topology) -> Ends<'_> {
+    /// The paths `mode` serves: the userspace mode has no LoadBalancer or
+    /// external IPs (as kube-proxy's legacy proxier in this project).
+    fn of(mode: Mode) -> Vec<Path> {
+        let external = |p: &Path| matches!(p, Path::LbIpFromClient | Path::ExternalIpFromPod);
+        Path::ALL
+            .into_iter()
+            .filter(|p| mode != Mode::Userspace || !external(p))
+            .collect()
+    }
+
+    /// Where the client runs, what it connects to, and the pod that must
+    /// serve (`sticky`: the pod the affinity path's client was given first).
+    fn ends<'a>(self, topo: &'a Topology, sticky: &'a str) -> Ends<'a> {
         let bulk = &topo.backends[BULK_POD];
+        let lb = &topo.backends[LB_POD];
         let (from, to, server) = match self {
             Path::NodePortFromClient => (&topo.client, BULK.node_port(NODE_IP), bulk),
             Path::NodePortFromPod => (&topo.client_pod.ns, BULK.node_port(NODE_IP), bulk),
@@ -185,6 +238,15 @@ impl Path {
             Path::ClusterIpFromNode => (&topo.node, BULK.cluster_ip(), bulk),
             Path::Hairpin => (&bulk.ns, BULK.cluster_ip(), bulk),
             Path::LocalNodePortFromClient => (&topo.client, LOCAL.node_port(NODE_IP), &topo.backends[LOCAL_POD]),
+            Path::LbIpFromClient => (&topo.client, SocketAddrV4::new(LB_IP, SERVICE_PORT), lb),
+            Path::ExternalIpFromPod => (&topo.client_pod.ns, SocketAddrV4::new(EXTERNAL_IP, SERVICE_PORT), lb),
+            Path::StickyClusterIpFromPod => {
+                return Ends {
+                    from: &topo.client_pod.ns,
+                    to: STICKY.cluster_ip(),
+                    server: sticky,
+                };
+            }
         };
         Ends {
             from,
@@ -203,6 +265,9 @@ impl fmt::Display for Path {
             Path::ClusterIpFromNode => "ClusterIP from the node",
             Path::Hairpin => "hairpin (the backend to its own Service)",
             Path::LocalNodePortFromClient => "NodePort, externalTrafficPolicy: Local, from the client",
+            Path::LbIpFromClient => "LoadBalancer IP from the client",
+            Path::ExternalIpFromPod => "external IP from a pod",
+            Path::StickyClusterIpFromPod => "ClientIP affinity: ClusterIP from a pod",
         })
     }
 }
@@ -370,7 +435,26 @@ fn small_download(ends: &Ends) -> Result<(), String> {
         .map_err(|e| format!("{e:#}"))
 }
 
-const READY: &str = "a small download through the first path";
+/// The pod that serves a small download along `ends`.
+fn first_server(ends: &Ends) -> Result<String> {
+    let report = ends.from.bulk_transfer(ends.to, Direction::Download, PROBE_BYTES)?;
+    Ok(report.pod)
+}
+
+/// Small downloads through the affinity path before the bulk ones: with
+/// three pods, a balancer without affinity passes all with odds 3^-10.
+const STICKY_PROBES: usize = 10;
+
+/// Whether [`STICKY_PROBES`] small downloads along `ends` all reach its server.
+fn kept_server(ends: &Ends) -> Result<String> {
+    for n in 1..=STICKY_PROBES {
+        let served = first_server(ends)?;
+        ensure!(served == ends.server, "download {n} served by {served}");
+    }
+    Ok(format!("all by {}", ends.server))
+}
+
+const READY: &str = "a small download";
 
 /// Runs `steps` with a fresh [`Checks`]; panics with every failed check.
 fn checked(label: &str, steps: impl FnOnce(&mut Checks) -> Result<()>) {
@@ -398,17 +482,26 @@ fn one_node(mode: Mode, setup: Setup) {
         for pod in &bed.topo.backends {
             pod.ns.serve_bulk(BULK_PORT, pod.name)?;
         }
+        bed.topo.route_to_node(&EXTERNAL_NETS)?;
         bed.write_manifest(MANIFEST, &yaml_documents(&one_node_objects()))?;
         let mut args = bed.manifest_args();
         args.extend(setup.agent_args());
         bed.start_agent_in(mode.name(), &args)?;
         bed.wait_first_sync(READY_WITHIN)?;
         checks.check("the uplink's hook", setup.check_xdp(&bed.topo.node, &bed.topo.uplink));
-        netns::wait_for(READY, READY_WITHIN, || {
-            bed.agent_alive()?;
-            small_download(&Path::ALL[0].ends(&bed.topo))
-        })?;
-        let rows = rows(&Path::ALL, |path| Ok(path.ends(&bed.topo)))?;
+        let paths = Path::of(mode);
+        for path in &paths {
+            netns::wait_for(&format!("{READY}: {path}"), READY_WITHIN, || {
+                bed.agent_alive()?;
+                small_download(&path.ends(&bed.topo, "any pod"))
+            })?;
+        }
+        let sticky = first_server(&Path::StickyClusterIpFromPod.ends(&bed.topo, ""))?;
+        checks.check(
+            &format!("ClientIP affinity: {STICKY_PROBES} small downloads, each by {sticky}"),
+            kept_server(&Path::StickyClusterIpFromPod.ends(&bed.topo, &sticky)),
+        );
+        let rows = rows(&paths, |path| Ok(path.ends(&bed.topo, &sticky)))?;
         run_rows(&label, &rows, checks);
         Ok(())
     });

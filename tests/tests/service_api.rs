@@ -66,8 +66,8 @@ use serde_json::{Value, json};
 use testbed::{
     agent_bed::{AgentBed, Mode, READY_WITHIN, SKIPPED, on_own_bed, seed_node_port},
     fixtures::{
-        PortDef, SEED_NODE_PORT, TrafficPolicy, backend_ips, on_node, seed_objects_with, seed_tcp_udp, service_with,
-        slice_with, yaml_documents,
+        PortDef, SEED_NODE_PORT, TrafficPolicy, backend_ips, load_balancer, on_node, seed_objects_with, seed_tcp_udp,
+        service_with, slice_with, yaml_documents,
     },
     netns::{self, Netns},
     probe::{
@@ -144,21 +144,6 @@ fn at(ip: Ipv4Addr, port: u16) -> SocketAddrV4 {
 /// [`PORT`] over TCP and UDP, with `node_port`.
 fn tcp_udp(node_port: u16) -> [PortDef; 2] {
     PortDef::tcp_udp(("http", "udp"), PORT, (TARGET_PORT, TARGET_PORT), Some(node_port))
-}
-
-/// `svc` as a LoadBalancer Service whose load balancer reports `ingress`
-/// (`(ip, ipMode)`).
-fn load_balancer(mut svc: Value, ingress: &[(Ipv4Addr, Option<&str>)]) -> Value {
-    svc["spec"]["type"] = json!("LoadBalancer");
-    let ingress: Vec<Value> = ingress
-        .iter()
-        .map(|(ip, mode)| match mode {
-            Some(mode) => json!({"ip": ip.to_string(), "ipMode": mode}),
-            None => json!({"ip": ip.to_string()}),
-        })
-        .collect();
-    svc["status"] = json!({"loadBalancer": {"ingress": ingress}});
-    svc
 }
 
 /// `lb-ips` and `lb-local` with their EndpointSlices.
@@ -319,15 +304,6 @@ fn start(bed: &mut AgentBed, mode: Mode, objects: &[Value], ready: SocketAddrV4)
     Ok(())
 }
 
-/// Routes `nets` from the client to the node.
-fn route_to_node(topo: &Topology, nets: &[&str]) -> Result<()> {
-    for net in nets {
-        topo.client
-            .add_route(&[net, "via", &NODE_IP.to_string(), "dev", &topo.client_if])?;
-    }
-    Ok(())
-}
-
 type Probe = probe::Probe<Place>;
 
 /// What requests to `targets` from every place do without a proxy; all
@@ -456,7 +432,7 @@ fn warned_about(log: &str, object: &str) -> Result<String> {
 
 /// See the module doc.
 fn external_addresses(mode: Mode, label: &str, bed: &mut AgentBed, checks: &mut Checks) -> Result<()> {
-    route_to_node(&bed.topo, &TEST_NETS)?;
+    bed.topo.route_to_node(&TEST_NETS)?;
     // The baselines, then the agent.
     let mut stages = Stages::new(2);
     stages.next(&bed.topo)?;
@@ -542,7 +518,7 @@ fn check_local_policy(served: bool, topo: &Topology, checks: &mut Checks) {
 
 /// See the module doc.
 fn source_ranges(mode: Mode, _label: &str, bed: &mut AgentBed, checks: &mut Checks) -> Result<()> {
-    route_to_node(&bed.topo, &[TEST_NETS[1], CLUSTER_NET])?;
+    bed.topo.route_to_node(&[TEST_NETS[1], CLUSTER_NET])?;
     bed.topo
         .client
         .add_addr(&bed.topo.client_if, &format!("{OUTSIDE_SOURCE}/32"))?;

@@ -6,12 +6,15 @@
 //! - Fragments: 4,000- and 60,000-byte UDP datagrams (3 and 41 fragments
 //!   at MTU 1,500) from the client pod to a ClusterIP and from the outside
 //!   client to a NodePort; the backend echoes each, fragmented too, and
-//!   the client must get back exactly what it sent.
+//!   the client must get back exactly what it sent; the same from the
+//!   outside client to the Service's LoadBalancer IP and from the client
+//!   pod to its external IP.
 //! - ICMP errors: a Service whose backends do not listen on the target
 //!   port; the backend's kernel answers with port unreachable, which must
 //!   reach the client, through the translation, as ECONNREFUSED on its
 //!   connected socket (from the client pod via the ClusterIP, from the
-//!   outside client via the NodePort).
+//!   outside client via the NodePort and the LoadBalancer IP, from the
+//!   client pod via the external IP).
 //!
 //! - Path MTU discovery: a client two routers away, behind a 1,400-byte
 //!   hop, downloads and uploads 16 MiB (`testbed::bulk`, SHA-256 checked)
@@ -40,7 +43,7 @@ use serde_json::{Value, json};
 use testbed::{
     agent_bed::{AgentBed, READY_WITHIN},
     bulk::{self, Direction},
-    fixtures::{backend_ips, service, slice, yaml_documents},
+    fixtures::{backend_ips, load_balancer, service, slice, yaml_documents},
     netns::{self, Netns, Server},
     privileged::{require_ipvs, require_root},
     topology::NODE_IP,
@@ -54,20 +57,29 @@ const REFUSING_PORT: u16 = 9;
 /// Nothing listens there in the pods.
 const CLOSED_PORT: u16 = 9999;
 const REFUSING_NODE_PORT: u16 = 30771;
+/// The Services' LoadBalancer and external IPs: `dgram`'s, `refusing`'s.
+const LB_IPS: [Ipv4Addr; 2] = [Ipv4Addr::new(203, 0, 113, 70), Ipv4Addr::new(203, 0, 113, 71)];
+const EXTERNAL_IPS: [Ipv4Addr; 2] = [Ipv4Addr::new(198, 51, 100, 70), Ipv4Addr::new(198, 51, 100, 71)];
+/// What the client routes to the node.
+const EXTERNAL_NETS: [&str; 2] = ["203.0.113.0/24", "198.51.100.0/24"];
 const SIZES: [usize; 2] = [4000, 60_000];
 const TIMEOUT: Duration = Duration::from_secs(3);
 
-/// A NodePort Service of `protocol` to `target_port` on every backend
-/// pod, and its EndpointSlice.
+/// A LoadBalancer Service of `protocol` to `target_port` on every backend
+/// pod, with `external` (its LB IP, its external IP), and its
+/// EndpointSlice.
 fn service_of(
     protocol: &str,
     name: &str,
-    cluster_ip: Ipv4Addr,
-    port: u16,
-    target_port: u16,
+    (cluster_ip, port, target_port): (Ipv4Addr, u16, u16),
     node_port: u16,
+    (lb_ip, external_ip): (Ipv4Addr, Ipv4Addr),
 ) -> [Value; 2] {
-    let mut svc = service(name, cluster_ip, port, target_port, Some(node_port));
+    let mut svc = load_balancer(
+        service(name, cluster_ip, port, target_port, Some(node_port)),
+        &[(lb_ip, None)],
+    );
+    svc["spec"]["externalIPs"] = json!([external_ip.to_string()]);
     let mut endpoints = slice(&format!("{name}-1"), name, target_port, &backend_ips());
     svc["spec"]["ports"][0]["protocol"] = json!(protocol);
     endpoints["ports"][0]["protocol"] = json!(protocol);
@@ -122,15 +134,22 @@ fn run(bed: &mut AgentBed, mode: &str, extra: &[&str]) -> Result<()> {
         .iter()
         .map(|pod| Server::udp_echo(&pod.ns, ECHO_PORT))
         .collect::<Result<_>>()?;
-    let mut objects = service_of("UDP", "dgram", ECHO_IP, ECHO_PORT, ECHO_PORT, ECHO_NODE_PORT).to_vec();
+    let mut objects = service_of(
+        "UDP",
+        "dgram",
+        (ECHO_IP, ECHO_PORT, ECHO_PORT),
+        ECHO_NODE_PORT,
+        (LB_IPS[0], EXTERNAL_IPS[0]),
+    )
+    .to_vec();
     objects.extend(service_of(
         "UDP",
         "refusing",
-        REFUSING_IP,
-        REFUSING_PORT,
-        CLOSED_PORT,
+        (REFUSING_IP, REFUSING_PORT, CLOSED_PORT),
         REFUSING_NODE_PORT,
+        (LB_IPS[1], EXTERNAL_IPS[1]),
     ));
+    bed.topo.route_to_node(&EXTERNAL_NETS)?;
     bed.write_manifest("traffic.yaml", &yaml_documents(&objects))?;
     let mut args = bed.manifest_args();
     args.extend(extra.iter().map(|a| (*a).to_owned()));
@@ -153,6 +172,22 @@ fn run(bed: &mut AgentBed, mode: &str, extra: &[&str]) -> Result<()> {
             ECHO_NODE_PORT,
             NODE_IP,
             REFUSING_NODE_PORT,
+        ),
+        (
+            "client -> LoadBalancer IP",
+            &bed.topo.client,
+            LB_IPS[0],
+            ECHO_PORT,
+            LB_IPS[1],
+            REFUSING_PORT,
+        ),
+        (
+            "client pod -> external IP",
+            &bed.topo.client_pod.ns,
+            EXTERNAL_IPS[0],
+            ECHO_PORT,
+            EXTERNAL_IPS[1],
+            REFUSING_PORT,
         ),
     ];
     for (path, ns, ip, port, refusing_ip, refusing_port) in paths {
@@ -248,7 +283,13 @@ fn run_pmtud(bed: &mut AgentBed, mode: &str) -> Result<()> {
         .map(|pod| bulk::server(&pod.ns, bulk::BULK_PORT, pod.name))
         .collect::<Result<_>>()?;
     let far = FarClient::build(&bed.topo.node)?;
-    let objects = service_of("TCP", "bulk", BULK_IP, bulk::BULK_PORT, bulk::BULK_PORT, BULK_NODE_PORT);
+    let objects = service_of(
+        "TCP",
+        "bulk",
+        (BULK_IP, bulk::BULK_PORT, bulk::BULK_PORT),
+        BULK_NODE_PORT,
+        (Ipv4Addr::new(203, 0, 113, 72), Ipv4Addr::new(198, 51, 100, 72)),
+    );
     bed.write_manifest("bulk.yaml", &yaml_documents(&objects))?;
     bed.start_agent_in(mode, &bed.manifest_args())?;
     bed.wait_first_sync(READY_WITHIN)?;
