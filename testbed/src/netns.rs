@@ -778,6 +778,24 @@ pub fn udp_request_from(source_port: u16, addr: SocketAddrV4, timeout: Duration)
     udp_request_bound(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, source_port), addr, timeout)
 }
 
+/// Sends `len` bytes (a fixed pattern) in one datagram to `to`, an echo
+/// server, and waits at most `timeout` for them to come back; anything
+/// but the same bytes is an error. Above the MTU the datagram leaves in
+/// fragments, and the echo comes back in fragments too.
+pub fn udp_echo_roundtrip(to: SocketAddrV4, len: usize, timeout: Duration) -> io::Result<()> {
+    let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+    socket.connect(to)?;
+    socket.set_read_timeout(Some(timeout))?;
+    let sent: Vec<u8> = (0..len).map(|i| (i * 31 % 253) as u8).collect();
+    socket.send(&sent)?;
+    let mut buf = vec![0u8; 65_536];
+    let n = socket.recv(&mut buf)?;
+    if buf[..n] != sent[..] {
+        return Err(io::Error::other(format!("{n} bytes came back, not the {len} sent")));
+    }
+    Ok(())
+}
+
 fn udp_request_bound(local: SocketAddrV4, addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
     let socket = UdpSocket::bind(local)?;
     socket.connect(addr)?;

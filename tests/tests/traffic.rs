@@ -34,7 +34,7 @@
 
 use std::{
     io,
-    net::{Ipv4Addr, SocketAddrV4, UdpSocket},
+    net::{Ipv4Addr, SocketAddrV4},
     time::Duration,
 };
 
@@ -86,20 +86,9 @@ fn service_of(
     [svc, endpoints]
 }
 
-/// Sends `len` bytes in one datagram to `to` and waits for the echo.
-fn echo_once(to: SocketAddrV4, len: usize) -> io::Result<Vec<u8>> {
-    let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
-    socket.connect(to)?;
-    socket.set_read_timeout(Some(TIMEOUT))?;
-    let sent: Vec<u8> = (0..len).map(|i| (i * 31 % 253) as u8).collect();
-    socket.send(&sent)?;
-    let mut buf = vec![0u8; 65_536];
-    let n = socket.recv(&mut buf)?;
-    buf.truncate(n);
-    if buf != sent {
-        return Err(io::Error::other(format!("{n} bytes came back, not the {len} sent")));
-    }
-    Ok(buf)
+/// One `len`-byte datagram to the echo servers behind `to`, echoed intact.
+fn echo_once(to: SocketAddrV4, len: usize) -> io::Result<()> {
+    netns::udp_echo_roundtrip(to, len, TIMEOUT)
 }
 
 /// What a connected socket's request to `to` ends with.

@@ -40,7 +40,14 @@
 //!      only node-a's backends, from b-2 only node-b's; a Service whose
 //!      backends all run on node-a drops b-2's requests and answers
 //!      a-client's.
-//! 7. SIGTERM to both agents, `xproxy cleanup` on both nodes: no pins, no
+//! 7. Datagrams to a backend on the other node ([`check_remote_datagrams`]):
+//!    4,000- and 60,000-byte UDP datagrams (fragments at MTU 1,500) from the
+//!    client through node-a's NodePort (DNAT and masquerade on node-a) and
+//!    from a-client through the ClusterIP come back from b-1's echo server
+//!    intact, and a datagram to a Service whose b-1 port is closed ends as
+//!    ECONNREFUSED at the client: the port unreachable crossed node-a's
+//!    translation back.
+//! 8. SIGTERM to both agents, `xproxy cleanup` on both nodes: no pins, no
 //!    programs on any interface, no chain or table of xproxy's in either
 //!    node, and every request ends as in the baseline.
 //!
@@ -57,8 +64,9 @@
 //! The same in every mode (asserted): the client reaches every backend
 //! through the NodePort of either node; pod-to-pod Service traffic keeps the
 //! pod's address across nodes; hairpin works on both nodes; the `Local`
-//! policies (step 6, but for the node's own request); cleanup leaves
-//! nothing.
+//! policies (step 6, but for the node's own request); fragmented datagrams
+//! and port unreachables to the other node's backend (step 7); cleanup
+//! leaves nothing.
 //!
 //! Every stage opens its flows from local ports of its own ([`new_flows`]),
 //! so no request is steered by a conntrack entry of an earlier stage.
@@ -132,6 +140,19 @@ const ITP_PORT: u16 = 86;
 const ITP_A_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 1, 87);
 const ITP_A_PORT: u16 = 87;
 
+/// b-1 only, UDP to [`ECHO_PORT`] (an echo server the step starts).
+const ECHO_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 1, 88);
+const ECHO_SERVICE_PORT: u16 = 88;
+const ECHO_NODE_PORT: u16 = 30888;
+const ECHO_PORT: u16 = 7070;
+/// b-1 only, UDP to a port nothing listens on.
+const REFUSING_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 1, 89);
+const REFUSING_PORT: u16 = 89;
+const REFUSING_NODE_PORT: u16 = 30889;
+const CLOSED_PORT: u16 = 9999;
+/// Datagram sizes: 3 and 41 fragments at MTU 1,500.
+const DATAGRAM_SIZES: [usize; 2] = [4000, 60_000];
+
 const MANIFEST: &str = "services.yaml";
 
 fn tcp_udp(port: u16, tcp_target: u16, udp_target: u16, node_port: Option<u16>) -> [PortDef; 2] {
@@ -172,6 +193,17 @@ fn objects(topo: &TwoNodes) -> Result<Vec<Value>> {
     add("itp", ITP_IP, &itp, TrafficPolicy::Cluster, &BACKENDS)?;
     let itp_a = tcp_udp(ITP_A_PORT, TARGET_PORT, TARGET_PORT, None);
     add("itp-a", ITP_A_IP, &itp_a, TrafficPolicy::Cluster, &NODE_A_BACKENDS)?;
+    let udp = |name, port, target_port, node_port| PortDef {
+        name: Some(name),
+        protocol: Protocol::Udp,
+        port,
+        target_port,
+        node_port: Some(node_port),
+    };
+    let echo = [udp("echo", ECHO_SERVICE_PORT, ECHO_PORT, ECHO_NODE_PORT)];
+    add("echo-b", ECHO_IP, &echo, TrafficPolicy::Cluster, &["b-1"])?;
+    let refusing = [udp("refusing", REFUSING_PORT, CLOSED_PORT, REFUSING_NODE_PORT)];
+    add("refusing-b", REFUSING_IP, &refusing, TrafficPolicy::Cluster, &["b-1"])?;
     for svc in out.iter_mut().filter(|o| o["kind"] == "Service") {
         if svc["metadata"]["name"].as_str().is_some_and(|n| n.starts_with("itp")) {
             svc["spec"]["internalTrafficPolicy"] = serde_json::json!("Local");
@@ -404,6 +436,7 @@ fn scenario_steps(mode: Mode, bed: &mut TwoNodeBed, checks: &mut Checks) -> Resu
     check_hairpin(bed, checks);
     check_external_local(mode, bed, checks);
     check_internal_local(bed, checks);
+    check_remote_datagrams(bed, checks)?;
     if mode == Mode::Ebpf {
         for i in 0..bed.topo.nodes.len() {
             checks.check(
@@ -413,7 +446,7 @@ fn scenario_steps(mode: Mode, bed: &mut TwoNodeBed, checks: &mut Checks) -> Resu
         }
     }
 
-    // 7. Both agents stop; `xproxy cleanup` on both nodes removes everything.
+    // 8. Both agents stop; `xproxy cleanup` on both nodes removes everything.
     bed.stop_agents()?;
     new_flows(&bed.topo, 50_000)?;
     for i in 0..bed.topo.nodes.len() {
@@ -639,6 +672,70 @@ fn check_cluster_ip(bed: &TwoNodeBed, checks: &mut Checks) {
         &format!("a-client -> {to}: every backend sees {} (no SNAT)", client.ip),
         sources_seen(&client.ns, to, &BACKENDS, REQUESTS).and_then(|seen| expect_sources(&seen, |_| client.ip)),
     );
+}
+
+/// Step 7: fragmented datagrams and ICMP errors to a backend on the other
+/// node, through node-a's NodePort (masqueraded) and the ClusterIP.
+fn check_remote_datagrams(bed: &TwoNodeBed, checks: &mut Checks) -> Result<()> {
+    let topo = &bed.topo;
+    let (_, b1) = topo.find_pod("b-1").context("no pod b-1")?;
+    let _echo = netns::Server::udp_echo(&b1.ns, ECHO_PORT)?;
+    let (_, client_pod) = topo.find_pod("a-client").context("no pod a-client")?;
+    let node_a = topo.node_a();
+    let paths = [
+        (
+            "client -> node-a's NodePort",
+            &topo.client,
+            node_port(node_a, ECHO_NODE_PORT),
+            node_port(node_a, REFUSING_NODE_PORT),
+        ),
+        (
+            "a-client -> ClusterIP",
+            &client_pod.ns,
+            addr(ECHO_IP, ECHO_SERVICE_PORT),
+            addr(REFUSING_IP, REFUSING_PORT),
+        ),
+    ];
+    for (path, from, echo, refusing) in paths {
+        for len in DATAGRAM_SIZES {
+            checks.check(
+                &format!("{path} -> b-1: {len}-byte datagrams echoed intact"),
+                echoed(from, echo, len),
+            );
+        }
+        checks.check(
+            &format!("{path} -> b-1's closed port: ECONNREFUSED"),
+            refused(from, refusing),
+        );
+    }
+    Ok(())
+}
+
+/// Five `len`-byte datagrams from `from` to the echo servers behind `to`,
+/// each echoed intact (the first may wait for b-1's server to bind).
+fn echoed(from: &Netns, to: SocketAddrV4, len: usize) -> Result<String> {
+    netns::wait_for(&format!("a {len}-byte echo via {to}"), READY_WITHIN, || {
+        from.run_in(|| netns::udp_echo_roundtrip(to, len, REQUEST_TIMEOUT))
+            .map_err(|e| format!("{e:#}"))?
+            .map_err(|e| e.to_string())
+    })?;
+    for n in 1..=5 {
+        from.run_in(|| netns::udp_echo_roundtrip(to, len, REQUEST_TIMEOUT))?
+            .with_context(|| format!("datagram {n}"))?;
+    }
+    Ok("6 echoed".into())
+}
+
+/// Three datagrams from `from` to `to`, whose backend does not listen:
+/// each must end as ECONNREFUSED (the port unreachable translated back).
+fn refused(from: &Netns, to: SocketAddrV4) -> Result<String> {
+    for n in 1..=3 {
+        match from.udp_request(to, REQUEST_TIMEOUT)? {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
+            other => bail!("datagram {n}: {other:?}, not ECONNREFUSED"),
+        }
+    }
+    Ok("3 refused".into())
 }
 
 /// Step 5: A backend reaching its own Service is answered by itself.
