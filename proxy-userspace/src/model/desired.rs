@@ -579,17 +579,28 @@ mod tests {
     }
 
     /// The join done the plain way, as a reference: every Service in key
-    /// order, the first to claim a frontend keeps it.
+    /// order, the first to claim a ClusterIP keeps it; then, among the
+    /// ports placed, in the same order, the first to claim an external IP,
+    /// LB IP or node port keeps it, unless it is any port's ClusterIP.
     fn joined_afresh(services: &BTreeMap<String, Service>, slices: &BTreeMap<String, EndpointSlice>) -> Desired {
+        use crate::model::Protocol;
+        /// A frontend as (kind, address, port, protocol), sorted as the
+        /// join sorts them; node ports have kind 1 and no address.
+        type Key = (u8, std::net::Ipv4Addr, u16, Protocol);
+        let show = |(kind, ip, port, protocol): &Key| match kind {
+            0 => format!("{ip}:{port}/{protocol}"),
+            _ => format!("node port {port}/{protocol}"),
+        };
         let mut objects = Cluster::default();
         objects.replace_services(&services.values().cloned().collect::<Vec<_>>());
         objects.replace_slices(&slices.values().cloned().collect::<Vec<_>>());
         let mut desired = Desired::default();
-        let mut frontends = BTreeSet::new();
+        let mut clusters = BTreeSet::new();
+        let mut placed = Vec::new();
         for key in objects.services.keys() {
             for port in objects.ports_of(key) {
-                if frontends.insert((port.cluster_ip, port.port, port.protocol)) {
-                    desired.ports.insert(port.name.clone(), port);
+                if clusters.insert((0, port.cluster_ip, port.port, port.protocol)) {
+                    placed.push(port);
                 } else {
                     let reason = format!(
                         "{}:{}/{} is already used by another Service",
@@ -599,6 +610,45 @@ mod tests {
                 }
             }
         }
+        let mut externals = BTreeSet::new();
+        for mut port in placed {
+            let own = (0, port.cluster_ip, port.port, port.protocol);
+            let mut wanted: BTreeSet<Key> = port
+                .external_ips
+                .iter()
+                .chain(&port.load_balancer_ips)
+                .map(|ip| (0, *ip, port.port, port.protocol))
+                .collect();
+            wanted.extend(
+                port.node_port
+                    .map(|n| (1, std::net::Ipv4Addr::UNSPECIFIED, n, port.protocol)),
+            );
+            wanted.remove(&own);
+            let lost: BTreeSet<Key> = wanted
+                .into_iter()
+                .filter(|k| clusters.contains(k) || !externals.insert(*k))
+                .collect();
+            if !lost.is_empty() {
+                let list: Vec<String> = lost.iter().map(show).collect();
+                let reason = format!(
+                    "{} already used by another Service: not served for this one",
+                    list.join(", ")
+                );
+                desired.problems.push(Problem::new(&port.name, reason));
+                let (number, protocol) = (port.port, port.protocol);
+                port.external_ips
+                    .retain(|ip| !lost.contains(&(0, *ip, number, protocol)));
+                port.load_balancer_ips
+                    .retain(|ip| !lost.contains(&(0, *ip, number, protocol)));
+                if port
+                    .node_port
+                    .is_some_and(|n| lost.contains(&(1, std::net::Ipv4Addr::UNSPECIFIED, n, protocol)))
+                {
+                    port.node_port = None;
+                }
+            }
+            desired.ports.insert(port.name.clone(), port);
+        }
         desired.problems.sort_by(|a, b| a.object.cmp(&b.object));
         desired
     }
@@ -606,7 +656,8 @@ mod tests {
     /// Random updates, deletions and relists (a fixed seed): after each
     /// refresh the incremental state equals a fresh join, and replaying
     /// only the changed names onto a copy yields it too (what the
-    /// reconciler relies on). Few ClusterIPs, so frontends collide often.
+    /// reconciler relies on). Few ClusterIPs, external IPs (some of them
+    /// ClusterIPs) and node ports, so frontends collide often.
     #[test]
     fn incremental_join_equals_a_fresh_join_after_every_change() {
         let mut seed = 0x2545_f491_4f6c_dd1du64;
@@ -621,12 +672,16 @@ mod tests {
         let mut slices: BTreeMap<String, EndpointSlice> = BTreeMap::new();
         let mut replayed: BTreeMap<String, ServicePort> = BTreeMap::new();
         let mut conflicts_seen = 0;
+        let mut external_conflicts_seen = 0;
         for step in 0..600 {
             let svc_name = format!("s{}", next(6));
             match next(7) {
                 0 | 1 => {
-                    let spec = json!({"clusterIP": format!("10.96.0.{}", next(3)),
-                        "ports": [{"name": "a", "port": 80 + next(2)}, {"name": "b", "port": 90}]});
+                    let external = [format!("10.96.0.{}", next(3)), format!("198.51.100.{}", next(2))];
+                    let spec = json!({"clusterIP": format!("10.96.0.{}", next(3)), "type": "NodePort",
+                        "externalIPs": &external[..next(3) as usize],
+                        "ports": [{"name": "a", "port": 80 + next(2), "nodePort": 30000 + next(3)},
+                                  {"name": "b", "port": 90}]});
                     let svc = service(&svc_name, spec);
                     cluster.upsert_service(&svc);
                     services.insert(svc_name, svc);
@@ -678,7 +733,16 @@ mod tests {
             assert_eq!(cluster.problems(), fresh.problems, "step {step}");
             assert_eq!(&replayed, cluster.ports(), "step {step}: a change was not reported");
             conflicts_seen += fresh.problems.len();
+            external_conflicts_seen += fresh
+                .problems
+                .iter()
+                .filter(|p| p.reason.contains("not served"))
+                .count();
         }
         assert!(conflicts_seen > 0, "the run never made two Services share a frontend");
+        assert!(
+            external_conflicts_seen > 0,
+            "the run never made two Services share an external frontend"
+        );
     }
 }

@@ -15,10 +15,10 @@
 //! (the clients in the affinity sets aside), a full sync writes nothing.
 //!
 //! Table, chain and map names (kube-proxy's hashes) are in [`names`], the
-//! rendering is in [`ruleset`], who keeps an address two Services list is
-//! in [`claims`], running `nft` is in [`crate::sys::nft`].
+//! rendering is in [`ruleset`], running `nft` is in [`crate::sys::nft`].
+//! Who keeps an address two Services list is decided before the modes, in
+//! the model (`model::join`): no two ports reach a mode with one map key.
 
-mod claims;
 pub mod names;
 pub mod ruleset;
 
@@ -30,7 +30,6 @@ use std::{
 
 pub use crate::sys::nft::{Nft, SystemNft};
 use anyhow::{Context, Result};
-use claims::{Claims, frontends};
 use ruleset::{ChainRemoval, Objects, PortRules, port_rules};
 pub use ruleset::{NodePorts, Options};
 use tracing::{debug, info, warn};
@@ -53,8 +52,6 @@ pub struct NftablesMode {
     verified: Option<Verified>,
     /// Chains emptied instead of deleted (old kernels), and since when.
     leftovers: BTreeMap<String, Instant>,
-    /// Who has which map key when Services share an address and port.
-    claims: Claims,
     writes: u64,
     last_script: String,
     /// Failed transactions (see [`ModeCounters`]).
@@ -80,7 +77,6 @@ impl NftablesMode {
             state: BTreeMap::new(),
             verified: None,
             leftovers: BTreeMap::new(),
-            claims: Claims::default(),
             writes: 0,
             last_script: String::new(),
             counters: ModeCounters::default(),
@@ -104,38 +100,11 @@ impl NftablesMode {
         &self.opts
     }
 
-    /// The renderings a partial sync of `plan` programs: the upserted
-    /// ports, and the ports sharing a frontend with a changed one (who
-    /// keeps it may change), each without the frontends another port has.
-    fn wanted_after(&mut self, plan: &Plan) -> Vec<(ServicePort, PortRules)> {
-        let upserted: BTreeSet<&str> = plan.upsert.iter().map(|p| p.name.as_str()).collect();
-        let removed: BTreeSet<&str> = plan
-            .remove
+    /// The renderings a partial sync of `plan` programs: the upserted ports.
+    fn wanted_after(&self, plan: &Plan) -> Vec<(ServicePort, PortRules)> {
+        plan.upsert
             .iter()
-            .map(|p| p.name.as_str())
-            .filter(|name| !upserted.contains(name))
-            .collect();
-        let mut neighbours = BTreeSet::new();
-        for name in &removed {
-            neighbours.extend(self.claims.set(name, BTreeSet::new()));
-        }
-        let mut raw: BTreeMap<String, (ServicePort, PortRules)> = BTreeMap::new();
-        for port in &plan.upsert {
-            let rules = port_rules(&self.opts, port);
-            neighbours.extend(self.claims.set(&port.name, frontends(&rules)));
-            raw.insert(port.name.clone(), (port.clone(), rules));
-        }
-        for name in neighbours {
-            if raw.contains_key(&name) || removed.contains(name.as_str()) {
-                continue;
-            }
-            if let Some((port, _)) = self.state.get(&name) {
-                let rules = port_rules(&self.opts, port);
-                raw.insert(name, (port.clone(), rules));
-            }
-        }
-        raw.into_iter()
-            .map(|(name, (port, rules))| (port, self.claims.honoured(&name, rules)))
+            .map(|port| (port.clone(), port_rules(&self.opts, port)))
             .collect()
     }
 
@@ -208,7 +177,6 @@ impl Dataplane for NftablesMode {
         }
         // The changed ports as programmed (our own rendering, else the
         // plan's account of what was applied) and as wanted.
-        let claims_before = self.claims.clone();
         let wanted = self.wanted_after(plan);
         let mut before = Objects::default();
         let mut seen = BTreeSet::new();
@@ -249,10 +217,7 @@ impl Dataplane for NftablesMode {
         );
         self.verified = None;
         let result = self.run_partial(&script, &before, &after, &due, now);
-        if let Err(e) = result {
-            self.claims = claims_before;
-            return Err(e);
-        }
+        result?;
         for name in after.chains.keys() {
             self.leftovers.remove(name);
         }
@@ -278,18 +243,9 @@ impl Dataplane for NftablesMode {
                 Err(e) => warn!(error = format!("{e:#}"), "cannot read the table; rewriting it"),
             }
         }
-        let claims_before = self.claims.clone();
-        self.claims.clear();
-        let raw: Vec<(&String, &ServicePort, PortRules)> = desired
+        let state: BTreeMap<String, (ServicePort, PortRules)> = desired
             .iter()
-            .map(|(name, port)| (name, port, port_rules(&self.opts, port)))
-            .collect();
-        for (name, _, rules) in &raw {
-            self.claims.set(name, frontends(rules));
-        }
-        let state: BTreeMap<String, (ServicePort, PortRules)> = raw
-            .into_iter()
-            .map(|(name, port, rules)| (name.clone(), (port.clone(), self.claims.honoured(name, rules))))
+            .map(|(name, port)| (name.clone(), (port.clone(), port_rules(&self.opts, port))))
             .collect();
         let script = ruleset::full(
             &self.opts,
@@ -297,10 +253,7 @@ impl Dataplane for NftablesMode {
         );
         debug!(ports = desired.len(), writes = script.writes, "full nftables sync");
         self.verified = None;
-        if let Err(e) = self.run(&script) {
-            self.claims = claims_before;
-            return Err(e.context("full sync"));
-        }
+        self.run(&script).context("full sync")?;
         self.state = state;
         // The table was replaced: no chain of an earlier sync is left.
         self.leftovers.clear();
@@ -326,12 +279,6 @@ impl Dataplane for NftablesMode {
 
     fn counters(&self) -> ModeCounters {
         self.counters.clone()
-    }
-
-    /// Frontends (external IP, LB IP or node port and port) a Service port
-    /// lists but another one has: reported once when lost.
-    fn take_problems(&mut self) -> Vec<crate::model::Problem> {
-        self.claims.take_problems()
     }
 }
 
