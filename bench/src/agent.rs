@@ -73,9 +73,51 @@ pub struct BenchAgent {
 }
 
 pub enum Started {
-    Running(BenchAgent),
+    Running(Box<BenchAgent>),
     /// The mode cannot run here (exit code 6), with the agent's reason.
     Unavailable(String),
+}
+
+/// The bench's modes that are the iptables mode on one backend, and the
+/// backend: kube-proxy's image runs whichever one the node's rules use (its
+/// wrapper switches the `iptables` alternative), so both are measured, each
+/// named, whatever this machine's alternative is.
+pub const IPTABLES_BACKENDS: [(&str, &str); 2] = [("iptables", "nft"), ("iptables-legacy", "legacy")];
+
+/// The iptables commands the agent runs.
+const IPTABLES_COMMANDS: [&str; 3] = ["iptables", "iptables-save", "iptables-restore"];
+
+/// `xproxy run --mode` for the bench's `mode`, and the environment that
+/// picks its iptables backend: a `PATH` starting with a directory (in
+/// `dir`) whose `iptables*` lead to that backend's binaries. `Err` with the
+/// reason when this machine lacks them.
+fn agent_mode(mode: &str, dir: &Path) -> Result<(String, Vec<(String, String)>), String> {
+    let Some((_, backend)) = IPTABLES_BACKENDS.iter().find(|(m, _)| *m == mode) else {
+        return Ok((mode.to_owned(), Vec::new()));
+    };
+    let bin = dir.join(format!("iptables-{backend}-bin"));
+    fs::create_dir_all(&bin).map_err(|e| format!("creating {}: {e}", bin.display()))?;
+    for command in IPTABLES_COMMANDS {
+        let real = command.replacen("iptables", &format!("iptables-{backend}"), 1);
+        let target = find_in_path(&real).ok_or(format!("no {real} on this machine (Debian: the iptables package)"))?;
+        let link = bin.join(command);
+        let _ = fs::remove_file(&link);
+        std::os::unix::fs::symlink(&target, &link).map_err(|e| format!("linking {}: {e}", link.display()))?;
+    }
+    let path = std::env::var("PATH").unwrap_or_default();
+    Ok((
+        "iptables".to_owned(),
+        vec![("PATH".to_owned(), format!("{}:{path}", bin.display()))],
+    ))
+}
+
+/// `name` in the directories of `PATH` and the sbin ones.
+fn find_in_path(name: &str) -> Option<std::path::PathBuf> {
+    let path = std::env::var("PATH").unwrap_or_default();
+    path.split(':')
+        .chain(["/usr/sbin", "/sbin"])
+        .map(|dir| Path::new(dir).join(name))
+        .find(|candidate| candidate.is_file())
 }
 
 impl BenchAgent {
@@ -93,12 +135,16 @@ impl BenchAgent {
         let config = dir.join("bench-proxy.yaml");
         fs::write(&config, CONFIG).with_context(|| format!("writing {}", config.display()))?;
         let log = dir.join(format!("agent-{mode}-{}.log", unique_name("")));
+        let (agent_mode, env) = match agent_mode(mode, dir) {
+            Ok(found) => found,
+            Err(reason) => return Ok(Started::Unavailable(reason)),
+        };
         let [source_flag, source_path] = source.args();
         let args: Vec<String> = [
             "--config",
             &config.display().to_string(),
             "--mode",
-            mode,
+            &agent_mode,
             &source_flag,
             &source_path,
             "--node-ip",
@@ -112,7 +158,7 @@ impl BenchAgent {
         let pin_path = Path::new("/sys/fs/bpf").join(unique_name("xproxy-bench-"));
         let started = SystemTime::now();
         let started_at = Instant::now();
-        let process = AgentProcess::start(xproxy, node, &pin_path, &args, Some(&log))?;
+        let process = AgentProcess::start_with_env(xproxy, node, &pin_path, &args, Some(&log), env)?;
         let mut agent = Self {
             process: Some(process),
             pin_path,
@@ -132,7 +178,7 @@ impl BenchAgent {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        Ok(Started::Running(agent))
+        Ok(Started::Running(Box::new(agent)))
     }
 
     fn exit_status(&mut self) -> Result<Option<std::process::ExitStatus>> {

@@ -1,6 +1,8 @@
 //! SVG charts of the results (plotters): latency vs N per mode, programming
 //! time vs N per mode, requests/s vs N per mode. The number of Services is
-//! on a log axis; each point is a median, its bar the rounds' min-max.
+//! on a log axis; each point is a median, its bar the rounds' min-max. A
+//! mode that did not program N Services in the time it was given is drawn
+//! at that time as a lower bound (a triangle pointing up), not left out.
 
 use anyhow::{Result, anyhow};
 use plotters::{coord::ranged1d::ValueFormatter, prelude::*};
@@ -19,13 +21,17 @@ pub struct Rendered {
     pub svg: String,
 }
 
-/// A mode's points: (Services, median, min, max).
-type Line = (String, Vec<(f64, f64, f64, f64)>);
+/// One point of a line: (Services, median, min, max, a lower bound only).
+type Point = (f64, f64, f64, f64, bool);
+
+/// A mode's points.
+type Line = (String, Vec<Point>);
 
 fn color(mode: &str) -> RGBColor {
     match mode {
         "ebpf" => RGBColor(31, 119, 180),
         "iptables" => RGBColor(214, 39, 40),
+        "iptables-legacy" => RGBColor(140, 86, 75),
         "nftables" => RGBColor(255, 127, 14),
         "ipvs" => RGBColor(44, 160, 44),
         "userspace" => RGBColor(148, 103, 189),
@@ -34,6 +40,11 @@ fn color(mode: &str) -> RGBColor {
 }
 
 fn lines(results: &Results, value: impl Fn(&Run) -> Option<Summary>) -> Vec<Line> {
+    bounded_lines(results, |run| Some((value(run)?, false)))
+}
+
+/// [`lines`] where a value may be a lower bound (`true`).
+fn bounded_lines(results: &Results, value: impl Fn(&Run) -> Option<(Summary, bool)>) -> Vec<Line> {
     results
         .modes
         .iter()
@@ -43,10 +54,10 @@ fn lines(results: &Results, value: impl Fn(&Run) -> Option<Summary>) -> Vec<Line
                 .runs
                 .iter()
                 .filter_map(|run| {
-                    let s = value(run)?;
+                    let (s, bound) = value(run)?;
                     s.median
                         .is_finite()
-                        .then_some((run.services as f64, s.median, s.min, s.max))
+                        .then_some((run.services as f64, s.median, s.min, s.max, bound))
                 })
                 .collect();
             (m.mode.clone(), points)
@@ -70,11 +81,15 @@ pub fn render_all(results: &Results) -> Result<Vec<Rendered>> {
             title,
         });
     }
-    let programming = lines(results, |run| {
-        Some(Summary::one(run.programming.as_ref()?.delivered_to_answer_s?))
+    let programming = bounded_lines(results, |run| {
+        let (seconds, bound) = run.programming.as_ref()?.seconds()?;
+        Some((Summary::one(seconds), bound))
     });
     if !programming.is_empty() {
-        let title = "Programming time: Services delivered -> the last one answers".to_owned();
+        let mut title = "Programming time: Services delivered -> the last one answers".to_owned();
+        if programming.iter().any(|(_, points)| points.iter().any(|p| p.4)) {
+            title.push_str(" (triangle: not programmed in the time given, a lower bound)");
+        }
         charts.push(Rendered {
             suffix: "programming",
             svg: plot(&title, "seconds", &programming, true)?,
@@ -114,7 +129,7 @@ fn baseline_line(results: &Results) -> Option<Line> {
     lo.is_finite().then(|| {
         (
             "no proxy".to_owned(),
-            vec![(lo, value, value, value), (hi, value, value, value)],
+            vec![(lo, value, value, value, false), (hi, value, value, value, false)],
         )
     })
 }
@@ -180,7 +195,20 @@ where
             .label(mode.as_str())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
         chart
-            .draw_series(points.iter().map(|p| Circle::new((p.0, p.1), 3, c.filled())))
+            .draw_series(
+                points
+                    .iter()
+                    .filter(|p| !p.4)
+                    .map(|p| Circle::new((p.0, p.1), 3, c.filled())),
+            )
+            .map_err(|e| anyhow!("{e:?}"))?;
+        chart
+            .draw_series(
+                points
+                    .iter()
+                    .filter(|p| p.4)
+                    .map(|p| TriangleMarker::new((p.0, p.1), 7, c.filled())),
+            )
             .map_err(|e| anyhow!("{e:?}"))?;
         chart
             .draw_series(
@@ -221,5 +249,21 @@ mod tests {
             assert!(!chart.svg.contains(">ipvs<"), "a skipped mode has no line");
         }
         assert!(charts[0].svg.contains("no proxy"));
+    }
+
+    /// The fixture's iptables run at 1,000 Services timed out: drawn as a
+    /// lower bound (a triangle, a polygon in SVG), said in the title.
+    #[test]
+    fn a_mode_that_timed_out_is_drawn_as_a_lower_bound() {
+        let results = crate::fixture::results();
+        let charts = render_all(&results).expect("charts");
+        let programming = charts
+            .iter()
+            .find(|c| c.suffix == "programming")
+            .expect("programming chart");
+        assert!(programming.title.contains("lower bound"), "{}", programming.title);
+        assert!(programming.svg.contains("<polygon"), "no triangle drawn");
+        let latency = charts.iter().find(|c| c.suffix == "latency").expect("latency chart");
+        assert!(!latency.svg.contains("<polygon"), "no bound among the latencies");
     }
 }

@@ -6,7 +6,9 @@ use anyhow::{Result, bail};
 
 use crate::{results::ScaleSource, services::EndpointCount, throughput::WrkOptions};
 
-pub const ALL_MODES: [&str; 5] = ["ebpf", "iptables", "nftables", "ipvs", "userspace"];
+/// `iptables` is the iptables mode on the nft backend, `iptables-legacy`
+/// on the legacy one (see `agent::IPTABLES_BACKENDS`).
+pub const ALL_MODES: [&str; 6] = ["ebpf", "iptables", "iptables-legacy", "nftables", "ipvs", "userspace"];
 const FULL_SERVICES: [usize; 4] = [100, 1_000, 10_000, 20_000];
 const QUICK_SERVICES: [usize; 2] = [100, 1_000];
 /// A probe of a Service that is not programmed yet gets no answer at all

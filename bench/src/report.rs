@@ -12,7 +12,7 @@ use crate::{
 
 /// The mode every ratio is about, and the ones it is compared with.
 const SUBJECT: &str = "ebpf";
-const OTHERS: [&str; 4] = ["iptables", "nftables", "ipvs", "userspace"];
+const OTHERS: [&str; 5] = ["iptables", "iptables-legacy", "nftables", "ipvs", "userspace"];
 
 /// A chart to show: its title and its file name (next to the report).
 pub struct Chart {
@@ -1024,6 +1024,15 @@ fn parameters(out: &mut String, r: &Results) {
         }
     }
     let _ = writeln!(out, "- The pods' server: {} threads.", p.server_threads);
+    let backends: Vec<String> = crate::agent::IPTABLES_BACKENDS
+        .iter()
+        .map(|(mode, backend)| format!("`{mode}` on the {backend} backend (`iptables-{backend}-restore`)"))
+        .collect();
+    let _ = writeln!(
+        out,
+        "- The iptables mode runs twice: {} (kube-proxy uses whichever backend the node's rules use).",
+        backends.join(", ")
+    );
     for (path, meaning) in &p.paths {
         let _ = writeln!(out, "- {path}: {meaning}");
     }

@@ -289,7 +289,7 @@ impl<'a> Runner<'a> {
 
     fn start_agent(&self, topo: &BenchTopology, mode: &str, source: agent::Source<'_>) -> Result<BenchAgent> {
         match BenchAgent::start(&self.xproxy, &topo.node, mode, source, self.scratch.path(), false)? {
-            Started::Running(agent) => Ok(agent),
+            Started::Running(agent) => Ok(*agent),
             Started::Unavailable(reason) => bail!("the mode became unavailable: {reason}"),
         }
     }

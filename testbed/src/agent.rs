@@ -20,17 +20,33 @@ pub struct AgentProcess {
     xproxy: PathBuf,
     pin_path: PathBuf,
     node_ns: PathBuf,
+    /// Environment for every `xproxy` this runs (the agent, its cleanup).
+    env: Vec<(String, String)>,
 }
 
 impl AgentProcess {
     /// Starts the agent; `args` follow `xproxy run` (without `--pin-path`).
     /// Its output goes to `log` if given, else to this process's stderr.
     pub fn start(xproxy: &Path, node: &Netns, pin_path: &Path, args: &[String], log: Option<&Path>) -> Result<Self> {
+        Self::start_with_env(xproxy, node, pin_path, args, log, Vec::new())
+    }
+
+    /// [`Self::start`] with `env` added to the agent's environment (and its
+    /// cleanup's), e.g. a `PATH` that picks an iptables backend.
+    pub fn start_with_env(
+        xproxy: &Path,
+        node: &Netns,
+        pin_path: &Path,
+        args: &[String],
+        log: Option<&Path>,
+        env: Vec<(String, String)>,
+    ) -> Result<Self> {
         let mut agent = Self {
             child: None,
             xproxy: xproxy.to_owned(),
             pin_path: pin_path.to_owned(),
             node_ns: node.path().to_owned(),
+            env,
         };
         agent.restart(args, log)?;
         Ok(agent)
@@ -45,6 +61,7 @@ impl AgentProcess {
             .args(args)
             .arg("--pin-path")
             .arg(&self.pin_path)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null());
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "info");
@@ -106,6 +123,7 @@ impl Drop for AgentProcess {
             Ok(mut cmd) => {
                 // The node namespace is the bed's own: every mode's rules go.
                 let cleanup = cmd
+                    .envs(self.env.iter().map(|(k, v)| (k, v)))
                     .args(["cleanup", "--scope", "all", "--pin-path"])
                     .arg(&self.pin_path);
                 if let Err(e) = netns::run(cleanup) {

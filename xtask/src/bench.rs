@@ -12,7 +12,8 @@ use crate::{build_ebpf, command, setup, vm};
 
 #[derive(clap::Args, Debug)]
 pub struct Options {
-    /// Modes, comma-separated (ebpf,iptables,nftables,ipvs,userspace).
+    /// Modes, comma-separated (ebpf,iptables,iptables-legacy,nftables,ipvs,userspace;
+    /// `iptables` is the nft backend).
     #[arg(long)]
     pub modes: Option<String>,
     /// Numbers of Services, comma-separated [default: 100,1000,10000,20000].
