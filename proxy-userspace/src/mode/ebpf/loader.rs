@@ -262,7 +262,7 @@ const TC_FILTER_HANDLE: TcHandle = TcHandle::new(0, 1);
 
 /// Whether tc programs attach as tcx links (Linux 6.6) rather than as
 /// netlink filters; aya makes the same choice in `SchedClassifier::attach`.
-fn has_tcx() -> bool {
+pub fn has_tcx() -> bool {
     KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0))
 }
 

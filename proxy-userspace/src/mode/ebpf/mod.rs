@@ -77,7 +77,9 @@ use std::{
 use anyhow::{Context, Result, bail};
 pub use interfaces::{Interface, MissingInterface};
 pub use lb_maps::LbMaps;
-pub use loader::{Datapath, Hook, LINKS_DIR, LoadOptions, NotBpffs, detach_pinned_links, detach_tc_filters, link_pin};
+pub use loader::{
+    Datapath, Hook, LINKS_DIR, LoadOptions, NotBpffs, detach_pinned_links, detach_tc_filters, has_tcx, link_pin,
+};
 pub use memory_maps::{FaultyMaps, MemoryMaps};
 pub use object::object_bytes;
 pub use pinned_maps::{PinnedMaps, get as pinned_entry, open as open_pinned, pinned, sum_verdicts};

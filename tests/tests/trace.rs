@@ -4,6 +4,11 @@
 //! from a pod, to the NodePort from outside and to an address that is no
 //! Service; the live maps read back before and after through their pins.
 //!
+//! Before Linux 6.6 the tc programs are cls_bpf filters, which leave no
+//! pin: the trace finds the program by name and pinned maps, and a pod's
+//! hook needs `--iface` (given here on those kernels; `cargo xtask vm`
+//! runs this suite on 6.1).
+//!
 //! No traffic is sent: the only packets the programs count meanwhile are
 //! the kernel's own (ARP, IPv6 neighbour discovery), which count as
 //! `pass_not_ipv4_or_l4`; every other counter and the conntrack table must
@@ -13,7 +18,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 
 use anyhow::{Context, Result, ensure};
 use proxy_common::{CtKey, CtValue, Verdict, VerdictCounter, maps};
-use proxy_userspace::mode::ebpf::{LINKS_DIR, ServiceMaps};
+use proxy_userspace::mode::ebpf::{LINKS_DIR, ServiceMaps, has_tcx};
 use serde_json::Value;
 use testbed::{
     agent_bed::{AgentBed, READY_WITHIN},
@@ -51,6 +56,24 @@ fn trace(bed: &AgentBed, from: &str, to: &str, extra: &[&str]) -> Result<String>
     cmd.arg("trace").arg("--pin-path").arg(bed.pin_path());
     cmd.args(["--from", from, "--to", to]).args(extra);
     netns::run(&mut cmd)
+}
+
+/// `--hook pod` from the pod with address `ip`: before Linux 6.6 with the
+/// pod's interface (`--iface`), which no pin names there.
+fn pod_hook(bed: &AgentBed, ip: Ipv4Addr) -> Vec<String> {
+    let mut args = vec!["--hook".to_owned(), "pod".to_owned()];
+    let mut pods = bed.topo.backends.iter().chain([&bed.topo.client_pod]);
+    if !has_tcx()
+        && let Some(pod) = pods.find(|p| p.ip == ip)
+    {
+        args.extend(["--iface".to_owned(), pod.node_if.clone()]);
+    }
+    args
+}
+
+/// `hook` followed by `more`, as `trace` takes them.
+fn with<'a>(hook: &'a [String], more: &[&'a str]) -> Vec<&'a str> {
+    hook.iter().map(String::as_str).chain(more.iter().copied()).collect()
 }
 
 /// [`trace`] with `--json`, parsed.
@@ -118,7 +141,8 @@ fn hairpin(bed: &AgentBed, cluster_ip: SocketAddrV4) -> Result<Value> {
     let backend = backend_ips()[0];
     let from = backend.to_string();
     for _ in 0..40 {
-        let report = trace_json(bed, &from, &cluster_ip.to_string(), &["--hook", "pod", "--syn"])?;
+        let hook = pod_hook(bed, backend);
+        let report = trace_json(bed, &from, &cluster_ip.to_string(), &with(&hook, &["--syn"]))?;
         if expect_dnat(&report, cluster_ip)?.ip() == &backend {
             ensure!(
                 report["mark"].as_u64().is_some_and(|m| m != 0),
@@ -153,13 +177,30 @@ fn run(test: &str, scenario: impl FnOnce(&mut AgentBed) -> Result<()>) {
 }
 
 /// Starts the agent on the seed with `extra` flags and waits until its
-/// program `program` is linked to the uplink.
+/// program `program` is attached to the uplink: a pinned link, or before
+/// Linux 6.6 a tc filter of that name.
 fn start(bed: &mut AgentBed, extra: &[&str], program: &str) -> Result<()> {
     bed.copy_seed_manifests()?;
     let mut args = bed.manifest_args();
     args.extend(extra.iter().map(|a| (*a).to_owned()));
     bed.start_agent(&args)?;
     bed.wait_first_sync(READY_WITHIN)?;
+    if program != maps::PROG_XDP_UPLINK && !has_tcx() {
+        let uplink = bed.topo.uplink.clone();
+        return netns::wait_for("the agent's tc filter on the uplink", READY_WITHIN, || {
+            let filters = bed
+                .topo
+                .node
+                .command("tc")
+                .and_then(|mut tc| netns::run(tc.args(["filter", "show", "dev", &uplink, "ingress"])))
+                .map_err(|e| format!("{e:#}"))?;
+            if filters.contains(program) {
+                Ok(())
+            } else {
+                Err(format!("no {program} filter on {uplink}:\n{filters}"))
+            }
+        });
+    }
     let link = bed.pin_path().join(LINKS_DIR).join(program).join(&bed.topo.uplink);
     netns::wait_for("the agent's link on the uplink", READY_WITHIN, || {
         if link.exists() {
@@ -185,7 +226,8 @@ fn tc_scenario(bed: &mut AgentBed) -> Result<()> {
 
     let cluster_ip = SocketAddrV4::new(SEED_CLUSTER_IP, SEED_PORT);
     let pod = CLIENT_POD.1.to_string();
-    let to_cluster_ip = trace_json(bed, &pod, &cluster_ip.to_string(), &["--hook", "pod", "--syn"])?;
+    let hook = pod_hook(bed, CLIENT_POD.1);
+    let to_cluster_ip = trace_json(bed, &pod, &cluster_ip.to_string(), &with(&hook, &["--syn"]))?;
     expect_dnat(&to_cluster_ip, cluster_ip)?;
     ensure!(
         to_cluster_ip["hook"] == "pod" && to_cluster_ip["iface"] != uplink.as_str(),
@@ -232,13 +274,13 @@ fn tc_scenario(bed: &mut AgentBed) -> Result<()> {
         "a packet to no Service:\n{not_a_service:#}"
     );
 
-    let text = trace(bed, &pod, &cluster_ip.to_string(), &["--hook", "pod", "--proto", "udp"])?;
+    let text = trace(bed, &pod, &cluster_ip.to_string(), &with(&hook, &["--proto", "udp"]))?;
     ensure!(
         text.contains("counted as pass_not_service: not a Service") && text.contains("backend:      -"),
         "UDP to a TCP-only Service port:\n{text}"
     );
 
-    let text = trace(bed, &pod, &cluster_ip.to_string(), &["--hook", "pod", "--syn"])?;
+    let text = trace(bed, &pod, &cluster_ip.to_string(), &with(&hook, &["--syn"]))?;
     ensure!(
         text.contains("counted as dnat_new") && text.contains("undone:       2 conntrack entries"),
         "to the ClusterIP, as text:\n{text}"
@@ -312,7 +354,8 @@ fn trace_of_a_tracked_flow_follows_it_and_restores_its_entries() {
             }
         })?;
         let from = SocketAddrV4::new(CLIENT_POD.1, key.sport()).to_string();
-        let report = trace_json(bed, &from, &cluster_ip.to_string(), &["--hook", "pod"])?;
+        let hook = pod_hook(bed, CLIENT_POD.1);
+        let report = trace_json(bed, &from, &cluster_ip.to_string(), &with(&hook, &[]))?;
         let (addr, port) = value.nat();
         let backend = SocketAddrV4::new(addr, port);
         ensure!(
@@ -323,7 +366,8 @@ fn trace_of_a_tracked_flow_follows_it_and_restores_its_entries() {
         );
         // The backend's answer on the flow's way back: its source
         // rewritten to the ClusterIP.
-        let reply = trace_json(bed, &backend.to_string(), &from, &["--hook", "pod"])?;
+        let hook = pod_hook(bed, addr);
+        let reply = trace_json(bed, &backend.to_string(), &from, &with(&hook, &[]))?;
         ensure!(
             reply["verdict"] == "rev_nat"
                 && reply["frontend"] == cluster_ip.to_string().as_str()
