@@ -34,7 +34,7 @@ mod loader;
 mod memory_maps;
 mod object;
 mod pinned_maps;
-mod pod_cidrs;
+pub mod pod_cidrs;
 mod port_filter;
 mod service_maps;
 mod slot_layout;

@@ -38,7 +38,7 @@ pub fn from_config(config: &Config) -> Vec<(u32, u8)> {
 
 /// The IPv4 networks of `cidrs` as trie entries (IPv6 ones are the IPv6
 /// data path's, which the programs do not have).
-fn trie_entries(cidrs: &[Cidr]) -> Vec<(u32, u8)> {
+pub fn trie_entries(cidrs: &[Cidr]) -> Vec<(u32, u8)> {
     cidrs
         .iter()
         .filter_map(|c| match c.addr() {
