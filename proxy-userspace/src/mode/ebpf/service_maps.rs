@@ -143,8 +143,10 @@ pub struct ServiceMaps<M = PinnedMaps> {
     leftovers: Leftovers,
     /// Writes of the batch under way, not in the maps yet.
     staged: Staged,
-    /// Frontends (by reverse NAT id) whose clients' affinity entries go
-    /// after the batch: affinity switched off, or the frontend removed.
+    /// Reverse NAT ids of frontends that lost affinity or went: the
+    /// affinity entries keyed by them go after the batch (a ClusterIP
+    /// frontend's id is its Service port's affinity id; the others' key
+    /// only entries of agents that kept affinity per frontend).
     forget_affinity: BTreeSet<u32>,
     /// Inside [`Self::batch`]: writes wait for its end.
     batching: bool,
