@@ -51,5 +51,5 @@ pub fn view(flow: &Flow, svc: &ServiceValue) -> View {
 /// Whether the packet's source is inside a pod network (`clusterCIDR`).
 #[inline(always)]
 fn from_pod(flow: &Flow) -> bool {
-    POD_CIDRS.get(&Key::new(32, flow.saddr_be)).is_some()
+    POD_CIDRS.get(Key::new(32, flow.saddr_be)).is_some()
 }
