@@ -593,8 +593,13 @@ fn check_local_policy(mode: Mode, topo: &Topology, checks: &mut Checks) {
         );
         let pods = mode.pods_to_local_external();
         for (what, to, answered) in [("LB IP", to, served), ("node port", at(NODE_IP, LOCAL_NODE_PORT), true)] {
+            let expected = if answered {
+                format!("{pods:?}")
+            } else {
+                "not served".to_owned()
+            };
             checks.check(
-                &format!("{p} client pod -> eTP Local {what} {to}: {pods:?}"),
+                &format!("{p} client pod -> eTP Local {what} {to}: {expected}"),
                 match (answered, pods) {
                     (false, _) => expect_outcome(pod, protocol, to, &Outcome::NoAnswer),
                     (true, PodsToLocal::Every) => expect_all_backends(pod, protocol, to),

@@ -368,6 +368,10 @@ fn external_frontends_share_the_ports_affinity_id_and_cluster_run() {
 
 #[test]
 fn service_port_entries_no_frontend_uses_are_deleted_at_the_full_sync() {
+    let ids_in = |maps: &MemoryMaps| -> BTreeSet<u32> {
+        let entries = maps.service_ports().expect("entries");
+        entries.iter().map(|(id, _)| *id).collect()
+    };
     let maps = MemoryMaps::new();
     let mut w = writer(maps.clone());
     let port = ServicePort {
@@ -375,24 +379,15 @@ fn service_port_entries_no_frontend_uses_are_deleted_at_the_full_sync() {
         ..lb_port(vec![])
     };
     sync(&mut w, &port);
-    let ids: BTreeSet<u32> = maps
-        .service_ports()
-        .expect("entries")
-        .iter()
-        .map(|(id, _)| *id)
-        .collect();
+    let ids = ids_in(&maps);
     w.remove_port(&port).expect("remove");
     // An agent that died halfway left an entry under an id no frontend has.
     maps.leave_service_ports(&[(7777, bytemuck::Zeroable::zeroed())]);
     let mut again = writer(maps.clone());
+    assert!(ids_in(&maps).contains(&7777), "kept until the full sync");
     again.retain(&[&port]).expect("full sync");
     sync(&mut again, &port);
-    let now: BTreeSet<u32> = maps
-        .service_ports()
-        .expect("entries")
-        .iter()
-        .map(|(id, _)| *id)
-        .collect();
+    let now = ids_in(&maps);
     assert!(!now.contains(&7777), "the leftover went");
     assert_eq!(now.len(), ids.len(), "the port's own are back");
 }
