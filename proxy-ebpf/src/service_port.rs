@@ -49,7 +49,10 @@ pub fn view(flow: &Flow, svc: &ServiceValue) -> View {
 }
 
 /// Whether the packet's source is inside a pod network (`clusterCIDR`).
+// The key by reference: by value the verifier walks some 2,500 more
+// instructions in tc_ingress (measured: 21,206 against 18,653).
+#[allow(clippy::needless_borrows_for_generic_args)]
 #[inline(always)]
 fn from_pod(flow: &Flow) -> bool {
-    POD_CIDRS.get(Key::new(32, flow.saddr_be)).is_some()
+    POD_CIDRS.get(&Key::new(32, flow.saddr_be)).is_some()
 }
