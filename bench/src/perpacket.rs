@@ -778,6 +778,7 @@ mod tests {
                 "XP_FRAGS",
                 "XP_MEMBERS",
                 "XP_NODE_ADDRS",
+                "XP_POD_CIDRS",
                 "XP_PORTS",
                 "XP_REV_NAT",
                 "XP_SERVICES",
@@ -785,7 +786,8 @@ mod tests {
                 "XP_SOCK_CFG",
                 "XP_SOCK_REV",
                 "XP_SRC_RANGES",
-                "XP_STATS"
+                "XP_STATS",
+                "XP_SVC_PORTS"
             ]
         );
         let named = |name: &str| maps.iter().find(|m| m.name == name).expect("listed above");

@@ -1,4 +1,4 @@
-//! ClientIP session affinity: which backend a client of a frontend was
+//! ClientIP session affinity: which backend a client of a Service port was
 //! given last, and when.
 //!
 //! The programs keep the affinity map themselves (an LRU hash: a client
@@ -10,16 +10,20 @@
 
 use bytemuck::{Pod, Zeroable};
 
-/// Key of the affinity map: a frontend and a client address.
+/// Key of the affinity map: a Service port and a client address.
 ///
-/// Affinity is per frontend, as IPVS persistence is per virtual server: a
-/// client of the ClusterIP and of a node port may be given two backends.
+/// Affinity is per Service port, as in kube-proxy's iptables mode (one
+/// `recent` list per endpoint of the port, whichever frontend the client
+/// used): a client of the ClusterIP and of a node port of one port is
+/// given one backend.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct AffinityKey {
-    /// The frontend's [`crate::ServiceValue::rev_nat_id`] (host order):
-    /// the one id a frontend has and keeps across syncs.
-    pub rev_nat_id: u32,
+    /// The Service port's affinity id (host order): the reverse NAT id of
+    /// its ClusterIP frontend ([`crate::ServiceValue::rev_nat_id`]), which
+    /// the other frontends find in [`crate::FrontendPort::affinity_id`].
+    /// It stays while the port keeps its ClusterIP.
+    pub affinity_id: u32,
     /// Client IPv4 address, network byte order.
     pub client_be: u32,
 }
@@ -47,6 +51,16 @@ pub struct MemberKey {
     pub backend_set: u32,
     /// Backend id (backends map key).
     pub backend_id: u32,
+}
+
+/// The affinity id of a frontend whose Service port map entry is `port`
+/// (`None`: it has none, as a ClusterIP frontend): see [`AffinityKey`].
+#[inline(always)]
+pub fn affinity_id(svc: &crate::ServiceValue, port: Option<&crate::FrontendPort>) -> u32 {
+    match port {
+        Some(port) if port.affinity_id != 0 => port.affinity_id,
+        _ => svc.rev_nat_id,
+    }
 }
 
 /// Whether an entry last seen at `last_seen_ns` is still fresh at `now_ns`

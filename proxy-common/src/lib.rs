@@ -18,6 +18,7 @@ pub mod maps;
 pub mod nat;
 pub mod ports;
 pub mod service;
+pub mod service_port;
 pub mod socket_lb;
 pub mod source_range;
 pub mod stats;
@@ -29,6 +30,7 @@ pub use fragment::{FragKey, FragPorts};
 pub use nat::RevNat;
 pub use ports::PortBits;
 pub use service::{ServiceKey, ServiceValue};
+pub use service_port::FrontendPort;
 pub use source_range::{SourceRangeData, SourceRangeKey};
 pub use stats::{Verdict, VerdictCounter};
 
@@ -67,6 +69,7 @@ impl_aya_pod!(
     MemberKey,
     SourceRangeKey,
     SourceRangeData,
+    FrontendPort,
     socket_lb::SockLbConfig,
     socket_lb::SockRevKey
 );

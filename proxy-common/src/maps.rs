@@ -39,6 +39,19 @@ pub const MEMBERS_MAX: u32 = BACKEND_SLOTS_MAX;
 /// loadBalancerSourceRanges entries over every load balancer IP.
 pub const SOURCE_RANGES_MAX: u32 = 65_536;
 
+/// What external frontends share with their Service port (see
+/// [`crate::service_port`]): frontend reverse NAT id -> [`crate::FrontendPort`].
+pub const SERVICE_PORTS: &str = "XP_SVC_PORTS";
+/// One entry per external frontend of a port with affinity or the `Local`
+/// external policy: at most one per frontend.
+pub const SERVICE_PORTS_MAX: u32 = SERVICES_MAX;
+/// The pod networks (`clusterCIDR`) as an LPM trie: key data the IPv4
+/// address in network byte order (`u32`), value `u8` (1). A new flow from
+/// inside one is a pod's (kube-proxy's `detectLocalMode: ClusterCIDR`).
+pub const POD_CIDRS: &str = "XP_POD_CIDRS";
+/// kube-proxy takes one cluster CIDR per family; room for a few.
+pub const POD_CIDRS_MAX: u32 = 64;
+
 /// Datagrams in flight whose first fragment's ports are remembered.
 pub const FRAGMENTS_MAX: u32 = 16_384;
 

@@ -1,6 +1,7 @@
 //! sessionAffinity: ClientIP. A client's new flow goes to the backend its
-//! last one went to, while that was recent enough and the backend is still
-//! in the frontend's run of slots; else it is balanced anew and remembered
+//! last one to the same Service port went to (through any of its
+//! frontends), while that was recent enough and the backend is still in
+//! the frontend's run of slots; else it is balanced anew and remembered
 //! (see `proxy_common::affinity`).
 
 use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;
@@ -12,11 +13,12 @@ use crate::{
     select,
 };
 
-/// The affinity entry's key of the packet's client at `svc`.
+/// The affinity entry's key of the packet's client at the Service port
+/// `affinity_id` (see `service_port`).
 #[inline(always)]
-fn key_of(flow: &Flow, svc: &ServiceValue) -> AffinityKey {
+fn key_of(flow: &Flow, affinity_id: u32) -> AffinityKey {
     AffinityKey {
-        rev_nat_id: svc.rev_nat_id,
+        affinity_id,
         client_be: flow.saddr_be,
     }
 }
@@ -29,13 +31,14 @@ fn now_ns() -> u64 {
 
 /// The client's remembered backend, if it still serves (see [`remembered`]).
 #[inline(always)]
-pub fn kept_backend(flow: &Flow, svc: &ServiceValue) -> Option<(u32, Backend)> {
-    remembered(&key_of(flow, svc), svc, now_ns())
+pub fn kept_backend(flow: &Flow, svc: &ServiceValue, affinity_id: u32) -> Option<(u32, Backend)> {
+    remembered(&key_of(flow, affinity_id), svc, now_ns())
 }
 
-/// Remembers `backend_id` as the client's backend at `svc`, from now on.
+/// Remembers `backend_id` as the client's backend at the Service port
+/// `affinity_id`, from now on.
 #[inline(always)]
-pub fn remember(flow: &Flow, svc: &ServiceValue, backend_id: u32) {
+pub fn remember(flow: &Flow, affinity_id: u32, backend_id: u32) {
     let value = AffinityValue {
         backend_id,
         _pad: 0,
@@ -43,7 +46,7 @@ pub fn remember(flow: &Flow, svc: &ServiceValue, backend_id: u32) {
     };
     // A full map evicts its least recently used client; a failure only
     // costs this client its affinity.
-    let _ = AFFINITY.insert(key_of(flow, svc), value, 0);
+    let _ = AFFINITY.insert(key_of(flow, affinity_id), value, 0);
 }
 
 /// The client's backend, if its entry is fresh and the backend is in the

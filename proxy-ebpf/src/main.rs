@@ -6,8 +6,10 @@
 //! `ports` (could it be Service traffic at all?) -> `conntrack` (a packet
 //! of a known flow, either way?) -> `lookup` (else: is it for a Service
 //! frontend?) -> `source_range` (may this client use a load balancer IP?)
-//! -> `affinity` (the client's backend of before, for ClientIP affinity)
-//! or `select` (a backend for a new flow) -> `nat` (DNAT,
+//! -> `service_port` (a pod's flow to a `Local` external frontend goes to
+//! every endpoint; the port's affinity id) -> `affinity` (the client's
+//! backend of before, for ClientIP affinity) or `select` (a backend for a
+//! new flow) -> `nat` (DNAT,
 //! reverse NAT) or `reject` (RST / ICMP when a Service has no backends; a
 //! frontend whose `Local` traffic policy finds no backend on this node
 //! drops instead, as kube-proxy does).
@@ -44,6 +46,7 @@ mod ports;
 mod reject;
 mod route;
 mod select;
+mod service_port;
 mod socket_lb;
 mod source_range;
 mod stats;

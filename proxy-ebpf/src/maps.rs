@@ -16,6 +16,10 @@ use proxy_common::{
     },
     ports::PORT_WORDS,
 };
+use proxy_common::{
+    FrontendPort,
+    maps::{POD_CIDRS_MAX, SERVICE_PORTS_MAX},
+};
 
 // Only user space writes these, so they need not be preallocated: memory
 // grows with the Services actually programmed.
@@ -44,6 +48,15 @@ pub static SOURCE_RANGES: LpmTrie<SourceRangeData, u8> = LpmTrie::pinned(SOURCE_
 // ClientIP affinity.
 #[map(name = "XP_AFFINITY")]
 pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::pinned(AFFINITY_MAX, 0);
+
+// What external frontends share with their Service port (affinity id,
+// pods' short-circuit), and the pod networks that short-circuit (see
+// `proxy_common::service_port`); user space writes both.
+#[map(name = "XP_SVC_PORTS")]
+pub static SERVICE_PORTS: HashMap<u32, FrontendPort> = HashMap::pinned(SERVICE_PORTS_MAX, BPF_F_NO_PREALLOC);
+
+#[map(name = "XP_POD_CIDRS")]
+pub static POD_CIDRS: LpmTrie<u32, u8> = LpmTrie::pinned(POD_CIDRS_MAX, 0);
 
 // Written from the data path on every new flow: LRU maps are preallocated.
 #[map(name = "XP_CT")]

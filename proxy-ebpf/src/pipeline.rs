@@ -1,7 +1,8 @@
 //! The packet's way through the steps, the same for every hook: parse ->
 //! fragments (a later fragment gets its first's ports) -> ports (the port
-//! filter) -> conntrack -> (new flows: lookup -> source_range -> affinity
-//! or select) -> nat or reject;
+//! filter) -> conntrack -> (new flows: lookup -> source_range ->
+//! service_port (pods' short-circuit, the affinity id) -> affinity or
+//! select) -> nat or reject;
 //! an ICMP error of a tracked flow goes to icmp_error. Each step is its own
 //! module; this one only chains them and names the verdict and the outcome.
 
@@ -23,7 +24,7 @@ use crate::{
     parse::{self, Flow},
     ports,
     reject::{self, Rejection},
-    select, source_range, stats,
+    select, service_port, source_range, stats,
 };
 
 /// What the hook should do with the packet.
@@ -136,7 +137,9 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outcom
     if svc.flags & FLAG_SOURCE_RANGES != 0 && !source_range::allowed(flow, svc) {
         return (Verdict::DropSourceRange, Outcome::Drop);
     }
-    let Some((id, backend)) = pick_backend(flow, svc) else {
+    let view = service_port::view(flow, svc);
+    let svc = &view.svc;
+    let Some((id, backend)) = pick_backend(flow, svc, view.affinity_id) else {
         if svc.backend_count != 0 {
             return (Verdict::Error, Outcome::Pass);
         }
@@ -173,17 +176,18 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outcom
 }
 
 /// The backend of a new flow: the client's of before under ClientIP
-/// affinity, else a random one of the frontend's run (remembered under
-/// affinity). One call site of `random_backend`: the verifier walks it once.
+/// affinity (kept per Service port: `affinity_id`), else a random one of
+/// the frontend's run (remembered under affinity). One call site of
+/// `random_backend`: the verifier walks it once.
 #[inline(always)]
-fn pick_backend(flow: &Flow, svc: &ServiceValue) -> Option<(u32, Backend)> {
+fn pick_backend(flow: &Flow, svc: &ServiceValue, affinity_id: u32) -> Option<(u32, Backend)> {
     let sticky = svc.flags & FLAG_AFFINITY_CLIENT_IP != 0;
-    if sticky && let Some(kept) = affinity::kept_backend(flow, svc) {
+    if sticky && let Some(kept) = affinity::kept_backend(flow, svc, affinity_id) {
         return Some(kept);
     }
     let picked = select::random_backend(svc)?;
     if sticky {
-        affinity::remember(flow, svc, picked.0);
+        affinity::remember(flow, affinity_id, picked.0);
     }
     Some(picked)
 }

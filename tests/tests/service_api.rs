@@ -11,14 +11,18 @@
 //!   (one with `ipMode: Proxy`, which must not be answered) and an
 //!   `externalIP`, over TCP and UDP; another port on those addresses; a
 //!   second LoadBalancer Service with `externalTrafficPolicy: Local` and
-//!   one of its three endpoints on this node.
+//!   one of its three endpoints on this node, from outside and from a pod
+//!   (the agent is given `--cluster-cidr`, so pods' traffic can be told
+//!   apart, as kube-proxy's `detectLocalMode: ClusterCIDR` does).
 //! - [`source_ranges`]: `loadBalancerSourceRanges` with a space around one
 //!   range and one that does not parse (skipped, logged and counted in
 //!   `xproxy_skipped_objects_total`); a client inside the range and one
 //!   outside it (a second address of the client namespace, outside the
 //!   node's subnet), to the LB IP, the NodePort and the ClusterIP.
 //! - [`affinity`]: `sessionAffinity: ClientIP` with a 5 s timeout: new
-//!   connections from one client stick to one backend; after the client
+//!   connections from one client stick to one backend, the same through
+//!   the ClusterIP and the node port where the mode keeps affinity per
+//!   Service port; after the client
 //!   was idle past the timeout it moves (over repeated idle periods the
 //!   backend changes at least once); its backend leaving the EndpointSlice
 //!   moves it; affinity switched off spreads, switched on again sticks.
@@ -42,10 +46,12 @@
 //! | ... with `ipMode: Proxy` | not answered | not answered | not answered | not answered | not answered | not answered |
 //! | `spec.externalIPs` | answered from outside, pods and the node | answered | answered | answered | not served (warned and counted) | answered |
 //! | another port on those addresses | as without a proxy | as without a proxy | as without a proxy | refused: the addresses are local (on `kube-ipvs0`), as in kube-proxy's IPVS mode | as without a proxy | as without a proxy |
-//! | `externalTrafficPolicy: Local` on an LB IP | the node's endpoints only (for pods' traffic too: warned and counted) | the node's endpoints only | the node's endpoints only | the node's endpoints only | not served | the node's endpoints only |
+//! | `externalTrafficPolicy: Local` on an LB IP, from outside | the node's endpoints only | the node's endpoints only | the node's endpoints only | the node's endpoints only | not served | the node's endpoints only |
+//! | ... from a pod (`clusterCIDR` set), to the LB IP and the node port | every endpoint (the programs short-circuit sources in the pod CIDR) | every endpoint (`KUBE-EXT` short-circuits pod traffic) | every endpoint (the same in `external-…`) | the node's endpoints only (the virtual servers of external addresses have only the node's real servers, as in kube-proxy's IPVS mode) | LB IP not served; node port: every endpoint (the legacy proxier ignores the policies) | every endpoint |
 //! | `loadBalancerSourceRanges` | outside the ranges dropped (no answer); NodePort and ClusterIP not filtered | dropped (KUBE-FW) | dropped | dropped (KUBE-LOAD-BALANCER-FW) | not served (no LB IP) | dropped |
 //! | ... an entry that does not parse | skipped, logged, counted | the same | the same | the same | the same | skipped, logged |
 //! | `sessionAffinity: ClientIP` | sticks; moves after the timeout, and when its backend leaves | the same (`-m recent`) | the same (affinity sets) | sticks; after the timeout it stays while IPVS still holds connection entries of the client (TIME_WAIT, 2 min) under its persistence template, as in kube-proxy's IPVS mode | the same as ebpf (the agent's balancer) | sticks; moves after the timeout |
+//! | ... one client through the ClusterIP and the node port | one backend (affinity is kept per Service port) | one backend (one `recent` list per endpoint of the port) | one backend (one affinity set per endpoint of the port) | two may differ (persistence is per virtual server) | one backend | one backend (IPVS mode: per virtual server) |
 //! | NodePort from the node, `NODE_IP:NODEPORT` | answered | answered | answered | answered | answered | answered |
 //! | NodePort on an address added after the agent started (`nodePortAddresses` unset, whatever `--node-ip` says) | answered from the next sync (it lists the node's addresses at each full sync; the node's own traffic at once: the socket programs follow address events) | answered (`addrtype LOCAL`) | answered (`fib daddr type local`) | answered from the next sync (it lists the node's addresses at each sync) | answered (`addrtype LOCAL`) | answered (IPVS mode: from the next sync) |
 //!
@@ -74,7 +80,7 @@ use testbed::{
         self, Checks, Outcome, PROTOCOLS, Place, Protocol, REQUEST_TIMEOUT, REQUESTS, Stages, backend_names,
         expect_all_backends, expect_backends, expect_backends_from, expect_outcome, expect_outcome_from, proto_name,
     },
-    topology::{BACKENDS, CLIENT_IP, NODE_IP, TARGET_PORT, Topology},
+    topology::{BACKENDS, CLIENT_IP, NODE_IP, POD_CIDR, TARGET_PORT, Topology},
 };
 
 // ---------------------------------------------------------------------------
@@ -212,11 +218,23 @@ enum AfterIdle {
     Stays,
 }
 
+/// Which endpoints a pod's traffic to a `Local` external frontend reaches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PodsToLocal {
+    /// Every endpoint: short-circuited, as kube-proxy's iptables mode does
+    /// with traffic from the cluster CIDR.
+    Every,
+    /// The node's own, as any client's.
+    NodesOwn,
+}
+
 /// Where the modes differ (the table at the top).
 trait Differences {
     fn serves_external_addresses(self) -> bool;
     fn other_ports(self) -> OtherPorts;
     fn affinity_after_idle(self) -> AfterIdle;
+    fn pods_to_local_external(self) -> PodsToLocal;
+    fn affinity_per_service_port(self) -> bool;
 }
 
 impl Differences for Mode {
@@ -254,6 +272,31 @@ impl Differences for Mode {
             // entry stays in TIME_WAIT for 2 minutes: longer than the
             // scenario waits (kube-proxy's IPVS mode behaves the same).
             Mode::Ipvs => AfterIdle::Stays,
+        }
+    }
+
+    fn pods_to_local_external(self) -> PodsToLocal {
+        match self {
+            // The pod CIDR trie, KUBE-EXT's and `external-…`'s
+            // short-circuit; the legacy proxier ignores the policies.
+            Mode::Ebpf | Mode::Iptables | Mode::Nftables | Mode::Userspace => PodsToLocal::Every,
+            // The virtual servers of the node port and the LB IP have the
+            // node's real servers only, whoever the client (kube-proxy's
+            // IPVS mode too).
+            Mode::Ipvs => PodsToLocal::NodesOwn,
+        }
+    }
+
+    /// Whether one client gets one backend through every frontend of a
+    /// Service port (else per frontend: IPVS persistence is per virtual
+    /// server, so two frontends may or may not agree; not asserted).
+    fn affinity_per_service_port(self) -> bool {
+        match self {
+            // The programs' affinity id, kube-proxy's `recent` lists and
+            // the affinity sets per endpoint of the port, the legacy
+            // proxier's one balancer per port.
+            Mode::Ebpf | Mode::Iptables | Mode::Nftables | Mode::Userspace => true,
+            Mode::Ipvs => false,
         }
     }
 }
@@ -297,8 +340,15 @@ per_mode!(external_addresses, source_ranges, affinity, node_port_addresses);
 /// Writes `objects` as the manifest, starts the agent in `mode` and waits
 /// until `ready` answers the client.
 fn start(bed: &mut AgentBed, mode: Mode, objects: &[Value], ready: SocketAddrV4) -> Result<()> {
+    start_with(bed, mode, objects, ready, &[])
+}
+
+/// [`start`] with `extra` arguments for the agent.
+fn start_with(bed: &mut AgentBed, mode: Mode, objects: &[Value], ready: SocketAddrV4, extra: &[&str]) -> Result<()> {
     bed.write_manifest(MANIFEST, &yaml_documents(objects))?;
-    bed.start_agent_in(mode.name(), &bed.manifest_args())?;
+    let mut args = bed.manifest_args();
+    args.extend(extra.iter().map(|a| (*a).to_owned()));
+    bed.start_agent_in(mode.name(), &args)?;
     bed.wait_first_sync(READY_WITHIN)?;
     bed.wait_answering(ready, READY_WITHIN)?;
     Ok(())
@@ -441,7 +491,10 @@ fn external_addresses(mode: Mode, label: &str, bed: &mut AgentBed, checks: &mut 
     let other_baseline = Baseline::take(label, &bed.topo, &other_ports)?;
 
     stages.next(&bed.topo)?;
-    start(bed, mode, &external_objects(), at(NODE_IP, LB_NODE_PORT))?;
+    // The pods' network, so that pods' traffic can be told apart (the
+    // `Local` policy's short-circuit).
+    let cluster_cidr = ["--cluster-cidr", POD_CIDR];
+    start_with(bed, mode, &external_objects(), at(NODE_IP, LB_NODE_PORT), &cluster_cidr)?;
     let served = mode.serves_external_addresses();
     let topo = &bed.topo;
     for protocol in PROTOCOLS {
@@ -462,8 +515,13 @@ fn external_addresses(mode: Mode, label: &str, bed: &mut AgentBed, checks: &mut 
         proxy_ip.same(topo),
     );
     check_other_ports(mode, topo, checks, &other_baseline, &other_ports);
-    check_local_policy(served, topo, checks);
-    check_unserved(mode, bed, checks, &["lb-ips", "lb-local"], &["lb-ips"], 0.0);
+    check_local_policy(mode, topo, checks);
+    // IPVS serves lb-local as kube-proxy's IPVS mode, not its iptables mode.
+    let plain: &[&str] = match mode {
+        Mode::Ipvs => &["lb-ips"],
+        _ => &["lb-ips", "lb-local"],
+    };
+    check_unserved(mode, bed, checks, &["lb-ips", "lb-local"], plain, 0.0);
     Ok(())
 }
 
@@ -491,9 +549,13 @@ fn check_other_ports(mode: Mode, topo: &Topology, checks: &mut Checks, baseline:
 }
 
 /// `lb-local` from outside: only pod-1, the node's own endpoint, answers
-/// its LB IP; its ClusterIP (internal traffic) reaches all three.
-fn check_local_policy(served: bool, topo: &Topology, checks: &mut Checks) {
+/// its LB IP; from a pod, its LB IP and node port reach every endpoint or
+/// the node's own ([`PodsToLocal`]); its ClusterIP (internal traffic)
+/// reaches all three.
+fn check_local_policy(mode: Mode, topo: &Topology, checks: &mut Checks) {
+    let served = mode.serves_external_addresses();
     let local = [BACKENDS[0].0];
+    let pod = &topo.client_pod.ns;
     for protocol in PROTOCOLS {
         let p = proto_name(protocol);
         let to = at(LOCAL_LB_IP, PORT);
@@ -505,6 +567,22 @@ fn check_local_policy(served: bool, topo: &Topology, checks: &mut Checks) {
                 expect_outcome(&topo.client, protocol, to, &Outcome::NoAnswer)
             },
         );
+        let pods = mode.pods_to_local_external();
+        for (what, to, answered) in [("LB IP", to, served), ("node port", at(NODE_IP, LOCAL_NODE_PORT), true)] {
+            let expected = if answered {
+                format!("{pods:?}")
+            } else {
+                "not served".to_owned()
+            };
+            checks.check(
+                &format!("{p} client pod -> eTP Local {what} {to}: {expected}"),
+                match (answered, pods) {
+                    (false, _) => expect_outcome(pod, protocol, to, &Outcome::NoAnswer),
+                    (true, PodsToLocal::Every) => expect_all_backends(pod, protocol, to),
+                    (true, PodsToLocal::NodesOwn) => expect_backends(pod, protocol, to, &local, REQUESTS / 3),
+                },
+            );
+        }
         let cluster = at(LOCAL_CLUSTER_IP, PORT);
         checks.check(
             &format!("{p} client pod -> its ClusterIP {cluster}: every endpoint, on any node"),
@@ -595,6 +673,17 @@ fn affinity(mode: Mode, _label: &str, bed: &mut AgentBed, checks: &mut Checks) -
     checks.check(
         &format!("client pod -> ClusterIP {cluster}: {STICKY_REQUESTS} new connections, one backend"),
         Ok(first.clone()),
+    );
+    let through_node_port = sticks(pod, node_port);
+    checks.check(
+        &format!("client pod -> NodePort {node_port}: one backend, the ClusterIP's where kept per Service port"),
+        through_node_port.and_then(|b| {
+            ensure!(
+                b == first || !mode.affinity_per_service_port(),
+                "{b} through the node port, {first} through the ClusterIP"
+            );
+            Ok(b)
+        }),
     );
     let now = after_idle(mode, pod, cluster, &first, checks)?;
 

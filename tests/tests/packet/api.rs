@@ -1,13 +1,15 @@
 //! Issue 12 in the data path, frame by frame: external and load balancer
-//! IPs as frontends (other ports untouched, `externalTrafficPolicy: Local`),
-//! loadBalancerSourceRanges, and ClientIP session affinity (a hit, expiry,
-//! a backend that leaves, switching it off and on).
+//! IPs as frontends (other ports untouched, `externalTrafficPolicy: Local`,
+//! pods' traffic to it short-circuited to every endpoint),
+//! loadBalancerSourceRanges, and ClientIP session affinity (kept per
+//! Service port across its frontends, a hit, expiry, a backend that
+//! leaves, switching it off and on).
 
 use std::{collections::BTreeSet, net::Ipv4Addr, time::Duration};
 
 use aya::maps::{HashMap, Map, MapData};
 use proxy_common::{AffinityKey, AffinityValue, maps};
-use proxy_userspace::model::SourceRange;
+use proxy_userspace::{mode::ebpf::pod_cidrs, model::SourceRange};
 
 use super::*;
 
@@ -135,6 +137,109 @@ fn external_local_applies_to_load_balancer_and_external_ips() {
     }
 }
 
+/// The pod network [`CLIENT_IP`] is in, as `clusterCIDR` gives it.
+const POD_CIDR: &str = "10.244.0.0/16";
+
+/// Writes the pod networks the agent writes from `clusterCIDR`.
+fn set_pod_cidrs(h: &Harness, cidrs: &[&str]) {
+    let cidrs: Vec<_> = cidrs.iter().map(|c| c.parse().expect("a CIDR")).collect();
+    pod_cidrs::write(h.pin_dir(), &pod_cidrs::trie_entries(&cidrs)).expect("the pod networks written");
+}
+
+/// How flows from `client_ip` to `to` end: the backends reached (30 new
+/// flows) and whether any was marked for SNAT.
+fn outcome_from(h: &mut Harness, prog: Prog, client_ip: Ipv4Addr, to: SocketAddrV4) -> (BTreeSet<SocketAddrV4>, bool) {
+    let seen = reached_from(h, prog, client_ip, to, &seed_backends(), 30);
+    let snat = (h.conntrack().iter())
+        .any(|(k, v)| k.saddr() == client_ip && k.daddr() == *to.ip() && v.flags & FLAG_SNAT != 0);
+    (seen, snat)
+}
+
+#[test]
+fn pods_reach_every_endpoint_of_a_local_external_frontend() {
+    if !require_root("pods_reach_every_endpoint_of_a_local_external_frontend") {
+        return;
+    }
+    let mut h = Harness::with_snat_mark(vec![NODE_IP], 0x4000);
+    h.maps.set_topology(Some(THIS_NODE.into()), false);
+    let svc = ServicePort {
+        external_policy: TrafficPolicy::Local,
+        ..lb_service(backends_on([OTHER_NODE, THIS_NODE, OTHER_NODE]))
+    };
+    h.sync(&svc);
+    let local: BTreeSet<SocketAddrV4> = [addr(BACKEND_IPS[1], BACKEND_PORT)].into();
+    let every: BTreeSet<SocketAddrV4> = seed_backends().into_iter().collect();
+    let frontends = [
+        addr(EXTERNAL_ADDR, SERVICE_PORT),
+        addr(LB_IP, SERVICE_PORT),
+        node_port(),
+    ];
+
+    // Without clusterCIDR pods cannot be told apart: as kube-proxy then,
+    // they are external clients.
+    for to in frontends {
+        let (seen, _) = outcome_from(&mut h, Prog::TcIngress, CLIENT_IP, to);
+        assert_eq!(seen, local, "no pod CIDR: a pod to {to}");
+    }
+
+    set_pod_cidrs(&h, &[POD_CIDR, "fd00:10:244::/56"]);
+    for prog in [Prog::XdpUplink, Prog::TcIngress] {
+        for to in frontends {
+            let (seen, snat) = outcome_from(&mut h, prog, CLIENT_IP, to);
+            assert_eq!(seen, every, "{}: a pod to {to} reaches every endpoint", prog.name());
+            assert!(
+                !snat,
+                "{}: a pod's flow to {to} keeps its source, as kube-proxy's",
+                prog.name()
+            );
+            let (seen, snat) = outcome_from(&mut h, prog, EXTERNAL_IP, to);
+            assert_eq!(
+                seen,
+                local,
+                "{}: the outside to {to}: this node's endpoint only",
+                prog.name()
+            );
+            assert!(!snat, "{}: Local keeps the outside client's address", prog.name());
+        }
+    }
+    // A pod's flow counts under the frontend it used (xproxy status).
+    let lb = h.maps.frontend(LB_IP, SERVICE_PORT, proto::TCP).expect("frontend");
+    assert!(
+        (h.conntrack().iter())
+            .any(|(k, v)| k.saddr() == CLIENT_IP && k.daddr() == LB_IP && v.rev_nat_id == lb.rev_nat_id)
+    );
+
+    // The policy back to Cluster: nothing is short-circuited any more, a
+    // pod's flow to another node's backend is masqueraded like everyone's.
+    h.sync(&ServicePort {
+        external_policy: TrafficPolicy::Cluster,
+        ..svc.clone()
+    });
+    for to in frontends {
+        let (seen, snat) = outcome_from(&mut h, Prog::TcIngress, CLIENT_IP, to);
+        assert_eq!(seen, every, "Cluster: a pod to {to}");
+        assert!(
+            snat,
+            "Cluster: external traffic to other nodes' backends is masqueraded"
+        );
+    }
+
+    // No endpoint on this node: the outside is dropped, pods still served.
+    h.sync(&ServicePort {
+        endpoints: backends_on([OTHER_NODE; 3]),
+        ..svc
+    });
+    let to = addr(LB_IP, SERVICE_PORT);
+    let frame = Frame::tcp(external(&mut h), to, SYN);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::drop("the outside", &frame, Verdict::DropNoLocalBackend),
+    );
+    let (seen, _) = outcome_from(&mut h, Prog::TcIngress, CLIENT_IP, to);
+    assert_eq!(seen, every, "a pod, with no endpoint on this node");
+}
+
 #[test]
 fn source_ranges_drop_outsiders_on_load_balancer_ips_only() {
     if !require_root("source_ranges_drop_outsiders_on_load_balancer_ips_only") {
@@ -251,12 +356,26 @@ fn affinity_keeps_a_clients_backend_and_off_spreads_again() {
     let svc = with_affinity(lb_service(seed_endpoints()), THREE_HOURS);
     h.sync(&svc);
     let backends = seed_backends();
+    // One backend for the client through every frontend of the port, as
+    // kube-proxy keeps one affinity list per Service port.
+    let mut seen = BTreeSet::new();
     for prog in Prog::ALL {
-        for to in [cluster_ip(), node_port(), addr(LB_IP, SERVICE_PORT)] {
-            let seen = reached_from(&mut h, prog, EXTERNAL_IP, to, &backends, 12);
+        for to in [
+            cluster_ip(),
+            node_port(),
+            addr(LB_IP, SERVICE_PORT),
+            addr(EXTERNAL_ADDR, SERVICE_PORT),
+        ] {
+            seen.extend(reached_from(&mut h, prog, EXTERNAL_IP, to, &backends, 12));
             assert_eq!(seen.len(), 1, "{} to {to}: {seen:?}", prog.name());
         }
     }
+    let cluster = h.maps.frontend(CLUSTER_IP, SERVICE_PORT, proto::TCP).expect("frontend");
+    let entries = affinity_entries(&h);
+    assert!(
+        entries.iter().all(|(k, _)| k.affinity_id == cluster.rev_nat_id),
+        "one entry per client, under the ClusterIP's id: {entries:?}"
+    );
     // Other clients are spread (each keeping its own).
     let mut firsts = BTreeSet::new();
     for last in 1..=30 {
@@ -267,11 +386,10 @@ fn affinity_keeps_a_clients_backend_and_off_spreads_again() {
 
     // Off: the client's flows spread, and its entries are gone.
     h.sync(&with_affinity(svc.clone(), None));
-    let cluster = h.maps.frontend(CLUSTER_IP, SERVICE_PORT, proto::TCP).expect("frontend");
     assert!(
         !affinity_entries(&h)
             .iter()
-            .any(|(k, _)| k.rev_nat_id == cluster.rev_nat_id),
+            .any(|(k, _)| k.affinity_id == cluster.rev_nat_id),
         "an off frontend's entries are forgotten"
     );
     let seen = reached_from(&mut h, Prog::TcIngress, EXTERNAL_IP, cluster_ip(), &backends, 30);

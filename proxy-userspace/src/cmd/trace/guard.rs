@@ -17,8 +17,8 @@
 //!   (before and after the run, through [`partner_key`]), each restored to
 //!   what it held before (deleted if it was not there; an entry on the
 //!   reply tuple only if it is this flow's);
-//! - affinity: the entry of the frame's source at the frontend it is
-//!   addressed to;
+//! - affinity: the entry of the frame's source at the Service port of the
+//!   frontend it is addressed to;
 //! - counters: the thread is pinned to one CPU, so the run counts in that
 //!   CPU's slot only; one packet of the frame's length is subtracted from
 //!   the verdict it moved (the run counts exactly one), and the conntrack
@@ -41,8 +41,8 @@ use std::path::Path;
 use anyhow::{Context, Result, bail};
 use aya::maps::{HashMap, MapData, MapError, PerCpuArray, PerCpuValues};
 use proxy_common::{
-    AffinityKey, AffinityValue, CtKey, CtValue, ServiceKey, ServiceValue, Verdict, VerdictCounter,
-    conntrack::partner_key, maps, stats::ct_stat,
+    AffinityKey, AffinityValue, CtKey, CtValue, FrontendPort, ServiceKey, ServiceValue, Verdict, VerdictCounter,
+    affinity::affinity_id, conntrack::partner_key, maps, stats::ct_stat,
 };
 
 use crate::mode::ebpf::{open_pinned, pinned, pinned_entry as get};
@@ -50,10 +50,12 @@ use crate::mode::ebpf::{open_pinned, pinned, pinned_entry as get};
 /// The conntrack counters the programs add to (the agent writes the others).
 const CT_STATS_OF_PROGRAMS: [u32; 2] = [ct_stat::INSERTED, ct_stat::REMOVED];
 
-/// The pinned maps a run can change, and the one it reads to know which
+/// The pinned maps a run can change, and the ones it reads to know which
 /// affinity entry is the frame's.
 pub struct Maps {
     services: HashMap<MapData, ServiceKey, ServiceValue>,
+    /// `None` under the pins of an agent older than the map.
+    service_ports: Option<HashMap<MapData, u32, FrontendPort>>,
     conntrack: HashMap<MapData, CtKey, CtValue>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     stats: PerCpuArray<MapData, VerdictCounter>,
@@ -86,6 +88,7 @@ impl Maps {
     pub fn open(pin_path: &Path) -> Result<Self> {
         Ok(Self {
             services: open_pinned(pin_path, maps::SERVICES)?,
+            service_ports: open_pinned(pin_path, maps::SERVICE_PORTS).ok(),
             conntrack: open_pinned(pin_path, maps::CONNTRACK)?,
             affinity: open_pinned(pin_path, maps::AFFINITY)?,
             stats: PerCpuArray::try_from(pinned(pin_path, maps::STATS)?)
@@ -110,8 +113,12 @@ impl Maps {
         }
         let affinity = match get(&self.services, &frontend_of(key))? {
             Some(svc) => {
+                let port = match &self.service_ports {
+                    Some(ports) => get(ports, &svc.rev_nat_id)?,
+                    None => None,
+                };
                 let client = AffinityKey {
-                    rev_nat_id: svc.rev_nat_id,
+                    affinity_id: affinity_id(&svc, port.as_ref()),
                     client_be: key.saddr_be,
                 };
                 Some((client, get(&self.affinity, &client)?))

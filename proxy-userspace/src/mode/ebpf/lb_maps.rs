@@ -13,14 +13,14 @@ use std::collections::BTreeSet;
 
 use anyhow::Result;
 use proxy_common::{
-    Backend, BackendSlotKey, CtKey, CtValue, MemberKey, PortBits, ServiceKey, ServiceValue, SourceRangeKey, Verdict,
-    VerdictCounter,
+    Backend, BackendSlotKey, CtKey, CtValue, FrontendPort, MemberKey, PortBits, ServiceKey, ServiceValue,
+    SourceRangeKey, Verdict, VerdictCounter,
 };
 
 use super::write_batch::{SplitStaged, Step};
 
 /// The Service maps (`XP_SERVICES`, `XP_SLOTS`, `XP_BACKENDS`,
-/// `XP_REV_NAT`, `XP_MEMBERS`, `XP_SRC_RANGES`), the port filter
+/// `XP_REV_NAT`, `XP_MEMBERS`, `XP_SRC_RANGES`, `XP_SVC_PORTS`), the port filter
 /// (`XP_PORTS`), what the programs write that a snapshot shows (`XP_CT`,
 /// `XP_STATS`) and the affinity map the programs fill (`XP_AFFINITY`).
 pub trait LbMaps: Sync {
@@ -42,9 +42,12 @@ pub trait LbMaps: Sync {
     fn member_keys(&self) -> Result<Vec<MemberKey>>;
     /// Every source range entry: `XP_SRC_RANGES`.
     fn source_range_keys(&self) -> Result<Vec<SourceRangeKey>>;
-    /// Deletes the affinity entries (`XP_AFFINITY`) of the frontends with
-    /// these reverse NAT ids; returns how many went.
-    fn forget_affinity(&self, rev_nat_ids: &BTreeSet<u32>) -> Result<u64>;
+    /// Every external frontend's Service port entry by its reverse NAT
+    /// id: `XP_SVC_PORTS`.
+    fn service_ports(&self) -> Result<Vec<(u32, FrontendPort)>>;
+    /// Deletes the affinity entries (`XP_AFFINITY`) of the Service ports
+    /// with these affinity ids; returns how many went.
+    fn forget_affinity(&self, affinity_ids: &BTreeSet<u32>) -> Result<u64>;
 
     /// Writes (or deletes) what `step` takes of `staged`. An error may
     /// leave part of the step done, as a kernel batch call does.

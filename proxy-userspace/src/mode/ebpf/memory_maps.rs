@@ -20,8 +20,8 @@ use std::{
 
 use anyhow::{Result, bail};
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtValue, MemberKey, PortBits, RevNat, ServiceKey,
-    ServiceValue, SourceRangeKey, Verdict, VerdictCounter, maps, ports,
+    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtValue, FrontendPort, MemberKey, PortBits, RevNat,
+    ServiceKey, ServiceValue, SourceRangeKey, Verdict, VerdictCounter, maps, ports,
 };
 
 use super::{
@@ -109,6 +109,7 @@ struct State {
     rev_nat: MemTable<u32, RevNat>,
     members: MemTable<MemberKey, u32>,
     source_ranges: MemTable<SourceRangeKey, u8>,
+    service_ports: MemTable<u32, FrontendPort>,
     ports: Vec<PortBits>,
     conntrack: Vec<(CtKey, CtValue)>,
     affinity: Vec<(AffinityKey, AffinityValue)>,
@@ -126,19 +127,31 @@ impl State {
             Step::Write(Table::Services) => self.services.write(&staged.services)?,
             Step::Write(Table::Members) => self.members.write(&staged.members)?,
             Step::Write(Table::SourceRanges) => self.source_ranges.write(&staged.source_ranges)?,
+            Step::Write(Table::ServicePorts) => self.service_ports.write(&staged.service_ports)?,
             Step::Delete(Table::Backends) => self.backends.delete(&staged.backends),
             Step::Delete(Table::Slots) => self.slots.delete(&staged.slots),
             Step::Delete(Table::RevNat) => self.rev_nat.delete(&staged.rev_nat),
             Step::Delete(Table::Services) => self.services.delete(&staged.services),
             Step::Delete(Table::Members) => self.members.delete(&staged.members),
             Step::Delete(Table::SourceRanges) => self.source_ranges.delete(&staged.source_ranges),
+            Step::Delete(Table::ServicePorts) => self.service_ports.delete(&staged.service_ports),
         })
     }
 
     /// Records every frontend whose slots or backends a packet would miss
     /// now, after `step`.
+    /// (A Service port entry's short-circuit view counts as a frontend.)
     fn check_readers_view(&mut self, step: Step) {
-        for (key, value) in self.services.all() {
+        let frontends = self
+            .services
+            .all()
+            .into_iter()
+            .map(|(k, v)| (format!("{}:{}", k.addr(), k.port()), v));
+        let short_circuits = (self.service_ports.all().into_iter())
+            .filter(|(_, port)| port.short_circuits())
+            .map(|(id, port)| (format!("the short-circuit of frontend {id}"), port.cluster));
+        let views: Vec<(String, ServiceValue)> = frontends.chain(short_circuits).collect();
+        for (frontend, value) in views {
             let whole = slots_of(&value).all(|slot| {
                 let slot = BackendSlotKey {
                     backend_set: value.backend_set,
@@ -147,7 +160,6 @@ impl State {
                 self.slots.get(&slot).is_some_and(|id| self.backends.get(&id).is_some())
             });
             if !whole {
-                let frontend = format!("{}:{}", key.addr(), key.port());
                 self.torn
                     .push(format!("after {step}: {frontend} points at a missing slot or backend"));
             }
@@ -162,6 +174,7 @@ impl State {
             Table::Services => &mut self.services.max_entries,
             Table::Members => &mut self.members.max_entries,
             Table::SourceRanges => &mut self.source_ranges.max_entries,
+            Table::ServicePorts => &mut self.service_ports.max_entries,
         }
     }
 }
@@ -176,6 +189,7 @@ impl MemoryMaps {
             rev_nat: MemTable::new(maps::REV_NAT_MAX),
             members: MemTable::new(maps::MEMBERS_MAX),
             source_ranges: MemTable::new(maps::SOURCE_RANGES_MAX),
+            service_ports: MemTable::new(maps::SERVICE_PORTS_MAX),
             ports: vec![PortBits::default(); ports::PORT_WORDS as usize],
             conntrack: Vec::new(),
             affinity: Vec::new(),
@@ -221,6 +235,11 @@ impl MemoryMaps {
         state.slots.entries.extend(slots.iter().copied());
         state.backends.entries.extend(backends.iter().copied());
         state.rev_nat.entries.extend(rev_nats.iter().copied());
+    }
+
+    /// Puts Service port entries into the map directly (see [`Self::leave`]).
+    pub fn leave_service_ports(&self, entries: &[(u32, FrontendPort)]) {
+        self.state().service_ports.entries.extend(entries.iter().copied());
     }
 
     /// Adds tracked flows, as the programs would.
@@ -281,10 +300,14 @@ impl LbMaps for MemoryMaps {
         Ok(self.state().source_ranges.keys())
     }
 
-    fn forget_affinity(&self, rev_nat_ids: &BTreeSet<u32>) -> Result<u64> {
+    fn service_ports(&self) -> Result<Vec<(u32, FrontendPort)>> {
+        Ok(self.state().service_ports.all())
+    }
+
+    fn forget_affinity(&self, affinity_ids: &BTreeSet<u32>) -> Result<u64> {
         let mut state = self.state();
         let before = state.affinity.len();
-        state.affinity.retain(|(k, _)| !rev_nat_ids.contains(&k.rev_nat_id));
+        state.affinity.retain(|(k, _)| !affinity_ids.contains(&k.affinity_id));
         Ok((before - state.affinity.len()) as u64)
     }
 
@@ -408,8 +431,12 @@ impl LbMaps for FaultyMaps {
         self.inner.source_range_keys()
     }
 
-    fn forget_affinity(&self, rev_nat_ids: &BTreeSet<u32>) -> Result<u64> {
-        self.inner.forget_affinity(rev_nat_ids)
+    fn service_ports(&self) -> Result<Vec<(u32, FrontendPort)>> {
+        self.inner.service_ports()
+    }
+
+    fn forget_affinity(&self, affinity_ids: &BTreeSet<u32>) -> Result<u64> {
+        self.inner.forget_affinity(affinity_ids)
     }
 
     fn write_step(&self, step: Step, staged: &SplitStaged) -> Result<()> {

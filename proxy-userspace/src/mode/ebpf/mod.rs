@@ -6,11 +6,11 @@
 //! `slot_layout::SlotLayout`), keeps the client's address (no SNAT mark, unless a
 //! backend reaches itself) and drops new flows when it has none (XDP_DROP /
 //! TC_ACT_SHOT, verdict `drop_no_local_backend`); a Service without any
-//! endpoint is still rejected. Where kube-proxy tells traffic apart by its
-//! origin, the programs do not: a pod's request to a `Local` node port is
-//! treated like the outside client's (this node's backends, or dropped),
-//! which is what kube-proxy does when it cannot recognise pod traffic (no
-//! `clusterCIDR`), not its short-circuit to every backend. The node's own
+//! endpoint is still rejected. Pods' new flows to a `Local` node port,
+//! external or load balancer IP go to every endpoint, as kube-proxy
+//! short-circuits traffic it can tell comes from a pod: their source is in
+//! `clusterCIDR` (`pod_cidrs`; without one, nothing is short-circuited, as
+//! in kube-proxy). The node's own
 //! requests to its node ports, external and load balancer IPs are taken by
 //! the socket programs (`socket_lb`), which short-circuit them to every
 //! endpoint, as kube-proxy does.
@@ -34,6 +34,7 @@ mod loader;
 mod memory_maps;
 mod object;
 mod pinned_maps;
+pub mod pod_cidrs;
 mod port_filter;
 mod service_maps;
 mod slot_layout;
@@ -123,6 +124,8 @@ pub struct EbpfOptions {
     pub conntrack: conntrack::CtSettings,
     /// The node's own traffic to its node ports (socket programs).
     pub socket_lb: socket_lb::SocketLbOptions,
+    /// The pod networks (see `pod_cidrs`), as trie entries.
+    pub pod_cidrs: Vec<(u32, u8)>,
 }
 
 impl EbpfOptions {
@@ -140,6 +143,7 @@ impl EbpfOptions {
             xdp: config.xdp,
             conntrack: conntrack::CtSettings::from_config(&config.conntrack, online_cpus()),
             socket_lb: socket_lb::SocketLbOptions::from_config(config),
+            pod_cidrs: pod_cidrs::from_config(config),
         }
     }
 }
@@ -223,6 +227,12 @@ impl EbpfMode {
             }
         }
         start_socket_lb(&mut datapath, &opts.socket_lb, primary).await;
+        // Without them the pods' traffic is treated as the outside's: a
+        // difference from kube-proxy, not a reason to stop.
+        ok_or_warn(
+            pod_cidrs::write(&opts.pin_path, &opts.pod_cidrs),
+            "pod networks not written: pods' traffic to Local external frontends reaches this node's endpoints only",
+        );
         // Now that no older program writes old entries any more.
         match legacy_ct::migrate(&opts.pin_path) {
             Ok(0) => {}
@@ -447,9 +457,6 @@ impl EbpfMode {
     /// kube-proxy for the ports just programmed.
     fn note_unhonoured<'a>(&mut self, ports: impl Iterator<Item = &'a ServicePort>) {
         for port in ports {
-            if let Some(how) = not_honoured(port) {
-                self.unhonoured.report(port, "externalTrafficPolicy", &how);
-            }
             if let Some(how) = node_port_among_snat_ports(port, &self.snat_ports) {
                 self.unhonoured.report(port, "nodePort", &how);
             }
@@ -466,19 +473,6 @@ fn node_port_among_snat_ports(port: &ServicePort, snat_ports: &RangeInclusive<u1
          masqueraded to: a reply to such a flow may be taken for a new connection to it \
          (set --node-port-range to the API server's)"
     ))
-}
-
-/// What the programs do differently from kube-proxy for `port`, if
-/// anything. They cannot tell a pod's packet from the uplink's on the hooks
-/// they share, so a pod's flow to an external or load balancer IP of a
-/// `Local` Service is external traffic (this node's endpoints), where
-/// kube-proxy short-circuits it to every endpoint.
-fn not_honoured(port: &ServicePort) -> Option<String> {
-    (port.external_local() && !port.external_addresses().is_empty()).then(|| {
-        "Local: pods' traffic to the external and load balancer IPs \
-         reaches this node's endpoints only (kube-proxy: every endpoint)"
-            .to_owned()
-    })
 }
 
 impl Dataplane for EbpfMode {

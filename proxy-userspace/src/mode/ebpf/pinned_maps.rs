@@ -10,8 +10,8 @@ use std::{
 use anyhow::{Context, Result};
 use aya::maps::{Array, HashMap, IterableMap, LpmTrie, Map, MapData, MapError, PerCpuArray};
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtValue, MemberKey, PortBits, RevNat, ServiceKey,
-    ServiceValue, SourceRangeData, SourceRangeKey, Verdict, VerdictCounter, maps, ports,
+    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtValue, FrontendPort, MemberKey, PortBits, RevNat,
+    ServiceKey, ServiceValue, SourceRangeData, SourceRangeKey, Verdict, VerdictCounter, maps, ports,
 };
 
 use super::{
@@ -67,6 +67,7 @@ pub struct PinnedMaps {
     rev_nat: HashMap<MapData, u32, RevNat>,
     members: HashMap<MapData, MemberKey, u32>,
     source_ranges: LpmTrie<MapData, SourceRangeData, u8>,
+    service_ports: HashMap<MapData, u32, FrontendPort>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     conntrack: HashMap<MapData, CtKey, CtValue>,
     stats: PerCpuArray<MapData, VerdictCounter>,
@@ -86,6 +87,7 @@ impl PinnedMaps {
             members: open(pin_path, maps::MEMBERS)?,
             source_ranges: LpmTrie::try_from(pinned(pin_path, maps::SOURCE_RANGES)?)
                 .with_context(|| layout(maps::SOURCE_RANGES))?,
+            service_ports: open(pin_path, maps::SERVICE_PORTS)?,
             affinity: open(pin_path, maps::AFFINITY)?,
             conntrack: open(pin_path, maps::CONNTRACK)?,
             stats: PerCpuArray::try_from(pinned(pin_path, maps::STATS)?).with_context(|| layout(maps::STATS))?,
@@ -110,6 +112,7 @@ impl PinnedMaps {
             + self.backends.keys().count()
             + self.members.keys().count()
             + self.source_ranges.keys().count()
+            + self.service_ports.keys().count()
     }
 
     /// The descriptor of the source ranges map, whose keys are written as
@@ -202,10 +205,14 @@ impl LbMaps for PinnedMaps {
             .collect())
     }
 
-    fn forget_affinity(&self, rev_nat_ids: &BTreeSet<u32>) -> Result<u64> {
+    fn service_ports(&self) -> Result<Vec<(u32, FrontendPort)>> {
+        Ok(self.service_ports.iter().collect::<Result<_, _>>()?)
+    }
+
+    fn forget_affinity(&self, affinity_ids: &BTreeSet<u32>) -> Result<u64> {
         let keys: Vec<AffinityKey> = (self.affinity.keys())
             .filter_map(Result::ok)
-            .filter(|k| rev_nat_ids.contains(&k.rev_nat_id))
+            .filter(|k| affinity_ids.contains(&k.affinity_id))
             .collect();
         let mut gone = 0;
         for key in &keys {
@@ -229,6 +236,7 @@ impl LbMaps for PinnedMaps {
             Step::Write(Table::RevNat) => write_to(w, &self.rev_nat, &staged.rev_nat),
             Step::Write(Table::Services) => write_to(w, &self.services, &staged.services),
             Step::Write(Table::Members) => write_to(w, &self.members, &staged.members),
+            Step::Write(Table::ServicePorts) => write_to(w, &self.service_ports, &staged.service_ports),
             // SAFETY: the trie's key is a `SourceRangeKey` (asserted above)
             // and its value a `u8` (aya checked both sizes at open).
             Step::Write(Table::SourceRanges) => unsafe { w.write(ranges, &staged.source_ranges) },
@@ -237,6 +245,7 @@ impl LbMaps for PinnedMaps {
             Step::Delete(Table::RevNat) => delete_from(w, &self.rev_nat, &staged.rev_nat),
             Step::Delete(Table::Services) => delete_from(w, &self.services, &staged.services),
             Step::Delete(Table::Members) => delete_from(w, &self.members, &staged.members),
+            Step::Delete(Table::ServicePorts) => delete_from(w, &self.service_ports, &staged.service_ports),
             // SAFETY: as for the writes.
             Step::Delete(Table::SourceRanges) => unsafe { w.delete(ranges, &staged.source_ranges) },
         }

@@ -17,6 +17,12 @@
 //! nothing any more (a conntrack entry holds the address a reply is
 //! rewritten to), so none are written and those found are deleted.
 //!
+//! External frontends of a Service port with ClientIP affinity or the
+//! `Local` external policy also get a Service port entry
+//! (`proxy_common::service_port`): the port's affinity id (its ClusterIP
+//! frontend's reverse NAT id) and, for `Local`, the Cluster run pods'
+//! traffic is short-circuited to.
+//!
 //! A Service port is known by its ClusterIP frontend. On open, whatever an
 //! earlier agent left in the maps is read back as applied state
 //! ("adopted"), so syncing the same Services again writes nothing, and
@@ -34,8 +40,8 @@ use std::{
 
 use anyhow::{Context, Result};
 use proxy_common::{
-    Backend, BackendSlotKey, CtKey, CtValue, MemberKey, ServiceKey, ServiceValue, SourceRangeKey, Verdict,
-    VerdictCounter,
+    Backend, BackendSlotKey, CtKey, CtValue, FrontendPort, MemberKey, ServiceKey, ServiceValue, SourceRangeKey,
+    Verdict, VerdictCounter,
     backend::FLAG_LOCAL,
     service::{
         FLAG_AFFINITY_CLIENT_IP, FLAG_EXTERNAL_ADDR, FLAG_EXTERNAL_LOCAL, FLAG_INTERNAL_LOCAL, FLAG_NEEDS_SNAT,
@@ -71,6 +77,9 @@ struct Applied {
     members: bool,
     /// The source range entries of the port's load balancer IPs.
     ranges: BTreeSet<RangeKeyOrd>,
+    /// Frontend reverse NAT id -> its Service port entry, for the
+    /// external frontends that have one.
+    service_ports: BTreeMap<u32, FrontendPort>,
 }
 
 /// What a frontend of a Service port is, which decides its flags and the
@@ -134,8 +143,10 @@ pub struct ServiceMaps<M = PinnedMaps> {
     leftovers: Leftovers,
     /// Writes of the batch under way, not in the maps yet.
     staged: Staged,
-    /// Frontends (by reverse NAT id) whose clients' affinity entries go
-    /// after the batch: affinity switched off, or the frontend removed.
+    /// Reverse NAT ids of frontends that lost affinity or went: the
+    /// affinity entries keyed by them go after the batch (a ClusterIP
+    /// frontend's id is its Service port's affinity id; the others' key
+    /// only entries of agents that kept affinity per frontend).
     forget_affinity: BTreeSet<u32>,
     /// Inside [`Self::batch`]: writes wait for its end.
     batching: bool,
@@ -151,6 +162,8 @@ struct Leftovers {
     rev_nats: Vec<u32>,
     members: Vec<MemberKey>,
     source_ranges: Vec<SourceRangeKey>,
+    /// Service port entries by their frontend's reverse NAT id.
+    service_ports: Vec<u32>,
 }
 
 impl ServiceMaps<PinnedMaps> {
@@ -211,6 +224,7 @@ impl<M: LbMaps> ServiceMaps<M> {
     /// is adopted without a set, so the next sync writes it afresh.
     fn adopt(&mut self) -> Result<()> {
         let ranges_found = self.maps.source_range_keys()?;
+        let ports_found: BTreeMap<u32, FrontendPort> = self.maps.service_ports()?.into_iter().collect();
         let mut member_counts: BTreeMap<u32, usize> = BTreeMap::new();
         for key in self.maps.member_keys()? {
             *member_counts.entry(key.backend_set).or_default() += 1;
@@ -243,6 +257,10 @@ impl<M: LbMaps> ServiceMaps<M> {
                 .filter(|k| ids.contains(&k.rev_nat_id()))
                 .map(|k| RangeKeyOrd::from(*k))
                 .collect();
+            let service_ports = (ports_found.iter())
+                .filter(|(id, _)| ids.contains(id))
+                .map(|(id, entry)| (*id, *entry))
+                .collect();
             // Members of a set written halfway are leftovers: the set is
             // written again with them if its port has affinity.
             let has_members =
@@ -255,6 +273,7 @@ impl<M: LbMaps> ServiceMaps<M> {
                     backends,
                     members: has_members,
                     ranges,
+                    service_ports,
                 },
             );
         }
@@ -310,6 +329,12 @@ impl<M: LbMaps> ServiceMaps<M> {
             self.set_ids.reserve(key.backend_set);
             found.slots.push(key);
         }
+        // A leftover entry's id must not go to a new frontend before the
+        // entry is deleted.
+        for (id, _) in self.maps.service_ports()? {
+            self.rev_nat_ids.reserve(id);
+            found.service_ports.push(id);
+        }
         found.members = self.maps.member_keys()?;
         found.source_ranges = self.maps.source_range_keys()?;
         Ok(found)
@@ -328,6 +353,8 @@ impl<M: LbMaps> ServiceMaps<M> {
         found.members.retain(|k| !member_sets.contains(&k.backend_set));
         let ranges: BTreeSet<RangeKeyOrd> = self.applied.values().flat_map(|a| a.ranges.iter().copied()).collect();
         found.source_ranges.retain(|k| !ranges.contains(&RangeKeyOrd::from(*k)));
+        let in_use = self.rev_nat_ids_in_use();
+        found.service_ports.retain(|id| !in_use.contains(id));
         found
     }
 
@@ -401,6 +428,9 @@ impl<M: LbMaps> ServiceMaps<M> {
             .allow(&self.maps, ports, layout.slots.iter().map(|ep| ep.port))?;
         let mut frontends = BTreeMap::new();
         let mut ranges = BTreeSet::new();
+        let mut service_ports = BTreeMap::new();
+        // The ClusterIP frontend comes first: its id is the port's affinity id.
+        let mut affinity_id = 0;
         for (key, kind) in self.frontends_of(svc) {
             let ord = ServiceKeyOrd::from(key);
             let written = old.frontends.get(&ord);
@@ -420,8 +450,17 @@ impl<M: LbMaps> ServiceMaps<M> {
                 affinity_timeout_s: affinity_timeout_s(svc),
                 backend_offset,
             };
+            if kind == FrontendKind::ClusterIp {
+                affinity_id = rev_nat_id;
+            }
             if written.is_some_and(|w| w.flags & !flags & FLAG_AFFINITY_CLIENT_IP != 0) {
                 self.forget_affinity.insert(rev_nat_id);
+            }
+            if let Some(entry) = service_port_entry(&value, layout.cluster, affinity_id) {
+                if old.service_ports.get(&rev_nat_id) != Some(&entry) {
+                    self.staged.service_ports.write(rev_nat_id, entry);
+                }
+                service_ports.insert(rev_nat_id, entry);
             }
             // The bookkeeping, not a read of the map: it matches the map
             // (read back after any failure), and a read per frontend costs.
@@ -444,6 +483,11 @@ impl<M: LbMaps> ServiceMaps<M> {
         for range in old.ranges.difference(&ranges) {
             self.staged.source_ranges.delete((*range).into());
         }
+        for id in old.service_ports.keys() {
+            if !service_ports.contains_key(id) {
+                self.staged.service_ports.delete(*id);
+            }
+        }
         if old.backend_set != 0 && old.backend_set != backend_set {
             self.delete_backend_set(old.backend_set, &old.backends, old.members);
         }
@@ -458,6 +502,7 @@ impl<M: LbMaps> ServiceMaps<M> {
                 backends,
                 members,
                 ranges,
+                service_ports,
             },
         );
         Ok(())
@@ -561,6 +606,10 @@ impl<M: LbMaps> ServiceMaps<M> {
         for key in leftovers.source_ranges {
             self.staged.source_ranges.delete(key);
         }
+        for id in leftovers.service_ports {
+            self.staged.service_ports.delete(id);
+            self.rev_nat_ids.release(id);
+        }
         for id in leftovers.backends {
             self.staged.backends.delete(id);
             self.backends.ids().release(id);
@@ -585,6 +634,9 @@ impl<M: LbMaps> ServiceMaps<M> {
         }
         for range in &old.ranges {
             self.staged.source_ranges.delete((*range).into());
+        }
+        for id in old.service_ports.keys() {
+            self.staged.service_ports.delete(*id);
         }
         if old.backend_set != 0 {
             self.delete_backend_set(old.backend_set, &old.backends, old.members);
@@ -761,6 +813,41 @@ impl<M: LbMaps> ServiceMaps<M> {
         }
         Ok(())
     }
+}
+
+/// The Service port entry of the frontend written as `value` (see
+/// `proxy_common::service_port`), if it needs one: an external frontend
+/// with affinity (the port's `affinity_id`) or with the `Local` external
+/// policy (the port's `cluster` run of the same set, which pods' new flows
+/// take as the ClusterIP's: no `Local` flag, no external flag, so no drop
+/// and no SNAT for other nodes' backends; kube-proxy masquerades none of
+/// that traffic either).
+fn service_port_entry(value: &ServiceValue, cluster: (u32, u32), affinity_id: u32) -> Option<FrontendPort> {
+    if value.flags & FLAGS_EXTERNAL == 0 {
+        return None;
+    }
+    let sticky = value.flags & FLAG_AFFINITY_CLIENT_IP != 0;
+    let short_circuit = value.flags & FLAG_EXTERNAL_LOCAL != 0;
+    if !sticky && !short_circuit {
+        return None;
+    }
+    let (backend_offset, backend_count) = cluster;
+    // An empty Cluster run (no endpoint usable for it) short-circuits
+    // nothing: such a pod's flow sees the frontend as the outside does.
+    let cluster = if short_circuit && backend_count > 0 {
+        ServiceValue {
+            backend_offset,
+            backend_count,
+            flags: value.flags & !(FLAG_EXTERNAL_LOCAL | FLAGS_EXTERNAL | FLAG_SOURCE_RANGES),
+            ..*value
+        }
+    } else {
+        bytemuck::Zeroable::zeroed()
+    };
+    Some(FrontendPort {
+        affinity_id: if sticky { affinity_id } else { 0 },
+        cluster,
+    })
 }
 
 /// The frontend's affinity timeout: whole seconds, at least 1 (the model

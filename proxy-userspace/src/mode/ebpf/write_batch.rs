@@ -12,7 +12,9 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use proxy_common::{Backend, BackendSlotKey, MemberKey, RevNat, ServiceKey, ServiceValue, SourceRangeKey};
+use proxy_common::{
+    Backend, BackendSlotKey, FrontendPort, MemberKey, RevNat, ServiceKey, ServiceValue, SourceRangeKey,
+};
 use tracing::info;
 
 use bpf_sys::map::{self as bpf_map, BatchError};
@@ -26,6 +28,7 @@ pub struct Staged {
     pub rev_nat: Pending<u32, RevNat>,
     pub members: Pending<MemberKey, u32>,
     pub source_ranges: Pending<SourceRangeKey, u8>,
+    pub service_ports: Pending<u32, FrontendPort>,
 }
 
 impl Staged {
@@ -37,6 +40,7 @@ impl Staged {
             rev_nat: self.rev_nat.split(),
             members: self.members.split(),
             source_ranges: self.source_ranges.split(),
+            service_ports: self.service_ports.split(),
         }
     }
 }
@@ -49,6 +53,7 @@ pub struct SplitStaged {
     pub rev_nat: Split<u32, RevNat>,
     pub members: Split<MemberKey, u32>,
     pub source_ranges: Split<SourceRangeKey, u8>,
+    pub service_ports: Split<u32, FrontendPort>,
 }
 
 impl SplitStaged {
@@ -65,6 +70,7 @@ impl SplitStaged {
             Table::Services => self.services.entries_of(step),
             Table::Members => self.members.entries_of(step),
             Table::SourceRanges => self.source_ranges.entries_of(step),
+            Table::ServicePorts => self.service_ports.entries_of(step),
         }
     }
 }
@@ -159,7 +165,7 @@ impl<K: Copy + Eq + Hash, V: Copy> Pending<K, V> {
 /// The Service maps a flush writes: slots name backends, frontends name
 /// slots; reverse NAT entries are only deleted (see [`FLUSH_STAGES`]).
 /// Members (backend sets with affinity) go with the slots, a frontend's
-/// source ranges with the frontend.
+/// source ranges and its Service port entry with the frontend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Table {
     Backends,
@@ -168,6 +174,7 @@ pub enum Table {
     Services,
     Members,
     SourceRanges,
+    ServicePorts,
 }
 
 /// One map's writes, or its deletes, of a flush.
@@ -198,6 +205,7 @@ impl std::fmt::Display for Step {
             Table::Services => "frontends",
             Table::Members => "backend set members",
             Table::SourceRanges => "source ranges",
+            Table::ServicePorts => "service port entries",
         };
         write!(f, "{verb} {what}")
     }
@@ -211,7 +219,10 @@ impl std::fmt::Display for Step {
 /// goes: old slots before the backends they name. Reverse NAT entries are
 /// only ever deleted (older agents' leftovers: the programs read none).
 /// A frontend's source ranges are in place before it is flagged to check
-/// them (a missing one would drop an allowed client) and go after it.
+/// them (a missing one would drop an allowed client) and go after it. A
+/// Service port entry names a backend set of its own (see
+/// `proxy_common::service_port`): it is written and deleted with the
+/// frontends, after its slots are in place and before they go.
 pub(super) const FLUSH_STAGES: [&[Step]; 6] = [
     &[
         Step::Write(Table::Backends),
@@ -219,8 +230,8 @@ pub(super) const FLUSH_STAGES: [&[Step]; 6] = [
         Step::Write(Table::Members),
         Step::Write(Table::SourceRanges),
     ],
-    &[Step::Write(Table::Services)],
-    &[Step::Delete(Table::Services)],
+    &[Step::Write(Table::Services), Step::Write(Table::ServicePorts)],
+    &[Step::Delete(Table::Services), Step::Delete(Table::ServicePorts)],
     &[Step::Delete(Table::RevNat), Step::Delete(Table::SourceRanges)],
     &[Step::Delete(Table::Slots), Step::Delete(Table::Members)],
     &[Step::Delete(Table::Backends)],
@@ -472,9 +483,10 @@ mod tests {
         assert!(split.deletes.is_empty());
     }
 
-    /// Backends and slots are written before the frontends that point at
-    /// them, frontends go before what they pointed at, old slots before the
-    /// backends they name; every step is there once.
+    /// Backends and slots are written before the frontends (and Service
+    /// port entries) that point at them, frontends go before what they
+    /// pointed at, old slots before the backends they name; every step is
+    /// there once.
     #[test]
     fn flush_stages_keep_every_frontend_pointing_at_entries_in_place() {
         let stage_of = |step| {
@@ -496,7 +508,12 @@ mod tests {
         before(Step::Write(Table::Services), Step::Delete(Table::Services));
         before(Step::Delete(Table::Slots), Step::Delete(Table::Backends));
         before(Step::Delete(Table::Members), Step::Delete(Table::Backends));
-        assert_eq!(FLUSH_STAGES.iter().map(|s| s.len()).sum::<usize>(), 11);
+        // A Service port entry points at slots of its own run.
+        for table in [Table::Backends, Table::Slots] {
+            before(Step::Write(table), Step::Write(Table::ServicePorts));
+            before(Step::Delete(Table::ServicePorts), Step::Delete(table));
+        }
+        assert_eq!(FLUSH_STAGES.iter().map(|s| s.len()).sum::<usize>(), 13);
     }
 
     #[test]

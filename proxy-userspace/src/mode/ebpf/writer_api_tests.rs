@@ -1,12 +1,17 @@
 //! The Service writer's part of issue 12 on maps in memory: external and
 //! load balancer IP frontends, source range entries and ClientIP affinity
-//! (flags, timeout, backend set members, entries forgotten), read back
-//! from the maps.
+//! (flags, timeout, backend set members, entries forgotten), the Service
+//! port entries of external frontends (affinity id, pods' short-circuit),
+//! read back from the maps.
 
-use std::{collections::BTreeSet, net::Ipv4Addr, time::Duration};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+    time::Duration,
+};
 
 use proxy_common::{
-    AffinityKey, AffinityValue, MemberKey, ServiceValue, SourceRangeKey, proto,
+    AffinityKey, AffinityValue, FrontendPort, MemberKey, ServiceValue, SourceRangeKey, proto,
     service::{FLAG_AFFINITY_CLIENT_IP, FLAG_EXTERNAL_ADDR, FLAG_EXTERNAL_LOCAL, FLAG_NODE_PORT, FLAG_SOURCE_RANGES},
 };
 
@@ -195,9 +200,9 @@ fn members(w: &ServiceMaps<MemoryMaps>, value: &ServiceValue) -> BTreeSet<(Ipv4A
         .collect()
 }
 
-fn client_entry(rev_nat_id: u32, last: u8) -> (AffinityKey, AffinityValue) {
+fn client_entry(affinity_id: u32, last: u8) -> (AffinityKey, AffinityValue) {
     let key = AffinityKey {
-        rev_nat_id,
+        affinity_id,
         client_be: u32::from_ne_bytes([203, 0, 113, last]),
     };
     let value = AffinityValue {
@@ -280,20 +285,111 @@ fn affinity_sets_flag_timeout_and_members_and_forgets_clients_when_off() {
     assert!(!w.maps().member_keys().expect("members").contains(&gone));
 }
 
+/// The Service port entries by frontend address, read back from the maps.
+fn service_ports(w: &ServiceMaps<MemoryMaps>) -> BTreeMap<Ipv4Addr, FrontendPort> {
+    let by_id: BTreeMap<u32, FrontendPort> = w.maps().service_ports().expect("service ports").into_iter().collect();
+    (w.maps().services().expect("services").iter())
+        .filter_map(|(key, value)| Some((key.addr(), *by_id.get(&value.rev_nat_id)?)))
+        .collect()
+}
+
 #[test]
-fn what_the_programs_do_not_honour_is_named() {
+fn external_frontends_share_the_ports_affinity_id_and_cluster_run() {
+    let mut w = writer(MemoryMaps::new());
     let mut port = lb_port(vec![]);
-    assert_eq!(super::not_honoured(&port), None, "Cluster policy: all honoured");
-    port.external_policy = TrafficPolicy::Local;
-    let reason = super::not_honoured(&port).expect("Local with LB IPs");
-    assert!(reason.contains("every endpoint"), "{reason}");
-    port.external_ips.clear();
-    port.load_balancer_ips.clear();
+    sync(&mut w, &port);
+    assert!(service_ports(&w).is_empty(), "Cluster policy, no affinity: no entry");
+
+    // Affinity: every external frontend names the ClusterIP's id.
+    port.affinity = Some(Duration::from_secs(30));
+    sync(&mut w, &port);
+    let cluster = frontend(&w, CLUSTER_IP, 80);
+    let entries = service_ports(&w);
     assert_eq!(
-        super::not_honoured(&port),
-        None,
-        "a Local NodePort is a known difference, not reported"
+        entries.keys().copied().collect::<BTreeSet<_>>(),
+        [NODE_IP, EXTERNAL_IP, LB_IP].into(),
+        "the external frontends, not the ClusterIP"
     );
+    for (ip, entry) in &entries {
+        assert_eq!(entry.affinity_id, cluster.rev_nat_id, "{ip}");
+        assert!(!entry.short_circuits(), "{ip}: no Local policy");
+    }
+
+    // externalTrafficPolicy: Local: the Cluster run of the same set, seen
+    // as the ClusterIP is (no Local, no external flag).
+    port.external_policy = TrafficPolicy::Local;
+    sync(&mut w, &port);
+    let cluster = frontend(&w, CLUSTER_IP, 80);
+    for (ip, entry) in service_ports(&w) {
+        let local = w
+            .frontend(ip, if ip == NODE_IP { 30080 } else { 80 }, proto::TCP)
+            .expect("frontend");
+        assert_eq!(local.backend_count, 1, "{ip}: this node's endpoint only");
+        let short = entry.cluster;
+        assert!(entry.short_circuits(), "{ip}");
+        assert_eq!(short.backend_set, local.backend_set, "{ip}: the frontend's own set");
+        assert_eq!(
+            short.rev_nat_id, local.rev_nat_id,
+            "{ip}: its flows count under the frontend"
+        );
+        assert_eq!(short.flags, FLAG_AFFINITY_CLIENT_IP, "{ip}: only affinity is left");
+        assert_eq!(short.affinity_timeout_s, 30);
+        let every: BTreeSet<Ipv4Addr> = (w.backend_set(&short).expect("backends").iter())
+            .map(proxy_common::Backend::addr)
+            .collect();
+        assert_eq!(
+            every,
+            [Ipv4Addr::new(10, 244, 0, 1), Ipv4Addr::new(10, 244, 0, 2)].into(),
+            "{ip}"
+        );
+        assert_eq!(entry.affinity_id, cluster.rev_nat_id);
+    }
+
+    // Adopted as written; affinity off keeps the short-circuit only.
+    let mut w = writer(w.maps().clone());
+    let before = w.writes();
+    sync(&mut w, &port);
+    assert_eq!(w.writes(), before, "adopted with its Service port entries");
+    port.affinity = None;
+    sync(&mut w, &port);
+    assert!(
+        service_ports(&w)
+            .values()
+            .all(|e| e.affinity_id == 0 && e.short_circuits())
+    );
+
+    // Removing the external IP, then the port, deletes their entries.
+    port.external_ips.clear();
+    sync(&mut w, &port);
+    assert_eq!(service_ports(&w).len(), 2, "the node port and the LB IP");
+    w.remove_port(&port).expect("remove");
+    assert!(w.maps().service_ports().expect("service ports").is_empty());
+}
+
+#[test]
+fn service_port_entries_no_frontend_uses_are_deleted_at_the_full_sync() {
+    let ids_in = |maps: &MemoryMaps| -> BTreeSet<u32> {
+        let entries = maps.service_ports().expect("entries");
+        entries.iter().map(|(id, _)| *id).collect()
+    };
+    let maps = MemoryMaps::new();
+    let mut w = writer(maps.clone());
+    let port = ServicePort {
+        affinity: Some(Duration::from_secs(30)),
+        ..lb_port(vec![])
+    };
+    sync(&mut w, &port);
+    let ids = ids_in(&maps);
+    w.remove_port(&port).expect("remove");
+    // An agent that died halfway left an entry under an id no frontend has.
+    maps.leave_service_ports(&[(7777, bytemuck::Zeroable::zeroed())]);
+    let mut again = writer(maps.clone());
+    assert!(ids_in(&maps).contains(&7777), "kept until the full sync");
+    again.retain(&[&port]).expect("full sync");
+    sync(&mut again, &port);
+    let now = ids_in(&maps);
+    assert!(!now.contains(&7777), "the leftover went");
+    assert_eq!(now.len(), ids.len(), "the port's own are back");
 }
 
 #[test]
