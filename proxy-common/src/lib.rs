@@ -14,6 +14,7 @@ pub mod affinity;
 pub mod backend;
 pub mod conntrack;
 pub mod fragment;
+pub mod maglev;
 pub mod maps;
 pub mod nat;
 pub mod ports;
@@ -26,6 +27,7 @@ pub use affinity::{AffinityKey, AffinityValue, MemberKey};
 pub use backend::{Backend, BackendSlotKey};
 pub use conntrack::{CtKey, CtTimeouts, CtValue};
 pub use fragment::{FragKey, FragPorts};
+pub use maglev::{MaglevChunk, MaglevKey};
 pub use nat::RevNat;
 pub use ports::PortBits;
 pub use service::{ServiceKey, ServiceValue};
@@ -68,5 +70,7 @@ impl_aya_pod!(
     SourceRangeKey,
     SourceRangeData,
     socket_lb::SockLbConfig,
-    socket_lb::SockRevKey
+    socket_lb::SockRevKey,
+    MaglevKey,
+    MaglevChunk
 );

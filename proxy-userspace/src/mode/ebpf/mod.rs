@@ -31,6 +31,7 @@ mod interfaces;
 mod lb_maps;
 pub mod legacy_ct;
 mod loader;
+pub mod maglev;
 mod memory_maps;
 mod object;
 mod pinned_maps;
