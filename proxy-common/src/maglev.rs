@@ -50,10 +50,7 @@ pub const TABLE_SIZES: [(u32, u32); 10] = [
 pub const MAX_BACKENDS: u32 = TABLE_SIZES[TABLE_SIZES.len() - 1].1;
 
 /// The table size for a run of `backends` backends, `None` for an empty
-/// run or one larger than [`MAX_BACKENDS`]. A chain of compares (not a
-/// loop over [`TABLE_SIZES`]): the verifier walks it in a few
-/// instructions and the result is one of ten constants.
-#[inline(always)]
+/// run or one larger than [`MAX_BACKENDS`].
 pub const fn table_size(backends: u32) -> Option<u32> {
     let size = match backends {
         0 => return None,
@@ -71,6 +68,24 @@ pub const fn table_size(backends: u32) -> Option<u32> {
     };
     Some(size)
 }
+
+/// [`table_size`] by run length, 0 where there is no table: the programs
+/// read a table's size from this array (one load from read-only data)
+/// rather than walk the compares. Why: each compare's branch reaches the
+/// rest of the program with another constant size, and the verifier
+/// walked the rest once per size (twice the instructions in all).
+pub const SIZE_BY_BACKENDS: [u32; MAX_BACKENDS as usize + 1] = {
+    let mut sizes = [0; MAX_BACKENDS as usize + 1];
+    let mut n = 1;
+    while n <= MAX_BACKENDS {
+        sizes[n as usize] = match table_size(n) {
+            Some(size) => size,
+            None => 0,
+        };
+        n += 1;
+    }
+    sizes
+};
 
 /// Chunks (map entries) a table of `size` entries takes.
 pub const fn chunks(size: u32) -> u32 {
@@ -159,6 +174,9 @@ mod tests {
             fewest = most + 1;
         }
         assert_eq!(table_size(0), None);
+        for (n, size) in SIZE_BY_BACKENDS.iter().enumerate() {
+            assert_eq!(table_size(n as u32).unwrap_or(0), *size);
+        }
         assert_eq!(table_size(MAX_BACKENDS + 1), None);
     }
 

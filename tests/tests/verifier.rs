@@ -26,6 +26,7 @@ fn every_program_loads_and_pins_its_maps() {
         maps::AFFINITY,
         maps::MEMBERS,
         maps::SOURCE_RANGES,
+        maps::MAGLEV,
         socket_lb::SOCK_CONFIG,
         socket_lb::NODE_ADDRS,
         socket_lb::SOCK_REV_NAT,
