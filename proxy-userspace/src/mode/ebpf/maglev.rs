@@ -139,7 +139,10 @@ mod tests {
             assert_eq!(shares.len(), n as usize, "every backend has entries");
             let even = size / n as usize;
             for (id, count) in shares {
-                assert!(count == even || count == even + 1, "{n} backends: {id} has {count}, want {even}(+1)");
+                assert!(
+                    count == even || count == even + 1,
+                    "{n} backends: {id} has {count}, want {even}(+1)"
+                );
             }
         }
     }
@@ -185,7 +188,11 @@ mod tests {
         assert_eq!(table(&[]), None);
         assert_eq!(table(&members(proxy_common::maglev::MAX_BACKENDS + 1)), None);
         let twice = [members(1), members(1)].concat();
-        assert_eq!(table(&twice).map(|t| shares(&t).len()), Some(1), "one endpoint listed twice");
+        assert_eq!(
+            table(&twice).map(|t| shares(&t).len()),
+            Some(1),
+            "one endpoint listed twice"
+        );
     }
 
     #[test]
@@ -195,7 +202,12 @@ mod tests {
         assert_eq!(chunks.len(), table.len().div_ceil(CHUNK as usize));
         let back: Vec<u32> = chunks.iter().flat_map(|(_, c)| c.ids).take(table.len()).collect();
         assert_eq!(back, table);
-        assert!(chunks.iter().enumerate().all(|(i, (k, _))| k.backend_set == 7 && k.chunk as usize == i));
+        assert!(
+            chunks
+                .iter()
+                .enumerate()
+                .all(|(i, (k, _))| k.backend_set == 7 && k.chunk as usize == i)
+        );
         let tail = chunks.last().expect("a chunk").1.ids[table.len() % CHUNK as usize..].to_vec();
         assert!(tail.iter().all(|id| *id == 0));
     }

@@ -20,8 +20,8 @@ use std::{
 
 use anyhow::{Result, bail};
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtValue, MemberKey, PortBits, RevNat, ServiceKey,
-    ServiceValue, SourceRangeKey, Verdict, VerdictCounter, maps, ports,
+    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtValue, MaglevChunk, MaglevKey, MemberKey, PortBits,
+    RevNat, ServiceKey, ServiceValue, SourceRangeKey, Verdict, VerdictCounter, maps, ports,
 };
 
 use super::{
@@ -108,6 +108,7 @@ struct State {
     backends: MemTable<u32, Backend>,
     rev_nat: MemTable<u32, RevNat>,
     members: MemTable<MemberKey, u32>,
+    maglev: MemTable<MaglevKey, MaglevChunk>,
     source_ranges: MemTable<SourceRangeKey, u8>,
     ports: Vec<PortBits>,
     conntrack: Vec<(CtKey, CtValue)>,
@@ -125,12 +126,14 @@ impl State {
             Step::Write(Table::RevNat) => self.rev_nat.write(&staged.rev_nat)?,
             Step::Write(Table::Services) => self.services.write(&staged.services)?,
             Step::Write(Table::Members) => self.members.write(&staged.members)?,
+            Step::Write(Table::Maglev) => self.maglev.write(&staged.maglev)?,
             Step::Write(Table::SourceRanges) => self.source_ranges.write(&staged.source_ranges)?,
             Step::Delete(Table::Backends) => self.backends.delete(&staged.backends),
             Step::Delete(Table::Slots) => self.slots.delete(&staged.slots),
             Step::Delete(Table::RevNat) => self.rev_nat.delete(&staged.rev_nat),
             Step::Delete(Table::Services) => self.services.delete(&staged.services),
             Step::Delete(Table::Members) => self.members.delete(&staged.members),
+            Step::Delete(Table::Maglev) => self.maglev.delete(&staged.maglev),
             Step::Delete(Table::SourceRanges) => self.source_ranges.delete(&staged.source_ranges),
         })
     }
@@ -161,6 +164,7 @@ impl State {
             Table::RevNat => &mut self.rev_nat.max_entries,
             Table::Services => &mut self.services.max_entries,
             Table::Members => &mut self.members.max_entries,
+            Table::Maglev => &mut self.maglev.max_entries,
             Table::SourceRanges => &mut self.source_ranges.max_entries,
         }
     }
@@ -175,6 +179,7 @@ impl MemoryMaps {
             backends: MemTable::new(maps::BACKENDS_MAX),
             rev_nat: MemTable::new(maps::REV_NAT_MAX),
             members: MemTable::new(maps::MEMBERS_MAX),
+            maglev: MemTable::new(maps::MAGLEV_MAX),
             source_ranges: MemTable::new(maps::SOURCE_RANGES_MAX),
             ports: vec![PortBits::default(); ports::PORT_WORDS as usize],
             conntrack: Vec::new(),
@@ -233,6 +238,13 @@ impl MemoryMaps {
         self.state().affinity.extend(entries.iter().copied());
     }
 
+    /// Deletes one Maglev chunk, as an agent that died halfway through
+    /// writing a table leaves it.
+    #[cfg(test)]
+    pub fn drop_maglev_chunk(&self, key: &MaglevKey) {
+        self.state().maglev.entries.remove(key);
+    }
+
     /// The affinity entries left.
     pub fn affinity_entries(&self) -> Vec<(AffinityKey, AffinityValue)> {
         self.state().affinity.clone()
@@ -275,6 +287,14 @@ impl LbMaps for MemoryMaps {
 
     fn member_keys(&self) -> Result<Vec<MemberKey>> {
         Ok(self.state().members.keys())
+    }
+
+    fn maglev_keys(&self) -> Result<Vec<MaglevKey>> {
+        Ok(self.state().maglev.keys())
+    }
+
+    fn maglev_chunk(&self, key: &MaglevKey) -> Result<Option<MaglevChunk>> {
+        Ok(self.state().maglev.get(key))
     }
 
     fn source_range_keys(&self) -> Result<Vec<SourceRangeKey>> {
@@ -402,6 +422,14 @@ impl LbMaps for FaultyMaps {
 
     fn member_keys(&self) -> Result<Vec<MemberKey>> {
         self.inner.member_keys()
+    }
+
+    fn maglev_keys(&self) -> Result<Vec<MaglevKey>> {
+        self.inner.maglev_keys()
+    }
+
+    fn maglev_chunk(&self, key: &MaglevKey) -> Result<Option<MaglevChunk>> {
+        self.inner.maglev_chunk(key)
     }
 
     fn source_range_keys(&self) -> Result<Vec<SourceRangeKey>> {

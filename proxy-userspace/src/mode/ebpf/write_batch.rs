@@ -12,7 +12,9 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use proxy_common::{Backend, BackendSlotKey, MemberKey, RevNat, ServiceKey, ServiceValue, SourceRangeKey};
+use proxy_common::{
+    Backend, BackendSlotKey, MaglevChunk, MaglevKey, MemberKey, RevNat, ServiceKey, ServiceValue, SourceRangeKey,
+};
 use tracing::info;
 
 use bpf_sys::map::{self as bpf_map, BatchError};
@@ -26,6 +28,7 @@ pub struct Staged {
     pub rev_nat: Pending<u32, RevNat>,
     pub members: Pending<MemberKey, u32>,
     pub source_ranges: Pending<SourceRangeKey, u8>,
+    pub maglev: Pending<MaglevKey, MaglevChunk>,
 }
 
 impl Staged {
@@ -37,6 +40,7 @@ impl Staged {
             rev_nat: self.rev_nat.split(),
             members: self.members.split(),
             source_ranges: self.source_ranges.split(),
+            maglev: self.maglev.split(),
         }
     }
 }
@@ -49,6 +53,7 @@ pub struct SplitStaged {
     pub rev_nat: Split<u32, RevNat>,
     pub members: Split<MemberKey, u32>,
     pub source_ranges: Split<SourceRangeKey, u8>,
+    pub maglev: Split<MaglevKey, MaglevChunk>,
 }
 
 impl SplitStaged {
@@ -65,6 +70,7 @@ impl SplitStaged {
             Table::Services => self.services.entries_of(step),
             Table::Members => self.members.entries_of(step),
             Table::SourceRanges => self.source_ranges.entries_of(step),
+            Table::Maglev => self.maglev.entries_of(step),
         }
     }
 }
@@ -159,7 +165,8 @@ impl<K: Copy + Eq + Hash, V: Copy> Pending<K, V> {
 /// The Service maps a flush writes: slots name backends, frontends name
 /// slots; reverse NAT entries are only deleted (see [`FLUSH_STAGES`]).
 /// Members (backend sets with affinity) go with the slots, a frontend's
-/// source ranges with the frontend.
+/// source ranges with the frontend. Maglev tables (of sets whose frontends
+/// select Maglev) go with the slots too: they name backends by id.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Table {
     Backends,
@@ -168,6 +175,7 @@ pub enum Table {
     Services,
     Members,
     SourceRanges,
+    Maglev,
 }
 
 /// One map's writes, or its deletes, of a flush.
@@ -198,6 +206,7 @@ impl std::fmt::Display for Step {
             Table::Services => "frontends",
             Table::Members => "backend set members",
             Table::SourceRanges => "source ranges",
+            Table::Maglev => "Maglev tables",
         };
         write!(f, "{verb} {what}")
     }
@@ -218,11 +227,16 @@ pub(super) const FLUSH_STAGES: [&[Step]; 6] = [
         Step::Write(Table::Slots),
         Step::Write(Table::Members),
         Step::Write(Table::SourceRanges),
+        Step::Write(Table::Maglev),
     ],
     &[Step::Write(Table::Services)],
     &[Step::Delete(Table::Services)],
     &[Step::Delete(Table::RevNat), Step::Delete(Table::SourceRanges)],
-    &[Step::Delete(Table::Slots), Step::Delete(Table::Members)],
+    &[
+        Step::Delete(Table::Slots),
+        Step::Delete(Table::Members),
+        Step::Delete(Table::Maglev),
+    ],
     &[Step::Delete(Table::Backends)],
 ];
 
@@ -485,7 +499,13 @@ mod tests {
             stage
         };
         let before = |a, b| assert!(stage_of(a) < stage_of(b), "{a} must end before {b} starts");
-        let pointed_at = [Table::Backends, Table::Slots, Table::Members, Table::SourceRanges];
+        let pointed_at = [
+            Table::Backends,
+            Table::Slots,
+            Table::Members,
+            Table::SourceRanges,
+            Table::Maglev,
+        ];
         for table in pointed_at {
             before(Step::Write(table), Step::Write(Table::Services));
         }
@@ -496,7 +516,8 @@ mod tests {
         before(Step::Write(Table::Services), Step::Delete(Table::Services));
         before(Step::Delete(Table::Slots), Step::Delete(Table::Backends));
         before(Step::Delete(Table::Members), Step::Delete(Table::Backends));
-        assert_eq!(FLUSH_STAGES.iter().map(|s| s.len()).sum::<usize>(), 11);
+        before(Step::Delete(Table::Maglev), Step::Delete(Table::Backends));
+        assert_eq!(FLUSH_STAGES.iter().map(|s| s.len()).sum::<usize>(), 13);
     }
 
     #[test]
