@@ -57,7 +57,8 @@ pub fn table(members: &[Member]) -> Option<Vec<u32>> {
 
 /// Maglev's fill of `size` entries (a prime) by `members` in turn. Each
 /// member walks its permutation by adding `skip` (mod `size`, by one
-/// compare): no division per step, which made the fill 4 times slower.
+/// compare): no division per step. With one per step, the bench's 10,000
+/// tables of 2,039 entries took 1.09 s; without, 0.43 s.
 fn fill(members: &[Member], size: u32) -> Vec<u32> {
     let len = size as usize;
     let mut entries = vec![0; len];
