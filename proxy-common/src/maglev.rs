@@ -156,7 +156,7 @@ mod tests {
     use super::*;
 
     fn is_prime(n: u32) -> bool {
-        n >= 2 && (2..).take_while(|d| d * d <= n).all(|d| n % d != 0)
+        n >= 2 && (2..).take_while(|d| d * d <= n).all(|d| !n.is_multiple_of(d))
     }
 
     /// Every size is prime, at least 200 x its backends, fills its chunks

@@ -53,7 +53,7 @@ fn maglev_id(flow: &Flow, svc: &ServiceValue) -> Option<u32> {
         backend_set: svc.backend_set,
         chunk: entry / CHUNK,
     };
-    let chunk = MAGLEV.get_ptr(&key)?;
+    let chunk = MAGLEV.get_ptr(key)?;
     // The mask keeps the index provably inside the chunk for the verifier
     // (`% CHUNK` is the same, CHUNK being a power of two).
     let index = (entry & (CHUNK - 1)) as usize;
