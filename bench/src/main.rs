@@ -16,6 +16,7 @@ mod charts;
 #[cfg(test)]
 mod fixture;
 mod latency;
+mod maglev_scale;
 mod memory;
 mod packet_cost;
 mod perpacket;

@@ -1,8 +1,10 @@
 //! The per-packet step: runs [`crate::perpacket::measure`] and keeps its
 //! report (as JSON and as its own Markdown section) with the net costs the
-//! targets are about.
+//! targets are about. Maglev's control-plane cost at 10,000 Services
+//! ([`crate::maglev_scale`]) is measured with it: same step, no agent.
 
 use crate::{
+    maglev_scale,
     perpacket::{self, Kind},
     results::{PacketTarget, PerPacket},
 };
@@ -13,20 +15,31 @@ pub fn measure(quick: bool, progress: &dyn Fn(&str)) -> PerPacket {
     } else {
         perpacket::Options::full()
     };
-    match perpacket::measure(&options, progress) {
+    let mut measured = match perpacket::measure(&options, progress) {
         Ok(report) => PerPacket {
             targets: targets(&report),
             markdown: report.markdown(),
             report: serde_json::to_value(&report).ok(),
             error: None,
+            maglev: None,
         },
         Err(e) => PerPacket {
             report: None,
             markdown: String::new(),
             targets: Vec::new(),
             error: Some(format!("{e:#}")),
+            maglev: None,
         },
+    };
+    match maglev_scale::measure(progress) {
+        Ok(maglev) => {
+            measured.markdown += "\n";
+            measured.markdown += &maglev.markdown();
+            measured.maglev = serde_json::to_value(&maglev).ok();
+        }
+        Err(e) => measured.markdown += &format!("\nMaglev tables at 10,000 Services: not measured: {e:#}\n"),
     }
+    measured
 }
 
 fn kind_name(kind: Kind) -> String {

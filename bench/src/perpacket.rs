@@ -674,6 +674,7 @@ mod tests {
             ("xdp_uplink", Kind::AffinityHit, Frontend::AffinityClusterIp),
             ("xdp_uplink", Kind::AffinityMiss, Frontend::AffinityClusterIp),
             ("xdp_uplink", Kind::NewFlow, Frontend::LoadBalancerIp),
+            ("xdp_uplink", Kind::NewFlow, Frontend::MaglevClusterIp),
             ("tc_ingress", Kind::NewFlow, Frontend::ClusterIp),
             ("tc_ingress", Kind::Established, Frontend::ClusterIp),
             ("tc_ingress", Kind::EstablishedWorkingSet, Frontend::ClusterIp),

@@ -69,6 +69,10 @@ pub struct RunOptions {
     /// Skip the per-packet measurement (BPF_PROG_TEST_RUN).
     #[arg(long)]
     pub no_per_packet: bool,
+    /// Only the per-packet measurement (and Maglev's table costs, measured
+    /// with it): no per-mode runs, no scale runs.
+    #[arg(long, conflicts_with_all = ["no_per_packet", "only_scale"])]
+    pub only_per_packet: bool,
     /// The agent binary [default: `xproxy` next to this binary].
     #[arg(long)]
     pub xproxy: Option<PathBuf>,
@@ -136,7 +140,7 @@ impl Plan {
         let pick = |given: Option<usize>, full: usize, quick_value: usize| {
             given.unwrap_or(if quick { quick_value } else { full })
         };
-        let scale = if quick || o.no_scale || !o.modes.iter().any(|m| m == "ebpf") {
+        let scale = if quick || o.no_scale || o.only_per_packet || !o.modes.iter().any(|m| m == "ebpf") {
             Vec::new()
         } else {
             vec![
@@ -184,7 +188,7 @@ impl Plan {
                 o.probe_timeout_ms.unwrap_or(DEFAULT_PROBE_TIMEOUT_MS).max(1),
             ),
             scale,
-            mode_runs: !o.only_scale,
+            mode_runs: !o.only_scale && !o.only_per_packet,
             per_packet: !o.no_per_packet && !o.only_scale,
         })
     }
@@ -250,5 +254,12 @@ mod tests {
         assert!(plan(&["--services", "0"]).is_err());
         let p = plan(&["--modes", "iptables"]).expect("plan");
         assert!(p.scale.is_empty(), "scale runs are ebpf's");
+    }
+
+    #[test]
+    fn only_the_per_packet_part() {
+        let p = plan(&["--modes", "ebpf", "--only-per-packet"]).expect("plan");
+        assert!(!p.mode_runs && p.per_packet && p.scale.is_empty());
+        assert!(plan(&["--only-per-packet", "--no-per-packet"]).is_err());
     }
 }

@@ -231,6 +231,11 @@ pub struct PerPacket {
     /// The cases with a target, for the targets table.
     pub targets: Vec<PacketTarget>,
     pub error: Option<String>,
+    /// Maglev's table build and programming at 10,000 Services
+    /// (`maglev_scale`), measured with this step; its Markdown follows
+    /// `markdown`. Absent from older results.
+    #[serde(default)]
+    pub maglev: Option<serde_json::Value>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -14,6 +14,7 @@ pub mod affinity;
 pub mod backend;
 pub mod conntrack;
 pub mod fragment;
+pub mod maglev;
 pub mod maps;
 pub mod nat;
 pub mod ports;
@@ -27,6 +28,7 @@ pub use affinity::{AffinityKey, AffinityValue, MemberKey};
 pub use backend::{Backend, BackendSlotKey};
 pub use conntrack::{CtKey, CtTimeouts, CtValue};
 pub use fragment::{FragKey, FragPorts};
+pub use maglev::{MaglevChunk, MaglevKey};
 pub use nat::RevNat;
 pub use ports::PortBits;
 pub use service::{ServiceKey, ServiceValue};
@@ -71,5 +73,7 @@ impl_aya_pod!(
     SourceRangeData,
     FrontendPort,
     socket_lb::SockLbConfig,
-    socket_lb::SockRevKey
+    socket_lb::SockRevKey,
+    MaglevKey,
+    MaglevChunk
 );

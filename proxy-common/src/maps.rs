@@ -16,6 +16,14 @@ pub const AFFINITY: &str = "XP_AFFINITY";
 pub const MEMBERS: &str = "XP_MEMBERS";
 pub const SOURCE_RANGES: &str = "XP_SRC_RANGES";
 
+/// Maglev tables, in chunks ([`crate::maglev`]). Not preallocated: only
+/// Services that select Maglev use memory, 1 KiB a chunk (8 KiB for a
+/// Service of 6 to 10 endpoints); this bounds them at 256 MiB, room for
+/// 10,000 such Services and a swap of many (a set swap briefly holds old
+/// and new tables).
+pub const MAGLEV: &str = "XP_MAGLEV";
+pub const MAGLEV_MAX: u32 = 262_144;
+
 /// Frontends (service ports x frontend addresses).
 pub const SERVICES_MAX: u32 = 262_144;
 /// Backend slots over all sets; a swap briefly holds old and new set.

@@ -91,6 +91,11 @@ pub const FLAG_INTERNAL_LOCAL: u32 = 1 << 5;
 /// port: external traffic as a node port is (`FLAG_EXTERNAL_LOCAL` applies,
 /// flows to other nodes' backends are source-NATed), but not a node IP.
 pub const FLAG_EXTERNAL_ADDR: u32 = 1 << 6;
+/// New flows pick their backend from the backend set's Maglev table
+/// (see [`crate::maglev`]) rather than at random; set only on frontends
+/// whose run of slots the table was built for. A high bit, apart from the
+/// policy flags above, which grow from bit 0.
+pub const FLAG_MAGLEV: u32 = 1 << 16;
 /// Either kind of external frontend (node port, external or LB IP).
 pub const FLAGS_EXTERNAL: u32 = FLAG_NODE_PORT | FLAG_EXTERNAL_ADDR;
 /// Either `Local` policy flag: an empty frontend drops instead of rejecting.

@@ -7,12 +7,12 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtTimeouts, CtValue, FragKey, FragPorts, MemberKey,
-    PortBits, RevNat, ServiceKey, ServiceValue, SourceRangeData, Verdict, VerdictCounter,
+    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtTimeouts, CtValue, FragKey, FragPorts, MaglevChunk,
+    MaglevKey, MemberKey, PortBits, RevNat, ServiceKey, ServiceValue, SourceRangeData, Verdict, VerdictCounter,
     conntrack::{seconds_to_ns, state_index},
     maps::{
-        AFFINITY_MAX, BACKEND_SLOTS_MAX, BACKENDS_MAX, CONNTRACK_MAX, FRAGMENTS_MAX, MEMBERS_MAX, REV_NAT_MAX,
-        SERVICES_MAX, SOURCE_RANGES_MAX,
+        AFFINITY_MAX, BACKEND_SLOTS_MAX, BACKENDS_MAX, CONNTRACK_MAX, FRAGMENTS_MAX, MAGLEV_MAX, MEMBERS_MAX,
+        REV_NAT_MAX, SERVICES_MAX, SOURCE_RANGES_MAX,
     },
     ports::PORT_WORDS,
 };
@@ -38,6 +38,11 @@ pub static REV_NAT: HashMap<u32, RevNat> = HashMap::pinned(REV_NAT_MAX, BPF_F_NO
 // Written for the backend sets of Service ports with ClientIP affinity.
 #[map(name = "XP_MEMBERS")]
 pub static MEMBERS: HashMap<MemberKey, u32> = HashMap::pinned(MEMBERS_MAX, BPF_F_NO_PREALLOC);
+
+// Maglev tables of the backend sets whose frontends select Maglev, in
+// chunks (see `proxy_common::maglev`).
+#[map(name = "XP_MAGLEV")]
+pub static MAGLEV: HashMap<MaglevKey, MaglevChunk> = HashMap::pinned(MAGLEV_MAX, BPF_F_NO_PREALLOC);
 
 // loadBalancerSourceRanges of every load balancer IP (an LPM trie is never
 // preallocated).

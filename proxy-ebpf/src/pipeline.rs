@@ -176,16 +176,16 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outcom
 }
 
 /// The backend of a new flow: the client's of before under ClientIP
-/// affinity (kept per Service port: `affinity_id`), else a random one of
-/// the frontend's run (remembered under affinity). One call site of
-/// `random_backend`: the verifier walks it once.
+/// affinity (kept per Service port: `affinity_id`), else Maglev's or a
+/// random one of the frontend's run (remembered under affinity). One call
+/// site of `new_flow_backend`: the verifier walks it once.
 #[inline(always)]
 fn pick_backend(flow: &Flow, svc: &ServiceValue, affinity_id: u32) -> Option<(u32, Backend)> {
     let sticky = svc.flags & FLAG_AFFINITY_CLIENT_IP != 0;
     if sticky && let Some(kept) = affinity::kept_backend(flow, svc, affinity_id) {
         return Some(kept);
     }
-    let picked = select::random_backend(svc)?;
+    let picked = select::new_flow_backend(flow, svc)?;
     if sticky {
         affinity::remember(flow, affinity_id, picked.0);
     }

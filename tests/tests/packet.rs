@@ -38,6 +38,9 @@ use testbed::{
 // for modules next to itself).
 #[path = "packet/api.rs"]
 mod api;
+// Issue 15's Maglev, beside it.
+#[path = "packet/maglev.rs"]
+mod maglev;
 
 #[derive(Clone, Debug)]
 enum Expect {

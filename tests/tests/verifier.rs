@@ -28,6 +28,7 @@ fn every_program_loads_and_pins_its_maps() {
         maps::SOURCE_RANGES,
         maps::SERVICE_PORTS,
         maps::POD_CIDRS,
+        maps::MAGLEV,
         socket_lb::SOCK_CONFIG,
         socket_lb::NODE_ADDRS,
         socket_lb::SOCK_REV_NAT,

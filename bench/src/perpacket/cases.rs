@@ -104,6 +104,8 @@ pub enum Frontend {
     AffinityClusterIp,
     /// A load balancer IP with loadBalancerSourceRanges ([`api_services`]).
     LoadBalancerIp,
+    /// The ClusterIP of a Service that selects Maglev ([`api_services`]).
+    MaglevClusterIp,
     None,
 }
 
@@ -114,6 +116,7 @@ impl Frontend {
             Frontend::ClusterIp => Some(cluster_ip()),
             Frontend::AffinityClusterIp => Some(SocketAddrV4::new(AFFINITY_IP, 88)),
             Frontend::LoadBalancerIp => Some(SocketAddrV4::new(LB_IP, 88)),
+            Frontend::MaglevClusterIp => Some(SocketAddrV4::new(MAGLEV_IP, 88)),
             Frontend::None => None,
         }
     }
@@ -124,6 +127,7 @@ impl Frontend {
             Frontend::ClusterIp => "ClusterIP",
             Frontend::AffinityClusterIp => "ClusterIP, ClientIP affinity",
             Frontend::LoadBalancerIp => "LB IP, 4 source ranges",
+            Frontend::MaglevClusterIp => "ClusterIP, Maglev",
             Frontend::None => "-",
         }
     }
@@ -133,6 +137,8 @@ impl Frontend {
 /// ranges one.
 const AFFINITY_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 40);
 const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 20);
+/// The ClusterIP of the Maglev Service (issue 15).
+const MAGLEV_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 60);
 
 /// Besides the seed Services: one with ClientIP affinity (3 h), one with
 /// a load balancer IP whose source ranges hold the uplink's clients
@@ -167,7 +173,11 @@ pub fn api_services() -> Vec<ServicePort> {
             &backends,
         )
     };
-    vec![affinity, load_balancer]
+    let maglev = ServicePort {
+        lb_algorithm: Some(proxy_userspace::model::LbAlgorithm::Maglev),
+        ..service("bench/maglev:http", tcp(), MAGLEV_IP, 88, None, &backends)
+    };
+    vec![affinity, load_balancer, maglev]
 }
 
 fn tcp() -> proxy_userspace::model::Protocol {
@@ -676,7 +686,8 @@ pub fn build(beds: &[Bed; 2], working_set: usize, progress: &dyn Fn(&str)) -> Re
 
 /// New flows through xdp_uplink to the [`api_services`], beside the plain
 /// ClusterIP's: an affinity hit (one client, a new port each time), an
-/// affinity miss (a new client each time) and a source range check.
+/// affinity miss (a new client each time), a source range check and a
+/// Maglev pick.
 fn api_cases(clients: &mut Clients, working_set: usize) -> Result<Vec<Case>> {
     let xdp = Prog::XdpUplink;
     let affinity = Frontend::AffinityClusterIp.addr().context("a frontend")?;
@@ -693,11 +704,16 @@ fn api_cases(clients: &mut Clients, working_set: usize) -> Result<Vec<Case>> {
         clients: clients.block(),
         frontend: lb,
     };
+    let maglev = Feed::Fresh {
+        clients: clients.block(),
+        frontend: Frontend::MaglevClusterIp.addr().context("a frontend")?,
+    };
     let case = |kind, frontend, feed| Case::new(Side::Uplink, xdp, kind, frontend, working_set, feed);
     Ok(vec![
         case(Kind::AffinityHit, Frontend::AffinityClusterIp, hit),
         case(Kind::AffinityMiss, Frontend::AffinityClusterIp, miss),
         case(Kind::NewFlow, Frontend::LoadBalancerIp, ranges),
+        case(Kind::NewFlow, Frontend::MaglevClusterIp, maglev),
     ])
 }
 

@@ -5,6 +5,7 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 
 use super::{Mode, XdpPolicy};
+use crate::model::LbAlgorithm;
 
 /// Where the agent pins its maps and programs unless told otherwise.
 pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/xproxy";
@@ -58,6 +59,12 @@ pub struct RunFlags {
     /// for every packet and tc does the same work for less.
     #[arg(long, value_name = "POLICY", value_enum, default_value_t = XdpPolicy::Auto)]
     pub xdp: XdpPolicy,
+
+    /// ebpf mode: how new flows pick an endpoint, unless their Service's
+    /// `xproxy.io/lb-algorithm` annotation says otherwise. `maglev`
+    /// builds a lookup table per Service (8 KiB for up to 10 endpoints).
+    #[arg(long, value_name = "ALGORITHM", value_enum, default_value_t = LbAlgorithm::Random)]
+    pub lb_algorithm: LbAlgorithm,
 
     /// Pod network CIDR(s), comma separated; overrides clusterCIDR.
     #[arg(long, value_name = "CIDR")]
@@ -158,6 +165,7 @@ impl Default for RunFlags {
             node_ips: Vec::new(),
             interfaces: Vec::new(),
             xdp: XdpPolicy::Auto,
+            lb_algorithm: LbAlgorithm::Random,
             cluster_cidr: None,
             pin_path: PathBuf::from(DEFAULT_PIN_PATH),
             socket_lb_cgroup: None,

@@ -330,6 +330,8 @@ pub struct Config {
     pub interfaces: Vec<String>,
     /// `--xdp`.
     pub xdp: XdpPolicy,
+    /// `--lb-algorithm` (ebpf mode): for Services without the annotation.
+    pub lb_algorithm: crate::model::LbAlgorithm,
     /// Pod networks (`clusterCIDR` / `--cluster-cidr`); at most one per family.
     pub cluster_cidrs: Vec<Cidr>,
     pub node_port_addresses: NodePortAddresses,

@@ -204,6 +204,7 @@ pub fn resolve(flags: &RunFlags, file: Option<&ConfigFile>, env: &Environment) -
             bind_address_hard_fail: spec.bind_address_hard_fail.unwrap_or(false),
             interfaces,
             xdp: flags.xdp,
+            lb_algorithm: flags.lb_algorithm,
             cluster_cidrs,
             node_port_addresses,
             detect_local,

@@ -800,6 +800,16 @@ fn run_flags_parse_with_clap() {
 }
 
 #[test]
+fn lb_algorithm_flag_reaches_the_config() {
+    let cli = Cli::try_parse_from(["xproxy", "--lb-algorithm", "maglev"]).unwrap();
+    let config = resolve(&cli.run, None, &env()).unwrap().config;
+    assert_eq!(config.lb_algorithm, crate::model::LbAlgorithm::Maglev);
+    let default = resolve(&RunFlags::default(), None, &env()).unwrap().config;
+    assert_eq!(default.lb_algorithm, crate::model::LbAlgorithm::Random);
+    assert!(Cli::try_parse_from(["xproxy", "--lb-algorithm", "round-robin"]).is_err());
+}
+
+#[test]
 fn mode_and_scheduler_names_round_trip() {
     for mode in Mode::ALL {
         assert_eq!(mode.to_string().parse::<Mode>(), Ok(mode));

@@ -6,7 +6,7 @@
 
 use std::collections::HashSet;
 
-use crate::model::{Problem, ServicePort};
+use crate::model::{LbAlgorithm, Problem, ServicePort};
 
 /// What one mode has reported, and what the agent has not taken yet.
 #[derive(Default)]
@@ -33,6 +33,16 @@ impl Unhonoured {
     pub fn count(&self) -> usize {
         self.reported.len()
     }
+}
+
+/// The `xproxy.io/lb-algorithm` annotation asking for Maglev, which only
+/// the ebpf mode does: `(field, how)` for the modes that balance as their
+/// kernel tables do.
+pub fn lb_algorithm(port: &ServicePort) -> Option<(&'static str, &'static str)> {
+    (port.lb_algorithm == Some(LbAlgorithm::Maglev)).then_some((
+        "metadata.annotations[xproxy.io/lb-algorithm]",
+        "maglev is the ebpf mode's: new flows are balanced at random",
+    ))
 }
 
 #[cfg(test)]

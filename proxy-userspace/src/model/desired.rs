@@ -227,6 +227,7 @@ impl Cluster {
                     affinity: info.affinity,
                     health_check_node_port: info.health_check_node_port,
                     node_zone,
+                    lb_algorithm: info.lb_algorithm,
                 }
             })
             .collect()

@@ -87,6 +87,40 @@ pub enum TrafficPolicy {
     Local,
 }
 
+/// How a new flow picks its endpoint among a Service port's (the ebpf
+/// mode's; the other modes balance as their kernel tables do).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum)]
+pub enum LbAlgorithm {
+    /// Uniformly at random, as kube-proxy's modes do.
+    #[default]
+    Random,
+    /// Maglev consistent hashing of the flow's 5-tuple: every node picks
+    /// the same endpoint for a flow, and an endpoint change moves few flows.
+    Maglev,
+}
+
+/// The annotation a Service selects its algorithm with (`random` or
+/// `maglev`), over the agent's `--lb-algorithm`.
+pub const LB_ALGORITHM_ANNOTATION: &str = "xproxy.io/lb-algorithm";
+
+impl LbAlgorithm {
+    /// The algorithm named `text` (`random`, `maglev`; any case).
+    pub fn parse(text: &str) -> Option<Self> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "random" => Some(Self::Random),
+            "maglev" => Some(Self::Maglev),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Random => "random",
+            Self::Maglev => "maglev",
+        }
+    }
+}
+
 /// One port of one Service, with the endpoints that serve it.
 ///
 /// `Default` is an empty TCP port on 0.0.0.0 with both policies `Cluster`,
@@ -133,6 +167,9 @@ pub struct ServicePort {
     /// of the port carries hints: a zone change then leaves the port as
     /// it is.
     pub node_zone: Option<Arc<str>>,
+    /// The Service's [`LB_ALGORITHM_ANNOTATION`]; `None` without one (the
+    /// agent's default applies).
+    pub lb_algorithm: Option<LbAlgorithm>,
 }
 
 /// One entry of `loadBalancerSourceRanges`: an IPv4 network.
@@ -174,6 +211,7 @@ impl Default for ServicePort {
             affinity: None,
             health_check_node_port: None,
             node_zone: None,
+            lb_algorithm: None,
         }
     }
 }

@@ -7,7 +7,7 @@ use std::{collections::BTreeSet, net::Ipv4Addr, time::Duration};
 
 use k8s_openapi::api::core::v1::{Service, ServiceSpec};
 
-use super::{Problem, Protocol, SourceRange, TrafficPolicy};
+use super::{LB_ALGORITHM_ANNOTATION, LbAlgorithm, Problem, Protocol, SourceRange, TrafficPolicy};
 
 /// Services carrying this label belong to another proxy (kube-proxy skips them too).
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
@@ -39,6 +39,7 @@ pub struct ServiceInfo {
     pub source_ranges: Vec<SourceRange>,
     pub affinity: Option<Duration>,
     pub health_check_node_port: Option<u16>,
+    pub lb_algorithm: Option<LbAlgorithm>,
 }
 
 /// kube-proxy's (and the API server's) default for
@@ -144,8 +145,23 @@ pub fn service_info(svc: &Service) -> Result<(ServiceInfo, Vec<Problem>), Skip> 
         source_ranges: source_ranges(spec, &object, &mut problems),
         affinity: affinity(spec, &object, &mut problems),
         health_check_node_port: health_check_node_port(spec, &object, &mut problems),
+        lb_algorithm: lb_algorithm(svc, &object, &mut problems),
     };
     Ok((info, problems))
+}
+
+/// The [`LB_ALGORITHM_ANNOTATION`]; an unknown name is a problem and the
+/// agent's default applies.
+fn lb_algorithm(svc: &Service, object: &str, problems: &mut Vec<Problem>) -> Option<LbAlgorithm> {
+    let text = svc.metadata.annotations.as_ref()?.get(LB_ALGORITHM_ANNOTATION)?;
+    let parsed = LbAlgorithm::parse(text);
+    if parsed.is_none() {
+        problems.push(Problem::new(
+            object,
+            format!("{LB_ALGORITHM_ANNOTATION} {text:?} is neither random nor maglev; the default applies"),
+        ));
+    }
+    parsed
 }
 
 /// `spec.externalIPs`, IPv4 only; anything else is a problem and skipped.
@@ -416,5 +432,19 @@ mod tests {
         assert_eq!(info(json!({"spec": local})).0.health_check_node_port, Some(32000));
         let cluster = lb_spec(json!({"healthCheckNodePort": 32000}));
         assert_eq!(info(json!({"spec": cluster})).0.health_check_node_port, None);
+    }
+
+    #[test]
+    fn lb_algorithm_annotation_names_random_or_maglev() {
+        let with = |value: &str| {
+            let metadata = json!({"name": "web", "namespace": "default",
+                                  "annotations": {LB_ALGORITHM_ANNOTATION: value}});
+            info(json!({"metadata": metadata, "spec": lb_spec(json!({}))}))
+        };
+        assert_eq!(info(json!({"spec": lb_spec(json!({}))})).0.lb_algorithm, None);
+        assert_eq!(with("maglev").0.lb_algorithm, Some(LbAlgorithm::Maglev));
+        assert_eq!(with(" Random ").0.lb_algorithm, Some(LbAlgorithm::Random));
+        let (svc, problems) = with("round-robin");
+        assert_eq!((svc.lb_algorithm, problems.len()), (None, 1), "{problems:?}");
     }
 }

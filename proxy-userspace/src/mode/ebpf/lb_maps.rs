@@ -13,14 +13,15 @@ use std::collections::BTreeSet;
 
 use anyhow::Result;
 use proxy_common::{
-    Backend, BackendSlotKey, CtKey, CtValue, FrontendPort, MemberKey, PortBits, ServiceKey, ServiceValue,
-    SourceRangeKey, Verdict, VerdictCounter,
+    Backend, BackendSlotKey, CtKey, CtValue, FrontendPort, MaglevChunk, MaglevKey, MemberKey, PortBits, ServiceKey,
+    ServiceValue, SourceRangeKey, Verdict, VerdictCounter,
 };
 
 use super::write_batch::{SplitStaged, Step};
 
 /// The Service maps (`XP_SERVICES`, `XP_SLOTS`, `XP_BACKENDS`,
-/// `XP_REV_NAT`, `XP_MEMBERS`, `XP_SRC_RANGES`, `XP_SVC_PORTS`), the port filter
+/// `XP_REV_NAT`, `XP_MEMBERS`, `XP_SRC_RANGES`, `XP_SVC_PORTS`, `XP_MAGLEV`),
+/// the port filter
 /// (`XP_PORTS`), what the programs write that a snapshot shows (`XP_CT`,
 /// `XP_STATS`) and the affinity map the programs fill (`XP_AFFINITY`).
 pub trait LbMaps: Sync {
@@ -40,6 +41,10 @@ pub trait LbMaps: Sync {
     fn rev_nat_ids(&self) -> Result<Vec<u32>>;
     /// Every backend set member's key: `XP_MEMBERS`.
     fn member_keys(&self) -> Result<Vec<MemberKey>>;
+    /// Every Maglev table chunk's key: `XP_MAGLEV`.
+    fn maglev_keys(&self) -> Result<Vec<MaglevKey>>;
+    /// One chunk of a Maglev table, `None` if it is not there.
+    fn maglev_chunk(&self, key: &MaglevKey) -> Result<Option<MaglevChunk>>;
     /// Every source range entry: `XP_SRC_RANGES`.
     fn source_range_keys(&self) -> Result<Vec<SourceRangeKey>>;
     /// Every external frontend's Service port entry by its reverse NAT

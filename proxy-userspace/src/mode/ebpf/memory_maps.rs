@@ -20,8 +20,8 @@ use std::{
 
 use anyhow::{Result, bail};
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtValue, FrontendPort, MemberKey, PortBits, RevNat,
-    ServiceKey, ServiceValue, SourceRangeKey, Verdict, VerdictCounter, maps, ports,
+    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtValue, FrontendPort, MaglevChunk, MaglevKey,
+    MemberKey, PortBits, RevNat, ServiceKey, ServiceValue, SourceRangeKey, Verdict, VerdictCounter, maps, ports,
 };
 
 use super::{
@@ -108,6 +108,7 @@ struct State {
     backends: MemTable<u32, Backend>,
     rev_nat: MemTable<u32, RevNat>,
     members: MemTable<MemberKey, u32>,
+    maglev: MemTable<MaglevKey, MaglevChunk>,
     source_ranges: MemTable<SourceRangeKey, u8>,
     service_ports: MemTable<u32, FrontendPort>,
     ports: Vec<PortBits>,
@@ -126,6 +127,7 @@ impl State {
             Step::Write(Table::RevNat) => self.rev_nat.write(&staged.rev_nat)?,
             Step::Write(Table::Services) => self.services.write(&staged.services)?,
             Step::Write(Table::Members) => self.members.write(&staged.members)?,
+            Step::Write(Table::Maglev) => self.maglev.write(&staged.maglev)?,
             Step::Write(Table::SourceRanges) => self.source_ranges.write(&staged.source_ranges)?,
             Step::Write(Table::ServicePorts) => self.service_ports.write(&staged.service_ports)?,
             Step::Delete(Table::Backends) => self.backends.delete(&staged.backends),
@@ -133,6 +135,7 @@ impl State {
             Step::Delete(Table::RevNat) => self.rev_nat.delete(&staged.rev_nat),
             Step::Delete(Table::Services) => self.services.delete(&staged.services),
             Step::Delete(Table::Members) => self.members.delete(&staged.members),
+            Step::Delete(Table::Maglev) => self.maglev.delete(&staged.maglev),
             Step::Delete(Table::SourceRanges) => self.source_ranges.delete(&staged.source_ranges),
             Step::Delete(Table::ServicePorts) => self.service_ports.delete(&staged.service_ports),
         })
@@ -173,6 +176,7 @@ impl State {
             Table::RevNat => &mut self.rev_nat.max_entries,
             Table::Services => &mut self.services.max_entries,
             Table::Members => &mut self.members.max_entries,
+            Table::Maglev => &mut self.maglev.max_entries,
             Table::SourceRanges => &mut self.source_ranges.max_entries,
             Table::ServicePorts => &mut self.service_ports.max_entries,
         }
@@ -188,6 +192,7 @@ impl MemoryMaps {
             backends: MemTable::new(maps::BACKENDS_MAX),
             rev_nat: MemTable::new(maps::REV_NAT_MAX),
             members: MemTable::new(maps::MEMBERS_MAX),
+            maglev: MemTable::new(maps::MAGLEV_MAX),
             source_ranges: MemTable::new(maps::SOURCE_RANGES_MAX),
             service_ports: MemTable::new(maps::SERVICE_PORTS_MAX),
             ports: vec![PortBits::default(); ports::PORT_WORDS as usize],
@@ -252,6 +257,13 @@ impl MemoryMaps {
         self.state().affinity.extend(entries.iter().copied());
     }
 
+    /// Deletes one Maglev chunk, as an agent that died halfway through
+    /// writing a table leaves it.
+    #[cfg(test)]
+    pub fn drop_maglev_chunk(&self, key: &MaglevKey) {
+        self.state().maglev.entries.remove(key);
+    }
+
     /// The affinity entries left.
     pub fn affinity_entries(&self) -> Vec<(AffinityKey, AffinityValue)> {
         self.state().affinity.clone()
@@ -294,6 +306,14 @@ impl LbMaps for MemoryMaps {
 
     fn member_keys(&self) -> Result<Vec<MemberKey>> {
         Ok(self.state().members.keys())
+    }
+
+    fn maglev_keys(&self) -> Result<Vec<MaglevKey>> {
+        Ok(self.state().maglev.keys())
+    }
+
+    fn maglev_chunk(&self, key: &MaglevKey) -> Result<Option<MaglevChunk>> {
+        Ok(self.state().maglev.get(key))
     }
 
     fn source_range_keys(&self) -> Result<Vec<SourceRangeKey>> {
@@ -425,6 +445,14 @@ impl LbMaps for FaultyMaps {
 
     fn member_keys(&self) -> Result<Vec<MemberKey>> {
         self.inner.member_keys()
+    }
+
+    fn maglev_keys(&self) -> Result<Vec<MaglevKey>> {
+        self.inner.maglev_keys()
+    }
+
+    fn maglev_chunk(&self, key: &MaglevKey) -> Result<Option<MaglevChunk>> {
+        self.inner.maglev_chunk(key)
     }
 
     fn source_range_keys(&self) -> Result<Vec<SourceRangeKey>> {

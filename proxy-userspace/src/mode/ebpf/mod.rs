@@ -31,6 +31,7 @@ mod interfaces;
 mod lb_maps;
 pub mod legacy_ct;
 mod loader;
+pub mod maglev;
 mod memory_maps;
 mod object;
 mod pinned_maps;
@@ -63,6 +64,8 @@ fn attach_uplink(datapath: &mut Datapath, iface: &str, hook: Hook, policy: XdpPo
 }
 
 #[cfg(test)]
+mod maglev_tests;
+#[cfg(test)]
 mod writer_api_tests;
 #[cfg(test)]
 mod writer_tests;
@@ -92,7 +95,7 @@ pub use write_batch::{Split, SplitStaged, Step, Table};
 use super::{Dataplane, Plan, SyncedChange, unhonoured::Unhonoured};
 use crate::{
     config::{Cidr, Config, XdpPolicy},
-    model::{Problem, Protocol, ServicePort},
+    model::{LbAlgorithm, Problem, Protocol, ServicePort},
 };
 
 /// Where the ebpf mode attaches and what it programs NodePorts on.
@@ -120,6 +123,8 @@ pub struct EbpfOptions {
     pub masquerade_all: bool,
     /// XDP on the uplinks, or tc only.
     pub xdp: XdpPolicy,
+    /// New flows' algorithm for Service ports that name none.
+    pub lb_algorithm: LbAlgorithm,
     /// The conntrack table's size and timeouts.
     pub conntrack: conntrack::CtSettings,
     /// The node's own traffic to its node ports (socket programs).
@@ -141,6 +146,7 @@ impl EbpfOptions {
             node_name: Some(config.node_name.clone()),
             masquerade_all: config.masquerade.all,
             xdp: config.xdp,
+            lb_algorithm: config.lb_algorithm,
             conntrack: conntrack::CtSettings::from_config(&config.conntrack, online_cpus()),
             socket_lb: socket_lb::SocketLbOptions::from_config(config),
             pod_cidrs: pod_cidrs::from_config(config),
@@ -247,6 +253,7 @@ impl EbpfMode {
         spawn_conntrack_sweeper(opts.pin_path.clone(), opts.conntrack);
         let mut maps = ServiceMaps::open(&opts.pin_path, node_ips.clone())?;
         maps.set_topology(opts.node_name.clone(), opts.masquerade_all);
+        maps.set_lb_default(opts.lb_algorithm);
         info!(adopted = maps.service_port_count(), ?node_ips, "ebpf data path ready");
         Ok(Self {
             maps,

@@ -10,8 +10,9 @@ use std::{
 use anyhow::{Context, Result};
 use aya::maps::{Array, HashMap, IterableMap, LpmTrie, Map, MapData, MapError, PerCpuArray};
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtValue, FrontendPort, MemberKey, PortBits, RevNat,
-    ServiceKey, ServiceValue, SourceRangeData, SourceRangeKey, Verdict, VerdictCounter, maps, ports,
+    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtValue, FrontendPort, MaglevChunk, MaglevKey,
+    MemberKey, PortBits, RevNat, ServiceKey, ServiceValue, SourceRangeData, SourceRangeKey, Verdict, VerdictCounter,
+    maps, ports,
 };
 
 use super::{
@@ -66,6 +67,7 @@ pub struct PinnedMaps {
     backends: HashMap<MapData, u32, Backend>,
     rev_nat: HashMap<MapData, u32, RevNat>,
     members: HashMap<MapData, MemberKey, u32>,
+    maglev: HashMap<MapData, MaglevKey, MaglevChunk>,
     source_ranges: LpmTrie<MapData, SourceRangeData, u8>,
     service_ports: HashMap<MapData, u32, FrontendPort>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
@@ -85,6 +87,7 @@ impl PinnedMaps {
             backends: open(pin_path, maps::BACKENDS)?,
             rev_nat: open(pin_path, maps::REV_NAT)?,
             members: open(pin_path, maps::MEMBERS)?,
+            maglev: open(pin_path, maps::MAGLEV)?,
             source_ranges: LpmTrie::try_from(pinned(pin_path, maps::SOURCE_RANGES)?)
                 .with_context(|| layout(maps::SOURCE_RANGES))?,
             service_ports: open(pin_path, maps::SERVICE_PORTS)?,
@@ -111,6 +114,7 @@ impl PinnedMaps {
             + self.slots.keys().count()
             + self.backends.keys().count()
             + self.members.keys().count()
+            + self.maglev.keys().count()
             + self.source_ranges.keys().count()
             + self.service_ports.keys().count()
     }
@@ -190,6 +194,14 @@ impl LbMaps for PinnedMaps {
         Ok(self.members.keys().collect::<Result<_, _>>()?)
     }
 
+    fn maglev_keys(&self) -> Result<Vec<MaglevKey>> {
+        Ok(self.maglev.keys().collect::<Result<_, _>>()?)
+    }
+
+    fn maglev_chunk(&self, key: &MaglevKey) -> Result<Option<MaglevChunk>> {
+        get(&self.maglev, key)
+    }
+
     fn source_range_keys(&self) -> Result<Vec<SourceRangeKey>> {
         let keys = self.source_ranges.keys().collect::<Result<Vec<_>, _>>()?;
         Ok(keys
@@ -237,6 +249,7 @@ impl LbMaps for PinnedMaps {
             Step::Write(Table::Services) => write_to(w, &self.services, &staged.services),
             Step::Write(Table::Members) => write_to(w, &self.members, &staged.members),
             Step::Write(Table::ServicePorts) => write_to(w, &self.service_ports, &staged.service_ports),
+            Step::Write(Table::Maglev) => write_to(w, &self.maglev, &staged.maglev),
             // SAFETY: the trie's key is a `SourceRangeKey` (asserted above)
             // and its value a `u8` (aya checked both sizes at open).
             Step::Write(Table::SourceRanges) => unsafe { w.write(ranges, &staged.source_ranges) },
@@ -246,6 +259,7 @@ impl LbMaps for PinnedMaps {
             Step::Delete(Table::Services) => delete_from(w, &self.services, &staged.services),
             Step::Delete(Table::Members) => delete_from(w, &self.members, &staged.members),
             Step::Delete(Table::ServicePorts) => delete_from(w, &self.service_ports, &staged.service_ports),
+            Step::Delete(Table::Maglev) => delete_from(w, &self.maglev, &staged.maglev),
             // SAFETY: as for the writes.
             Step::Delete(Table::SourceRanges) => unsafe { w.delete(ranges, &staged.source_ranges) },
         }

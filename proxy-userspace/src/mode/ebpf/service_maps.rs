@@ -40,12 +40,12 @@ use std::{
 
 use anyhow::{Context, Result};
 use proxy_common::{
-    Backend, BackendSlotKey, CtKey, CtValue, FrontendPort, MemberKey, ServiceKey, ServiceValue, SourceRangeKey,
-    Verdict, VerdictCounter,
+    Backend, BackendSlotKey, CtKey, CtValue, FrontendPort, MaglevKey, MemberKey, ServiceKey, ServiceValue,
+    SourceRangeKey, Verdict, VerdictCounter,
     backend::FLAG_LOCAL,
     service::{
-        FLAG_AFFINITY_CLIENT_IP, FLAG_EXTERNAL_ADDR, FLAG_EXTERNAL_LOCAL, FLAG_INTERNAL_LOCAL, FLAG_NEEDS_SNAT,
-        FLAG_NODE_PORT, FLAG_SOURCE_RANGES, FLAGS_EXTERNAL,
+        FLAG_AFFINITY_CLIENT_IP, FLAG_EXTERNAL_ADDR, FLAG_EXTERNAL_LOCAL, FLAG_INTERNAL_LOCAL, FLAG_MAGLEV,
+        FLAG_NEEDS_SNAT, FLAG_NODE_PORT, FLAG_SOURCE_RANGES, FLAGS_EXTERNAL,
     },
 };
 use tracing::debug;
@@ -53,6 +53,7 @@ use tracing::debug;
 use super::{
     ids::{Acquired, BackendRefs, IdAllocator},
     lb_maps::LbMaps,
+    maglev,
     pinned_maps::PinnedMaps,
     port_filter::PortFilter,
     slot_layout::SlotLayout,
@@ -62,7 +63,7 @@ use super::{
 };
 use crate::{
     dump::Snapshot,
-    model::{Endpoint, EndpointSets, ServicePort},
+    model::{Endpoint, EndpointSets, LbAlgorithm, ServicePort},
 };
 
 /// What was written for one Service port, to diff the next write against.
@@ -75,6 +76,9 @@ struct Applied {
     backends: Vec<u32>,
     /// The set's members are in the members map (for ClientIP affinity).
     members: bool,
+    /// The run of slots `(offset, count)` the set's Maglev table was built
+    /// for; its frontends with that run are flagged `FLAG_MAGLEV`.
+    maglev: Option<(u32, u32)>,
     /// The source range entries of the port's load balancer IPs.
     ranges: BTreeSet<RangeKeyOrd>,
     /// Frontend reverse NAT id -> its Service port entry, for the
@@ -129,6 +133,8 @@ pub struct ServiceMaps<M = PinnedMaps> {
     node_name: Option<String>,
     /// kube-proxy's masqueradeAll: every frontend asks for SNAT.
     masquerade_all: bool,
+    /// The algorithm of Service ports that do not name one.
+    lb_default: LbAlgorithm,
     /// By ClusterIP frontend.
     applied: BTreeMap<ServiceKeyOrd, Applied>,
     /// Service port name -> ClusterIP frontend, for ports synced by name.
@@ -164,6 +170,7 @@ struct Leftovers {
     source_ranges: Vec<SourceRangeKey>,
     /// Service port entries by their frontend's reverse NAT id.
     service_ports: Vec<u32>,
+    maglev: Vec<MaglevKey>,
 }
 
 impl ServiceMaps<PinnedMaps> {
@@ -185,6 +192,7 @@ impl<M: LbMaps> ServiceMaps<M> {
             node_ips,
             node_name: None,
             masquerade_all: false,
+            lb_default: LbAlgorithm::Random,
             applied: BTreeMap::new(),
             names: BTreeMap::new(),
             backends: BackendRefs::default(),
@@ -229,6 +237,10 @@ impl<M: LbMaps> ServiceMaps<M> {
         for key in self.maps.member_keys()? {
             *member_counts.entry(key.backend_set).or_default() += 1;
         }
+        let mut maglev_chunks: BTreeMap<u32, u32> = BTreeMap::new();
+        for key in self.maps.maglev_keys()? {
+            *maglev_chunks.entry(key.backend_set).or_default() += 1;
+        }
         let mut groups: BTreeMap<u32, Vec<(ServiceKey, ServiceValue)>> = BTreeMap::new();
         for (key, value) in self.maps.services()? {
             groups.entry(value.backend_set).or_default().push((key, value));
@@ -265,6 +277,7 @@ impl<M: LbMaps> ServiceMaps<M> {
             // written again with them if its port has affinity.
             let has_members =
                 backend_set != 0 && !backends.is_empty() && member_counts.get(&set) == Some(&backends.len());
+            let maglev = adopted_maglev_run(&members, maglev_chunks.get(&set).copied()).filter(|_| backend_set != 0);
             self.applied.insert(
                 cluster_key.into(),
                 Applied {
@@ -272,6 +285,7 @@ impl<M: LbMaps> ServiceMaps<M> {
                     backend_set,
                     backends,
                     members: has_members,
+                    maglev,
                     ranges,
                     service_ports,
                 },
@@ -305,6 +319,12 @@ impl<M: LbMaps> ServiceMaps<M> {
         self.masquerade_all = masquerade_all;
     }
 
+    /// The algorithm of Service ports without an annotation naming one
+    /// (`--lb-algorithm`), from the next sync of each on.
+    pub fn set_lb_default(&mut self, algorithm: LbAlgorithm) {
+        self.lb_default = algorithm;
+    }
+
     fn is_local(&self, ep: &Endpoint) -> bool {
         match (&self.node_name, &ep.node_name) {
             (Some(ours), Some(theirs)) => ours.as_str() == &**theirs,
@@ -336,6 +356,7 @@ impl<M: LbMaps> ServiceMaps<M> {
             found.service_ports.push(id);
         }
         found.members = self.maps.member_keys()?;
+        found.maglev = self.maps.maglev_keys()?;
         found.source_ranges = self.maps.source_range_keys()?;
         Ok(found)
     }
@@ -351,6 +372,11 @@ impl<M: LbMaps> ServiceMaps<M> {
             .map(|a| a.backend_set)
             .collect();
         found.members.retain(|k| !member_sets.contains(&k.backend_set));
+        let maglev_sets: BTreeSet<u32> = (self.applied.values())
+            .filter(|a| a.maglev.is_some())
+            .map(|a| a.backend_set)
+            .collect();
+        found.maglev.retain(|k| !maglev_sets.contains(&k.backend_set));
         let ranges: BTreeSet<RangeKeyOrd> = self.applied.values().flat_map(|a| a.ranges.iter().copied()).collect();
         found.source_ranges.retain(|k| !ranges.contains(&RangeKeyOrd::from(*k)));
         let in_use = self.rev_nat_ids_in_use();
@@ -417,11 +443,17 @@ impl<M: LbMaps> ServiceMaps<M> {
         // Affinity needs the set's members: a set written without them is
         // written again with them (and the other way round).
         let members = svc.affinity.is_some() && !backends.is_empty();
-        let backend_set = if backends == old.backends && old.backend_set != 0 && old.members == members {
-            old.backend_set
-        } else {
-            self.write_backend_set(&backends, members)?
-        };
+        let maglev = self.maglev_run(svc, &layout);
+        let backend_set =
+            if backends == old.backends && old.backend_set != 0 && old.members == members && old.maglev == maglev {
+                old.backend_set
+            } else {
+                let set = self.write_backend_set(&backends, members)?;
+                if let Some(run) = maglev {
+                    self.write_maglev_table(set, &layout, &backends, run);
+                }
+                set
+            };
 
         let ports = self.frontends_of(svc).into_iter().map(|(key, _)| key.port());
         self.port_filter
@@ -438,7 +470,10 @@ impl<M: LbMaps> ServiceMaps<M> {
                 Some(value) => value.rev_nat_id,
                 None => self.rev_nat_ids.allocate()?,
             };
-            let (backend_offset, backend_count, flags) = self.frontend_use(svc, &sets, &layout, kind);
+            let (backend_offset, backend_count, mut flags) = self.frontend_use(svc, &sets, &layout, kind);
+            if maglev == Some((backend_offset, backend_count)) {
+                flags |= FLAG_MAGLEV;
+            }
             if flags & FLAG_SOURCE_RANGES != 0 {
                 ranges.extend(source_ranges::entries(svc, rev_nat_id));
             }
@@ -490,6 +525,7 @@ impl<M: LbMaps> ServiceMaps<M> {
         }
         if old.backend_set != 0 && old.backend_set != backend_set {
             self.delete_backend_set(old.backend_set, &old.backends, old.members);
+            self.delete_maglev_table(old.backend_set, old.maglev);
         }
         for id in &old.backends {
             self.release_backend(*id)?;
@@ -501,6 +537,7 @@ impl<M: LbMaps> ServiceMaps<M> {
                 backend_set,
                 backends,
                 members,
+                maglev,
                 ranges,
                 service_ports,
             },
@@ -603,6 +640,9 @@ impl<M: LbMaps> ServiceMaps<M> {
         for key in leftovers.members {
             self.staged.members.delete(key);
         }
+        for key in leftovers.maglev {
+            self.staged.maglev.delete(key);
+        }
         for key in leftovers.source_ranges {
             self.staged.source_ranges.delete(key);
         }
@@ -640,6 +680,7 @@ impl<M: LbMaps> ServiceMaps<M> {
         }
         if old.backend_set != 0 {
             self.delete_backend_set(old.backend_set, &old.backends, old.members);
+            self.delete_maglev_table(old.backend_set, old.maglev);
         }
         for id in &old.backends {
             self.release_backend(*id)?;
@@ -773,6 +814,50 @@ impl<M: LbMaps> ServiceMaps<M> {
         self.set_ids.release(set);
     }
 
+    /// The run a Maglev table is built for when `svc` selects Maglev: the
+    /// `Cluster` run, which every node's frontends of the port share (a
+    /// `Local` run differs per node: its frontends balance at random unless
+    /// it is the same run). `None` for an empty run or one too large for a
+    /// table.
+    fn maglev_run(&self, svc: &ServicePort, layout: &SlotLayout<'_>) -> Option<(u32, u32)> {
+        let wanted = svc.lb_algorithm.unwrap_or(self.lb_default) == LbAlgorithm::Maglev;
+        let (_, count) = layout.cluster;
+        (wanted && proxy_common::maglev::table_size(count).is_some()).then_some(layout.cluster)
+    }
+
+    /// Stages the Maglev table of set `set` for its slots `run`; written
+    /// with the slots, before any frontend is flagged to use it.
+    fn write_maglev_table(&mut self, set: u32, layout: &SlotLayout<'_>, backends: &[u32], (offset, count): (u32, u32)) {
+        let run = (layout.slots.iter().zip(backends))
+            .skip(offset as usize)
+            .take(count as usize);
+        let members: Vec<maglev::Member> = run
+            .map(|(ep, id)| maglev::Member {
+                id: *id,
+                addr: ep.addr,
+                port: ep.port,
+            })
+            .collect();
+        let Some(table) = maglev::table(&members) else {
+            return;
+        };
+        for (key, chunk) in maglev::chunks(set, &table) {
+            self.staged.maglev.write(key, chunk);
+        }
+    }
+
+    fn delete_maglev_table(&mut self, set: u32, run: Option<(u32, u32)>) {
+        let Some(size) = run.and_then(|(_, count)| proxy_common::maglev::table_size(count)) else {
+            return;
+        };
+        for chunk in 0..proxy_common::maglev::chunks(size) {
+            self.staged.maglev.delete(MaglevKey {
+                backend_set: set,
+                chunk,
+            });
+        }
+    }
+
     fn remove_frontend(&mut self, key: ServiceKey, value: &ServiceValue) {
         self.staged.services.delete(key);
         self.rev_nat_ids.release(value.rev_nat_id);
@@ -848,6 +933,17 @@ fn service_port_entry(value: &ServiceValue, cluster: (u32, u32), affinity_id: u3
         affinity_id: if sticky { affinity_id } else { 0 },
         cluster,
     })
+}
+
+/// The run `(offset, count)` of a set's Maglev table as the maps hold it:
+/// the run of its frontends flagged `FLAG_MAGLEV`, if `chunks` (found in
+/// the Maglev map for the set) are all of the table's. `None` otherwise:
+/// a table written halfway is a leftover, and the next sync of the port
+/// writes its set afresh.
+fn adopted_maglev_run(frontends: &[(ServiceKey, ServiceValue)], chunks: Option<u32>) -> Option<(u32, u32)> {
+    let (_, value) = frontends.iter().find(|(_, v)| v.flags & FLAG_MAGLEV != 0)?;
+    let size = proxy_common::maglev::table_size(value.backend_count)?;
+    (chunks == Some(proxy_common::maglev::chunks(size))).then_some((value.backend_offset, value.backend_count))
 }
 
 /// The frontend's affinity timeout: whole seconds, at least 1 (the model

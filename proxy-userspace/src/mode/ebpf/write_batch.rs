@@ -13,7 +13,8 @@ use std::{
 
 use anyhow::{Context, Result};
 use proxy_common::{
-    Backend, BackendSlotKey, FrontendPort, MemberKey, RevNat, ServiceKey, ServiceValue, SourceRangeKey,
+    Backend, BackendSlotKey, FrontendPort, MaglevChunk, MaglevKey, MemberKey, RevNat, ServiceKey, ServiceValue,
+    SourceRangeKey,
 };
 use tracing::info;
 
@@ -29,6 +30,7 @@ pub struct Staged {
     pub members: Pending<MemberKey, u32>,
     pub source_ranges: Pending<SourceRangeKey, u8>,
     pub service_ports: Pending<u32, FrontendPort>,
+    pub maglev: Pending<MaglevKey, MaglevChunk>,
 }
 
 impl Staged {
@@ -41,6 +43,7 @@ impl Staged {
             members: self.members.split(),
             source_ranges: self.source_ranges.split(),
             service_ports: self.service_ports.split(),
+            maglev: self.maglev.split(),
         }
     }
 }
@@ -54,6 +57,7 @@ pub struct SplitStaged {
     pub members: Split<MemberKey, u32>,
     pub source_ranges: Split<SourceRangeKey, u8>,
     pub service_ports: Split<u32, FrontendPort>,
+    pub maglev: Split<MaglevKey, MaglevChunk>,
 }
 
 impl SplitStaged {
@@ -71,6 +75,7 @@ impl SplitStaged {
             Table::Members => self.members.entries_of(step),
             Table::SourceRanges => self.source_ranges.entries_of(step),
             Table::ServicePorts => self.service_ports.entries_of(step),
+            Table::Maglev => self.maglev.entries_of(step),
         }
     }
 }
@@ -165,7 +170,9 @@ impl<K: Copy + Eq + Hash, V: Copy> Pending<K, V> {
 /// The Service maps a flush writes: slots name backends, frontends name
 /// slots; reverse NAT entries are only deleted (see [`FLUSH_STAGES`]).
 /// Members (backend sets with affinity) go with the slots, a frontend's
-/// source ranges and its Service port entry with the frontend.
+/// source ranges and its Service port entry with the frontend. Maglev tables
+/// (of sets whose frontends select Maglev) go with the slots too: they name
+/// backends by id.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Table {
     Backends,
@@ -175,6 +182,7 @@ pub enum Table {
     Members,
     SourceRanges,
     ServicePorts,
+    Maglev,
 }
 
 /// One map's writes, or its deletes, of a flush.
@@ -206,6 +214,7 @@ impl std::fmt::Display for Step {
             Table::Members => "backend set members",
             Table::SourceRanges => "source ranges",
             Table::ServicePorts => "service port entries",
+            Table::Maglev => "Maglev tables",
         };
         write!(f, "{verb} {what}")
     }
@@ -229,11 +238,16 @@ pub(super) const FLUSH_STAGES: [&[Step]; 6] = [
         Step::Write(Table::Slots),
         Step::Write(Table::Members),
         Step::Write(Table::SourceRanges),
+        Step::Write(Table::Maglev),
     ],
     &[Step::Write(Table::Services), Step::Write(Table::ServicePorts)],
     &[Step::Delete(Table::Services), Step::Delete(Table::ServicePorts)],
     &[Step::Delete(Table::RevNat), Step::Delete(Table::SourceRanges)],
-    &[Step::Delete(Table::Slots), Step::Delete(Table::Members)],
+    &[
+        Step::Delete(Table::Slots),
+        Step::Delete(Table::Members),
+        Step::Delete(Table::Maglev),
+    ],
     &[Step::Delete(Table::Backends)],
 ];
 
@@ -497,7 +511,13 @@ mod tests {
             stage
         };
         let before = |a, b| assert!(stage_of(a) < stage_of(b), "{a} must end before {b} starts");
-        let pointed_at = [Table::Backends, Table::Slots, Table::Members, Table::SourceRanges];
+        let pointed_at = [
+            Table::Backends,
+            Table::Slots,
+            Table::Members,
+            Table::SourceRanges,
+            Table::Maglev,
+        ];
         for table in pointed_at {
             before(Step::Write(table), Step::Write(Table::Services));
         }
@@ -513,7 +533,8 @@ mod tests {
             before(Step::Write(table), Step::Write(Table::ServicePorts));
             before(Step::Delete(Table::ServicePorts), Step::Delete(table));
         }
-        assert_eq!(FLUSH_STAGES.iter().map(|s| s.len()).sum::<usize>(), 13);
+        before(Step::Delete(Table::Maglev), Step::Delete(Table::Backends));
+        assert_eq!(FLUSH_STAGES.iter().map(|s| s.len()).sum::<usize>(), 15);
     }
 
     #[test]

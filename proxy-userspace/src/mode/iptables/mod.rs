@@ -198,7 +198,8 @@ impl IptablesMode {
     /// Logs once and counts what of `ports` the mode cannot do as asked.
     fn report_unhonoured<'a>(&mut self, ports: impl IntoIterator<Item = &'a ServicePort>) {
         for port in ports {
-            if let Some((field, how)) = rules::unhonoured(&self.opts, port) {
+            let unhonoured = rules::unhonoured(&self.opts, port).into_iter();
+            for (field, how) in unhonoured.chain(super::unhonoured::lb_algorithm(port)) {
                 self.unhonoured.report(port, field, how);
             }
         }

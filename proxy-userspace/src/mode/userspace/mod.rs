@@ -293,7 +293,7 @@ impl Drop for UserspaceMode {
 /// reaches every endpoint (kube-proxy's legacy userspace mode predates the
 /// traffic policies).
 fn unhonoured_fields(service: &ServicePort) -> Vec<(&'static str, &'static str)> {
-    let mut out = Vec::new();
+    let mut out: Vec<_> = super::unhonoured::lb_algorithm(service).into_iter().collect();
     if !service.external_ips.is_empty() {
         out.push((
             "spec.externalIPs",
