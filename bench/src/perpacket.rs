@@ -777,6 +777,7 @@ mod tests {
                 "XP_CT",
                 "XP_CT_STATS",
                 "XP_FRAGS",
+                "XP_MAGLEV",
                 "XP_MEMBERS",
                 "XP_NODE_ADDRS",
                 "XP_POD_CIDRS",
