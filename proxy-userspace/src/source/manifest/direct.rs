@@ -90,20 +90,45 @@ impl Fields {
     }
 
     fn service(self) -> Service {
+        let mut spec = self.spec;
+        if let Some(spec) = &mut spec {
+            shrink(&mut spec.ports);
+            shrink(&mut spec.cluster_ips);
+            shrink(&mut spec.ip_families);
+        }
         Service {
             metadata: self.metadata.unwrap_or_default(),
-            spec: self.spec,
+            spec,
             status: self.status,
         }
     }
 
     fn slice(self) -> EndpointSlice {
+        let mut endpoints = self.endpoints;
+        shrink(&mut endpoints);
+        for endpoint in endpoints.iter_mut().flatten() {
+            endpoint.addresses.shrink_to_fit();
+        }
+        let mut ports = self.ports;
+        shrink(&mut ports);
         EndpointSlice {
             address_type: self.address_type.unwrap_or_default(),
-            endpoints: self.endpoints,
+            endpoints,
             metadata: self.metadata.unwrap_or_default(),
-            ports: self.ports,
+            ports,
         }
+    }
+}
+
+/// Gives back a list's growth room. libyaml's deserializer does not say
+/// how long a sequence is, so a list grows by doubling (10 endpoints take
+/// room for 16, one address room for 4): at 10,000 Services x 10
+/// endpoints that was ~30 MiB more at the peak and in the agent's RSS
+/// after the first sync than through a value, whose lists say their
+/// length.
+fn shrink<T>(list: &mut Option<Vec<T>>) {
+    if let Some(list) = list {
+        list.shrink_to_fit();
     }
 }
 
