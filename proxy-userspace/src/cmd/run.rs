@@ -134,9 +134,12 @@ async fn run_agent(mut config: Config) -> Result<(), Failure> {
     if config.node_ips.is_empty() {
         config.node_ips = find_node_ips(&config, client.clone()).await;
     }
-    let mode = start_mode(&config).await?;
+    // The source first: it reads (a manifest directory of 10,000 Services
+    // takes about a second) while the mode loads and attaches its programs;
+    // its events wait in the channel.
     let (events, receiver) = mpsc::channel(1024);
     start_source(&config, client, events)?;
+    let mode = start_mode(&config).await?;
 
     let policy = SyncPolicy::new(config.sync.min_sync_period, config.sync.sync_period);
     let service_health = ServiceHealth::new(
