@@ -135,7 +135,7 @@ fn shrink<T>(list: &mut Option<Vec<T>>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::source::manifest::parse::{Format, parse};
+    use crate::source::manifest::parse::{Format, parse, tests::TYPED_LISTS, yaml_documents};
 
     /// What the general path (serde-saphyr, through a value) makes of `text`.
     fn general(text: &str) -> FileObjects {
@@ -213,20 +213,11 @@ ports: [{name: http, port: 8080, protocol: TCP}]
             indented(slice)
         );
         assert_same_as_general(&list);
-        let typed = "\
-apiVersion: v1
-kind: ServiceList
-items:
-- metadata: {name: a}
-  spec: {clusterIP: 10.96.0.1}
-- apiVersion: v1
-  kind: Service
-  metadata: {name: b}
-";
-        assert_same_as_general(typed);
-        assert_same_as_general(
-            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSliceList\nitems:\n- {addressType: IPv4, metadata: {name: a-1}}\n",
-        );
+        // The ServiceList and the EndpointSliceList (the NodeList is not
+        // this path's).
+        for list in &yaml_documents(TYPED_LISTS)[..2] {
+            assert_same_as_general(list);
+        }
     }
 
     /// What the direct path does not make exactly as the general path does

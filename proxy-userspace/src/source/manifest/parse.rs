@@ -261,7 +261,7 @@ fn take_items(doc: &mut Value) -> Vec<Value> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     fn names<K: k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>>(
@@ -303,17 +303,9 @@ metadata:
   resourceVersion: \"\"
 ";
 
-    #[test]
-    fn a_v1_list_gives_its_items_and_skips_other_kinds() {
-        let (objects, problems) = yaml(KUBECTL_LIST);
-        assert!(problems.is_empty(), "{problems:?}");
-        assert_eq!(names(&objects.services), ["web"]);
-        assert_eq!(names(&objects.slices), ["web-abc12"]);
-    }
-
-    #[test]
-    fn typed_lists_give_their_items_with_or_without_a_kind() {
-        let text = "\
+    /// A `ServiceList`, an `EndpointSliceList` and a `NodeList`, items
+    /// with and without their kind.
+    pub(in crate::source::manifest) const TYPED_LISTS: &str = "\
 apiVersion: v1
 kind: ServiceList
 items:
@@ -333,6 +325,18 @@ kind: NodeList
 items:
 - metadata: {name: node-a}
 ";
+
+    #[test]
+    fn a_v1_list_gives_its_items_and_skips_other_kinds() {
+        let (objects, problems) = yaml(KUBECTL_LIST);
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(names(&objects.services), ["web"]);
+        assert_eq!(names(&objects.slices), ["web-abc12"]);
+    }
+
+    #[test]
+    fn typed_lists_give_their_items_with_or_without_a_kind() {
+        let text = TYPED_LISTS;
         let (objects, problems) = yaml(text);
         assert!(problems.is_empty(), "{problems:?}");
         assert_eq!(names(&objects.services), ["a", "b"]);
