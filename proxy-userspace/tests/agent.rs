@@ -303,6 +303,39 @@ fn node_ips_come_from_the_node_object_without_node_ip() {
     });
 }
 
+/// The same from the manifest directory's Node document: the directory is
+/// read once at the start, for the node IPs and for the Services alike.
+#[test]
+fn node_ips_come_from_the_manifests_node_document_without_node_ip() {
+    const TEST: &str = "node_ips_come_from_the_manifests_node_document_without_node_ip";
+    if !require_root(TEST) {
+        return;
+    }
+    run(TEST, |bed| {
+        bed.copy_seed_manifests()?;
+        bed.write_manifest("node.yaml", &yaml_documents(&[fixtures::node()]))?;
+        bed.start_agent_finding_node_ip("ebpf", &bed.manifest_args())?;
+        let ready = bed.wait_answering(seed_node_port(), READY_WITHIN)?;
+        let log = bed.log();
+        let found = log_lines(&log, "node IPs found");
+        ensure!(
+            found
+                .iter()
+                .any(|l| l.contains(&NODE_IP.to_string()) && l.contains("from_node=true")),
+            "the log does not say {NODE_IP} was found on the Node: {found:?}"
+        );
+        // The source's first snapshot comes from that reading: no file read.
+        let readings = log_lines(&log, "manifests read");
+        let parsing: Vec<&String> = readings.iter().filter(|l| !l.contains(" read=0 ")).collect();
+        ensure!(parsing.len() == 1, "the files were read more than once: {readings:?}");
+        note(
+            TEST,
+            format!("NodePort answering {ready:.1?} after the start, one reading"),
+        );
+        Ok(())
+    });
+}
+
 /// The node's zone comes from its Node object through the API watch: zone
 /// hints keep the Service's traffic in this node's zone, and when the
 /// Node's zone label changes the agent re-programs the Service for the

@@ -131,12 +131,16 @@ async fn run_agent(mut config: Config) -> Result<(), Failure> {
     let telemetry = Telemetry::new(config.mode.as_str(), config.sync.sync_period, stats_pin);
     start_servers(&config, &telemetry).await?;
     let client = api_client(&config, &telemetry).await?;
+    let mut manifests = manifest_dir(&config)?;
     if config.node_ips.is_empty() {
-        config.node_ips = find_node_ips(&config, client.clone()).await;
+        config.node_ips = find_node_ips(&config, client.clone(), manifests.as_mut()).await;
     }
-    let mode = start_mode(&config).await?;
+    // The source first: it reads (a manifest directory of 10,000 Services
+    // takes about a second) while the mode loads and attaches its programs;
+    // its events wait in the channel.
     let (events, receiver) = mpsc::channel(1024);
-    start_source(&config, client, events)?;
+    start_source(&config, client, manifests, events)?;
+    let mode = start_mode(&config).await?;
 
     let policy = SyncPolicy::new(config.sync.min_sync_period, config.sync.sync_period);
     let service_health = ServiceHealth::new(
@@ -243,15 +247,19 @@ const NODE_IP_WAIT: Duration = Duration::from_secs(10);
 /// object (the API's, or the manifest directory's Node document), else
 /// `bindAddress`, else the default route's interface (see
 /// [`source::node::node_ips`]).
-async fn find_node_ips(config: &Config, client: Option<kube::Client>) -> Vec<std::net::IpAddr> {
-    let node = match (&config.source, client) {
-        (Source::Manifests(dir), _) => ManifestDir::new(dir).ok().and_then(|source| {
-            let mut source = source.for_node(&config.node_name);
-            source.reload_if_changed().ok()?;
-            source.node().cloned()
-        }),
-        (_, Some(client)) => source::node::fetch(client, &config.node_name, NODE_IP_WAIT).await,
-        (_, None) => None,
+async fn find_node_ips(
+    config: &Config,
+    client: Option<kube::Client>,
+    manifests: Option<&mut ManifestDir>,
+) -> Vec<std::net::IpAddr> {
+    let node = match (manifests, client) {
+        // The source reuses this reading: the directory is read once.
+        (Some(manifests), _) => manifests
+            .reload_if_changed()
+            .ok()
+            .and_then(|_| manifests.node().cloned()),
+        (None, Some(client)) => source::node::fetch(client, &config.node_name, NODE_IP_WAIT).await,
+        (None, None) => None,
     };
     let listed = |what: &str, addrs: anyhow::Result<Vec<std::net::Ipv4Addr>>| {
         addrs.unwrap_or_else(|e| {
@@ -275,19 +283,24 @@ async fn find_node_ips(config: &Config, client: Option<kube::Client>) -> Vec<std
     ips
 }
 
+/// The manifest directory of the manifests source (`None` for the API).
+fn manifest_dir(config: &Config) -> Result<Option<ManifestDir>, Failure> {
+    let Source::Manifests(dir) = &config.source else {
+        return Ok(None);
+    };
+    let manifests = ManifestDir::new(dir).exit_code(ExitCode::BadConfig)?;
+    Ok(Some(manifests.for_node(&config.node_name)))
+}
+
 fn start_source(
     config: &Config,
     client: Option<kube::Client>,
+    manifests: Option<ManifestDir>,
     events: mpsc::Sender<source::SourceEvent>,
 ) -> Result<(), Failure> {
-    match (&config.source, client) {
-        (Source::Manifests(dir), _) => {
-            ManifestDir::new(dir)
-                .exit_code(ExitCode::BadConfig)?
-                .for_node(&config.node_name)
-                .spawn(events);
-        }
-        (_, Some(client)) => {
+    match (manifests, client) {
+        (Some(manifests), _) => manifests.spawn(events),
+        (None, Some(client)) => {
             // Never give up on the API server: a node may boot before its
             // control plane, and a proxy that exits then only crash-loops.
             // The watchers retry on their own; this says why nothing syncs
@@ -295,7 +308,7 @@ fn start_source(
             tokio::spawn(report_api_server(client.clone()));
             source::kube::spawn(client, &config.node_name, events);
         }
-        (_, None) => {
+        (None, None) => {
             return Err(Failure::new(
                 ExitCode::Error,
                 anyhow!("no API client for the API source"),

@@ -14,6 +14,7 @@
 //! change, naming the file. Only files whose length, modification time or
 //! inode changed are read again, several at a time.
 
+mod direct;
 mod parse;
 
 use std::{
@@ -249,8 +250,11 @@ impl ManifestDir {
     }
 
     /// Polls the directory and sends a full snapshot whenever it changes,
-    /// starting with the first one, until the receiver goes away.
+    /// starting with the first one, until the receiver goes away. A
+    /// reading made before (for this node's Node, see [`Self::node`]) is
+    /// not read again: the first snapshot comes from its cache.
     pub fn spawn(mut self, events: mpsc::Sender<SourceEvent>) {
+        self.read_once = false;
         tokio::spawn(async move {
             loop {
                 // Parsing a large directory takes a while: not on a worker

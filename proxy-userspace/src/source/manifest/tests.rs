@@ -93,6 +93,35 @@ fn this_nodes_node_document_is_found_by_name() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// The agent reads the directory once before the source runs when it
+/// looks for this node's Node (no `--node-ip`): the source still sends
+/// everything first, from that reading, and then only changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_read_before_it_runs_sends_that_reading_first() {
+    let dir = temp_dir();
+    let (mut source, (services, ..)) = first_reading(&dir, &[("nginx.yaml", SEED)]);
+    assert_eq!(services.len(), 1);
+    assert!(source.reload_if_changed().unwrap().is_none(), "nothing changed");
+    let (events, mut received) = mpsc::channel(16);
+    source.spawn(events);
+    let mut sent = (None, None);
+    let first = async {
+        while sent.0.is_none() || sent.1.is_none() {
+            match received.recv().await.expect("the source runs") {
+                SourceEvent::Services(Update::Replace(all)) => sent.0 = Some(all.len()),
+                SourceEvent::Slices(Update::Replace(all)) => sent.1 = Some(all.len()),
+                _ => {}
+            }
+        }
+    };
+    // Polled every 200 ms: a source that sends nothing fails here.
+    tokio::time::timeout(Duration::from_secs(5), first)
+        .await
+        .expect("the first snapshot is sent");
+    assert_eq!(sent, (Some(1), Some(1)));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 #[test]
 fn a_missing_directory_is_an_error() {
     assert!(ManifestDir::new(Path::new("/nonexistent/xproxy")).is_err());
