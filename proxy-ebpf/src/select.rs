@@ -36,7 +36,7 @@ pub fn new_flow_backend(flow: &Flow, svc: &ServiceValue) -> Option<(u32, Backend
 /// an earlier range check (merged with another, it once dropped it and the
 /// verifier refused the program).
 const SIZES_LEN: usize = 1024;
-const _: () = assert!(MAX_BACKENDS as usize + 1 <= SIZES_LEN);
+const _: () = assert!((MAX_BACKENDS as usize) < SIZES_LEN);
 
 /// Table sizes by run length (`proxy_common::maglev::SIZE_BY_BACKENDS`,
 /// 0 past its end), in read-only data.

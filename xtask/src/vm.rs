@@ -76,9 +76,10 @@ pub struct GuestKernel {
 /// runs: the one place that names the test targets of the VM. Under
 /// software emulation every suite on both would take over 20 minutes, so the
 /// heavier ones are split (README.md, "Kernels tested", says why):
-/// - 6.1, the oldest: the IPVS suites, and the two-node bed in every
-///   kernel mode (remote backends and SNAT through the oldest netfilter,
-///   nftables and verifier).
+/// - 6.1, the oldest: the IPVS suites, the two-node bed in every kernel
+///   mode (remote backends and SNAT through the oldest netfilter, nftables
+///   and verifier), `xproxy trace` where tc programs are filters (before
+///   tcx) and Maglev through the agent.
 /// - 6.12: what changes with the attach API (tcx links from 6.6): the
 ///   two-node bed in the ebpf mode, the agent switching between every mode
 ///   (links detached and replaced) and the IPVS mode's own tests.
@@ -94,6 +95,8 @@ pub const KERNELS: &[GuestKernel] = &[
             "traffic:ipvs",
             "bulk:ipvs",
             "status:ipvs",
+            "trace",
+            "maglev",
             "two_node:two_node_ebpf",
             "two_node:two_node_iptables",
             "two_node:two_node_nftables",
