@@ -7,18 +7,15 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtTimeouts, CtValue, FragKey, FragPorts, MaglevChunk,
-    MaglevKey, MemberKey, PortBits, RevNat, ServiceKey, ServiceValue, SourceRangeData, Verdict, VerdictCounter,
+    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtTimeouts, CtValue, FragKey, FragPorts, FrontendPort,
+    MaglevChunk, MaglevKey, MemberKey, PortBits, RevNat, ServiceKey, ServiceValue, SourceRangeData, Verdict,
+    VerdictCounter,
     conntrack::{seconds_to_ns, state_index},
     maps::{
         AFFINITY_MAX, BACKEND_SLOTS_MAX, BACKENDS_MAX, CONNTRACK_MAX, FRAGMENTS_MAX, MAGLEV_MAX, MEMBERS_MAX,
-        REV_NAT_MAX, SERVICES_MAX, SOURCE_RANGES_MAX,
+        POD_CIDRS_MAX, REV_NAT_MAX, SERVICE_PORTS_MAX, SERVICES_MAX, SOURCE_RANGES_MAX,
     },
     ports::PORT_WORDS,
-};
-use proxy_common::{
-    FrontendPort,
-    maps::{POD_CIDRS_MAX, SERVICE_PORTS_MAX},
 };
 
 // Only user space writes these, so they need not be preallocated: memory
