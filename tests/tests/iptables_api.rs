@@ -61,8 +61,8 @@ fn api_port() -> ServicePort {
     for ep in &mut port.endpoints {
         ep.node_name = Some(Arc::from(NODE_NAME));
     }
-    port.external_ips = vec![EXTERNAL_IP];
-    port.load_balancer_ips = vec![LB_IP];
+    port.external_ips = vec![EXTERNAL_IP.into()];
+    port.load_balancer_ips = vec![LB_IP.into()];
     port
 }
 

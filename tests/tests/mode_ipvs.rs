@@ -54,7 +54,7 @@ fn seed(endpoints: Vec<Endpoint>) -> ServicePort {
     ServicePort {
         name: SEED_NAME.into(),
         protocol: Protocol::Tcp,
-        cluster_ip: Ipv4Addr::new(10, 96, 0, 88),
+        cluster_ip: Ipv4Addr::new(10, 96, 0, 88).into(),
         port: 88,
         node_port: Some(30791),
         endpoints,
@@ -295,12 +295,12 @@ fn load_balancer() -> ServicePort {
     ServicePort {
         name: LB_NAME.into(),
         protocol: Protocol::Tcp,
-        cluster_ip: LB_CLUSTER_IP,
+        cluster_ip: LB_CLUSTER_IP.into(),
         port: 88,
         node_port: Some(LB_NODE_PORT),
         endpoints,
-        external_ips: vec![EXTERNAL_IP],
-        load_balancer_ips: vec![LB_IP],
+        external_ips: vec![EXTERNAL_IP.into()],
+        load_balancer_ips: vec![LB_IP.into()],
         source_ranges: vec![range([172, 30, 0, 0], 24)],
         affinity: Some(Duration::from_secs(30)),
         ..ServicePort::default()
@@ -553,9 +553,9 @@ fn conflicts_are_reported_once(bed: &Topology, mode: &mut IpvsMode, port: &Servi
     let _ = mode.take_problems();
     let other = ServicePort {
         name: "default/other".into(),
-        cluster_ip: Ipv4Addr::new(10, 96, 0, 91),
+        cluster_ip: Ipv4Addr::new(10, 96, 0, 91).into(),
         node_port: None,
-        external_ips: vec![LB_IP],
+        external_ips: vec![LB_IP.into()],
         load_balancer_ips: Vec::new(),
         source_ranges: Vec::new(),
         ..port.clone()

@@ -55,7 +55,7 @@ const SILENCE: Duration = Duration::from_millis(700);
 
 fn range(addr: [u8; 4], prefix_len: u8) -> SourceRange {
     SourceRange {
-        addr: Ipv4Addr::from(addr),
+        addr: Ipv4Addr::from(addr).into(),
         prefix_len,
     }
 }
@@ -72,12 +72,12 @@ fn lb_port() -> ServicePort {
         .collect();
     ServicePort {
         name: "default/lb:http".into(),
-        cluster_ip: CLUSTER_IP,
+        cluster_ip: CLUSTER_IP.into(),
         port: PORT,
         node_port: Some(NODE_PORT),
         endpoints,
-        external_ips: vec![EXTERNAL_IP],
-        load_balancer_ips: vec![LB_IP],
+        external_ips: vec![EXTERNAL_IP.into()],
+        load_balancer_ips: vec![LB_IP.into()],
         ..ServicePort::default()
     }
 }

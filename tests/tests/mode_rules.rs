@@ -68,7 +68,7 @@ fn other_port(endpoints: &[u8]) -> ServicePort {
     ServicePort {
         name: "default/other:http".into(),
         protocol: Protocol::Tcp,
-        cluster_ip: OTHER_CLUSTER_IP,
+        cluster_ip: OTHER_CLUSTER_IP.into(),
         port: 80,
         node_port: None,
         endpoints: endpoints
@@ -248,7 +248,7 @@ fn iptables_mode_in_a_namespace() {
     partial(&ns, &mut mode, &[&other], &[], "adding a Service");
     let other_svc = chains::svc_chain(&other.name, other.protocol);
     poke(&ns, SocketAddrV4::new(SEED_CLUSTER_IP, SEED_PORT)).expect("poke seed");
-    poke(&ns, SocketAddrV4::new(other.cluster_ip, other.port)).expect("poke other");
+    poke(&ns, SocketAddrV4::new(OTHER_CLUSTER_IP, other.port)).expect("poke other");
     let counted = save(&ns, true).expect("iptables-save -c");
     assert!(chain_packets(&counted, &names.svc) > 0, "seed not counted:\n{counted}");
     assert!(chain_packets(&counted, &other_svc) > 0, "other not counted:\n{counted}");

@@ -1727,7 +1727,7 @@ fn flows_needing_snat_go_from_xdp_to_tc() {
     h.sync(&ServicePort {
         name: "default/remote:http".into(),
         protocol: Protocol::Tcp,
-        cluster_ip: CLUSTER_IP,
+        cluster_ip: CLUSTER_IP.into(),
         port: SERVICE_PORT,
         node_port: Some(NODE_PORT),
         endpoints: remote,
@@ -1838,7 +1838,7 @@ fn sync_policy_service(h: &mut Harness, endpoints: Vec<Endpoint>, external: Traf
         h.sync(&ServicePort {
             name: name.into(),
             protocol,
-            cluster_ip: CLUSTER_IP,
+            cluster_ip: CLUSTER_IP.into(),
             port: SERVICE_PORT,
             node_port: Some(NODE_PORT),
             endpoints: endpoints.clone(),
@@ -2061,7 +2061,7 @@ fn external_local_keeps_the_source_under_masquerade_all_but_not_for_hairpin() {
         h.sync(&ServicePort {
             name: name.into(),
             protocol,
-            cluster_ip: CLUSTER_IP,
+            cluster_ip: CLUSTER_IP.into(),
             port: SERVICE_PORT,
             node_port: Some(NODE_PORT),
             endpoints: backends_on([THIS_NODE, OTHER_NODE, OTHER_NODE]),

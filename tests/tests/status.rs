@@ -55,7 +55,7 @@ fn desired() -> BTreeMap<String, ServicePort> {
         ServicePort {
             name: "default/nginx-service".into(),
             protocol: Protocol::Tcp,
-            cluster_ip: SEED_IP,
+            cluster_ip: SEED_IP.into(),
             port: 88,
             node_port: Some(SEED_NODE_PORT),
             endpoints: (11..=13).map(|i| Endpoint::ready(pod(i), 80)).collect(),
@@ -64,7 +64,7 @@ fn desired() -> BTreeMap<String, ServicePort> {
         ServicePort {
             name: "kube-system/dns:dns".into(),
             protocol: Protocol::Udp,
-            cluster_ip: DNS_IP,
+            cluster_ip: DNS_IP.into(),
             port: 53,
             endpoints: vec![Endpoint::ready(pod(21), 5353)],
             ..ServicePort::default()
@@ -72,7 +72,7 @@ fn desired() -> BTreeMap<String, ServicePort> {
         ServicePort {
             name: "default/empty-service:http".into(),
             protocol: Protocol::Tcp,
-            cluster_ip: EMPTY_IP,
+            cluster_ip: EMPTY_IP.into(),
             port: 89,
             node_port: Some(EMPTY_NODE_PORT),
             ..ServicePort::default()

@@ -157,10 +157,10 @@ pub fn api_services() -> Vec<ServicePort> {
         ([198, 18, 0, 0], 15),
     ];
     let load_balancer = ServicePort {
-        load_balancer_ips: vec![LB_IP],
+        load_balancer_ips: vec![LB_IP.into()],
         source_ranges: (ranges.iter())
             .map(|(a, len)| SourceRange {
-                addr: Ipv4Addr::from(*a),
+                addr: Ipv4Addr::from(*a).into(),
                 prefix_len: *len,
             })
             .collect(),

@@ -19,7 +19,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::IpAddr,
 };
 
 use tracing::warn;
@@ -34,11 +34,11 @@ use crate::{
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum StaleFlows {
     /// Flows to `cluster_ip` DNATed to `endpoint`.
-    ToClusterIp { cluster_ip: Ipv4Addr, endpoint: Ipv4Addr },
+    ToClusterIp { cluster_ip: IpAddr, endpoint: IpAddr },
     /// Flows to any node address on `node_port` DNATed to `endpoint`.
-    ToNodePort { node_port: u16, endpoint: Ipv4Addr },
+    ToNodePort { node_port: u16, endpoint: IpAddr },
     /// Every flow to `cluster_ip` (the port had no endpoints).
-    AllToClusterIp { cluster_ip: Ipv4Addr },
+    AllToClusterIp { cluster_ip: IpAddr },
     /// Every flow to any node address on `node_port`.
     AllToNodePort { node_port: u16 },
 }
@@ -102,7 +102,7 @@ pub fn stale_flows_of(
 /// The flows one port's change from `old` to `new` left stale.
 fn stale_flows_of_port(old: Option<&ServicePort>, new: Option<&ServicePort>, stale: &mut BTreeSet<StaleFlows>) {
     if let Some(old) = old.filter(|p| p.protocol == Protocol::Udp) {
-        let still_used: BTreeSet<Ipv4Addr> = new
+        let still_used: BTreeSet<IpAddr> = new
             .filter(|new| same_frontends(old, new))
             .map(|new| usable_endpoints(&new.endpoints).iter().map(|e| e.addr).collect())
             .unwrap_or_default();
@@ -174,13 +174,15 @@ pub fn delete_stale_flows(change: &SyncedChange<'_>) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
     use crate::{mode::Plan, model::Endpoint};
 
-    const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+    const CLUSTER_IP: IpAddr = IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10));
 
-    fn pod(last: u8) -> Ipv4Addr {
-        Ipv4Addr::new(10, 244, 0, last)
+    fn pod(last: u8) -> IpAddr {
+        Ipv4Addr::new(10, 244, 0, last).into()
     }
 
     fn port(protocol: Protocol, node_port: Option<u16>, endpoints: &[u8]) -> ServicePort {

@@ -9,7 +9,7 @@ use crate::model::{Endpoint, ServicePort};
 pub fn policy_port(name: &str, ip: u8, node_port: Option<u16>, endpoints: &[(u8, &str)]) -> ServicePort {
     ServicePort {
         name: format!("default/{name}"),
-        cluster_ip: Ipv4Addr::new(10, 96, 1, ip),
+        cluster_ip: Ipv4Addr::new(10, 96, 1, ip).into(),
         port: 80,
         node_port,
         endpoints: endpoints

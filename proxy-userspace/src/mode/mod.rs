@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 
 use anyhow::Result;
 
-use crate::model::{Problem, ServicePort};
+use crate::model::{IpFamily, Problem, ServicePort};
 
 /// Changes for a data-plane mode to apply: first `remove`, then `upsert`.
 /// The reconciler computes it (`reconcile::diff`); every mode takes it.
@@ -49,6 +49,13 @@ impl Plan {
 pub trait Dataplane: Send {
     /// The `--mode` name.
     fn name(&self) -> &'static str;
+
+    /// The address families the mode programs. The reconciler hands it
+    /// the ports of these families only and reports the others, once
+    /// each, as not served.
+    fn families(&self) -> &'static [IpFamily] {
+        &[IpFamily::V4]
+    }
 
     /// A partial sync: programs `plan` (removals first), touching nothing else.
     fn apply(&mut self, plan: &Plan) -> Result<()>;

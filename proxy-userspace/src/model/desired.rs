@@ -3,6 +3,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
     sync::Arc,
     time::SystemTime,
 };
@@ -10,7 +11,7 @@ use std::{
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
 use super::{
-    Endpoint, Problem, ServicePort,
+    Endpoint, IPV6_SUFFIX, IpFamily, Problem, ServicePort,
     endpoint::{SliceInfo, slice_info},
     join::Joined,
     service::{ServiceInfo, Skip, service_info},
@@ -203,27 +204,37 @@ impl Cluster {
             .flatten()
             .filter_map(|slice| self.slices.get(slice))
             .collect();
-        info.ports
+        info.cluster_ips
             .iter()
-            .map(|spec| {
-                let endpoints = endpoints_for(&slices, &spec.port_name, spec.protocol);
+            .flat_map(|cluster_ip| info.ports.iter().map(move |spec| (*cluster_ip, spec)))
+            .map(|(cluster_ip, spec)| {
+                let family = IpFamily::of(cluster_ip);
+                let endpoints = endpoints_for(&slices, family, &spec.port_name, spec.protocol);
                 // Only a port with hints depends on the zone (see the field).
                 let node_zone = self
                     .node_zone
                     .clone()
                     .filter(|_| endpoints.iter().any(|e| e.hints.is_some()));
+                let of_family = |ips: &[IpAddr]| -> Vec<IpAddr> {
+                    ips.iter().copied().filter(|ip| IpFamily::of(*ip) == family).collect()
+                };
                 ServicePort {
-                    name: port_name(key, &spec.port_name),
+                    name: port_name(key, &spec.port_name, family),
                     protocol: spec.protocol,
-                    cluster_ip: spec.cluster_ip,
+                    cluster_ip,
                     port: spec.port,
                     node_port: spec.node_port,
                     endpoints,
                     external_policy: spec.external_policy,
                     internal_policy: spec.internal_policy,
-                    external_ips: info.external_ips.clone(),
-                    load_balancer_ips: info.load_balancer_ips.clone(),
-                    source_ranges: info.source_ranges.clone(),
+                    external_ips: of_family(&info.external_ips),
+                    load_balancer_ips: of_family(&info.load_balancer_ips),
+                    source_ranges: info
+                        .source_ranges
+                        .iter()
+                        .copied()
+                        .filter(|r| r.family() == family)
+                        .collect(),
                     affinity: info.affinity,
                     health_check_node_port: info.health_check_node_port,
                     node_zone,
@@ -242,20 +253,22 @@ fn trigger_time(slice: &EndpointSlice) -> Option<SystemTime> {
     Some(SystemTime::from(at))
 }
 
-/// kube-proxy's ServicePortName: `namespace/name`, then `:port` if named.
-fn port_name((ns, name): &ObjectKey, port: &str) -> String {
+/// kube-proxy's ServicePortName: `namespace/name`, then `:port` if named;
+/// an IPv6 port's name ends in [`IPV6_SUFFIX`].
+fn port_name((ns, name): &ObjectKey, port: &str, family: IpFamily) -> String {
+    let suffix = if family == IpFamily::V6 { IPV6_SUFFIX } else { "" };
     if port.is_empty() {
-        format!("{ns}/{name}")
+        format!("{ns}/{name}{suffix}")
     } else {
-        format!("{ns}/{name}:{port}")
+        format!("{ns}/{name}:{port}{suffix}")
     }
 }
 
 /// Endpoints of all slices that offer the named port, one per address and
 /// port (a pod listed by two slices during a rollout counts once, ready wins).
-fn endpoints_for(slices: &[&SliceInfo], port_name: &str, protocol: super::Protocol) -> Vec<Endpoint> {
+fn endpoints_for(slices: &[&SliceInfo], family: IpFamily, port_name: &str, protocol: super::Protocol) -> Vec<Endpoint> {
     let mut endpoints = Vec::new();
-    for slice in slices {
+    for slice in slices.iter().filter(|s| s.family == family) {
         let Some(port) = slice
             .ports
             .iter()
@@ -277,12 +290,10 @@ fn endpoints_for(slices: &[&SliceInfo], port_name: &str, protocol: super::Protoc
 
 #[cfg(test)]
 mod tests {
-    use std::net::Ipv4Addr;
-
     use serde_json::json;
 
     use super::*;
-    use crate::model::Protocol;
+    use crate::model::{IpFamily, Protocol};
 
     fn service(name: &str, spec: serde_json::Value) -> Service {
         serde_json::from_value(json!({"metadata": {"name": name, "namespace": "default"}, "spec": spec})).unwrap()
@@ -353,13 +364,13 @@ mod tests {
         let port = &desired.ports["default/nginx-service"];
         assert_eq!(
             (port.cluster_ip, port.port, port.node_port),
-            (Ipv4Addr::new(10, 96, 0, 10), 88, Some(30791))
+            (IpAddr::from([10, 96, 0, 10]), 88, Some(30791))
         );
         assert_eq!(port.protocol, Protocol::Tcp);
         let eps: Vec<_> = port
             .endpoints
             .iter()
-            .map(|e| (e.addr.octets()[3], e.port, e.ready, e.terminating))
+            .map(|e| (super::super::last_octet(e.addr), e.port, e.ready, e.terminating))
             .collect();
         assert_eq!(
             eps,
@@ -400,6 +411,96 @@ mod tests {
         assert!(reasons.iter().any(|r| r.contains("duplicate port 8080")));
         let names: Vec<_> = cluster.desired().ports.into_keys().collect();
         assert_eq!(names, vec!["default/bad:ok".to_string()]);
+    }
+
+    /// A slice of `family` ("IPv4"/"IPv6") for Service `service`.
+    fn slice_of(family: &str, name: &str, service: &str, addresses: &[&str]) -> EndpointSlice {
+        let mut s = slice(
+            name,
+            service,
+            json!([{"name": "http", "port": 8080}]),
+            addresses.iter().map(|a| json!({"addresses": [a]})).collect(),
+        );
+        s.address_type = family.to_owned();
+        s
+    }
+
+    #[test]
+    fn a_dual_stack_service_is_a_port_per_family_each_with_its_own_addresses() {
+        let mut cluster = Cluster::default();
+        let svc = service(
+            "web",
+            json!({"type": "LoadBalancer", "clusterIP": "10.96.0.20",
+                   "clusterIPs": ["10.96.0.20", "fd00:96::20"], "ipFamilies": ["IPv4", "IPv6"],
+                   "ports": [{"name": "http", "port": 80, "nodePort": 30080}],
+                   "externalIPs": ["198.51.100.7", "2001:db8::7"],
+                   "loadBalancerSourceRanges": ["203.0.113.0/24", "2001:db8:1::/48"]}),
+        );
+        assert!(cluster.upsert_service(&svc).is_empty());
+        for s in [
+            slice_of("IPv4", "web-v4", "web", &["10.244.0.5"]),
+            slice_of("IPv6", "web-v6", "web", &["fd00:244::5", "fd00:244::6"]),
+        ] {
+            assert!(cluster.upsert_slice(&s).is_empty());
+        }
+        let desired = cluster.desired();
+        assert!(desired.problems.is_empty(), "{:?}", desired.problems);
+        let names: Vec<&str> = desired.ports.keys().map(String::as_str).collect();
+        assert_eq!(names, ["default/web:http", "default/web:http (IPv6)"]);
+        let (v4, v6) = (
+            &desired.ports["default/web:http"],
+            &desired.ports["default/web:http (IPv6)"],
+        );
+        let addrs = |port: &ServicePort| -> Vec<String> {
+            let mut out = vec![port.cluster_ip.to_string()];
+            out.extend(port.external_ips.iter().map(ToString::to_string));
+            out.extend(port.source_ranges.iter().map(ToString::to_string));
+            out.extend(port.endpoints.iter().map(|e| format!("{}:{}", e.addr, e.port)));
+            out
+        };
+        assert_eq!(
+            addrs(v4),
+            ["10.96.0.20", "198.51.100.7", "203.0.113.0/24", "10.244.0.5:8080"]
+        );
+        assert_eq!(
+            addrs(v6),
+            [
+                "fd00:96::20",
+                "2001:db8::7",
+                "2001:db8:1::/48",
+                "fd00:244::5:8080",
+                "fd00:244::6:8080"
+            ]
+        );
+        // Both families answer on the node port: no conflict between them.
+        assert_eq!((v4.node_port, v6.node_port), (Some(30080), Some(30080)));
+        assert_eq!((v4.family(), v6.family()), (IpFamily::V4, IpFamily::V6));
+    }
+
+    #[test]
+    fn an_ipv6_only_service_is_named_as_such_and_a_second_address_of_a_family_is_a_problem() {
+        let mut cluster = Cluster::default();
+        let v6 = service(
+            "v6",
+            json!({"clusterIP": "fd00:96::30", "ports": [{"port": 53, "protocol": "UDP"}]}),
+        );
+        assert!(cluster.upsert_service(&v6).is_empty());
+        let twice = service(
+            "twice",
+            json!({"clusterIPs": ["10.96.0.31", "10.96.0.32"], "ports": [{"port": 80}]}),
+        );
+        let problems = cluster.upsert_service(&twice);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(
+            problems[0].reason.contains("second IPv4 address 10.96.0.32"),
+            "{problems:?}"
+        );
+        let ports = cluster.desired().ports;
+        assert_eq!(ports.keys().collect::<Vec<_>>(), ["default/twice", "default/v6 (IPv6)"]);
+        assert_eq!(ports["default/twice"].cluster_ip, IpAddr::from([10, 96, 0, 31]));
+        // An address of the wrong family in a slice is a problem, not an endpoint.
+        let problems = cluster.upsert_slice(&slice_of("IPv6", "v6-1", "v6", &["10.244.0.9"]));
+        assert_eq!(problems.len(), 1, "{problems:?}");
     }
 
     #[test]
@@ -587,10 +688,19 @@ mod tests {
         use crate::model::Protocol;
         /// A frontend as (kind, address, port, protocol), sorted as the
         /// join sorts them; node ports have kind 1 and no address.
-        type Key = (u8, std::net::Ipv4Addr, u16, Protocol);
+        type Key = (u8, IpAddr, u16, Protocol);
+        // A node port's "address": the unspecified one of its family.
+        let unspecified = |ip: IpAddr| {
+            if ip.is_ipv4() {
+                IpAddr::from([0; 4])
+            } else {
+                IpAddr::from([0; 16])
+            }
+        };
         let show = |(kind, ip, port, protocol): &Key| match kind {
             0 => format!("{ip}:{port}/{protocol}"),
-            _ => format!("node port {port}/{protocol}"),
+            _ if ip.is_ipv4() => format!("node port {port}/{protocol}"),
+            _ => format!("IPv6 node port {port}/{protocol}"),
         };
         let mut objects = Cluster::default();
         objects.replace_services(&services.values().cloned().collect::<Vec<_>>());
@@ -622,7 +732,7 @@ mod tests {
                 .collect();
             wanted.extend(
                 port.node_port
-                    .map(|n| (1, std::net::Ipv4Addr::UNSPECIFIED, n, port.protocol)),
+                    .map(|n| (1, unspecified(port.cluster_ip), n, port.protocol)),
             );
             wanted.remove(&own);
             let lost: BTreeSet<Key> = wanted
@@ -643,7 +753,7 @@ mod tests {
                     .retain(|ip| !lost.contains(&(0, *ip, number, protocol)));
                 if port
                     .node_port
-                    .is_some_and(|n| lost.contains(&(1, std::net::Ipv4Addr::UNSPECIFIED, n, protocol)))
+                    .is_some_and(|n| lost.contains(&(1, unspecified(port.cluster_ip), n, protocol)))
                 {
                     port.node_port = None;
                 }

@@ -1,10 +1,10 @@
 //! EndpointSlice objects -> the endpoints of a Service's ports.
 
-use std::{net::Ipv4Addr, sync::Arc};
+use std::{net::IpAddr, sync::Arc};
 
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
-use super::{Endpoint, Hints, Problem, Protocol, service::valid_port};
+use super::{Endpoint, Hints, IpFamily, Problem, Protocol, service::valid_port};
 
 /// The label naming the Service an EndpointSlice belongs to.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -23,6 +23,8 @@ pub struct SlicePort {
 pub struct SliceInfo {
     /// Name of the owning Service (same namespace).
     pub service: String,
+    /// `addressType`: every endpoint's address is of this family.
+    pub family: IpFamily,
     pub ports: Vec<SlicePort>,
     /// Endpoints with `port` left 0: each slice port gives the real one.
     pub endpoints: Vec<Endpoint>,
@@ -37,7 +39,7 @@ fn hints(hints: &k8s_openapi::api::discovery::v1::EndpointHints) -> Option<Arc<H
 }
 
 /// Reads an EndpointSlice. `None` for slices xproxy does not use (no
-/// owning Service, IPv6 or FQDN addresses); problems are returned for the
+/// owning Service, FQDN addresses); problems are returned for the
 /// parts that were skipped.
 pub fn slice_info(slice: &EndpointSlice) -> (Option<SliceInfo>, Vec<Problem>) {
     // Only a slice with a problem needs its name spelled out.
@@ -51,9 +53,12 @@ pub fn slice_info(slice: &EndpointSlice) -> (Option<SliceInfo>, Vec<Problem>) {
     let Some(service) = slice.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL)) else {
         return (None, vec![]);
     };
-    if slice.address_type != "IPv4" {
-        return (None, vec![]);
-    }
+    let family = match slice.address_type.as_str() {
+        "IPv4" => IpFamily::V4,
+        "IPv6" => IpFamily::V6,
+        // FQDN slices are for other consumers; kube-proxy skips them too.
+        _ => return (None, vec![]),
+    };
     let mut problems = Vec::new();
     let mut ports = Vec::new();
     for p in slice.ports.iter().flatten() {
@@ -75,10 +80,10 @@ pub fn slice_info(slice: &EndpointSlice) -> (Option<SliceInfo>, Vec<Problem>) {
     for ep in slice.endpoints.iter().flatten() {
         // kube-proxy uses the first address of an endpoint.
         let Some(addr) = ep.addresses.first() else { continue };
-        let Ok(addr) = addr.parse::<Ipv4Addr>() else {
+        let Some(addr) = addr.parse::<IpAddr>().ok().filter(|a| IpFamily::of(*a) == family) else {
             problems.push(Problem::new(
                 &object(),
-                format!("address {addr:?} is not an IPv4 address"),
+                format!("address {addr:?} is not an {} address", family.name()),
             ));
             continue;
         };
@@ -101,6 +106,7 @@ pub fn slice_info(slice: &EndpointSlice) -> (Option<SliceInfo>, Vec<Problem>) {
     (
         Some(SliceInfo {
             service: service.clone(),
+            family,
             ports,
             endpoints,
         }),

@@ -172,7 +172,7 @@ mod tests {
     }
 
     fn lasts(endpoints: &[&Endpoint]) -> Vec<u8> {
-        endpoints.iter().map(|e| e.addr.octets()[3]).collect()
+        endpoints.iter().map(|e| super::super::last_octet(e.addr)).collect()
     }
 
     #[test]

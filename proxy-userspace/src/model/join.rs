@@ -25,25 +25,27 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
-    net::Ipv4Addr,
+    net::IpAddr,
 };
 
-use super::{ObjectKey, Problem, Protocol, ServicePort};
+use super::{IpFamily, ObjectKey, Problem, Protocol, ServicePort};
 
 /// What the modes tell Service ports apart by.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Frontend {
     /// A ClusterIP, external IP or LoadBalancer IP with the port.
-    Addr(Ipv4Addr, u16, Protocol),
-    /// A node port, on every node address.
-    NodePort(u16, Protocol),
+    Addr(IpAddr, u16, Protocol),
+    /// A node port, on every node address of the family (a dual-stack
+    /// Service's two ports share theirs).
+    NodePort(u16, Protocol, IpFamily),
 }
 
 impl fmt::Display for Frontend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Frontend::Addr(ip, port, protocol) => write!(f, "{ip}:{port}/{protocol}"),
-            Frontend::NodePort(port, protocol) => write!(f, "node port {port}/{protocol}"),
+            Frontend::NodePort(port, protocol, IpFamily::V4) => write!(f, "node port {port}/{protocol}"),
+            Frontend::NodePort(port, protocol, family) => write!(f, "{} node port {port}/{protocol}", family.name()),
         }
     }
 }
@@ -69,7 +71,10 @@ fn external_frontends(port: &ServicePort) -> BTreeSet<Frontend> {
     let addrs = port.external_ips.iter().chain(&port.load_balancer_ips);
     addrs
         .map(|ip| Frontend::Addr(*ip, port.port, port.protocol))
-        .chain(port.node_port.map(|n| Frontend::NodePort(n, port.protocol)))
+        .chain(
+            port.node_port
+                .map(|n| Frontend::NodePort(n, port.protocol, port.family())),
+        )
         .filter(|f| *f != cluster_frontend(port))
         .collect()
 }
@@ -81,13 +86,13 @@ fn frontends_of(port: &ServicePort) -> impl Iterator<Item = Frontend> {
 
 /// `port` without the frontends in `lost`.
 fn without(port: &ServicePort, lost: &BTreeSet<Frontend>) -> ServicePort {
-    let kept = |ip: &Ipv4Addr| !lost.contains(&Frontend::Addr(*ip, port.port, port.protocol));
+    let kept = |ip: &IpAddr| !lost.contains(&Frontend::Addr(*ip, port.port, port.protocol));
     let mut placed = port.clone();
     placed.external_ips.retain(kept);
     placed.load_balancer_ips.retain(kept);
     if placed
         .node_port
-        .is_some_and(|n| lost.contains(&Frontend::NodePort(n, port.protocol)))
+        .is_some_and(|n| lost.contains(&Frontend::NodePort(n, port.protocol, port.family())))
     {
         placed.node_port = None;
     }
@@ -246,6 +251,8 @@ impl Joined {
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
 
     fn key(name: &str) -> ObjectKey {
@@ -255,7 +262,7 @@ mod tests {
     fn port(service: &str, ip: u8, endpoints: usize) -> ServicePort {
         ServicePort {
             name: format!("default/{service}"),
-            cluster_ip: Ipv4Addr::new(10, 96, 0, ip),
+            cluster_ip: Ipv4Addr::new(10, 96, 0, ip).into(),
             port: 80,
             endpoints: (0..endpoints)
                 .map(|i| super::super::Endpoint::ready(Ipv4Addr::new(10, 244, 0, i as u8 + 1), 8080))
@@ -302,7 +309,7 @@ mod tests {
     /// `port(service, ip, 1)` with external IP `external` and node port `node_port`.
     fn exposed(service: &str, ip: u8, external: [u8; 4], node_port: u16) -> ServicePort {
         ServicePort {
-            external_ips: vec![Ipv4Addr::from(external)],
+            external_ips: vec![Ipv4Addr::from(external).into()],
             node_port: Some(node_port),
             ..port(service, ip, 1)
         }

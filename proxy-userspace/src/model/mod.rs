@@ -12,7 +12,11 @@ mod no_local;
 pub mod service;
 pub mod topology;
 
-use std::{fmt, net::Ipv4Addr, sync::Arc};
+use std::{
+    fmt,
+    net::{IpAddr, Ipv4Addr},
+    sync::Arc,
+};
 
 pub use desired::{Cluster, Desired, ObjectKey, object_key};
 pub use endpoint_sets::{EndpointSets, usable_endpoints};
@@ -75,6 +79,60 @@ impl Protocol {
     }
 }
 
+/// An address family. A dual-stack Service is two sets of ports, one per
+/// family, each with its ClusterIP, its addresses and its endpoints of that
+/// family (kube-proxy runs one proxier per family the same way).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum IpFamily {
+    #[default]
+    V4,
+    V6,
+}
+
+impl IpFamily {
+    pub fn of(ip: IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(_) => Self::V4,
+            IpAddr::V6(_) => Self::V6,
+        }
+    }
+
+    /// As the API spells it (`ipFamilies`, EndpointSlice `addressType`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::V4 => "IPv4",
+            Self::V6 => "IPv6",
+        }
+    }
+
+    /// The longest prefix of an address of the family.
+    pub fn bits(self) -> u8 {
+        match self {
+            Self::V4 => 32,
+            Self::V6 => 128,
+        }
+    }
+}
+
+/// The IPv4 address `ip` is; `None` for an IPv6 one (for code that
+/// handles IPv4 only: the reconciler hands a mode only the families it
+/// serves, see `Dataplane::families`).
+pub fn ipv4(ip: IpAddr) -> Option<Ipv4Addr> {
+    match ip {
+        IpAddr::V4(ip) => Some(ip),
+        IpAddr::V6(_) => None,
+    }
+}
+
+/// The last byte of `ip` (tests name their pods by it).
+#[cfg(test)]
+pub fn last_octet(ip: IpAddr) -> u8 {
+    match ip {
+        IpAddr::V4(ip) => ip.octets()[3],
+        IpAddr::V6(ip) => ip.octets()[15],
+    }
+}
+
 /// Which endpoints a kind of traffic may reach (`spec.externalTrafficPolicy`,
 /// `spec.internalTrafficPolicy`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -98,6 +156,9 @@ pub enum LbAlgorithm {
     /// the same endpoint for a flow, and an endpoint change moves few flows.
     Maglev,
 }
+
+/// Appended to the name of an IPv6 port (see [`ServicePort::name`]).
+pub const IPV6_SUFFIX: &str = " (IPv6)";
 
 /// The annotation a Service selects its algorithm with (`random` or
 /// `maglev`), over the agent's `--lb-algorithm`.
@@ -127,10 +188,15 @@ impl LbAlgorithm {
 /// for building ports field by field (`..ServicePort::default()`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServicePort {
-    /// `namespace/name:portname`, as kube-proxy names it in logs and comments.
+    /// `namespace/name:portname`, as kube-proxy names it in logs and
+    /// comments; an IPv6 port's name has [`IPV6_SUFFIX`] appended, so the
+    /// two families of a dual-stack Service are two names in the desired
+    /// state.
     pub name: String,
     pub protocol: Protocol,
-    pub cluster_ip: Ipv4Addr,
+    /// The ClusterIP of the port's family; every other address of the port
+    /// and its endpoints are of the same family.
+    pub cluster_ip: IpAddr,
     pub port: u16,
     /// Set for NodePort (and LoadBalancer) Services.
     pub node_port: Option<u16>,
@@ -144,12 +210,12 @@ pub struct ServicePort {
     /// `spec.externalIPs`: addresses that answer on the Service's port like
     /// the ClusterIP, for traffic from anywhere (external traffic: the
     /// external policy applies, as to node ports).
-    pub external_ips: Vec<Ipv4Addr>,
+    pub external_ips: Vec<IpAddr>,
     /// `status.loadBalancer.ingress[].ip`, without the entries whose
     /// `ipMode` is `Proxy` (the load balancer itself proxies those, so the
     /// node must not short-circuit them). External traffic, like
     /// `external_ips`.
-    pub load_balancer_ips: Vec<Ipv4Addr>,
+    pub load_balancer_ips: Vec<IpAddr>,
     /// `spec.loadBalancerSourceRanges`: only clients inside these networks
     /// may reach `load_balancer_ips` (empty: every client). Node ports,
     /// external IPs and the ClusterIP are not filtered.
@@ -172,19 +238,33 @@ pub struct ServicePort {
     pub lb_algorithm: Option<LbAlgorithm>,
 }
 
-/// One entry of `loadBalancerSourceRanges`: an IPv4 network.
+/// One entry of `loadBalancerSourceRanges`: a network.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SourceRange {
     /// The network address, host bits zero.
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub prefix_len: u8,
 }
 
 impl SourceRange {
-    /// Whether `ip` is inside the network.
-    pub fn contains(&self, ip: Ipv4Addr) -> bool {
-        let mask = u32::MAX.checked_shl(32 - u32::from(self.prefix_len)).unwrap_or(0);
-        u32::from(ip) & mask == u32::from(self.addr)
+    /// The network of `addr` with `prefix_len` bits (host bits cleared);
+    /// `None` if the prefix is longer than the family's addresses.
+    pub fn new(addr: IpAddr, prefix_len: u8) -> Option<Self> {
+        let host_bits = IpFamily::of(addr).bits().checked_sub(prefix_len)?;
+        let addr = match addr {
+            IpAddr::V4(a) => IpAddr::V4((u32::from(a) & u32::MAX.checked_shl(host_bits.into()).unwrap_or(0)).into()),
+            IpAddr::V6(a) => IpAddr::V6((u128::from(a) & u128::MAX.checked_shl(host_bits.into()).unwrap_or(0)).into()),
+        };
+        Some(Self { addr, prefix_len })
+    }
+
+    /// Whether `ip` is inside the network (never for the other family).
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        Self::new(ip, self.prefix_len).is_some_and(|net| net.addr == self.addr)
+    }
+
+    pub fn family(&self) -> IpFamily {
+        IpFamily::of(self.addr)
     }
 }
 
@@ -199,7 +279,7 @@ impl Default for ServicePort {
         Self {
             name: String::new(),
             protocol: Protocol::Tcp,
-            cluster_ip: Ipv4Addr::UNSPECIFIED,
+            cluster_ip: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
             port: 0,
             node_port: None,
             endpoints: Vec::new(),
@@ -232,14 +312,19 @@ impl ServicePort {
 
     /// The addresses besides the ClusterIP that answer on `port`: the
     /// external IPs, then the load balancer IPs, each once.
-    pub fn external_addresses(&self) -> Vec<Ipv4Addr> {
-        let mut out: Vec<Ipv4Addr> = Vec::new();
+    pub fn external_addresses(&self) -> Vec<IpAddr> {
+        let mut out: Vec<IpAddr> = Vec::new();
         for ip in self.external_ips.iter().chain(&self.load_balancer_ips) {
             if !out.contains(ip) {
                 out.push(*ip);
             }
         }
         out
+    }
+
+    /// The family of every address of the port.
+    pub fn family(&self) -> IpFamily {
+        IpFamily::of(self.cluster_ip)
     }
 
     /// Whether ClusterIP traffic goes to this node's endpoints only.
@@ -250,7 +335,7 @@ impl ServicePort {
 
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Endpoint {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     /// The resolved targetPort.
     pub port: u16,
     pub ready: bool,
@@ -286,9 +371,9 @@ impl Endpoint {
 
     /// A ready endpoint on no particular node (what tests and manifests without
     /// conditions mean).
-    pub fn ready(addr: Ipv4Addr, port: u16) -> Self {
+    pub fn ready(addr: impl Into<IpAddr>, port: u16) -> Self {
         Self {
-            addr,
+            addr: addr.into(),
             port,
             ready: true,
             serving: true,

@@ -3,23 +3,23 @@
 //! Hostile or unsupported input never stops the whole sync: a bad Service or
 //! port is skipped with a [`Problem`] that the caller logs and counts.
 
-use std::{collections::BTreeSet, net::Ipv4Addr, time::Duration};
+use std::{collections::BTreeSet, net::IpAddr, time::Duration};
 
 use k8s_openapi::api::core::v1::{Service, ServiceSpec};
 
-use super::{LB_ALGORITHM_ANNOTATION, LbAlgorithm, Problem, Protocol, SourceRange, TrafficPolicy};
+use super::{IpFamily, LB_ALGORITHM_ANNOTATION, LbAlgorithm, Problem, Protocol, SourceRange, TrafficPolicy};
 
 /// Services carrying this label belong to another proxy (kube-proxy skips them too).
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
 
-/// One port of a Service, before endpoints are attached.
+/// One port of a Service, before endpoints are attached; one per family
+/// the Service has a ClusterIP of.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PortSpec {
     /// The port's name in the Service ("" for a single unnamed port);
     /// EndpointSlice ports are matched to it by this name.
     pub port_name: String,
     pub protocol: Protocol,
-    pub cluster_ip: Ipv4Addr,
     pub port: u16,
     pub node_port: Option<u16>,
     /// `Cluster` unless the Service is reachable from outside (NodePort,
@@ -33,9 +33,12 @@ pub struct PortSpec {
 /// [`super::ServicePort`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ServiceInfo {
+    /// One ClusterIP per family, the primary family first (`spec.clusterIPs`).
+    pub cluster_ips: Vec<IpAddr>,
     pub ports: Vec<PortSpec>,
-    pub external_ips: Vec<Ipv4Addr>,
-    pub load_balancer_ips: Vec<Ipv4Addr>,
+    /// Of every family; each port takes those of its own.
+    pub external_ips: Vec<IpAddr>,
+    pub load_balancer_ips: Vec<IpAddr>,
     pub source_ranges: Vec<SourceRange>,
     pub affinity: Option<Duration>,
     pub health_check_node_port: Option<u16>,
@@ -73,29 +76,11 @@ pub fn service_info(svc: &Service) -> Result<(ServiceInfo, Vec<Problem>), Skip> 
     if spec.type_.as_deref() == Some("ExternalName") {
         return Err(Skip::NotProxied("ExternalName"));
     }
-    let cluster_ip = match spec.cluster_ip.as_deref() {
-        Some("None") => return Err(Skip::NotProxied("headless")),
-        // The API server always allocates one; only a hand-written manifest lacks it.
-        None | Some("") => {
-            return Err(Skip::Invalid(Problem::new(
-                &object,
-                "no clusterIP (set spec.clusterIP in manifests)",
-            )));
-        }
-        Some(ip) => ip,
-    };
-    let cluster_ip = match cluster_ip.parse::<std::net::IpAddr>() {
-        Ok(std::net::IpAddr::V4(ip)) => ip,
-        Ok(std::net::IpAddr::V6(_)) => return Err(Skip::NotProxied("IPv6 ClusterIP (IPv4 only for now)")),
-        Err(_) => {
-            return Err(Skip::Invalid(Problem::new(
-                &object,
-                format!("clusterIP {cluster_ip:?} is not an IP address"),
-            )));
-        }
-    };
-
+    if spec.cluster_ip.as_deref() == Some("None") {
+        return Err(Skip::NotProxied("headless"));
+    }
     let mut problems = Vec::new();
+    let cluster_ips = cluster_ips(spec, &object, &mut problems)?;
     let (external_policy, internal_policy) = traffic_policies(spec, &object, &mut problems);
     let mut ports = Vec::new();
     let mut seen = BTreeSet::new();
@@ -131,7 +116,6 @@ pub fn service_info(svc: &Service) -> Result<(ServiceInfo, Vec<Problem>), Skip> 
         ports.push(PortSpec {
             port_name,
             protocol,
-            cluster_ip,
             port,
             node_port,
             external_policy,
@@ -139,6 +123,7 @@ pub fn service_info(svc: &Service) -> Result<(ServiceInfo, Vec<Problem>), Skip> 
         });
     }
     let info = ServiceInfo {
+        cluster_ips,
         ports,
         external_ips: external_ips(spec, &object, &mut problems),
         load_balancer_ips: load_balancer_ips(svc, &object, &mut problems),
@@ -148,6 +133,45 @@ pub fn service_info(svc: &Service) -> Result<(ServiceInfo, Vec<Problem>), Skip> 
         lb_algorithm: lb_algorithm(svc, &object, &mut problems),
     };
     Ok((info, problems))
+}
+
+/// `spec.clusterIPs` (or `spec.clusterIP` where a hand-written manifest
+/// has only that): one address per family, the primary first. An entry
+/// that is no address, or a second one of a family, is a problem and
+/// skipped; a Service left without any is skipped whole.
+fn cluster_ips(spec: &ServiceSpec, object: &str, problems: &mut Vec<Problem>) -> Result<Vec<IpAddr>, Skip> {
+    let texts: Vec<&str> = match spec.cluster_ips.as_deref() {
+        Some(list) if !list.is_empty() => list.iter().map(String::as_str).collect(),
+        _ => spec.cluster_ip.as_deref().into_iter().collect(),
+    };
+    if texts.iter().all(|t| t.is_empty()) {
+        // The API server always allocates one; only a hand-written manifest lacks it.
+        return Err(Skip::Invalid(Problem::new(
+            object,
+            "no clusterIP (set spec.clusterIP in manifests)",
+        )));
+    }
+    let mut out: Vec<IpAddr> = Vec::new();
+    for text in &texts {
+        match text.trim().parse::<IpAddr>() {
+            Ok(ip) if out.iter().any(|o| IpFamily::of(*o) == IpFamily::of(ip)) => problems.push(Problem::new(
+                object,
+                format!(
+                    "clusterIPs lists a second {} address {ip}; skipped",
+                    IpFamily::of(ip).name()
+                ),
+            )),
+            Ok(ip) => out.push(ip),
+            Err(_) => problems.push(Problem::new(object, format!("clusterIP {text:?} is not an IP address"))),
+        }
+    }
+    if out.is_empty() {
+        return Err(Skip::Invalid(Problem::new(
+            object,
+            format!("clusterIP {:?} is not an IP address", texts.join(",")),
+        )));
+    }
+    Ok(out)
 }
 
 /// The [`LB_ALGORITHM_ANNOTATION`]; an unknown name is a problem and the
@@ -164,16 +188,16 @@ fn lb_algorithm(svc: &Service, object: &str, problems: &mut Vec<Problem>) -> Opt
     parsed
 }
 
-/// `spec.externalIPs`, IPv4 only; anything else is a problem and skipped.
-fn external_ips(spec: &ServiceSpec, object: &str, problems: &mut Vec<Problem>) -> Vec<Ipv4Addr> {
+/// `spec.externalIPs`; an entry that is no address is a problem and skipped.
+fn external_ips(spec: &ServiceSpec, object: &str, problems: &mut Vec<Problem>) -> Vec<IpAddr> {
     let texts = spec.external_ips.iter().flatten().map(|t| t.trim());
-    distinct_ipv4(texts, "externalIP", object, problems)
+    distinct_addresses(texts, "externalIP", object, problems)
 }
 
 /// The load balancer's ingress IPs of a `LoadBalancer` Service, without
 /// those with `ipMode: Proxy` (kube-proxy leaves them to the load balancer)
 /// and without hostname-only entries.
-fn load_balancer_ips(svc: &Service, object: &str, problems: &mut Vec<Problem>) -> Vec<Ipv4Addr> {
+fn load_balancer_ips(svc: &Service, object: &str, problems: &mut Vec<Problem>) -> Vec<IpAddr> {
     let is_load_balancer = svc.spec.as_ref().and_then(|s| s.type_.as_deref()) == Some("LoadBalancer");
     let ingress = svc
         .status
@@ -184,26 +208,22 @@ fn load_balancer_ips(svc: &Service, object: &str, problems: &mut Vec<Problem>) -
         .filter(|_| is_load_balancer)
         .filter(|entry| entry.ip_mode.as_deref() != Some("Proxy"))
         .filter_map(|entry| entry.ip.as_deref());
-    distinct_ipv4(texts, "load balancer IP", object, problems)
+    distinct_addresses(texts, "load balancer IP", object, problems)
 }
 
-/// The IPv4 addresses among `texts`, each once; an IPv6 address or text
-/// that is no address is a problem and skipped.
-fn distinct_ipv4<'a>(
+/// The addresses among `texts`, each once; text that is no address is a
+/// problem and skipped.
+fn distinct_addresses<'a>(
     texts: impl Iterator<Item = &'a str>,
     what: &str,
     object: &str,
     problems: &mut Vec<Problem>,
-) -> Vec<Ipv4Addr> {
+) -> Vec<IpAddr> {
     let mut out = Vec::new();
     for text in texts {
-        match text.parse::<std::net::IpAddr>() {
-            Ok(std::net::IpAddr::V4(ip)) if !out.contains(&ip) => out.push(ip),
-            Ok(std::net::IpAddr::V4(_)) => {}
-            Ok(std::net::IpAddr::V6(_)) => problems.push(Problem::new(
-                object,
-                format!("{what} {text} is IPv6 (IPv4 only for now); skipped"),
-            )),
+        match text.parse::<IpAddr>() {
+            Ok(ip) if !out.contains(&ip) => out.push(ip),
+            Ok(_) => {}
             Err(_) => problems.push(Problem::new(
                 object,
                 format!("{what} {text:?} is not an IP address; skipped"),
@@ -213,17 +233,17 @@ fn distinct_ipv4<'a>(
     out
 }
 
-/// `spec.loadBalancerSourceRanges`. The API server allows spaces around a
-/// range; a range that does not parse is skipped with a problem (the
-/// others still apply, as in kube-proxy). An IPv6 range cannot match an
-/// IPv4 client and is left out quietly.
+/// `spec.loadBalancerSourceRanges`, of both families (each port keeps
+/// those of its own). The API server allows spaces around a range; a range
+/// that does not parse is skipped with a problem (the others still apply,
+/// as in kube-proxy).
 fn source_ranges(spec: &ServiceSpec, object: &str, problems: &mut Vec<Problem>) -> Vec<SourceRange> {
     let mut out = Vec::new();
     for text in spec.load_balancer_source_ranges.iter().flatten() {
         match parse_source_range(text.trim()) {
-            ParsedRange::V4(range) if !out.contains(&range) => out.push(range),
-            ParsedRange::V4(_) | ParsedRange::V6 => {}
-            ParsedRange::Invalid => problems.push(Problem::new(
+            Some(range) if !out.contains(&range) => out.push(range),
+            Some(_) => {}
+            None => problems.push(Problem::new(
                 object,
                 format!("loadBalancerSourceRange {text:?} is not a CIDR; skipped"),
             )),
@@ -232,28 +252,9 @@ fn source_ranges(spec: &ServiceSpec, object: &str, problems: &mut Vec<Problem>) 
     out
 }
 
-enum ParsedRange {
-    V4(SourceRange),
-    V6,
-    Invalid,
-}
-
-fn parse_source_range(text: &str) -> ParsedRange {
-    let Some((addr, len)) = text.split_once('/') else {
-        return ParsedRange::Invalid;
-    };
-    let (Ok(addr), Ok(prefix_len)) = (addr.parse::<std::net::IpAddr>(), len.parse::<u8>()) else {
-        return ParsedRange::Invalid;
-    };
-    match addr {
-        std::net::IpAddr::V4(addr) if prefix_len <= 32 => {
-            let mask = u32::MAX.checked_shl(32 - u32::from(prefix_len)).unwrap_or(0);
-            let addr = Ipv4Addr::from(u32::from(addr) & mask);
-            ParsedRange::V4(SourceRange { addr, prefix_len })
-        }
-        std::net::IpAddr::V6(_) if prefix_len <= 128 => ParsedRange::V6,
-        _ => ParsedRange::Invalid,
-    }
+fn parse_source_range(text: &str) -> Option<SourceRange> {
+    let (addr, len) = text.split_once('/')?;
+    SourceRange::new(addr.parse().ok()?, len.parse().ok()?)
 }
 
 /// `sessionAffinity: ClientIP` and its timeout (default three hours; a
@@ -379,7 +380,7 @@ mod tests {
         let (lb, problems) = info(json!({"spec": lb_spec(json!({})), "status": status}));
         assert_eq!(
             lb.load_balancer_ips,
-            [Ipv4Addr::new(192, 0, 2, 10), Ipv4Addr::new(192, 0, 2, 11)]
+            [IpAddr::from([192, 0, 2, 10]), IpAddr::from([192, 0, 2, 11])]
         );
         assert_eq!(problems.len(), 1, "{problems:?}");
         // A NodePort Service keeps a stale status from its LoadBalancer days: unused.
@@ -394,21 +395,24 @@ mod tests {
                           "externalIPs": ["198.51.100.7", "198.51.100.7", "2001:db8::1", "nope"],
                           "externalTrafficPolicy": "Local"});
         let (svc, problems) = info(json!({"spec": spec}));
-        assert_eq!(svc.external_ips, [Ipv4Addr::new(198, 51, 100, 7)]);
+        assert_eq!(
+            svc.external_ips,
+            [IpAddr::from([198, 51, 100, 7]), "2001:db8::1".parse().unwrap()]
+        );
         assert_eq!(svc.ports[0].external_policy, TrafficPolicy::Local);
-        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert_eq!(problems.len(), 1, "{problems:?}");
     }
 
     #[test]
-    fn source_ranges_take_spaces_skip_garbage_and_ignore_ipv6() {
+    fn source_ranges_take_spaces_skip_garbage_and_keep_both_families() {
         let spec = lb_spec(json!({"loadBalancerSourceRanges":
             [" 203.0.113.0/24 ", "10.1.2.3/8", "2001:db8::/32", "300.1.1.1/8", "10.0.0.0/33", "x"]}));
         let (svc, problems) = info(json!({"spec": spec}));
         let ranges: Vec<String> = svc.source_ranges.iter().map(ToString::to_string).collect();
-        assert_eq!(ranges, ["203.0.113.0/24", "10.0.0.0/8"]);
+        assert_eq!(ranges, ["203.0.113.0/24", "10.0.0.0/8", "2001:db8::/32"]);
         assert_eq!(problems.len(), 3, "{problems:?}");
-        assert!(svc.source_ranges[0].contains(Ipv4Addr::new(203, 0, 113, 9)));
-        assert!(!svc.source_ranges[0].contains(Ipv4Addr::new(203, 0, 114, 9)));
+        assert!(svc.source_ranges[0].contains(IpAddr::from([203, 0, 113, 9])));
+        assert!(!svc.source_ranges[0].contains(IpAddr::from([203, 0, 114, 9])));
     }
 
     #[test]

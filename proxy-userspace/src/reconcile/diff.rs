@@ -6,7 +6,7 @@ use crate::{mode::Plan, model::ServicePort};
 
 /// The frontend a service port is known by in every mode: a port whose
 /// ClusterIP, port or protocol changed is a different port for the kernel.
-fn identity(port: &ServicePort) -> (std::net::Ipv4Addr, u16, crate::model::Protocol) {
+fn identity(port: &ServicePort) -> (std::net::IpAddr, u16, crate::model::Protocol) {
     (port.cluster_ip, port.port, port.protocol)
 }
 
@@ -59,7 +59,7 @@ mod tests {
         ServicePort {
             name: name.into(),
             protocol: Protocol::Tcp,
-            cluster_ip: Ipv4Addr::new(10, 96, 0, ip),
+            cluster_ip: Ipv4Addr::new(10, 96, 0, ip).into(),
             port: 80,
             node_port: None,
             endpoints: endpoints

@@ -155,6 +155,8 @@ pub struct SyncReport {
 /// Holds the mode and what it was last told successfully.
 pub struct Reconciler {
     mode: Box<dyn Dataplane>,
+    /// Ports of a family the mode does not program, already reported.
+    unserved: BTreeSet<String>,
     applied: BTreeMap<String, ServicePort>,
     /// Whether `applied` is what the kernel had before the current sync:
     /// not at start (an earlier run may have left anything) nor after a
@@ -166,6 +168,7 @@ impl Reconciler {
     pub fn new(mode: Box<dyn Dataplane>) -> Self {
         Self {
             mode,
+            unserved: BTreeSet::new(),
             applied: BTreeMap::new(),
             applied_known: false,
         }
@@ -190,6 +193,8 @@ impl Reconciler {
         changed: &BTreeSet<String>,
         full: bool,
     ) -> Result<SyncReport> {
+        let (served, unserved_problems) = self.served(desired, changed, full);
+        let desired = served.as_ref().unwrap_or(desired);
         let plan = if full {
             diff(desired, &self.applied)
         } else {
@@ -217,7 +222,8 @@ impl Reconciler {
             return Err(e);
         }
         report.kernel_writes = self.mode.kernel_writes() - writes_before;
-        report.problems = self.mode.take_problems();
+        report.problems = unserved_problems;
+        report.problems.extend(self.mode.take_problems());
         // After the new state is in place, so the flows' next packets pick
         // a current endpoint.
         report.stale_flow_deletions = self.mode.delete_stale_flows(&SyncedChange {
@@ -238,6 +244,50 @@ impl Reconciler {
         }
         self.applied_known = true;
         Ok(report)
+    }
+}
+
+impl Reconciler {
+    /// `desired` without the ports of families the mode does not program
+    /// (`None`: nothing to leave out, use `desired` as it is), and a
+    /// problem for each such port not reported before.
+    fn served(
+        &mut self,
+        desired: &BTreeMap<String, ServicePort>,
+        changed: &BTreeSet<String>,
+        full: bool,
+    ) -> (Option<BTreeMap<String, ServicePort>>, Vec<Problem>) {
+        let families = self.mode.families();
+        let serves = |port: &ServicePort| families.contains(&port.family());
+        let mut problems = Vec::new();
+        // A partial sync looks at the changed ports only: the others were
+        // judged before and are the same.
+        let to_judge: Vec<&ServicePort> = if full {
+            self.unserved
+                .retain(|name| desired.get(name).is_some_and(|p| !serves(p)));
+            desired.values().collect()
+        } else {
+            self.unserved
+                .retain(|name| !changed.contains(name) || desired.get(name).is_some_and(|p| !serves(p)));
+            changed.iter().filter_map(|name| desired.get(name)).collect()
+        };
+        for port in to_judge.into_iter().filter(|p| !serves(p)) {
+            if self.unserved.insert(port.name.clone()) {
+                problems.push(Problem::new(
+                    &port.name,
+                    format!(
+                        "{} is not served by the {} mode",
+                        port.family().name(),
+                        self.mode.name()
+                    ),
+                ));
+            }
+        }
+        if self.unserved.is_empty() {
+            return (None, problems);
+        }
+        let served = desired.iter().filter(|(_, p)| serves(p));
+        (Some(served.map(|(n, p)| (n.clone(), p.clone())).collect()), problems)
     }
 }
 
@@ -326,7 +376,7 @@ mod tests {
         let port = ServicePort {
             name: "default/web".into(),
             protocol: Protocol::Tcp,
-            cluster_ip: Ipv4Addr::new(10, 96, 0, 1),
+            cluster_ip: Ipv4Addr::new(10, 96, 0, 1).into(),
             port: 80,
             node_port: None,
             endpoints: endpoints
@@ -372,6 +422,47 @@ mod tests {
             0,
             "each sync counts its own"
         );
+    }
+
+    /// `desired(endpoints)` plus the Service's IPv6 port with `v6_endpoints`.
+    fn dual_stack(endpoints: &[u8], v6_endpoints: &[u16]) -> BTreeMap<String, ServicePort> {
+        let mut state = desired(endpoints);
+        let v6 = ServicePort {
+            name: "default/web (IPv6)".into(),
+            cluster_ip: "fd00:96::1".parse().unwrap(),
+            port: 80,
+            endpoints: (v6_endpoints.iter())
+                .map(|e| Endpoint::ready(std::net::Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, *e), 80))
+                .collect(),
+            ..ServicePort::default()
+        };
+        state.insert(v6.name.clone(), v6);
+        state
+    }
+
+    #[test]
+    fn a_mode_gets_the_ports_of_its_families_only_and_the_others_are_reported_once() {
+        let fake = Fake::default();
+        let mut r = Reconciler::new(Box::new(fake.clone()));
+        let v6 = BTreeSet::from(["default/web (IPv6)".to_string()]);
+        let not_served = [Problem::new(
+            "default/web (IPv6)",
+            "IPv6 is not served by the fake mode",
+        )];
+        let report = r.sync(&dual_stack(&[1], &[1]), &BTreeSet::new(), true).unwrap();
+        assert_eq!(report.problems, not_served);
+        assert_eq!(fake.programmed(), desired(&[1]));
+        // The IPv6 port changes: nothing for the mode, no second report.
+        let report = r.sync(&dual_stack(&[1], &[1, 2]), &v6, false).unwrap();
+        assert!(report.problems.is_empty());
+        assert_eq!(report.service_changes, 0);
+        let report = r.sync(&dual_stack(&[1], &[1, 2]), &BTreeSet::new(), true).unwrap();
+        assert!(report.problems.is_empty(), "reported once, full syncs included");
+        // Gone and back: reported again.
+        r.sync(&desired(&[1]), &v6, false).unwrap();
+        let report = r.sync(&dual_stack(&[1], &[1]), &v6, false).unwrap();
+        assert_eq!(report.problems, not_served);
+        assert_eq!(fake.programmed(), desired(&[1]));
     }
 
     /// A mode that cannot honour something at every sync and says so.

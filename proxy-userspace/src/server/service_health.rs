@@ -29,7 +29,7 @@ use super::{
 };
 use crate::{
     config::{Config, NodePortAddresses},
-    model::ServicePort,
+    model::{IPV6_SUFFIX, ServicePort},
 };
 
 /// A Service, as `(namespace, name)`.
@@ -44,7 +44,7 @@ struct PortHealth {
     service: ServiceKey,
     health_check_port: u16,
     /// Addresses of this node's ready endpoints.
-    local_ready: BTreeSet<Ipv4Addr>,
+    local_ready: BTreeSet<IpAddr>,
 }
 
 /// The listeners of one Service's health check port.
@@ -148,7 +148,7 @@ impl ServiceHealth {
     /// ports disagree) and its local ready endpoints, each address once
     /// across the Service's ports (a pod is one endpoint).
     fn wanted(&self) -> BTreeMap<ServiceKey, (u16, usize)> {
-        let mut per_service: BTreeMap<ServiceKey, (u16, BTreeSet<Ipv4Addr>)> = BTreeMap::new();
+        let mut per_service: BTreeMap<ServiceKey, (u16, BTreeSet<IpAddr>)> = BTreeMap::new();
         for health in self.ports.values() {
             let entry = per_service
                 .entry(health.service.clone())
@@ -254,6 +254,7 @@ fn bind_now(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
 
 /// The Service of a port named `namespace/name` or `namespace/name:port`.
 fn service_of(port_name: &str) -> Option<ServiceKey> {
+    let port_name = port_name.strip_suffix(IPV6_SUFFIX).unwrap_or(port_name);
     let (namespace, rest) = port_name.split_once('/')?;
     let name = rest.split_once(':').map_or(rest, |(name, _)| name);
     Some((namespace.to_owned(), name.to_owned()))

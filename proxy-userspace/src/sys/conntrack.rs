@@ -7,7 +7,7 @@
 //! own flush filter cannot match the NAT target on every kernel the modes
 //! run on.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use anyhow::{Context, Result};
 use tracing::debug;
@@ -41,11 +41,11 @@ const IPPROTO_UDP: u8 = 17;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
 pub struct UdpFlowFilter {
     /// The original destination address (where the client sent to).
-    pub orig_dst: Option<Ipv4Addr>,
+    pub orig_dst: Option<IpAddr>,
     /// The original destination port.
     pub orig_dst_port: Option<u16>,
     /// The address the flow was DNATed to (its replies' source).
-    pub dst_nat: Option<Ipv4Addr>,
+    pub dst_nat: Option<IpAddr>,
 }
 
 impl UdpFlowFilter {
@@ -53,9 +53,11 @@ impl UdpFlowFilter {
     /// with `--orig-dst`, `--orig-port-dst`, `--dst-nat` judges it).
     pub fn matches(&self, entry: &Entry) -> bool {
         entry.orig.proto == IPPROTO_UDP
-            && self.orig_dst.is_none_or(|dst| entry.orig.dst == dst)
+            && self.orig_dst.is_none_or(|dst| IpAddr::V4(entry.orig.dst) == dst)
             && self.orig_dst_port.is_none_or(|port| entry.orig.dport == port)
-            && self.dst_nat.is_none_or(|nat| entry.dst_nat && entry.reply.src == nat)
+            && self
+                .dst_nat
+                .is_none_or(|nat| entry.dst_nat && IpAddr::V4(entry.reply.src) == nat)
     }
 }
 

@@ -14,6 +14,7 @@ use std::{
 };
 
 use proxy_common::Verdict;
+use proxy_userspace::model::ipv4;
 use testbed::{
     frame::{
         Flow, IcmpError, LaterFragment, Strict, expected_port_unreachable, expected_rst, parse_strict, tcp_flags::RST,
@@ -164,13 +165,16 @@ impl Oracle {
             let backends: Vec<SocketAddrV4> = svc
                 .endpoints
                 .iter()
-                .map(|e| SocketAddrV4::new(e.addr, e.port))
+                .filter_map(|e| Some(SocketAddrV4::new(ipv4(e.addr)?, e.port)))
                 .collect();
             o.backend_ports
                 .extend(backends.iter().map(std::net::SocketAddrV4::port));
             o.frontend_ports.insert(svc.port);
+            let Some(cluster_ip) = ipv4(svc.cluster_ip) else {
+                continue;
+            };
             o.services
-                .insert((SocketAddrV4::new(svc.cluster_ip, svc.port), p), backends.clone());
+                .insert((SocketAddrV4::new(cluster_ip, svc.port), p), backends.clone());
             if let Some(np) = svc.node_port {
                 o.frontend_ports.insert(np);
                 o.services.insert((SocketAddrV4::new(NODE_IP, np), p), backends);

@@ -25,12 +25,12 @@ fn lb_service(endpoints: Vec<Endpoint>) -> ServicePort {
     ServicePort {
         name: LOCAL_TCP.into(),
         protocol: Protocol::Tcp,
-        cluster_ip: CLUSTER_IP,
+        cluster_ip: CLUSTER_IP.into(),
         port: SERVICE_PORT,
         node_port: Some(NODE_PORT),
         endpoints,
-        external_ips: vec![EXTERNAL_ADDR],
-        load_balancer_ips: vec![LB_IP],
+        external_ips: vec![EXTERNAL_ADDR.into()],
+        load_balancer_ips: vec![LB_IP.into()],
         ..ServicePort::default()
     }
 }
@@ -248,7 +248,7 @@ fn source_ranges_drop_outsiders_on_load_balancer_ips_only() {
     let mut h = Harness::new(vec![NODE_IP]);
     // The outside client's /24 (with the spaces-free form the model keeps).
     let allowed = SourceRange {
-        addr: Ipv4Addr::new(203, 0, 113, 0),
+        addr: Ipv4Addr::new(203, 0, 113, 0).into(),
         prefix_len: 24,
     };
     let mut svc = ServicePort {
@@ -290,7 +290,7 @@ fn source_ranges_drop_outsiders_on_load_balancer_ips_only() {
 
     // The list changes: the outsider's network is in, the old one out.
     svc.source_ranges = vec![SourceRange {
-        addr: Ipv4Addr::new(192, 0, 2, 0),
+        addr: Ipv4Addr::new(192, 0, 2, 0).into(),
         prefix_len: 24,
     }];
     h.sync(&svc);

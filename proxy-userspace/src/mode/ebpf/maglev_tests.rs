@@ -29,7 +29,7 @@ fn ep(last: u8, node: &str) -> Endpoint {
 fn port(n: u8, algorithm: Option<LbAlgorithm>) -> ServicePort {
     ServicePort {
         name: "default/web:http".into(),
-        cluster_ip: CLUSTER_IP,
+        cluster_ip: CLUSTER_IP.into(),
         port: 80,
         node_port: Some(30080),
         endpoints: (1..=n)
@@ -76,12 +76,15 @@ fn table_of(endpoints: &[Endpoint]) -> Vec<Ipv4Addr> {
         .zip(endpoints)
         .map(|(id, e)| maglev::Member {
             id,
-            addr: e.addr,
+            addr: super::service_maps::v4(e.addr),
             port: e.port,
         })
         .collect();
     let table = maglev::table(&members).expect("a table");
-    table.iter().map(|id| endpoints[*id as usize - 1].addr).collect()
+    table
+        .iter()
+        .map(|id| super::service_maps::v4(endpoints[*id as usize - 1].addr))
+        .collect()
 }
 
 /// The annotation flags every frontend of the `Cluster` run and writes

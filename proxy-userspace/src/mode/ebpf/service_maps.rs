@@ -34,7 +34,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr},
     path::Path,
 };
 
@@ -63,7 +63,7 @@ use super::{
 };
 use crate::{
     dump::Snapshot,
-    model::{Endpoint, EndpointSets, LbAlgorithm, ServicePort},
+    model::{Endpoint, EndpointSets, LbAlgorithm, ServicePort, ipv4},
 };
 
 /// What was written for one Service port, to diff the next write against.
@@ -425,7 +425,7 @@ impl<M: LbMaps> ServiceMaps<M> {
 
     fn stage_service(&mut self, svc: &ServicePort) -> Result<()> {
         let proto = svc.protocol.number();
-        let id = ServiceKeyOrd::from(ServiceKey::new(svc.cluster_ip, svc.port, proto));
+        let id = ServiceKeyOrd::from(ServiceKey::new(v4(svc.cluster_ip), svc.port, proto));
         if let Some(previous) = self.names.insert(svc.name.clone(), id)
             && previous != id
         {
@@ -438,7 +438,7 @@ impl<M: LbMaps> ServiceMaps<M> {
         let mut backends = Vec::with_capacity(layout.slots.len());
         for ep in &layout.slots {
             let local = self.is_local(ep);
-            backends.push(self.acquire_backend(ep.addr, ep.port, proto, local)?);
+            backends.push(self.acquire_backend(v4(ep.addr), ep.port, proto, local)?);
         }
         // Affinity needs the set's members: a set written without them is
         // written again with them (and the other way round).
@@ -595,7 +595,7 @@ impl<M: LbMaps> ServiceMaps<M> {
 
     /// Removes a Service port by its frontend, whoever programmed it.
     pub fn remove_port(&mut self, port: &ServicePort) -> Result<()> {
-        let id = ServiceKeyOrd::from(ServiceKey::new(port.cluster_ip, port.port, port.protocol.number()));
+        let id = ServiceKeyOrd::from(ServiceKey::new(v4(port.cluster_ip), port.port, port.protocol.number()));
         self.batch(|this| {
             if this.names.get(&port.name) == Some(&id) {
                 this.names.remove(&port.name);
@@ -616,7 +616,7 @@ impl<M: LbMaps> ServiceMaps<M> {
     pub fn retain(&mut self, keep: &[&ServicePort]) -> Result<()> {
         let keep: BTreeSet<ServiceKeyOrd> = keep
             .iter()
-            .map(|p| ServiceKey::new(p.cluster_ip, p.port, p.protocol.number()).into())
+            .map(|p| ServiceKey::new(v4(p.cluster_ip), p.port, p.protocol.number()).into())
             .collect();
         self.batch(|this| {
             let stale: Vec<ServiceKeyOrd> = this.applied.keys().filter(|k| !keep.contains(k)).copied().collect();
@@ -754,7 +754,7 @@ impl<M: LbMaps> ServiceMaps<M> {
     fn frontends_of(&self, svc: &ServicePort) -> Vec<(ServiceKey, FrontendKind)> {
         let proto = svc.protocol.number();
         let mut out = vec![(
-            ServiceKey::new(svc.cluster_ip, svc.port, proto),
+            ServiceKey::new(v4(svc.cluster_ip), svc.port, proto),
             FrontendKind::ClusterIp,
         )];
         if let Some(node_port) = svc.node_port {
@@ -771,7 +771,7 @@ impl<M: LbMaps> ServiceMaps<M> {
             }
             let load_balancer = svc.load_balancer_ips.contains(&ip);
             let kind = FrontendKind::ExternalAddr { load_balancer };
-            out.push((ServiceKey::new(ip, svc.port, proto), kind));
+            out.push((ServiceKey::new(v4(ip), svc.port, proto), kind));
         }
         out
     }
@@ -834,7 +834,7 @@ impl<M: LbMaps> ServiceMaps<M> {
         let members: Vec<maglev::Member> = run
             .map(|(ep, id)| maglev::Member {
                 id: *id,
-                addr: ep.addr,
+                addr: v4(ep.addr),
                 port: ep.port,
             })
             .collect();
@@ -953,6 +953,15 @@ fn affinity_timeout_s(svc: &ServicePort) -> u32 {
         .map_or(0, |t| u32::try_from(t.as_secs()).unwrap_or(u32::MAX).max(1))
 }
 
+/// `ip` as this IPv4 data path keys it. The reconciler hands the mode
+/// IPv4 ports only (`Dataplane::families`), whose addresses and endpoints
+/// are all IPv4: an IPv6 one cannot arrive here, and would key 0.0.0.0,
+/// which no packet carries.
+pub(super) fn v4(ip: IpAddr) -> Ipv4Addr {
+    debug_assert!(ip.is_ipv4(), "IPv6 address {ip} in the IPv4 data path");
+    ipv4(ip).unwrap_or(Ipv4Addr::UNSPECIFIED)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -981,7 +990,7 @@ mod tests {
             let ports: Vec<ServicePort> = (0..10_000u32)
                 .map(|i| ServicePort {
                     name: format!("ns/svc-{i}:http"),
-                    cluster_ip: Ipv4Addr::from(0x0a60_0000 + i),
+                    cluster_ip: Ipv4Addr::from(0x0a60_0000 + i).into(),
                     port: 80,
                     node_port: (i % 4 == 0).then(|| 30000 + (i / 4) as u16),
                     endpoints: (0..10)

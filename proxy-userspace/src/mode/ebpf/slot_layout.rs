@@ -74,7 +74,7 @@ mod tests {
     fn layout_of(port: &ServicePort, node: &str) -> (Vec<u8>, (u32, u32), (u32, u32)) {
         let sets = EndpointSets::of(port, Some(node));
         let layout = SlotLayout::of(&sets).expect("layout");
-        let slots = layout.slots.iter().map(|e| e.addr.octets()[3]).collect();
+        let slots = layout.slots.iter().map(|e| crate::model::last_octet(e.addr)).collect();
         (slots, layout.cluster, layout.local)
     }
 

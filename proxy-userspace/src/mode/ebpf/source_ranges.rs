@@ -5,6 +5,7 @@ use std::collections::BTreeSet;
 
 use proxy_common::SourceRangeKey;
 
+use super::service_maps::v4;
 use crate::model::ServicePort;
 
 /// `SourceRangeKey` ordered by its bytes, for sets and diffs.
@@ -27,8 +28,8 @@ impl From<RangeKeyOrd> for SourceRangeKey {
 /// balancer IP of the Service as a source of its own (kube-proxy's KUBE-FW
 /// chain allows those too, for load balancers that hairpin).
 pub(super) fn entries(svc: &ServicePort, rev_nat_id: u32) -> BTreeSet<RangeKeyOrd> {
-    let ranges = svc.source_ranges.iter().map(|r| (r.addr, r.prefix_len));
-    let own = svc.load_balancer_ips.iter().map(|ip| (*ip, 32));
+    let ranges = svc.source_ranges.iter().map(|r| (v4(r.addr), r.prefix_len));
+    let own = svc.load_balancer_ips.iter().map(|ip| (v4(*ip), 32));
     ranges
         .chain(own)
         .map(|(addr, len)| SourceRangeKey::range(rev_nat_id, addr, len).into())

@@ -36,12 +36,12 @@ fn ep(last: u8, node: &str) -> Endpoint {
 fn lb_port(source_ranges: Vec<SourceRange>) -> ServicePort {
     ServicePort {
         name: "default/lb:http".into(),
-        cluster_ip: CLUSTER_IP,
+        cluster_ip: CLUSTER_IP.into(),
         port: 80,
         node_port: Some(30080),
         endpoints: vec![ep(1, THIS_NODE), ep(2, "node-b")],
-        external_ips: vec![EXTERNAL_IP],
-        load_balancer_ips: vec![LB_IP],
+        external_ips: vec![EXTERNAL_IP.into()],
+        load_balancer_ips: vec![LB_IP.into()],
         source_ranges,
         ..ServicePort::default()
     }
@@ -49,7 +49,7 @@ fn lb_port(source_ranges: Vec<SourceRange>) -> ServicePort {
 
 fn range(a: u8, b: u8, c: u8, d: u8, prefix_len: u8) -> SourceRange {
     SourceRange {
-        addr: Ipv4Addr::new(a, b, c, d),
+        addr: Ipv4Addr::new(a, b, c, d).into(),
         prefix_len,
     }
 }

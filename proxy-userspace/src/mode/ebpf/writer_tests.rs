@@ -30,7 +30,7 @@ fn ep(last: u8, node: &str) -> Endpoint {
 fn port(name: &str, vip: u8, node_port: Option<u16>, endpoints: Vec<Endpoint>) -> ServicePort {
     ServicePort {
         name: format!("default/{name}:http"),
-        cluster_ip: Ipv4Addr::new(10, 96, 0, vip),
+        cluster_ip: Ipv4Addr::new(10, 96, 0, vip).into(),
         port: 80,
         node_port,
         endpoints,
@@ -89,7 +89,7 @@ fn rows(endpoints: &[&Endpoint]) -> Vec<BackendRow> {
     endpoints
         .iter()
         .map(|e| BackendRow {
-            addr: Some((e.addr, e.port)),
+            addr: Some((super::service_maps::v4(e.addr), e.port)),
             flows: 0,
         })
         .collect()
@@ -109,7 +109,13 @@ fn frontends_of(desired: &[ServicePort]) -> Vec<FrontendRow> {
             local_only: local && sets.has_any(),
             backends: rows(backends),
         };
-        out.push(row(p.cluster_ip, p.port, false, p.internal_local(), sets.internal()));
+        out.push(row(
+            super::service_maps::v4(p.cluster_ip),
+            p.port,
+            false,
+            p.internal_local(),
+            sets.internal(),
+        ));
         for ip in p.node_port.map(|_| NODE_IPS).into_iter().flatten() {
             let node_port = p.node_port.unwrap_or_default();
             out.push(row(ip, node_port, true, p.external_local(), sets.external()));
@@ -288,7 +294,9 @@ fn a_shared_backend_goes_with_the_last_port_using_it() {
     full_sync(&mut w, &[web.clone(), api.clone()]).expect("sync");
     assert_eq!(memory.entries()[2], 2, "10.244.0.2 once for both ports");
     let backend_of = |w: &ServiceMaps<MemoryMaps>, p: &ServicePort| {
-        let value = w.frontend(p.cluster_ip, p.port, 6).expect("frontend");
+        let value = w
+            .frontend(super::service_maps::v4(p.cluster_ip), p.port, 6)
+            .expect("frontend");
         let slot = BackendSlotKey {
             backend_set: value.backend_set,
             slot: value.backend_count - 1,

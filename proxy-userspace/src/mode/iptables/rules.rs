@@ -46,7 +46,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     fmt::Write as _,
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr},
 };
 
 use super::chains::{self, PortChains, endpoint_string, sep_chain};
@@ -585,7 +585,7 @@ impl<'a> Entries<'a> {
 
     /// `-m tcp -p tcp -d IP --dport PORT`, kube-proxy's match for one of
     /// the port's addresses.
-    fn to(&self, ip: Ipv4Addr) -> String {
+    fn to(&self, ip: IpAddr) -> String {
         format!("-m {0} -p {0} -d {ip} --dport {1}", self.proto, self.port.port)
     }
 
@@ -797,7 +797,7 @@ fn firewall_rules(opts: &RuleOptions, port: &ServicePort, names: &PortChains, na
     let allow_from_node = port
         .source_ranges
         .iter()
-        .any(|range| opts.node_ips.iter().any(|ip| range.contains(*ip)));
+        .any(|range| opts.node_ips.iter().any(|ip| range.contains((*ip).into())));
     if allow_from_node {
         for ip in &port.load_balancer_ips {
             nat.rule(fw, format!("-m comment --comment {comment} -s {ip} -j {}", names.ext));
@@ -918,7 +918,7 @@ mod tests {
         ServicePort {
             name: "default/nginx-service".into(),
             protocol: Protocol::Tcp,
-            cluster_ip: Ipv4Addr::new(10, 96, 0, 88),
+            cluster_ip: Ipv4Addr::new(10, 96, 0, 88).into(),
             port: 88,
             node_port: Some(30791),
             endpoints: (11..=13)
@@ -976,7 +976,7 @@ mod tests {
         };
         let mut empty = seed_port();
         empty.name = "default/empty-service".into();
-        empty.cluster_ip = Ipv4Addr::new(10, 96, 0, 89);
+        empty.cluster_ip = Ipv4Addr::new(10, 96, 0, 89).into();
         empty.port = 89;
         empty.node_port = Some(30792);
         empty.endpoints.clear();
@@ -1106,7 +1106,7 @@ mod tests {
         let a = seed_port();
         let mut b = seed_port();
         b.name = "default/other".into();
-        b.cluster_ip = Ipv4Addr::new(10, 96, 0, 90);
+        b.cluster_ip = Ipv4Addr::new(10, 96, 0, 90).into();
         b.node_port = None;
         let ports = state(&[a.clone(), b.clone()]);
         let only: BTreeSet<String> = [b.name.clone()].into();
@@ -1328,15 +1328,18 @@ mod tests {
     fn api_port() -> ServicePort {
         let mut port = policy_port("lb", 5, Some(30885), &[(31, "node-a"), (32, "node-b")]);
         port.external_policy = crate::model::TrafficPolicy::Local;
-        port.external_ips = vec![Ipv4Addr::new(198, 51, 100, 7)];
-        port.load_balancer_ips = vec![Ipv4Addr::new(203, 0, 113, 5), Ipv4Addr::new(203, 0, 113, 6)];
+        port.external_ips = vec![Ipv4Addr::new(198, 51, 100, 7).into()];
+        port.load_balancer_ips = vec![
+            Ipv4Addr::new(203, 0, 113, 5).into(),
+            Ipv4Addr::new(203, 0, 113, 6).into(),
+        ];
         port.source_ranges = vec![
             SourceRange {
-                addr: Ipv4Addr::new(192, 0, 2, 0),
+                addr: Ipv4Addr::new(192, 0, 2, 0).into(),
                 prefix_len: 24,
             },
             SourceRange {
-                addr: Ipv4Addr::new(172, 30, 0, 0),
+                addr: Ipv4Addr::new(172, 30, 0, 0).into(),
                 prefix_len: 16,
             },
         ];

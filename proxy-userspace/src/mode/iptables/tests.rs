@@ -168,7 +168,7 @@ fn port(name: &str, ip: u8, node_port: Option<u16>, endpoints: &[u8]) -> Service
     ServicePort {
         name: format!("default/{name}"),
         protocol: Protocol::Tcp,
-        cluster_ip: Ipv4Addr::new(10, 96, 0, ip),
+        cluster_ip: Ipv4Addr::new(10, 96, 0, ip).into(),
         port: 80,
         node_port,
         endpoints: endpoints
@@ -511,9 +511,9 @@ fn cleanup_removes_everything_ours_once() {
 fn source_ranges_add_and_remove_the_firewall_chain() {
     let (mut mode, kernel) = mode();
     let mut lb = port("lb", 5, Some(30005), &[11, 12]);
-    lb.load_balancer_ips = vec![Ipv4Addr::new(203, 0, 113, 5)];
+    lb.load_balancer_ips = vec![Ipv4Addr::new(203, 0, 113, 5).into()];
     lb.source_ranges = vec![crate::model::SourceRange {
-        addr: Ipv4Addr::new(192, 0, 2, 0),
+        addr: Ipv4Addr::new(192, 0, 2, 0).into(),
         prefix_len: 24,
     }];
     let fw = chains::PortChains::of(&lb).fw;

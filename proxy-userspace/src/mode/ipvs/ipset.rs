@@ -157,7 +157,7 @@ fn external_entries(sets: &mut Entries, port: &ServicePort, node_ips: &[Ipv4Addr
         let node_allowed = port
             .source_ranges
             .iter()
-            .any(|r| node_ips.iter().any(|node_ip| r.contains(*node_ip)));
+            .any(|r| node_ips.iter().any(|node_ip| r.contains((*node_ip).into())));
         if node_allowed {
             add(LOAD_BALANCER_SOURCE_IP, format!("{entry},{ip}"));
         }
@@ -253,7 +253,7 @@ mod tests {
         ServicePort {
             name: "default/nginx-service".into(),
             protocol: Protocol::Tcp,
-            cluster_ip: Ipv4Addr::new(10, 96, 0, 88),
+            cluster_ip: Ipv4Addr::new(10, 96, 0, 88).into(),
             port: 88,
             node_port: Some(30791),
             endpoints: vec![Endpoint::ready(Ipv4Addr::new(10, 244, 0, 11), 80)],
@@ -354,8 +354,8 @@ mod tests {
     fn external_and_load_balancer_ips_fill_kube_proxys_sets() {
         let lb = ServicePort {
             name: "default/lb".into(),
-            external_ips: vec![Ipv4Addr::new(198, 51, 100, 7)],
-            load_balancer_ips: vec![Ipv4Addr::new(192, 0, 2, 10)],
+            external_ips: vec![Ipv4Addr::new(198, 51, 100, 7).into()],
+            load_balancer_ips: vec![Ipv4Addr::new(192, 0, 2, 10).into()],
             source_ranges: vec![range("172.30.0.0/24"), range("203.0.113.5/32"), range("0.0.0.0/0")],
             ..seed()
         };

@@ -69,7 +69,7 @@ use super::{
 };
 use crate::{
     config::{Cidr, Config},
-    model::{Endpoint, EndpointSets, Problem, ServicePort},
+    model::{Endpoint, EndpointSets, Problem, ServicePort, ipv4},
     sys::iptables::{Iptables, Saved, SystemIptables},
 };
 
@@ -173,12 +173,15 @@ pub fn virtual_servers(
         addr,
         port: port_number,
     };
+    let Some(cluster_ip) = ipv4(port.cluster_ip) else {
+        return Vec::new();
+    };
     let mut out = vec![(
-        key(port.cluster_ip, port.port),
+        key(cluster_ip, port.port),
         server(port.internal_local(), sets.internal()),
     )];
     let external = server(port.external_local(), sets.external());
-    for addr in port.external_addresses() {
+    for addr in port.external_addresses().into_iter().filter_map(ipv4) {
         out.push((key(addr, port.port), external.clone()));
     }
     if let Some(node_port) = port.node_port {
@@ -191,7 +194,9 @@ pub fn virtual_servers(
 /// IPs and load balancer IPs (so the kernel takes their packets as local
 /// and IPVS sees them).
 pub fn bound_addresses(port: &ServicePort) -> impl Iterator<Item = Ipv4Addr> + '_ {
-    std::iter::once(port.cluster_ip).chain(port.external_addresses())
+    std::iter::once(port.cluster_ip)
+        .chain(port.external_addresses())
+        .filter_map(ipv4)
 }
 
 /// The virtual servers of `ports` with NodePorts on `node_ips`. IPVS holds
@@ -231,10 +236,11 @@ fn real_servers(
     let mut reals = BTreeMap::new();
     let candidates = port.endpoints.iter().filter(|e| !local_only || e.is_on(node));
     for endpoint in candidates {
+        let Some(addr) = ipv4(endpoint.addr) else { continue };
         if usable.contains(&endpoint) {
-            reals.insert((endpoint.addr, endpoint.port), WEIGHT);
+            reals.insert((addr, endpoint.port), WEIGHT);
         } else if endpoint.terminating {
-            reals.entry((endpoint.addr, endpoint.port)).or_insert(0);
+            reals.entry((addr, endpoint.port)).or_insert(0);
         }
     }
     reals
@@ -583,7 +589,7 @@ mod tests {
         ServicePort {
             name: "default/nginx-service".into(),
             protocol: Protocol::Tcp,
-            cluster_ip: Ipv4Addr::new(10, 96, 0, 88),
+            cluster_ip: Ipv4Addr::new(10, 96, 0, 88).into(),
             port: 88,
             node_port: Some(30791),
             endpoints,
@@ -686,8 +692,11 @@ mod tests {
             on("node-a", endpoint(11, true, true, false)),
             on("node-b", endpoint(12, true, true, false)),
         ]);
-        port.external_ips = vec![Ipv4Addr::new(198, 51, 100, 7)];
-        port.load_balancer_ips = vec![Ipv4Addr::new(192, 0, 2, 10), Ipv4Addr::new(198, 51, 100, 7)];
+        port.external_ips = vec![Ipv4Addr::new(198, 51, 100, 7).into()];
+        port.load_balancer_ips = vec![
+            Ipv4Addr::new(192, 0, 2, 10).into(),
+            Ipv4Addr::new(198, 51, 100, 7).into(),
+        ];
         port.external_policy = crate::model::TrafficPolicy::Local;
         port.affinity = Some(std::time::Duration::from_secs(30));
         let node_ip = Ipv4Addr::new(172, 30, 0, 2);
@@ -727,14 +736,14 @@ mod tests {
     #[test]
     fn a_virtual_server_two_ports_claim_goes_to_the_first_and_the_other_is_reported() {
         let first = ServicePort {
-            load_balancer_ips: vec![Ipv4Addr::new(192, 0, 2, 10)],
+            load_balancer_ips: vec![Ipv4Addr::new(192, 0, 2, 10).into()],
             ..seed(vec![endpoint(11, true, true, false)])
         };
         let second = ServicePort {
             name: "default/other".into(),
-            cluster_ip: Ipv4Addr::new(10, 96, 0, 99),
+            cluster_ip: Ipv4Addr::new(10, 96, 0, 99).into(),
             node_port: None,
-            external_ips: vec![Ipv4Addr::new(192, 0, 2, 10)],
+            external_ips: vec![Ipv4Addr::new(192, 0, 2, 10).into()],
             ..seed(vec![endpoint(12, true, true, false)])
         };
         let desired = desired_servers(&[&first, &second], &[], "rr", None);

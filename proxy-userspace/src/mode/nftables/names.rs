@@ -164,7 +164,7 @@ mod tests {
         ServicePort {
             name: name.into(),
             protocol: Protocol::Tcp,
-            cluster_ip: Ipv4Addr::new(172, 30, 0, 41),
+            cluster_ip: Ipv4Addr::new(172, 30, 0, 41).into(),
             port: 80,
             node_port: None,
             endpoints: vec![],

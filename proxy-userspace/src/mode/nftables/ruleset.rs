@@ -53,7 +53,11 @@
 //! new elements are added, and chains nothing refers to any more go last.
 //! The same input always gives the same text.
 
-use std::{collections::BTreeMap, fmt::Write as _, net::Ipv4Addr};
+use std::{
+    collections::BTreeMap,
+    fmt::Write as _,
+    net::{IpAddr, Ipv4Addr},
+};
 
 use super::names::{self, FAMILY, TABLE};
 use crate::{
@@ -246,7 +250,7 @@ pub fn port_rules(opts: &Options, port: &ServicePort) -> PortRules {
 }
 
 /// `IP . proto . port`, the key of `@service-ips` and its kin.
-fn address_key(port: &ServicePort, ip: Ipv4Addr) -> String {
+fn address_key(port: &ServicePort, ip: IpAddr) -> String {
     format!("{ip} . {} . {}", port.protocol.lowercase(), port.port)
 }
 
@@ -412,7 +416,7 @@ fn firewall_chain(opts: &Options, port: &ServicePort) -> Option<Chain> {
     let allow_from_node = port
         .source_ranges
         .iter()
-        .any(|range| opts.node_ips.iter().any(|ip| range.contains(*ip)));
+        .any(|range| opts.node_ips.iter().any(|ip| range.contains((*ip).into())));
     if allow_from_node {
         sources.extend(port.load_balancer_ips.iter().map(ToString::to_string));
     }

@@ -23,7 +23,7 @@ fn seed(last_octets: &[u8]) -> ServicePort {
     ServicePort {
         name: SEED.into(),
         protocol: Protocol::Tcp,
-        cluster_ip: Ipv4Addr::new(10, 96, 0, 88),
+        cluster_ip: Ipv4Addr::new(10, 96, 0, 88).into(),
         port: 88,
         node_port: Some(30791),
         endpoints: last_octets
@@ -38,7 +38,7 @@ fn empty_service() -> ServicePort {
     ServicePort {
         name: "default/empty-service".into(),
         protocol: Protocol::Tcp,
-        cluster_ip: Ipv4Addr::new(10, 96, 0, 89),
+        cluster_ip: Ipv4Addr::new(10, 96, 0, 89).into(),
         port: 89,
         node_port: Some(30792),
         endpoints: vec![],
@@ -50,7 +50,7 @@ fn dns(endpoints: &[u8]) -> ServicePort {
     ServicePort {
         name: "kube-system/kube-dns:dns".into(),
         protocol: Protocol::Udp,
-        cluster_ip: Ipv4Addr::new(10, 96, 0, 10),
+        cluster_ip: Ipv4Addr::new(10, 96, 0, 10).into(),
         port: 53,
         node_port: None,
         endpoints: endpoints
@@ -329,7 +329,7 @@ fn a_new_cluster_ip_moves_the_element_and_keeps_the_chains() {
     let old = seed(&[11]);
     mode.apply_full(&state(std::slice::from_ref(&old))).expect("full sync");
     let new = ServicePort {
-        cluster_ip: Ipv4Addr::new(10, 96, 0, 99),
+        cluster_ip: Ipv4Addr::new(10, 96, 0, 99).into(),
         ..old.clone()
     };
     mode.apply(&Plan {
@@ -794,8 +794,8 @@ fn range(text: &str) -> crate::model::SourceRange {
 /// endpoints on node-a and node-b.
 fn lb_port() -> ServicePort {
     ServicePort {
-        external_ips: vec![EXTERNAL_IP],
-        load_balancer_ips: vec![LB_IP],
+        external_ips: vec![EXTERNAL_IP.into()],
+        load_balancer_ips: vec![LB_IP.into()],
         ..policy_port("lb", 7, Some(30887), &[(17, "node-a"), (17, "node-b")])
     }
 }

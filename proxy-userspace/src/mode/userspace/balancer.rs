@@ -30,7 +30,7 @@ use std::{
 
 use tokio::sync::watch;
 
-use crate::model::{Endpoint, ServicePort, usable_endpoints};
+use crate::model::{Endpoint, ServicePort, ipv4, usable_endpoints};
 
 /// The endpoint set as the tasks see it.
 pub type Endpoints = Arc<[SocketAddrV4]>;
@@ -191,7 +191,7 @@ impl Balancer {
 pub fn endpoint_addrs(port: &ServicePort) -> Vec<SocketAddrV4> {
     let mut addrs: Vec<SocketAddrV4> = usable_endpoints(&port.endpoints)
         .into_iter()
-        .map(|e: &Endpoint| SocketAddrV4::new(e.addr, e.port))
+        .filter_map(|e: &Endpoint| Some(SocketAddrV4::new(ipv4(e.addr)?, e.port)))
         .collect();
     addrs.sort_unstable();
     addrs.dedup();
@@ -327,7 +327,7 @@ mod tests {
         let port = ServicePort {
             name: "default/web".into(),
             protocol: Protocol::Tcp,
-            cluster_ip: Ipv4Addr::new(10, 96, 0, 1),
+            cluster_ip: Ipv4Addr::new(10, 96, 0, 1).into(),
             port: 80,
             node_port: None,
             endpoints: vec![

@@ -148,7 +148,7 @@ mod tests {
         ServicePort {
             name: "default/web".into(),
             protocol,
-            cluster_ip: Ipv4Addr::new(10, 96, 0, 1),
+            cluster_ip: Ipv4Addr::new(10, 96, 0, 1).into(),
             port: 80,
             node_port: None,
             endpoints: vec![Endpoint::ready(Ipv4Addr::LOCALHOST, 9)],

@@ -320,7 +320,7 @@ mod tests {
         ServicePort {
             name: name.into(),
             protocol,
-            cluster_ip: Ipv4Addr::new(10, 96, 0, last),
+            cluster_ip: Ipv4Addr::new(10, 96, 0, last).into(),
             port: u16::from(last),
             node_port,
             endpoints: vec![Endpoint::ready(Ipv4Addr::new(10, 244, 0, 11), 80)],

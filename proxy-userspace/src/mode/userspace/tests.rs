@@ -161,7 +161,7 @@ fn service(name: &str, protocol: Protocol, endpoints: &[SocketAddrV4]) -> Servic
     ServicePort {
         name: name.into(),
         protocol,
-        cluster_ip: Ipv4Addr::new(10, 96, 0, 88),
+        cluster_ip: Ipv4Addr::new(10, 96, 0, 88).into(),
         port: 88,
         node_port: Some(30791),
         endpoints: endpoints.iter().map(|e| Endpoint::ready(*e.ip(), e.port())).collect(),
@@ -447,8 +447,8 @@ async fn fields_the_mode_cannot_honour_are_reported_once() {
     let kernel = FakeIptables::default();
     let mut mode = mode(&kernel);
     let mut web = service("default/web", Protocol::Tcp, &[ep(1)]);
-    web.external_ips = vec![Ipv4Addr::new(198, 51, 100, 7)];
-    web.load_balancer_ips = vec![Ipv4Addr::new(203, 0, 113, 5)];
+    web.external_ips = vec![Ipv4Addr::new(198, 51, 100, 7).into()];
+    web.load_balancer_ips = vec![Ipv4Addr::new(203, 0, 113, 5).into()];
     web.external_policy = crate::model::TrafficPolicy::Local;
     let plain = service("default/plain", Protocol::Tcp, &[ep(2)]);
     let want = desired(&[web, plain]);

@@ -31,7 +31,7 @@ fn port(name: &str, health_check: u16, endpoints: Vec<Endpoint>) -> ServicePort 
     ServicePort {
         name: name.into(),
         node_port: Some(30080),
-        load_balancer_ips: vec![Ipv4Addr::new(192, 0, 2, 10)],
+        load_balancer_ips: vec![Ipv4Addr::new(192, 0, 2, 10).into()],
         external_policy: TrafficPolicy::Local,
         health_check_node_port: Some(health_check),
         endpoints,

@@ -83,24 +83,24 @@ fn filters_match_like_the_conntrack_tools_options() {
         orig_dst_port,
         dst_nat,
     };
-    assert!(by(Some(CLUSTER_IP), None, Some(ENDPOINT)).matches(&entry));
-    assert!(by(None, Some(53), Some(ENDPOINT)).matches(&entry));
-    assert!(by(Some(CLUSTER_IP), None, None).matches(&entry));
+    assert!(by(Some(CLUSTER_IP.into()), None, Some(ENDPOINT.into())).matches(&entry));
+    assert!(by(None, Some(53), Some(ENDPOINT.into())).matches(&entry));
+    assert!(by(Some(CLUSTER_IP.into()), None, None).matches(&entry));
     assert!(by(None, Some(53), None).matches(&entry));
-    assert!(!by(Some(CLUSTER_IP), None, Some(OTHER_ENDPOINT)).matches(&entry));
-    assert!(!by(Some(OTHER_CLUSTER_IP), None, None).matches(&entry));
+    assert!(!by(Some(CLUSTER_IP.into()), None, Some(OTHER_ENDPOINT.into())).matches(&entry));
+    assert!(!by(Some(OTHER_CLUSTER_IP.into()), None, None).matches(&entry));
     assert!(!by(None, Some(54), None).matches(&entry));
     let untranslated = Entry {
         dst_nat: false,
         ..entry
     };
-    assert!(!by(Some(CLUSTER_IP), None, Some(ENDPOINT)).matches(&untranslated));
-    assert!(by(Some(CLUSTER_IP), None, None).matches(&untranslated));
+    assert!(!by(Some(CLUSTER_IP.into()), None, Some(ENDPOINT.into())).matches(&untranslated));
+    assert!(by(Some(CLUSTER_IP.into()), None, None).matches(&untranslated));
     let tcp = Entry {
         orig: Tuple { proto: 6, ..entry.orig },
         ..entry
     };
-    assert!(!by(Some(CLUSTER_IP), None, None).matches(&tcp));
+    assert!(!by(Some(CLUSTER_IP.into()), None, None).matches(&tcp));
 }
 
 /// What `program` printed; panics if it failed.
@@ -156,13 +156,13 @@ fn delete_one_of_two_flows() {
     assert_eq!(tracked_to(OTHER_CLUSTER_IP).len(), 1);
 
     let stale = UdpFlowFilter {
-        orig_dst: Some(CLUSTER_IP),
-        dst_nat: Some(ENDPOINT),
+        orig_dst: Some(CLUSTER_IP.into()),
+        dst_nat: Some(ENDPOINT.into()),
         ..UdpFlowFilter::default()
     };
     let elsewhere = UdpFlowFilter {
         orig_dst_port: Some(53),
-        dst_nat: Some(Ipv4Addr::new(10, 244, 0, 9)),
+        dst_nat: Some(Ipv4Addr::new(10, 244, 0, 9).into()),
         ..UdpFlowFilter::default()
     };
     assert_eq!(delete_udp_flows(&[stale, elsewhere]).expect("deleting"), 1);
