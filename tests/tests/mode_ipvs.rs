@@ -65,12 +65,13 @@ fn seed(endpoints: Vec<Endpoint>) -> ServicePort {
 fn options(scheduler: &str) -> IpvsOptions {
     IpvsOptions {
         scheduler: scheduler.into(),
-        node_ports: NodePortAddresses::Fixed(vec![NODE_IP]),
+        node_ports: NodePortAddresses::Fixed(vec![NODE_IP.into()]),
         exclude_cidrs: Vec::new(),
         rules: RuleOptions {
             masquerade_bit: 14,
             masquerade_all: false,
             local_traffic: Some(LocalTraffic::Cidr("10.244.0.0/16".parse().expect("cidr"))),
+            local_traffic_v6: Some(LocalTraffic::Cidr("fd00:10:244::/56".parse().expect("cidr"))),
         },
         timeouts: (900, 120, 300),
         strict_arp: true,
