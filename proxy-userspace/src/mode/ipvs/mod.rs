@@ -45,6 +45,14 @@
 //! kube-proxy's cleanup does. A virtual server two ports claim (an address
 //! and port in two Services) goes to the first by name; the other is
 //! reported once ([`Dataplane::take_problems`]).
+//!
+//! Both families are served, as kube-proxy's dual-stack IPVS proxier (one
+//! per family) serves them: a dual-stack Service's IPv6 port gets IPv6
+//! virtual servers (its ClusterIP bound to `kube-ipvs0` as a /128, its node
+//! ports on the node's IPv6 addresses only), kube-proxy's IPv6 ipsets
+//! (`KUBE-6-*`) and the same constant rules through `ip6tables`. IPVS
+//! answers an IPv6 virtual server without real servers with ICMPv6 port
+//! unreachable. A node without IPv6 rules is served IPv4 only (warned).
 
 pub mod dummy;
 pub mod ipset;
@@ -61,7 +69,7 @@ use anyhow::{Context, Result};
 pub use netlink::NoIpvs;
 use netlink::{IPVS_CMD_DEL_DEST, IPVS_CMD_NEW_DEST, IPVS_CMD_SET_DEST, Ipvs, Real, VirtualKey, VirtualServer};
 use node_ips::NodePortAddresses;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use super::{Dataplane, Plan, SyncedChange, conntrack, options::LocalTraffic};
 use crate::{
@@ -123,6 +131,9 @@ pub struct IpvsMode {
     /// Reported since the agent last asked ([`Dataplane::take_problems`]).
     problems: Vec<Problem>,
     writes: u64,
+    /// [`FAMILIES`], or IPv4 alone where the node has no IPv6 rules
+    /// (a kernel booted without IPv6, no `ip6tables`).
+    families: &'static [IpFamily],
 }
 
 /// Starts the IPVS mode for `xproxy run` (see [`IpvsMode::start`]).
@@ -301,9 +312,7 @@ impl IpvsMode {
         set_sysctls(opts.strict_arp)?;
         let (tcp, tcp_fin, udp) = opts.timeouts;
         ipvs.set_timeouts(tcp, tcp_fin, udp)?;
-        for family in FAMILIES {
-            iptables_of(family).check()?;
-        }
+        iptables_of(IpFamily::V4).check()?;
         ipset::save().context("the IPVS mode needs ipset")?;
         let mut dummy = dummy::Dummy::open()?;
         let index = dummy.ensure()?;
@@ -319,11 +328,26 @@ impl IpvsMode {
             reported: BTreeSet::new(),
             problems: Vec::new(),
             writes: 0,
+            families: &FAMILIES,
         };
         mode.write_sets(true)?;
-        for family in FAMILIES {
-            rules::write(&mut iptables_of(family), &mode.opts.rules, family)?;
-            mode.writes += 1;
+        rules::write(&mut iptables_of(IpFamily::V4), &mode.opts.rules, IpFamily::V4)?;
+        mode.writes += 1;
+        // IPv6 where the node has it, as kube-proxy runs single-stack on a
+        // node without IPv6.
+        let mut ip6tables = iptables_of(IpFamily::V6);
+        match ip6tables
+            .check()
+            .and_then(|()| rules::write(&mut ip6tables, &mode.opts.rules, IpFamily::V6))
+        {
+            Ok(()) => mode.writes += 1,
+            Err(e) => {
+                warn!(
+                    error = format!("{e:#}"),
+                    "no IPv6 rules on this node: the IPVS mode serves IPv4 only"
+                );
+                mode.families = &FAMILIES[..1];
+            }
         }
         info!(scheduler = %mode.opts.scheduler, node_ips = ?mode.node_ips, "ipvs mode ready");
         Ok(mode)
@@ -464,7 +488,7 @@ impl Dataplane for IpvsMode {
     }
 
     fn families(&self) -> &'static [IpFamily] {
-        &FAMILIES
+        self.families
     }
 
     fn delete_stale_flows(&mut self, change: &SyncedChange<'_>) -> u64 {
@@ -543,7 +567,7 @@ impl Dataplane for IpvsMode {
             self.sync_server(&key, want.get(&key), have.get(&key))?;
         }
         self.write_sets(true)?;
-        for family in FAMILIES {
+        for &family in self.families {
             let mut system = iptables_of(family);
             let saved = Saved::parse(&system.save()?);
             if !rules::chains_present(&saved) || !rules::missing_jumps(&saved).is_empty() {
@@ -785,5 +809,35 @@ mod tests {
             addr: Ipv4Addr::new(10, 96, 0, 99).into(),
             ..lb
         }));
+    }
+
+    /// A dual-stack Service's IPv6 port: its virtual servers on its own
+    /// family's addresses only (the IPv6 node IP for the node port), with
+    /// its IPv6 endpoints as real servers.
+    #[test]
+    fn an_ipv6_port_gets_ipv6_virtual_servers_on_ipv6_node_ips() {
+        let ip = |text: &str| -> IpAddr { text.parse().expect("an address") };
+        let port = ServicePort {
+            name: format!("{}{}", "default/nginx-service", crate::model::IPV6_SUFFIX),
+            cluster_ip: ip("fd00:96::88"),
+            external_ips: vec![ip("fd00:198::7")],
+            endpoints: vec![Endpoint::ready(ip("fd00:10:244::11"), 80)],
+            ..seed(Vec::new())
+        };
+        let node_ips = [ip("172.30.0.2"), ip("fd00:30::2")];
+        let servers = virtual_servers(&port, &node_ips, "rr", None);
+        let keys: Vec<String> = servers.iter().map(|(k, _)| k.to_string()).collect();
+        assert_eq!(
+            keys,
+            ["TCP [fd00:96::88]:88", "TCP [fd00:198::7]:88", "TCP [fd00:30::2]:30791"]
+        );
+        for (_, server) in &servers {
+            assert_eq!(server.reals, BTreeMap::from([((ip("fd00:10:244::11"), 80), 1)]));
+        }
+        let v4 = virtual_servers(&seed(vec![endpoint(11, true, true, false)]), &node_ips, "rr", None);
+        let keys: Vec<String> = v4.iter().map(|(k, _)| k.to_string()).collect();
+        assert_eq!(keys, ["TCP 10.96.0.88:88", "TCP 172.30.0.2:30791"]);
+        let bound: Vec<IpAddr> = bound_addresses(&port).collect();
+        assert_eq!(bound, [ip("fd00:96::88"), ip("fd00:198::7")]);
     }
 }
