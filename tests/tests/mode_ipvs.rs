@@ -302,10 +302,13 @@ fn dual_stack_seed_in_both_families() {
     );
     assert!(!addrs.contains("tentative"), "the ClusterIP waits for DAD:\n{addrs}");
     let sets = run_in_ns(&ns, "ipset", &["save"]);
+    assert!(
+        sets.contains("create KUBE-6-CLUSTER-IP hash:ip,port family inet6 "),
+        "no IPv6 ClusterIP set in\n{sets}"
+    );
     assert_lines(
         &sets,
         &[
-            "create KUBE-6-CLUSTER-IP hash:ip,port family inet6 hashsize 1024 maxelem 65536",
             "add KUBE-6-CLUSTER-IP fd00:96::88,tcp:88",
             "add KUBE-6-NODE-PORT-TCP 30791",
             "add KUBE-6-LOOP-BACK fd00:10:244::11,tcp:80,fd00:10:244::11",
