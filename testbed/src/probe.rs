@@ -10,7 +10,7 @@ use std::{
     collections::BTreeMap,
     fmt::Display,
     io,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
     time::{Duration, Instant},
 };
 
@@ -67,7 +67,8 @@ pub fn backend_names() -> Vec<&'static str> {
 
 /// One request in the calling thread's namespace: a TCP connection or a UDP
 /// datagram; the answer without surrounding whitespace.
-pub fn request(protocol: Protocol, addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
+pub fn request(protocol: Protocol, addr: impl Into<SocketAddr>, timeout: Duration) -> io::Result<String> {
+    let addr = addr.into();
     match protocol {
         Protocol::Tcp => netns::tcp_request(addr, timeout),
         Protocol::Udp => netns::udp_request(addr, timeout),
