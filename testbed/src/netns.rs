@@ -798,8 +798,8 @@ fn exchange_line(mut stream: TcpStream, deadline: Instant) -> io::Result<String>
 
 /// Only connects (at most `timeout`): for checking that a connection is
 /// refused. Runs in the calling thread's namespace.
-pub fn tcp_connect(addr: SocketAddrV4, timeout: Duration) -> io::Result<TcpStream> {
-    TcpStream::connect_timeout(&SocketAddr::V4(addr), timeout)
+pub fn tcp_connect(addr: impl Into<SocketAddr>, timeout: Duration) -> io::Result<TcpStream> {
+    TcpStream::connect_timeout(&addr.into(), timeout)
 }
 
 /// Sends one datagram from a fresh socket connected to `addr` and waits at
