@@ -471,7 +471,7 @@ impl Place {
 pub struct Probe<P> {
     pub from: P,
     pub protocol: Protocol,
-    pub to: SocketAddrV4,
+    pub to: SocketAddr,
     /// To a Service's frontend: without a proxy nothing answers it.
     pub service: bool,
 }

@@ -50,7 +50,8 @@ pub const POD_GATEWAY6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 1
 pub const POD_CIDR6: &str = "fd00:244::/64";
 
 /// A pod's IPv6 address: `10.244.A.B` is `fd00:244::A:B` (hex: pod-1,
-/// 10.244.0.11, is `fd00:244::b`).
+/// 10.244.0.11, is `fd00:244::b`; the two-node bed's a-1, 10.244.1.11,
+/// `fd00:244::1:b`). Gateways map the same way.
 pub fn pod_ipv6(ip: Ipv4Addr) -> Ipv6Addr {
     let [_, _, a, b] = ip.octets();
     Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, a.into(), b.into())
@@ -180,13 +181,13 @@ impl Topology {
         let mut backends = Vec::new();
         for (name, ip) in BACKENDS {
             let mut pod = add_pod(&node, POD_GATEWAY, name, ip)?;
-            pod.add_ipv6(&node)?;
+            pod.add_ipv6(&node, POD_GATEWAY6)?;
             pod.ns.serve_tcp(TARGET_PORT, name)?;
             pod.ns.serve_udp(TARGET_PORT, name)?;
             backends.push(pod);
         }
         let mut client_pod = add_pod(&node, POD_GATEWAY, CLIENT_POD.0, CLIENT_POD.1)?;
-        client_pod.add_ipv6(&node)?;
+        client_pod.add_ipv6(&node, POD_GATEWAY6)?;
 
         offloads.apply(&client, &client_if)?;
         offloads.apply(&node, &uplink)?;
@@ -260,11 +261,12 @@ fn link_client_ipv6(client: &Netns, client_if: &str, node: &Netns, uplink: &str)
 
 impl Pod {
     /// Gives the pod its IPv6 address ([`pod_ipv6`]), wired like the IPv4
-    /// one: a /128, a link route to [`POD_GATEWAY6`] (on the node-side
-    /// veth) and the default route via it; the node's route to the /128.
-    pub fn add_ipv6(&mut self, node: &Netns) -> Result<()> {
+    /// one: a /128, a link route to `gateway` (on the node-side veth;
+    /// [`POD_GATEWAY6`] on the one-node bed) and the default route via it;
+    /// the node's route to the /128.
+    pub fn add_ipv6(&mut self, node: &Netns, gateway: Ipv6Addr) -> Result<()> {
         let ip6 = pod_ipv6(self.ip);
-        let gateway = POD_GATEWAY6.to_string();
+        let gateway = gateway.to_string();
         self.ns.add_addr("eth0", &format!("{ip6}/128"))?;
         self.ns.add_route(&[&gateway, "dev", "eth0"])?;
         self.ns.add_route(&["::/0", "via", &gateway, "dev", "eth0"])?;
