@@ -9,12 +9,15 @@ use std::{
     io,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     ops::RangeInclusive,
-    os::fd::OwnedFd,
+    os::fd::{AsFd, AsRawFd, OwnedFd},
     sync::Arc,
     time::Duration,
 };
 
 use anyhow::{Context, Result, anyhow};
+use nix::sys::socket::{
+    AddressFamily, SockFlag, SockType, SockaddrIn, SockaddrIn6, bind as bind_fd, setsockopt, socket, sockopt,
+};
 use tokio::{
     net::{TcpListener, TcpSocket, UdpSocket},
     runtime::Handle,
@@ -26,7 +29,6 @@ use super::{
     pktinfo, tcp, udp,
 };
 use crate::model::{IpFamily, Protocol, ServicePort};
-use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrIn, SockaddrIn6, setsockopt, socket, sockopt};
 
 /// Pending connections per TCP listener (the kernel caps it at somaxconn).
 const BACKLOG: u32 = 1024;
@@ -137,7 +139,7 @@ fn bind<S>(ip: IpAddr, opts: &ListenOptions, bind_one: impl Fn(SocketAddr) -> io
     Err(anyhow!("no free port in portRange {range:?}"))
 }
 
-fn v6_only(socket: &impl std::os::fd::AsFd) -> io::Result<()> {
+fn v6_only(socket: &impl AsFd) -> io::Result<()> {
     setsockopt(socket, sockopt::Ipv6V6Only, &true).map_err(io::Error::from)
 }
 
@@ -154,6 +156,8 @@ fn bind_tcp(addr: SocketAddr) -> io::Result<TcpListener> {
     socket.listen(BACKLOG)
 }
 
+/// A UDP socket made by hand: `IPV6_V6ONLY` must be set before `bind`,
+/// and std's `UdpSocket::bind` binds while it creates.
 fn bind_udp(addr: SocketAddr) -> io::Result<UdpSocket> {
     let family = if addr.is_ipv6() {
         AddressFamily::Inet6
@@ -164,22 +168,15 @@ fn bind_udp(addr: SocketAddr) -> io::Result<UdpSocket> {
     if addr.is_ipv6() {
         v6_only(&fd)?;
     }
+    let raw = fd.as_raw_fd();
+    match addr {
+        SocketAddr::V4(v4) => bind_fd(raw, &SockaddrIn::from(v4)),
+        SocketAddr::V6(v6) => bind_fd(raw, &SockaddrIn6::from(v6)),
+    }?;
     let socket = std::net::UdpSocket::from(fd);
-    bind_std(&socket, addr)?;
     socket.set_nonblocking(true)?;
     pktinfo::enable(&socket, addr.is_ipv6())?;
     UdpSocket::from_std(socket)
-}
-
-/// `bind(2)` on a socket made by hand (std binds only while creating).
-fn bind_std(socket: &std::net::UdpSocket, addr: SocketAddr) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let fd = socket.as_raw_fd();
-    match addr {
-        SocketAddr::V4(v4) => nix::sys::socket::bind(fd, &SockaddrIn::from(v4)),
-        SocketAddr::V6(v6) => nix::sys::socket::bind(fd, &SockaddrIn6::from(v6)),
-    }
-    .map_err(io::Error::from)
 }
 
 #[cfg(test)]
