@@ -140,6 +140,23 @@ fn send_with(
 mod tests {
     use super::*;
 
+    /// `client` (connected to `server`'s port on `local`) sends a ping;
+    /// the server sees `local` as its destination and answers from it; the
+    /// connected client gets the answer.
+    async fn ping_pong(server: &UdpSocket, client: &UdpSocket, local: IpAddr) {
+        client.send(b"ping").await.expect("send");
+        let mut buf = [0u8; 16];
+        let got = recv(server, &mut buf).await.expect("recv");
+        assert_eq!((&buf[..got.len], got.to), (&b"ping"[..], local));
+        assert_eq!(got.from, client.local_addr().expect("client address"));
+        send(server, b"pong", got.to, got.from).await.expect("send reply");
+        let n = tokio::time::timeout(std::time::Duration::from_secs(2), client.recv(&mut buf))
+            .await
+            .expect("the reply reaches the connected client")
+            .expect("recv reply");
+        assert_eq!(&buf[..n], b"pong");
+    }
+
     /// Any 127/8 address is local: a datagram to 127.0.0.2 is answered from
     /// 127.0.0.2, or the client's connected socket would drop the answer.
     #[tokio::test]
@@ -150,23 +167,11 @@ mod tests {
         for local in [Ipv4Addr::LOCALHOST, Ipv4Addr::new(127, 0, 0, 2)] {
             let client = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).await.expect("bind client");
             client.connect((local, port)).await.expect("connect");
-            client.send(b"ping").await.expect("send");
-            let mut buf = [0u8; 16];
-            let got = recv(&server, &mut buf).await.expect("recv");
-            assert_eq!(&buf[..got.len], b"ping");
-            assert_eq!(got.to, local);
-            assert_eq!(got.from.ip(), Ipv4Addr::LOCALHOST);
-            send(&server, b"pong", got.to, got.from).await.expect("send reply");
-            let n = tokio::time::timeout(std::time::Duration::from_secs(2), client.recv(&mut buf))
-                .await
-                .expect("the reply reaches the connected client")
-                .expect("recv reply");
-            assert_eq!(&buf[..n], b"pong");
+            ping_pong(&server, &client, local.into()).await;
         }
     }
 
-    /// The same on an IPv6 socket (`IPV6_PKTINFO`): the reply leaves from
-    /// the address the datagram came to.
+    /// The same on an IPv6 socket (`IPV6_PKTINFO`).
     #[tokio::test]
     async fn ipv6_answers_from_the_address_the_datagram_was_sent_to() {
         let server = UdpSocket::bind((Ipv6Addr::UNSPECIFIED, 0)).await.expect("bind server");
@@ -174,19 +179,6 @@ mod tests {
         let port = server.local_addr().expect("server address").port();
         let client = UdpSocket::bind((Ipv6Addr::LOCALHOST, 0)).await.expect("bind client");
         client.connect((Ipv6Addr::LOCALHOST, port)).await.expect("connect");
-        client.send(b"ping").await.expect("send");
-        let mut buf = [0u8; 16];
-        let got = recv(&server, &mut buf).await.expect("recv");
-        assert_eq!(
-            (&buf[..got.len], got.to),
-            (&b"ping"[..], IpAddr::V6(Ipv6Addr::LOCALHOST))
-        );
-        assert_eq!(got.from, client.local_addr().expect("client address"));
-        send(&server, b"pong", got.to, got.from).await.expect("send reply");
-        let n = tokio::time::timeout(std::time::Duration::from_secs(2), client.recv(&mut buf))
-            .await
-            .expect("the reply reaches the connected client")
-            .expect("recv reply");
-        assert_eq!(&buf[..n], b"pong");
+        ping_pong(&server, &client, Ipv6Addr::LOCALHOST.into()).await;
     }
 }
