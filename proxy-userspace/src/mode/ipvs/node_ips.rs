@@ -145,4 +145,30 @@ mod tests {
             ips(&["172.30.0.2", "192.0.2.7", "fd00:30::2"])
         );
     }
+
+    /// The shared scope is IPv4 only: `from_config` adds the IPv6 node IPs
+    /// (`[primary]`) and IPv6 networks the configuration names.
+    #[test]
+    fn from_config_adds_the_ipv6_node_ips_and_networks() {
+        let env = crate::config::Environment {
+            kubeconfig: None,
+            hostname: Some("node".into()),
+        };
+        let mut config = crate::config::resolve(&crate::config::RunFlags::default(), None, &env)
+            .expect("resolve")
+            .config;
+        config.node_ips = ips(&["172.30.0.2", "fd00:30::2"]);
+        assert_eq!(NodePortAddresses::from_config(&config), NodePortAddresses::Local(None));
+        config.node_port_addresses = config::NodePortAddresses::Primary;
+        assert_eq!(
+            NodePortAddresses::from_config(&config),
+            NodePortAddresses::Fixed(ips(&["172.30.0.2", "fd00:30::2"]))
+        );
+        config.node_port_addresses =
+            config::NodePortAddresses::Cidrs(vec![cidr("fd00:30::/64"), cidr("172.30.0.0/24")]);
+        assert_eq!(
+            NodePortAddresses::from_config(&config),
+            NodePortAddresses::Local(Some(vec![cidr("172.30.0.0/24"), cidr("fd00:30::/64")]))
+        );
+    }
 }

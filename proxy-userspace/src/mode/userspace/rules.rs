@@ -573,4 +573,33 @@ COMMIT
         assert_eq!(quote("default/web"), "\"default/web\"");
         assert_eq!(quote("a b"), "\"a b\"");
     }
+
+    /// IPv6 NodePorts: every local address but `::1` from the node unless
+    /// localhost node ports are on; `[primary]` the IPv6 node IPs; networks
+    /// the IPv6 ones.
+    #[test]
+    fn ipv6_node_port_addresses_come_from_the_config() {
+        let env = crate::config::Environment {
+            kubeconfig: None,
+            hostname: Some("node".into()),
+        };
+        let mut config = crate::config::resolve(&crate::config::RunFlags::default(), None, &env)
+            .expect("resolve")
+            .config;
+        config.node_ips = vec!["172.30.0.2".parse().expect("ip"), "fd00:30::2".parse().expect("ip")];
+        config.localhost_node_ports = false;
+        let all = NodePortAddresses::ipv6_of(&config);
+        assert_eq!(all.destinations(true, IpFamily::V6), ["! -d ::1/128 "]);
+        config.node_port_addresses = config::NodePortAddresses::Primary;
+        let primary = NodePortAddresses::ipv6_of(&config);
+        assert_eq!(primary.destinations(false, IpFamily::V6), ["-d fd00:30::2/128 "]);
+        let v4_and_v6 = vec![
+            "172.30.0.0/24".parse().expect("cidr"),
+            "fd00:30::/64".parse().expect("cidr"),
+        ];
+        config.node_port_addresses = config::NodePortAddresses::Cidrs(v4_and_v6);
+        let networks = NodePortAddresses::ipv6_of(&config);
+        assert_eq!(networks.destinations(false, IpFamily::V6), ["-d fd00:30::/64 "]);
+        assert!(networks.destinations(false, IpFamily::V4).is_empty());
+    }
 }
