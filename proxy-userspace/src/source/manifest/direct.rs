@@ -34,6 +34,15 @@ pub fn objects(text: &str) -> Option<FileObjects> {
     Some(objects)
 }
 
+/// The objects in one document's JSON (as [`super::block`] writes it),
+/// or `None` for libyaml's path.
+pub fn objects_from_json(json: &str) -> Option<FileObjects> {
+    let fields: Fields = serde_json::from_str(json).ok()?;
+    let mut objects = FileObjects::default();
+    fields.collect(&mut objects)?;
+    Some(objects)
+}
+
 /// The top-level fields of a Service, an EndpointSlice and a list of them,
 /// typed as k8s-openapi types them (which ignore unknown fields, as this
 /// does).

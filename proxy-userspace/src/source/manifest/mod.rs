@@ -14,6 +14,7 @@
 //! change, naming the file. Only files whose length, modification time or
 //! inode changed are read again, several at a time.
 
+mod block;
 mod direct;
 mod parse;
 
