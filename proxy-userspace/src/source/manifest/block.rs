@@ -112,40 +112,25 @@ impl<'a> Writer<'_, 'a> {
 
     /// A `-` at column `indent`, followed by `rest`.
     fn item(&mut self, indent: usize, rest: &'a str) -> Option<()> {
-        if self.takes_pending(indent, Kind::Seq) {
-            self.open(Kind::Seq, indent);
-        } else {
-            self.close_to(indent, Kind::Seq)?;
-        }
+        self.enter(indent, Kind::Seq)?;
         self.comma();
         let value = rest.trim_start_matches(' ');
-        if value.is_empty() || value.starts_with('#') {
-            self.pending = Some(Pending {
-                indent: Some(indent),
-                of_key: false,
-            });
-            return Some(());
-        }
         if sequence_item(value).is_some() {
             return None; // `- - x`: not written by the tools this serves
         }
-        let column = indent + (content_offset(rest) + 1);
         if split_key(value).is_some() {
             // `- key: value`: a mapping whose keys are at that column.
+            let column = indent + 1 + content_offset(rest);
             self.open(Kind::Map, column);
             return self.entry(column, value);
         }
-        self.scalar(value)
+        self.value(indent, value, false)
     }
 
     /// A `key: value` line at column `indent`.
     fn entry(&mut self, indent: usize, content: &'a str) -> Option<()> {
         let (key, rest) = split_key(content)?;
-        if self.takes_pending(indent, Kind::Map) {
-            self.open(Kind::Map, indent);
-        } else {
-            self.close_to(indent, Kind::Map)?;
-        }
+        self.enter(indent, Kind::Map)?;
         let map = self.open.last_mut()?;
         let name = key_text(key)?;
         if map.keys.contains(&name) {
@@ -155,11 +140,27 @@ impl<'a> Writer<'_, 'a> {
         self.comma();
         write_string(self.json, name);
         self.json.push(':');
-        let value = rest.trim_start_matches(' ');
+        self.value(indent, rest.trim_start_matches(' '), true)
+    }
+
+    /// Where a line at `indent` with an entry of a `kind` goes: the
+    /// pending value it opens, or the open one of that kind at `indent`.
+    fn enter(&mut self, indent: usize, kind: Kind) -> Option<()> {
+        if self.takes_pending(indent, kind) {
+            self.open(kind, indent);
+            Some(())
+        } else {
+            self.close_to(indent, kind)
+        }
+    }
+
+    /// The value after a key or a `-` at `indent`: on its line, or (none
+    /// there) pending.
+    fn value(&mut self, indent: usize, value: &str, of_key: bool) -> Option<()> {
         if value.is_empty() || value.starts_with('#') {
             self.pending = Some(Pending {
                 indent: Some(indent),
-                of_key: true,
+                of_key,
             });
             return Some(());
         }

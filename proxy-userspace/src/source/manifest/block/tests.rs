@@ -4,24 +4,13 @@
 use serde_json::Value;
 
 use super::*;
-use crate::source::manifest::parse::{Format, parse, tests::TYPED_LISTS, yaml_documents};
-
-/// What the general path (serde-saphyr, through a value) makes of `text`.
-fn general(text: &str) -> FileObjects {
-    let (objects, problems) = parse(text, Format::Yaml, "f.yaml").expect("valid YAML");
-    assert!(problems.is_empty(), "{problems:?}");
-    objects
-}
+use crate::source::manifest::{
+    direct::tests::assert_path_agrees,
+    parse::{tests::TYPED_LISTS, yaml_documents},
+};
 
 fn assert_same_as_general(text: &str) {
-    let fast = objects(text).unwrap_or_else(|| panic!("refused by the block path:\n{text}"));
-    let general = general(text);
-    assert!(
-        !(general.services.is_empty() && general.slices.is_empty()),
-        "no objects in:\n{text}"
-    );
-    assert_eq!(fast.services, general.services, "{text}");
-    assert_eq!(fast.slices, general.slices, "{text}");
+    assert_path_agrees("block", objects, text);
 }
 
 /// The JSON written for `text` (which must be in the style).
