@@ -73,7 +73,8 @@ fn to_json(text: &str, json: &mut String) -> Option<()> {
         }),
     };
     for (number, line) in text.lines().enumerate() {
-        if line.contains('\t') {
+        // A tab, or a carriage return `lines` left (not before a newline).
+        if line.contains(['\t', '\r']) {
             return None;
         }
         let content = line.trim_start_matches(' ');

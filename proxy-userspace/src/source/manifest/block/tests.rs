@@ -183,6 +183,7 @@ l: a#b # comment
     });
     assert_eq!(json(text), expected);
     assert_eq!(json("---\n# only\n\nz:\n"), serde_json::json!({"z": null}));
+    assert_eq!(json("a: 1\r\nb: x\r\n"), serde_json::json!({"a": 1, "b": "x"}));
 }
 
 /// What this path does not read as every YAML reader would is left to
@@ -214,6 +215,7 @@ fn other_forms_are_refused() {
         "a: -b\n",
         "a: b: c\n",
         "a:\tb\n",
+        "a: b\rc: d\n",
         "a: 1\na: 2\n",
         "\"a\\n\": 1\n",
         "true: 1\n",
