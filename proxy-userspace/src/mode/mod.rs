@@ -52,9 +52,15 @@ pub trait Dataplane: Send {
 
     /// The address families the mode programs. The reconciler hands it
     /// the ports of these families only and reports the others, once
-    /// each, as not served.
+    /// each, as not served. Asked after [`Dataplane::ready`].
     fn families(&self) -> &'static [IpFamily] {
         &[IpFamily::V4]
+    }
+
+    /// Waits until the mode can take a sync (a mode still starting, see
+    /// `cmd::run::starting`); an error if it never will.
+    fn ready(&mut self) -> Result<()> {
+        Ok(())
     }
 
     /// A partial sync: programs `plan` (removals first), touching nothing else.

@@ -19,7 +19,7 @@ use tracing::info;
 
 use crate::{
     mode::{Dataplane, ModeCounters, Plan, SyncedChange},
-    model::{Problem, ServicePort},
+    model::{IpFamily, Problem, ServicePort},
 };
 
 /// Stands for the mode `name` until [`ModeSender::started`] hands it over.
@@ -78,6 +78,15 @@ impl Dataplane for Starting {
         self.name
     }
 
+    /// The mode's, once it started (the reconciler asks after `ready`).
+    fn families(&self) -> &'static [IpFamily] {
+        self.mode.as_ref().map_or(&[IpFamily::V4], |mode| mode.families())
+    }
+
+    fn ready(&mut self) -> Result<()> {
+        self.started().map(|_| ())
+    }
+
     fn apply(&mut self, plan: &Plan) -> Result<()> {
         self.started()?.apply(plan)
     }
@@ -121,6 +130,35 @@ mod tests {
             .expect("synced once the mode came");
         handing.join().expect("handed over");
         assert_eq!(seen.calls().len(), 1, "the sync reached the mode");
+    }
+
+    /// A mode of both families, to tell its answer from the default.
+    struct DualStack;
+
+    impl Dataplane for DualStack {
+        fn name(&self) -> &'static str {
+            "dual"
+        }
+        fn families(&self) -> &'static [IpFamily] {
+            &[IpFamily::V4, IpFamily::V6]
+        }
+        fn apply(&mut self, _plan: &Plan) -> Result<()> {
+            Ok(())
+        }
+        fn apply_full(&mut self, _desired: &BTreeMap<String, ServicePort>) -> Result<()> {
+            Ok(())
+        }
+        fn kernel_writes(&self) -> u64 {
+            0
+        }
+    }
+
+    #[test]
+    fn once_ready_the_families_are_the_modes() {
+        let (mut starting, sender) = starting("dual");
+        sender.started(Box::new(DualStack));
+        starting.ready().expect("the mode arrived");
+        assert_eq!(starting.families(), [IpFamily::V4, IpFamily::V6]);
     }
 
     #[test]
