@@ -70,9 +70,10 @@ pub const CONNTRACK6: &str = "XP_CT6";
 /// As [`SERVICES_MAX`] and [`BACKENDS_MAX`]: neither is preallocated.
 pub const SERVICES6_MAX: u32 = SERVICES_MAX;
 pub const BACKENDS6_MAX: u32 = BACKENDS_MAX;
-/// Tracked IPv6 flows, two entries each. Preallocated (LRU) at 80 bytes an
-/// entry plus the kernel's own, so a quarter of [`CONNTRACK_MAX`]: some
-/// 13 MiB.
+/// Tracked IPv6 flows, two entries each. Preallocated (LRU) at 128 bytes
+/// an entry with the kernel's own (IPv4's: 88), so a quarter of
+/// [`CONNTRACK_MAX`]: 16 MiB. Not sized from the `conntrack`
+/// configuration yet (IPv4's is).
 pub const CONNTRACK6_MAX: u32 = CONNTRACK_MAX / 4;
 
 /// Datagrams in flight whose first fragment's ports are remembered.

@@ -129,8 +129,9 @@ pub trait Ctx {
     }
     /// The IPv6 form of [`Ctx::rewrite`]: one end's address and port, and
     /// the L4 checksum (IPv6 has no header checksum; the L4 one covers
-    /// both addresses through the pseudo-header).
-    fn rewrite6(&self, l4: L4At, side: Side, old: (Addr6, u16), new: (Addr6, u16)) -> Result<(), ()>;
+    /// both addresses through the pseudo-header). `old`'s address may be
+    /// the packet's own, read before it is written.
+    fn rewrite6(&self, l4: L4At, side: Side, old: (&Addr6, u16), new: (&Addr6, u16)) -> Result<(), ()>;
     /// Pulls the first `len` bytes (or the whole frame, if shorter) into
     /// the linear part: IPv6's extension headers may reach past what
     /// [`Tc::pull_headers`] pulled. Invalidates every packet pointer.
@@ -204,14 +205,14 @@ impl Ctx for Xdp<'_> {
 
     /// As `rewrite`: direct writes, incremental checksums.
     #[inline(always)]
-    fn rewrite6(&self, l4: L4At, side: Side, old: (Addr6, u16), new: (Addr6, u16)) -> Result<(), ()> {
+    fn rewrite6(&self, l4: L4At, side: Side, old: (&Addr6, u16), new: (&Addr6, u16)) -> Result<(), ()> {
         let addr: *mut Addr6 = ptr_at_fresh(self, addr6_off(side)).ok_or(())?;
         let port: *mut u16 = ptr_at_fresh(self, l4.port(side)).ok_or(())?;
         let l4_check: *mut u16 = ptr_at_fresh(self, l4.check()).ok_or(())?;
-        let diff = csum::diff128(&old.0, &new.0);
+        let diff = csum::diff128(old.0, new.0);
         // SAFETY: every field is inside the packet (ptr_at).
         unsafe {
-            *addr = new.0;
+            *addr = *new.0;
             *port = new.1;
             *l4_check = if l4.proto == proto::UDP {
                 csum::udp_replace16(csum::udp_replace_diff(*l4_check, diff), old.1, new.1)
@@ -361,7 +362,7 @@ impl Ctx for Tc<'_> {
     /// 6.16 take BPF_F_IPV6 for that, older ones need it taken back here
     /// (`bpf_csum_update` changes a CHECKSUM_COMPLETE skb only).
     #[inline(always)]
-    fn rewrite6(&self, l4: L4At, side: Side, old: (Addr6, u16), new: (Addr6, u16)) -> Result<(), ()> {
+    fn rewrite6(&self, l4: L4At, side: Side, old: (&Addr6, u16), new: (&Addr6, u16)) -> Result<(), ()> {
         let skb = self.skb();
         let udp_flags = if l4.proto == proto::UDP {
             BPF_F_MARK_MANGLED_0 as u64
@@ -370,12 +371,13 @@ impl Ctx for Tc<'_> {
         };
         let addr: *mut Addr6 = ptr_at_fresh(self, addr6_off(side)).ok_or(())?;
         let port: *mut u16 = ptr_at_fresh(self, l4.port(side)).ok_or(())?;
+        // Before the write: `old` may be the packet's own address.
+        let diff = u64::from(csum::diff128(old.0, new.0));
         // SAFETY: both fields are inside the packet (ptr_at).
         unsafe {
-            *addr = new.0;
+            *addr = *new.0;
             *port = new.1;
         }
-        let diff = u64::from(csum::diff128(&old.0, &new.0));
         let check = l4.check() as u32;
         // The helpers below may move the packet: no pointer is used after.
         // SAFETY: the skb is the program's context; the helpers check that

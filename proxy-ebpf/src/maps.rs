@@ -76,6 +76,19 @@ pub static BACKENDS6: HashMap<u32, Backend6> = HashMap::pinned(BACKENDS6_MAX, BP
 #[map(name = "XP_CT6")]
 pub static CONNTRACK6: LruHashMap<CtKey6, CtValue6> = LruHashMap::pinned(CONNTRACK6_MAX, 0);
 
+/// Room for a new IPv6 flow's conntrack key and value while they are
+/// written: 80 bytes the tc programs' stack has no room for on 6.1 (whose
+/// verifier counts each helper function a call chain reaches at 32 bytes
+/// more). Per CPU, and not pinned: a scratch pad, not state.
+#[map(name = "XP_SCRATCH6")]
+pub static SCRATCH6: PerCpuArray<Scratch6> = PerCpuArray::with_max_entries(1, 0);
+
+#[repr(C)]
+pub struct Scratch6 {
+    pub key: CtKey6,
+    pub value: CtValue6,
+}
+
 // The first fragment's ports of datagrams in flight.
 #[map(name = "XP_FRAGS")]
 pub static FRAGMENTS: LruHashMap<FragKey, FragPorts> = LruHashMap::pinned(FRAGMENTS_MAX, 0);

@@ -19,15 +19,15 @@ use super::parse::Flow6;
 use crate::{
     conntrack::{Age, age, begins_anew, now_ns, set_entry_state},
     context::Addr6,
-    maps::CONNTRACK6,
+    maps::{CONNTRACK6, SCRATCH6},
     stats::count_ct,
 };
 
 #[inline(always)]
 fn key_of(flow: &Flow6) -> CtKey6 {
     CtKey6 {
-        saddr_be: flow.saddr_be,
-        daddr_be: flow.daddr_be,
+        saddr_be: *flow.saddr(),
+        daddr_be: *flow.daddr(),
         sport_be: flow.sport_be,
         dport_be: flow.dport_be,
         proto: flow.proto,
@@ -39,8 +39,6 @@ fn key_of(flow: &Flow6) -> CtKey6 {
 /// `crate::conntrack::Tracked`).
 pub struct Tracked6 {
     pub reply: bool,
-    /// `(address, port)`, network byte order.
-    pub nat: (Addr6, u16),
     pub snat: bool,
     pub handed_to_tc: bool,
     /// A `CONNTRACK6` value pointer of this run, as `Tracked::entry`.
@@ -67,7 +65,6 @@ pub fn lookup(flow: &Flow6) -> Option<Tracked6> {
     let value = unsafe { &*entry };
     Some(Tracked6 {
         reply,
-        nat: (value.nat_addr_be, value.nat_port_be),
         snat: value.flags & FLAG_SNAT != 0,
         handed_to_tc: value.flags & FLAG_HANDED_TO_TC != 0,
         entry,
@@ -135,6 +132,18 @@ fn set_state(entry: *mut CtValue6, state: u8, fins: u8) {
     set_entry_state(flags, state_byte, state, fins);
 }
 
+impl Tracked6 {
+    /// `(address, port)` to rewrite to, network byte order, read in the
+    /// entry itself (a copy would cost 16 bytes of stack, of which IPv6
+    /// has none to spare: see `create`).
+    #[inline(always)]
+    pub fn nat(&self) -> (&Addr6, u16) {
+        // SAFETY: `entry` is a `CONNTRACK6` value pointer of this run,
+        // valid until it ends; the reference does not outlive `self`.
+        unsafe { (&(*self.entry).nat_addr_be, (*self.entry).nat_port_be) }
+    }
+}
+
 /// The tc hook took over a flow XDP handed to it.
 #[inline(always)]
 pub fn taken_over(tracked: &Tracked6) {
@@ -153,17 +162,18 @@ pub struct NewFlow6 {
 
 /// Records a new flow in both directions, the reply entry first (see
 /// `crate::conntrack::create`); `Err`: not tracked, not to be translated.
+/// The key and the value are written in this CPU's [`SCRATCH6`] slot and
+/// over in place, not on the stack: IPv6's 40-byte keys and values are
+/// what the stack (512 bytes, 480 where a helper function is called on
+/// 6.1) has no room for.
 #[inline(always)]
 pub fn create(flow: &Flow6, new: &NewFlow6) -> Result<(), ()> {
-    let reply_key = CtKey6 {
-        saddr_be: new.backend.0,
-        daddr_be: flow.saddr_be,
-        sport_be: new.backend.1,
-        dport_be: flow.sport_be,
-        proto: flow.proto,
-        _pad: [0; 3],
-    };
-    let reply = CtValue6 {
+    let scratch = SCRATCH6.get_ptr_mut(0).ok_or(())?;
+    // SAFETY: this CPU's slot of an array map, never freed; no other run
+    // on this CPU comes between (the hooks run with bottom halves off).
+    let (key, value) = unsafe { (&mut (*scratch).key, &mut (*scratch).value) };
+    *key = reply_key_of(flow, new);
+    *value = CtValue6 {
         backend_id: new.backend_id,
         rev_nat_id: new.rev_nat_id,
         last_seen_ns: now_ns(),
@@ -171,23 +181,35 @@ pub fn create(flow: &Flow6, new: &NewFlow6) -> Result<(), ()> {
         state: initial_state(flow.proto),
         nat_port_be: flow.dport_be,
         _pad: 0,
-        nat_addr_be: flow.daddr_be,
+        nat_addr_be: *flow.daddr(),
     };
-    insert_reply(&reply_key, &reply)?;
+    insert_reply(key, value)?;
     let snat = if new.snat { FLAG_SNAT } else { 0 };
     let handed = if new.handed_to_tc { FLAG_HANDED_TO_TC } else { 0 };
-    let forward = CtValue6 {
-        flags: FLAG_STATEFUL | snat | handed,
-        nat_port_be: new.backend.1,
-        nat_addr_be: new.backend.0,
-        ..reply
-    };
-    if CONNTRACK6.insert(&key_of(flow), &forward, BPF_NOEXIST as u64).is_err() {
-        remove(&reply_key);
+    value.flags = FLAG_STATEFUL | snat | handed;
+    value.nat_port_be = new.backend.1;
+    value.nat_addr_be = new.backend.0;
+    *key = key_of(flow);
+    if CONNTRACK6.insert(&*key, &*value, BPF_NOEXIST as u64).is_err() {
+        *key = reply_key_of(flow, new);
+        remove(key);
         return Err(());
     }
     count_ct(ct_stat::INSERTED);
     Ok(())
+}
+
+/// The key of a new flow's reply entry: `backend -> client`.
+#[inline(always)]
+fn reply_key_of(flow: &Flow6, new: &NewFlow6) -> CtKey6 {
+    CtKey6 {
+        saddr_be: new.backend.0,
+        daddr_be: *flow.saddr(),
+        sport_be: new.backend.1,
+        dport_be: flow.sport_be,
+        proto: flow.proto,
+        _pad: [0; 3],
+    }
 }
 
 #[inline(always)]

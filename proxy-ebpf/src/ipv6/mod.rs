@@ -54,7 +54,7 @@ pub fn process(ctx: &impl Ctx) -> (Verdict, Outcome) {
 #[inline(always)]
 fn frontend(flow: &Flow6) -> Option<ServiceValue> {
     let key = Service6Key {
-        addr_be: flow.daddr_be,
+        addr_be: *flow.daddr(),
         port_be: flow.dport_be,
         proto: flow.proto,
         _pad: 0,
@@ -76,7 +76,7 @@ fn established(ctx: &impl Ctx, flow: &Flow6, tracked: &Tracked6) -> (Verdict, Ou
     } else {
         Verdict::DnatEstablished
     };
-    translated(dnat(ctx, flow, tracked.nat), verdict)
+    translated(dnat(ctx, flow, tracked.nat()), verdict)
 }
 
 /// A backend's reply of a tracked flow: its source back to the frontend.
@@ -86,7 +86,7 @@ fn reverse(ctx: &impl Ctx, flow: &Flow6, tracked: &Tracked6) -> (Verdict, Outcom
         off: flow.l4_off,
         proto: flow.proto,
     };
-    match ctx.rewrite6(l4, Side::Source, (flow.saddr_be, flow.sport_be), tracked.nat) {
+    match ctx.rewrite6(l4, Side::Source, (flow.saddr(), flow.sport_be), tracked.nat()) {
         Ok(()) => (Verdict::RevNat, Outcome::ReverseTranslated),
         Err(()) => (Verdict::Error, Outcome::Drop),
     }
@@ -102,7 +102,7 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow6, svc: &ServiceValue) -> (Verdict, Outco
     let Some((backend_id, backend)) = pick_backend(svc) else {
         return no_backend(svc);
     };
-    let snat = snat_wanted(svc, backend.flags, flow.saddr_be == backend.addr_be);
+    let snat = snat_wanted(svc, backend.flags, *flow.saddr() == backend.addr_be);
     let handed_to_tc = snat && !ctx.add_mark(maps::snat_mark());
     let new = NewFlow6 {
         backend_id,
@@ -117,7 +117,7 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow6, svc: &ServiceValue) -> (Verdict, Outco
     if handed_to_tc {
         return (Verdict::PassToTc, Outcome::Pass);
     }
-    translated(dnat(ctx, flow, new.backend), Verdict::DnatNew)
+    translated(dnat(ctx, flow, (&new.backend.0, new.backend.1)), Verdict::DnatNew)
 }
 
 /// A new flow to a frontend without a backend to pick: as IPv4's, but not
@@ -144,10 +144,10 @@ fn pick_backend(svc: &ServiceValue) -> Option<(u32, Backend6)> {
 
 /// client -> frontend becomes client -> backend.
 #[inline(always)]
-fn dnat(ctx: &impl Ctx, flow: &Flow6, backend: (Addr6, u16)) -> Result<(), ()> {
+fn dnat(ctx: &impl Ctx, flow: &Flow6, backend: (&Addr6, u16)) -> Result<(), ()> {
     let l4 = L4At {
         off: flow.l4_off,
         proto: flow.proto,
     };
-    ctx.rewrite6(l4, Side::Destination, (flow.daddr_be, flow.dport_be), backend)
+    ctx.rewrite6(l4, Side::Destination, (flow.daddr(), flow.dport_be), backend)
 }

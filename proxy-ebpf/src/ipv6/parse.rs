@@ -69,6 +69,19 @@ pub struct Flow6 {
     pub l4_off: usize,
 }
 
+/// The addresses by reference: the rewrite and the keys take them so,
+/// and a copy of 16 bytes is stack IPv6 has little of (see `conntrack`).
+impl Flow6 {
+    #[inline(always)]
+    pub fn saddr(&self) -> &Addr6 {
+        &self.saddr_be
+    }
+    #[inline(always)]
+    pub fn daddr(&self) -> &Addr6 {
+        &self.daddr_be
+    }
+}
+
 /// Parses the IPv6 header, its extension headers and TCP/UDP, or says
 /// why the packet is not ours. The caller checked the ether type.
 #[inline(always)]
@@ -118,15 +131,22 @@ pub fn parse(ctx: &impl Ctx) -> Result<Flow6, Verdict> {
 /// The furthest the walk's L4 offset can be: every header at its longest.
 const MAX_L4_OFF: usize = AFTER_IP_OFF + MAX_EXT_HEADERS * 256 * 8;
 
+/// A mask that leaves every offset the walk can reach as it is.
+const L4_OFF_MASK: usize = 0x3fff;
+const _: () = assert!(MAX_L4_OFF <= L4_OFF_MASK);
+
 /// `off` itself, in a form the verifier cannot tell apart from any other
 /// offset (`off + w - w` with `w` read twice: [`Ctx::opaque_word`]). Each
 /// way through the walk (no extension header, one of each kind, two, ...)
 /// ends with its own known range of offsets, and the verifier would walk
 /// the whole Service path once for each: ten times IPv4's instructions.
-/// Made alike, and bounded again by the caller, they are one state to it.
+/// Made alike they are one state to it. The mask bounds the result in the
+/// register itself: a bound learnt from a comparison instead is lost on
+/// 6.1 when LLVM reloads the value from the stack (6.1's verifier does
+/// not carry it over to the spilled copy).
 #[inline(always)]
 fn alike(ctx: &impl Ctx, off: usize) -> usize {
-    off.wrapping_add(ctx.opaque_word()).wrapping_sub(ctx.opaque_word())
+    off.wrapping_add(ctx.opaque_word()).wrapping_sub(ctx.opaque_word()) & L4_OFF_MASK
 }
 
 /// Walks the extension headers from `next` (the fixed header's next
