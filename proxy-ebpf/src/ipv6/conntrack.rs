@@ -50,7 +50,7 @@ pub struct Tracked6 {
 #[inline(always)]
 pub fn lookup(flow: &Flow6) -> Option<Tracked6> {
     let key = key_of(flow);
-    let entry = CONNTRACK6.get_ptr_mut(&key)?;
+    let entry = CONNTRACK6.get_ptr_mut(key)?;
     let now = now_ns();
     // SAFETY: a map value pointer stays valid for the program's run (see
     // `crate::conntrack::lookup`).
@@ -89,7 +89,7 @@ fn is_over(key: &CtKey6, value: &CtValue6, now: u64) -> bool {
 #[inline(always)]
 fn partner_of(key: &CtKey6, value: &CtValue6) -> Option<*mut CtValue6> {
     let other_key = partner_key6(key, value);
-    let other = CONNTRACK6.get_ptr_mut(&other_key)?;
+    let other = CONNTRACK6.get_ptr_mut(other_key)?;
     // SAFETY: a map value pointer, valid for the program's run.
     if partner_key6(&other_key, unsafe { &*other }) == *key {
         Some(other)
@@ -190,7 +190,10 @@ pub fn create(flow: &Flow6, new: &NewFlow6) -> Result<(), ()> {
     value.nat_port_be = new.backend.1;
     value.nat_addr_be = new.backend.0;
     *key = key_of(flow);
-    if CONNTRACK6.insert(&*key, &*value, BPF_NOEXIST as u64).is_err() {
+    // By reference: the scratch slot's bytes, not a copy on the stack.
+    #[allow(clippy::needless_borrows_for_generic_args)]
+    let inserted = CONNTRACK6.insert(&*key, &*value, BPF_NOEXIST as u64);
+    if inserted.is_err() {
         *key = reply_key_of(flow, new);
         remove(key);
         return Err(());

@@ -60,7 +60,7 @@ fn frontend(flow: &Flow6) -> Option<ServiceValue> {
         _pad: 0,
     };
     // SAFETY: copied out at once, as in `crate::lookup::frontend`.
-    unsafe { SERVICES6.get(&key).copied() }
+    unsafe { SERVICES6.get(key).copied() }
 }
 
 /// A packet of a tracked flow, client -> frontend (see
@@ -138,7 +138,7 @@ fn no_backend(svc: &ServiceValue) -> (Verdict, Outcome) {
 fn pick_backend(svc: &ServiceValue) -> Option<(u32, Backend6)> {
     let id = select::random_id(svc)?;
     // SAFETY: copied out at once, as in `crate::lookup::frontend`.
-    let backend = unsafe { BACKENDS6.get(&id).copied()? };
+    let backend = unsafe { BACKENDS6.get(id).copied()? };
     Some((id, backend))
 }
 

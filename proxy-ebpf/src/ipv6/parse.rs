@@ -104,7 +104,7 @@ pub fn parse(ctx: &impl Ctx) -> Result<Flow6, Verdict> {
     let (l4_proto, l4_off) = l4_header(ctx, next)?;
     let l4_off = alike(ctx, l4_off);
     let end = AFTER_IP_OFF + payload_len;
-    if l4_off < AFTER_IP_OFF || l4_off > MAX_L4_OFF || l4_off >= end {
+    if !(AFTER_IP_OFF..=MAX_L4_OFF).contains(&l4_off) || l4_off >= end {
         return Err(Verdict::PassMalformed);
     }
     let l4_len = end - l4_off;
