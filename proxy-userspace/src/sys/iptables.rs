@@ -39,6 +39,14 @@ const LOCK_WAIT_SECONDS: &str = "5";
 const PACKAGE: &str = "the iptables package";
 
 impl SystemIptables {
+    /// `ip6tables-save` and `ip6tables-restore`: the IPv6 twin.
+    pub fn ipv6() -> Self {
+        Self {
+            save: "ip6tables-save".into(),
+            restore: "ip6tables-restore".into(),
+        }
+    }
+
     /// Fails if the binaries cannot be run at all.
     pub fn check(&self) -> Result<()> {
         tool::check_runs(&self.save, PACKAGE)?;
