@@ -14,6 +14,7 @@ pub mod affinity;
 pub mod backend;
 pub mod conntrack;
 pub mod fragment;
+pub mod ipv6;
 pub mod maglev;
 pub mod maps;
 pub mod nat;
@@ -28,6 +29,7 @@ pub use affinity::{AffinityKey, AffinityValue, MemberKey};
 pub use backend::{Backend, BackendSlotKey};
 pub use conntrack::{CtKey, CtTimeouts, CtValue};
 pub use fragment::{FragKey, FragPorts};
+pub use ipv6::{Backend6, CtKey6, CtValue6, Service6Key};
 pub use maglev::{MaglevChunk, MaglevKey};
 pub use nat::RevNat;
 pub use ports::PortBits;
@@ -39,6 +41,7 @@ pub use stats::{Verdict, VerdictCounter};
 /// IP protocol numbers of the L4 protocols a Service can use.
 pub mod proto {
     pub const ICMP: u8 = 1;
+    pub const ICMPV6: u8 = 58;
     pub const TCP: u8 = 6;
     pub const UDP: u8 = 17;
 }
@@ -75,5 +78,9 @@ impl_aya_pod!(
     socket_lb::SockLbConfig,
     socket_lb::SockRevKey,
     MaglevKey,
-    MaglevChunk
+    MaglevChunk,
+    Service6Key,
+    Backend6,
+    CtKey6,
+    CtValue6
 );

@@ -60,6 +60,22 @@ pub const POD_CIDRS: &str = "XP_POD_CIDRS";
 /// kube-proxy takes one cluster CIDR per family; room for a few.
 pub const POD_CIDRS_MAX: u32 = 64;
 
+/// The IPv6 maps (see [`crate::ipv6`] for why apart from the IPv4 ones):
+/// frontends ([`crate::Service6Key`] -> [`crate::ServiceValue`]), backends
+/// (backend id -> [`crate::Backend6`]) and tracked flows
+/// ([`crate::CtKey6`] -> [`crate::CtValue6`]).
+pub const SERVICES6: &str = "XP_SERVICES6";
+pub const BACKENDS6: &str = "XP_BACKENDS6";
+pub const CONNTRACK6: &str = "XP_CT6";
+/// As [`SERVICES_MAX`] and [`BACKENDS_MAX`]: neither is preallocated.
+pub const SERVICES6_MAX: u32 = SERVICES_MAX;
+pub const BACKENDS6_MAX: u32 = BACKENDS_MAX;
+/// Tracked IPv6 flows, two entries each. Preallocated (LRU) at 128 bytes
+/// an entry with the kernel's own (IPv4's: 88), so a quarter of
+/// [`CONNTRACK_MAX`]: 16 MiB. Not sized from the `conntrack`
+/// configuration yet (IPv4's is).
+pub const CONNTRACK6_MAX: u32 = CONNTRACK_MAX / 4;
+
 /// Datagrams in flight whose first fragment's ports are remembered.
 pub const FRAGMENTS_MAX: u32 = 16_384;
 

@@ -4,7 +4,10 @@
 //! packets of both directions; a flow that is over gives way to a packet
 //! that opens a new one on its tuple.
 
-use core::intrinsics::{AtomicOrdering, atomic_or};
+use core::{
+    intrinsics::{AtomicOrdering, atomic_or},
+    ptr::addr_of_mut,
+};
 
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns};
 use proxy_common::{
@@ -39,7 +42,7 @@ fn key_of(flow: &Flow) -> CtKey {
 /// The clock of `CtValue::last_seen_ns`: CLOCK_MONOTONIC_COARSE, a read
 /// of the last tick's time (no clock source access, unlike ktime_get_ns).
 #[inline(always)]
-fn now_ns() -> u64 {
+pub fn now_ns() -> u64 {
     // SAFETY: a helper without arguments.
     unsafe { bpf_ktime_get_coarse_ns() }
 }
@@ -77,7 +80,7 @@ pub fn lookup(flow: &Flow) -> Option<Tracked> {
     // only recycled: its bytes are some flow's, never foreign memory).
     let value = unsafe { &*entry };
     let reply = value.flags & FLAG_REPLY != 0;
-    if begins_anew(flow, reply) && is_over(&key, value, now) {
+    if begins_anew(flow.proto, flow.tcp_flags, reply) && is_over(&key, value, now) {
         remove(&key);
         return None;
     }
@@ -112,11 +115,11 @@ pub fn lookup_related(flow: &Flow) -> Option<Tracked> {
 /// client's bare SYN or any datagram forward; a SYN (or SYN-ACK) or any
 /// datagram from the backend's side.
 #[inline(always)]
-fn begins_anew(flow: &Flow, reply: bool) -> bool {
+pub fn begins_anew(l4_proto: u8, flags: u8, reply: bool) -> bool {
     if reply {
-        flow.proto != proto::TCP || flow.tcp_flags & tcp_flags::SYN != 0
+        l4_proto != proto::TCP || flags & tcp_flags::SYN != 0
     } else {
-        opens_flow(flow.proto, flow.tcp_flags)
+        opens_flow(l4_proto, flags)
     }
 }
 
@@ -126,18 +129,36 @@ fn begins_anew(flow: &Flow, reply: bool) -> bool {
 /// keeps its flow alive).
 #[inline(always)]
 fn is_over(key: &CtKey, value: &CtValue, now: u64) -> bool {
-    let state = settled_state(value.state, value.flags);
+    match age(value.state, value.flags, value.last_seen_ns, now) {
+        Age::Closed => true,
+        Age::Live => false,
+        Age::Idle(timeout) => match partner_of(key, value) {
+            // SAFETY: a `CONNTRACK` value pointer of this run (`partner_of`).
+            Some(other) => idle_past(timeout, unsafe { (*other).last_seen_ns }, now),
+            None => true,
+        },
+    }
+}
+
+/// What an entry's own fields (of either family) say of its flow's end.
+pub enum Age {
+    Closed,
+    Live,
+    /// Idle past its state's timeout (this): over if the other entry is too.
+    Idle(u64),
+}
+
+#[inline(always)]
+pub fn age(state: u8, flags: u8, last_seen_ns: u64, now: u64) -> Age {
+    let state = settled_state(state, flags);
     if is_closed(state) {
-        return true;
+        return Age::Closed;
     }
     let timeout = ct_timeout_ns(state);
-    if !idle_past(timeout, value.last_seen_ns, now) {
-        return false;
-    }
-    match partner_of(key, value) {
-        // SAFETY: a `CONNTRACK` value pointer of this run (`partner_of`).
-        Some(other) => idle_past(timeout, unsafe { (*other).last_seen_ns }, now),
-        None => true,
+    if idle_past(timeout, last_seen_ns, now) {
+        Age::Idle(timeout)
+    } else {
+        Age::Live
     }
 }
 
@@ -195,23 +216,33 @@ fn advance(key: &CtKey, entry: *mut CtValue, flow: &Flow, reply: bool, now: u64)
 /// good (its tuple would stay pinned to the old backend when reused).
 #[inline(always)]
 fn set_state(entry: *mut CtValue, state: u8, fins: u8) {
-    let flags = if fins == 0 {
-        // SAFETY: a `CONNTRACK` value pointer of this run (`advance`).
-        unsafe { (*entry).flags }
-    } else {
-        or_flags(entry, fins) | fins
-    };
-    // SAFETY: as above.
-    unsafe { (*entry).state = settled_state(state, flags) };
+    // SAFETY: a `CONNTRACK` value pointer of this run (`advance`): the
+    // fields' addresses, nothing read.
+    let (flags, state_byte) = unsafe { (addr_of_mut!((*entry).flags), addr_of_mut!((*entry).state)) };
+    set_entry_state(flags, state_byte, state, fins);
 }
 
-/// ORs `bits` into the entry's flags atomically; returns the flags before.
+/// [`set_state`] on an entry's `flags` and `state` bytes, for both
+/// families' entries (`ipv6::conntrack`), which keep them at the same
+/// offsets.
 #[inline(always)]
-fn or_flags(entry: *mut CtValue, bits: u8) -> u8 {
-    // SAFETY: a `CONNTRACK` value pointer of this run (`advance`): the
-    // field's address, nothing read.
-    let word = unsafe { core::ptr::addr_of_mut!((*entry).flags) }.cast::<u64>();
-    // SAFETY: as above. `flags`
+pub fn set_entry_state(flags_byte: *mut u8, state_byte: *mut u8, state: u8, fins: u8) {
+    let flags = if fins == 0 {
+        // SAFETY: the caller's pointers are a conntrack value's fields,
+        // valid for the program's run.
+        unsafe { *flags_byte }
+    } else {
+        or_flags(flags_byte, fins) | fins
+    };
+    // SAFETY: as above.
+    unsafe { *state_byte = settled_state(state, flags) };
+}
+
+/// ORs `bits` into an entry's flags atomically; returns the flags before.
+#[inline(always)]
+fn or_flags(flags_byte: *mut u8, bits: u8) -> u8 {
+    let word = flags_byte.cast::<u64>();
+    // SAFETY: a conntrack value's `flags` (`set_entry_state`), which
     // starts an 8-byte aligned word of the value (asserted in proxy-common)
     // and is its lowest byte on this little-endian target, so ORing `bits`
     // into the word changes `flags` alone. The intrinsic, because core's

@@ -4,8 +4,8 @@
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, bpf_adj_room_mode},
     helpers::{
-        bpf_l4_csum_replace, bpf_skb_adjust_room, bpf_skb_change_tail, bpf_skb_pull_data, bpf_xdp_adjust_head,
-        bpf_xdp_adjust_tail,
+        bpf_csum_update, bpf_l4_csum_replace, bpf_skb_adjust_room, bpf_skb_change_tail, bpf_skb_pull_data,
+        bpf_xdp_adjust_head, bpf_xdp_adjust_tail,
     },
     programs::{TcContext, XdpContext},
 };
@@ -13,8 +13,37 @@ use proxy_common::proto;
 
 use crate::{
     csum,
-    headers::{INNER_L4_OFF, IP_CHECK, IP_OFF, L4_OFF, Side, TCP_LEN, addr_in_ip, check_in_l4, port_in_l4},
+    headers::{
+        INNER_L4_OFF, IP_CHECK, IP_OFF, L4_OFF, Side, TCP_LEN, addr_in_ip, addr_in_ipv6, check_in_l4, port_in_l4,
+    },
 };
+
+/// An IPv6 address as the programs hold it (`proxy_common::ipv6`).
+pub type Addr6 = [u32; 4];
+
+/// Where an IPv6 packet's L4 header is (after its extension headers) and
+/// which protocol it is: what a rewrite of its ports and checksum needs.
+#[derive(Clone, Copy)]
+pub struct L4At {
+    pub off: usize,
+    pub proto: u8,
+}
+
+impl L4At {
+    #[inline(always)]
+    fn port(self, side: Side) -> usize {
+        self.off + port_in_l4(side)
+    }
+    #[inline(always)]
+    fn check(self) -> usize {
+        self.off + check_in_l4(self.proto)
+    }
+}
+
+#[inline(always)]
+fn addr6_off(side: Side) -> usize {
+    IP_OFF + addr_in_ipv6(side)
+}
 
 /// Where the fields a rewrite changes sit in the frame.
 const IP_CHECK_OFF: usize = IP_OFF + IP_CHECK;
@@ -53,10 +82,29 @@ pub fn ptr_at<T>(ctx: &impl Ctx, off: usize) -> Option<*mut T> {
     Some((start + off) as *mut T)
 }
 
+/// [`ptr_at`] for an offset known only at run time (after IPv6's
+/// extension headers), with the linear data's bounds read afresh: LLVM
+/// otherwise reuses a `data` loaded before a pull (a helper call) in a
+/// 32-bit form, which the verifier takes for a scalar, not a pointer.
+#[inline(always)]
+pub fn ptr_at_fresh<T>(ctx: &impl Ctx, off: usize) -> Option<*mut T> {
+    let (start, end) = ctx.fresh_bounds();
+    if start + off + core::mem::size_of::<T>() > end {
+        return None;
+    }
+    Some((start + off) as *mut T)
+}
+
 /// The packet as a hook holds it: an XDP frame or a tc skb.
 pub trait Ctx {
     fn data(&self) -> usize;
     fn data_end(&self) -> usize;
+    /// `data` and `data_end` read with volatile loads (see [`ptr_at_fresh`]).
+    fn fresh_bounds(&self) -> (usize, usize);
+    /// A context field that stays the same for the program's run, read
+    /// with a volatile load: two reads are equal, which neither LLVM nor
+    /// the verifier can tell (see `ipv6::parse::alike`).
+    fn opaque_word(&self) -> usize;
     /// Length of the whole frame (an skb's data may extend past the linear part).
     fn frame_len(&self) -> usize;
     /// Rewrites one end's address and port (both parsed before, so present)
@@ -79,6 +127,15 @@ pub trait Ctx {
         }
         Ok(())
     }
+    /// The IPv6 form of [`Ctx::rewrite`]: one end's address and port, and
+    /// the L4 checksum (IPv6 has no header checksum; the L4 one covers
+    /// both addresses through the pseudo-header). `old`'s address may be
+    /// the packet's own, read before it is written.
+    fn rewrite6(&self, l4: L4At, side: Side, old: (&Addr6, u16), new: (&Addr6, u16)) -> Result<(), ()>;
+    /// Pulls the first `len` bytes (or the whole frame, if shorter) into
+    /// the linear part: IPv6's extension headers may reach past what
+    /// [`Tc::pull_headers`] pulled. Invalidates every packet pointer.
+    fn pull(&self, len: usize);
     /// Cuts the frame to `len` bytes (shorter than it is).
     fn truncate(&self, len: usize) -> Result<(), ()>;
     /// Makes 28 bytes of room right after the IPv4 header for an ICMP error:
@@ -99,6 +156,24 @@ impl Ctx for Xdp<'_> {
     #[inline(always)]
     fn data_end(&self) -> usize {
         self.0.data_end()
+    }
+    #[inline(always)]
+    fn opaque_word(&self) -> usize {
+        // SAFETY: the program's own context, valid for its run; an XDP
+        // program may read `ingress_ifindex`.
+        unsafe { core::ptr::read_volatile(&(*self.0.ctx).ingress_ifindex) as usize }
+    }
+    #[inline(always)]
+    fn fresh_bounds(&self) -> (usize, usize) {
+        let md = self.0.ctx;
+        // SAFETY: the program's own context, valid for its run; volatile
+        // only so that LLVM loads the fields here (see `ptr_at_fresh`).
+        unsafe {
+            (
+                core::ptr::read_volatile(&(*md).data) as usize,
+                core::ptr::read_volatile(&(*md).data_end) as usize,
+            )
+        }
     }
     #[inline(always)]
     fn frame_len(&self) -> usize {
@@ -127,6 +202,30 @@ impl Ctx for Xdp<'_> {
         }
         Ok(())
     }
+
+    /// As `rewrite`: direct writes, incremental checksums.
+    #[inline(always)]
+    fn rewrite6(&self, l4: L4At, side: Side, old: (&Addr6, u16), new: (&Addr6, u16)) -> Result<(), ()> {
+        let addr: *mut Addr6 = ptr_at_fresh(self, addr6_off(side)).ok_or(())?;
+        let port: *mut u16 = ptr_at_fresh(self, l4.port(side)).ok_or(())?;
+        let l4_check: *mut u16 = ptr_at_fresh(self, l4.check()).ok_or(())?;
+        let diff = csum::diff128(old.0, new.0);
+        // SAFETY: every field is inside the packet (ptr_at).
+        unsafe {
+            *addr = *new.0;
+            *port = new.1;
+            *l4_check = if l4.proto == proto::UDP {
+                csum::udp_replace16(csum::udp_replace_diff(*l4_check, diff), old.1, new.1)
+            } else {
+                csum::replace16(csum::replace_diff(*l4_check, diff), old.1, new.1)
+            };
+        }
+        Ok(())
+    }
+
+    /// An XDP frame is linear.
+    #[inline(always)]
+    fn pull(&self, _len: usize) {}
 
     #[inline(always)]
     fn truncate(&self, len: usize) -> Result<(), ()> {
@@ -193,6 +292,23 @@ impl Ctx for Tc<'_> {
         self.0.data_end()
     }
     #[inline(always)]
+    fn opaque_word(&self) -> usize {
+        // SAFETY: the skb is the program's context; a tc program may read
+        // its `ifindex`.
+        unsafe { core::ptr::read_volatile(&(*self.skb()).ifindex) as usize }
+    }
+    #[inline(always)]
+    fn fresh_bounds(&self) -> (usize, usize) {
+        let skb = self.skb();
+        // SAFETY: as in `Xdp::fresh_bounds`.
+        unsafe {
+            (
+                core::ptr::read_volatile(&(*skb).data) as usize,
+                core::ptr::read_volatile(&(*skb).data_end) as usize,
+            )
+        }
+    }
+    #[inline(always)]
     fn frame_len(&self) -> usize {
         self.0.len() as usize
     }
@@ -236,6 +352,60 @@ impl Ctx for Tc<'_> {
                 && bpf_l4_csum_replace(skb, l4_check, old.1 as u64, new.1 as u64, udp_flags | 2) == 0
         };
         if ok { Ok(()) } else { Err(()) }
+    }
+
+    /// As `rewrite`, the address's change to the checksum given to the
+    /// helper as one difference (its "size 0" form). The helper also adds
+    /// that difference to a CHECKSUM_COMPLETE skb's `csum`, right for IPv4
+    /// (whose header checksum moved the other way) but not for IPv6, where
+    /// the address and the L4 checksum changes cancel out; kernels from
+    /// 6.16 take BPF_F_IPV6 for that, older ones need it taken back here
+    /// (`bpf_csum_update` changes a CHECKSUM_COMPLETE skb only).
+    #[inline(always)]
+    fn rewrite6(&self, l4: L4At, side: Side, old: (&Addr6, u16), new: (&Addr6, u16)) -> Result<(), ()> {
+        let skb = self.skb();
+        let udp_flags = if l4.proto == proto::UDP {
+            BPF_F_MARK_MANGLED_0 as u64
+        } else {
+            0
+        };
+        let addr: *mut Addr6 = ptr_at_fresh(self, addr6_off(side)).ok_or(())?;
+        let port: *mut u16 = ptr_at_fresh(self, l4.port(side)).ok_or(())?;
+        // Before the write: `old` may be the packet's own address.
+        let diff = u64::from(csum::diff128(old.0, new.0));
+        // SAFETY: both fields are inside the packet (ptr_at).
+        unsafe {
+            *addr = *new.0;
+            *port = new.1;
+        }
+        let check = l4.check() as u32;
+        // The helpers below may move the packet: no pointer is used after.
+        // SAFETY: the skb is the program's context; the helpers check that
+        // the checksum at `check` lies inside the packet.
+        let ok = unsafe {
+            bpf_l4_csum_replace(skb, check, 0, diff, BPF_F_PSEUDO_HDR as u64 | udp_flags) == 0
+                && bpf_l4_csum_replace(skb, check, old.1 as u64, new.1 as u64, udp_flags | 2) == 0
+        };
+        if !ok {
+            return Err(());
+        }
+        // SAFETY: as above; no pointer argument. `!diff` is minus `diff`
+        // in one's complement.
+        unsafe { bpf_csum_update(skb, !(diff as u32)) };
+        Ok(())
+    }
+
+    /// Called only where a header is not in the linear part: no test of
+    /// the linear length here (LLVM reused such a test's `data` load,
+    /// zero-extended, as the packet pointer after the call, which the
+    /// verifier refuses as a scalar).
+    #[inline(always)]
+    fn pull(&self, len: usize) {
+        let len = if self.frame_len() < len { self.frame_len() } else { len };
+        // Best effort, as in `pull_headers`.
+        // SAFETY: the skb is the program's context; the caller holds no
+        // packet pointer.
+        unsafe { bpf_skb_pull_data(self.skb(), len as u32) };
     }
 
     #[inline(always)]

@@ -5,7 +5,9 @@
 //!
 //! `parse` accepts untagged Ethernet and IPv4 without options (IHL = 5)
 //! only, so every header below starts at a constant offset: the offsets
-//! are constants, which also keeps the verifier's job simple.
+//! are constants, which also keeps the verifier's job simple. IPv6's L4
+//! header follows a bounded number of extension headers (`ipv6::parse`):
+//! its offset is a bounded variable, the IPv6 header's a constant.
 
 use core::mem::offset_of;
 
@@ -40,6 +42,17 @@ pub struct Ipv4Hdr {
 }
 
 #[repr(C)]
+pub struct Ipv6Hdr {
+    /// Version (high nibble), traffic class, flow label.
+    pub vtc_flow_be: u32,
+    pub payload_len_be: u16,
+    pub next_header: u8,
+    pub hop_limit: u8,
+    pub saddr_be: [u32; 4],
+    pub daddr_be: [u32; 4],
+}
+
+#[repr(C)]
 pub struct TcpHdr {
     pub sport_be: u16,
     pub dport_be: u16,
@@ -63,6 +76,7 @@ pub struct UdpHdr {
 
 pub const ETH_LEN: usize = 14;
 pub const IP_LEN: usize = 20;
+pub const IPV6_LEN: usize = 40;
 pub const TCP_LEN: usize = 20;
 pub const UDP_LEN: usize = 8;
 /// An ICMP error's header: type, code, checksum and 4 unused bytes.
@@ -79,6 +93,16 @@ pub const INNER_L4_OFF: usize = INNER_IP_OFF + IP_LEN;
 pub const IP_CHECK: usize = offset_of!(Ipv4Hdr, check);
 /// Where the ICMP checksum sits in its header.
 pub const ICMP_CHECK: usize = 2;
+
+/// Where one end's address sits in an IPv6 header.
+#[inline(always)]
+pub fn addr_in_ipv6(side: Side) -> usize {
+    if side == Side::Source {
+        offset_of!(Ipv6Hdr, saddr_be)
+    } else {
+        offset_of!(Ipv6Hdr, daddr_be)
+    }
+}
 
 /// Where one end's address sits in an IPv4 header.
 #[inline(always)]
@@ -111,6 +135,7 @@ pub fn check_in_l4(l4_proto: u8) -> usize {
 }
 
 pub const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_IPV6: u16 = 0x86dd;
 pub const ETH_P_8021Q: u16 = 0x8100;
 pub const ETH_P_8021AD: u16 = 0x88a8;
 /// "More fragments" flag and fragment offset bits of `frag_off`.

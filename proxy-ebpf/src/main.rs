@@ -1,7 +1,8 @@
 //! xproxy's kernel side: the XDP and tc entry points. A packet's way
 //! through the other files, chained by `pipeline`:
 //!
-//! `parse` (Ethernet, IPv4, TCP/UDP; the malformed-input policy) ->
+//! `parse` (Ethernet, IPv4, TCP/UDP; the malformed-input policy; IPv6
+//! takes `ipv6`'s path, the same steps on the IPv6 maps) ->
 //! `fragments` (a later IPv4 fragment gets its first's ports) ->
 //! `ports` (could it be Service traffic at all?) -> `conntrack` (a packet
 //! of a known flow, either way?) -> `lookup` (else: is it for a Service
@@ -37,6 +38,7 @@ mod csum;
 mod fragments;
 mod headers;
 mod icmp_error;
+mod ipv6;
 mod lookup;
 mod maps;
 mod nat;

@@ -7,13 +7,14 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtTimeouts, CtValue, FragKey, FragPorts, FrontendPort,
-    MaglevChunk, MaglevKey, MemberKey, PortBits, RevNat, ServiceKey, ServiceValue, SourceRangeData, Verdict,
-    VerdictCounter,
+    AffinityKey, AffinityValue, Backend, Backend6, BackendSlotKey, CtKey, CtKey6, CtTimeouts, CtValue, CtValue6,
+    FragKey, FragPorts, FrontendPort, MaglevChunk, MaglevKey, MemberKey, PortBits, RevNat, Service6Key, ServiceKey,
+    ServiceValue, SourceRangeData, Verdict, VerdictCounter,
     conntrack::{seconds_to_ns, state_index},
     maps::{
-        AFFINITY_MAX, BACKEND_SLOTS_MAX, BACKENDS_MAX, CONNTRACK_MAX, FRAGMENTS_MAX, MAGLEV_MAX, MEMBERS_MAX,
-        POD_CIDRS_MAX, REV_NAT_MAX, SERVICE_PORTS_MAX, SERVICES_MAX, SOURCE_RANGES_MAX,
+        AFFINITY_MAX, BACKEND_SLOTS_MAX, BACKENDS_MAX, BACKENDS6_MAX, CONNTRACK_MAX, CONNTRACK6_MAX, FRAGMENTS_MAX,
+        MAGLEV_MAX, MEMBERS_MAX, POD_CIDRS_MAX, REV_NAT_MAX, SERVICE_PORTS_MAX, SERVICES_MAX, SERVICES6_MAX,
+        SOURCE_RANGES_MAX,
     },
     ports::PORT_WORDS,
 };
@@ -63,6 +64,30 @@ pub static POD_CIDRS: LpmTrie<u32, u8> = LpmTrie::pinned(POD_CIDRS_MAX, 0);
 // Written from the data path on every new flow: LRU maps are preallocated.
 #[map(name = "XP_CT")]
 pub static CONNTRACK: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(CONNTRACK_MAX, 0);
+
+// IPv6's frontends, backends and flows (see `proxy_common::ipv6` for why
+// apart from IPv4's): written and sized as their IPv4 counterparts.
+#[map(name = "XP_SERVICES6")]
+pub static SERVICES6: HashMap<Service6Key, ServiceValue> = HashMap::pinned(SERVICES6_MAX, BPF_F_NO_PREALLOC);
+
+#[map(name = "XP_BACKENDS6")]
+pub static BACKENDS6: HashMap<u32, Backend6> = HashMap::pinned(BACKENDS6_MAX, BPF_F_NO_PREALLOC);
+
+#[map(name = "XP_CT6")]
+pub static CONNTRACK6: LruHashMap<CtKey6, CtValue6> = LruHashMap::pinned(CONNTRACK6_MAX, 0);
+
+/// Room for a new IPv6 flow's conntrack key and value while they are
+/// written: 80 bytes the tc programs' stack has no room for on 6.1 (whose
+/// verifier counts each helper function a call chain reaches at 32 bytes
+/// more). Per CPU, and not pinned: a scratch pad, not state.
+#[map(name = "XP_SCRATCH6")]
+pub static SCRATCH6: PerCpuArray<Scratch6> = PerCpuArray::with_max_entries(1, 0);
+
+#[repr(C)]
+pub struct Scratch6 {
+    pub key: CtKey6,
+    pub value: CtValue6,
+}
 
 // The first fragment's ports of datagrams in flight.
 #[map(name = "XP_FRAGS")]

@@ -1,4 +1,6 @@
-//! Header parsing and the one policy for malformed input.
+//! Header parsing and the one policy for malformed input (IPv4 here; the
+//! IPv6 header and its extension headers are `ipv6::parse`'s, which takes
+//! the TCP and UDP parsers from here).
 //!
 //! A packet is translated only if every header up to and including the L4
 //! ports was read and is consistent. Everything else is passed untouched and
@@ -16,8 +18,9 @@ use proxy_common::{Verdict, proto};
 use crate::{
     context::{Ctx, ptr_at},
     headers::{
-        ETH_LEN, ETH_P_8021AD, ETH_P_8021Q, ETH_P_IP, EthHdr, ICMP_DEST_UNREACH, ICMP_TIME_EXCEEDED, INNER_IP_OFF,
-        INNER_L4_OFF, IP_LEN, IP_MF, IP_OFF, IP_OFFSET_MASK, Ipv4Hdr, L4_OFF, TCP_LEN, TcpHdr, UDP_LEN, UdpHdr,
+        ETH_LEN, ETH_P_8021AD, ETH_P_8021Q, ETH_P_IP, ETH_P_IPV6, EthHdr, ICMP_DEST_UNREACH, ICMP_TIME_EXCEEDED,
+        INNER_IP_OFF, INNER_L4_OFF, IP_LEN, IP_MF, IP_OFF, IP_OFFSET_MASK, Ipv4Hdr, L4_OFF, TCP_LEN, TcpHdr, UDP_LEN,
+        UdpHdr,
     },
 };
 
@@ -140,6 +143,16 @@ fn untagged_ipv4(ctx: &impl Ctx) -> Result<(), Verdict> {
     Ok(())
 }
 
+/// Whether the frame is an untagged IPv6 packet (`ipv6` parses it).
+#[inline(always)]
+pub fn is_ipv6(ctx: &impl Ctx) -> bool {
+    match ptr_at::<EthHdr>(ctx, 0) {
+        // SAFETY: the header is inside the packet (ptr_at).
+        Some(eth) => u16::from_be(unsafe { (*eth).ether_type_be }) == ETH_P_IPV6,
+        None => false,
+    }
+}
+
 /// Where the packet stands among its datagram's fragments, from its IPv4
 /// `frag_off` (host order).
 #[inline(always)]
@@ -212,6 +225,18 @@ fn icmp_error(ctx: &impl Ctx, tot_len: usize) -> Result<Flow, Verdict> {
 fn parse_tcp(ctx: &impl Ctx, l4_len: usize) -> Result<Flow, Verdict> {
     let tcp: *const TcpHdr = ptr_at(ctx, L4_OFF).ok_or(Verdict::PassMalformed)?;
     // SAFETY: the header is inside the packet (ptr_at).
+    unsafe { tcp_flow(tcp, l4_len) }
+}
+
+/// The TCP header `tcp` (of `l4_len` bytes with its payload) as a flow:
+/// its ports, flags and sequence numbers (the addresses are the caller's
+/// to fill in). For IPv4 and IPv6 (`ipv6::parse`) alike.
+///
+/// # Safety
+/// `tcp` points to a whole TCP header inside the packet (see `ptr_at`).
+#[inline(always)]
+pub unsafe fn tcp_flow(tcp: *const TcpHdr, l4_len: usize) -> Result<Flow, Verdict> {
+    // SAFETY: the caller's promise.
     let (sport_be, dport_be, doff_res, flags, seq, ack) = unsafe {
         (
             (*tcp).sport_be,
@@ -244,6 +269,16 @@ fn parse_tcp(ctx: &impl Ctx, l4_len: usize) -> Result<Flow, Verdict> {
 fn parse_udp(ctx: &impl Ctx, l4_len: usize, first_fragment: bool) -> Result<Flow, Verdict> {
     let udp: *const UdpHdr = ptr_at(ctx, L4_OFF).ok_or(Verdict::PassMalformed)?;
     // SAFETY: the header is inside the packet (ptr_at).
+    unsafe { udp_flow(udp, l4_len, first_fragment) }
+}
+
+/// The UDP header `udp` as a flow, as [`tcp_flow`].
+///
+/// # Safety
+/// `udp` points to a whole UDP header inside the packet (see `ptr_at`).
+#[inline(always)]
+pub unsafe fn udp_flow(udp: *const UdpHdr, l4_len: usize, first_fragment: bool) -> Result<Flow, Verdict> {
+    // SAFETY: the caller's promise.
     let (sport_be, dport_be, udp_len) =
         unsafe { ((*udp).sport_be, (*udp).dport_be, u16::from_be((*udp).len_be) as usize) };
     let fits = udp_len <= l4_len || (first_fragment && l4_len >= UDP_LEN);

@@ -5,6 +5,7 @@
 //! select) -> nat or reject;
 //! an ICMP error of a tracked flow goes to icmp_error. Each step is its own
 //! module; this one only chains them and names the verdict and the outcome.
+//! IPv6 packets take `ipv6`'s path, the same steps on the IPv6 maps.
 
 use proxy_common::{
     Backend, ServiceValue, Verdict,
@@ -20,7 +21,7 @@ use crate::{
     context::Ctx,
     fragments,
     headers::Side,
-    icmp_error, lookup, maps, nat,
+    icmp_error, ipv6, lookup, maps, nat,
     parse::{self, Flow},
     ports,
     reject::{self, Rejection},
@@ -52,9 +53,13 @@ pub enum Outcome {
 pub fn process(ctx: &impl Ctx) -> Outcome {
     let len = ctx.frame_len();
     let (verdict, outcome) = match parse::parse(ctx).map(fragments::with_ports) {
+        // Tested only once IPv4's parse gave up: an IPv4 packet pays nothing.
+        Err(Verdict::PassNotIpv4OrL4) if parse::is_ipv6(ctx) => ipv6::process(ctx),
         Err(verdict) => (verdict, Outcome::Pass),
         Ok(None) => (Verdict::PassFragmentUntracked, Outcome::Pass),
-        Ok(Some(flow)) if !ports::may_be_service(&flow) => (Verdict::PassNotService, Outcome::Pass),
+        Ok(Some(flow)) if !ports::may_be_service(flow.sport_be, flow.dport_be) => {
+            (Verdict::PassNotService, Outcome::Pass)
+        }
         Ok(Some(flow)) => {
             fragments::remember(&flow);
             service_traffic(ctx, &flow)
@@ -200,17 +205,22 @@ fn pick_backend(flow: &Flow, svc: &ServiceValue, affinity_id: u32) -> Option<(u3
 /// masqueradeAll. Off when the agent configured no mark.
 #[inline(always)]
 fn needs_snat(flow: &Flow, svc: &ServiceValue, backend: &Backend) -> bool {
+    snat_wanted(svc, backend.flags, flow.saddr_be == backend.addr_be)
+}
+
+/// [`needs_snat`] for either family: `backend_flags` the backend's,
+/// `hairpin` whether the client is the backend itself.
+#[inline(always)]
+pub fn snat_wanted(svc: &ServiceValue, backend_flags: u8, hairpin: bool) -> bool {
     if maps::snat_mark() == 0 {
         return false;
     }
     let external_cluster = svc.flags & FLAGS_EXTERNAL != 0 && svc.flags & FLAG_EXTERNAL_LOCAL == 0;
-    svc.flags & FLAG_NEEDS_SNAT != 0
-        || flow.saddr_be == backend.addr_be
-        || (external_cluster && backend.flags & FLAG_LOCAL == 0)
+    svc.flags & FLAG_NEEDS_SNAT != 0 || hairpin || (external_cluster && backend_flags & FLAG_LOCAL == 0)
 }
 
 #[inline(always)]
-fn translated(result: Result<(), ()>, verdict: Verdict) -> (Verdict, Outcome) {
+pub fn translated(result: Result<(), ()>, verdict: Verdict) -> (Verdict, Outcome) {
     match result {
         Ok(()) => (verdict, Outcome::Translated),
         Err(()) => (Verdict::Error, Outcome::Drop),

@@ -1,15 +1,15 @@
 //! The port filter: packets whose ports no Service uses pass before any
-//! hash lookup (see `proxy_common::ports`).
+//! hash lookup (see `proxy_common::ports`), IPv4 and IPv6 alike.
 
 use proxy_common::ports;
 
-use crate::{maps::PORTS, parse::Flow};
+use crate::maps::PORTS;
 
 /// Whether the packet may be Service traffic: its destination port is a
 /// frontend's (a request) or its source port a backend's (a reply).
 #[inline(always)]
-pub fn may_be_service(flow: &Flow) -> bool {
-    has(u16::from_be(flow.dport_be), |b| b.frontend) || has(u16::from_be(flow.sport_be), |b| b.backend)
+pub fn may_be_service(sport_be: u16, dport_be: u16) -> bool {
+    has(u16::from_be(dport_be), |b| b.frontend) || has(u16::from_be(sport_be), |b| b.backend)
 }
 
 #[inline(always)]

@@ -10,10 +10,12 @@ use aya_ebpf::{
 
 use crate::{
     context::{Tc, ptr_at},
-    headers::{IP_OFF, Ipv4Hdr},
+    headers::{IP_OFF, Ipv4Hdr, Ipv6Hdr},
+    parse,
 };
 
 const AF_INET: u8 = 2;
+const AF_INET6: u8 = 10;
 
 /// Redirects the packet to the interface the kernel would forward it out
 /// of, the neighbour resolved there; `TC_ACT_OK` (on through the stack)
@@ -43,6 +45,45 @@ pub fn redirect_back(ctx: &TcContext, flags: u64) -> i32 {
 /// from a node IP). `None` if it is not forwarded (e.g. it is for this node).
 #[inline(always)]
 fn ifindex(ctx: &TcContext) -> Option<u32> {
+    let mut params = if parse::is_ipv6(&Tc(ctx)) {
+        ipv6_params(ctx)?
+    } else {
+        ipv4_params(ctx)?
+    };
+    let size = core::mem::size_of::<bpf_fib_lookup>() as i32;
+    // SAFETY: the skb is the program's context; `params` is a local of the
+    // size passed, which the helper fills in.
+    let rc = unsafe { fib_lookup(ctx.skb.skb.cast(), &mut params, size, 0) } as u32;
+    // NO_NEIGH still names the interface: bpf_redirect_neigh resolves the neighbour.
+    if rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH {
+        Some(params.ifindex)
+    } else {
+        None
+    }
+}
+
+/// The FIB lookup's input for an IPv6 packet: its addresses and the
+/// interface it is on (no length, as for IPv4).
+#[inline(always)]
+fn ipv6_params(ctx: &TcContext) -> Option<bpf_fib_lookup> {
+    let ip: *const Ipv6Hdr = ptr_at(&Tc(ctx), IP_OFF)?;
+    // SAFETY: as in `ipv4_params`.
+    let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    // SAFETY: as in `ipv4_params`. The L4 protocol stays 0: after
+    // extension headers it is not the fixed header's next header, and the
+    // FIB looks it up only for policy rules that name one.
+    unsafe {
+        params.family = AF_INET6;
+        params.__bindgen_anon_3.ipv6_src = (*ip).saddr_be;
+        params.__bindgen_anon_4.ipv6_dst = (*ip).daddr_be;
+        params.ifindex = (*ctx.skb.skb).ifindex;
+    }
+    Some(params)
+}
+
+/// The FIB lookup's input for an IPv4 packet.
+#[inline(always)]
+fn ipv4_params(ctx: &TcContext) -> Option<bpf_fib_lookup> {
     let ip: *const Ipv4Hdr = ptr_at(&Tc(ctx), IP_OFF)?;
     // SAFETY: a C struct of integers and unions of integers: all zeros is
     // a valid value (and the helper's "no input" for every unset field).
@@ -61,14 +102,5 @@ fn ifindex(ctx: &TcContext) -> Option<u32> {
         params.__bindgen_anon_4.ipv4_dst = (*ip).daddr_be;
         params.ifindex = (*ctx.skb.skb).ifindex;
     }
-    let size = core::mem::size_of::<bpf_fib_lookup>() as i32;
-    // SAFETY: the skb is the program's context; `params` is a local of the
-    // size passed, which the helper fills in.
-    let rc = unsafe { fib_lookup(ctx.skb.skb.cast(), &mut params, size, 0) } as u32;
-    // NO_NEIGH still names the interface: bpf_redirect_neigh resolves the neighbour.
-    if rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH {
-        Some(params.ifindex)
-    } else {
-        None
-    }
+    Some(params)
 }

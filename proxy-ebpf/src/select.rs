@@ -96,9 +96,9 @@ pub fn random_backend(svc: &ServiceValue) -> Option<(u32, Backend)> {
 }
 
 /// The backend id in a random slot of the frontend's run, as
-/// [`random_backend`].
+/// [`random_backend`] (for either family: the slots hold ids).
 #[inline(always)]
-fn random_id(svc: &ServiceValue) -> Option<u32> {
+pub fn random_id(svc: &ServiceValue) -> Option<u32> {
     if svc.backend_count == 0 {
         return None;
     }

@@ -15,8 +15,10 @@
 //!   quoting one.
 //! - [`expected_rst`] and [`expected_port_unreachable`] build the answers the
 //!   programs must send for a Service without backends.
+//! - [`Frame6`] and [`check6`] do the same for IPv6 frames (extension
+//!   headers included).
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddrV4, SocketAddrV6};
 
 use etherparse::{
     EtherType, Ethernet2Header, IcmpEchoHeader, Icmpv4Header, Icmpv4Slice, Icmpv4Type, IpDscp, IpEcn, IpFragOffset,
@@ -589,6 +591,103 @@ pub enum Strict {
     /// An ICMP destination unreachable or time exceeded quoting a TCP or
     /// UDP packet.
     IcmpError(IcmpError),
+    /// A fully parsed IPv6 TCP or UDP packet (at most
+    /// [`IPV6_EXT_HEADERS_WALKED`] extension headers before it).
+    Ipv6Flow(Flow6),
+    /// An IPv6 fragment (not an atomic one): passed untranslated.
+    Ipv6Fragment,
+}
+
+/// The extension headers the programs walk before they give up on a packet.
+pub const IPV6_EXT_HEADERS_WALKED: usize = 4;
+
+/// A fully parsed IPv6 TCP or UDP packet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Flow6 {
+    pub proto: u8,
+    pub src: SocketAddrV6,
+    pub dst: SocketAddrV6,
+    /// Offset of the L4 header in the frame.
+    pub l4_offset: usize,
+}
+
+/// [`parse_strict`] after an IPv6 ether type: the programs' IPv6 policy.
+/// Extension headers are read where the frame has them (also past the
+/// payload length, as the programs do); the L4 header must start inside
+/// the payload, and its lengths fit what is left of it.
+fn strict_ipv6(rest: &[u8]) -> Strict {
+    let Some(ip) = rest.get(..40) else {
+        return Strict::Malformed("truncated IPv6 header");
+    };
+    let payload_len = usize::from(u16::from_be_bytes([ip[4], ip[5]]));
+    if ip[0] >> 4 != 6 || payload_len == 0 || 40 + payload_len > rest.len() {
+        return Strict::Malformed("IPv6 version or payload length");
+    }
+    let (mut next, mut off) = (ip[6], 40);
+    for _ in 0..IPV6_EXT_HEADERS_WALKED {
+        match next {
+            6 | 17 => break,
+            0 | 43 | 60 => {
+                let Some(head) = rest.get(off..off + 2) else {
+                    return Strict::Malformed("truncated extension header");
+                };
+                (next, off) = (head[0], off + (usize::from(head[1]) + 1) * 8);
+            }
+            44 => {
+                let Some(head) = rest.get(off..off + 8) else {
+                    return Strict::Malformed("truncated fragment header");
+                };
+                if u16::from_be_bytes([head[2], head[3]]) & 0xfff9 != 0 {
+                    return Strict::Ipv6Fragment;
+                }
+                (next, off) = (head[0], off + 8);
+            }
+            _ => return Strict::NotIpv4OrL4("IPv6 next header"),
+        }
+    }
+    if !matches!(next, 6 | 17) {
+        return Strict::Malformed("too many extension headers");
+    }
+    if off >= 40 + payload_len {
+        return Strict::Malformed("L4 header past the payload");
+    }
+    let l4_len = 40 + payload_len - off;
+    let ports = if next == 6 {
+        let Some(tcp) = rest.get(off..off + 20) else {
+            return Strict::Malformed("truncated TCP header");
+        };
+        let header_len = usize::from(tcp[12] >> 4) * 4;
+        if header_len < 20 || header_len > l4_len {
+            return Strict::Malformed("TCP data offset");
+        }
+        [tcp[0], tcp[1], tcp[2], tcp[3]]
+    } else {
+        let Some(udp) = rest.get(off..off + 8) else {
+            return Strict::Malformed("truncated UDP header");
+        };
+        let udp_len = usize::from(u16::from_be_bytes([udp[4], udp[5]]));
+        if udp_len < 8 || udp_len > l4_len {
+            return Strict::Malformed("UDP length");
+        }
+        [udp[0], udp[1], udp[2], udp[3]]
+    };
+    let (sport, dport) = (
+        u16::from_be_bytes([ports[0], ports[1]]),
+        u16::from_be_bytes([ports[2], ports[3]]),
+    );
+    if sport == 0 || dport == 0 {
+        return Strict::Malformed("port 0");
+    }
+    let addr = |at: usize| {
+        let bytes: [u8; 16] = ip[at..at + 16].try_into().expect("16 bytes of a 40-byte header");
+        Ipv6Addr::from(bytes)
+    };
+    Strict::Ipv6Flow(Flow6 {
+        proto: next,
+        src: SocketAddrV6::new(addr(8), sport, 0, 0),
+        dst: SocketAddrV6::new(addr(24), dport, 0, 0),
+        l4_offset: ETH_HLEN + off,
+    })
 }
 
 /// A fully parsed IPv4 TCP or UDP packet.
@@ -685,6 +784,7 @@ pub fn parse_strict(frame: &[u8]) -> Strict {
     match eth.ether_type.0 {
         ETHERTYPE_VLAN | ETHERTYPE_QINQ => return Strict::Malformed("VLAN tag"),
         ETHERTYPE_IPV4 => {}
+        ETHERTYPE_IPV6 => return strict_ipv6(rest),
         _ => return Strict::NotIpv4OrL4("ether type"),
     }
     let (ip, packet) = match strict_ipv4(rest) {
@@ -1042,6 +1142,314 @@ pub fn expected_port_unreachable(frame: &[u8], flow: &Flow) -> Vec<u8> {
         padding: Vec::new(),
     }
     .build()
+}
+
+/// An IPv6 extension header of a [`Frame6`]; its next header field is
+/// written from what follows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ext6 {
+    /// Hop-by-hop options, `units` x 8 bytes (1..=32) of padding (PadN).
+    HopByHop { units: u8 },
+    /// Destination options, likewise.
+    DestOpts { units: u8 },
+    /// A routing header (experimental type 253) with no segments left, so
+    /// the destination is the final one; `units` x 8 bytes (1..=32).
+    Routing { units: u8 },
+    /// A fragment header: offset in 8-byte units, more fragments. Offset 0
+    /// without more fragments is an atomic fragment (a whole datagram).
+    Fragment { offset: u16, more: bool },
+}
+
+impl Ext6 {
+    pub fn number(self) -> u8 {
+        match self {
+            Ext6::HopByHop { .. } => 0,
+            Ext6::Routing { .. } => 43,
+            Ext6::Fragment { .. } => 44,
+            Ext6::DestOpts { .. } => 60,
+        }
+    }
+
+    fn bytes(self, next: u8) -> Vec<u8> {
+        let padded = |units: u8, head: [u8; 2]| {
+            assert!((1..=32).contains(&units), "1 to 32 units of 8 bytes");
+            let len = usize::from(units) * 8;
+            let mut out = vec![0; len];
+            out[0] = next;
+            out[1] = units - 1;
+            out[2..4].copy_from_slice(&head);
+            out
+        };
+        match self {
+            // PadN over the rest of the header.
+            Ext6::HopByHop { units } | Ext6::DestOpts { units } => {
+                let pad = u8::try_from(u16::from(units) * 8 - 4).expect("at most 252");
+                padded(units, [1, pad])
+            }
+            // Routing type 253, segments left 0.
+            Ext6::Routing { units } => padded(units, [253, 0]),
+            Ext6::Fragment { offset, more } => {
+                let field = (offset << 3) | u16::from(more);
+                let mut out = vec![next, 0];
+                out.extend_from_slice(&field.to_be_bytes());
+                out.extend_from_slice(&0x0bad_cafe_u32.to_be_bytes());
+                out
+            }
+        }
+    }
+}
+
+/// An IPv6 Ethernet frame: the fixed header, extension headers as given,
+/// and TCP or UDP (checksums over the IPv6 pseudo-header, by etherparse)
+/// or raw bytes (`L4::Raw`; ICMP is IPv4's and panics here).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Frame6 {
+    pub eth_src: [u8; 6],
+    pub eth_dst: [u8; 6],
+    pub src: Ipv6Addr,
+    pub dst: Ipv6Addr,
+    pub hop_limit: u8,
+    pub ext: Vec<Ext6>,
+    pub l4: L4,
+    /// Overrides the payload length (extension headers + L4).
+    pub payload_len: Option<u16>,
+    /// Overrides the version nibble (6).
+    pub version: Option<u8>,
+}
+
+impl Frame6 {
+    fn new(src: Ipv6Addr, dst: Ipv6Addr, l4: L4) -> Self {
+        Self {
+            eth_src: MAC_CLIENT,
+            eth_dst: MAC_NODE,
+            src,
+            dst,
+            hop_limit: 64,
+            ext: Vec::new(),
+            l4,
+            payload_len: None,
+            version: None,
+        }
+    }
+
+    /// A TCP segment with the given [`tcp_flags`], no options, no payload.
+    pub fn tcp(src: SocketAddrV6, dst: SocketAddrV6, flags: u8) -> Self {
+        let Net::Ipv4(ip) = Frame::tcp(v4_stand_in(src.port()), v4_stand_in(dst.port()), flags).net else {
+            unreachable!("Frame::tcp builds IPv4")
+        };
+        Self::new(*src.ip(), *dst.ip(), ip.l4)
+    }
+
+    /// A UDP datagram with a checksum.
+    pub fn udp(src: SocketAddrV6, dst: SocketAddrV6, payload: &[u8]) -> Self {
+        let Net::Ipv4(ip) = Frame::udp(v4_stand_in(src.port()), v4_stand_in(dst.port()), payload).net else {
+            unreachable!("Frame::udp builds IPv4")
+        };
+        Self::new(*src.ip(), *dst.ip(), ip.l4)
+    }
+
+    /// A neighbour solicitation for `target` from `src` (to the target's
+    /// solicited-node multicast address), checksum included.
+    pub fn neighbour_solicitation(src: Ipv6Addr, target: Ipv6Addr) -> Self {
+        let t = target.octets();
+        let dst = Ipv6Addr::from([
+            0xff02,
+            0,
+            0,
+            0,
+            0,
+            1,
+            0xff00 | u16::from(t[13]),
+            u16::from_be_bytes([t[14], t[15]]),
+        ]);
+        let mut icmp = vec![135, 0, 0, 0, 0, 0, 0, 0];
+        icmp.extend_from_slice(&t);
+        // Source link-layer address option.
+        icmp.extend_from_slice(&[1, 1]);
+        icmp.extend_from_slice(&MAC_CLIENT);
+        let sum = pseudo_header_sum6(src, dst, 58, icmp.len()).add_slice(&icmp);
+        icmp[2..4].copy_from_slice(&sum.ones_complement().to_be().to_be_bytes());
+        let mut frame = Self::new(src, dst, L4::Raw { proto: 58, bytes: icmp });
+        frame.hop_limit = 255;
+        frame.eth_dst = [0x33, 0x33, 0xff, t[13], t[14], t[15]];
+        frame
+    }
+
+    pub fn with_ext(mut self, ext: &[Ext6]) -> Self {
+        self.ext = ext.to_vec();
+        self
+    }
+
+    pub fn with_src(mut self, src: SocketAddrV6) -> Self {
+        self.src = *src.ip();
+        *ports_mut(&mut self.l4).0 = src.port();
+        self
+    }
+
+    pub fn with_dst(mut self, dst: SocketAddrV6) -> Self {
+        self.dst = *dst.ip();
+        *ports_mut(&mut self.l4).1 = dst.port();
+        self
+    }
+
+    pub fn src(&self) -> SocketAddrV6 {
+        SocketAddrV6::new(self.src, ports(&self.l4).0, 0, 0)
+    }
+
+    pub fn dst(&self) -> SocketAddrV6 {
+        SocketAddrV6::new(self.dst, ports(&self.l4).1, 0, 0)
+    }
+
+    pub fn tcp_mut(&mut self) -> &mut Tcp {
+        match &mut self.l4 {
+            L4::Tcp(tcp) => tcp,
+            l4 => panic!("not TCP: {l4:?}"),
+        }
+    }
+
+    /// The on-the-wire bytes.
+    pub fn build(&self) -> Vec<u8> {
+        let (proto, l4) = match &self.l4 {
+            L4::Tcp(tcp) => (IpNumber::TCP.0, build_tcp6(self, tcp)),
+            L4::Udp(udp) => (IpNumber::UDP.0, build_udp6(self, udp)),
+            L4::Raw { proto, bytes } => (*proto, bytes.clone()),
+            L4::Icmp(_) => panic!("ICMP (v4) in an IPv6 frame"),
+        };
+        let mut exts = Vec::new();
+        for (i, ext) in self.ext.iter().enumerate() {
+            let next = self.ext.get(i + 1).map_or(proto, |e| e.number());
+            exts.extend_from_slice(&ext.bytes(next));
+        }
+        let first = self.ext.first().map_or(proto, |e| e.number());
+        let payload_len = self.payload_len.unwrap_or((exts.len() + l4.len()) as u16);
+        let version = self.version.unwrap_or(6);
+        let mut out = Vec::with_capacity(ETH_HLEN + 40 + exts.len() + l4.len());
+        out.extend_from_slice(&self.eth_dst);
+        out.extend_from_slice(&self.eth_src);
+        out.extend_from_slice(&ETHERTYPE_IPV6.to_be_bytes());
+        out.extend_from_slice(&[version << 4, 0, 0, 0]);
+        out.extend_from_slice(&payload_len.to_be_bytes());
+        out.extend_from_slice(&[first, self.hop_limit]);
+        out.extend_from_slice(&self.src.octets());
+        out.extend_from_slice(&self.dst.octets());
+        out.extend_from_slice(&exts);
+        out.extend_from_slice(&l4);
+        out
+    }
+}
+
+/// An IPv4 stand-in with `port`, to borrow IPv4's L4 defaults.
+fn v4_stand_in(port: u16) -> SocketAddrV4 {
+    SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port)
+}
+
+fn build_tcp6(frame: &Frame6, tcp: &Tcp) -> Vec<u8> {
+    let mut out = build_tcp(&v4_shell(), tcp);
+    out[16..18].copy_from_slice(&[0, 0]);
+    let sum = pseudo_header_sum6(frame.src, frame.dst, IpNumber::TCP.0, out.len()).add_slice(&out);
+    out[16..18].copy_from_slice(&sum.ones_complement().to_be().to_be_bytes());
+    out
+}
+
+fn build_udp6(frame: &Frame6, udp: &Udp) -> Vec<u8> {
+    let mut out = build_udp(
+        &v4_shell(),
+        &Udp {
+            zero_checksum: true,
+            ..udp.clone()
+        },
+    );
+    if !udp.zero_checksum {
+        let sum = pseudo_header_sum6(frame.src, frame.dst, IpNumber::UDP.0, out.len()).add_slice(&out);
+        let check = match sum.ones_complement().to_be() {
+            0 => 0xffff,
+            check => check,
+        };
+        out[6..8].copy_from_slice(&check.to_be_bytes());
+    }
+    out
+}
+
+/// An IPv4 header to build an L4 header in, its checksum then redone.
+fn v4_shell() -> Ipv4 {
+    Ipv4::new(
+        Ipv4Addr::UNSPECIFIED,
+        Ipv4Addr::UNSPECIFIED,
+        L4::Raw {
+            proto: 0,
+            bytes: Vec::new(),
+        },
+    )
+}
+
+fn pseudo_header_sum6(src: Ipv6Addr, dst: Ipv6Addr, proto: u8, l4_len: usize) -> Sum16BitWords {
+    Sum16BitWords::new()
+        .add_16bytes(src.octets())
+        .add_16bytes(dst.octets())
+        .add_4bytes((l4_len as u32).to_be_bytes())
+        .add_4bytes([0, 0, 0, proto])
+}
+
+/// What [`check6`] found in an IPv6 frame whose L4 checksum is valid.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Checked6 {
+    pub src: SocketAddrV6,
+    pub dst: SocketAddrV6,
+    pub proto: u8,
+    /// Where the L4 header starts (after the extension headers).
+    pub l4_offset: usize,
+}
+
+/// Parses an untagged Ethernet + IPv6 frame with hop-by-hop, routing,
+/// destination options and (atomic) fragment headers, TCP or UDP after
+/// them, and verifies the L4 checksum over the IPv6 pseudo-header
+/// (etherparse computes it).
+pub fn check6(frame: &[u8]) -> Result<Checked6, String> {
+    let (eth, rest) = Ethernet2Header::from_slice(frame).map_err(|e| format!("Ethernet: {e}"))?;
+    if eth.ether_type != EtherType::IPV6 {
+        return Err(format!("ether type {:#06x} is not IPv6", eth.ether_type.0));
+    }
+    let ip = rest.get(..40).ok_or("truncated IPv6 header")?;
+    let payload_len = usize::from(u16::from_be_bytes([ip[4], ip[5]]));
+    let packet = rest.get(..40 + payload_len).ok_or("payload length beyond the frame")?;
+    let src: [u8; 16] = ip[8..24].try_into().map_err(|_| "source")?;
+    let dst: [u8; 16] = ip[24..40].try_into().map_err(|_| "destination")?;
+    let (mut next, mut off) = (ip[6], 40);
+    while matches!(next, 0 | 43 | 44 | 60) {
+        let head = packet.get(off..off + 2).ok_or("truncated extension header")?;
+        off += if next == 44 { 8 } else { (usize::from(head[1]) + 1) * 8 };
+        next = head[0];
+    }
+    let l4 = packet.get(off..).ok_or("extension headers beyond the payload")?;
+    let (sport, dport) = match next {
+        6 => {
+            let (tcp, payload) = TcpHeader::from_slice(l4).map_err(|e| format!("TCP header: {e}"))?;
+            let want = tcp
+                .calc_checksum_ipv6_raw(src, dst, payload)
+                .map_err(|e| e.to_string())?;
+            if !same_checksum(tcp.checksum, want) {
+                return Err(format!("TCP checksum {:#06x}, should be {want:#06x}", tcp.checksum));
+            }
+            (tcp.source_port, tcp.destination_port)
+        }
+        17 => {
+            let (udp, payload) = UdpHeader::from_slice(l4).map_err(|e| format!("UDP header: {e}"))?;
+            let want = udp
+                .calc_checksum_ipv6_raw(src, dst, payload)
+                .map_err(|e| e.to_string())?;
+            if udp.checksum != want {
+                return Err(format!("UDP checksum {:#06x}, should be {want:#06x}", udp.checksum));
+            }
+            (udp.source_port, udp.destination_port)
+        }
+        other => return Err(format!("L4 protocol {other} is neither TCP nor UDP")),
+    };
+    Ok(Checked6 {
+        src: SocketAddrV6::new(Ipv6Addr::from(src), sport, 0, 0),
+        dst: SocketAddrV6::new(Ipv6Addr::from(dst), dport, 0, 0),
+        proto: next,
+        l4_offset: ETH_HLEN + off,
+    })
 }
 
 /// Hex dump for failure messages.

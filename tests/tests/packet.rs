@@ -41,6 +41,9 @@ mod api;
 // Issue 15's Maglev, beside it.
 #[path = "packet/maglev.rs"]
 mod maglev;
+// Issue 13's IPv6, beside it.
+#[path = "packet/ipv6.rs"]
+mod ipv6;
 
 #[derive(Clone, Debug)]
 enum Expect {
@@ -1204,7 +1207,8 @@ fn other_protocols_pass_untouched() {
             &Frame::arp_request(CLIENT_IP, CLUSTER_IP),
             Verdict::PassNotIpv4OrL4,
         ),
-        Case::pass("IPv6 UDP", &Frame::ipv6_udp(cluster_ip()), Verdict::PassNotIpv4OrL4),
+        // Not for an IPv6 Service (none is programmed): the IPv6 path's miss.
+        Case::pass("IPv6 UDP", &Frame::ipv6_udp(cluster_ip()), Verdict::PassNotService),
         Case::pass(
             "ICMP echo to ClusterIP",
             &Frame::icmp_echo(CLIENT_IP, CLUSTER_IP),
@@ -1224,7 +1228,8 @@ fn other_protocols_pass_untouched() {
         Case::pass(
             "IPv4 packet under the IPv6 ether type (padded to 54 bytes)",
             &ethertype(0x86dd).with_padding(&[0; 20]),
-            Verdict::PassNotIpv4OrL4,
+            // Version 4 where IPv6 must have 6.
+            Verdict::PassMalformed,
         ),
         Case::pass(
             "IPv4 packet under an 802.3 length field",

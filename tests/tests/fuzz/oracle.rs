@@ -202,6 +202,9 @@ impl Oracle {
         match parse_strict(input) {
             Strict::Malformed(why) => Prediction::only(Expect::Pass(Verdict::PassMalformed, why)),
             Strict::NotIpv4OrL4(why) => Prediction::only(Expect::Pass(Verdict::PassNotIpv4OrL4, why)),
+            // No IPv6 Service is programmed here, and no IPv6 flow tracked.
+            Strict::Ipv6Flow(_) => Prediction::only(Expect::Pass(Verdict::PassNotService, "no IPv6 Service")),
+            Strict::Ipv6Fragment => Prediction::only(Expect::Pass(Verdict::PassFragmentUntracked, "IPv6 fragment")),
             Strict::Flow(flow) => self.expect_flow(input, flow),
             Strict::LaterFragment(f) => self.expect_later(f),
             Strict::IcmpError(e) => Prediction::only(self.expect_icmp_error(e)),

@@ -1,0 +1,153 @@
+//! IPv6 Service traffic: the IPv4 path's steps (`crate::pipeline`) for
+//! packets with 16-byte addresses, on the IPv6 maps (`XP_SERVICES6`,
+//! `XP_BACKENDS6`, `XP_CT6`; why apart: `proxy_common::ipv6`). parse
+//! (extension headers walked) -> ports (the shared port filter) ->
+//! conntrack -> lookup -> select -> nat, with the verdicts and outcomes
+//! IPv4's use.
+//!
+//! Not yet done for IPv6 (each left untranslated or refused, never
+//! translated wrongly): answers for a Service without endpoints (its new
+//! flows are counted `reject_no_backend` and passed, as the kernel would
+//! see them without a proxy), ICMPv6 errors quoting a translated flow,
+//! fragments (see `parse`), loadBalancerSourceRanges (a frontend flagged
+//! with them drops every new flow), ClientIP affinity and Maglev (new flows
+//! pick a random backend of the frontend's run), pods' short-circuit of
+//! `Local` external frontends.
+
+mod conntrack;
+mod parse;
+
+use proxy_common::{Backend6, Service6Key, ServiceValue, Verdict, service::FLAG_SOURCE_RANGES};
+
+use self::{
+    conntrack::{NewFlow6, Tracked6},
+    parse::Flow6,
+};
+use crate::{
+    context::{Addr6, Ctx, L4At},
+    headers::Side,
+    maps::{self, BACKENDS6, SERVICES6},
+    pipeline::{Outcome, snat_wanted, translated},
+    ports, select,
+};
+
+/// The IPv6 packet's way, from parsing to the rewrite (see the module doc).
+#[inline(always)]
+pub fn process(ctx: &impl Ctx) -> (Verdict, Outcome) {
+    let flow = match parse::parse(ctx) {
+        Ok(flow) => flow,
+        Err(verdict) => return (verdict, Outcome::Pass),
+    };
+    if !ports::may_be_service(flow.sport_be, flow.dport_be) {
+        return (Verdict::PassNotService, Outcome::Pass);
+    }
+    match conntrack::lookup(&flow) {
+        Some(tracked) if tracked.reply => reverse(ctx, &flow, &tracked),
+        Some(tracked) => established(ctx, &flow, &tracked),
+        None => match frontend(&flow) {
+            Some(svc) => new_flow(ctx, &flow, &svc),
+            None => (Verdict::PassNotService, Outcome::Pass),
+        },
+    }
+}
+
+#[inline(always)]
+fn frontend(flow: &Flow6) -> Option<ServiceValue> {
+    let key = Service6Key {
+        addr_be: *flow.daddr(),
+        port_be: flow.dport_be,
+        proto: flow.proto,
+        _pad: 0,
+    };
+    // SAFETY: copied out at once, as in `crate::lookup::frontend`.
+    unsafe { SERVICES6.get(key).copied() }
+}
+
+/// A packet of a tracked flow, client -> frontend (see
+/// `crate::pipeline::established`).
+#[inline(always)]
+fn established(ctx: &impl Ctx, flow: &Flow6, tracked: &Tracked6) -> (Verdict, Outcome) {
+    if tracked.snat && !ctx.add_mark(maps::snat_mark()) {
+        return (Verdict::PassToTc, Outcome::Pass);
+    }
+    let verdict = if tracked.handed_to_tc {
+        conntrack::taken_over(tracked);
+        Verdict::DnatNew
+    } else {
+        Verdict::DnatEstablished
+    };
+    translated(dnat(ctx, flow, tracked.nat()), verdict)
+}
+
+/// A backend's reply of a tracked flow: its source back to the frontend.
+#[inline(always)]
+fn reverse(ctx: &impl Ctx, flow: &Flow6, tracked: &Tracked6) -> (Verdict, Outcome) {
+    let l4 = L4At {
+        off: flow.l4_off,
+        proto: flow.proto,
+    };
+    match ctx.rewrite6(l4, Side::Source, (flow.saddr(), flow.sport_be), tracked.nat()) {
+        Ok(()) => (Verdict::RevNat, Outcome::ReverseTranslated),
+        Err(()) => (Verdict::Error, Outcome::Drop),
+    }
+}
+
+#[inline(always)]
+fn new_flow(ctx: &impl Ctx, flow: &Flow6, svc: &ServiceValue) -> (Verdict, Outcome) {
+    // Source ranges of IPv6 load balancer IPs are not matched yet: closed
+    // rather than open to everyone.
+    if svc.flags & FLAG_SOURCE_RANGES != 0 {
+        return (Verdict::DropSourceRange, Outcome::Drop);
+    }
+    let Some((backend_id, backend)) = pick_backend(svc) else {
+        return no_backend(svc);
+    };
+    let snat = snat_wanted(svc, backend.flags, *flow.saddr() == backend.addr_be);
+    let handed_to_tc = snat && !ctx.add_mark(maps::snat_mark());
+    let new = NewFlow6 {
+        backend_id,
+        backend: (backend.addr_be, backend.port_be),
+        rev_nat_id: svc.rev_nat_id,
+        snat,
+        handed_to_tc,
+    };
+    if conntrack::create(flow, &new).is_err() {
+        return (Verdict::Error, Outcome::Pass);
+    }
+    if handed_to_tc {
+        return (Verdict::PassToTc, Outcome::Pass);
+    }
+    translated(dnat(ctx, flow, (&new.backend.0, new.backend.1)), Verdict::DnatNew)
+}
+
+/// A new flow to a frontend without a backend to pick: as IPv4's, but not
+/// answered yet (see the module doc).
+#[inline(always)]
+fn no_backend(svc: &ServiceValue) -> (Verdict, Outcome) {
+    if svc.backend_count != 0 {
+        return (Verdict::Error, Outcome::Pass);
+    }
+    if svc.flags & proxy_common::service::FLAGS_LOCAL != 0 {
+        return (Verdict::DropNoLocalBackend, Outcome::Drop);
+    }
+    (Verdict::RejectNoBackend, Outcome::Pass)
+}
+
+/// A random backend of the frontend's run, from `XP_BACKENDS6`.
+#[inline(always)]
+fn pick_backend(svc: &ServiceValue) -> Option<(u32, Backend6)> {
+    let id = select::random_id(svc)?;
+    // SAFETY: copied out at once, as in `crate::lookup::frontend`.
+    let backend = unsafe { BACKENDS6.get(id).copied()? };
+    Some((id, backend))
+}
+
+/// client -> frontend becomes client -> backend.
+#[inline(always)]
+fn dnat(ctx: &impl Ctx, flow: &Flow6, backend: (&Addr6, u16)) -> Result<(), ()> {
+    let l4 = L4At {
+        off: flow.l4_off,
+        proto: flow.proto,
+    };
+    ctx.rewrite6(l4, Side::Destination, (flow.daddr(), flow.dport_be), backend)
+}
