@@ -129,6 +129,7 @@ fn ipproto(protocol: Protocol) -> u16 {
     match protocol {
         Protocol::Tcp => libc::IPPROTO_TCP as u16,
         Protocol::Udp => libc::IPPROTO_UDP as u16,
+        Protocol::Sctp => libc::IPPROTO_SCTP as u16,
     }
 }
 
@@ -136,6 +137,7 @@ fn protocol_of(proto: u16) -> Option<Protocol> {
     match i32::from(proto) {
         libc::IPPROTO_TCP => Some(Protocol::Tcp),
         libc::IPPROTO_UDP => Some(Protocol::Udp),
+        libc::IPPROTO_SCTP => Some(Protocol::Sctp),
         _ => None,
     }
 }
