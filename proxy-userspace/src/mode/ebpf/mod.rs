@@ -467,8 +467,24 @@ impl EbpfMode {
             if let Some(how) = node_port_among_snat_ports(port, &self.snat_ports) {
                 self.unhonoured.report(port, "nodePort", &how);
             }
+            if !programs_translate(port) {
+                self.unhonoured.report(port, "spec.ports[].protocol", SCTP_PORT_CHANGE);
+            }
         }
     }
+}
+
+/// How the ebpf mode leaves an SCTP port whose port a translation changes.
+const SCTP_PORT_CHANGE: &str = "SCTP with a nodePort or a targetPort other than the port is not served \
+     by the ebpf mode: the new port would need SCTP's CRC32c recomputed over the whole packet; \
+     use targetPort = port and a ClusterIP, external or load balancer IP, or another mode";
+
+/// Whether the programs translate `port`: every TCP and UDP port; an SCTP
+/// port only where no frontend's port changes on the way to an endpoint
+/// (no node port, every endpoint on the Service's port), since SCTP's
+/// CRC32c covers the ports but not the addresses (see proxy-ebpf's `nat`).
+fn programs_translate(port: &ServicePort) -> bool {
+    port.protocol != Protocol::Sctp || (port.node_port.is_none() && port.endpoints.iter().all(|e| e.port == port.port))
 }
 
 /// Why `port`'s node port is at risk, if it is among the ports flows to
@@ -498,6 +514,12 @@ impl Dataplane for EbpfMode {
                     .with_context(|| format!("removing {}", port.name))?;
             }
             for port in &plan.upsert {
+                if !programs_translate(port) {
+                    // It may have been served before its ports changed.
+                    maps.remove_port(port)
+                        .with_context(|| format!("removing {}", port.name))?;
+                    continue;
+                }
                 maps.sync_service(port)
                     .with_context(|| format!("programming {}", port.name))?;
             }
@@ -515,8 +537,9 @@ impl Dataplane for EbpfMode {
             // Removals first, as in `apply`: a frontend a removed port
             // shares with a desired one (a node port that moved) must end
             // up written, not deleted.
-            maps.retain(&desired.values().collect::<Vec<_>>())?;
-            for port in desired.values() {
+            let served: Vec<&ServicePort> = desired.values().filter(|p| programs_translate(p)).collect();
+            maps.retain(&served)?;
+            for port in served {
                 maps.sync_service(port)
                     .with_context(|| format!("programming {}", port.name))?;
             }
