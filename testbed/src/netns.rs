@@ -20,7 +20,7 @@ use std::{
     process::Command,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU16, Ordering},
         mpsc,
     },
     thread::JoinHandle,
@@ -739,6 +739,20 @@ fn listen_sctp(port: u16) -> io::Result<TcpListener> {
     Ok(listener)
 }
 
+/// The local port of the next SCTP association, in turn from a range
+/// below the node ports. Linux picks SCTP's ephemeral ports at random, so
+/// a client soon reuses one while IPVS still holds the closed association
+/// (10 s); with conntrack on (as the IPVS mode has it) IPVS drops the
+/// first packet of a reused connection, as it does a TCP SYN, and SCTP
+/// sends the INIT again only after its 3 s initial RTO: longer than a
+/// probe waits. TCP's ports go in turn: so do these.
+fn next_sctp_port() -> u16 {
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    const FIRST: u16 = 20_000;
+    const COUNT: u16 = 10_000;
+    FIRST + NEXT.fetch_add(1, Ordering::Relaxed) % COUNT
+}
+
 /// Whether the calling thread's namespace can open SCTP sockets.
 pub fn sctp_available() -> bool {
     stream_socket(libc::IPPROTO_SCTP).is_ok()
@@ -749,6 +763,8 @@ pub fn sctp_available() -> bool {
 /// association down; returns it without surrounding whitespace. Runs in the
 /// calling thread's namespace. IPv4 only (`InvalidInput` for an IPv6
 /// address).
+///
+/// Each association gets a local port of its own (see [`next_sctp_port`]).
 pub fn sctp_request(addr: impl Into<SocketAddr>, timeout: Duration) -> io::Result<String> {
     match addr.into() {
         SocketAddr::V4(addr) => sctp_request_from_addr(Ipv4Addr::UNSPECIFIED, addr, timeout),
@@ -762,7 +778,8 @@ pub fn sctp_request(addr: impl Into<SocketAddr>, timeout: Duration) -> io::Resul
 /// [`sctp_request`] from the local address `source`.
 pub fn sctp_request_from_addr(source: Ipv4Addr, addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
     let deadline = Instant::now() + timeout;
-    let mut stream = stream_connect(libc::IPPROTO_SCTP, source, addr, timeout)?;
+    let local = SocketAddrV4::new(source, next_sctp_port());
+    let mut stream = stream_connect(libc::IPPROTO_SCTP, local, addr, timeout)?;
     let left = deadline
         .saturating_duration_since(Instant::now())
         .max(Duration::from_millis(1));
@@ -818,7 +835,7 @@ pub fn udp_request_from_addr(source: Ipv4Addr, addr: SocketAddrV4, timeout: Dura
 /// socket(2), bind(2) and a blocking connect(2), which Linux gives up after
 /// `SO_SNDTIMEO` (with EINPROGRESS).
 fn tcp_connect_from(source: Ipv4Addr, addr: SocketAddrV4, timeout: Duration) -> io::Result<TcpStream> {
-    stream_connect(libc::IPPROTO_TCP, source, addr, timeout)
+    stream_connect(libc::IPPROTO_TCP, SocketAddrV4::new(source, 0), addr, timeout)
 }
 
 /// `ret` of a libc call as a `Result` (`errno` on a negative one).
@@ -842,12 +859,12 @@ fn stream_socket(protocol: libc::c_int) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// A `SOCK_STREAM` connection of `protocol` from `source` (any port) to
+/// A `SOCK_STREAM` connection of `protocol` from `local` (port 0: any) to
 /// `addr`, given up after `timeout`: see [`tcp_connect_from`]. An SCTP
 /// one is held as a `TcpStream`, which reads and writes it as TCP.
 fn stream_connect(
     protocol: libc::c_int,
-    source: Ipv4Addr,
+    local: SocketAddrV4,
     addr: SocketAddrV4,
     timeout: Duration,
 ) -> io::Result<TcpStream> {
@@ -866,12 +883,12 @@ fn stream_connect(
             socklen(std::mem::size_of::<libc::timeval>()),
         )
     })?;
-    let local = sockaddr_in(SocketAddrV4::new(source, 0));
+    let local_sa = sockaddr_in(local);
     // SAFETY: a valid sockaddr_in of the length given.
     check_ret(unsafe {
         libc::bind(
             fd.as_raw_fd(),
-            (&raw const local).cast(),
+            (&raw const local_sa).cast(),
             socklen(std::mem::size_of::<libc::sockaddr_in>()),
         )
     })?;
@@ -888,7 +905,7 @@ fn stream_connect(
         Ok(_) => Ok(TcpStream::from(fd)),
         Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => Err(io::Error::new(
             io::ErrorKind::TimedOut,
-            format!("no connection from {source} to {addr} in {timeout:?}"),
+            format!("no connection from {local} to {addr} in {timeout:?}"),
         )),
         Err(e) => Err(e),
     }

@@ -37,6 +37,7 @@ mod object;
 mod pinned_maps;
 pub mod pod_cidrs;
 mod port_filter;
+pub mod sctp_fallback;
 mod service_maps;
 mod slot_layout;
 mod snapshot;
@@ -181,6 +182,8 @@ pub struct EbpfMode {
     snat_ports: RangeInclusive<u16>,
     /// What the programs do differently from kube-proxy, reported once a port.
     unhonoured: Unhonoured,
+    /// The SCTP ports whose port changes, NATed by the kernel.
+    sctp: sctp_fallback::SctpFallback,
 }
 
 impl EbpfMode {
@@ -264,6 +267,11 @@ impl EbpfMode {
             pin_path: opts.pin_path.clone(),
             snat_ports: opts.snat_ports.clone(),
             unhonoured: Unhonoured::default(),
+            sctp: sctp_fallback::SctpFallback::new(
+                Box::new(crate::sys::nft::SystemNft::default()),
+                snat_mark,
+                opts.masquerade_all,
+            ),
         })
     }
 
@@ -467,22 +475,19 @@ impl EbpfMode {
             if let Some(how) = node_port_among_snat_ports(port, &self.snat_ports) {
                 self.unhonoured.report(port, "nodePort", &how);
             }
-            if !programs_translate(port) {
-                self.unhonoured.report(port, "spec.ports[].protocol", SCTP_PORT_CHANGE);
+            if !programs_translate(port) && sctp_fallback::leaves_out(port) {
+                self.unhonoured
+                    .report(port, "spec.ports[].protocol", sctp_fallback::NOT_APPLIED);
             }
         }
     }
 }
 
-/// How the ebpf mode leaves an SCTP port whose port a translation changes.
-const SCTP_PORT_CHANGE: &str = "SCTP with a nodePort or a targetPort other than the port is not served \
-     by the ebpf mode: the new port would need SCTP's CRC32c recomputed over the whole packet; \
-     use targetPort = port and a ClusterIP, external or load balancer IP, or another mode";
-
 /// Whether the programs translate `port`: every TCP and UDP port; an SCTP
 /// port only where no frontend's port changes on the way to an endpoint
 /// (no node port, every endpoint on the Service's port), since SCTP's
 /// CRC32c covers the ports but not the addresses (see proxy-ebpf's `nat`).
+/// The others are the kernel's ([`sctp_fallback`]).
 fn programs_translate(port: &ServicePort) -> bool {
     port.protocol != Protocol::Sctp || (port.node_port.is_none() && port.endpoints.iter().all(|e| e.port == port.port))
 }
@@ -525,6 +530,13 @@ impl Dataplane for EbpfMode {
             }
             Ok(())
         })?;
+        for port in &plan.remove {
+            self.sctp.set(&port.name, None);
+        }
+        for port in &plan.upsert {
+            self.sctp.set(&port.name, Some(port).filter(|p| !programs_translate(p)));
+        }
+        self.sctp.sync(&self.node_ips)?;
         self.note_unhonoured(plan.upsert.iter());
         Ok(())
     }
@@ -545,6 +557,8 @@ impl Dataplane for EbpfMode {
             }
             Ok(())
         })?;
+        self.sctp.replace(desired.values().filter(|p| !programs_translate(p)));
+        self.sctp.sync(&self.node_ips)?;
         self.note_unhonoured(desired.values());
         Ok(())
     }

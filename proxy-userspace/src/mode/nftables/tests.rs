@@ -157,7 +157,7 @@ fn assert_golden(name: &str, actual: &str) {
 /// (`unshare -rn`, no root needed): the kernel checks the whole
 /// transaction and throws it away. `None` if no such namespace can be made
 /// here or nft is missing.
-fn kernel_check(script: &str) -> Option<Result<(), String>> {
+pub(crate) fn kernel_check(script: &str) -> Option<Result<(), String>> {
     let probe = Command::new("unshare")
         .args(["-rn", "nft", "--version"])
         .stdout(Stdio::null())
@@ -182,7 +182,7 @@ fn kernel_check(script: &str) -> Option<Result<(), String>> {
     })
 }
 
-fn expect_kernel_accepts(what: &str, script: &str) {
+pub(crate) fn expect_kernel_accepts(what: &str, script: &str) {
     match kernel_check(script) {
         Some(Ok(())) => {}
         Some(Err(e)) => panic!("nft -c rejects the {what}:\n{e}\n{script}"),
