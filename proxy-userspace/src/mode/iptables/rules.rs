@@ -997,7 +997,7 @@ mod tests {
             protocol: Protocol::Sctp,
             ..seed_port()
         };
-        let text = full(&RuleOptions::default(), &state(&[sctp.clone()])).text;
+        let text = full(&RuleOptions::default(), &state(std::slice::from_ref(&sctp))).text;
         let svc = chains::svc_chain(&sctp.name, Protocol::Sctp);
         assert_ne!(svc, chains::svc_chain(&sctp.name, Protocol::Tcp));
         for line in [

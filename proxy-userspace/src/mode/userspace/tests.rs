@@ -554,7 +554,7 @@ async fn sctp_ports_are_reported_and_not_served() {
     let kernel = FakeIptables::default();
     let mut mode = mode(&kernel);
     let tcp = service("default/sig", Protocol::Tcp, &[ep(1)]);
-    sync(|| mode.apply_full(&desired(&[tcp.clone()]))).expect("full sync");
+    sync(|| mode.apply_full(&desired(std::slice::from_ref(&tcp)))).expect("full sync");
     assert!(mode.listener_port(&tcp.name).is_some());
     let sctp = service("default/sig", Protocol::Sctp, &[ep(1)]);
     let plan = Plan {
@@ -568,7 +568,7 @@ async fn sctp_ports_are_reported_and_not_served() {
     let problems = mode.take_problems();
     assert_eq!(problems.len(), 1, "{problems:?}");
     assert!(problems[0].reason.contains("SCTP is not supported"), "{problems:?}");
-    sync(|| mode.apply_full(&desired(&[sctp.clone()]))).expect("full sync");
+    sync(|| mode.apply_full(&desired(std::slice::from_ref(&sctp)))).expect("full sync");
     assert_eq!(mode.listener_port(&sctp.name), None);
     assert!(mode.take_problems().is_empty(), "reported once");
 }
