@@ -713,25 +713,8 @@ fn listen_sctp(port: u16) -> io::Result<TcpListener> {
     let fd = stream_socket(libc::IPPROTO_SCTP)?;
     // SO_REUSEADDR as std sets it for TCP listeners.
     let one: libc::c_int = 1;
-    // SAFETY: a valid int of the length given.
-    check_ret(unsafe {
-        libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_REUSEADDR,
-            (&raw const one).cast(),
-            socklen(std::mem::size_of::<libc::c_int>()),
-        )
-    })?;
-    let local = sockaddr_in(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port));
-    // SAFETY: a valid sockaddr_in of the length given.
-    check_ret(unsafe {
-        libc::bind(
-            fd.as_raw_fd(),
-            (&raw const local).cast(),
-            socklen(std::mem::size_of::<libc::sockaddr_in>()),
-        )
-    })?;
+    set_socket_option(&fd, libc::SO_REUSEADDR, &one)?;
+    bind_to(&fd, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port))?;
     // SAFETY: listen(2) on a bound socket we own.
     check_ret(unsafe { libc::listen(fd.as_raw_fd(), 128) })?;
     let listener = TcpListener::from(fd);
@@ -851,6 +834,36 @@ fn socklen(size: usize) -> libc::socklen_t {
     libc::socklen_t::try_from(size).unwrap_or(libc::socklen_t::MAX)
 }
 
+/// setsockopt(2) of `SOL_SOCKET` option `name` to `value`.
+fn set_socket_option<T>(fd: &OwnedFd, name: libc::c_int, value: &T) -> io::Result<()> {
+    // SAFETY: `value` is a valid `T` of the length given, and the caller
+    // names the option that takes a `T`.
+    check_ret(unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            name,
+            std::ptr::from_ref(value).cast(),
+            socklen(std::mem::size_of::<T>()),
+        )
+    })
+    .map(drop)
+}
+
+/// bind(2) to `local`.
+fn bind_to(fd: &OwnedFd, local: SocketAddrV4) -> io::Result<()> {
+    let local = sockaddr_in(local);
+    // SAFETY: a valid sockaddr_in of the length given.
+    check_ret(unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&raw const local).cast(),
+            socklen(std::mem::size_of::<libc::sockaddr_in>()),
+        )
+    })
+    .map(drop)
+}
+
 /// A fresh `SOCK_STREAM` socket of `protocol` (TCP, or SCTP one-to-one).
 fn stream_socket(protocol: libc::c_int) -> io::Result<OwnedFd> {
     // SAFETY: plain socket(2); the fd is owned right away.
@@ -873,25 +886,8 @@ fn stream_connect(
         tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
         tv_usec: libc::suseconds_t::from(timeout.subsec_micros()),
     };
-    // SAFETY: a valid timeval of the length given.
-    check_ret(unsafe {
-        libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_SNDTIMEO,
-            (&raw const limit).cast(),
-            socklen(std::mem::size_of::<libc::timeval>()),
-        )
-    })?;
-    let local_sa = sockaddr_in(local);
-    // SAFETY: a valid sockaddr_in of the length given.
-    check_ret(unsafe {
-        libc::bind(
-            fd.as_raw_fd(),
-            (&raw const local_sa).cast(),
-            socklen(std::mem::size_of::<libc::sockaddr_in>()),
-        )
-    })?;
+    set_socket_option(&fd, libc::SO_SNDTIMEO, &limit)?;
+    bind_to(&fd, local)?;
     let remote = sockaddr_in(addr);
     // SAFETY: a valid sockaddr_in of the length given.
     let connected = check_ret(unsafe {
