@@ -47,7 +47,7 @@ fn sctp_service(name: &str, ip: Ipv4Addr, endpoint_port: u16) -> ServicePort {
     ServicePort {
         name: name.into(),
         protocol: Protocol::Sctp,
-        cluster_ip: ip,
+        cluster_ip: ip.into(),
         port: SCTP_PORT,
         endpoints: BACKEND_IPS
             .iter()

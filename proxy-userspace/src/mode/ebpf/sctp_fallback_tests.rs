@@ -23,10 +23,10 @@ fn node_port_service() -> ServicePort {
     ServicePort {
         name: "default/sig".into(),
         protocol: Protocol::Sctp,
-        cluster_ip: Ipv4Addr::new(10, 96, 3, 11),
+        cluster_ip: Ipv4Addr::new(10, 96, 3, 11).into(),
         port: 88,
         node_port: Some(30832),
-        external_ips: vec![Ipv4Addr::new(198, 51, 100, 7)],
+        external_ips: vec![Ipv4Addr::new(198, 51, 100, 7).into()],
         endpoints: vec![
             Endpoint::ready(Ipv4Addr::new(10, 244, 0, 11), 80),
             Endpoint::ready(Ipv4Addr::new(10, 244, 0, 12), 80),
