@@ -475,7 +475,10 @@ impl EbpfMode {
             if let Some(how) = node_port_among_snat_ports(port, &self.snat_ports) {
                 self.unhonoured.report(port, "nodePort", &how);
             }
-            if !programs_translate(port) && sctp_fallback::leaves_out(port) {
+            if !programs_translate(port) && !sctp_fallback::serves(port) {
+                self.unhonoured
+                    .report(port, "spec.ports[].protocol", sctp_fallback::NOT_SERVED_IPV6);
+            } else if !programs_translate(port) && sctp_fallback::leaves_out(port) {
                 self.unhonoured
                     .report(port, "spec.ports[].protocol", sctp_fallback::NOT_APPLIED);
             }

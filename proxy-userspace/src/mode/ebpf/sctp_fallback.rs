@@ -26,7 +26,7 @@ use anyhow::{Context, Result};
 use tracing::{debug, info};
 
 use crate::{
-    model::{ServicePort, usable_endpoints},
+    model::{IpFamily, ServicePort, usable_endpoints},
     sys::nft::{self, Nft},
 };
 
@@ -62,16 +62,21 @@ impl SctpFallback {
 
     /// Takes `port` in (or keeps it out, if it is `None`: the programs serve
     /// it, or it went).
+    /// Only IPv4 ports are taken: the table is `ip` ([`serves`]).
     pub fn set(&mut self, name: &str, port: Option<&ServicePort>) {
-        match port {
+        match port.filter(|p| serves(p)) {
             Some(port) => self.ports.insert(name.to_owned(), port.clone()),
             None => self.ports.remove(name),
         };
     }
 
-    /// Serves exactly `ports`.
+    /// Serves exactly those of `ports` it can ([`serves`]).
     pub fn replace<'a>(&mut self, ports: impl IntoIterator<Item = &'a ServicePort>) {
-        self.ports = ports.into_iter().map(|p| (p.name.clone(), p.clone())).collect();
+        self.ports = ports
+            .into_iter()
+            .filter(|p| serves(p))
+            .map(|p| (p.name.clone(), p.clone()))
+            .collect();
     }
 
     /// Writes the table for the ports taken in, node ports on `node_ips`,
@@ -232,6 +237,16 @@ pub fn cleanup() -> Result<()> {
     }
     SctpFallback::new(Box::new(system), 0, false).remove_leftover()
 }
+
+/// Whether the fallback can serve `port`: an IPv4 one (the table is of
+/// the `ip` family; IPv6 SCTP ports whose port changes are not served yet).
+pub fn serves(port: &ServicePort) -> bool {
+    port.family() == IpFamily::V4
+}
+
+/// What the ebpf mode reports for an IPv6 SCTP port whose port changes.
+pub const NOT_SERVED_IPV6: &str = "SCTP over IPv6 with a nodePort or a targetPort other than the port \
+     is not served by the ebpf mode yet (its kernel fallback table is IPv4 only)";
 
 /// Whether `port` needs more than the fallback does, for the report.
 pub fn leaves_out(port: &ServicePort) -> bool {

@@ -142,3 +142,19 @@ fn an_earlier_agents_table_is_removed_at_the_first_sync() {
     assert_eq!(scripts.len(), 2, "{scripts:?}");
     assert_eq!(scripts[1], "add table ip xproxy-sctp\ndelete table ip xproxy-sctp\n");
 }
+
+/// The table is `ip`: an IPv6 port is not taken in (the mode reports it).
+#[test]
+fn ipv6_ports_stay_out_of_the_ipv4_table() {
+    let fake = FakeNft::default();
+    let mut fallback = SctpFallback::new(Box::new(fake.clone()), MARK, false);
+    let v6 = ServicePort {
+        cluster_ip: "fd00:96::11".parse().expect("IPv6 literal"),
+        ..node_port_service()
+    };
+    assert!(!serves(&v6) && serves(&node_port_service()));
+    fallback.replace([&v6]);
+    fallback.set(&v6.name, Some(&v6));
+    fallback.sync(&NODE_IPS).expect("sync");
+    assert!(fake.scripts().is_empty(), "{:?}", fake.scripts());
+}
