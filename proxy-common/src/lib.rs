@@ -19,6 +19,7 @@ pub mod maglev;
 pub mod maps;
 pub mod nat;
 pub mod ports;
+pub mod sctp;
 pub mod service;
 pub mod service_port;
 pub mod socket_lb;
@@ -44,6 +45,7 @@ pub mod proto {
     pub const ICMPV6: u8 = 58;
     pub const TCP: u8 = 6;
     pub const UDP: u8 = 17;
+    pub const SCTP: u8 = 132;
 }
 
 /// Implements `aya::Pod` for map types so the agent can read and write them.

@@ -74,11 +74,23 @@ pub struct UdpHdr {
     pub check: u16,
 }
 
+/// SCTP's common header (RFC 9260 3.1): the ports where UDP has them,
+/// then the verification tag and the CRC32c of the whole SCTP packet (no
+/// pseudo-header: an address change leaves it valid).
+#[repr(C)]
+pub struct SctpHdr {
+    pub sport_be: u16,
+    pub dport_be: u16,
+    pub vtag_be: u32,
+    pub checksum_le: u32,
+}
+
 pub const ETH_LEN: usize = 14;
 pub const IP_LEN: usize = 20;
 pub const IPV6_LEN: usize = 40;
 pub const TCP_LEN: usize = 20;
 pub const UDP_LEN: usize = 8;
+pub const SCTP_LEN: usize = 12;
 /// An ICMP error's header: type, code, checksum and 4 unused bytes.
 pub const ICMP_LEN: usize = 8;
 
@@ -114,7 +126,8 @@ pub fn addr_in_ip(side: Side) -> usize {
     }
 }
 
-/// Where one end's port sits in a TCP or UDP header (the same for both).
+/// Where one end's port sits in a TCP, UDP or SCTP header (the same for
+/// all three).
 #[inline(always)]
 pub fn port_in_l4(side: Side) -> usize {
     if side == Side::Source {

@@ -1,5 +1,13 @@
 //! Destination NAT towards a backend, and reverse NAT of its replies
 //! (addresses only in a later fragment, see `fragments`).
+//!
+//! SCTP: its CRC32c covers the SCTP packet and no IP pseudo-header, so a
+//! new address needs no L4 checksum change, but a new port would need the
+//! CRC recomputed over the whole packet, which the programs do not do. The
+//! agent programs SCTP frontends only where the port stays (the others are
+//! left to the kernel); a port change that still arrives is refused.
+
+use proxy_common::proto;
 
 use crate::{context::Ctx, headers::Side, parse::Flow};
 
@@ -7,17 +15,26 @@ use crate::{context::Ctx, headers::Side, parse::Flow};
 /// network byte order).
 #[inline(always)]
 pub fn dnat(ctx: &impl Ctx, flow: &Flow, backend: (u32, u16)) -> Result<(), ()> {
-    if flow.is_later_fragment() {
-        return ctx.rewrite_addr(Side::Destination, flow.daddr_be, backend.0);
-    }
-    ctx.rewrite(flow.proto, Side::Destination, (flow.daddr_be, flow.dport_be), backend)
+    rewrite(ctx, flow, Side::Destination, (flow.daddr_be, flow.dport_be), backend)
 }
 
 /// backend -> client becomes frontend -> client, as the client expects.
 #[inline(always)]
 pub fn rev_nat(ctx: &impl Ctx, flow: &Flow, frontend: (u32, u16)) -> Result<(), ()> {
+    rewrite(ctx, flow, Side::Source, (flow.saddr_be, flow.sport_be), frontend)
+}
+
+/// One end of the packet from `old` to `new`, as its protocol allows.
+#[inline(always)]
+fn rewrite(ctx: &impl Ctx, flow: &Flow, side: Side, old: (u32, u16), new: (u32, u16)) -> Result<(), ()> {
     if flow.is_later_fragment() {
-        return ctx.rewrite_addr(Side::Source, flow.saddr_be, frontend.0);
+        return ctx.rewrite_addr(side, old.0, new.0);
     }
-    ctx.rewrite(flow.proto, Side::Source, (flow.saddr_be, flow.sport_be), frontend)
+    if flow.proto == proto::SCTP {
+        if old.1 != new.1 {
+            return Err(());
+        }
+        return ctx.rewrite_addr(side, old.0, new.0);
+    }
+    ctx.rewrite(flow.proto, side, old, new)
 }

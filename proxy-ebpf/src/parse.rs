@@ -19,8 +19,8 @@ use crate::{
     context::{Ctx, ptr_at},
     headers::{
         ETH_LEN, ETH_P_8021AD, ETH_P_8021Q, ETH_P_IP, ETH_P_IPV6, EthHdr, ICMP_DEST_UNREACH, ICMP_TIME_EXCEEDED,
-        INNER_IP_OFF, INNER_L4_OFF, IP_LEN, IP_MF, IP_OFF, IP_OFFSET_MASK, Ipv4Hdr, L4_OFF, TCP_LEN, TcpHdr, UDP_LEN,
-        UdpHdr,
+        INNER_IP_OFF, INNER_L4_OFF, IP_LEN, IP_MF, IP_OFF, IP_OFFSET_MASK, Ipv4Hdr, L4_OFF, SCTP_LEN, SctpHdr, TCP_LEN,
+        TcpHdr, UDP_LEN, UdpHdr,
     },
 };
 
@@ -48,7 +48,7 @@ pub struct Flow {
     /// TCP sequence and acknowledgment numbers, host order (for a RST).
     pub tcp_seq: u32,
     pub tcp_ack: u32,
-    /// L4 payload bytes after the TCP or UDP header.
+    /// L4 payload bytes after the TCP, UDP or SCTP common header.
     pub payload_len: u32,
     pub fragment: Fragment,
     /// IP identification, network byte order (ties fragments together).
@@ -86,7 +86,8 @@ impl Flow {
     }
 }
 
-/// Parses Ethernet, IPv4 and TCP/UDP, or says why the packet is not ours.
+/// Parses Ethernet, IPv4 and TCP/UDP/SCTP, or says why the packet is not
+/// ours.
 #[inline(always)]
 pub fn parse(ctx: &impl Ctx) -> Result<Flow, Verdict> {
     untagged_ipv4(ctx)?;
@@ -112,7 +113,7 @@ pub fn parse(ctx: &impl Ctx) -> Result<Flow, Verdict> {
     if l4_proto == proto::ICMP && frag_off & (IP_MF | IP_OFFSET_MASK) == 0 {
         return icmp_error(ctx, tot_len);
     }
-    if l4_proto != proto::TCP && l4_proto != proto::UDP {
+    if l4_proto != proto::TCP && l4_proto != proto::UDP && l4_proto != proto::SCTP {
         return Err(Verdict::PassNotIpv4OrL4);
     }
     let fragment = fragment_of(frag_off);
@@ -173,6 +174,7 @@ fn parse_l4(ctx: &impl Ctx, l4_proto: u8, fragment: Fragment, l4_len: usize) -> 
     match (fragment, l4_proto) {
         (Fragment::Later, _) => Ok(Flow::empty(l4_proto)),
         (_, proto::TCP) => parse_tcp(ctx, l4_len),
+        (_, proto::SCTP) => parse_sctp(ctx, l4_len),
         _ => parse_udp(ctx, l4_len, fragment == Fragment::First),
     }
 }
@@ -291,6 +293,26 @@ pub unsafe fn udp_flow(udp: *const UdpHdr, l4_len: usize, first_fragment: bool) 
         dport_be,
         payload_len: (udp_len - UDP_LEN) as u32,
         ..Flow::empty(proto::UDP)
+    })
+}
+
+/// SCTP: the common header (ports where UDP has them, the verification
+/// tag, the CRC32c) must be there; the chunks are not read. Its flows are
+/// tracked as UDP's are (unreplied, replied, idle timeouts).
+#[inline(always)]
+fn parse_sctp(ctx: &impl Ctx, l4_len: usize) -> Result<Flow, Verdict> {
+    let sctp: *const SctpHdr = ptr_at(ctx, L4_OFF).ok_or(Verdict::PassMalformed)?;
+    if l4_len < SCTP_LEN {
+        return Err(Verdict::PassMalformed);
+    }
+    // SAFETY: the header is inside the packet (ptr_at).
+    let (sport_be, dport_be) = unsafe { ((*sctp).sport_be, (*sctp).dport_be) };
+    check_ports(sport_be, dport_be)?;
+    Ok(Flow {
+        sport_be,
+        dport_be,
+        payload_len: (l4_len - SCTP_LEN) as u32,
+        ..Flow::empty(proto::SCTP)
     })
 }
 

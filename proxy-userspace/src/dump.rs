@@ -3,7 +3,7 @@
 
 use std::{fmt::Write, net::Ipv4Addr};
 
-use proxy_common::{Verdict, VerdictCounter, conntrack::state, proto, stats::ct_stat};
+use proxy_common::{Verdict, VerdictCounter, conntrack::state, stats::ct_stat};
 
 use crate::mode::ebpf::conntrack::ConntrackCounts;
 
@@ -42,11 +42,7 @@ pub struct Snapshot {
 }
 
 fn proto_name(p: u8) -> String {
-    match p {
-        proto::TCP => "TCP".into(),
-        proto::UDP => "UDP".into(),
-        other => other.to_string(),
-    }
+    crate::model::Protocol::from_number(p).map_or_else(|| p.to_string(), |p| p.to_string())
 }
 
 /// Frontends and backends only: stable for golden tests.
@@ -132,7 +128,7 @@ mod tests {
         let snapshot = Snapshot {
             frontends: vec![
                 FrontendRow {
-                    proto: proto::TCP,
+                    proto: proxy_common::proto::TCP,
                     addr: Ipv4Addr::new(10, 96, 0, 10),
                     port: 88,
                     node_port: false,
@@ -146,7 +142,7 @@ mod tests {
                     ],
                 },
                 FrontendRow {
-                    proto: proto::UDP,
+                    proto: proxy_common::proto::UDP,
                     addr: Ipv4Addr::new(10, 96, 0, 20),
                     port: 53,
                     node_port: false,

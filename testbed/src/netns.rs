@@ -20,7 +20,7 @@ use std::{
     process::Command,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU16, Ordering},
         mpsc,
     },
     thread::JoinHandle,
@@ -227,6 +227,19 @@ impl Netns {
     pub fn serve_udp(&self, port: u16, reply: &str) -> Result<()> {
         self.keep(Server::udp(self, port, reply)?);
         Ok(())
+    }
+
+    /// Starts an SCTP server on `0.0.0.0:port` inside the namespace that
+    /// answers every association with `reply` (see [`Server::sctp`]); it
+    /// is stopped when the namespace is dropped.
+    pub fn serve_sctp(&self, port: u16, reply: &str) -> Result<()> {
+        self.keep(Server::sctp(self, port, reply)?);
+        Ok(())
+    }
+
+    /// [`sctp_request`] from inside this namespace.
+    pub fn sctp_request(&self, addr: SocketAddrV4, timeout: Duration) -> Result<io::Result<String>> {
+        self.run_in(|| sctp_request(addr, timeout))
     }
 
     /// Keeps `server` running until the namespace is dropped.
@@ -436,6 +449,28 @@ impl Server {
                 Ok((stream, peer)) => {
                     // A client that misbehaves costs at most the timeouts.
                     let _ = answer_tcp(stream, reply(peer).as_bytes());
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => eprintln!("{what}: accept: {e}"),
+            },
+        )
+    }
+
+    /// An SCTP server on `0.0.0.0:port` in `ns` (a one-to-one style
+    /// socket, which accepts, reads and writes as a TCP one does). For
+    /// every association it reads a line, writes `reply` and a newline, and
+    /// shuts down (SCTP has no half-close: the client does not shut down
+    /// first). Returns once the socket is listening.
+    pub fn sctp(ns: &Netns, port: u16, reply: &str) -> Result<Self> {
+        let line = format!("{reply}\n");
+        let what = format!("sctp server {reply}@{}:{port}", ns.name());
+        Self::spawn(
+            ns,
+            what.clone(),
+            move || listen_sctp(port),
+            move |listener: &TcpListener| match listener.accept() {
+                Ok((stream, _)) => {
+                    let _ = answer_tcp(stream, line.as_bytes());
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => eprintln!("{what}: accept: {e}"),
@@ -672,6 +707,73 @@ fn any_local(addr: SocketAddr) -> SocketAddr {
     }
 }
 
+/// An SCTP one-to-one listener on `0.0.0.0:port`, held as a
+/// `TcpListener`: accept(2), read(2) and write(2) work on it as on TCP.
+fn listen_sctp(port: u16) -> io::Result<TcpListener> {
+    let fd = stream_socket(libc::IPPROTO_SCTP)?;
+    // SO_REUSEADDR as std sets it for TCP listeners.
+    let one: libc::c_int = 1;
+    set_socket_option(&fd, libc::SO_REUSEADDR, &one)?;
+    bind_to(&fd, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port))?;
+    // SAFETY: listen(2) on a bound socket we own.
+    check_ret(unsafe { libc::listen(fd.as_raw_fd(), 128) })?;
+    let listener = TcpListener::from(fd);
+    listener.set_nonblocking(true)?;
+    Ok(listener)
+}
+
+/// The local port of the next SCTP association, in turn from a range
+/// below the node ports. Linux picks SCTP's ephemeral ports at random, so
+/// a client soon reuses one while IPVS still holds the closed association
+/// (10 s); with conntrack on (as the IPVS mode has it) IPVS drops the
+/// first packet of a reused connection, as it does a TCP SYN, and SCTP
+/// sends the INIT again only after its 3 s initial RTO: longer than a
+/// probe waits. TCP's ports go in turn: so do these.
+fn next_sctp_port() -> u16 {
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    const FIRST: u16 = 20_000;
+    const COUNT: u16 = 10_000;
+    FIRST + NEXT.fetch_add(1, Ordering::Relaxed) % COUNT
+}
+
+/// Whether the calling thread's namespace can open SCTP sockets.
+pub fn sctp_available() -> bool {
+    stream_socket(libc::IPPROTO_SCTP).is_ok()
+}
+
+/// Connects to `addr` over SCTP (one-to-one style, at most `timeout`),
+/// sends a line and reads the answer until the server shuts the
+/// association down; returns it without surrounding whitespace. Runs in the
+/// calling thread's namespace. IPv4 only (`InvalidInput` for an IPv6
+/// address).
+///
+/// Each association gets a local port of its own (see [`next_sctp_port`]).
+pub fn sctp_request(addr: impl Into<SocketAddr>, timeout: Duration) -> io::Result<String> {
+    match addr.into() {
+        SocketAddr::V4(addr) => sctp_request_from_addr(Ipv4Addr::UNSPECIFIED, addr, timeout),
+        SocketAddr::V6(addr) => Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("the SCTP probes are IPv4 only, not {addr}"),
+        )),
+    }
+}
+
+/// [`sctp_request`] from the local address `source`.
+pub fn sctp_request_from_addr(source: Ipv4Addr, addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
+    let deadline = Instant::now() + timeout;
+    let local = SocketAddrV4::new(source, next_sctp_port());
+    let mut stream = stream_connect(libc::IPPROTO_SCTP, local, addr, timeout)?;
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    stream.set_read_timeout(Some(left))?;
+    stream.set_write_timeout(Some(left))?;
+    stream.write_all(b"hello\n")?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer)?;
+    Ok(answer.trim().to_owned())
+}
+
 fn answer_tcp(mut stream: TcpStream, reply: &[u8]) -> io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(SERVER_IO_TIMEOUT))?;
@@ -716,55 +818,90 @@ pub fn udp_request_from_addr(source: Ipv4Addr, addr: SocketAddrV4, timeout: Dura
 /// socket(2), bind(2) and a blocking connect(2), which Linux gives up after
 /// `SO_SNDTIMEO` (with EINPROGRESS).
 fn tcp_connect_from(source: Ipv4Addr, addr: SocketAddrV4, timeout: Duration) -> io::Result<TcpStream> {
-    let check = |ret: libc::c_int| {
-        if ret < 0 {
-            Err(io::Error::last_os_error())
-        } else {
-            Ok(ret)
-        }
-    };
+    stream_connect(libc::IPPROTO_TCP, SocketAddrV4::new(source, 0), addr, timeout)
+}
+
+/// `ret` of a libc call as a `Result` (`errno` on a negative one).
+fn check_ret(ret: libc::c_int) -> io::Result<libc::c_int> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
+}
+
+fn socklen(size: usize) -> libc::socklen_t {
+    libc::socklen_t::try_from(size).unwrap_or(libc::socklen_t::MAX)
+}
+
+/// setsockopt(2) of `SOL_SOCKET` option `name` to `value`.
+fn set_socket_option<T>(fd: &OwnedFd, name: libc::c_int, value: &T) -> io::Result<()> {
+    // SAFETY: `value` is a valid `T` of the length given, and the caller
+    // names the option that takes a `T`.
+    check_ret(unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            name,
+            std::ptr::from_ref(value).cast(),
+            socklen(std::mem::size_of::<T>()),
+        )
+    })
+    .map(drop)
+}
+
+/// bind(2) to `local`.
+fn bind_to(fd: &OwnedFd, local: SocketAddrV4) -> io::Result<()> {
+    let local = sockaddr_in(local);
+    // SAFETY: a valid sockaddr_in of the length given.
+    check_ret(unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&raw const local).cast(),
+            socklen(std::mem::size_of::<libc::sockaddr_in>()),
+        )
+    })
+    .map(drop)
+}
+
+/// A fresh `SOCK_STREAM` socket of `protocol` (TCP, or SCTP one-to-one).
+fn stream_socket(protocol: libc::c_int) -> io::Result<OwnedFd> {
     // SAFETY: plain socket(2); the fd is owned right away.
-    let fd = check(unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) })?;
+    let fd = check_ret(unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, protocol) })?;
     // SAFETY: fd is a fresh, valid descriptor nobody else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// A `SOCK_STREAM` connection of `protocol` from `local` (port 0: any) to
+/// `addr`, given up after `timeout`: see [`tcp_connect_from`]. An SCTP
+/// one is held as a `TcpStream`, which reads and writes it as TCP.
+fn stream_connect(
+    protocol: libc::c_int,
+    local: SocketAddrV4,
+    addr: SocketAddrV4,
+    timeout: Duration,
+) -> io::Result<TcpStream> {
+    let fd = stream_socket(protocol)?;
     let limit = libc::timeval {
         tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
         tv_usec: libc::suseconds_t::from(timeout.subsec_micros()),
     };
-    let len = |size: usize| libc::socklen_t::try_from(size).unwrap_or(libc::socklen_t::MAX);
-    // SAFETY: a valid timeval of the length given.
-    check(unsafe {
-        libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_SNDTIMEO,
-            (&raw const limit).cast(),
-            len(std::mem::size_of::<libc::timeval>()),
-        )
-    })?;
-    let local = sockaddr_in(SocketAddrV4::new(source, 0));
-    // SAFETY: a valid sockaddr_in of the length given.
-    check(unsafe {
-        libc::bind(
-            fd.as_raw_fd(),
-            (&raw const local).cast(),
-            len(std::mem::size_of::<libc::sockaddr_in>()),
-        )
-    })?;
+    set_socket_option(&fd, libc::SO_SNDTIMEO, &limit)?;
+    bind_to(&fd, local)?;
     let remote = sockaddr_in(addr);
     // SAFETY: a valid sockaddr_in of the length given.
-    let connected = check(unsafe {
+    let connected = check_ret(unsafe {
         libc::connect(
             fd.as_raw_fd(),
             (&raw const remote).cast(),
-            len(std::mem::size_of::<libc::sockaddr_in>()),
+            socklen(std::mem::size_of::<libc::sockaddr_in>()),
         )
     });
     match connected {
         Ok(_) => Ok(TcpStream::from(fd)),
         Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => Err(io::Error::new(
             io::ErrorKind::TimedOut,
-            format!("no connection from {source} to {addr} in {timeout:?}"),
+            format!("no connection from {local} to {addr} in {timeout:?}"),
         )),
         Err(e) => Err(e),
     }

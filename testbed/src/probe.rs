@@ -26,6 +26,9 @@ use crate::{
 pub enum Protocol {
     Tcp,
     Udp,
+    /// One-to-one SCTP sockets, where the kernel has SCTP
+    /// ([`netns::sctp_available`]); not in [`PROTOCOLS`].
+    Sctp,
 }
 
 impl Protocol {
@@ -34,6 +37,7 @@ impl Protocol {
         match self {
             Protocol::Tcp => "TCP",
             Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
         }
     }
 }
@@ -72,6 +76,7 @@ pub fn request(protocol: Protocol, addr: impl Into<SocketAddr>, timeout: Duratio
     match protocol {
         Protocol::Tcp => netns::tcp_request(addr, timeout),
         Protocol::Udp => netns::udp_request(addr, timeout),
+        Protocol::Sctp => netns::sctp_request(addr, timeout),
     }
 }
 
@@ -96,6 +101,7 @@ pub fn request_from(
     match protocol {
         Protocol::Tcp => netns::tcp_request_from_addr(source, addr, timeout),
         Protocol::Udp => netns::udp_request_from_addr(source, addr, timeout),
+        Protocol::Sctp => netns::sctp_request_from_addr(source, addr, timeout),
     }
 }
 
@@ -179,6 +185,7 @@ pub fn expect_rejected(
         let result = match protocol {
             Protocol::Tcp => netns::tcp_connect(addr, REJECT_TIMEOUT).map(|s| format!("connected: {s:?}")),
             Protocol::Udp => netns::udp_request(addr, REJECT_TIMEOUT).map(|a| format!("answer {a:?}")),
+            Protocol::Sctp => netns::sctp_request(addr, REJECT_TIMEOUT).map(|a| format!("answer {a:?}")),
         };
         (result, started.elapsed())
     })?;

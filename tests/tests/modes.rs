@@ -133,6 +133,7 @@ fn port_name(protocol: Protocol) -> &'static str {
     match protocol {
         Protocol::Tcp => "http",
         Protocol::Udp => "udp",
+        Protocol::Sctp => "sctp",
     }
 }
 

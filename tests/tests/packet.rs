@@ -44,6 +44,9 @@ mod maglev;
 // Issue 13's IPv6, beside it.
 #[path = "packet/ipv6.rs"]
 mod ipv6;
+// Issue 13's SCTP, beside it.
+#[path = "packet/sctp.rs"]
+mod sctp;
 
 #[derive(Clone, Debug)]
 enum Expect {
@@ -1003,6 +1006,7 @@ fn replies_to_a_node_port_numbered_source_port_are_replies() {
         let reply = match protocol {
             Protocol::Tcp => Frame::tcp(backend, node_port(), SYN | ACK),
             Protocol::Udp => Frame::udp(backend, node_port(), b"a"),
+            Protocol::Sctp => unreachable!("the seed has TCP and UDP ports"),
         };
         for prog in [Prog::XdpUplink, Prog::TcIngress] {
             run_case(
@@ -1219,10 +1223,11 @@ fn other_protocols_pass_untouched() {
             &Frame::icmp_echo(CLIENT_IP, EMPTY_IP),
             Verdict::PassNotIpv4OrL4,
         ),
+        // Parsed as SCTP (ports where TCP has them): no SCTP Service there.
         Case::pass(
             "SCTP-numbered packet with TCP-like bytes to ClusterIP",
             &raw(132),
-            Verdict::PassNotIpv4OrL4,
+            Verdict::PassNotService,
         ),
         Case::pass("GRE-numbered packet to ClusterIP", &raw(47), Verdict::PassNotIpv4OrL4),
         Case::pass(
@@ -1869,6 +1874,7 @@ fn new_flow(h: &mut Harness, from: fn(&mut Harness) -> SocketAddrV4, to: SocketA
     match protocol {
         Protocol::Tcp => Frame::tcp(src, to, SYN),
         Protocol::Udp => Frame::udp(src, to, b"q"),
+        Protocol::Sctp => Frame::sctp(src, to, 0, &testbed::frame::SCTP_INIT_CHUNK),
     }
 }
 

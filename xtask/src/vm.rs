@@ -79,7 +79,8 @@ pub struct GuestKernel {
 /// - 6.1, the oldest: the IPVS suites, the two-node bed in every kernel
 ///   mode (remote backends and SNAT through the oldest netfilter, nftables
 ///   and verifier), `xproxy trace` where tc programs are filters (before
-///   tcx) and Maglev through the agent.
+///   tcx), Maglev through the agent, and SCTP Services in every mode
+///   (the host's kernel has no SCTP).
 /// - 6.12: what changes with the attach API (tcx links from 6.6): the
 ///   two-node bed in the ebpf mode, the agent switching between every mode
 ///   (links detached and replaced) and the IPVS mode's own tests.
@@ -101,6 +102,7 @@ pub const KERNELS: &[GuestKernel] = &[
             "two_node:two_node_ebpf",
             "two_node:two_node_iptables",
             "two_node:two_node_nftables",
+            "sctp",
         ],
     },
     GuestKernel {

@@ -5,7 +5,8 @@
 //!   once, since unpinning alone detaches them only a moment later; on
 //!   kernels before 6.6 the tc programs are filters on the interfaces'
 //!   clsact qdiscs, deleted from every interface), its `XPROXY-SNAT`
-//!   chain, and the nftables mode's `ip xproxy` table.
+//!   chain and `ip xproxy-sctp` table, and the nftables mode's `ip xproxy`
+//!   table.
 //! - `kube-proxy`: what carries kube-proxy's names. The iptables, IPVS
 //!   and userspace modes lay their rules out as kube-proxy does (KUBE-*
 //!   chains and ipsets, `kube-ipvs0`), and the IPVS table has no owner
@@ -57,7 +58,8 @@ pub fn cleanup(pin_path: &Path, scope: Scope) -> Result<(), Failure> {
     Ok(())
 }
 
-/// The ebpf mode: links, pins, pre-6.6 tc filters, the SNAT fallback chain.
+/// The ebpf mode: links, pins, pre-6.6 tc filters, the SNAT fallback chain,
+/// the SCTP fallback table.
 fn remove_ebpf(pin_path: &Path) -> anyhow::Result<()> {
     if pin_path.exists() {
         let detached = crate::mode::ebpf::detach_pinned_links(pin_path)?;
@@ -71,5 +73,6 @@ fn remove_ebpf(pin_path: &Path) -> anyhow::Result<()> {
     if filters > 0 {
         info!(filters, "deleted the tc filters of the eBPF programs");
     }
+    crate::mode::ebpf::sctp_fallback::cleanup()?;
     crate::mode::ebpf::snat::cleanup()
 }

@@ -402,13 +402,14 @@ mod tests {
                 {"name": "zero", "port": 0}, {"name": "huge", "port": 70000},
                 {"name": "ok", "port": 8080}, {"name": "dup", "port": 8080},
                 {"name": "badnode", "port": 9090, "nodePort": 70000},
-                {"name": "sctp", "port": 7000, "protocol": "SCTP"}]}),
+                {"name": "quic", "port": 7000, "protocol": "QUIC"}]}),
         );
         let problems = cluster.upsert_service(&svc);
         let reasons: Vec<_> = problems.iter().map(std::string::ToString::to_string).collect();
         assert_eq!(problems.len(), 5, "{reasons:#?}");
         assert!(reasons.iter().any(|r| r.contains("port 70000 is out of range")));
         assert!(reasons.iter().any(|r| r.contains("duplicate port 8080")));
+        assert!(reasons.iter().any(|r| r.contains("protocol QUIC is not supported")));
         let names: Vec<_> = cluster.desired().ports.into_keys().collect();
         assert_eq!(names, vec!["default/bad:ok".to_string()]);
     }
@@ -501,6 +502,35 @@ mod tests {
         // An address of the wrong family in a slice is a problem, not an endpoint.
         let problems = cluster.upsert_slice(&slice_of("IPv6", "v6-1", "v6", &["10.244.0.9"]));
         assert_eq!(problems.len(), 1, "{problems:?}");
+    }
+
+    /// SCTP ports (protocol 132) join their slices' SCTP ports like TCP's
+    /// and UDP's; a slice port of another protocol with the same name does
+    /// not feed them.
+    #[test]
+    fn sctp_service_ports_take_the_slices_sctp_endpoints() {
+        let mut cluster = Cluster::default();
+        let svc = service(
+            "sig",
+            json!({"clusterIP": "10.96.0.9", "ports": [
+                {"name": "sig", "port": 3868, "protocol": "SCTP", "targetPort": 3869}]}),
+        );
+        assert!(cluster.upsert_service(&svc).is_empty());
+        let problems = cluster.upsert_slice(&slice(
+            "sig-1",
+            "sig",
+            json!([{"name": "sig", "port": 3869, "protocol": "SCTP"}, {"name": "sig", "port": 80, "protocol": "TCP"}]),
+            json!([{"addresses": ["10.244.0.5"]}]),
+        ));
+        assert!(problems.is_empty(), "{problems:?}");
+        let ports = cluster.desired().ports;
+        let port = &ports["default/sig:sig"];
+        assert_eq!(
+            (port.protocol, port.protocol.number(), port.port),
+            (Protocol::Sctp, 132, 3868)
+        );
+        let endpoints: Vec<_> = port.endpoints.iter().map(|e| (e.addr.to_string(), e.port)).collect();
+        assert_eq!(endpoints, [("10.244.0.5".to_owned(), 3869)]);
     }
 
     #[test]

@@ -63,10 +63,8 @@ pub fn slice_info(slice: &EndpointSlice) -> (Option<SliceInfo>, Vec<Problem>) {
     let mut ports = Vec::new();
     for p in slice.ports.iter().flatten() {
         let name = p.name.clone().unwrap_or_default();
-        let protocol = match p.protocol.as_deref().unwrap_or("TCP") {
-            "TCP" => Protocol::Tcp,
-            "UDP" => Protocol::Udp,
-            _ => continue,
+        let Some(protocol) = Protocol::from_api(p.protocol.as_deref().unwrap_or("TCP")) else {
+            continue;
         };
         match p.port.and_then(valid_port) {
             Some(port) => ports.push(SlicePort { name, protocol, port }),

@@ -49,6 +49,7 @@ impl fmt::Display for Problem {
 pub enum Protocol {
     Tcp,
     Udp,
+    Sctp,
 }
 
 impl fmt::Display for Protocol {
@@ -56,17 +57,45 @@ impl fmt::Display for Protocol {
         f.write_str(match self {
             Protocol::Tcp => "TCP",
             Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
         })
     }
 }
 
 impl Protocol {
+    /// The protocol a Service or EndpointSlice port names (`spec.ports[].protocol`,
+    /// the API's spelling), or `None` for one the API does not define.
+    pub fn from_api(name: &str) -> Option<Self> {
+        match name {
+            "TCP" => Some(Protocol::Tcp),
+            "UDP" => Some(Protocol::Udp),
+            "SCTP" => Some(Protocol::Sctp),
+            _ => None,
+        }
+    }
+
+    /// The protocol of a lowercase name ([`Self::lowercase`]), as rules and
+    /// set entries read back spell it.
+    pub fn from_lowercase(name: &str) -> Option<Self> {
+        [Protocol::Tcp, Protocol::Udp, Protocol::Sctp]
+            .into_iter()
+            .find(|p| p.lowercase() == name)
+    }
+
+    /// The protocol of an IP protocol number ([`Self::number`]).
+    pub fn from_number(number: u8) -> Option<Self> {
+        [Protocol::Tcp, Protocol::Udp, Protocol::Sctp]
+            .into_iter()
+            .find(|p| p.number() == number)
+    }
+
     /// The lowercase name, as kube-proxy spells it in chain-name hashes and
     /// iptables, nft and ipset spell it in rules and set entries.
     pub fn lowercase(self) -> &'static str {
         match self {
             Protocol::Tcp => "tcp",
             Protocol::Udp => "udp",
+            Protocol::Sctp => "sctp",
         }
     }
 
@@ -75,6 +104,7 @@ impl Protocol {
         match self {
             Protocol::Tcp => proxy_common::proto::TCP,
             Protocol::Udp => proxy_common::proto::UDP,
+            Protocol::Sctp => proxy_common::proto::SCTP,
         }
     }
 }

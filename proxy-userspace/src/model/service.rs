@@ -87,13 +87,13 @@ pub fn service_info(svc: &Service) -> Result<(ServiceInfo, Vec<Problem>), Skip> 
     for p in spec.ports.iter().flatten() {
         let port_name = p.name.clone().unwrap_or_default();
         let what = format!("{object} port {port_name:?}");
-        let protocol = match p.protocol.as_deref().unwrap_or("TCP") {
-            "TCP" => Protocol::Tcp,
-            "UDP" => Protocol::Udp,
-            other => {
-                problems.push(Problem::new(&what, format!("protocol {other} is not supported")));
-                continue;
-            }
+        let protocol_name = p.protocol.as_deref().unwrap_or("TCP");
+        let Some(protocol) = Protocol::from_api(protocol_name) else {
+            problems.push(Problem::new(
+                &what,
+                format!("protocol {protocol_name} is not supported"),
+            ));
+            continue;
         };
         let Some(port) = valid_port(p.port) else {
             problems.push(Problem::new(&what, format!("port {} is out of range 1-65535", p.port)));

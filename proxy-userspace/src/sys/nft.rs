@@ -1,7 +1,7 @@
 //! The `nft` tool: one `nft -f -` per sync (a single netlink transaction:
 //! all of it or nothing), `nft list table` to read back.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 
 use super::tool;
 
@@ -58,6 +58,14 @@ impl Nft for SystemNft {
         }
         tool::stdout_of(&self.binary, &args, out).map(Some)
     }
+}
+
+/// Deletes the table `family table` in one transaction, and everything in
+/// it. `add` first: if the table is not there (or vanished since it was
+/// listed), `delete` still succeeds.
+pub fn delete_table(nft: &mut dyn Nft, family: &str, table: &str) -> Result<()> {
+    nft.run(&format!("add table {family} {table}\ndelete table {family} {table}\n"))
+        .with_context(|| format!("deleting the table {family} {table}"))
 }
 
 #[cfg(test)]

@@ -94,6 +94,10 @@ const MODULES: &[&str] = &[
     "nft_reject_ipv4",
     // The IPVS and userspace modes' IPv6 rules (ip6tables-nft).
     "ip6t_REJECT",
+    // SCTP sockets for the live SCTP Services (`sctp`) and iptables'
+    // `-m sctp`; conntrack's and IPVS's SCTP are built in.
+    "sctp",
+    "xt_sctp",
 ];
 
 /// Modules the tests cannot do without: missing ones fail the build of the

@@ -38,11 +38,7 @@ pub fn table_of(snapshot: &Snapshot, flags_of: impl Fn(&FrontendRow) -> Option<(
         .frontends
         .iter()
         .filter_map(|row| {
-            let proto = match row.proto {
-                proxy_common::proto::TCP => Protocol::Tcp,
-                proxy_common::proto::UDP => Protocol::Udp,
-                _ => return None,
-            };
+            let proto = Protocol::from_number(row.proto)?;
             let (flags, affinity) = flags_of(row).unwrap_or_default();
             // The maps do not tell an external or load balancer IP from a
             // ClusterIP; a frontend filtering its sources is a load

@@ -233,7 +233,7 @@ impl Rule {
                     continue;
                 }
                 ("-p", Some(v)) => {
-                    rule.proto = protocol(v);
+                    rule.proto = Protocol::from_lowercase(v);
                     took = 2;
                 }
                 ("-d", Some(v)) => {
@@ -286,14 +286,6 @@ impl Rule {
     pub fn service(&self) -> Option<String> {
         let first = self.comment.as_deref()?.split_whitespace().next()?;
         first.contains('/').then(|| first.to_owned())
-    }
-}
-
-fn protocol(name: &str) -> Option<Protocol> {
-    match name {
-        "tcp" => Some(Protocol::Tcp),
-        "udp" => Some(Protocol::Udp),
-        _ => None,
     }
 }
 

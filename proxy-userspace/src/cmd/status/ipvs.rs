@@ -15,8 +15,11 @@ use anyhow::Result;
 
 use super::table::{Backend, Frontend, Kind, Table};
 use crate::{
-    mode::ipvs::netlink::{Ipvs, RealCounters, VirtualCounters},
-    model::ipv4,
+    mode::ipvs::{
+        ipset::{NODE_PORT_LOCAL_SCTP, NODE_PORT_SCTP},
+        netlink::{Ipvs, RealCounters, VirtualCounters},
+    },
+    model::{Protocol, ipv4},
     sys::ipset,
 };
 
@@ -85,13 +88,20 @@ fn frontend(server: &VirtualCounters, sets: &Sets) -> Option<Frontend> {
     let upper = key.protocol.to_string();
     let member = format!("{},{proto}:{}", key.addr, key.port);
     let port = key.port.to_string();
+    // SCTP's node port sets are hashes of `IP,sctp:PORT`, TCP's and UDP's
+    // bitmaps of ports.
+    let (node_port_set, local_node_port_set, node_port_member) = match key.protocol {
+        Protocol::Sctp => (NODE_PORT_SCTP.to_owned(), NODE_PORT_LOCAL_SCTP.to_owned(), &member),
+        Protocol::Tcp | Protocol::Udp => (
+            format!("KUBE-NODE-PORT-{upper}"),
+            format!("KUBE-NODE-PORT-LOCAL-{upper}"),
+            &port,
+        ),
+    };
     let (kind, local_only) = if sets.has("KUBE-CLUSTER-IP", &member) {
         (Kind::ClusterIp, false)
-    } else if sets.has(&format!("KUBE-NODE-PORT-{upper}"), &port) {
-        (
-            Kind::NodePort,
-            sets.has(&format!("KUBE-NODE-PORT-LOCAL-{upper}"), &port),
-        )
+    } else if sets.has(&node_port_set, node_port_member) {
+        (Kind::NodePort, sets.has(&local_node_port_set, node_port_member))
     } else if sets.has("KUBE-LOAD-BALANCER", &member) {
         (Kind::LoadBalancer, sets.has("KUBE-LOAD-BALANCER-LOCAL", &member))
     } else if sets.has("KUBE-EXTERNAL-IP", &member) {

@@ -204,10 +204,8 @@ fn add_element(frontends: &mut Frontends, map: &VerdictMap, element: &Element, f
         (false, [proto, port]) => (Some(Ipv4Addr::UNSPECIFIED), *proto, *port),
         _ => return,
     };
-    let proto = match proto.as_str() {
-        Some("tcp") => Protocol::Tcp,
-        Some("udp") => Protocol::Udp,
-        _ => return,
+    let Some(proto) = proto.as_str().and_then(Protocol::from_lowercase) else {
+        return;
     };
     let (Some(addr), Some(port)) = (addr, port.as_u64().and_then(|p| u16::try_from(p).ok())) else {
         return;

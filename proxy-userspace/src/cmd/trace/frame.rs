@@ -1,10 +1,11 @@
 //! The synthetic frame a trace runs through a program (Ethernet, IPv4,
-//! TCP or UDP, correct checksums, no payload) and the addresses and ports
+//! TCP, UDP or an SCTP INIT, correct checksums, no payload) and the addresses and ports
 //! read back from the frame the program left.
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 
-use etherparse::{Ipv4HeaderSlice, PacketBuilder};
+use etherparse::{IpNumber, Ipv4HeaderSlice, PacketBuilder};
+use proxy_common::sctp;
 use serde::Serialize;
 
 use crate::model::Protocol;
@@ -28,7 +29,8 @@ pub struct Tuple {
 
 /// Builds the frame of `tuple`. A TCP segment is a SYN (the first packet
 /// of a connection) when `syn` is set, else a bare ACK (a packet of one
-/// under way); UDP ignores `syn`.
+/// under way); UDP ignores `syn`; SCTP is an INIT when `syn` is set, else a
+/// DATA chunk of an association under way.
 pub fn build(tuple: &Tuple, syn: bool) -> Vec<u8> {
     let ip = PacketBuilder::ethernet2(MAC_CLIENT, MAC_NODE).ipv4(tuple.src.ip().octets(), tuple.dst.ip().octets(), TTL);
     let mut frame = Vec::new();
@@ -38,12 +40,58 @@ pub fn build(tuple: &Tuple, syn: bool) -> Vec<u8> {
         Protocol::Udp => ip.udp(sport, dport).write(&mut frame, &[]),
         Protocol::Tcp if syn => ip.tcp(sport, dport, 1, TCP_WINDOW).syn().write(&mut frame, &[]),
         Protocol::Tcp => ip.tcp(sport, dport, 1, TCP_WINDOW).ack(1).write(&mut frame, &[]),
+        Protocol::Sctp => ip.write(&mut frame, IpNumber::SCTP, &sctp_packet(sport, dport, syn)),
     };
     debug_assert!(written.is_ok(), "an empty payload always fits");
     frame
 }
 
-/// Addresses and ports of an IPv4 frame (ports only for TCP and UDP).
+/// An SCTP packet from `sport` to `dport`: an INIT chunk (verification tag
+/// 0, as RFC 9260 wants it) or a DATA chunk with one byte, its CRC32c set.
+fn sctp_packet(sport: u16, dport: u16, init: bool) -> Vec<u8> {
+    const TAG: [u8; 4] = [0x78, 0x70, 0x00, 0x01];
+    let mut packet = Vec::with_capacity(32);
+    packet.extend_from_slice(&sport.to_be_bytes());
+    packet.extend_from_slice(&dport.to_be_bytes());
+    packet.extend_from_slice(if init { &[0; 4] } else { &TAG });
+    packet.extend_from_slice(&[0; 4]);
+    if init {
+        // type, flags, length 20; initiate tag, a_rwnd 64 KiB, 1 stream
+        // each way, initial TSN 1.
+        packet.extend_from_slice(&[sctp::chunk::INIT, 0, 0, 20]);
+        packet.extend_from_slice(&TAG);
+        packet.extend_from_slice(&[0, 1, 0, 0, 0, 1, 0, 1, 0, 0, 0, 1]);
+    } else {
+        // type, flags (B|E), length 17; TSN 1, stream 0, sequence 0,
+        // payload protocol 0, one byte, padded to 4.
+        packet.extend_from_slice(&[
+            sctp::chunk::DATA,
+            3,
+            0,
+            17,
+            0,
+            0,
+            0,
+            1,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            b'x',
+            0,
+            0,
+            0,
+        ]);
+    }
+    sctp::set_checksum(&mut packet);
+    packet
+}
+
+/// Addresses and ports of an IPv4 frame (ports only for TCP, UDP and SCTP).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Headers {
     /// IP protocol number.
@@ -83,7 +131,7 @@ pub fn headers(frame: &[u8]) -> Option<Headers> {
     let proto = ip.protocol().0;
     let l4 = frame.get(ETH_HLEN + ip.slice().len()..)?;
     let ports = match (proto, l4) {
-        (proxy_common::proto::TCP | proxy_common::proto::UDP, [s0, s1, d0, d1, ..]) => {
+        (proxy_common::proto::TCP | proxy_common::proto::UDP | proxy_common::proto::SCTP, [s0, s1, d0, d1, ..]) => {
             Some((u16::from_be_bytes([*s0, *s1]), u16::from_be_bytes([*d0, *d1])))
         }
         _ => None,
@@ -196,5 +244,24 @@ mod tests {
             (got.source(), got.destination()),
             ("10.96.0.88".into(), "10.244.0.14".into())
         );
+    }
+
+    /// An SCTP trace frame: IPv4 protocol 132, the tuple's ports in the
+    /// common header, an INIT (or a DATA chunk) with a valid CRC32c.
+    #[test]
+    fn an_sctp_frame_is_an_init_or_data_with_its_crc() {
+        let t = tuple(Protocol::Sctp);
+        for (syn, chunk) in [(true, sctp::chunk::INIT), (false, sctp::chunk::DATA)] {
+            let frame = build(&t, syn);
+            let got = headers(&frame).expect("IPv4");
+            assert_eq!(got.proto, proxy_common::proto::SCTP);
+            assert_eq!(
+                (got.source(), got.destination()),
+                (t.src.to_string(), t.dst.to_string())
+            );
+            let packet = &frame[ETH_HLEN + 20..];
+            assert_eq!(packet[sctp::FIRST_CHUNK_TYPE_OFFSET], chunk);
+            assert!(sctp::checksum_ok(packet), "CRC32c of {packet:02x?}");
+        }
     }
 }

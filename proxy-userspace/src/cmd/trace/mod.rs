@@ -61,7 +61,8 @@ pub struct Flags {
     /// one that is not an uplink). Default: tc-ingress.
     #[arg(long, value_enum)]
     pub hook: Option<HookArg>,
-    /// Send a TCP SYN (a connection's first packet) instead of an ACK.
+    /// Send a TCP SYN (a connection's first packet) instead of an ACK; with
+    /// `--proto sctp` an INIT instead of a DATA chunk.
     #[arg(long)]
     pub syn: bool,
     /// Print the report as JSON.
@@ -92,6 +93,7 @@ fn parse_source(text: &str) -> Result<Source, String> {
 pub enum ProtoArg {
     Tcp,
     Udp,
+    Sctp,
 }
 
 impl From<ProtoArg> for Protocol {
@@ -99,6 +101,7 @@ impl From<ProtoArg> for Protocol {
         match proto {
             ProtoArg::Tcp => Protocol::Tcp,
             ProtoArg::Udp => Protocol::Udp,
+            ProtoArg::Sctp => Protocol::Sctp,
         }
     }
 }
@@ -144,7 +147,7 @@ fn run(flags: &Flags) -> Result<Report> {
     let frame = frame::build(&tuple, flags.syn);
     let ran = run_undone(&live, &mut maps, &tuple, &frame)?;
     let before = frame::headers(&frame).context("the frame just built is IPv4")?;
-    Ok(report_of(live, before, flags.syn && proto == Protocol::Tcp, ran))
+    Ok(report_of(live, before, flags.syn && proto != Protocol::Udp, ran))
 }
 
 /// The report of a run of the frame with headers `before` through `live`.

@@ -37,6 +37,7 @@ mod object;
 mod pinned_maps;
 pub mod pod_cidrs;
 mod port_filter;
+pub mod sctp_fallback;
 mod service_maps;
 mod slot_layout;
 mod snapshot;
@@ -181,6 +182,8 @@ pub struct EbpfMode {
     snat_ports: RangeInclusive<u16>,
     /// What the programs do differently from kube-proxy, reported once a port.
     unhonoured: Unhonoured,
+    /// The SCTP ports whose port changes, NATed by the kernel.
+    sctp: sctp_fallback::SctpFallback,
 }
 
 impl EbpfMode {
@@ -264,6 +267,11 @@ impl EbpfMode {
             pin_path: opts.pin_path.clone(),
             snat_ports: opts.snat_ports.clone(),
             unhonoured: Unhonoured::default(),
+            sctp: sctp_fallback::SctpFallback::new(
+                Box::new(crate::sys::nft::SystemNft::default()),
+                snat_mark,
+                opts.masquerade_all,
+            ),
         })
     }
 
@@ -467,8 +475,24 @@ impl EbpfMode {
             if let Some(how) = node_port_among_snat_ports(port, &self.snat_ports) {
                 self.unhonoured.report(port, "nodePort", &how);
             }
+            if !programs_translate(port) && !sctp_fallback::serves(port) {
+                self.unhonoured
+                    .report(port, "spec.ports[].protocol", sctp_fallback::NOT_SERVED_IPV6);
+            } else if !programs_translate(port) && sctp_fallback::leaves_out(port) {
+                self.unhonoured
+                    .report(port, "spec.ports[].protocol", sctp_fallback::NOT_APPLIED);
+            }
         }
     }
+}
+
+/// Whether the programs translate `port`: every TCP and UDP port; an SCTP
+/// port only where no frontend's port changes on the way to an endpoint
+/// (no node port, every endpoint on the Service's port), since SCTP's
+/// CRC32c covers the ports but not the addresses (see proxy-ebpf's `nat`).
+/// The others are the kernel's ([`sctp_fallback`]).
+fn programs_translate(port: &ServicePort) -> bool {
+    port.protocol != Protocol::Sctp || (port.node_port.is_none() && port.endpoints.iter().all(|e| e.port == port.port))
 }
 
 /// Why `port`'s node port is at risk, if it is among the ports flows to
@@ -498,11 +522,24 @@ impl Dataplane for EbpfMode {
                     .with_context(|| format!("removing {}", port.name))?;
             }
             for port in &plan.upsert {
+                if !programs_translate(port) {
+                    // It may have been served before its ports changed.
+                    maps.remove_port(port)
+                        .with_context(|| format!("removing {}", port.name))?;
+                    continue;
+                }
                 maps.sync_service(port)
                     .with_context(|| format!("programming {}", port.name))?;
             }
             Ok(())
         })?;
+        for port in &plan.remove {
+            self.sctp.set(&port.name, None);
+        }
+        for port in &plan.upsert {
+            self.sctp.set(&port.name, Some(port).filter(|p| !programs_translate(p)));
+        }
+        self.sctp.sync(&self.node_ips)?;
         self.note_unhonoured(plan.upsert.iter());
         Ok(())
     }
@@ -515,13 +552,16 @@ impl Dataplane for EbpfMode {
             // Removals first, as in `apply`: a frontend a removed port
             // shares with a desired one (a node port that moved) must end
             // up written, not deleted.
-            maps.retain(&desired.values().collect::<Vec<_>>())?;
-            for port in desired.values() {
+            let served: Vec<&ServicePort> = desired.values().filter(|p| programs_translate(p)).collect();
+            maps.retain(&served)?;
+            for port in served {
                 maps.sync_service(port)
                     .with_context(|| format!("programming {}", port.name))?;
             }
             Ok(())
         })?;
+        self.sctp.replace(desired.values().filter(|p| !programs_translate(p)));
+        self.sctp.sync(&self.node_ips)?;
         self.note_unhonoured(desired.values());
         Ok(())
     }

@@ -405,6 +405,41 @@ fn a_node_port_among_the_masquerade_ports_is_named() {
     assert_eq!(super::node_port_among_snat_ports(&port, &snat_ports), None);
 }
 
+/// SCTP is translated only where no port changes (its CRC32c covers the
+/// ports); TCP and UDP always.
+#[test]
+fn sctp_ports_are_translated_only_where_the_port_stays() {
+    use crate::model::Protocol;
+    let same = ServicePort {
+        protocol: Protocol::Sctp,
+        port: 8080,
+        node_port: None,
+        ..lb_port(vec![])
+    };
+    assert!(super::programs_translate(&same), "every endpoint on 8080");
+    let empty = ServicePort {
+        endpoints: vec![],
+        ..same.clone()
+    };
+    assert!(super::programs_translate(&empty), "rejected, not translated");
+    let target = ServicePort {
+        port: 80,
+        ..same.clone()
+    };
+    assert!(!super::programs_translate(&target), "80 -> 8080");
+    let node_port = ServicePort {
+        node_port: Some(30080),
+        ..same.clone()
+    };
+    assert!(!super::programs_translate(&node_port), "30080 -> 8080");
+    for protocol in [Protocol::Tcp, Protocol::Udp] {
+        assert!(super::programs_translate(&ServicePort {
+            protocol,
+            ..target.clone()
+        }));
+    }
+}
+
 #[test]
 fn node_ports_answer_on_every_local_address_or_those_in_node_port_addresses() {
     let ip = |s: &str| s.parse::<std::net::Ipv4Addr>().expect("ip");

@@ -988,6 +988,38 @@ mod tests {
         assert_eq!(rendered.writes, 14 + 3 + 1 + 1 + 3 + 2 + 2 + 1 + 4 + 2 + 6);
     }
 
+    /// SCTP as kube-proxy writes it: `-m sctp -p sctp` wherever TCP has
+    /// `-m tcp -p tcp`, in chains of their own (the protocol is in the
+    /// chain-name hash), so a TCP and an SCTP port of one name coexist.
+    #[test]
+    fn sctp_ports_match_sctp() {
+        let sctp = ServicePort {
+            protocol: Protocol::Sctp,
+            ..seed_port()
+        };
+        let text = full(&RuleOptions::default(), &state(std::slice::from_ref(&sctp))).text;
+        let svc = chains::svc_chain(&sctp.name, Protocol::Sctp);
+        assert_ne!(svc, chains::svc_chain(&sctp.name, Protocol::Tcp));
+        for line in [
+            format!(
+                "-A KUBE-SERVICES -m comment --comment \"default/nginx-service cluster IP\" -m sctp -p sctp -d 10.96.0.88 --dport 88 -j {svc}"
+            ),
+            "-m comment --comment default/nginx-service -m sctp -p sctp -j DNAT --to-destination 10.244.0.11:80"
+                .to_owned(),
+        ] {
+            assert!(text.lines().any(|l| l.ends_with(&line)), "missing {line} in\n{text}");
+        }
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("-A KUBE-NODEPORTS") && l.contains("-m sctp -p sctp --dport 30791 -j")),
+            "{text}"
+        );
+        assert!(
+            !text.contains("-p tcp --dport 88") && !text.contains("-p udp"),
+            "{text}"
+        );
+    }
+
     #[test]
     fn probabilities_like_kube_proxy() {
         assert_eq!(probability(2), "0.5000000000");

@@ -34,6 +34,12 @@ pub const NODE_PORT_UDP: &str = "KUBE-NODE-PORT-UDP";
 pub const NODE_PORT_LOCAL_TCP: &str = "KUBE-NODE-PORT-LOCAL-TCP";
 /// UDP NodePorts with `externalTrafficPolicy: Local`: `PORT`.
 pub const NODE_PORT_LOCAL_UDP: &str = "KUBE-NODE-PORT-LOCAL-UDP";
+/// SCTP NodePorts, per node address: `IP,sctp:PORT`. A `bitmap:port` set
+/// holds TCP and UDP ports only, so kube-proxy keeps SCTP's in a hash of
+/// the node's addresses and matches them `dst,dst`.
+pub const NODE_PORT_SCTP: &str = "KUBE-NODE-PORT-SCTP-HASH";
+/// SCTP NodePorts with `externalTrafficPolicy: Local`: `IP,sctp:PORT`.
+pub const NODE_PORT_LOCAL_SCTP: &str = "KUBE-NODE-PORT-LOCAL-SCTP-HASH";
 /// Endpoints that may reach themselves through their Service (hairpin,
 /// masqueraded): `IP,PROTO:PORT,IP`.
 pub const LOOP_BACK: &str = "KUBE-LOOP-BACK";
@@ -68,12 +74,14 @@ const HASH_IP_PORT_NET6: &str = "hash:ip,port,net family inet6 hashsize 1024 max
 const BITMAP_PORT: &str = "bitmap:port range 0-65535";
 
 /// The IPv4 sets: name and `ipset create` type and options.
-pub const SETS: [(&str, &str); 13] = [
+pub const SETS: [(&str, &str); 15] = [
     (CLUSTER_IP, HASH_IP_PORT),
     (NODE_PORT_TCP, BITMAP_PORT),
     (NODE_PORT_UDP, BITMAP_PORT),
     (NODE_PORT_LOCAL_TCP, BITMAP_PORT),
     (NODE_PORT_LOCAL_UDP, BITMAP_PORT),
+    (NODE_PORT_SCTP, HASH_IP_PORT),
+    (NODE_PORT_LOCAL_SCTP, HASH_IP_PORT),
     (LOOP_BACK, HASH_IP_PORT_IP),
     (EXTERNAL_IP, HASH_IP_PORT),
     (EXTERNAL_IP_LOCAL, HASH_IP_PORT),
@@ -86,12 +94,15 @@ pub const SETS: [(&str, &str); 13] = [
 
 /// The IPv6 sets, in the order of [`SETS`] (the same set at the same
 /// index): kube-proxy's names for them, and `family inet6`.
-pub const SETS6: [(&str, &str); 13] = [
+pub const SETS6: [(&str, &str); 15] = [
     ("KUBE-6-CLUSTER-IP", HASH_IP_PORT6),
     ("KUBE-6-NODE-PORT-TCP", BITMAP_PORT),
     ("KUBE-6-NODE-PORT-UDP", BITMAP_PORT),
     ("KUBE-6-NODE-PORT-LOCAL-TCP", BITMAP_PORT),
     ("KUBE-6-NODE-PORT-LOCAL-UDP", BITMAP_PORT),
+    ("KUBE-6-NODE-PORT-SCTP-HASH", HASH_IP_PORT6),
+    // ipset's 31 characters, as kube-proxy's SOURCE-CID.
+    ("KUBE-6-NODE-PORT-LOCAL-SCTP-HAS", HASH_IP_PORT6),
     ("KUBE-6-LOOP-BACK", HASH_IP_PORT_IP6),
     ("KUBE-6-EXTERNAL-IP", HASH_IP_PORT6),
     ("KUBE-6-EXTERNAL-IP-LOCAL", HASH_IP_PORT6),
@@ -103,7 +114,7 @@ pub const SETS6: [(&str, &str); 13] = [
 ];
 
 /// The sets of `family`.
-pub fn sets_of(family: IpFamily) -> &'static [(&'static str, &'static str); 13] {
+pub fn sets_of(family: IpFamily) -> &'static [(&'static str, &'static str); 15] {
     match family {
         IpFamily::V4 => &SETS,
         IpFamily::V6 => &SETS6,
@@ -129,14 +140,15 @@ const NEW_SUFFIX: &str = "-NEW";
 const MAX_NAME_LEN: usize = 31;
 
 /// The name of the copy `name` is built in: `NAME-NEW`, with
-/// `LOAD-BALANCER` shortened to `LB` where that would be longer than ipset
-/// allows (`KUBE-LB-SOURCE-CIDR-NEW`).
+/// `LOAD-BALANCER` shortened to `LB` and `NODE-PORT` to `NP` where that
+/// would be longer than ipset allows (`KUBE-LB-SOURCE-CIDR-NEW`,
+/// `KUBE-NP-LOCAL-SCTP-HASH-NEW`).
 fn new_copy(name: &str) -> String {
     let new = format!("{name}{NEW_SUFFIX}");
     if new.len() <= MAX_NAME_LEN {
         return new;
     }
-    new.replace("LOAD-BALANCER", "LB")
+    new.replace("LOAD-BALANCER", "LB").replace("NODE-PORT", "NP")
 }
 
 /// Set name -> entries, as `ipset save` spells them.
@@ -162,10 +174,13 @@ pub fn entries<'a>(
             let (set, local_set) = match port.protocol {
                 Protocol::Tcp => (NODE_PORT_TCP, NODE_PORT_LOCAL_TCP),
                 Protocol::Udp => (NODE_PORT_UDP, NODE_PORT_LOCAL_UDP),
+                Protocol::Sctp => (NODE_PORT_SCTP, NODE_PORT_LOCAL_SCTP),
             };
-            add(set, node_port.to_string());
-            if port.external_local() {
-                add(local_set, node_port.to_string());
+            for entry in node_port_entries(port.protocol, node_port, node_ips, family) {
+                if port.external_local() {
+                    add(local_set, entry.clone());
+                }
+                add(set, entry);
             }
         }
         for endpoint in EndpointSets::of(port, node).reachable() {
@@ -177,6 +192,19 @@ pub fn entries<'a>(
         external_entries(&mut add, port, node_ips);
     }
     sets
+}
+
+/// The entries of a node port: the port alone in TCP's and UDP's bitmaps,
+/// `IP,sctp:PORT` for each node address of `family` in SCTP's hashes.
+fn node_port_entries(protocol: Protocol, node_port: u16, node_ips: &[IpAddr], family: IpFamily) -> Vec<String> {
+    match protocol {
+        Protocol::Tcp | Protocol::Udp => vec![node_port.to_string()],
+        Protocol::Sctp => node_ips
+            .iter()
+            .filter(|ip| IpFamily::of(**ip) == family)
+            .map(|ip| format!("{ip},sctp:{node_port}"))
+            .collect(),
+    }
 }
 
 /// The entries of `port`'s external IPs and load balancer IPs, as
@@ -350,6 +378,36 @@ mod tests {
         }
         assert_eq!(new_copy(LOAD_BALANCER_SOURCE_CIDR), "KUBE-LB-SOURCE-CIDR-NEW");
         assert_eq!(new_copy(CLUSTER_IP), "KUBE-CLUSTER-IP-NEW");
+        assert_eq!(new_copy(NODE_PORT_LOCAL_SCTP), "KUBE-NP-LOCAL-SCTP-HASH-NEW");
+    }
+
+    /// SCTP node ports are `IP,sctp:PORT` per node address, as kube-proxy
+    /// writes them (a `bitmap:port` holds TCP and UDP ports only); the rest
+    /// of an SCTP port's entries spell the protocol as TCP's do.
+    #[test]
+    fn sctp_node_ports_fill_hashes_of_the_node_addresses() {
+        let sctp = ServicePort {
+            protocol: Protocol::Sctp,
+            external_policy: crate::model::TrafficPolicy::Local,
+            ..seed()
+        };
+        // The IPv6 node address is not the IPv4 port's.
+        let node_ips: [IpAddr; 3] = [
+            Ipv4Addr::new(172, 30, 0, 2).into(),
+            Ipv4Addr::new(192, 168, 1, 10).into(),
+            "fd00:30::2".parse().expect("IPv6 literal"),
+        ];
+        let sets = entries([&sctp], None, &node_ips);
+        assert!(sets[name(NODE_PORT_SCTP, IpFamily::V6)].is_empty());
+        let expected = BTreeSet::from(["172.30.0.2,sctp:30791".to_owned(), "192.168.1.10,sctp:30791".to_owned()]);
+        assert_eq!(sets[NODE_PORT_SCTP], expected);
+        assert_eq!(sets[NODE_PORT_LOCAL_SCTP], expected);
+        assert!(sets[NODE_PORT_TCP].is_empty() && sets[NODE_PORT_LOCAL_TCP].is_empty());
+        assert_eq!(sets[CLUSTER_IP], BTreeSet::from(["10.96.0.88,sctp:88".to_owned()]));
+        assert_eq!(
+            sets[LOOP_BACK],
+            BTreeSet::from(["10.244.0.11,sctp:80,10.244.0.11".to_owned()])
+        );
     }
 
     /// kube-proxy's `KUBE-NODE-PORT-LOCAL-TCP/UDP`: the node ports of

@@ -129,6 +129,7 @@ fn ipproto(protocol: Protocol) -> u16 {
     match protocol {
         Protocol::Tcp => libc::IPPROTO_TCP as u16,
         Protocol::Udp => libc::IPPROTO_UDP as u16,
+        Protocol::Sctp => libc::IPPROTO_SCTP as u16,
     }
 }
 
@@ -136,6 +137,7 @@ fn protocol_of(proto: u16) -> Option<Protocol> {
     match i32::from(proto) {
         libc::IPPROTO_TCP => Some(Protocol::Tcp),
         libc::IPPROTO_UDP => Some(Protocol::Udp),
+        libc::IPPROTO_SCTP => Some(Protocol::Sctp),
         _ => None,
     }
 }
@@ -551,6 +553,23 @@ mod tests {
         });
         assert_eq!(parse_dest(&old.finish(1)[16..], AF_INET6), Some((real, 1)));
         assert_eq!(SEED6.to_string(), "TCP [fd00:96::88]:88");
+    }
+
+    /// An SCTP virtual server carries IPPROTO_SCTP (132) and parses back
+    /// as SCTP, so a sync finds it again rather than re-creating it.
+    #[test]
+    fn sctp_services_carry_ipproto_sctp_and_parse_back() {
+        let sctp = VirtualKey {
+            protocol: Protocol::Sctp,
+            ..SEED
+        };
+        let bytes = service_message(0x22, IPVS_CMD_NEW_SERVICE, &sctp, None).finish(1);
+        let fields = attrs(attrs(&bytes[20..])[0].1);
+        assert_eq!(
+            find(&fields, IPVS_SVC_ATTR_PROTOCOL).and_then(|p| read_u16(&p)),
+            Some(132)
+        );
+        assert_eq!(parse_service(&bytes[16..]).map(|(k, _, _)| k), Some(sctp));
     }
 
     /// kube-proxy's ClientIP affinity: the persistent flag (under a full

@@ -12,9 +12,10 @@
 //!   traffic is accepted.
 //! - nat `KUBE-LOAD-BALANCER`: marks load balancer IP traffic, except to
 //!   ports with `externalTrafficPolicy: Local` (`KUBE-LOAD-BALANCER-LOCAL`).
-//! - nat `KUBE-NODE-PORT`: NodePort traffic (`KUBE-NODE-PORT-TCP/UDP`) is
-//!   marked, except to node ports with `externalTrafficPolicy: Local`
-//!   (`KUBE-NODE-PORT-LOCAL-TCP/UDP`), which keep the client's address.
+//! - nat `KUBE-NODE-PORT`: NodePort traffic (`KUBE-NODE-PORT-TCP/UDP`,
+//!   `KUBE-NODE-PORT-SCTP-HASH`) is marked, except to node ports with
+//!   `externalTrafficPolicy: Local` (`KUBE-NODE-PORT-LOCAL-TCP/UDP`,
+//!   `KUBE-NODE-PORT-LOCAL-SCTP-HASH`), which keep the client's address.
 //! - nat `KUBE-POSTROUTING`: hairpin (`KUBE-LOOP-BACK`) and marked traffic
 //!   is masqueraded.
 //! - nat `KUBE-MARK-MASQ`: sets the mark bit.
@@ -50,7 +51,8 @@ use crate::{
 
 use super::ipset::{
     self, CLUSTER_IP, EXTERNAL_IP, EXTERNAL_IP_LOCAL, LOAD_BALANCER_FW, LOAD_BALANCER_LOCAL, LOAD_BALANCER_SOURCE_CIDR,
-    LOAD_BALANCER_SOURCE_IP, LOOP_BACK, NODE_PORT_LOCAL_TCP, NODE_PORT_LOCAL_UDP, NODE_PORT_TCP, NODE_PORT_UDP,
+    LOAD_BALANCER_SOURCE_IP, LOOP_BACK, NODE_PORT_LOCAL_SCTP, NODE_PORT_LOCAL_TCP, NODE_PORT_LOCAL_UDP, NODE_PORT_SCTP,
+    NODE_PORT_TCP, NODE_PORT_UDP,
 };
 
 pub const SERVICES: &str = "KUBE-SERVICES";
@@ -147,18 +149,20 @@ pub fn render(opts: &RuleOptions, family: IpFamily, missing: &[(&str, &str, &str
         set(LOAD_BALANCER_LOCAL)
     ));
     nat.push(format!("-A {LOAD_BALANCER} -j {MARK_MASQ}"));
-    for (proto, masq_set, local_set) in [
-        ("tcp", set(NODE_PORT_TCP), set(NODE_PORT_LOCAL_TCP)),
-        ("udp", set(NODE_PORT_UDP), set(NODE_PORT_LOCAL_UDP)),
+    // SCTP's sets hold `IP,sctp:PORT` (see `ipset::NODE_PORT_SCTP`).
+    for (proto, masq_set, local_set, dims) in [
+        ("tcp", set(NODE_PORT_TCP), set(NODE_PORT_LOCAL_TCP), "dst"),
+        ("udp", set(NODE_PORT_UDP), set(NODE_PORT_LOCAL_UDP), "dst"),
+        ("sctp", set(NODE_PORT_SCTP), set(NODE_PORT_LOCAL_SCTP), "dst,dst"),
     ] {
         nat.push(format!(
             "-A {NODE_PORT} -p {proto} -m comment --comment \"Kubernetes nodeport {} port with externalTrafficPolicy=local\" \
-             -m set --match-set {local_set} dst -j RETURN",
+             -m set --match-set {local_set} {dims} -j RETURN",
             proto.to_uppercase()
         ));
         nat.push(format!(
             "-A {NODE_PORT} -p {proto} -m comment --comment \"Kubernetes nodeport {} port for masquerade purpose\" \
-             -m set --match-set {masq_set} dst -j {MARK_MASQ}",
+             -m set --match-set {masq_set} {dims} -j {MARK_MASQ}",
             proto.to_uppercase()
         ));
     }
@@ -335,19 +339,21 @@ mod tests {
         );
         // Local node ports return before the masquerade rule marks them.
         let node_port: Vec<&str> = text.lines().filter(|l| l.starts_with("-A KUBE-NODE-PORT ")).collect();
-        assert_eq!(node_port.len(), 4, "{node_port:#?}");
-        for (i, set) in [
-            "KUBE-NODE-PORT-LOCAL-TCP",
-            "KUBE-NODE-PORT-TCP",
-            "KUBE-NODE-PORT-LOCAL-UDP",
-            "KUBE-NODE-PORT-UDP",
+        assert_eq!(node_port.len(), 6, "{node_port:#?}");
+        for (i, (set, dims)) in [
+            ("KUBE-NODE-PORT-LOCAL-TCP", "dst"),
+            ("KUBE-NODE-PORT-TCP", "dst"),
+            ("KUBE-NODE-PORT-LOCAL-UDP", "dst"),
+            ("KUBE-NODE-PORT-UDP", "dst"),
+            ("KUBE-NODE-PORT-LOCAL-SCTP-HASH", "dst,dst"),
+            ("KUBE-NODE-PORT-SCTP-HASH", "dst,dst"),
         ]
         .iter()
         .enumerate()
         {
             let target = if i % 2 == 0 { "RETURN" } else { "KUBE-MARK-MASQ" };
             assert!(
-                node_port[i].contains(&format!("--match-set {set} dst -j {target}")),
+                node_port[i].contains(&format!("--match-set {set} {dims} -j {target}")),
                 "{node_port:#?}"
             );
         }

@@ -341,13 +341,7 @@ pub fn cleanup_with(nft: &mut dyn Nft) -> Result<bool> {
             return Ok(false);
         }
     }
-    // `add` first: if the table vanished meanwhile, `delete` still succeeds.
-    nft.run(&format!(
-        "add table {f} {t}\ndelete table {f} {t}\n",
-        f = names::FAMILY,
-        t = names::TABLE
-    ))
-    .context("deleting the table")?;
+    crate::sys::nft::delete_table(nft, names::FAMILY, names::TABLE)?;
     Ok(true)
 }
 
@@ -385,4 +379,4 @@ pub fn options(config: &Config) -> Options {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

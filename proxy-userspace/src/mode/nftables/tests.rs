@@ -157,7 +157,7 @@ fn assert_golden(name: &str, actual: &str) {
 /// (`unshare -rn`, no root needed): the kernel checks the whole
 /// transaction and throws it away. `None` if no such namespace can be made
 /// here or nft is missing.
-fn kernel_check(script: &str) -> Option<Result<(), String>> {
+pub(crate) fn kernel_check(script: &str) -> Option<Result<(), String>> {
     let probe = Command::new("unshare")
         .args(["-rn", "nft", "--version"])
         .stdout(Stdio::null())
@@ -182,7 +182,7 @@ fn kernel_check(script: &str) -> Option<Result<(), String>> {
     })
 }
 
-fn expect_kernel_accepts(what: &str, script: &str) {
+pub(crate) fn expect_kernel_accepts(what: &str, script: &str) {
     match kernel_check(script) {
         Some(Ok(())) => {}
         Some(Err(e)) => panic!("nft -c rejects the {what}:\n{e}\n{script}"),
@@ -549,6 +549,32 @@ fn udp_terminating_and_duplicate_endpoints() {
     let rules = port_rules(&opts(), &port);
     assert!(rules.chains.is_empty());
     assert_eq!(rules.elements[0].map, names::NO_ENDPOINT_SERVICES);
+}
+
+/// SCTP keys its map elements and its DNAT as `sctp`, and the kernel's
+/// checker takes the whole script (`sctp` is a payload match, no module).
+#[test]
+fn sctp_ports_are_keyed_and_translated_as_sctp() {
+    let port = ServicePort {
+        name: format!("{SEED}:sctp"),
+        protocol: Protocol::Sctp,
+        ..seed(&[11])
+    };
+    let rules = port_rules(&opts(), &port);
+    let endpoint = rules
+        .chains
+        .iter()
+        .find(|c| c.kind == ruleset::ChainKind::Endpoint)
+        .expect("an endpoint chain");
+    assert_eq!(endpoint.rules[1], "meta l4proto sctp dnat to 10.244.0.11:80");
+    let keys: Vec<&str> = rules.elements.iter().map(|e| e.key.as_str()).collect();
+    assert!(keys.contains(&"10.96.0.88 . sctp . 88"), "{keys:?}");
+    assert!(keys.contains(&"sctp . 30791"), "{keys:?}");
+    let (mut mode, fake) = mode();
+    mode.apply_full(&state(&[port, seed(&[12])])).expect("full sync");
+    let script = fake.last();
+    assert!(script.contains("sctp . 88") && script.contains("tcp . 88"), "{script}");
+    expect_kernel_accepts("SCTP script", &script);
 }
 
 #[test]

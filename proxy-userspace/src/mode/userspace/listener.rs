@@ -14,7 +14,7 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
 use nix::sys::socket::{
     AddressFamily, SockFlag, SockType, SockaddrIn, SockaddrIn6, bind as bind_fd, setsockopt, socket, sockopt,
 };
@@ -89,6 +89,7 @@ impl PortProxy {
                 let serve = udp::serve(socket, balancer.clone(), opts.udp_idle_timeout, name);
                 (port, runtime.spawn(serve))
             }
+            Protocol::Sctp => bail!("the userspace mode does not relay SCTP"),
         };
         Ok(Self {
             protocol: service.protocol,

@@ -24,8 +24,10 @@
 //! listener and every connection goes to any endpoint. Nor could the
 //! client's address be kept: the backend's peer is always the agent. A
 //! port asking for `Local` is proxied as `Cluster`; external and load
-//! balancer IPs are not served. Each of these is logged once per port and
-//! counted with the skipped objects (`xproxy_skipped_objects_total`).
+//! balancer IPs are not served, nor are SCTP ports (kube-proxy's
+//! userspace mode relayed TCP and UDP only). Each of these is logged once
+//! per port and counted with the skipped objects
+//! (`xproxy_skipped_objects_total`).
 //!
 //! IPv6 service ports (a dual-stack Service's second family) get their own
 //! listeners and the same chains through `ip6tables`, written and checked
@@ -52,7 +54,7 @@ use tracing::{debug, info, warn};
 use super::{Dataplane, Plan, options::NodePortScope, unhonoured::Unhonoured};
 use crate::{
     config::Config,
-    model::{IpFamily, ServicePort, usable_endpoints},
+    model::{IpFamily, Protocol, ServicePort, usable_endpoints},
     sys::iptables::{Iptables, Saved, SystemIptables, owned_lines, remove_chains},
 };
 
@@ -179,8 +181,13 @@ impl UserspaceMode {
 
     /// Makes the proxy of `service` exist and carry its endpoints; a proxy
     /// of the wrong protocol is replaced (and returned, to be dropped once
-    /// the rules no longer point at it).
+    /// the rules no longer point at it). An SCTP port gets none.
     fn ensure_proxy(&mut self, service: &ServicePort) -> Result<Option<PortProxy>> {
+        if service.protocol == Protocol::Sctp {
+            // Not served (reported by `unhonoured_fields`): with no proxy
+            // the port gets no rules, and one of an earlier protocol goes.
+            return Ok(self.proxies.remove(&service.name));
+        }
         if let Some(proxy) = self.proxies.get(&service.name)
             && proxy.protocol() == service.protocol
         {
@@ -389,6 +396,13 @@ impl Drop for UserspaceMode {
 /// traffic policies).
 fn unhonoured_fields(service: &ServicePort) -> Vec<(&'static str, &'static str)> {
     let mut out: Vec<_> = super::unhonoured::lb_algorithm(service).into_iter().collect();
+    if service.protocol == Protocol::Sctp {
+        // kube-proxy's userspace mode never relayed SCTP either.
+        out.push((
+            "spec.ports[].protocol",
+            "SCTP is not supported by the userspace mode: the port is not served",
+        ));
+    }
     if !service.external_ips.is_empty() {
         out.push((
             "spec.externalIPs",

@@ -545,3 +545,30 @@ async fn a_dual_stack_service_gets_a_listener_and_rules_per_family() {
         assert_eq!(k.chain("nat", rules::HOST_PORTALS), None, "rules left after the mode");
     }
 }
+
+/// kube-proxy's userspace mode never relayed SCTP: an SCTP port gets no
+/// listener and no rule, and is reported; a TCP port of the same name
+/// that turns into SCTP loses its listener and its rules.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sctp_ports_are_reported_and_not_served() {
+    let kernel = FakeIptables::default();
+    let mut mode = mode(&kernel);
+    let tcp = service("default/sig", Protocol::Tcp, &[ep(1)]);
+    sync(|| mode.apply_full(&desired(std::slice::from_ref(&tcp)))).expect("full sync");
+    assert!(mode.listener_port(&tcp.name).is_some());
+    let sctp = service("default/sig", Protocol::Sctp, &[ep(1)]);
+    let plan = Plan {
+        upsert: vec![sctp.clone()],
+        ..Plan::default()
+    };
+    sync(|| mode.apply(&plan)).expect("partial sync");
+    assert_eq!(mode.listener_port(&sctp.name), None);
+    let portals = kernel.chain("nat", rules::CONTAINER_PORTALS).expect("the chain");
+    assert!(portals.is_empty(), "{portals:?}");
+    let problems = mode.take_problems();
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(problems[0].reason.contains("SCTP is not supported"), "{problems:?}");
+    sync(|| mode.apply_full(&desired(std::slice::from_ref(&sctp)))).expect("full sync");
+    assert_eq!(mode.listener_port(&sctp.name), None);
+    assert!(mode.take_problems().is_empty(), "reported once");
+}
