@@ -9,7 +9,10 @@ use std::net::Ipv4Addr;
 
 use tracing::warn;
 
-use crate::config::{Cidr, Config, DetectLocal, NodePortAddresses};
+use crate::{
+    config::{Cidr, Config, DetectLocal, NodePortAddresses},
+    model::IpFamily,
+};
 
 /// How traffic from this node's pods is recognised (kube-proxy's
 /// `detectLocalMode`); traffic from anywhere else to a ClusterIP is
@@ -29,11 +32,17 @@ impl LocalTraffic {
     /// apart: `ClusterCIDR` without an IPv4 cluster CIDR, or `NodeCIDR`
     /// (not supported yet; warned about, naming `mode`).
     pub fn from_config(config: &Config, mode: &str) -> Option<Self> {
+        Self::for_family(config, mode, IpFamily::V4)
+    }
+
+    /// [`LocalTraffic::from_config`] for the rules of `family`: the
+    /// cluster CIDR of that family (interfaces match both).
+    pub fn for_family(config: &Config, mode: &str, family: IpFamily) -> Option<Self> {
         match &config.detect_local {
             DetectLocal::ClusterCidr => config
                 .cluster_cidrs
                 .iter()
-                .find(|c| c.is_ipv4())
+                .find(|c| c.is_ipv4() == (family == IpFamily::V4))
                 .map(|c| LocalTraffic::Cidr(*c)),
             DetectLocal::NodeCidr => {
                 warn!(

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use anyhow::{Context, Result};
 
 use super::tool;
+use crate::model::IpFamily;
 
 /// What the modes need from iptables; tests use a fake.
 pub trait Iptables: Send {
@@ -27,10 +28,7 @@ pub struct SystemIptables {
 
 impl Default for SystemIptables {
     fn default() -> Self {
-        Self {
-            save: "iptables-save".into(),
-            restore: "iptables-restore".into(),
-        }
+        Self::for_family(IpFamily::V4)
     }
 }
 
@@ -39,6 +37,21 @@ const LOCK_WAIT_SECONDS: &str = "5";
 const PACKAGE: &str = "the iptables package";
 
 impl SystemIptables {
+    /// `iptables-*` for IPv4, `ip6tables-*` for IPv6: the same binary name
+    /// found in `PATH` either way, so whatever picks the backend (the
+    /// `iptables` alternative, a wrapper earlier in `PATH`) picks it for
+    /// both families.
+    pub fn for_family(family: IpFamily) -> Self {
+        let prefix = match family {
+            IpFamily::V4 => "iptables",
+            IpFamily::V6 => "ip6tables",
+        };
+        Self {
+            save: format!("{prefix}-save"),
+            restore: format!("{prefix}-restore"),
+        }
+    }
+
     /// Fails if the binaries cannot be run at all.
     pub fn check(&self) -> Result<()> {
         tool::check_runs(&self.save, PACKAGE)?;
