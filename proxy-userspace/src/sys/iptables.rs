@@ -52,6 +52,18 @@ impl SystemIptables {
         }
     }
 
+    /// The legacy (x_tables) backend's binaries of `family` by their own
+    /// names (`ip6tables-legacy-save`, ...), whatever `PATH` picks: for
+    /// tests and benches that compare the two backends on one machine.
+    pub fn legacy(family: IpFamily) -> Self {
+        let plain = Self::for_family(family);
+        let legacy = |name: &str| name.replacen("tables-", "tables-legacy-", 1);
+        Self {
+            save: legacy(&plain.save),
+            restore: legacy(&plain.restore),
+        }
+    }
+
     /// Fails if the binaries cannot be run at all.
     pub fn check(&self) -> Result<()> {
         tool::check_runs(&self.save, PACKAGE)?;
