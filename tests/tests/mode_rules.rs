@@ -27,6 +27,7 @@ use anyhow::Result;
 use proxy_userspace::{
     mode::{
         Dataplane, Plan,
+        dual_stack::DualStack,
         iptables::{
             self, Iptables, IptablesMode, RuleOptions, SystemIptables,
             chains::{self, PortChains},
@@ -380,9 +381,9 @@ fn dual_stack_on_backend(legacy: bool) {
         node_ips: vec![ula(0x79, 2).into()],
         ..RuleOptions::default()
     };
-    let mut mode = iptables::DualStack::new(vec![
-        IptablesMode::new(rule_options(), Box::new(system(IpFamily::V4))),
-        IptablesMode::new(v6_opts, Box::new(system(IpFamily::V6))),
+    let mut mode = DualStack::new(vec![
+        Box::new(IptablesMode::new(rule_options(), Box::new(system(IpFamily::V4)))),
+        Box::new(IptablesMode::new(v6_opts, Box::new(system(IpFamily::V6)))),
     ]);
     let (seed, seed6, empty6) = (seed_port(), seed_port_v6(), empty_port_v6());
     full(&ns, &mut mode, [&seed, &seed6, &empty6], "dual-stack full sync");

@@ -2,6 +2,7 @@
 //! through the same interface, so every mode can be compared on equal terms.
 
 pub mod conntrack;
+pub mod dual_stack;
 pub mod ebpf;
 pub mod fake;
 #[cfg(test)]

@@ -17,7 +17,6 @@
 //! [`crate::sys::iptables`].
 
 pub mod chains;
-mod dual;
 pub mod rules;
 
 use std::{
@@ -27,13 +26,12 @@ use std::{
 
 pub use crate::sys::iptables::{Iptables, Saved, SystemIptables};
 use anyhow::{Context, Result};
-pub use dual::DualStack;
 pub use rules::{NodePortDestinations, RuleOptions};
 use rules::{Rewrite, SyncInput, jumps, port_chains, render};
 use tracing::{debug, info, warn};
 
 pub use super::options::LocalTraffic;
-use super::{Dataplane, ModeCounters, Plan, SyncedChange, conntrack, unhonoured::Unhonoured};
+use super::{Dataplane, ModeCounters, Plan, SyncedChange, conntrack, dual_stack::DualStack, unhonoured::Unhonoured};
 use crate::{
     config::{Cidr, Config, NodePortAddresses},
     model::{IpFamily, ServicePort},
@@ -106,10 +104,12 @@ impl NodePortCidrs {
     }
 }
 
-/// Starts the iptables mode for `xproxy run`: an IPv4 and an IPv6 half
-/// (see [`DualStack::start`]).
+/// Starts the iptables mode for `xproxy run`: an IPv4 half and, where
+/// `ip6tables` works, an IPv6 half (see [`DualStack`]).
 pub fn start(config: &Config) -> Result<Box<dyn Dataplane>> {
-    Ok(Box::new(DualStack::start(config)?))
+    let v4 = Box::new(IptablesMode::start(config)?);
+    let v6 = IptablesMode::start_family(config, IpFamily::V6).map(|m| Box::new(m) as Box<dyn Dataplane>);
+    Ok(Box::new(DualStack::start(v4, v6)))
 }
 
 impl IptablesMode {

@@ -614,18 +614,25 @@ fn ipv6_rules_like_kube_proxys_ipv6_proxier() {
     assert_eq!(mode.families(), [IpFamily::V6]);
 }
 
-fn dual_stack() -> (DualStack, FakeKernel, FakeKernel) {
+fn dual_stack() -> (DualStack, FakeKernel, FakeKernel, RuleOptions) {
     let (v4, kernel4) = mode();
     let (v6, kernel6) = mode_v6();
-    (DualStack::new(vec![v4, v6]), kernel4, kernel6)
+    let v6_opts = v6.options().clone();
+    (
+        DualStack::new(vec![Box::new(v4), Box::new(v6)]),
+        kernel4,
+        kernel6,
+        v6_opts,
+    )
 }
 
 /// A dual-stack Service: each family's ports go to its own tool only;
 /// the IPv4 rules are byte for byte what an IPv4-only mode writes.
 #[test]
 fn dual_stack_writes_each_family_with_its_own_tool() {
-    let (mut dual, kernel4, kernel6) = dual_stack();
+    let (mut dual, kernel4, kernel6, v6_opts) = dual_stack();
     assert_eq!(dual.families(), [IpFamily::V4, IpFamily::V6]);
+    assert_eq!(dual.name(), "iptables");
     let a4 = port("a", 1, Some(30001), &[11, 12]);
     let a6 = port_v6("a", 1, Some(30001), &[0x11]);
     dual.apply_full(&state([&a4, &a6])).expect("full sync");
@@ -633,7 +640,6 @@ fn dual_stack_writes_each_family_with_its_own_tool() {
     alone.apply_full(&state([&a4])).expect("IPv4 alone");
     assert_eq!(kernel4.restores(), kernel_alone.restores());
     assert_eq!(service_chains(&kernel4), port_chains(&a4));
-    let v6_opts = dual.half(IpFamily::V6).expect("v6 half").options().clone();
     assert_eq!(service_chains(&kernel6), rules::port_chains(&v6_opts, &a6));
     assert!(!kernel6.restores().concat().contains("10.96.0.1"));
 
@@ -652,7 +658,7 @@ fn dual_stack_writes_each_family_with_its_own_tool() {
 /// written; the error names the family, and the counters add up.
 #[test]
 fn dual_stack_syncs_one_family_when_the_other_fails() {
-    let (mut dual, kernel4, kernel6) = dual_stack();
+    let (mut dual, kernel4, kernel6, _) = dual_stack();
     let a4 = port("a", 1, Some(30001), &[11]);
     let a6 = port_v6("a", 1, Some(30001), &[0x11]);
     kernel6.fail_next();

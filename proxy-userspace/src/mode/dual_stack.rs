@@ -1,61 +1,59 @@
-//! Both families in the iptables mode, the way kube-proxy does it: one
-//! proxier per family with the same chain layout, the IPv4 one writing
-//! through `iptables-restore`, the IPv6 one through `ip6tables-restore`
-//! (kube-proxy's "meta proxier"). Each half gets the ports of its family
-//! only and keeps its own state, so a failure of one leaves the other's
-//! sync in place; the UDP flows a sync left stale are deleted once, for
-//! both families (the conntrack layer dumps both tables).
+//! Both families in a rule-writing mode, the way kube-proxy does it
+//! (its "meta proxier"): one single-family mode per family with the same
+//! layout, e.g. the iptables mode's IPv4 half writing through
+//! `iptables-restore` and its IPv6 half through `ip6tables-restore`, or
+//! the nftables mode's `ip` and `ip6` tables. Each half gets the ports of
+//! its family only and keeps its own state, so a failure of one leaves
+//! the other's sync in place; the UDP flows a sync left stale are deleted
+//! once, for both families (the conntrack layer dumps both tables).
 
 use std::collections::BTreeMap;
 
 use anyhow::{Result, anyhow};
 use tracing::warn;
 
-use super::IptablesMode;
-use crate::{
-    config::Config,
-    mode::{Dataplane, ModeCounters, Plan, SyncedChange, conntrack},
-    model::{IpFamily, Problem, ServicePort},
-};
+use super::{Dataplane, ModeCounters, Plan, SyncedChange, conntrack};
+use crate::model::{IpFamily, Problem, ServicePort};
 
-/// The iptables mode over every family the node's tools handle.
+/// A mode over every family a half was started for.
 pub struct DualStack {
-    halves: Vec<IptablesMode>,
+    /// Each serves one family (its `families()` has one entry).
+    halves: Vec<Box<dyn Dataplane>>,
     families: &'static [IpFamily],
 }
 
 impl DualStack {
-    /// Both halves; without working `ip6tables` tools (or an IPv6 nat
-    /// table) the mode serves IPv4 only and says so, as kube-proxy falls
-    /// back to single-stack on a node without IPv6 support.
-    pub fn start(config: &Config) -> Result<Self> {
-        let v4 = IptablesMode::start(config)?;
-        match IptablesMode::start_family(config, IpFamily::V6) {
-            Ok(v6) => Ok(Self::new(vec![v4, v6])),
+    /// The IPv4 half and, if `v6` could be started, the IPv6 one; else
+    /// the mode serves IPv4 only and says why, as kube-proxy falls back
+    /// to single-stack on a node without IPv6 support.
+    pub fn start(v4: Box<dyn Dataplane>, v6: Result<Box<dyn Dataplane>>) -> Self {
+        match v6 {
+            Ok(v6) => Self::new(vec![v4, v6]),
             Err(e) => {
                 warn!(
                     error = format!("{e:#}"),
-                    "ip6tables cannot be used: the iptables mode serves IPv4 only"
+                    "IPv6 cannot be programmed: the {} mode serves IPv4 only",
+                    v4.name()
                 );
-                Ok(Self::new(vec![v4]))
+                Self::new(vec![v4])
             }
         }
     }
 
-    /// A mode over `halves`, one per family (as tests build them).
-    pub fn new(halves: Vec<IptablesMode>) -> Self {
-        let families = if halves.iter().any(|h| h.options().family == IpFamily::V6) {
+    /// A mode over `halves`, one per family.
+    pub fn new(halves: Vec<Box<dyn Dataplane>>) -> Self {
+        let families = if halves.iter().any(|h| family_of(h.as_ref()) == IpFamily::V6) {
             &[IpFamily::V4, IpFamily::V6][..]
         } else {
             &[IpFamily::V4][..]
         };
         Self { halves, families }
     }
+}
 
-    /// The half writing the rules of `family`, if there is one.
-    pub fn half(&self, family: IpFamily) -> Option<&IptablesMode> {
-        self.halves.iter().find(|h| h.options().family == family)
-    }
+/// The family a half serves.
+fn family_of(half: &dyn Dataplane) -> IpFamily {
+    half.families().first().copied().unwrap_or_default()
 }
 
 /// The part of `plan` of `family`.
@@ -79,11 +77,14 @@ fn desired_of(desired: &BTreeMap<String, ServicePort>, family: IpFamily) -> BTre
 /// Runs `sync` on every half and returns the first failure (naming its
 /// family) after all have run: one family's broken rules must not keep
 /// the other's from being written.
-fn each_half(halves: &mut [IptablesMode], mut sync: impl FnMut(&mut IptablesMode) -> Result<()>) -> Result<()> {
+fn each_half(
+    halves: &mut [Box<dyn Dataplane>],
+    mut sync: impl FnMut(&mut dyn Dataplane, IpFamily) -> Result<()>,
+) -> Result<()> {
     let mut failed = Vec::new();
     for half in halves {
-        let family = half.options().family;
-        if let Err(e) = sync(half) {
+        let family = family_of(half.as_ref());
+        if let Err(e) = sync(half.as_mut(), family) {
             failed.push(e.context(format!("{family:?} rules")));
         }
     }
@@ -97,9 +98,9 @@ fn each_half(halves: &mut [IptablesMode], mut sync: impl FnMut(&mut IptablesMode
 
 /// The counters of both halves: failures add up, and so do the rules of
 /// a table (`filter` counts the IPv4 and the IPv6 filter table's rules).
-fn merged_counters(halves: &[IptablesMode]) -> ModeCounters {
+fn merged_counters(halves: &[Box<dyn Dataplane>]) -> ModeCounters {
     let mut total = ModeCounters::default();
-    for counters in halves.iter().map(Dataplane::counters) {
+    for counters in halves.iter().map(|h| h.counters()) {
         total.iptables_restore_failures += counters.iptables_restore_failures;
         total.iptables_partial_restore_failures += counters.iptables_partial_restore_failures;
         total.nftables_sync_failures += counters.nftables_sync_failures;
@@ -115,7 +116,7 @@ fn merged_counters(halves: &[IptablesMode]) -> ModeCounters {
 
 impl Dataplane for DualStack {
     fn name(&self) -> &'static str {
-        "iptables"
+        self.halves.first().map_or("dual-stack", |h| h.name())
     }
 
     fn families(&self) -> &'static [IpFamily] {
@@ -123,20 +124,17 @@ impl Dataplane for DualStack {
     }
 
     fn apply(&mut self, plan: &Plan) -> Result<()> {
-        each_half(&mut self.halves, |half| {
-            let part = plan_of(plan, half.options().family);
-            half.apply(&part)
-        })
+        each_half(&mut self.halves, |half, family| half.apply(&plan_of(plan, family)))
     }
 
     fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()> {
-        each_half(&mut self.halves, |half| {
-            half.apply_full(&desired_of(desired, half.options().family))
+        each_half(&mut self.halves, |half, family| {
+            half.apply_full(&desired_of(desired, family))
         })
     }
 
     fn kernel_writes(&self) -> u64 {
-        self.halves.iter().map(Dataplane::kernel_writes).sum()
+        self.halves.iter().map(|h| h.kernel_writes()).sum()
     }
 
     fn delete_stale_flows(&mut self, change: &SyncedChange<'_>) -> u64 {
@@ -144,7 +142,7 @@ impl Dataplane for DualStack {
     }
 
     fn take_problems(&mut self) -> Vec<Problem> {
-        self.halves.iter_mut().flat_map(Dataplane::take_problems).collect()
+        self.halves.iter_mut().flat_map(|h| h.take_problems()).collect()
     }
 
     fn counters(&self) -> ModeCounters {
