@@ -5,7 +5,7 @@
 //! in its own language (an iptables match, an nft expression) next to its
 //! rules.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use tracing::warn;
 
@@ -99,6 +99,47 @@ impl NodePortScope {
                     warn!(?cidrs, "no IPv4 network in nodePortAddresses: NodePorts answer nowhere");
                 }
                 NodePortScope::Cidrs(v4)
+            }
+        }
+    }
+}
+
+/// [`NodePortScope`] for the rules of one family, as kube-proxy's proxier
+/// of that family reads `nodePortAddresses`: that family's node IPs and
+/// networks; localhost only for IPv4 (IPv6 has no `route_localnet`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FamilyNodePorts {
+    /// Every local address of the family; 127.0.0.0/8 too if `localhost`.
+    AllLocal { localhost: bool },
+    /// The node's addresses of the family (`[primary]`); never empty.
+    NodeIps(Vec<IpAddr>),
+    /// Local addresses inside these networks of the family; may be empty.
+    Cidrs(Vec<Cidr>),
+}
+
+impl FamilyNodePorts {
+    /// What `config` asks of the rules of `family`, warning about what
+    /// cannot be honoured.
+    pub fn from_config(config: &Config, family: IpFamily) -> Self {
+        let of_family = |ip: &IpAddr| IpFamily::of(*ip) == family;
+        match &config.node_port_addresses {
+            NodePortAddresses::All => FamilyNodePorts::AllLocal {
+                localhost: config.localhost_node_ports && family == IpFamily::V4,
+            },
+            NodePortAddresses::Primary => {
+                let ips: Vec<IpAddr> = config.node_ips.iter().copied().filter(of_family).collect();
+                if ips.is_empty() {
+                    warn!(
+                        "nodePortAddresses is [primary] but no {family:?} node IP is known: \
+                         its NodePorts answer on every local address"
+                    );
+                    FamilyNodePorts::AllLocal { localhost: false }
+                } else {
+                    FamilyNodePorts::NodeIps(ips)
+                }
+            }
+            NodePortAddresses::Cidrs(cidrs) => {
+                FamilyNodePorts::Cidrs(cidrs.iter().filter(|c| of_family(&c.addr())).copied().collect())
             }
         }
     }

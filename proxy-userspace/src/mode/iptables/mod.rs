@@ -31,9 +31,12 @@ use rules::{Rewrite, SyncInput, jumps, port_chains, render};
 use tracing::{debug, info, warn};
 
 pub use super::options::LocalTraffic;
-use super::{Dataplane, ModeCounters, Plan, SyncedChange, conntrack, dual_stack::DualStack, unhonoured::Unhonoured};
+use super::{
+    Dataplane, ModeCounters, Plan, SyncedChange, conntrack, dual_stack::DualStack, options::FamilyNodePorts,
+    unhonoured::Unhonoured,
+};
 use crate::{
-    config::{Cidr, Config, NodePortAddresses},
+    config::{Cidr, Config},
     model::{IpFamily, ServicePort},
     sys::{
         addrs,
@@ -435,35 +438,15 @@ fn node_ips_of(config: &Config, family: IpFamily) -> Vec<IpAddr> {
         .collect()
 }
 
-/// Where the NodePorts of `family` answer (`nodePortAddresses`, read per
-/// family as kube-proxy's proxier of that family reads it).
+/// Where the NodePorts of `family` answer, and the networks to look their
+/// addresses up in at every sync.
 fn node_port_destinations(config: &Config, family: IpFamily) -> (NodePortDestinations, Option<NodePortCidrs>) {
-    match &config.node_port_addresses {
-        NodePortAddresses::All => (
-            NodePortDestinations::AllLocal {
-                localhost: config.localhost_node_ports && family == IpFamily::V4,
-            },
-            None,
-        ),
-        NodePortAddresses::Primary => {
-            let ips = node_ips_of(config, family);
-            if ips.is_empty() {
-                warn!(
-                    "nodePortAddresses is [primary] but no {family:?} node IP is known: \
-                     its NodePorts answer on every local address"
-                );
-                (NodePortDestinations::AllLocal { localhost: false }, None)
-            } else {
-                (NodePortDestinations::Addresses(ips), None)
-            }
-        }
-        NodePortAddresses::Cidrs(cidrs) => {
+    match FamilyNodePorts::from_config(config, family) {
+        FamilyNodePorts::AllLocal { localhost } => (NodePortDestinations::AllLocal { localhost }, None),
+        FamilyNodePorts::NodeIps(ips) => (NodePortDestinations::Addresses(ips), None),
+        FamilyNodePorts::Cidrs(cidrs) => {
             let cidrs = NodePortCidrs {
-                cidrs: cidrs
-                    .iter()
-                    .filter(|c| c.is_ipv4() == (family == IpFamily::V4))
-                    .copied()
-                    .collect(),
+                cidrs,
                 localhost: config.localhost_node_ports,
             };
             // Filled in by the first sync.
