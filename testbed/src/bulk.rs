@@ -26,7 +26,7 @@ use std::{
     collections::BTreeMap,
     fmt,
     io::{self, BufRead, BufReader, Read, Write},
-    net::{Shutdown, SocketAddr, SocketAddrV4, TcpStream},
+    net::{Shutdown, SocketAddr, TcpStream},
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -41,7 +41,7 @@ use crate::netns::{Netns, Server};
 
 /// The bulk server and client as methods of the namespace they run in.
 impl Netns {
-    /// Starts a bulk server on `0.0.0.0:port` inside the namespace that
+    /// Starts a bulk server on `port` (both families) inside the namespace that
     /// names itself `name` (see [`server`]); it is stopped when the
     /// namespace is dropped.
     pub fn serve_bulk(&self, port: u16, name: &str) -> Result<()> {
@@ -50,7 +50,8 @@ impl Netns {
     }
 
     /// [`transfer`] from inside this namespace.
-    pub fn bulk_transfer(&self, addr: SocketAddrV4, direction: Direction, bytes: u64) -> Result<Report> {
+    pub fn bulk_transfer(&self, addr: impl Into<SocketAddr>, direction: Direction, bytes: u64) -> Result<Report> {
+        let addr = addr.into();
         self.run_in(|| transfer(addr, direction, bytes))?
     }
 }
@@ -231,7 +232,7 @@ fn fresh_seed() -> u64 {
 // ---------------------------------------------------------------------------
 // The server.
 
-/// A bulk server on `0.0.0.0:port` in `ns` that names itself `name`; every
+/// A bulk server on `port` (IPv4 and IPv6) in `ns` that names itself `name`; every
 /// connection is served on a thread of its own. Returns once it listens.
 pub fn server(ns: &Netns, port: u16, name: &str) -> Result<Server> {
     let name = name.to_owned();
@@ -364,12 +365,18 @@ fn read_line(reader: &mut impl BufRead) -> Result<String> {
 /// Moves `bytes` bytes to or from the bulk server at `addr` and checks
 /// their SHA-256 at the receiver, within the default [`Limits`]. Runs in
 /// the calling thread's namespace: see [`Netns::run_in`].
-pub fn transfer(addr: SocketAddrV4, direction: Direction, bytes: u64) -> Result<Report> {
+pub fn transfer(addr: impl Into<SocketAddr>, direction: Direction, bytes: u64) -> Result<Report> {
     transfer_within(addr, direction, bytes, Limits::default())
 }
 
 /// [`transfer`] within `limits`.
-pub fn transfer_within(addr: SocketAddrV4, direction: Direction, bytes: u64, limits: Limits) -> Result<Report> {
+pub fn transfer_within(
+    addr: impl Into<SocketAddr>,
+    direction: Direction,
+    bytes: u64,
+    limits: Limits,
+) -> Result<Report> {
+    let addr = addr.into();
     let request = Request {
         direction,
         bytes,
@@ -399,9 +406,9 @@ struct Client {
 }
 
 impl Client {
-    fn connect(addr: SocketAddrV4, request: Request, limits: Limits) -> Result<Self> {
+    fn connect(addr: SocketAddr, request: Request, limits: Limits) -> Result<Self> {
         let started = Instant::now();
-        let stream = TcpStream::connect_timeout(&SocketAddr::V4(addr), limits.stall).context("connecting")?;
+        let stream = TcpStream::connect_timeout(&addr, limits.stall).context("connecting")?;
         stream.set_read_timeout(Some(limits.stall))?;
         stream.set_write_timeout(Some(limits.stall))?;
         let reader = BufReader::with_capacity(CHUNK, stream.try_clone()?);
@@ -527,7 +534,7 @@ impl Client {
 
 #[cfg(test)]
 mod tests {
-    use std::net::Ipv4Addr;
+    use std::net::{Ipv4Addr, Ipv6Addr, SocketAddrV4};
 
     use super::*;
     use crate::privileged::require_root;
@@ -572,11 +579,16 @@ mod tests {
         }
         let ns = Netns::new("xb").expect("a namespace");
         ns.serve_bulk(BULK_PORT, "pod-x").expect("a bulk server");
-        for direction in Direction::BOTH {
+        // One server for both families: over IPv4, then IPv6.
+        let loopback6 = SocketAddr::from((Ipv6Addr::LOCALHOST, BULK_PORT));
+        for (addr, direction) in [SocketAddr::from(loopback()), loopback6]
+            .into_iter()
+            .flat_map(|a| Direction::BOTH.map(|d| (a, d)))
+        {
             let report = ns
-                .bulk_transfer(loopback(), direction, 64 << 20)
+                .bulk_transfer(addr, direction, 64 << 20)
                 .unwrap_or_else(|e| panic!("{e:#}"));
-            eprintln!("{direction}: {report}");
+            eprintln!("{addr} {direction}: {report}");
             assert_eq!(report.pod, "pod-x");
             assert_eq!(report.bytes, 64 << 20);
         }

@@ -9,13 +9,16 @@
 //! agent's model has them (`ServicePort`), for the tests that program the
 //! maps or render a mode's rules without the agent.
 
-use std::{fmt::Write as _, net::Ipv4Addr};
+use std::{
+    fmt::Write as _,
+    net::{Ipv4Addr, Ipv6Addr},
+};
 
 use serde_json::{Value, json};
 
 use crate::{
     probe::Protocol,
-    topology::{BACKENDS, NODE_IP, TARGET_PORT},
+    topology::{BACKENDS, NODE_IP, NODE_IP6, TARGET_PORT, pod_ipv6},
 };
 
 #[cfg(feature = "progs")]
@@ -27,6 +30,10 @@ pub const SEED_SLICE: &str = "nginx-service-demo";
 pub const SEED_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 88);
 pub const SEED_PORT: u16 = 88;
 pub const SEED_NODE_PORT: u16 = 30791;
+/// The dual-stack seed's IPv6 ClusterIP and EndpointSlice
+/// ([`seed_objects_dual_stack`]).
+pub const SEED_CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x88);
+pub const SEED_SLICE6: &str = "nginx-service-demo-v6";
 /// A Service without endpoints beside it.
 pub const EMPTY_NAME: &str = "empty-service";
 pub const EMPTY_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 89);
@@ -174,9 +181,26 @@ pub fn service(name: &str, cluster_ip: Ipv4Addr, port: u16, target_port: u16, no
 /// The EndpointSlice `name` of Service `service` with the ports of `ports`
 /// (by name, targetPort) and a ready endpoint per `(address, nodeName)`.
 pub fn slice_with(name: &str, service: &str, ports: &[PortDef], endpoints: &[(Ipv4Addr, &str)]) -> Value {
+    let endpoints: Vec<(String, &str)> = endpoints.iter().map(|(ip, node)| (ip.to_string(), *node)).collect();
+    slice_of_family("IPv4", name, service, ports, &endpoints)
+}
+
+/// [`slice_with`] for IPv6 endpoints (`addressType: IPv6`).
+pub fn slice6_with(name: &str, service: &str, ports: &[PortDef], endpoints: &[(Ipv6Addr, &str)]) -> Value {
+    let endpoints: Vec<(String, &str)> = endpoints.iter().map(|(ip, node)| (ip.to_string(), *node)).collect();
+    slice_of_family("IPv6", name, service, ports, &endpoints)
+}
+
+fn slice_of_family(
+    address_type: &str,
+    name: &str,
+    service: &str,
+    ports: &[PortDef],
+    endpoints: &[(String, &str)],
+) -> Value {
     let endpoints: Vec<Value> = endpoints
         .iter()
-        .map(|(ip, node)| json!({"addresses": [ip.to_string()], "conditions": {"ready": true}, "nodeName": node}))
+        .map(|(ip, node)| json!({"addresses": [ip], "conditions": {"ready": true}, "nodeName": node}))
         .collect();
     json!({
         "apiVersion": "discovery.k8s.io/v1",
@@ -186,7 +210,7 @@ pub fn slice_with(name: &str, service: &str, ports: &[PortDef], endpoints: &[(Ip
             "namespace": "default",
             "labels": {"kubernetes.io/service-name": service},
         },
-        "addressType": "IPv4",
+        "addressType": address_type,
         "ports": ports.iter().map(PortDef::slice_spec).collect::<Vec<_>>(),
         "endpoints": endpoints,
     })
@@ -208,6 +232,22 @@ pub fn backend_ips() -> Vec<Ipv4Addr> {
     BACKENDS.iter().map(|(_, ip)| *ip).collect()
 }
 
+/// The one-node bed's backends' IPv6 addresses.
+pub fn backend_ips6() -> Vec<Ipv6Addr> {
+    BACKENDS.iter().map(|(_, ip)| pod_ipv6(*ip)).collect()
+}
+
+/// `svc` made dual-stack, IPv4 first: `ip6` as its second ClusterIP
+/// (`clusterIPs`, `ipFamilies`, `ipFamilyPolicy: RequireDualStack`, as the
+/// API server fills them in).
+pub fn dual_stack(mut svc: Value, ip6: Ipv6Addr) -> Value {
+    let ip4 = svc["spec"]["clusterIP"].clone();
+    svc["spec"]["clusterIPs"] = json!([ip4, ip6.to_string()]);
+    svc["spec"]["ipFamilies"] = json!(["IPv4", "IPv6"]);
+    svc["spec"]["ipFamilyPolicy"] = json!("RequireDualStack");
+    svc
+}
+
 /// The Node the one-node bed's agent runs as.
 pub fn node() -> Value {
     json!({
@@ -216,6 +256,15 @@ pub fn node() -> Value {
         "metadata": {"name": NODE_NAME, "labels": {"kubernetes.io/hostname": NODE_NAME}},
         "status": {"addresses": [{"type": "InternalIP", "address": NODE_IP.to_string()}]},
     })
+}
+
+/// [`node`] with its IPv6 address too ([`NODE_IP6`]): a dual-stack node.
+pub fn node_dual_stack() -> Value {
+    let mut node = node();
+    if let Some(addresses) = node["status"]["addresses"].as_array_mut() {
+        addresses.push(json!({"type": "InternalIP", "address": NODE_IP6.to_string()}));
+    }
+    node
 }
 
 /// The seed Service with `ports` (labelled and selecting `app: nginx`, as
@@ -238,6 +287,17 @@ pub fn with_app(mut service: Value, app: &str) -> Value {
 /// one TCP port, the three backends of the one-node bed.
 pub fn seed_objects() -> Vec<Value> {
     seed_objects_with(&[SEED_TCP], &on_node(&backend_ips()))
+}
+
+/// The seed as a dual-stack Service ([`dual_stack`], [`SEED_CLUSTER_IP6`])
+/// with `ports`, its IPv4 EndpointSlice and an IPv6 one ([`SEED_SLICE6`]),
+/// the three backends of the one-node bed in each.
+pub fn seed_objects_dual_stack(ports: &[PortDef]) -> Vec<Value> {
+    let mut objects = seed_objects_with(ports, &on_node(&backend_ips()));
+    objects[0] = dual_stack(objects[0].clone(), SEED_CLUSTER_IP6);
+    let endpoints6: Vec<(Ipv6Addr, &str)> = backend_ips6().into_iter().map(|ip| (ip, NODE_NAME)).collect();
+    objects.push(slice6_with(SEED_SLICE6, SEED_NAME, ports, &endpoints6));
+    objects
 }
 
 /// Block-style YAML documents (separated by `---`) for JSON objects.

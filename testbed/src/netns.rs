@@ -14,7 +14,7 @@ use std::{
     ffi::CString,
     fs::File,
     io::{self, Read, Write},
-    net::{Ipv4Addr, Shutdown, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
+    net::{Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
     path::{Path, PathBuf},
     process::Command,
@@ -69,6 +69,13 @@ impl Netns {
         };
         // From here on, Drop deletes the namespace if anything below fails.
         ns.ip(&["link", "set", "lo", "up"])?;
+        // Links made from now on skip IPv6 duplicate address detection:
+        // until it ends, a new veth's link-local address is tentative and
+        // the first IPv6 packets over it wait a second or more. Nothing to
+        // do on a kernel without IPv6 (no such entry).
+        if Path::new("/proc/sys/net/ipv6").exists() {
+            ns.sysctl("net.ipv6.conf.default.accept_dad", "0")?;
+        }
         Ok(ns)
     }
 
@@ -156,9 +163,15 @@ impl Netns {
         self.exec(&["ethtool", "-k", dev])
     }
 
-    /// Adds an address (CIDR notation) to `dev`.
+    /// Adds an address (CIDR notation) to `dev`. An IPv6 address skips
+    /// duplicate address detection: usable at once, not after a second of
+    /// "tentative" (the bed's links hold no duplicates).
     pub fn add_addr(&self, dev: &str, cidr: &str) -> Result<()> {
-        self.ip(&["addr", "add", cidr, "dev", dev])?;
+        if cidr.contains(':') {
+            self.ip(&["addr", "add", cidr, "dev", dev, "nodad"])?;
+        } else {
+            self.ip(&["addr", "add", cidr, "dev", dev])?;
+        }
         Ok(())
     }
 
@@ -225,12 +238,14 @@ impl Netns {
     }
 
     /// [`tcp_request`] from inside this namespace.
-    pub fn tcp_request(&self, addr: SocketAddrV4, timeout: Duration) -> Result<io::Result<String>> {
+    pub fn tcp_request(&self, addr: impl Into<SocketAddr>, timeout: Duration) -> Result<io::Result<String>> {
+        let addr = addr.into();
         self.run_in(|| tcp_request(addr, timeout))
     }
 
     /// [`udp_request`] from inside this namespace.
-    pub fn udp_request(&self, addr: SocketAddrV4, timeout: Duration) -> Result<io::Result<String>> {
+    pub fn udp_request(&self, addr: impl Into<SocketAddr>, timeout: Duration) -> Result<io::Result<String>> {
+        let addr = addr.into();
         self.run_in(|| udp_request(addr, timeout))
     }
 
@@ -399,7 +414,11 @@ impl Server {
     /// client's address (`pod-1 172.30.0.1`).
     pub fn tcp_peer(ns: &Netns, port: u16, name: &str) -> Result<Self> {
         let name = name.to_owned();
-        Self::tcp_answering(ns, port, &name.clone(), move |peer| format!("{name} {}\n", peer.ip()))
+        // The servers take both families on one socket: an IPv4 client
+        // arrives as `::ffff:a.b.c.d`, shown as the IPv4 address it is.
+        Self::tcp_answering(ns, port, &name.clone(), move |peer| {
+            format!("{name} {}\n", peer.ip().to_canonical())
+        })
     }
 
     fn tcp_answering(
@@ -482,7 +501,7 @@ impl Server {
             ns,
             what.clone(),
             move || {
-                let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, port))?;
+                let socket = bind_both_families(port, UdpSocket::bind)?;
                 socket.set_nonblocking(true)?;
                 Ok(socket)
             },
@@ -627,11 +646,30 @@ fn echo_tcp(mut stream: TcpStream, stop: &AtomicBool) {
     }
 }
 
-/// A non-blocking listener on `0.0.0.0:port`, for a server's thread.
+/// A non-blocking listener on `port` of both families, for a server's thread.
 fn listen_tcp(port: u16) -> io::Result<TcpListener> {
-    let listener = TcpListener::bind((Ipv4Addr::UNSPECIFIED, port))?;
+    let listener = bind_both_families(port, TcpListener::bind)?;
     listener.set_nonblocking(true)?;
     Ok(listener)
+}
+
+/// `bind` on `[::]:port`, which Linux makes a socket of both families
+/// (`IPV6_V6ONLY` is off by default): the bed's servers answer on IPv4 and
+/// IPv6 alike. A kernel without IPv6 gets `0.0.0.0:port`.
+fn bind_both_families<S>(port: u16, bind: impl Fn(SocketAddr) -> io::Result<S>) -> io::Result<S> {
+    match bind(SocketAddr::from((Ipv6Addr::UNSPECIFIED, port))) {
+        Err(e) if e.raw_os_error() == Some(libc::EAFNOSUPPORT) => bind(SocketAddr::from((Ipv4Addr::UNSPECIFIED, port))),
+        bound => bound,
+    }
+}
+
+/// The unspecified address of `addr`'s family, port 0: where a client
+/// socket to `addr` binds.
+fn any_local(addr: SocketAddr) -> SocketAddr {
+    match addr {
+        SocketAddr::V4(_) => SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)),
+        SocketAddr::V6(_) => SocketAddr::from((Ipv6Addr::UNSPECIFIED, 0)),
+    }
 }
 
 fn answer_tcp(mut stream: TcpStream, reply: &[u8]) -> io::Result<()> {
@@ -654,9 +692,9 @@ fn answer_tcp(mut stream: TcpStream, reply: &[u8]) -> io::Result<()> {
 /// Connects to `addr` (at most `timeout`), sends a line, half-closes and
 /// reads the answer to its end; returns it without surrounding whitespace.
 /// Runs in the calling thread's namespace: see [`Netns::run_in`].
-pub fn tcp_request(addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
+pub fn tcp_request(addr: impl Into<SocketAddr>, timeout: Duration) -> io::Result<String> {
     let deadline = Instant::now() + timeout;
-    let stream = TcpStream::connect_timeout(&SocketAddr::V4(addr), timeout)?;
+    let stream = TcpStream::connect_timeout(&addr.into(), timeout)?;
     exchange_line(stream, deadline)
 }
 
@@ -670,7 +708,7 @@ pub fn tcp_request_from_addr(source: Ipv4Addr, addr: SocketAddrV4, timeout: Dura
 
 /// [`udp_request`] from the local address `source`.
 pub fn udp_request_from_addr(source: Ipv4Addr, addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
-    udp_request_bound(SocketAddrV4::new(source, 0), addr, timeout)
+    udp_request_bound(SocketAddrV4::new(source, 0).into(), addr.into(), timeout)
 }
 
 /// A TCP connection from `source` (any port) to `addr`, given up after
@@ -760,22 +798,24 @@ fn exchange_line(mut stream: TcpStream, deadline: Instant) -> io::Result<String>
 
 /// Only connects (at most `timeout`): for checking that a connection is
 /// refused. Runs in the calling thread's namespace.
-pub fn tcp_connect(addr: SocketAddrV4, timeout: Duration) -> io::Result<TcpStream> {
-    TcpStream::connect_timeout(&SocketAddr::V4(addr), timeout)
+pub fn tcp_connect(addr: impl Into<SocketAddr>, timeout: Duration) -> io::Result<TcpStream> {
+    TcpStream::connect_timeout(&addr.into(), timeout)
 }
 
 /// Sends one datagram from a fresh socket connected to `addr` and waits at
 /// most `timeout` for the answer, which must come from `addr` (the socket is
 /// connected). An ICMP port unreachable makes this fail at once with
 /// `ConnectionRefused`. Runs in the calling thread's namespace.
-pub fn udp_request(addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
-    udp_request_from(0, addr, timeout)
+pub fn udp_request(addr: impl Into<SocketAddr>, timeout: Duration) -> io::Result<String> {
+    let addr = addr.into();
+    udp_request_bound(any_local(addr), addr, timeout)
 }
 
 /// [`udp_request`] from local port `source_port` (0: any): the same port
 /// again is the same flow to conntrack.
 pub fn udp_request_from(source_port: u16, addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
-    udp_request_bound(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, source_port), addr, timeout)
+    let local = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, source_port);
+    udp_request_bound(local.into(), addr.into(), timeout)
 }
 
 /// Sends `len` bytes (a fixed pattern) in one datagram to `to`, an echo
@@ -796,7 +836,7 @@ pub fn udp_echo_roundtrip(to: SocketAddrV4, len: usize, timeout: Duration) -> io
     Ok(())
 }
 
-fn udp_request_bound(local: SocketAddrV4, addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
+fn udp_request_bound(local: SocketAddr, addr: SocketAddr, timeout: Duration) -> io::Result<String> {
     let socket = UdpSocket::bind(local)?;
     socket.connect(addr)?;
     socket.set_read_timeout(Some(timeout))?;

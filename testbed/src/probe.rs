@@ -10,7 +10,7 @@ use std::{
     collections::BTreeMap,
     fmt::Display,
     io,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
     time::{Duration, Instant},
 };
 
@@ -67,7 +67,8 @@ pub fn backend_names() -> Vec<&'static str> {
 
 /// One request in the calling thread's namespace: a TCP connection or a UDP
 /// datagram; the answer without surrounding whitespace.
-pub fn request(protocol: Protocol, addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
+pub fn request(protocol: Protocol, addr: impl Into<SocketAddr>, timeout: Duration) -> io::Result<String> {
+    let addr = addr.into();
     match protocol {
         Protocol::Tcp => netns::tcp_request(addr, timeout),
         Protocol::Udp => netns::udp_request(addr, timeout),
@@ -79,13 +80,22 @@ pub fn request(protocol: Protocol, addr: SocketAddrV4, timeout: Duration) -> io:
 pub fn request_from(
     source: Option<Ipv4Addr>,
     protocol: Protocol,
-    addr: SocketAddrV4,
+    addr: impl Into<SocketAddr>,
     timeout: Duration,
 ) -> io::Result<String> {
-    match (protocol, source) {
-        (_, None) => request(protocol, addr, timeout),
-        (Protocol::Tcp, Some(source)) => netns::tcp_request_from_addr(source, addr, timeout),
-        (Protocol::Udp, Some(source)) => netns::udp_request_from_addr(source, addr, timeout),
+    let addr = addr.into();
+    let (Some(source), SocketAddr::V4(addr)) = (source, addr) else {
+        return match source {
+            None => request(protocol, addr, timeout),
+            Some(source) => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("source {source} is IPv4, {addr} is not"),
+            )),
+        };
+    };
+    match protocol {
+        Protocol::Tcp => netns::tcp_request_from_addr(source, addr, timeout),
+        Protocol::Udp => netns::udp_request_from_addr(source, addr, timeout),
     }
 }
 
@@ -95,7 +105,7 @@ pub fn request_from(
 pub fn expect_backends(
     from: &Netns,
     protocol: Protocol,
-    addr: SocketAddrV4,
+    addr: impl Into<SocketAddr>,
     backends: &[&str],
     count: usize,
 ) -> Result<String> {
@@ -108,10 +118,11 @@ pub fn expect_backends_from(
     from: &Netns,
     source: Option<Ipv4Addr>,
     protocol: Protocol,
-    addr: SocketAddrV4,
+    addr: impl Into<SocketAddr>,
     backends: &[&str],
     count: usize,
 ) -> Result<String> {
+    let addr = addr.into();
     let answers = from.run_in(|| -> Result<Vec<String>> {
         let mut answers = Vec::with_capacity(count);
         for i in 0..count {
@@ -144,19 +155,25 @@ pub fn expect_backends_from(
 }
 
 /// [`expect_backends`] with [`REQUESTS`] requests and all three backends.
-pub fn expect_all_backends(from: &Netns, protocol: Protocol, addr: SocketAddrV4) -> Result<String> {
+pub fn expect_all_backends(from: &Netns, protocol: Protocol, addr: impl Into<SocketAddr>) -> Result<String> {
     expect_backends(from, protocol, addr, &backend_names(), REQUESTS)
 }
 
 /// The Service has no backends: the connection (TCP) or the connected
 /// socket's receive (UDP, after an ICMP port unreachable) must fail with
 /// ECONNREFUSED, at once.
-pub fn expect_refused(from: &Netns, protocol: Protocol, addr: SocketAddrV4) -> Result<String> {
+pub fn expect_refused(from: &Netns, protocol: Protocol, addr: impl Into<SocketAddr>) -> Result<String> {
     expect_rejected(from, protocol, addr, io::ErrorKind::ConnectionRefused)
 }
 
 /// The request must fail with an error of `kind`, at once.
-pub fn expect_rejected(from: &Netns, protocol: Protocol, addr: SocketAddrV4, kind: io::ErrorKind) -> Result<String> {
+pub fn expect_rejected(
+    from: &Netns,
+    protocol: Protocol,
+    addr: impl Into<SocketAddr>,
+    kind: io::ErrorKind,
+) -> Result<String> {
+    let addr = addr.into();
     let (result, elapsed) = from.run_in(|| {
         let started = Instant::now();
         let result = match protocol {
@@ -233,12 +250,18 @@ impl Outcome {
 }
 
 /// One request from `from` to `addr`, waiting at most `timeout`.
-pub fn outcome(from: &Netns, protocol: Protocol, addr: SocketAddrV4, timeout: Duration) -> Result<Outcome> {
+pub fn outcome(from: &Netns, protocol: Protocol, addr: impl Into<SocketAddr>, timeout: Duration) -> Result<Outcome> {
+    let addr = addr.into();
     Ok(Outcome::of(from.run_in(|| request(protocol, addr, timeout))?))
 }
 
 /// Expects a single request from `from` to `addr` to end as `expected`.
-pub fn expect_outcome(from: &Netns, protocol: Protocol, addr: SocketAddrV4, expected: &Outcome) -> Result<String> {
+pub fn expect_outcome(
+    from: &Netns,
+    protocol: Protocol,
+    addr: impl Into<SocketAddr>,
+    expected: &Outcome,
+) -> Result<String> {
     expect_outcome_from(from, None, protocol, addr, expected)
 }
 
@@ -248,9 +271,10 @@ pub fn expect_outcome_from(
     from: &Netns,
     source: Option<Ipv4Addr>,
     protocol: Protocol,
-    addr: SocketAddrV4,
+    addr: impl Into<SocketAddr>,
     expected: &Outcome,
 ) -> Result<String> {
+    let addr = addr.into();
     let got = Outcome::of(from.run_in(|| request_from(source, protocol, addr, REQUEST_TIMEOUT))?);
     ensure!(got == *expected, "expected {expected:?}, got {got:?}");
     Ok(format!("{got:?}"))
@@ -447,7 +471,7 @@ impl Place {
 pub struct Probe<P> {
     pub from: P,
     pub protocol: Protocol,
-    pub to: SocketAddrV4,
+    pub to: SocketAddr,
     /// To a Service's frontend: without a proxy nothing answers it.
     pub service: bool,
 }

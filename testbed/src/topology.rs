@@ -10,13 +10,17 @@
 //!
 //! (*) but with [`Offloads::Off`], which turns GRO off on every veth end.
 //!
+//! Every link carries IPv6 too (ULA, duplicate address detection off):
+//! [`CLIENT_IP6`] and [`NODE_IP6`] on the client link, [`POD_GATEWAY6`] on
+//! each node-side pod veth, [`pod_ipv6`] of its IPv4 address in each pod.
+//!
 //! Pods are wired like the CNI `ptp` plugin: a /32 address, a link route to
 //! the gateway address that every node-side veth carries, and a route per
 //! pod on the node. Backends answer with their pod name on TCP and UDP
 //! [`TARGET_PORT`]. The client pod is not a backend: a backend reaching its
 //! own Service is hairpin traffic, which needs SNAT.
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 use anyhow::Result;
 
@@ -38,6 +42,20 @@ pub const BACKENDS: [(&str, Ipv4Addr); 3] = [
     ("pod-3", Ipv4Addr::new(10, 244, 0, 13)),
 ];
 pub const CLIENT_POD: (&str, Ipv4Addr) = ("client-pod", Ipv4Addr::new(10, 244, 0, 14));
+
+pub const CLIENT_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x30, 0, 0, 0, 0, 0, 1);
+pub const NODE_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x30, 0, 0, 0, 0, 0, 2);
+/// The pods' IPv6 gateway, on every node-side pod veth.
+pub const POD_GATEWAY6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 1);
+pub const POD_CIDR6: &str = "fd00:244::/64";
+
+/// A pod's IPv6 address: `10.244.A.B` is `fd00:244::A:B` (hex: pod-1,
+/// 10.244.0.11, is `fd00:244::b`; the two-node bed's a-1, 10.244.1.11,
+/// `fd00:244::1:b`). Gateways map the same way.
+pub fn pod_ipv6(ip: Ipv4Addr) -> Ipv6Addr {
+    let [_, _, a, b] = ip.octets();
+    Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, a.into(), b.into())
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Offloads {
@@ -78,6 +96,8 @@ impl Offloads {
 pub struct Pod {
     pub name: &'static str,
     pub ip: Ipv4Addr,
+    /// Set by [`Pod::add_ipv6`] (the one-node bed's pods have one).
+    pub ip6: Option<Ipv6Addr>,
     pub node_if: String,
     pub ns: Netns,
 }
@@ -105,6 +125,7 @@ pub fn node_ns(prefix: &str) -> Result<Netns> {
     // setting; be explicit (eBPF proxies run nodes with it off, too).
     node.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
     node.sysctl("net.ipv4.conf.default.rp_filter", "0")?;
+    node.sysctl("net.ipv6.conf.all.forwarding", "1")?;
     // The node's kernel answers a closed port, and the kernel modes'
     // REJECT rules answer a Service without endpoints, with ICMP errors
     // that are rate-limited per destination (a burst of 6, then 1/s)
@@ -121,7 +142,8 @@ pub fn node_ns(prefix: &str) -> Result<Netns> {
 /// Lifts the kernel's ICMP rate limits in `ns` (see [`node_ns`]).
 pub fn limit_no_icmp(ns: &Netns) -> Result<()> {
     ns.sysctl("net.ipv4.icmp_ratelimit", "0")?;
-    ns.sysctl("net.ipv4.icmp_ratemask", "0")
+    ns.sysctl("net.ipv4.icmp_ratemask", "0")?;
+    ns.sysctl("net.ipv6.icmp.ratelimit", "0")
 }
 
 /// The client's link to the node: a veth pair, [`CLIENT_IP`] and [`NODE_IP`]
@@ -154,15 +176,18 @@ impl Topology {
 
         // Lets the client reach pods directly (traffic that is no Service's).
         let (client_if, uplink) = link_client(&client, &node, POD_CIDR)?;
+        link_client_ipv6(&client, &client_if, &node, &uplink)?;
 
         let mut backends = Vec::new();
         for (name, ip) in BACKENDS {
-            let pod = add_pod(&node, POD_GATEWAY, name, ip)?;
+            let mut pod = add_pod(&node, POD_GATEWAY, name, ip)?;
+            pod.add_ipv6(&node, POD_GATEWAY6)?;
             pod.ns.serve_tcp(TARGET_PORT, name)?;
             pod.ns.serve_udp(TARGET_PORT, name)?;
             backends.push(pod);
         }
-        let client_pod = add_pod(&node, POD_GATEWAY, CLIENT_POD.0, CLIENT_POD.1)?;
+        let mut client_pod = add_pod(&node, POD_GATEWAY, CLIENT_POD.0, CLIENT_POD.1)?;
+        client_pod.add_ipv6(&node, POD_GATEWAY6)?;
 
         offloads.apply(&client, &client_if)?;
         offloads.apply(&node, &uplink)?;
@@ -184,8 +209,12 @@ impl Topology {
     /// and external IPs, which no network of the bed holds).
     pub fn route_to_node(&self, nets: &[&str]) -> Result<()> {
         for net in nets {
-            self.client
-                .add_route(&[net, "via", &NODE_IP.to_string(), "dev", &self.client_if])?;
+            let via = if net.contains(':') {
+                NODE_IP6.to_string()
+            } else {
+                NODE_IP.to_string()
+            };
+            self.client.add_route(&[net, "via", &via, "dev", &self.client_if])?;
         }
         Ok(())
     }
@@ -211,5 +240,39 @@ pub fn add_pod(node: &Netns, gateway: Ipv4Addr, name: &'static str, ip: Ipv4Addr
     ns.add_route(&["default", "via", &gateway.to_string(), "dev", "eth0"])?;
     node.add_addr(&node_if, &format!("{gateway}/32"))?;
     node.add_route(&[&format!("{ip}/32"), "dev", &node_if])?;
-    Ok(Pod { name, ip, node_if, ns })
+    Ok(Pod {
+        name,
+        ip,
+        ip6: None,
+        node_if,
+        ns,
+    })
+}
+
+/// IPv6 on the client link made by [`link_client`]: [`CLIENT_IP6`] and
+/// [`NODE_IP6`], the node's default route via the client and the
+/// client's route to [`POD_CIDR6`] via the node.
+fn link_client_ipv6(client: &Netns, client_if: &str, node: &Netns, uplink: &str) -> Result<()> {
+    client.add_addr(client_if, &format!("{CLIENT_IP6}/64"))?;
+    node.add_addr(uplink, &format!("{NODE_IP6}/64"))?;
+    node.add_route(&["::/0", "via", &CLIENT_IP6.to_string(), "dev", uplink])?;
+    client.add_route(&[POD_CIDR6, "via", &NODE_IP6.to_string(), "dev", client_if])
+}
+
+impl Pod {
+    /// Gives the pod its IPv6 address ([`pod_ipv6`]), wired like the IPv4
+    /// one: a /128, a link route to `gateway` (on the node-side veth;
+    /// [`POD_GATEWAY6`] on the one-node bed) and the default route via it;
+    /// the node's route to the /128.
+    pub fn add_ipv6(&mut self, node: &Netns, gateway: Ipv6Addr) -> Result<()> {
+        let ip6 = pod_ipv6(self.ip);
+        let gateway = gateway.to_string();
+        self.ns.add_addr("eth0", &format!("{ip6}/128"))?;
+        self.ns.add_route(&[&gateway, "dev", "eth0"])?;
+        self.ns.add_route(&["::/0", "via", &gateway, "dev", "eth0"])?;
+        node.add_addr(&self.node_if, &format!("{gateway}/128"))?;
+        node.add_route(&[&format!("{ip6}/128"), "dev", &self.node_if])?;
+        self.ip6 = Some(ip6);
+        Ok(())
+    }
 }

@@ -28,21 +28,29 @@
 //! with their name and the source address they see on TCP [`PEER_PORT`].
 //! `a-client` is not a backend.
 //!
+//! Every link carries IPv6 too: `fd00:31::1`, `::2`, `::3` on the segment,
+//! each pod [`pod_ipv6`] of its IPv4 address (`fd00:244::1:b` for a-1)
+//! behind its node's gateway of the same mapping, each node's pods in a
+//! /112 ([`NodeSpec::pod_cidr6`]) routed like the IPv4 /24s.
+//!
 //! The addresses differ from the one-node test bed's, and every namespace
 //! and interface name is unique ([`unique_name`]), so both test beds run in
 //! parallel. Everything is removed on drop, also when a test panics.
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 use anyhow::{Context, Result};
 
 use crate::{
     netns::{self, Netns},
     privileged::unique_name,
-    topology::{Offloads, Pod, add_pod, node_ns},
+    topology::{Offloads, Pod, add_pod, node_ns, pod_ipv6},
 };
 
 pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(172, 31, 0, 1);
+pub const CLIENT_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x31, 0, 0, 0, 0, 0, 1);
+/// The segment's IPv6 prefix length.
+pub const SEGMENT_PREFIX6: u8 = 64;
 /// The segment's prefix length.
 pub const SEGMENT_PREFIX: u8 = 24;
 /// The port backends answer on with their name (TCP and UDP).
@@ -57,7 +65,10 @@ pub const PEER_PORT: u16 = 81;
 pub struct NodeSpec {
     pub name: &'static str,
     pub ip: Ipv4Addr,
+    pub ip6: Ipv6Addr,
     pub pod_cidr: &'static str,
+    /// The node's pods' IPv6 addresses ([`pod_ipv6`] of the /24).
+    pub pod_cidr6: &'static str,
     /// The address every node-side pod veth carries: the pods' gateway.
     pub gateway: Ipv4Addr,
     /// Pods that serve their name (backends).
@@ -69,7 +80,9 @@ pub struct NodeSpec {
 pub const NODE_A: NodeSpec = NodeSpec {
     name: "node-a",
     ip: Ipv4Addr::new(172, 31, 0, 2),
+    ip6: Ipv6Addr::new(0xfd00, 0x31, 0, 0, 0, 0, 0, 2),
     pod_cidr: "10.244.1.0/24",
+    pod_cidr6: "fd00:244::1:0/112",
     gateway: Ipv4Addr::new(10, 244, 1, 1),
     backends: &[
         ("a-1", Ipv4Addr::new(10, 244, 1, 11)),
@@ -81,7 +94,9 @@ pub const NODE_A: NodeSpec = NodeSpec {
 pub const NODE_B: NodeSpec = NodeSpec {
     name: "node-b",
     ip: Ipv4Addr::new(172, 31, 0, 3),
+    ip6: Ipv6Addr::new(0xfd00, 0x31, 0, 0, 0, 0, 0, 3),
     pod_cidr: "10.244.2.0/24",
+    pod_cidr6: "fd00:244::2:0/112",
     gateway: Ipv4Addr::new(10, 244, 2, 1),
     backends: &[
         ("b-1", Ipv4Addr::new(10, 244, 2, 11)),
@@ -112,6 +127,10 @@ impl Node {
 
     pub fn ip(&self) -> Ipv4Addr {
         self.spec.ip
+    }
+
+    pub fn ip6(&self) -> Ipv6Addr {
+        self.spec.ip6
     }
 
     /// The node-side ends of every pod's veth.
@@ -152,9 +171,11 @@ impl TwoNodes {
         let client_if = unique_name("cu");
         let client_port = attach_to_segment(&segment, &client, &client_if, "sc")?;
         client.add_addr(&client_if, &format!("{CLIENT_IP}/{SEGMENT_PREFIX}"))?;
+        client.add_addr(&client_if, &format!("{CLIENT_IP6}/{SEGMENT_PREFIX6}"))?;
         for spec in NODES {
             // The client reaches pods directly (traffic that is no Service's).
             client.add_route(&[spec.pod_cidr, "via", &spec.ip.to_string(), "dev", &client_if])?;
+            client.add_route(&[spec.pod_cidr6, "via", &spec.ip6.to_string(), "dev", &client_if])?;
         }
 
         let node_a = build_node(&segment, NODE_A, &NODE_B).context("building node-a")?;
@@ -224,10 +245,15 @@ fn build_node(segment: &Netns, spec: NodeSpec, other: &NodeSpec) -> Result<Node>
     ns.add_addr(&uplink, &format!("{}/{SEGMENT_PREFIX}", spec.ip))?;
     ns.add_route(&["default", "via", &CLIENT_IP.to_string(), "dev", &uplink])?;
     ns.add_route(&[other.pod_cidr, "via", &other.ip.to_string(), "dev", &uplink])?;
+    ns.add_addr(&uplink, &format!("{}/{SEGMENT_PREFIX6}", spec.ip6))?;
+    ns.add_route(&["::/0", "via", &CLIENT_IP6.to_string(), "dev", &uplink])?;
+    ns.add_route(&[other.pod_cidr6, "via", &other.ip6.to_string(), "dev", &uplink])?;
 
+    let gateway6 = pod_ipv6(spec.gateway);
     let mut backends = Vec::new();
     for &(name, ip) in spec.backends {
-        let pod = add_pod(&ns, spec.gateway, name, ip)?;
+        let mut pod = add_pod(&ns, spec.gateway, name, ip)?;
+        pod.add_ipv6(&ns, gateway6)?;
         pod.ns.serve_tcp(TARGET_PORT, name)?;
         pod.ns.serve_udp(TARGET_PORT, name)?;
         pod.ns.serve_tcp_peer(PEER_PORT, name)?;
@@ -235,7 +261,9 @@ fn build_node(segment: &Netns, spec: NodeSpec, other: &NodeSpec) -> Result<Node>
     }
     let mut clients = Vec::new();
     for &(name, ip) in spec.clients {
-        clients.push(add_pod(&ns, spec.gateway, name, ip)?);
+        let mut pod = add_pod(&ns, spec.gateway, name, ip)?;
+        pod.add_ipv6(&ns, gateway6)?;
+        clients.push(pod);
     }
     Ok(Node {
         backends,

@@ -2,7 +2,7 @@
 //! programs, on the test bed of `testbed::topology` (a client, a node with
 //! the programs attached, three backend pods and a client pod).
 
-use std::net::SocketAddrV4;
+use std::net::{SocketAddr, SocketAddrV4};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use aya::programs::{SchedClassifier, TcAttachType};
@@ -355,22 +355,28 @@ fn harness_topology_routes_without_datapath() {
     let cluster = Cluster::build(Offloads::On, false).expect("building the test bed");
     let mut checks = Checks::new("harness");
     check_non_service(&cluster.topo, &mut checks);
+    // Over IPv4 and over IPv6 (the bed's ULA addresses).
     for pod in &cluster.topo.backends {
-        let addr = SocketAddrV4::new(pod.ip, TARGET_PORT);
-        for (from, label) in [
-            (&cluster.topo.node, "node"),
-            (&cluster.topo.client_pod.ns, "client pod"),
-            (&cluster.topo.client, "client"),
+        let ip6 = pod.ip6.expect("the bed's pods have IPv6");
+        for addr in [
+            SocketAddr::new(pod.ip.into(), TARGET_PORT),
+            SocketAddr::new(ip6.into(), TARGET_PORT),
         ] {
-            for protocol in PROTOCOLS {
-                checks.check(
-                    &format!("{} {label} -> {} {addr}", proto_name(protocol), pod.name),
-                    from.run_in(|| request(protocol, addr, REQUEST_TIMEOUT)).and_then(|r| {
-                        let answer = r?;
-                        ensure!(answer == pod.name, "answered {answer:?}");
-                        Ok(answer)
-                    }),
-                );
+            for (from, label) in [
+                (&cluster.topo.node, "node"),
+                (&cluster.topo.client_pod.ns, "client pod"),
+                (&cluster.topo.client, "client"),
+            ] {
+                for protocol in PROTOCOLS {
+                    checks.check(
+                        &format!("{} {label} -> {} {addr}", proto_name(protocol), pod.name),
+                        from.run_in(|| request(protocol, addr, REQUEST_TIMEOUT)).and_then(|r| {
+                            let answer = r?;
+                            ensure!(answer == pod.name, "answered {answer:?}");
+                            Ok(answer)
+                        }),
+                    );
+                }
             }
         }
     }

@@ -377,7 +377,7 @@ fn probe(from: Place, protocol: Protocol, to: SocketAddrV4, service: bool) -> Pr
     Probe {
         from,
         protocol,
-        to,
+        to: to.into(),
         service,
     }
 }

@@ -369,7 +369,7 @@ impl Baseline {
                     probes.push(Probe {
                         from,
                         protocol,
-                        to: *to,
+                        to: (*to).into(),
                         service: true,
                     });
                 }

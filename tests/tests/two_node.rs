@@ -73,7 +73,7 @@
 
 use std::{
     collections::BTreeMap,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
     time::{Duration, Instant},
 };
 
@@ -367,6 +367,12 @@ fn pod_addr(topo: &TwoNodes, name: &str, port: u16) -> Result<SocketAddrV4> {
     Ok(SocketAddrV4::new(pod.ip, port))
 }
 
+fn pod_addr6(topo: &TwoNodes, name: &str, port: u16) -> Result<SocketAddr> {
+    let (_, pod) = topo.find_pod(name).with_context(|| format!("no pod {name}"))?;
+    let ip6 = pod.ip6.with_context(|| format!("pod {name} has no IPv6 address"))?;
+    Ok(SocketAddr::new(ip6.into(), port))
+}
+
 fn probes(topo: &TwoNodes) -> Result<Vec<Probe>> {
     let mut out = Vec::new();
     let probe = |from, protocol, to, service| Probe {
@@ -377,18 +383,23 @@ fn probes(topo: &TwoNodes) -> Result<Vec<Probe>> {
     };
     for protocol in PROTOCOLS {
         for node in &topo.nodes {
-            out.push(probe(Place::Client, protocol, node_port(node, SPREAD_NODE_PORT), true));
+            out.push(probe(
+                Place::Client,
+                protocol,
+                node_port(node, SPREAD_NODE_PORT).into(),
+                true,
+            ));
         }
         out.push(probe(
             Place::Pod("a-client"),
             protocol,
-            addr(SPREAD_IP, SPREAD_PORT),
+            addr(SPREAD_IP, SPREAD_PORT).into(),
             true,
         ));
         out.push(probe(
             Place::Pod("a-1"),
             protocol,
-            addr(HAIRPIN_A_IP, HAIRPIN_PORT),
+            addr(HAIRPIN_A_IP, HAIRPIN_PORT).into(),
             true,
         ));
     }
@@ -399,7 +410,16 @@ fn probes(topo: &TwoNodes) -> Result<Vec<Probe>> {
         (Place::Pod("a-client"), Protocol::Tcp, "b-2"),
         (Place::Pod("b-1"), Protocol::Udp, "a-2"),
     ] {
-        out.push(probe(from, protocol, pod_addr(topo, to, TARGET_PORT)?, false));
+        out.push(probe(from, protocol, pod_addr(topo, to, TARGET_PORT)?.into(), false));
+    }
+    // The same over IPv6: the bed routes both families.
+    for (from, protocol, to) in [
+        (Place::Client, Protocol::Udp, "a-2"),
+        (Place::Client, Protocol::Tcp, "b-1"),
+        (Place::Pod("a-client"), Protocol::Udp, "b-2"),
+        (Place::Pod("b-2"), Protocol::Tcp, "a-1"),
+    ] {
+        out.push(probe(from, protocol, pod_addr6(topo, to, TARGET_PORT)?, false));
     }
     Ok(out)
 }
