@@ -399,17 +399,17 @@ impl Dataplane for IptablesMode {
 /// installed. Returns how many chains it removed.
 pub fn cleanup() -> Result<usize> {
     let mut removed = 0;
-    for family in [IpFamily::V4, IpFamily::V6] {
+    for (family, tool) in [(IpFamily::V4, "iptables"), (IpFamily::V6, "ip6tables")] {
         let mut system = SystemIptables::for_family(family);
         if system.check().is_err() {
-            info!("no iptables tools for {family:?}: no such rules to remove");
+            info!("{tool} is not installed: no {tool} rules to remove");
             continue;
         }
-        let here = cleanup_with(&mut system).with_context(|| format!("removing the {family:?} rules"))?;
+        let here = cleanup_with(&mut system).with_context(|| format!("removing the {tool} rules"))?;
         if here > 0 {
-            info!(chains = here, "removed the iptables mode's {family:?} chains and jumps");
+            info!(chains = here, "removed the iptables mode's {tool} chains and jumps");
         } else {
-            info!("no {family:?} iptables chains of xproxy or kube-proxy found");
+            info!("no {tool} chains of xproxy or kube-proxy found");
         }
         removed += here;
     }
