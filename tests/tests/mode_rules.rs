@@ -427,7 +427,7 @@ fn dual_stack_on_backend(legacy: bool) {
         format!("-A {} -s fd00:10:79::/64 -m comment --comment \"{SEED_NAME} (IPv6) loadbalancer IP\" -j {}", names.fw, names.ext),
         format!("-A {} -s fd00:10:78::5/128 -m comment --comment \"{SEED_NAME} (IPv6) loadbalancer IP\" -j {}", names.fw, names.ext),
         format!("-A KUBE-NODEPORTS -p tcp -m comment --comment \"{SEED_NAME} (IPv6)\" -m tcp --dport {SEED_NODE_PORT} -j {}", names.ext),
-        format!("-A {} -p tcp -m comment --comment \"{SEED_NAME} (IPv6)\" -m recent --set --name {sep_b} --mask ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff --rsource -m tcp -j DNAT --to-destination [fd00:10:244::b]:80", sep_b),
+        format!("-A {sep_b} -p tcp -m comment --comment \"{SEED_NAME} (IPv6)\" -m recent --set --name {sep_b} --mask ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff --rsource -m tcp -j DNAT --to-destination [fd00:10:244::b]:80"),
         format!("-A {} ! -s fd00:10:244::/56 -d fd00:10:96::88/128 -p tcp", names.svc),
         "-A KUBE-SERVICES ! -d ::1/128 -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS".to_owned(),
         format!("-d fd00:10:96::89/128 -p tcp -m comment --comment \"default/empty-service (IPv6) has no endpoints\" -m tcp --dport {EMPTY_PORT} -j REJECT --reject-with icmp6-port-unreachable"),
