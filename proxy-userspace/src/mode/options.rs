@@ -11,7 +11,7 @@ use tracing::warn;
 
 use crate::{
     config::{Cidr, Config, DetectLocal, NodePortAddresses},
-    model::IpFamily,
+    model::{IpFamily, ipv4},
 };
 
 /// How traffic from this node's pods is recognised (kube-proxy's
@@ -77,26 +77,12 @@ pub enum NodePortScope {
 impl NodePortScope {
     /// What `config` asks for, warning about what cannot be honoured.
     pub fn from_config(config: &Config) -> Self {
-        match &config.node_port_addresses {
-            NodePortAddresses::All => NodePortScope::AllLocal {
-                localhost: config.localhost_node_ports,
-            },
-            NodePortAddresses::Primary => {
-                let ips = config.ipv4_node_ips();
-                if ips.is_empty() {
-                    warn!(
-                        "nodePortAddresses is [primary] but no IPv4 node IP is known: \
-                         NodePorts answer on every local address"
-                    );
-                    NodePortScope::AllLocal { localhost: false }
-                } else {
-                    NodePortScope::NodeIps(ips)
-                }
-            }
-            NodePortAddresses::Cidrs(cidrs) => {
-                let v4: Vec<Cidr> = cidrs.iter().filter(|c| c.is_ipv4()).copied().collect();
+        match FamilyNodePorts::from_config(config, IpFamily::V4) {
+            FamilyNodePorts::AllLocal { localhost } => NodePortScope::AllLocal { localhost },
+            FamilyNodePorts::NodeIps(ips) => NodePortScope::NodeIps(ips.into_iter().filter_map(ipv4).collect()),
+            FamilyNodePorts::Cidrs(v4) => {
                 if v4.is_empty() {
-                    warn!(?cidrs, "no IPv4 network in nodePortAddresses: NodePorts answer nowhere");
+                    warn!(cidrs = ?config.node_port_addresses, "no IPv4 network in nodePortAddresses: NodePorts answer nowhere");
                 }
                 NodePortScope::Cidrs(v4)
             }
@@ -222,5 +208,33 @@ mod tests {
         );
         config.node_port_addresses = NodePortAddresses::Cidrs(vec![cidr("fd00::/64")]);
         assert_eq!(NodePortScope::from_config(&config), NodePortScope::Cidrs(vec![]));
+    }
+
+    /// The IPv6 rules: the IPv6 node IPs and networks, never localhost.
+    #[test]
+    fn family_node_ports_take_the_familys_addresses() {
+        let mut config = defaults();
+        assert_eq!(
+            FamilyNodePorts::from_config(&config, IpFamily::V6),
+            FamilyNodePorts::AllLocal { localhost: false },
+            "localhostNodePorts is IPv4 only"
+        );
+        config.node_port_addresses = NodePortAddresses::Primary;
+        config.node_ips = vec!["fd00::2".parse().expect("ip"), "172.30.0.2".parse().expect("ip")];
+        assert_eq!(
+            FamilyNodePorts::from_config(&config, IpFamily::V6),
+            FamilyNodePorts::NodeIps(vec!["fd00::2".parse().expect("ip")])
+        );
+        config.node_port_addresses = NodePortAddresses::Cidrs(vec![cidr("fd00::/64"), cidr("172.30.0.0/24")]);
+        assert_eq!(
+            FamilyNodePorts::from_config(&config, IpFamily::V6),
+            FamilyNodePorts::Cidrs(vec![cidr("fd00::/64")])
+        );
+        config.cluster_cidrs = vec![cidr("10.244.0.0/16"), cidr("fd00:10:244::/56")];
+        config.detect_local = DetectLocal::ClusterCidr;
+        assert_eq!(
+            LocalTraffic::for_family(&config, "test", IpFamily::V6),
+            Some(LocalTraffic::Cidr(cidr("fd00:10:244::/56")))
+        );
     }
 }
