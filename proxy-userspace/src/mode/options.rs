@@ -90,6 +90,17 @@ impl NodePortScope {
     }
 }
 
+/// The node's configured addresses of `family` (`--node-ip`, or those
+/// found at start).
+pub fn node_ips_of(config: &Config, family: IpFamily) -> Vec<IpAddr> {
+    config
+        .node_ips
+        .iter()
+        .copied()
+        .filter(|ip| IpFamily::of(*ip) == family)
+        .collect()
+}
+
 /// [`NodePortScope`] for the rules of one family, as kube-proxy's proxier
 /// of that family reads `nodePortAddresses`: that family's node IPs and
 /// networks; localhost only for IPv4 (IPv6 has no `route_localnet`).
@@ -113,7 +124,7 @@ impl FamilyNodePorts {
                 localhost: config.localhost_node_ports && family == IpFamily::V4,
             },
             NodePortAddresses::Primary => {
-                let ips: Vec<IpAddr> = config.node_ips.iter().copied().filter(of_family).collect();
+                let ips = node_ips_of(config, family);
                 if ips.is_empty() {
                     warn!(
                         "nodePortAddresses is [primary] but no {family:?} node IP is known: \

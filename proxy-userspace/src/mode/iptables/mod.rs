@@ -12,6 +12,11 @@
 //! stale per-service chains; when the kernel still holds exactly what the
 //! last full sync of the same state left, it writes nothing.
 //!
+//! IPv6 ports get a ruleset of their own through `ip6tables-restore`, with
+//! the same layout, as kube-proxy runs a second proxier for IPv6: an
+//! `IptablesMode` serves one family ([`RuleOptions::family`]) and
+//! [`start`] pairs two under [`DualStack`].
+//!
 //! The parts: [`chains`] names the chains (kube-proxy's hashes), [`rules`]
 //! renders them; `iptables-save` and `iptables-restore` run in
 //! [`crate::sys::iptables`].
@@ -32,7 +37,9 @@ use tracing::{debug, info, warn};
 
 pub use super::options::LocalTraffic;
 use super::{
-    Dataplane, ModeCounters, Plan, SyncedChange, conntrack, dual_stack::DualStack, options::FamilyNodePorts,
+    Dataplane, ModeCounters, Plan, SyncedChange, conntrack,
+    dual_stack::DualStack,
+    options::{FamilyNodePorts, node_ips_of},
     unhonoured::Unhonoured,
 };
 use crate::{
@@ -426,16 +433,6 @@ pub fn cleanup_with(iptables: &mut dyn Iptables) -> Result<usize> {
 /// addresses are looked up at every sync, see [`NodePortCidrs`]).
 pub fn rule_options(config: &Config) -> (RuleOptions, Option<NodePortCidrs>) {
     rule_options_for(config, IpFamily::V4)
-}
-
-/// The node's configured addresses of `family`.
-fn node_ips_of(config: &Config, family: IpFamily) -> Vec<IpAddr> {
-    config
-        .node_ips
-        .iter()
-        .copied()
-        .filter(|ip| IpFamily::of(*ip) == family)
-        .collect()
 }
 
 /// Where the NodePorts of `family` answer, and the networks to look their

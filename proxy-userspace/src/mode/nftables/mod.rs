@@ -37,7 +37,11 @@ pub use ruleset::{NodePorts, Options};
 use tracing::{debug, info, warn};
 
 pub use super::options::LocalTraffic;
-use super::{Dataplane, ModeCounters, Plan, SyncedChange, conntrack, dual_stack::DualStack, options::FamilyNodePorts};
+use super::{
+    Dataplane, ModeCounters, Plan, SyncedChange, conntrack,
+    dual_stack::DualStack,
+    options::{FamilyNodePorts, node_ips_of},
+};
 use crate::{
     config::Config,
     model::{IpFamily, ServicePort},
@@ -418,12 +422,7 @@ pub fn options_for(config: &Config, family: IpFamily) -> Options {
         local_traffic: LocalTraffic::for_family(config, "nftables", family),
         node_ports,
         node_name: Some(config.node_name.clone()),
-        node_ips: config
-            .node_ips
-            .iter()
-            .copied()
-            .filter(|ip| IpFamily::of(*ip) == family)
-            .collect(),
+        node_ips: node_ips_of(config, family),
         family,
     }
 }
