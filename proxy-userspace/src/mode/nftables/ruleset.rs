@@ -44,6 +44,10 @@
 //! NODEPORT-DEST is `fib daddr type local` (every local address but
 //! 127.0.0.0/8), a set of node IPs, or local addresses inside a set of CIDRs.
 //!
+//! The drawing is the `ip` table's; the `ip6` table of IPv6 ports is the
+//! same with `ip6` matches, `ipv6_addr` keys, `[IP]:PORT` DNATs, ICMPv6
+//! rejects and `::1` where it says 127.0.0.0/8 ([`Options::family`]).
+//!
 //! A full sync is one transaction that replaces the table (`add table`,
 //! `delete table`, `add table` with everything in it): atomic, so no packet
 //! ever sees a half-written table. A partial sync is one transaction that
@@ -94,6 +98,7 @@ fn reject(family: IpFamily) -> &'static str {
         IpFamily::V6 => "reject with icmpv6 port-unreachable",
     }
 }
+
 /// nftables keeps at most 256 bytes of a comment; stay well inside.
 const COMMENT_MAX: usize = 128;
 
