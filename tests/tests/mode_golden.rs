@@ -240,12 +240,13 @@ fn ipvs_virtual_servers_and_ipsets() {
     let ns = Netns::new("xg").expect("a namespace");
     let options = IpvsOptions {
         scheduler: "rr".into(),
-        node_ports: NodePortAddresses::Fixed(vec![NODE_IP]),
+        node_ports: NodePortAddresses::Fixed(vec![NODE_IP.into()]),
         exclude_cidrs: Vec::new(),
         rules: IpvsRuleOptions {
             masquerade_bit: 14,
             masquerade_all: false,
             local_traffic: local_traffic(),
+            local_traffic_v6: None,
         },
         timeouts: (900, 120, 300),
         strict_arp: true,

@@ -21,7 +21,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, SocketAddrV4},
     path::Path,
     sync::Arc,
     time::Duration,
@@ -34,7 +34,7 @@ use proxy_userspace::{
         ipvs::{self, IpvsMode, IpvsOptions, NoIpvs, netlink::Ipvs, node_ips::NodePortAddresses, rules::RuleOptions},
         options::LocalTraffic,
     },
-    model::{Endpoint, Protocol, ServicePort, SourceRange, TrafficPolicy},
+    model::{Endpoint, IPV6_SUFFIX, IpFamily, Protocol, ServicePort, SourceRange, TrafficPolicy},
 };
 use testbed::{
     agent_bed::ipvs_virtual_servers,
@@ -65,12 +65,13 @@ fn seed(endpoints: Vec<Endpoint>) -> ServicePort {
 fn options(scheduler: &str) -> IpvsOptions {
     IpvsOptions {
         scheduler: scheduler.into(),
-        node_ports: NodePortAddresses::Fixed(vec![NODE_IP]),
+        node_ports: NodePortAddresses::Fixed(vec![NODE_IP.into()]),
         exclude_cidrs: Vec::new(),
         rules: RuleOptions {
             masquerade_bit: 14,
             masquerade_all: false,
             local_traffic: Some(LocalTraffic::Cidr("10.244.0.0/16".parse().expect("cidr"))),
+            local_traffic_v6: Some(LocalTraffic::Cidr("fd00:10:244::/56".parse().expect("cidr"))),
         },
         timeouts: (900, 120, 300),
         strict_arp: true,
@@ -241,6 +242,128 @@ fn seed_partial_updates_draining_and_cleanup() {
     assert!(!links.contains("kube-ipvs0"), "kube-ipvs0 left:\n{links}");
     let rules = run_in_ns(&ns, "iptables-save", &[]);
     assert!(!rules.contains("KUBE-"), "KUBE- rules left:\n{rules}");
+    let sets = run_in_ns(&ns, "ipset", &["save"]);
+    assert!(!sets.contains("KUBE-"), "KUBE- ipsets left:\n{sets}");
+}
+
+/// The seed's IPv6 port, as a dual-stack Service yields it.
+fn seed6(endpoints: Vec<Endpoint>) -> ServicePort {
+    ServicePort {
+        name: format!("{SEED_NAME}{IPV6_SUFFIX}"),
+        cluster_ip: ip6("fd00:96::88"),
+        ..seed(endpoints)
+    }
+}
+
+fn ip6(text: &str) -> IpAddr {
+    text.parse().expect("an IPv6 address")
+}
+
+fn endpoint6(last: u8) -> Endpoint {
+    Endpoint::ready(ip6(&format!("fd00:10:244::{last:x}")), 80)
+}
+
+/// A dual-stack seed: both ports programmed side by side and read back
+/// from the kernel per family (`ipvsadm -Ln` with IPv6 virtual and real
+/// servers, the /128 on `kube-ipvs0`, kube-proxy's `KUBE-6-*` ipsets of
+/// `family inet6`, the constant rules in `ip6tables-save`); ClientIP
+/// affinity on the IPv6 port alone; removing it leaves IPv4 untouched;
+/// cleanup removes both families.
+#[test]
+fn dual_stack_seed_in_both_families() {
+    if !require_ipvs("dual_stack_seed_in_both_families") {
+        return;
+    }
+    let ns = Netns::new("ipvs6-").expect("a namespace");
+    let mut opts = options("rr");
+    opts.node_ports = NodePortAddresses::Fixed(vec![NODE_IP.into(), ip6("fd00:30::2")]);
+    let mut mode = in_ns(&ns, || IpvsMode::start(opts)).expect("starting the ipvs mode");
+    assert_eq!(mode.families(), [IpFamily::V4, IpFamily::V6]);
+
+    let v4 = seed(vec![endpoint(11), endpoint(12)]);
+    let mut v6 = seed6(vec![endpoint6(0x11), endpoint6(0x12)]);
+    let desired = BTreeMap::from([(v4.name.clone(), v4.clone()), (v6.name.clone(), v6.clone())]);
+    in_ns(&ns, || mode.apply_full(&desired)).expect("full sync");
+    let reals4 = vec!["10.244.0.11:80 1".to_owned(), "10.244.0.12:80 1".to_owned()];
+    let reals6 = vec!["[fd00:10:244::11]:80 1".to_owned(), "[fd00:10:244::12]:80 1".to_owned()];
+    let both = BTreeMap::from([
+        ("TCP 10.96.0.88:88 rr".to_owned(), reals4.clone()),
+        ("TCP 172.30.0.2:30791 rr".to_owned(), reals4.clone()),
+        ("TCP [fd00:96::88]:88 rr".to_owned(), reals6.clone()),
+        ("TCP [fd00:30::2]:30791 rr".to_owned(), reals6),
+    ]);
+    assert_eq!(ipvsadm(&ns), both);
+    let addrs = ns
+        .ip(&["-6", "-o", "addr", "show", "dev", "kube-ipvs0"])
+        .expect("ip addr");
+    assert!(
+        addrs.contains("fd00:96::88/128"),
+        "kube-ipvs0 lacks the IPv6 ClusterIP:\n{addrs}"
+    );
+    assert!(!addrs.contains("tentative"), "the ClusterIP waits for DAD:\n{addrs}");
+    let sets = run_in_ns(&ns, "ipset", &["save"]);
+    assert!(
+        sets.contains("create KUBE-6-CLUSTER-IP hash:ip,port family inet6 "),
+        "no IPv6 ClusterIP set in\n{sets}"
+    );
+    assert_lines(
+        &sets,
+        &[
+            "add KUBE-6-CLUSTER-IP fd00:96::88,tcp:88",
+            "add KUBE-6-NODE-PORT-TCP 30791",
+            "add KUBE-6-LOOP-BACK fd00:10:244::11,tcp:80,fd00:10:244::11",
+            "add KUBE-CLUSTER-IP 10.96.0.88,tcp:88",
+        ],
+        "ipset save",
+    );
+    let rules6 = run_in_ns(&ns, "ip6tables-save", &[]);
+    for needle in [
+        "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+        "--match-set KUBE-6-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ",
+        "--match-set KUBE-6-NODE-PORT-TCP dst -j KUBE-MARK-MASQ",
+        "--match-set KUBE-6-LOOP-BACK dst,dst,src -j MASQUERADE",
+    ] {
+        assert!(rules6.contains(needle), "missing {needle} in\n{rules6}");
+    }
+    let before = mode.kernel_writes();
+    in_ns(&ns, || mode.apply_full(&desired)).expect("idle full sync");
+    assert_eq!(mode.kernel_writes(), before, "an idle full sync wrote something");
+
+    // Affinity on the IPv6 port: its virtual servers turn persistent
+    // (one template per client /128), the IPv4 ones stay as they were.
+    v6.affinity = Some(Duration::from_secs(10_800));
+    upsert(&ns, &mut mode, &v6);
+    assert!(ipvsadm_line(&ns, "[fd00:96::88]:88").ends_with("persistent 10800"));
+    assert!(!ipvsadm_line(&ns, "10.96.0.88:88").contains("persistent"));
+
+    // The IPv6 port leaves: its virtual servers, address and entries go.
+    in_ns(&ns, || {
+        mode.apply(&Plan {
+            upsert: vec![],
+            remove: vec![v6.clone()],
+        })
+    })
+    .expect("removal");
+    let only4 = BTreeMap::from([
+        ("TCP 10.96.0.88:88 rr".to_owned(), reals4.clone()),
+        ("TCP 172.30.0.2:30791 rr".to_owned(), reals4),
+    ]);
+    assert_eq!(ipvsadm(&ns), only4);
+    let addrs = ns
+        .ip(&["-6", "-o", "addr", "show", "dev", "kube-ipvs0"])
+        .expect("ip addr");
+    assert!(
+        !addrs.contains("fd00:96::88"),
+        "the IPv6 ClusterIP is still bound:\n{addrs}"
+    );
+    let sets = run_in_ns(&ns, "ipset", &["save"]);
+    assert!(!sets.contains("add KUBE-6-"), "IPv6 sets still hold entries:\n{sets}");
+
+    drop(mode);
+    in_ns(&ns, ipvs::cleanup).expect("cleanup");
+    assert_eq!(ipvsadm(&ns), BTreeMap::new());
+    let rules6 = run_in_ns(&ns, "ip6tables-save", &[]);
+    assert!(!rules6.contains("KUBE-"), "KUBE- rules left:\n{rules6}");
     let sets = run_in_ns(&ns, "ipset", &["save"]);
     assert!(!sets.contains("KUBE-"), "KUBE- ipsets left:\n{sets}");
 }

@@ -251,12 +251,13 @@ fn ipvs_status() {
     let ns = node();
     let options = IpvsOptions {
         scheduler: "rr".into(),
-        node_ports: NodePortAddresses::Fixed(vec![NODE_IP]),
+        node_ports: NodePortAddresses::Fixed(vec![NODE_IP.into()]),
         exclude_cidrs: Vec::new(),
         rules: IpvsRuleOptions {
             masquerade_bit: 14,
             masquerade_all: false,
             local_traffic: None,
+            local_traffic_v6: None,
         },
         timeouts: (900, 120, 300),
         strict_arp: true,

@@ -88,6 +88,7 @@ pub const KERNELS: &[GuestKernel] = &[
         series: "6.1",
         suites: &[
             "mode_ipvs",
+            "dual_stack_ipvs_userspace:ipvs",
             "modes:ipvs",
             "service_api:ipvs",
             "modes:switching",

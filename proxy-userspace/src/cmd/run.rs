@@ -1,5 +1,7 @@
 //! `xproxy run`: config -> data-plane mode -> sources -> the agent loop.
 
+mod starting;
+
 use std::{sync::Arc, time::Duration};
 
 use anyhow::{Context, anyhow};
@@ -136,11 +138,12 @@ async fn run_agent(mut config: Config) -> Result<(), Failure> {
         config.node_ips = find_node_ips(&config, client.clone(), manifests.as_mut()).await;
     }
     // The source first: it reads (a manifest directory of 10,000 Services
-    // takes about a second) while the mode loads and attaches its programs;
-    // its events wait in the channel.
+    // takes a few tenths of a second) while the mode loads and attaches
+    // its programs, and the agent takes in what it read meanwhile; its
+    // first sync waits for the mode.
     let (events, receiver) = mpsc::channel(1024);
     start_source(&config, client, manifests, events)?;
-    let mode = start_mode(&config).await?;
+    let (mode, mode_sender) = starting::starting(config.mode.as_str());
 
     let policy = SyncPolicy::new(config.sync.min_sync_period, config.sync.sync_period);
     let service_health = ServiceHealth::new(
@@ -148,15 +151,26 @@ async fn run_agent(mut config: Config) -> Result<(), Failure> {
         service_health::listen_addresses(&config),
         telemetry.clone(),
     );
-    let agent = Agent::new(Reconciler::new(mode), policy, Arc::new(telemetry))
+    let agent = Agent::new(Reconciler::new(Box::new(mode)), policy, Arc::new(telemetry))
         .on_node(&config.node_name)
         .with_service_health(service_health)
         .after_relist_synced(|| {
             tokio::task::spawn_blocking(release_freed_memory);
         });
+    let agent = tokio::spawn(agent.run(receiver, shutdown_signal()));
+    match start_mode(&config).await {
+        Ok(mode) => mode_sender.started(mode),
+        Err(failure) => {
+            // The agent's first sync may be waiting for the mode: it fails.
+            drop(mode_sender);
+            agent.abort();
+            return Err(failure);
+        }
+    }
     agent
-        .run(receiver, shutdown_signal())
         .await
+        .context("the agent's task")
+        .exit_code(ExitCode::Error)?
         .exit_code(ExitCode::Error)?;
     if config.mode == Mode::Userspace {
         // The mode was dropped with the agent loop: it removed its rules.

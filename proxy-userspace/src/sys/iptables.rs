@@ -64,6 +64,11 @@ impl SystemIptables {
         }
     }
 
+    /// `ip6tables-save` and `ip6tables-restore`: the IPv6 twin.
+    pub fn ipv6() -> Self {
+        Self::for_family(IpFamily::V6)
+    }
+
     /// Fails if the binaries cannot be run at all.
     pub fn check(&self) -> Result<()> {
         tool::check_runs(&self.save, PACKAGE)?;

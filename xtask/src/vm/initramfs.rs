@@ -92,6 +92,8 @@ const MODULES: &[&str] = &[
     "nft_numgen",
     "nft_fib_ipv4",
     "nft_reject_ipv4",
+    // The IPVS and userspace modes' IPv6 rules (ip6tables-nft).
+    "ip6t_REJECT",
 ];
 
 /// Modules the tests cannot do without: missing ones fail the build of the
@@ -106,6 +108,9 @@ const OPTIONAL_TOOLS: &[&str] = &[
     "iptables",
     "iptables-save",
     "iptables-restore",
+    "ip6tables",
+    "ip6tables-save",
+    "ip6tables-restore",
     "nft",
     "ss",
     // The kernel modes delete stale UDP flows with it.

@@ -6,6 +6,8 @@
 //! `KUBE-EXTERNAL-IP`, `KUBE-LOAD-BALANCER`), which ones keep to local
 //! endpoints (`*-LOCAL`) and which load balancer IPs filter sources
 //! (`KUBE-LOAD-BALANCER-SOURCE-CIDR`). A set it does not know is skipped.
+//! The table is IPv4 only (its addresses are, for every mode): IPv6
+//! virtual servers are left out of it; `ipvsadm -Ln` shows them.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -14,6 +16,7 @@ use anyhow::Result;
 use super::table::{Backend, Frontend, Kind, Table};
 use crate::{
     mode::ipvs::netlink::{Ipvs, RealCounters, VirtualCounters},
+    model::ipv4,
     sys::ipset,
 };
 
@@ -69,13 +72,15 @@ impl Sets {
     }
 }
 
-/// The table of `servers`, their kinds from `sets`.
+/// The table of the IPv4 `servers`, their kinds from `sets`.
 pub fn table_of(servers: &[VirtualCounters], sets: &Sets) -> Table {
-    Table::new("ipvs", servers.iter().map(|s| frontend(s, sets)).collect())
+    Table::new("ipvs", servers.iter().filter_map(|s| frontend(s, sets)).collect())
 }
 
-fn frontend(server: &VirtualCounters, sets: &Sets) -> Frontend {
+/// The frontend of an IPv4 virtual server.
+fn frontend(server: &VirtualCounters, sets: &Sets) -> Option<Frontend> {
     let key = server.key;
+    let addr = ipv4(key.addr)?;
     let proto = key.protocol.lowercase();
     let upper = key.protocol.to_string();
     let member = format!("{},{proto}:{}", key.addr, key.port);
@@ -94,7 +99,7 @@ fn frontend(server: &VirtualCounters, sets: &Sets) -> Frontend {
     } else {
         (Kind::External, false)
     };
-    let mut frontend = Frontend::new(key.protocol, key.addr, key.port, kind);
+    let mut frontend = Frontend::new(key.protocol, addr, key.port, kind);
     frontend.local_only = local_only;
     frontend.affinity_seconds = server.persistent_seconds;
     let prefix = format!("{member},");
@@ -106,13 +111,13 @@ fn frontend(server: &VirtualCounters, sets: &Sets) -> Frontend {
     if !server.scheduler.is_empty() {
         frontend.notes.push(format!("scheduler {}", server.scheduler));
     }
-    frontend.backends = server.reals.iter().map(backend).collect();
-    frontend
+    frontend.backends = server.reals.iter().filter_map(backend).collect();
+    Some(frontend)
 }
 
 /// A real server: its flows are IPVS's connections; a weight of 0 (a
 /// terminating endpoint) takes no new ones.
-fn backend(real: &RealCounters) -> Backend {
+fn backend(real: &RealCounters) -> Option<Backend> {
     let mut notes = vec![format!("active {}, inactive {}", real.active, real.inactive)];
     if real.persistent > 0 {
         notes.push(format!("{} affinity entries", real.persistent));
@@ -120,11 +125,11 @@ fn backend(real: &RealCounters) -> Backend {
     if real.weight == 0 {
         notes.push("weight 0: no new flows".into());
     }
-    Backend {
-        addr: Some((real.addr, real.port)),
+    Some(Backend {
+        addr: Some((ipv4(real.addr)?, real.port)),
         flows: Some(u64::from(real.active) + u64::from(real.inactive)),
         notes,
-    }
+    })
 }
 
 #[cfg(test)]

@@ -1,13 +1,16 @@
-//! `kube-ipvs0`: a dummy interface holding every ClusterIP as a /32, so the
-//! kernel treats those addresses as local and IPVS (hooked at LOCAL_IN)
-//! sees the packets. Like kube-proxy, the interface stays down: the local
-//! routes exist anyway and nothing is sent through it.
+//! `kube-ipvs0`: a dummy interface holding every ClusterIP as a /32 (an
+//! IPv6 one as a /128), so the kernel treats those addresses as local and
+//! IPVS (hooked at LOCAL_IN) sees the packets. Like kube-proxy, the
+//! interface stays down: the local routes exist anyway and nothing is sent
+//! through it. IPv6 addresses are bound without duplicate address detection
+//! (`nodad`): the address is no neighbour's business, and a tentative
+//! address would not be local until DAD ended.
 //!
 //! Spoken over rtnetlink: the messages are `netlink-packet-route`'s (the
 //! codec under the `rtnetlink` crate), sent on the blocking socket of
 //! [`crate::sys::netlink`], as the mode syncs from blocking code.
 
-use std::{collections::BTreeSet, net::Ipv4Addr};
+use std::{collections::BTreeSet, net::IpAddr};
 
 use anyhow::{Context, Result};
 use netlink_packet_core::{
@@ -16,7 +19,7 @@ use netlink_packet_core::{
 };
 use netlink_packet_route::{
     AddressFamily, RouteNetlinkMessage,
-    address::{AddressAttribute, AddressMessage},
+    address::{AddressAttribute, AddressHeaderFlags, AddressMessage},
     link::{InfoKind, LinkAttribute, LinkInfo, LinkMessage},
 };
 
@@ -52,15 +55,26 @@ pub fn new_link_message(name: &str) -> RouteNetlinkMessage {
     RouteNetlinkMessage::NewLink(link)
 }
 
-/// `addr`/32 on interface `index` (0: any, in a dump request).
-pub fn address(index: u32, addr: Option<Ipv4Addr>) -> AddressMessage {
+/// `addr`/32 (or /128, `nodad`) on interface `index`; without `addr`,
+/// every address of either family (0: on any interface), a dump request.
+pub fn address(index: u32, addr: Option<IpAddr>) -> AddressMessage {
     let mut message = AddressMessage::default();
-    message.header.family = AddressFamily::Inet;
-    message.header.prefix_len = 32;
     message.header.index = index;
+    match addr {
+        Some(IpAddr::V4(_)) => {
+            message.header.family = AddressFamily::Inet;
+            message.header.prefix_len = 32;
+        }
+        Some(IpAddr::V6(_)) => {
+            message.header.family = AddressFamily::Inet6;
+            message.header.prefix_len = 128;
+            message.header.flags = AddressHeaderFlags::Nodad;
+        }
+        None => message.header.family = AddressFamily::Unspec,
+    }
     if let Some(addr) = addr {
-        message.attributes.push(AddressAttribute::Local(addr.into()));
-        message.attributes.push(AddressAttribute::Address(addr.into()));
+        message.attributes.push(AddressAttribute::Local(addr));
+        message.attributes.push(AddressAttribute::Address(addr));
     }
     message
 }
@@ -96,8 +110,9 @@ impl Dummy {
         ifindex(DUMMY).with_context(|| format!("{DUMMY} vanished right after it was created"))
     }
 
-    /// The IPv4 addresses on interface `index`.
-    pub fn addresses(&mut self, index: u32) -> Result<BTreeSet<Ipv4Addr>> {
+    /// The addresses on interface `index` (IPv4, and IPv6 but link-local,
+    /// which the kernel adds by itself and the mode never binds).
+    pub fn addresses(&mut self, index: u32) -> Result<BTreeSet<IpAddr>> {
         let dump = RouteNetlinkMessage::GetAddress(address(0, None));
         let answers = self
             .request(dump, NLM_F_REQUEST | NLM_F_DUMP)
@@ -112,8 +127,10 @@ impl Dummy {
             if message.header.index != index {
                 continue;
             }
+            // An IPv6 address has no IFA_LOCAL, only IFA_ADDRESS.
             out.extend(message.attributes.iter().filter_map(|attr| match attr {
-                AddressAttribute::Local(std::net::IpAddr::V4(ip)) => Some(*ip),
+                AddressAttribute::Local(ip @ IpAddr::V4(_)) => Some(*ip),
+                AddressAttribute::Address(ip @ IpAddr::V6(v6)) if v6.segments()[0] & 0xffc0 != 0xfe80 => Some(*ip),
                 _ => None,
             }));
         }
@@ -121,7 +138,7 @@ impl Dummy {
     }
 
     /// Binds `addr`/32 to `index`; an address already there is fine.
-    pub fn add(&mut self, index: u32, addr: Ipv4Addr) -> Result<()> {
+    pub fn add(&mut self, index: u32, addr: IpAddr) -> Result<()> {
         let message = RouteNetlinkMessage::NewAddress(address(index, Some(addr)));
         match self.request(message, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL) {
             Ok(_) => Ok(()),
@@ -131,7 +148,7 @@ impl Dummy {
     }
 
     /// Unbinds `addr` from `index`; an address not there is fine.
-    pub fn remove(&mut self, index: u32, addr: Ipv4Addr) -> Result<()> {
+    pub fn remove(&mut self, index: u32, addr: IpAddr) -> Result<()> {
         let message = RouteNetlinkMessage::DelAddress(address(index, Some(addr)));
         match self.request(message, NLM_F_REQUEST | NLM_F_ACK) {
             Ok(_) => Ok(()),
@@ -157,6 +174,8 @@ impl Dummy {
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
     use crate::sys::{
         fresh_netns::{privileged, run_in_fresh_netns},
@@ -192,7 +211,7 @@ mod tests {
 
     #[test]
     fn an_address_is_a_host_route_on_the_index() {
-        let message = RouteNetlinkMessage::NewAddress(address(7, Some(Ipv4Addr::new(10, 96, 0, 88))));
+        let message = RouteNetlinkMessage::NewAddress(address(7, Some(Ipv4Addr::new(10, 96, 0, 88).into())));
         let bytes = encode(message, NLM_F_REQUEST | NLM_F_ACK, 1);
         assert_eq!(&bytes[4..6], &RTM_NEWADDR.to_ne_bytes());
         assert_eq!(&bytes[16..20], &[libc::AF_INET as u8, 32, 0, 0]);
@@ -209,7 +228,25 @@ mod tests {
         assert_eq!(bytes, by_hand.finish(1));
         // What a dump answers parses back.
         let parsed = AddressMessage::parse(&bytes[16..]).expect("parses");
-        assert_eq!(parsed, address(7, Some(Ipv4Addr::new(10, 96, 0, 88))));
+        assert_eq!(parsed, address(7, Some(Ipv4Addr::new(10, 96, 0, 88).into())));
+    }
+
+    /// `ip addr add fd00:96::88/128 dev kube-ipvs0 nodad`.
+    #[test]
+    fn an_ipv6_address_is_a_host_route_without_dad() {
+        let ip: IpAddr = "fd00:96::88".parse().expect("an address");
+        let bytes = encode(RouteNetlinkMessage::NewAddress(address(7, Some(ip))), NLM_F_REQUEST, 1);
+        const IFA_F_NODAD: u8 = 0x02;
+        assert_eq!(&bytes[16..20], &[libc::AF_INET6 as u8, 128, IFA_F_NODAD, 0]);
+        let top = attrs(&bytes[24..]);
+        let octets = match ip {
+            IpAddr::V6(v6) => v6.octets(),
+            IpAddr::V4(_) => unreachable!(),
+        };
+        assert_eq!(top[0], (IFA_LOCAL, &octets[..]));
+        assert_eq!(top[1], (IFA_ADDRESS, &octets[..]));
+        let dump = encode(RouteNetlinkMessage::GetAddress(address(0, None)), NLM_F_REQUEST, 1);
+        assert_eq!(dump[16], libc::AF_UNSPEC as u8, "a dump lists both families");
     }
 
     /// Binds, lists and unbinds an address through the kernel (on `lo` of
@@ -218,15 +255,20 @@ mod tests {
     /// build: the IPVS tests in the 6.1 VM cover that).
     fn dummy_round_trip() {
         const LO: u32 = 1;
-        let ip = Ipv4Addr::new(10, 96, 0, 88);
+        let ip = IpAddr::V4(Ipv4Addr::new(10, 96, 0, 88));
+        let ip6: IpAddr = "fd00:96::88".parse().expect("an address");
         let mut dummy = Dummy::open().expect("rtnetlink");
         assert!(dummy.addresses(LO).expect("listed").is_empty());
-        dummy.add(LO, ip).expect("bound");
-        dummy.add(LO, ip).expect("bound again");
-        assert_eq!(dummy.addresses(LO).expect("listed"), BTreeSet::from([ip]));
+        for addr in [ip, ip6] {
+            dummy.add(LO, addr).expect("bound");
+            dummy.add(LO, addr).expect("bound again");
+        }
+        assert_eq!(dummy.addresses(LO).expect("listed"), BTreeSet::from([ip, ip6]));
         assert!(dummy.addresses(LO + 1).expect("listed").is_empty(), "by index");
-        dummy.remove(LO, ip).expect("unbound");
-        dummy.remove(LO, ip).expect("unbound again");
+        for addr in [ip, ip6] {
+            dummy.remove(LO, addr).expect("unbound");
+            dummy.remove(LO, addr).expect("unbound again");
+        }
         assert!(dummy.addresses(LO).expect("listed").is_empty());
 
         assert!(!dummy.delete().expect("nothing to delete"));

@@ -6,16 +6,21 @@
 //! sync that changes a set):
 //! each changed set is filled as a `-NEW` copy and swapped in atomically,
 //! so no packet sees a half-filled set. Read back with `ipset save`.
+//!
+//! IPv6 ports have a second set of sets ([`SETS6`], `family inet6`), named
+//! as kube-proxy's IPv6 proxier names them: `KUBE-` becomes `KUBE-6-`, cut
+//! at ipset's 31 characters (`KUBE-6-LOAD-BALANCER-SOURCE-CID`). The
+//! IPv6 rules of [`super::rules`] match those.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::IpAddr,
 };
 
 use anyhow::Result;
 
 use crate::{
-    model::{EndpointSets, Protocol, ServicePort, SourceRange},
+    model::{EndpointSets, IpFamily, Protocol, ServicePort, SourceRange},
     sys::ipset,
 };
 
@@ -57,9 +62,12 @@ pub const LOAD_BALANCER_SOURCE_IP: &str = "KUBE-LOAD-BALANCER-SOURCE-IP";
 const HASH_IP_PORT: &str = "hash:ip,port family inet hashsize 1024 maxelem 65536";
 const HASH_IP_PORT_IP: &str = "hash:ip,port,ip family inet hashsize 1024 maxelem 65536";
 const HASH_IP_PORT_NET: &str = "hash:ip,port,net family inet hashsize 1024 maxelem 65536";
+const HASH_IP_PORT6: &str = "hash:ip,port family inet6 hashsize 1024 maxelem 65536";
+const HASH_IP_PORT_IP6: &str = "hash:ip,port,ip family inet6 hashsize 1024 maxelem 65536";
+const HASH_IP_PORT_NET6: &str = "hash:ip,port,net family inet6 hashsize 1024 maxelem 65536";
 const BITMAP_PORT: &str = "bitmap:port range 0-65535";
 
-/// The sets: name and `ipset create` type and options.
+/// The IPv4 sets: name and `ipset create` type and options.
 pub const SETS: [(&str, &str); 13] = [
     (CLUSTER_IP, HASH_IP_PORT),
     (NODE_PORT_TCP, BITMAP_PORT),
@@ -75,6 +83,44 @@ pub const SETS: [(&str, &str); 13] = [
     (LOAD_BALANCER_SOURCE_CIDR, HASH_IP_PORT_NET),
     (LOAD_BALANCER_SOURCE_IP, HASH_IP_PORT_IP),
 ];
+
+/// The IPv6 sets, in the order of [`SETS`] (the same set at the same
+/// index): kube-proxy's names for them, and `family inet6`.
+pub const SETS6: [(&str, &str); 13] = [
+    ("KUBE-6-CLUSTER-IP", HASH_IP_PORT6),
+    ("KUBE-6-NODE-PORT-TCP", BITMAP_PORT),
+    ("KUBE-6-NODE-PORT-UDP", BITMAP_PORT),
+    ("KUBE-6-NODE-PORT-LOCAL-TCP", BITMAP_PORT),
+    ("KUBE-6-NODE-PORT-LOCAL-UDP", BITMAP_PORT),
+    ("KUBE-6-LOOP-BACK", HASH_IP_PORT_IP6),
+    ("KUBE-6-EXTERNAL-IP", HASH_IP_PORT6),
+    ("KUBE-6-EXTERNAL-IP-LOCAL", HASH_IP_PORT6),
+    ("KUBE-6-LOAD-BALANCER", HASH_IP_PORT6),
+    ("KUBE-6-LOAD-BALANCER-LOCAL", HASH_IP_PORT6),
+    ("KUBE-6-LOAD-BALANCER-FW", HASH_IP_PORT6),
+    ("KUBE-6-LOAD-BALANCER-SOURCE-CID", HASH_IP_PORT_NET6),
+    ("KUBE-6-LOAD-BALANCER-SOURCE-IP", HASH_IP_PORT_IP6),
+];
+
+/// The sets of `family`.
+pub fn sets_of(family: IpFamily) -> &'static [(&'static str, &'static str); 13] {
+    match family {
+        IpFamily::V4 => &SETS,
+        IpFamily::V6 => &SETS6,
+    }
+}
+
+/// The name of set `set` (one of [`SETS`]' names) for `family`.
+pub fn name(set: &'static str, family: IpFamily) -> &'static str {
+    SETS.iter()
+        .position(|(n, _)| *n == set)
+        .map_or(set, |i| sets_of(family)[i].0)
+}
+
+/// Every set of both families.
+fn all_sets() -> impl Iterator<Item = &'static (&'static str, &'static str)> {
+    SETS.iter().chain(&SETS6)
+}
 
 /// Suffix of the copy a set is built in before the swap.
 const NEW_SUFFIX: &str = "-NEW";
@@ -96,47 +142,48 @@ fn new_copy(name: &str) -> String {
 /// Set name -> entries, as `ipset save` spells them.
 pub type Entries = BTreeMap<&'static str, BTreeSet<String>>;
 
-/// What the sets hold for `ports` on the node named `node` whose addresses
-/// are `node_ips`.
+/// What the sets (of both families) hold for `ports` on the node named
+/// `node` whose addresses are `node_ips`; each port fills the sets of its
+/// own family.
 pub fn entries<'a>(
     ports: impl IntoIterator<Item = &'a ServicePort>,
     node: Option<&str>,
-    node_ips: &[Ipv4Addr],
+    node_ips: &[IpAddr],
 ) -> Entries {
-    let mut sets: Entries = SETS.iter().map(|(name, _)| (*name, BTreeSet::new())).collect();
+    let mut sets: Entries = all_sets().map(|(name, _)| (*name, BTreeSet::new())).collect();
     for port in ports {
+        let family = port.family();
+        let mut add = |set: &'static str, entry: String| {
+            sets.entry(name(set, family)).or_default().insert(entry);
+        };
         let p = port.protocol.lowercase();
-        sets.entry(CLUSTER_IP)
-            .or_default()
-            .insert(format!("{},{p}:{}", port.cluster_ip, port.port));
-        external_entries(&mut sets, port, node_ips);
+        add(CLUSTER_IP, format!("{},{p}:{}", port.cluster_ip, port.port));
         if let Some(node_port) = port.node_port {
             let (set, local_set) = match port.protocol {
                 Protocol::Tcp => (NODE_PORT_TCP, NODE_PORT_LOCAL_TCP),
                 Protocol::Udp => (NODE_PORT_UDP, NODE_PORT_LOCAL_UDP),
             };
-            sets.entry(set).or_default().insert(node_port.to_string());
+            add(set, node_port.to_string());
             if port.external_local() {
-                sets.entry(local_set).or_default().insert(node_port.to_string());
+                add(local_set, node_port.to_string());
             }
         }
         for endpoint in EndpointSets::of(port, node).reachable() {
-            sets.entry(LOOP_BACK)
-                .or_default()
-                .insert(format!("{},{p}:{},{}", endpoint.addr, endpoint.port, endpoint.addr));
+            add(
+                LOOP_BACK,
+                format!("{},{p}:{},{}", endpoint.addr, endpoint.port, endpoint.addr),
+            );
         }
+        external_entries(&mut add, port, node_ips);
     }
     sets
 }
 
 /// The entries of `port`'s external IPs and load balancer IPs, as
-/// kube-proxy's IPVS mode fills them.
-fn external_entries(sets: &mut Entries, port: &ServicePort, node_ips: &[Ipv4Addr]) {
+/// kube-proxy's IPVS mode fills them, through `add` (set, entry).
+fn external_entries(add: &mut impl FnMut(&'static str, String), port: &ServicePort, node_ips: &[IpAddr]) {
     let p = port.protocol.lowercase();
     let local = port.external_local();
-    let mut add = |set: &'static str, entry: String| {
-        sets.entry(set).or_default().insert(entry);
-    };
     for ip in &port.external_ips {
         let set = if local { EXTERNAL_IP_LOCAL } else { EXTERNAL_IP };
         add(set, format!("{ip},{p}:{}", port.port));
@@ -157,7 +204,7 @@ fn external_entries(sets: &mut Entries, port: &ServicePort, node_ips: &[Ipv4Addr
         let node_allowed = port
             .source_ranges
             .iter()
-            .any(|r| node_ips.iter().any(|node_ip| r.contains((*node_ip).into())));
+            .any(|r| node_ips.iter().any(|node_ip| r.contains(*node_ip)));
         if node_allowed {
             add(LOAD_BALANCER_SOURCE_IP, format!("{entry},{ip}"));
         }
@@ -165,12 +212,14 @@ fn external_entries(sets: &mut Entries, port: &ServicePort, node_ips: &[Ipv4Addr
 }
 
 /// `range` as `ipset` takes and prints it in a `hash:*,net` set: a host
-/// without `/32` (`ipset save` leaves it off), and `0.0.0.0/0`, which
-/// ipset refuses, as its two halves.
+/// without `/32` or `/128` (`ipset save` leaves it off), and `0.0.0.0/0`
+/// or `::/0`, which ipset refuses, as its two halves.
 fn ipset_networks(range: SourceRange) -> Vec<String> {
+    let family = range.family();
     match range.prefix_len {
-        0 => vec!["0.0.0.0/1".to_owned(), "128.0.0.0/1".to_owned()],
-        32 => vec![range.addr.to_string()],
+        0 if family == IpFamily::V4 => vec!["0.0.0.0/1".to_owned(), "128.0.0.0/1".to_owned()],
+        0 => vec!["::/1".to_owned(), "8000::/1".to_owned()],
+        len if len == family.bits() => vec![range.addr.to_string()],
         _ => vec![range.to_string()],
     }
 }
@@ -183,7 +232,7 @@ pub fn parse_save(text: &str) -> Entries {
         let (Some(command), Some(name)) = (words.next(), words.next()) else {
             continue;
         };
-        let Some((name, _)) = SETS.iter().find(|(n, _)| *n == name) else {
+        let Some((name, _)) = all_sets().find(|(n, _)| *n == name) else {
             continue;
         };
         match (command, words.next()) {
@@ -203,7 +252,7 @@ pub fn parse_save(text: &str) -> Entries {
 /// sets that differ are rebuilt and swapped in.
 pub fn render(desired: &Entries, current: &Entries) -> String {
     let mut out = String::new();
-    for (name, options) in SETS {
+    for &(name, options) in all_sets() {
         let want = desired.get(name).cloned().unwrap_or_default();
         if current.get(name) == Some(&want) {
             continue;
@@ -359,7 +408,7 @@ mod tests {
             source_ranges: vec![range("172.30.0.0/24"), range("203.0.113.5/32"), range("0.0.0.0/0")],
             ..seed()
         };
-        let node_ip = Ipv4Addr::new(172, 30, 0, 2);
+        let node_ip = IpAddr::V4(Ipv4Addr::new(172, 30, 0, 2));
         let sets = entries([&lb], None, &[node_ip]);
         assert_eq!(sets[EXTERNAL_IP], set(&["198.51.100.7,tcp:88"]));
         assert!(sets[EXTERNAL_IP_LOCAL].is_empty());
@@ -395,5 +444,72 @@ mod tests {
         assert_eq!(sets[LOAD_BALANCER_LOCAL], set(&["192.0.2.10,tcp:88"]));
         assert!(sets[LOAD_BALANCER_FW].is_empty(), "no source ranges, no filter");
         assert!(sets[LOAD_BALANCER_SOURCE_CIDR].is_empty());
+    }
+
+    /// kube-proxy's IPv6 proxier names its sets `KUBE-6-...`, cut at 31
+    /// characters; every one of them and its copy fit ipset's limit.
+    #[test]
+    fn ipv6_sets_have_kube_proxys_names_and_family() {
+        for ((v4, options4), (v6, options6)) in SETS.iter().zip(&SETS6) {
+            let mut want = v4.replacen("KUBE-", "KUBE-6-", 1);
+            want.truncate(MAX_NAME_LEN);
+            assert_eq!(*v6, want);
+            assert!(new_copy(v6).len() <= MAX_NAME_LEN, "{}", new_copy(v6));
+            assert_eq!(*options6, options4.replace("family inet ", "family inet6 "));
+        }
+        assert_eq!(
+            name(LOAD_BALANCER_SOURCE_CIDR, IpFamily::V6),
+            "KUBE-6-LOAD-BALANCER-SOURCE-CID"
+        );
+        assert_eq!(name(CLUSTER_IP, IpFamily::V4), CLUSTER_IP);
+    }
+
+    /// An IPv6 port fills the IPv6 sets only, with ipset's IPv6 spelling;
+    /// `::/0` is written as its two halves, a /128 as a bare address.
+    #[test]
+    fn an_ipv6_port_fills_the_ipv6_sets() {
+        let v6 = ServicePort {
+            name: format!("default/nginx-service{}", crate::model::IPV6_SUFFIX),
+            cluster_ip: "fd00:96::88".parse().expect("an address"),
+            endpoints: vec![Endpoint::ready(
+                "fd00:10:244::11".parse::<IpAddr>().expect("an address"),
+                80,
+            )],
+            load_balancer_ips: vec!["fd00:192::10".parse().expect("an address")],
+            source_ranges: vec![range("::/0"), range("fd00:30::5/128")],
+            ..seed()
+        };
+        let node_ip: IpAddr = "fd00:30::2".parse().expect("an address");
+        let sets = entries([&seed(), &v6], None, &[node_ip]);
+        assert_eq!(sets["KUBE-6-CLUSTER-IP"], set(&["fd00:96::88,tcp:88"]));
+        assert_eq!(sets[CLUSTER_IP], set(&["10.96.0.88,tcp:88"]));
+        assert_eq!(sets["KUBE-6-NODE-PORT-TCP"], set(&["30791"]));
+        assert_eq!(
+            sets["KUBE-6-LOOP-BACK"],
+            set(&["fd00:10:244::11,tcp:80,fd00:10:244::11"])
+        );
+        assert_eq!(
+            sets["KUBE-6-LOAD-BALANCER-SOURCE-CID"],
+            set(&[
+                "fd00:192::10,tcp:88,8000::/1",
+                "fd00:192::10,tcp:88,::/1",
+                "fd00:192::10,tcp:88,fd00:30::5",
+            ])
+        );
+        assert_eq!(
+            sets["KUBE-6-LOAD-BALANCER-SOURCE-IP"],
+            set(&["fd00:192::10,tcp:88,fd00:192::10"]),
+            "::/0 holds the node's IPv6 address"
+        );
+        let input = render(&sets, &Entries::new());
+        assert!(
+            input.contains("create KUBE-6-CLUSTER-IP hash:ip,port family inet6 hashsize 1024 maxelem 65536\n"),
+            "{input}"
+        );
+        assert!(input.contains("swap KUBE-6-LB-SOURCE-CID-NEW KUBE-6-LOAD-BALANCER-SOURCE-CID\n"));
+        // What ipset save prints back parses into the same entries.
+        let saved = "create KUBE-6-CLUSTER-IP hash:ip,port family inet6 hashsize 1024 maxelem 65536\n\
+                     add KUBE-6-CLUSTER-IP fd00:96::88,tcp:88\n";
+        assert_eq!(parse_save(saved)["KUBE-6-CLUSTER-IP"], sets["KUBE-6-CLUSTER-IP"]);
     }
 }

@@ -45,6 +45,14 @@
 //! kube-proxy's cleanup does. A virtual server two ports claim (an address
 //! and port in two Services) goes to the first by name; the other is
 //! reported once ([`Dataplane::take_problems`]).
+//!
+//! Both families are served, as kube-proxy's dual-stack IPVS proxier (one
+//! per family) serves them: a dual-stack Service's IPv6 port gets IPv6
+//! virtual servers (its ClusterIP bound to `kube-ipvs0` as a /128, its node
+//! ports on the node's IPv6 addresses only), kube-proxy's IPv6 ipsets
+//! (`KUBE-6-*`) and the same constant rules through `ip6tables`. IPVS
+//! answers an IPv6 virtual server without real servers with ICMPv6 port
+//! unreachable. A node without IPv6 rules is served IPv4 only (warned).
 
 pub mod dummy;
 pub mod ipset;
@@ -54,22 +62,19 @@ pub mod rules;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::IpAddr,
 };
 
 use anyhow::{Context, Result};
 pub use netlink::NoIpvs;
-use netlink::{IPVS_CMD_DEL_DEST, IPVS_CMD_NEW_DEST, IPVS_CMD_SET_DEST, Ipvs, VirtualKey, VirtualServer};
+use netlink::{IPVS_CMD_DEL_DEST, IPVS_CMD_NEW_DEST, IPVS_CMD_SET_DEST, Ipvs, Real, VirtualKey, VirtualServer};
 use node_ips::NodePortAddresses;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
-use super::{
-    Dataplane, Plan, SyncedChange, conntrack,
-    options::{LocalTraffic, NodePortScope},
-};
+use super::{Dataplane, Plan, SyncedChange, conntrack, options::LocalTraffic};
 use crate::{
-    config::{Cidr, Config},
-    model::{Endpoint, EndpointSets, Problem, ServicePort, ipv4},
+    config::{Cidr, Config, DetectLocal},
+    model::{Endpoint, EndpointSets, IpFamily, Problem, ServicePort},
     sys::iptables::{Iptables, Saved, SystemIptables},
 };
 
@@ -116,28 +121,33 @@ pub struct IpvsMode {
     state: BTreeMap<String, ServicePort>,
     /// The addresses NodePorts are served on now ([`IpvsOptions::node_ports`]
     /// as last resolved).
-    node_ips: Vec<Ipv4Addr>,
+    node_ips: Vec<IpAddr>,
     /// Every address NodePorts were served on in this run: a full sync
     /// removes stale node-port virtual servers on them too.
-    former_node_ips: BTreeSet<Ipv4Addr>,
+    former_node_ips: BTreeSet<IpAddr>,
     /// What could not be programmed, already reported (each once), as
     /// `(object, reason)`.
     reported: BTreeSet<(String, String)>,
     /// Reported since the agent last asked ([`Dataplane::take_problems`]).
     problems: Vec<Problem>,
     writes: u64,
+    /// [`FAMILIES`], or IPv4 alone where the node has no IPv6 rules
+    /// (a kernel booted without IPv6, no `ip6tables`).
+    families: &'static [IpFamily],
 }
 
 /// Starts the IPVS mode for `xproxy run` (see [`IpvsMode::start`]).
 pub fn start(config: &Config) -> Result<Box<dyn Dataplane>> {
+    let local_traffic = LocalTraffic::from_config(config, "ipvs");
     let opts = IpvsOptions {
         scheduler: config.ipvs.scheduler.as_str().to_owned(),
-        node_ports: NodePortAddresses::from_scope(&NodePortScope::from_config(config)),
+        node_ports: NodePortAddresses::from_config(config),
         exclude_cidrs: config.ipvs.exclude_cidrs.clone(),
         rules: rules::RuleOptions {
             masquerade_bit: config.masquerade.bit,
             masquerade_all: config.masquerade.all,
-            local_traffic: LocalTraffic::from_config(config, "ipvs"),
+            local_traffic_v6: local_traffic_v6(config, local_traffic.as_ref()),
+            local_traffic,
         },
         timeouts: (
             seconds(config.ipvs.tcp_timeout),
@@ -157,7 +167,7 @@ pub fn start(config: &Config) -> Result<Box<dyn Dataplane>> {
 /// them is persistent for the affinity's timeout, as in kube-proxy.
 pub fn virtual_servers(
     port: &ServicePort,
-    node_ips: &[Ipv4Addr],
+    node_ips: &[IpAddr],
     scheduler: &str,
     node: Option<&str>,
 ) -> Vec<(VirtualKey, VirtualServer)> {
@@ -168,24 +178,23 @@ pub fn virtual_servers(
         persistence,
         reals: real_servers(port, usable, local_only, node),
     };
-    let key = |addr: Ipv4Addr, port_number: u16| VirtualKey {
+    let key = |addr: IpAddr, port_number: u16| VirtualKey {
         protocol: port.protocol,
         addr,
         port: port_number,
     };
-    let Some(cluster_ip) = ipv4(port.cluster_ip) else {
-        return Vec::new();
-    };
     let mut out = vec![(
-        key(cluster_ip, port.port),
+        key(port.cluster_ip, port.port),
         server(port.internal_local(), sets.internal()),
     )];
     let external = server(port.external_local(), sets.external());
-    for addr in port.external_addresses().into_iter().filter_map(ipv4) {
+    for addr in port.external_addresses() {
         out.push((key(addr, port.port), external.clone()));
     }
+    // A port's node ports are on the node IPs of its own family.
     if let Some(node_port) = port.node_port {
-        out.extend(node_ips.iter().map(|ip| (key(*ip, node_port), external.clone())));
+        let own = node_ips.iter().filter(|ip| IpFamily::of(**ip) == port.family());
+        out.extend(own.map(|ip| (key(*ip, node_port), external.clone())));
     }
     out
 }
@@ -193,17 +202,15 @@ pub fn virtual_servers(
 /// The addresses `port` needs bound to `kube-ipvs0`: its ClusterIP, external
 /// IPs and load balancer IPs (so the kernel takes their packets as local
 /// and IPVS sees them).
-pub fn bound_addresses(port: &ServicePort) -> impl Iterator<Item = Ipv4Addr> + '_ {
-    std::iter::once(port.cluster_ip)
-        .chain(port.external_addresses())
-        .filter_map(ipv4)
+pub fn bound_addresses(port: &ServicePort) -> impl Iterator<Item = IpAddr> + '_ {
+    std::iter::once(port.cluster_ip).chain(port.external_addresses())
 }
 
 /// The virtual servers of `ports` with NodePorts on `node_ips`. IPVS holds
 /// one virtual server per address, port and protocol: where two ports claim
 /// the same one (an external IP or load balancer IP that is another
 /// Service's too), the first by name keeps it and the other is reported.
-fn desired_servers(ports: &[&ServicePort], node_ips: &[Ipv4Addr], scheduler: &str, node: Option<&str>) -> Desired {
+fn desired_servers(ports: &[&ServicePort], node_ips: &[IpAddr], scheduler: &str, node: Option<&str>) -> Desired {
     let mut desired = Desired::default();
     for port in ports {
         for (key, server) in virtual_servers(port, node_ips, scheduler, node) {
@@ -227,20 +234,14 @@ fn desired_servers(ports: &[&ServicePort], node_ips: &[Ipv4Addr], scheduler: &st
 
 /// `usable` with weight 1, and the other terminating endpoints (those on
 /// `node` only, if `local_only`) with weight 0, draining.
-fn real_servers(
-    port: &ServicePort,
-    usable: &[&Endpoint],
-    local_only: bool,
-    node: Option<&str>,
-) -> BTreeMap<(Ipv4Addr, u16), u32> {
+fn real_servers(port: &ServicePort, usable: &[&Endpoint], local_only: bool, node: Option<&str>) -> BTreeMap<Real, u32> {
     let mut reals = BTreeMap::new();
     let candidates = port.endpoints.iter().filter(|e| !local_only || e.is_on(node));
     for endpoint in candidates {
-        let Some(addr) = ipv4(endpoint.addr) else { continue };
         if usable.contains(&endpoint) {
-            reals.insert((addr, endpoint.port), WEIGHT);
+            reals.insert((endpoint.addr, endpoint.port), WEIGHT);
         } else if endpoint.terminating {
-            reals.entry((addr, endpoint.port)).or_insert(0);
+            reals.entry((endpoint.addr, endpoint.port)).or_insert(0);
         }
     }
     reals
@@ -261,6 +262,31 @@ const STRICT_ARP: [(&str, &str); 2] = [
     ("/proc/sys/net/ipv4/conf/all/arp_ignore", "1"),
     ("/proc/sys/net/ipv4/conf/all/arp_announce", "2"),
 ];
+
+/// How IPv6 traffic from this node's pods is told: by the IPv6 cluster
+/// CIDR where IPv4's is by the IPv4 one (`detectLocalMode: ClusterCIDR`),
+/// else by the same interfaces as IPv4's.
+fn local_traffic_v6(config: &Config, v4: Option<&LocalTraffic>) -> Option<LocalTraffic> {
+    match config.detect_local {
+        DetectLocal::ClusterCidr => config
+            .cluster_cidrs
+            .iter()
+            .find(|c| !c.is_ipv4())
+            .map(|c| LocalTraffic::Cidr(*c)),
+        _ => v4.cloned(),
+    }
+}
+
+/// The families the mode serves, each with its own sets and rules.
+const FAMILIES: [IpFamily; 2] = [IpFamily::V4, IpFamily::V6];
+
+/// The iptables tools of `family`.
+fn iptables_of(family: IpFamily) -> SystemIptables {
+    match family {
+        IpFamily::V4 => SystemIptables::default(),
+        IpFamily::V6 => SystemIptables::ipv6(),
+    }
+}
 
 fn seconds(duration: std::time::Duration) -> u32 {
     u32::try_from(duration.as_secs()).unwrap_or(u32::MAX)
@@ -286,8 +312,7 @@ impl IpvsMode {
         set_sysctls(opts.strict_arp)?;
         let (tcp, tcp_fin, udp) = opts.timeouts;
         ipvs.set_timeouts(tcp, tcp_fin, udp)?;
-        let mut system = SystemIptables::default();
-        system.check()?;
+        iptables_of(IpFamily::V4).check()?;
         ipset::save().context("the IPVS mode needs ipset")?;
         let mut dummy = dummy::Dummy::open()?;
         let index = dummy.ensure()?;
@@ -303,15 +328,32 @@ impl IpvsMode {
             reported: BTreeSet::new(),
             problems: Vec::new(),
             writes: 0,
+            families: &FAMILIES,
         };
         mode.write_sets(true)?;
-        rules::write(&mut system, &mode.opts.rules)?;
+        rules::write(&mut iptables_of(IpFamily::V4), &mode.opts.rules, IpFamily::V4)?;
         mode.writes += 1;
+        // IPv6 where the node has it, as kube-proxy runs single-stack on a
+        // node without IPv6.
+        let mut ip6tables = iptables_of(IpFamily::V6);
+        match ip6tables
+            .check()
+            .and_then(|()| rules::write(&mut ip6tables, &mode.opts.rules, IpFamily::V6))
+        {
+            Ok(()) => mode.writes += 1,
+            Err(e) => {
+                warn!(
+                    error = format!("{e:#}"),
+                    "no IPv6 rules on this node: the IPVS mode serves IPv4 only"
+                );
+                mode.families = &FAMILIES[..1];
+            }
+        }
         info!(scheduler = %mode.opts.scheduler, node_ips = ?mode.node_ips, "ipvs mode ready");
         Ok(mode)
     }
 
-    fn desired_on(&self, ports: &[&ServicePort], node_ips: &[Ipv4Addr]) -> Desired {
+    fn desired_on(&self, ports: &[&ServicePort], node_ips: &[IpAddr]) -> Desired {
         desired_servers(ports, node_ips, &self.opts.scheduler, self.opts.node_name.as_deref())
     }
 
@@ -339,7 +381,7 @@ impl IpvsMode {
 
     /// Reads the NodePort addresses again (kube-proxy does at every sync);
     /// returns the ones before if they changed.
-    fn refresh_node_ips(&mut self) -> Result<Option<Vec<Ipv4Addr>>> {
+    fn refresh_node_ips(&mut self) -> Result<Option<Vec<IpAddr>>> {
         let now = self.opts.node_ports.resolve()?;
         if now == self.node_ips {
             return Ok(None);
@@ -350,7 +392,7 @@ impl IpvsMode {
     }
 
     fn excluded(&self, key: &VirtualKey) -> bool {
-        self.opts.exclude_cidrs.iter().any(|c| c.contains(key.addr.into()))
+        self.opts.exclude_cidrs.iter().any(|c| c.contains(key.addr))
     }
 
     /// Makes virtual server `key` equal to `want` (or absent), given what
@@ -407,9 +449,9 @@ impl IpvsMode {
     }
 
     /// Binds or unbinds `ips` on `kube-ipvs0` as the state needs them.
-    fn sync_addresses(&mut self, ips: BTreeSet<Ipv4Addr>) -> Result<()> {
+    fn sync_addresses(&mut self, ips: BTreeSet<IpAddr>) -> Result<()> {
         let have = self.dummy.addresses(self.index)?;
-        let wanted: BTreeSet<Ipv4Addr> = self.state.values().flat_map(bound_addresses).collect();
+        let wanted: BTreeSet<IpAddr> = self.state.values().flat_map(bound_addresses).collect();
         for ip in ips {
             match (wanted.contains(&ip), have.contains(&ip)) {
                 (true, false) => {
@@ -443,6 +485,10 @@ impl IpvsMode {
 impl Dataplane for IpvsMode {
     fn name(&self) -> &'static str {
         "ipvs"
+    }
+
+    fn families(&self) -> &'static [IpFamily] {
+        self.families
     }
 
     fn delete_stale_flows(&mut self, change: &SyncedChange<'_>) -> u64 {
@@ -504,7 +550,7 @@ impl Dataplane for IpvsMode {
         self.state = desired.clone();
         let want = self.desired_state();
         let have = self.ipvs.list()?;
-        let bound: BTreeSet<Ipv4Addr> = self.dummy.addresses(self.index)?;
+        let bound: BTreeSet<IpAddr> = self.dummy.addresses(self.index)?;
         let mut ips = bound.clone();
         ips.extend(self.state.values().flat_map(bound_addresses));
         self.sync_addresses(ips)?;
@@ -521,11 +567,13 @@ impl Dataplane for IpvsMode {
             self.sync_server(&key, want.get(&key), have.get(&key))?;
         }
         self.write_sets(true)?;
-        let mut system = SystemIptables::default();
-        let saved = Saved::parse(&system.save()?);
-        if !rules::chains_present(&saved) || !rules::missing_jumps(&saved).is_empty() {
-            rules::write(&mut system, &self.opts.rules)?;
-            self.writes += 1;
+        for &family in self.families {
+            let mut system = iptables_of(family);
+            let saved = Saved::parse(&system.save()?);
+            if !rules::chains_present(&saved) || !rules::missing_jumps(&saved).is_empty() {
+                rules::write(&mut system, &self.opts.rules, family)?;
+                self.writes += 1;
+            }
         }
         Ok(())
     }
@@ -573,8 +621,10 @@ pub fn cleanup() -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
-    use crate::model::{Endpoint, Protocol};
+    use crate::model::{Endpoint, Protocol, last_octet};
 
     fn endpoint(last: u8, ready: bool, serving: bool, terminating: bool) -> Endpoint {
         Endpoint {
@@ -600,7 +650,7 @@ mod tests {
     #[test]
     fn one_virtual_server_per_cluster_ip_and_node_ip() {
         let port = seed(vec![endpoint(11, true, true, false), endpoint(12, true, true, false)]);
-        let servers = virtual_servers(&port, &[Ipv4Addr::new(172, 30, 0, 2)], "rr", None);
+        let servers = virtual_servers(&port, &[Ipv4Addr::new(172, 30, 0, 2).into()], "rr", None);
         let keys: Vec<String> = servers.iter().map(|(k, _)| k.to_string()).collect();
         assert_eq!(keys, ["TCP 10.96.0.88:88", "TCP 172.30.0.2:30791"]);
         for (_, server) in &servers {
@@ -617,7 +667,7 @@ mod tests {
             endpoint(13, false, false, false),
         ]);
         let (_, server) = &virtual_servers(&port, &[], "lc", None)[0];
-        let weights: Vec<(u8, u32)> = server.reals.iter().map(|((a, _), w)| (a.octets()[3], *w)).collect();
+        let weights: Vec<(u8, u32)> = server.reals.iter().map(|((a, _), w)| (last_octet(*a), *w)).collect();
         assert_eq!(weights, [(11, 1), (12, 0)]);
     }
 
@@ -625,7 +675,7 @@ mod tests {
     fn serving_terminating_endpoints_are_used_when_nothing_is_ready() {
         let port = seed(vec![endpoint(12, false, true, true), endpoint(13, false, false, true)]);
         let (_, server) = &virtual_servers(&port, &[], "rr", None)[0];
-        let weights: Vec<(u8, u32)> = server.reals.iter().map(|((a, _), w)| (a.octets()[3], *w)).collect();
+        let weights: Vec<(u8, u32)> = server.reals.iter().map(|((a, _), w)| (last_octet(*a), *w)).collect();
         assert_eq!(weights, [(12, 1), (13, 0)]);
     }
 
@@ -637,7 +687,7 @@ mod tests {
     }
 
     fn weights(server: &VirtualServer) -> Vec<(u8, u32)> {
-        server.reals.iter().map(|((a, _), w)| (a.octets()[3], *w)).collect()
+        server.reals.iter().map(|((a, _), w)| (last_octet(*a), *w)).collect()
     }
 
     /// kube-proxy's IPVS mode: the node ports of an externalTrafficPolicy:
@@ -653,7 +703,7 @@ mod tests {
             on("node-b", endpoint(14, false, true, true)),
         ]);
         port.external_policy = crate::model::TrafficPolicy::Local;
-        let node_ip = Ipv4Addr::new(172, 30, 0, 2);
+        let node_ip = IpAddr::V4(Ipv4Addr::new(172, 30, 0, 2));
         let servers = virtual_servers(&port, &[node_ip], "rr", Some("node-a"));
         assert_eq!(
             weights(&servers[0].1),
@@ -699,7 +749,7 @@ mod tests {
         ];
         port.external_policy = crate::model::TrafficPolicy::Local;
         port.affinity = Some(std::time::Duration::from_secs(30));
-        let node_ip = Ipv4Addr::new(172, 30, 0, 2);
+        let node_ip = IpAddr::V4(Ipv4Addr::new(172, 30, 0, 2));
         let servers = virtual_servers(&port, &[node_ip], "rr", Some("node-a"));
         let keys: Vec<String> = servers.iter().map(|(k, _)| k.to_string()).collect();
         assert_eq!(
@@ -716,15 +766,8 @@ mod tests {
             assert_eq!(weights(server), [(11, 1)], "{key}: externalTrafficPolicy: Local");
         }
         assert!(servers.iter().all(|(_, s)| s.persistence == Some(30)), "{servers:?}");
-        let bound: Vec<Ipv4Addr> = bound_addresses(&port).collect();
-        assert_eq!(
-            bound,
-            [
-                Ipv4Addr::new(10, 96, 0, 88),
-                Ipv4Addr::new(198, 51, 100, 7),
-                Ipv4Addr::new(192, 0, 2, 10)
-            ]
-        );
+        let bound: Vec<String> = bound_addresses(&port).map(|a| a.to_string()).collect();
+        assert_eq!(bound, ["10.96.0.88", "198.51.100.7", "192.0.2.10"]);
 
         port.affinity = None;
         let servers = virtual_servers(&port, &[node_ip], "rr", Some("node-a"));
@@ -749,7 +792,7 @@ mod tests {
         let desired = desired_servers(&[&first, &second], &[], "rr", None);
         let lb = VirtualKey {
             protocol: Protocol::Tcp,
-            addr: Ipv4Addr::new(192, 0, 2, 10),
+            addr: Ipv4Addr::new(192, 0, 2, 10).into(),
             port: 88,
         };
         assert_eq!(weights(&desired.servers[&lb]), [(11, 1)]);
@@ -763,8 +806,38 @@ mod tests {
             desired.conflicts
         );
         assert!(desired.servers.contains_key(&VirtualKey {
-            addr: Ipv4Addr::new(10, 96, 0, 99),
+            addr: Ipv4Addr::new(10, 96, 0, 99).into(),
             ..lb
         }));
+    }
+
+    /// A dual-stack Service's IPv6 port: its virtual servers on its own
+    /// family's addresses only (the IPv6 node IP for the node port), with
+    /// its IPv6 endpoints as real servers.
+    #[test]
+    fn an_ipv6_port_gets_ipv6_virtual_servers_on_ipv6_node_ips() {
+        let ip = |text: &str| -> IpAddr { text.parse().expect("an address") };
+        let port = ServicePort {
+            name: format!("{}{}", "default/nginx-service", crate::model::IPV6_SUFFIX),
+            cluster_ip: ip("fd00:96::88"),
+            external_ips: vec![ip("fd00:198::7")],
+            endpoints: vec![Endpoint::ready(ip("fd00:10:244::11"), 80)],
+            ..seed(Vec::new())
+        };
+        let node_ips = [ip("172.30.0.2"), ip("fd00:30::2")];
+        let servers = virtual_servers(&port, &node_ips, "rr", None);
+        let keys: Vec<String> = servers.iter().map(|(k, _)| k.to_string()).collect();
+        assert_eq!(
+            keys,
+            ["TCP [fd00:96::88]:88", "TCP [fd00:198::7]:88", "TCP [fd00:30::2]:30791"]
+        );
+        for (_, server) in &servers {
+            assert_eq!(server.reals, BTreeMap::from([((ip("fd00:10:244::11"), 80), 1)]));
+        }
+        let v4 = virtual_servers(&seed(vec![endpoint(11, true, true, false)]), &node_ips, "rr", None);
+        let keys: Vec<String> = v4.iter().map(|(k, _)| k.to_string()).collect();
+        assert_eq!(keys, ["TCP 10.96.0.88:88", "TCP 172.30.0.2:30791"]);
+        let bound: Vec<IpAddr> = bound_addresses(&port).collect();
+        assert_eq!(bound, [ip("fd00:96::88"), ip("fd00:198::7")]);
     }
 }

@@ -4,9 +4,15 @@
 //!
 //! Messages are encoded by hand: a netlink header, a generic netlink header
 //! and nested attributes. The layouts follow `include/uapi/linux/ip_vs.h`;
-//! the encoders are pure and unit-tested.
+//! the encoders are pure and unit-tested. Both families share every
+//! message: the family attribute (`IPVS_SVC_ATTR_AF`,
+//! `IPVS_DEST_ATTR_ADDR_FAMILY`) says how to read the 16 bytes of
+//! `union nf_inet_addr` (an IPv4 address fills the first 4).
 
-use std::{collections::BTreeMap, net::Ipv4Addr};
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, Ipv6Addr},
+};
 
 use anyhow::{Context, Result};
 
@@ -66,20 +72,30 @@ const IP_VS_CONN_F_MASQ: u32 = 0;
 /// connection per client address) until idle for the service's timeout.
 const IP_VS_SVC_F_PERSISTENT: u32 = 0x0001;
 const AF_INET: u16 = libc::AF_INET as u16;
+const AF_INET6: u16 = libc::AF_INET6 as u16;
 
 /// A virtual server's identity: what `ipvsadm -t/-u ADDR:PORT` names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct VirtualKey {
     pub protocol: Protocol,
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
 }
 
 impl std::fmt::Display for VirtualKey {
+    /// `TCP 10.96.0.88:88`, `TCP [fd00:96::88]:88` (as `ipvsadm -Ln`).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} {}:{}", self.protocol, self.addr, self.port)
+        write!(
+            f,
+            "{} {}",
+            self.protocol,
+            std::net::SocketAddr::new(self.addr, self.port)
+        )
     }
 }
+
+/// A real server: address and port.
+pub type Real = (IpAddr, u16);
 
 /// A virtual server as programmed: its scheduler, persistence and real
 /// servers (`(address, port) -> weight`).
@@ -89,7 +105,7 @@ pub struct VirtualServer {
     /// The persistence timeout in seconds (`ipvsadm -p`), kube-proxy's
     /// `sessionAffinity: ClientIP`; `None`: every connection is scheduled.
     pub persistence: Option<u32>,
-    pub reals: BTreeMap<(Ipv4Addr, u16), u32>,
+    pub reals: BTreeMap<Real, u32>,
 }
 
 /// What a virtual server is, without its real servers: what
@@ -124,11 +140,47 @@ fn protocol_of(proto: u16) -> Option<Protocol> {
     }
 }
 
-/// `union nf_inet_addr` holding an IPv4 address.
-fn inet_addr(addr: Ipv4Addr) -> [u8; 16] {
-    let mut bytes = [0; 16];
-    bytes[..4].copy_from_slice(&addr.octets());
-    bytes
+/// The `AF_*` of `addr`.
+fn family_of(addr: IpAddr) -> u16 {
+    match addr {
+        IpAddr::V4(_) => AF_INET,
+        IpAddr::V6(_) => AF_INET6,
+    }
+}
+
+/// `union nf_inet_addr` holding `addr`.
+fn inet_addr(addr: IpAddr) -> [u8; 16] {
+    match addr {
+        IpAddr::V4(v4) => {
+            let mut bytes = [0; 16];
+            bytes[..4].copy_from_slice(&v4.octets());
+            bytes
+        }
+        IpAddr::V6(v6) => v6.octets(),
+    }
+}
+
+/// The address of family `af` in `union nf_inet_addr` bytes; `None` for
+/// another family or too few bytes.
+fn read_inet_addr(af: u16, bytes: &[u8]) -> Option<IpAddr> {
+    match af {
+        AF_INET => read_ipv4(bytes).map(IpAddr::V4),
+        AF_INET6 => {
+            let octets: [u8; 16] = bytes.get(..16)?.try_into().ok()?;
+            Some(IpAddr::V6(Ipv6Addr::from(octets)))
+        }
+        _ => None,
+    }
+}
+
+/// The persistence netmask: one template per client address, kube-proxy's
+/// /32 (a mask) for IPv4, /128 (a prefix length, as the kernel takes it
+/// for IPv6) for IPv6.
+fn persistence_netmask(addr: IpAddr) -> u32 {
+    match addr {
+        IpAddr::V4(_) => u32::MAX,
+        IpAddr::V6(_) => 128,
+    }
 }
 
 /// Why IPVS cannot be used here.
@@ -185,13 +237,13 @@ impl Ipvs {
 
     /// Adds (`IPVS_CMD_NEW_DEST`), re-weights (`SET_DEST`) or deletes
     /// (`DEL_DEST`) one real server of `key`.
-    pub fn dest(&mut self, cmd: u8, key: &VirtualKey, real: (Ipv4Addr, u16), weight: u32) -> Result<()> {
+    pub fn dest(&mut self, cmd: u8, key: &VirtualKey, real: Real, weight: u32) -> Result<()> {
         let message = dest_message(self.family, cmd, key, real, weight);
         self.do_cmd(
             &message,
             format_args!(
-                "real server {}:{} (weight {weight}) of {key}, command {cmd}",
-                real.0, real.1
+                "real server {} (weight {weight}) of {key}, command {cmd}",
+                std::net::SocketAddr::from(real)
             ),
         )
     }
@@ -206,7 +258,7 @@ impl Ipvs {
         self.do_cmd(&message, "setting the IPVS timeouts")
     }
 
-    /// Every IPv4 TCP/UDP virtual server with its real servers.
+    /// Every TCP/UDP virtual server (IPv4 and IPv6) with its real servers.
     pub fn list(&mut self) -> Result<BTreeMap<VirtualKey, VirtualServer>> {
         let mut out = BTreeMap::new();
         for (key, scheduler, persistence) in self.dump_services()? {
@@ -223,7 +275,7 @@ impl Ipvs {
         Ok(out)
     }
 
-    /// `(key, scheduler, persistence)` of every IPv4 TCP/UDP virtual server.
+    /// `(key, scheduler, persistence)` of every TCP/UDP virtual server.
     pub(super) fn dump_services(&mut self) -> Result<Vec<(VirtualKey, String, Option<u32>)>> {
         let message = Message::genl(
             self.family,
@@ -254,19 +306,20 @@ impl Ipvs {
         }))
     }
 
-    fn reals(&mut self, key: &VirtualKey) -> Result<BTreeMap<(Ipv4Addr, u16), u32>> {
+    fn reals(&mut self, key: &VirtualKey) -> Result<BTreeMap<Real, u32>> {
         let mut message = Message::genl(self.family, IPVS_CMD_GET_DEST, IPVS_VERSION, NLM_F_REQUEST | NLM_F_DUMP);
         message.nested(IPVS_CMD_ATTR_SERVICE, |m| service_key(m, key));
         let answers = self
             .socket
             .request(&message)
             .with_context(|| format!("listing the real servers of {key}"))?;
-        Ok(answers.iter().filter_map(|a| parse_dest(a)).collect())
+        let af = family_of(key.addr);
+        Ok(answers.iter().filter_map(|a| parse_dest(a, af)).collect())
     }
 }
 
 fn service_key(m: &mut Message, key: &VirtualKey) {
-    m.u16(IPVS_SVC_ATTR_AF, AF_INET)
+    m.u16(IPVS_SVC_ATTR_AF, family_of(key.addr))
         .u16(IPVS_SVC_ATTR_PROTOCOL, ipproto(key.protocol))
         .attr(IPVS_SVC_ATTR_ADDR, &inet_addr(key.addr))
         .attr(IPVS_SVC_ATTR_PORT, &key.port.to_be_bytes());
@@ -289,20 +342,19 @@ pub fn service_message(family: u16, cmd: u8, key: &VirtualKey, entry: Option<Ser
             let mut flags = [0u8; 8];
             flags[..4].copy_from_slice(&flag.to_ne_bytes());
             flags[4..].copy_from_slice(&u32::MAX.to_ne_bytes());
-            // The persistence netmask: one template per client address
-            // (kube-proxy's /32).
             m.string(IPVS_SVC_ATTR_SCHED_NAME, entry.scheduler)
                 .attr(IPVS_SVC_ATTR_FLAGS, &flags)
                 .u32(IPVS_SVC_ATTR_TIMEOUT, entry.persistence.unwrap_or(0))
-                .u32(IPVS_SVC_ATTR_NETMASK, u32::MAX);
+                .u32(IPVS_SVC_ATTR_NETMASK, persistence_netmask(key.addr));
         }
     });
     message
 }
 
 /// A real server command (always a full entry: masquerading, `weight`, no
-/// thresholds).
-pub fn dest_message(family: u16, cmd: u8, key: &VirtualKey, real: (Ipv4Addr, u16), weight: u32) -> Message {
+/// thresholds). The real server's family is its own attribute; IPVS
+/// masquerading needs it to be the virtual server's.
+pub fn dest_message(family: u16, cmd: u8, key: &VirtualKey, real: Real, weight: u32) -> Message {
     let mut message = Message::genl(family, cmd, IPVS_VERSION, NLM_F_REQUEST | NLM_F_ACK);
     message.nested(IPVS_CMD_ATTR_SERVICE, |m| service_key(m, key));
     message.nested(IPVS_CMD_ATTR_DEST, |m| {
@@ -312,7 +364,7 @@ pub fn dest_message(family: u16, cmd: u8, key: &VirtualKey, real: (Ipv4Addr, u16
             .u32(IPVS_DEST_ATTR_WEIGHT, weight)
             .u32(IPVS_DEST_ATTR_U_THRESH, 0)
             .u32(IPVS_DEST_ATTR_L_THRESH, 0)
-            .u16(IPVS_DEST_ATTR_ADDR_FAMILY, AF_INET);
+            .u16(IPVS_DEST_ATTR_ADDR_FAMILY, family_of(real.0));
     });
     message
 }
@@ -338,11 +390,9 @@ fn parse_service(payload: &[u8]) -> Option<(VirtualKey, String, Option<u32>)> {
     let top = attrs(payload.get(4..)?);
     let service = find(&top, IPVS_CMD_ATTR_SERVICE)?;
     let fields = attrs(&service);
-    if read_u16(&find(&fields, IPVS_SVC_ATTR_AF)?)? != AF_INET {
-        return None;
-    }
+    let af = read_u16(&find(&fields, IPVS_SVC_ATTR_AF)?)?;
     let protocol = protocol_of(read_u16(&find(&fields, IPVS_SVC_ATTR_PROTOCOL)?)?)?;
-    let addr = read_ipv4(&find(&fields, IPVS_SVC_ATTR_ADDR)?)?;
+    let addr = read_inet_addr(af, &find(&fields, IPVS_SVC_ATTR_ADDR)?)?;
     let port = u16::from_be_bytes(find(&fields, IPVS_SVC_ATTR_PORT)?.get(..2)?.try_into().ok()?);
     let scheduler = find(&fields, IPVS_SVC_ATTR_SCHED_NAME)
         .map(|s| String::from_utf8_lossy(&s).trim_end_matches('\0').to_owned())
@@ -360,12 +410,23 @@ fn parse_service(payload: &[u8]) -> Option<(VirtualKey, String, Option<u32>)> {
     Some((VirtualKey { protocol, addr, port }, scheduler, persistence))
 }
 
-/// `((address, port), weight)` from a payload holding a destination.
-fn parse_dest(payload: &[u8]) -> Option<((Ipv4Addr, u16), u32)> {
+/// The address of a destination's attributes: of its own family where the
+/// kernel says it (`IPVS_DEST_ATTR_ADDR_FAMILY`, since 4.9), else of its
+/// virtual server's, which the dump request named (`service_af`).
+fn dest_addr(fields: &[(u16, &[u8])], service_af: u16) -> Option<IpAddr> {
+    let af = find(fields, IPVS_DEST_ATTR_ADDR_FAMILY)
+        .and_then(|f| read_u16(&f))
+        .unwrap_or(service_af);
+    read_inet_addr(af, &find(fields, IPVS_DEST_ATTR_ADDR)?)
+}
+
+/// `((address, port), weight)` from a payload holding a destination of a
+/// virtual server of family `service_af`.
+fn parse_dest(payload: &[u8], service_af: u16) -> Option<(Real, u32)> {
     let top = attrs(payload.get(4..)?);
     let dest = find(&top, IPVS_CMD_ATTR_DEST)?;
     let fields = attrs(&dest);
-    let addr = read_ipv4(&find(&fields, IPVS_DEST_ATTR_ADDR)?)?;
+    let addr = dest_addr(&fields, service_af)?;
     let port = u16::from_be_bytes(find(&fields, IPVS_DEST_ATTR_PORT)?.get(..2)?.try_into().ok()?);
     let weight = read_u32(&find(&fields, IPVS_DEST_ATTR_WEIGHT)?)?;
     Some(((addr, port), weight))
@@ -373,11 +434,19 @@ fn parse_dest(payload: &[u8]) -> Option<((Ipv4Addr, u16), u32)> {
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
 
     const SEED: VirtualKey = VirtualKey {
         protocol: Protocol::Tcp,
-        addr: Ipv4Addr::new(10, 96, 0, 88),
+        addr: IpAddr::V4(Ipv4Addr::new(10, 96, 0, 88)),
+        port: 88,
+    };
+
+    const SEED6: VirtualKey = VirtualKey {
+        protocol: Protocol::Tcp,
+        addr: IpAddr::V6(Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x88)),
         port: 88,
     };
 
@@ -424,14 +493,64 @@ mod tests {
 
     #[test]
     fn encodes_a_destination_with_its_service() {
-        let real = (Ipv4Addr::new(10, 244, 0, 11), 80);
+        let real = (Ipv4Addr::new(10, 244, 0, 11).into(), 80);
         let bytes = dest_message(0x22, IPVS_CMD_NEW_DEST, &SEED, real, 1).finish(1);
         assert_eq!(bytes[16], IPVS_CMD_NEW_DEST);
         let top = attrs(&bytes[20..]);
         assert_eq!(top.iter().map(|(k, _)| *k).collect::<Vec<_>>(), [1, 2]);
         // The same payload parses back (as a dump answer would carry it).
-        assert_eq!(parse_dest(&bytes[16..]), Some((real, 1)));
+        assert_eq!(parse_dest(&bytes[16..], AF_INET), Some((real, 1)));
         assert_eq!(parse_service(&bytes[16..]).map(|(k, _, _)| k), Some(SEED));
+    }
+
+    /// `ipvsadm -A -t [fd00:96::88]:88 -p`: family AF_INET6 and the 16
+    /// address bytes in the service, the real server's family in its own
+    /// attribute, and the persistence netmask as a prefix length (the
+    /// kernel refuses an IPv6 netmask outside 1..=128).
+    #[test]
+    fn encodes_ipv6_virtual_and_real_servers() {
+        let sticky = ServiceEntry {
+            scheduler: "rr",
+            persistence: Some(10_800),
+        };
+        let bytes = service_message(0x22, IPVS_CMD_NEW_SERVICE, &SEED6, Some(sticky)).finish(1);
+        let fields = attrs(attrs(&bytes[20..])[0].1);
+        assert_eq!(find(&fields, IPVS_SVC_ATTR_AF).and_then(|f| read_u16(&f)), Some(10));
+        assert_eq!(
+            hex(&find(&fields, IPVS_SVC_ATTR_ADDR).expect("address")),
+            "fd000096000000000000000000000088"
+        );
+        assert_eq!(
+            find(&fields, IPVS_SVC_ATTR_NETMASK).and_then(|m| read_u32(&m)),
+            Some(128)
+        );
+        assert_eq!(
+            parse_service(&bytes[16..]),
+            Some((SEED6, "rr".to_owned(), Some(10_800)))
+        );
+
+        let real = ("fd00:10:244::11".parse().expect("an address"), 80);
+        let bytes = dest_message(0x22, IPVS_CMD_NEW_DEST, &SEED6, real, 1).finish(1);
+        let dest = attrs(attrs(&bytes[20..])[1].1);
+        assert_eq!(
+            find(&dest, IPVS_DEST_ATTR_ADDR_FAMILY).and_then(|f| read_u16(&f)),
+            Some(10)
+        );
+        assert_eq!(
+            hex(&find(&dest, IPVS_DEST_ATTR_ADDR).expect("address")),
+            "fd000010024400000000000000000011"
+        );
+        assert_eq!(parse_dest(&bytes[16..], AF_INET6), Some((real, 1)));
+        // An older kernel's answer without the destination's family reads
+        // the address as its virtual server's family.
+        let mut old = Message::genl(0x22, IPVS_CMD_NEW_DEST, IPVS_VERSION, 0);
+        old.nested(IPVS_CMD_ATTR_DEST, |m| {
+            m.attr(IPVS_DEST_ATTR_ADDR, &inet_addr(real.0))
+                .attr(IPVS_DEST_ATTR_PORT, &80u16.to_be_bytes())
+                .u32(IPVS_DEST_ATTR_WEIGHT, 1);
+        });
+        assert_eq!(parse_dest(&old.finish(1)[16..], AF_INET6), Some((real, 1)));
+        assert_eq!(SEED6.to_string(), "TCP [fd00:96::88]:88");
     }
 
     /// kube-proxy's ClientIP affinity: the persistent flag (under a full

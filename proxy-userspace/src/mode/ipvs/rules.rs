@@ -44,6 +44,7 @@ use anyhow::{Context, Result};
 
 use crate::{
     mode::options::LocalTraffic,
+    model::IpFamily,
     sys::iptables::{Iptables, Saved, SystemIptables, remove_chains, rule_chain, rule_target},
 };
 
@@ -82,7 +83,21 @@ pub const JUMPS: [(&str, &str, &str, &str); 6] = [
 pub struct RuleOptions {
     pub masquerade_bit: u8,
     pub masquerade_all: bool,
+    /// IPv4 traffic from this node's pods.
     pub local_traffic: Option<LocalTraffic>,
+    /// IPv6 traffic from this node's pods (the IPv6 cluster CIDR, or the
+    /// same interfaces as for IPv4).
+    pub local_traffic_v6: Option<LocalTraffic>,
+}
+
+impl RuleOptions {
+    /// How the rules of `family` tell this node's pods' traffic.
+    fn local_traffic(&self, family: IpFamily) -> Option<&LocalTraffic> {
+        match family {
+            IpFamily::V4 => self.local_traffic.as_ref(),
+            IpFamily::V6 => self.local_traffic_v6.as_ref(),
+        }
+    }
 }
 
 fn if_not_local(local: &LocalTraffic) -> String {
@@ -93,14 +108,17 @@ fn if_not_local(local: &LocalTraffic) -> String {
     }
 }
 
-/// The `iptables-restore --noflush` input writing our chains, plus the
-/// jumps `missing` (from [`missing_jumps`]).
-pub fn render(opts: &RuleOptions, missing: &[(&str, &str, &str, &str)]) -> String {
+/// The `iptables-restore --noflush` (`ip6tables-restore` for
+/// [`IpFamily::V6`]) input writing our chains, matching the sets of
+/// `family`, plus the jumps `missing` (from [`missing_jumps`]).
+pub fn render(opts: &RuleOptions, family: IpFamily, missing: &[(&str, &str, &str, &str)]) -> String {
+    let set = |name| ipset::name(name, family);
+    let (cluster_ip, loop_back) = (set(CLUSTER_IP), set(LOOP_BACK));
     let mark = format!("{:#x}", 1u32 << opts.masquerade_bit);
     let mut nat = vec![format!(
         "-A {SERVICES} -m comment --comment \"Kubernetes service lb portal\" \
          -m set --match-set {} dst,dst -j {LOAD_BALANCER}",
-        ipset::LOAD_BALANCER
+        set(ipset::LOAD_BALANCER)
     )];
     // Which ClusterIP traffic to masquerade: all of it; else what does not
     // come from a local pod; else (nothing tells pods apart) what comes
@@ -109,28 +127,29 @@ pub fn render(opts: &RuleOptions, missing: &[(&str, &str, &str, &str)]) -> Strin
     // backend would answer the VIP. kube-proxy's IPVS mode does the same.
     let (source, sets) = if opts.masquerade_all {
         (String::new(), "dst,dst")
-    } else if let Some(local) = &opts.local_traffic {
+    } else if let Some(local) = opts.local_traffic(family) {
         (format!("{} ", if_not_local(local)), "dst,dst")
     } else {
         (String::new(), "src,dst")
     };
     nat.push(format!(
         "-A {SERVICES} {source}-m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" \
-         -m set --match-set {CLUSTER_IP} {sets} -j {MARK_MASQ}"
+         -m set --match-set {cluster_ip} {sets} -j {MARK_MASQ}"
     ));
-    nat.extend(external_ip_rules());
+    nat.extend(external_ip_rules(family));
     nat.push(format!("-A {SERVICES} -m addrtype --dst-type LOCAL -j {NODE_PORT}"));
-    for set in [CLUSTER_IP, ipset::LOAD_BALANCER] {
-        nat.push(format!("-A {SERVICES} -m set --match-set {set} dst,dst -j ACCEPT"));
+    for accepted in [cluster_ip, set(ipset::LOAD_BALANCER)] {
+        nat.push(format!("-A {SERVICES} -m set --match-set {accepted} dst,dst -j ACCEPT"));
     }
     nat.push(format!(
         "-A {LOAD_BALANCER} -m comment --comment \"Kubernetes service load balancer ip + port with externalTrafficPolicy=local\" \
-         -m set --match-set {LOAD_BALANCER_LOCAL} dst,dst -j RETURN"
+         -m set --match-set {} dst,dst -j RETURN",
+        set(LOAD_BALANCER_LOCAL)
     ));
     nat.push(format!("-A {LOAD_BALANCER} -j {MARK_MASQ}"));
-    for (proto, set, local_set) in [
-        ("tcp", NODE_PORT_TCP, NODE_PORT_LOCAL_TCP),
-        ("udp", NODE_PORT_UDP, NODE_PORT_LOCAL_UDP),
+    for (proto, masq_set, local_set) in [
+        ("tcp", set(NODE_PORT_TCP), set(NODE_PORT_LOCAL_TCP)),
+        ("udp", set(NODE_PORT_UDP), set(NODE_PORT_LOCAL_UDP)),
     ] {
         nat.push(format!(
             "-A {NODE_PORT} -p {proto} -m comment --comment \"Kubernetes nodeport {} port with externalTrafficPolicy=local\" \
@@ -139,13 +158,13 @@ pub fn render(opts: &RuleOptions, missing: &[(&str, &str, &str, &str)]) -> Strin
         ));
         nat.push(format!(
             "-A {NODE_PORT} -p {proto} -m comment --comment \"Kubernetes nodeport {} port for masquerade purpose\" \
-             -m set --match-set {set} dst -j {MARK_MASQ}",
+             -m set --match-set {masq_set} dst -j {MARK_MASQ}",
             proto.to_uppercase()
         ));
     }
     nat.push(format!(
         "-A {POSTROUTING} -m comment --comment \"Kubernetes endpoints dst ip:port, source ip for solving hairpin purpose\" \
-         -m set --match-set {LOOP_BACK} dst,dst,src -j MASQUERADE"
+         -m set --match-set {loop_back} dst,dst,src -j MASQUERADE"
     ));
     nat.push(format!("-A {POSTROUTING} -m mark ! --mark {mark}/{mark} -j RETURN"));
     nat.push(format!("-A {POSTROUTING} -j MARK --xor-mark {mark}"));
@@ -162,7 +181,7 @@ pub fn render(opts: &RuleOptions, missing: &[(&str, &str, &str, &str)]) -> Strin
              -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"
         ),
     ];
-    filter.extend(firewall_rules());
+    filter.extend(firewall_rules(family));
     let mut out = String::new();
     for ((table, chains), rules) in CHAINS.iter().zip([nat, filter]) {
         out.push_str(&format!("*{table}\n"));
@@ -186,7 +205,8 @@ pub fn render(opts: &RuleOptions, missing: &[(&str, &str, &str, &str)]) -> Strin
 /// node (`physdev` and `addrtype` source matches) and to a local address;
 /// here every external IP is bound to `kube-ipvs0` and so local, and the
 /// second rule alone accepts the same packets.
-fn external_ip_rules() -> Vec<String> {
+fn external_ip_rules(family: IpFamily) -> Vec<String> {
+    let (external_ip, external_ip_local) = (ipset::name(EXTERNAL_IP, family), ipset::name(EXTERNAL_IP_LOCAL, family));
     let accept = |set: &str, comment: &str| {
         format!(
             "-A {SERVICES} -m comment --comment \"{comment}\" -m set --match-set {set} dst,dst \
@@ -197,28 +217,34 @@ fn external_ip_rules() -> Vec<String> {
     let local = "Kubernetes service external ip + port with externalTrafficPolicy=local";
     vec![
         format!(
-            "-A {SERVICES} -m comment --comment \"{cluster}\" -m set --match-set {EXTERNAL_IP} dst,dst -j {MARK_MASQ}"
+            "-A {SERVICES} -m comment --comment \"{cluster}\" -m set --match-set {external_ip} dst,dst -j {MARK_MASQ}"
         ),
-        accept(EXTERNAL_IP, cluster),
-        accept(EXTERNAL_IP_LOCAL, local),
+        accept(external_ip, cluster),
+        accept(external_ip_local, local),
     ]
 }
 
 /// filter `KUBE-PROXY-FIREWALL` and `KUBE-SOURCE-RANGES-FIREWALL`:
 /// `loadBalancerSourceRanges`.
-fn firewall_rules() -> Vec<String> {
+fn firewall_rules(family: IpFamily) -> Vec<String> {
+    let set = |name| ipset::name(name, family);
+    let (load_balancer_fw, load_balancer_source_cidr, load_balancer_source_ip) = (
+        set(LOAD_BALANCER_FW),
+        set(LOAD_BALANCER_SOURCE_CIDR),
+        set(LOAD_BALANCER_SOURCE_IP),
+    );
     vec![
         format!(
             "-A {PROXY_FIREWALL} -m comment --comment \"Kubernetes service load balancer ip + port for load balancer with sourceRange\" \
-             -m set --match-set {LOAD_BALANCER_FW} dst,dst -j {SOURCE_RANGES_FIREWALL}"
+             -m set --match-set {load_balancer_fw} dst,dst -j {SOURCE_RANGES_FIREWALL}"
         ),
         format!(
             "-A {SOURCE_RANGES_FIREWALL} -m comment --comment \"Kubernetes service load balancer ip + port + source cidr for packet filter purpose\" \
-             -m set --match-set {LOAD_BALANCER_SOURCE_CIDR} dst,dst,src -j RETURN"
+             -m set --match-set {load_balancer_source_cidr} dst,dst,src -j RETURN"
         ),
         format!(
             "-A {SOURCE_RANGES_FIREWALL} -m comment --comment \"Kubernetes service load balancer ip + port + source IP for packet filter purpose\" \
-             -m set --match-set {LOAD_BALANCER_SOURCE_IP} dst,dst,src -j RETURN"
+             -m set --match-set {load_balancer_source_ip} dst,dst,src -j RETURN"
         ),
         format!("-A {SOURCE_RANGES_FIREWALL} -j DROP"),
     ]
@@ -249,23 +275,28 @@ pub fn chains_present(saved: &Saved) -> bool {
     })
 }
 
-/// Writes the rules (and missing jumps) through `iptables`.
-pub fn write(iptables: &mut dyn Iptables, opts: &RuleOptions) -> Result<()> {
+/// Writes the rules of `family` (and missing jumps) through `iptables`
+/// (the tools of that family).
+pub fn write(iptables: &mut dyn Iptables, opts: &RuleOptions, family: IpFamily) -> Result<()> {
     let saved = Saved::parse(&iptables.save().context("reading the current rules")?);
     iptables
-        .restore(&render(opts, &missing_jumps(&saved)))
-        .context("writing the IPVS mode's iptables rules")
+        .restore(&render(opts, family, &missing_jumps(&saved)))
+        .with_context(|| format!("writing the IPVS mode's {} rules", family.name()))
 }
 
-/// Removes our chains and the jumps into them; idempotent, and nothing
-/// happens without iptables installed. Returns how many chains it removed.
+/// Removes our chains and the jumps into them, IPv4 and IPv6; idempotent,
+/// and nothing happens without iptables installed. Returns how many chains it removed.
 pub fn cleanup() -> Result<usize> {
-    let mut system = SystemIptables::default();
-    if system.check().is_err() {
-        return Ok(0);
+    let mut removed = 0;
+    for mut system in [SystemIptables::default(), SystemIptables::ipv6()] {
+        if system.check().is_err() {
+            continue;
+        }
+        let is_ours =
+            |table: &str, chain: &str| CHAINS.iter().any(|(t, chains)| *t == table && chains.contains(&chain));
+        removed += remove_chains(&mut system, is_ours).context("removing the IPVS mode's chains")?;
     }
-    let is_ours = |table: &str, chain: &str| CHAINS.iter().any(|(t, chains)| *t == table && chains.contains(&chain));
-    remove_chains(&mut system, is_ours).context("removing the IPVS mode's chains")
+    Ok(removed)
 }
 
 #[cfg(test)]
@@ -277,12 +308,13 @@ mod tests {
             masquerade_bit: 14,
             masquerade_all: false,
             local_traffic: Some(LocalTraffic::Cidr("10.244.0.0/16".parse().expect("cidr"))),
+            local_traffic_v6: Some(LocalTraffic::Cidr("fd00:10:244::/56".parse().expect("cidr"))),
         }
     }
 
     #[test]
     fn renders_kube_proxys_constant_rules() {
-        let text = render(&opts(), &JUMPS);
+        let text = render(&opts(), IpFamily::V4, &JUMPS);
         for line in [
             "-A KUBE-SERVICES ! -s 10.244.0.0/16 -m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" -m set --match-set KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ",
             "-A KUBE-SERVICES -m addrtype --dst-type LOCAL -j KUBE-NODE-PORT",
@@ -337,14 +369,14 @@ mod tests {
     fn without_local_detection_the_nodes_own_vip_sourced_traffic_is_marked() {
         let mut o = opts();
         o.local_traffic = None;
-        let rules = render(&o, &[]);
+        let rules = render(&o, IpFamily::V4, &[]);
         assert!(
             rules.contains("-m set --match-set KUBE-CLUSTER-IP src,dst -j KUBE-MARK-MASQ"),
             "{rules}"
         );
         assert!(!rules.contains("KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ"), "{rules}");
         o.masquerade_all = true;
-        let all = render(&o, &[]);
+        let all = render(&o, IpFamily::V4, &[]);
         assert!(
             all.contains("-A KUBE-SERVICES -m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" -m set --match-set KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ"),
             "{all}"
@@ -362,7 +394,7 @@ mod tests {
     /// NodePort jump, ClusterIPs and load balancer IPs accepted last.
     #[test]
     fn load_balancer_and_external_ip_rules_come_in_kube_proxys_order() {
-        let text = render(&opts(), &[]);
+        let text = render(&opts(), IpFamily::V4, &[]);
         let services = chain(&text, SERVICES);
         let position = |needle: &str| {
             services
@@ -402,7 +434,7 @@ mod tests {
     /// drops the rest.
     #[test]
     fn the_firewall_drops_what_no_source_range_allows() {
-        let text = render(&opts(), &[]);
+        let text = render(&opts(), IpFamily::V4, &[]);
         assert_eq!(
             chain(&text, PROXY_FIREWALL),
             [
@@ -417,5 +449,31 @@ mod tests {
         // The filter table holds the firewall chains (not nat).
         let filter = &text[text.find("*filter").expect("a filter table")..];
         assert!(filter.contains(":KUBE-PROXY-FIREWALL - [0:0]\n:KUBE-SOURCE-RANGES-FIREWALL - [0:0]\n"));
+    }
+
+    /// The ip6tables twin: the same chains, matching kube-proxy's IPv6
+    /// sets (`KUBE-6-*`) and telling pods by the IPv6 cluster CIDR.
+    #[test]
+    fn ipv6_rules_match_the_ipv6_sets() {
+        let text = render(&opts(), IpFamily::V6, &[]);
+        let v4 = render(&opts(), IpFamily::V4, &[]);
+        assert_eq!(text.lines().count(), v4.lines().count());
+        for line in [
+            "-A KUBE-SERVICES ! -s fd00:10:244::/56 -m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" -m set --match-set KUBE-6-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ",
+            "-A KUBE-NODE-PORT -p tcp -m comment --comment \"Kubernetes nodeport TCP port for masquerade purpose\" -m set --match-set KUBE-6-NODE-PORT-TCP dst -j KUBE-MARK-MASQ",
+            "-A KUBE-POSTROUTING -m comment --comment \"Kubernetes endpoints dst ip:port, source ip for solving hairpin purpose\" -m set --match-set KUBE-6-LOOP-BACK dst,dst,src -j MASQUERADE",
+            "-A KUBE-SOURCE-RANGES-FIREWALL -m comment --comment \"Kubernetes service load balancer ip + port + source cidr for packet filter purpose\" -m set --match-set KUBE-6-LOAD-BALANCER-SOURCE-CID dst,dst,src -j RETURN",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line} in\n{text}");
+        }
+        let sets: Vec<&str> = text
+            .split_whitespace()
+            .skip_while(|w| *w != "--match-set")
+            .collect::<Vec<_>>()
+            .windows(2)
+            .filter(|w| w[0] == "--match-set")
+            .map(|w| w[1])
+            .collect();
+        assert!(sets.iter().all(|s| s.starts_with("KUBE-6-")), "{sets:?}");
     }
 }

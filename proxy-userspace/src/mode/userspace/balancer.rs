@@ -20,7 +20,7 @@
 
 use std::{
     collections::HashMap,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, SocketAddr},
     sync::{
         Arc, Mutex, MutexGuard, PoisonError,
         atomic::{AtomicBool, AtomicUsize, Ordering},
@@ -30,10 +30,10 @@ use std::{
 
 use tokio::sync::watch;
 
-use crate::model::{Endpoint, ServicePort, ipv4, usable_endpoints};
+use crate::model::{Endpoint, ServicePort, usable_endpoints};
 
 /// The endpoint set as the tasks see it.
-pub type Endpoints = Arc<[SocketAddrV4]>;
+pub type Endpoints = Arc<[SocketAddr]>;
 
 pub struct Balancer {
     endpoints: watch::Sender<Endpoints>,
@@ -48,7 +48,7 @@ pub struct Balancer {
 struct Affinity {
     /// `None`: every pick takes the next endpoint in turn.
     timeout: Option<Duration>,
-    clients: HashMap<Ipv4Addr, Sticky>,
+    clients: HashMap<IpAddr, Sticky>,
     /// The table's size after its last sweep of expired clients: it is
     /// swept again when it has doubled, so it holds the clients of about
     /// one timeout, not of all time.
@@ -57,7 +57,7 @@ struct Affinity {
 
 #[derive(Clone, Copy)]
 struct Sticky {
-    endpoint: SocketAddrV4,
+    endpoint: SocketAddr,
     last_used: Instant,
 }
 
@@ -74,7 +74,7 @@ impl Affinity {
 }
 
 impl Balancer {
-    pub fn new(endpoints: Vec<SocketAddrV4>) -> Self {
+    pub fn new(endpoints: Vec<SocketAddr>) -> Self {
         Self {
             endpoints: watch::Sender::new(endpoints.into()),
             cursor: AtomicUsize::new(0),
@@ -104,7 +104,7 @@ impl Balancer {
     /// Replaces the set; returns whether it changed (receivers of
     /// [`Self::subscribe`] are told only then). Clients of endpoints that
     /// left are released.
-    pub fn set(&self, endpoints: Vec<SocketAddrV4>) -> bool {
+    pub fn set(&self, endpoints: Vec<SocketAddr>) -> bool {
         let changed = self.endpoints.send_if_modified(|current| {
             if **current == *endpoints {
                 return false;
@@ -122,17 +122,17 @@ impl Balancer {
     /// The endpoint for a new flow from `client`: with affinity the one it
     /// was given last if still there and used within the timeout, else the
     /// next in turn (remembered for the client). `None` when there is none.
-    pub fn pick(&self, client: Ipv4Addr) -> Option<SocketAddrV4> {
+    pub fn pick(&self, client: IpAddr) -> Option<SocketAddr> {
         self.pick_for(client, false)
     }
 
     /// As [`Self::pick`], but the next in turn even if the client has an
     /// endpoint (it failed to connect); remembered for the client.
-    pub fn pick_again(&self, client: Ipv4Addr) -> Option<SocketAddrV4> {
+    pub fn pick_again(&self, client: IpAddr) -> Option<SocketAddr> {
         self.pick_for(client, true)
     }
 
-    fn pick_for(&self, client: Ipv4Addr, anew: bool) -> Option<SocketAddrV4> {
+    fn pick_for(&self, client: IpAddr, anew: bool) -> Option<SocketAddr> {
         if !self.sticky.load(Ordering::Acquire) {
             return self.next();
         }
@@ -163,7 +163,7 @@ impl Balancer {
     }
 
     /// The next endpoint in turn; `None` when there is none.
-    pub fn next(&self) -> Option<SocketAddrV4> {
+    pub fn next(&self) -> Option<SocketAddr> {
         let endpoints = self.endpoints.borrow();
         if endpoints.is_empty() {
             return None;
@@ -176,7 +176,7 @@ impl Balancer {
         self.endpoints.borrow().clone()
     }
 
-    pub fn contains(&self, endpoint: SocketAddrV4) -> bool {
+    pub fn contains(&self, endpoint: SocketAddr) -> bool {
         self.endpoints.borrow().contains(&endpoint)
     }
 
@@ -188,10 +188,10 @@ impl Balancer {
 
 /// The addresses traffic of `port` goes to: its usable endpoints (see
 /// [`usable_endpoints`]), sorted, each once.
-pub fn endpoint_addrs(port: &ServicePort) -> Vec<SocketAddrV4> {
-    let mut addrs: Vec<SocketAddrV4> = usable_endpoints(&port.endpoints)
+pub fn endpoint_addrs(port: &ServicePort) -> Vec<SocketAddr> {
+    let mut addrs: Vec<SocketAddr> = usable_endpoints(&port.endpoints)
         .into_iter()
-        .filter_map(|e: &Endpoint| Some(SocketAddrV4::new(ipv4(e.addr)?, e.port)))
+        .map(|e: &Endpoint| SocketAddr::new(e.addr, e.port))
         .collect();
     addrs.sort_unstable();
     addrs.dedup();
@@ -205,8 +205,8 @@ mod tests {
     use super::*;
     use crate::model::Protocol;
 
-    fn ep(last: u8) -> SocketAddrV4 {
-        SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, last), 80)
+    fn ep(last: u8) -> SocketAddr {
+        SocketAddr::new(Ipv4Addr::new(10, 244, 0, last).into(), 80)
     }
 
     #[test]
@@ -241,8 +241,8 @@ mod tests {
         assert!(picks.contains(&ep(1)) && picks.contains(&ep(2)), "{picks:?}");
     }
 
-    const A: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
-    const B: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 2);
+    const A: IpAddr = IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1));
+    const B: IpAddr = IpAddr::V4(Ipv4Addr::new(192, 0, 2, 2));
 
     #[test]
     fn affinity_keeps_a_client_on_its_endpoint_until_it_leaves() {
@@ -293,7 +293,7 @@ mod tests {
         let balancer = Balancer::new(vec![ep(1)]);
         balancer.set_affinity(Some(Duration::from_millis(1)));
         for i in 0..63u8 {
-            balancer.pick(Ipv4Addr::new(198, 51, 100, i));
+            balancer.pick(Ipv4Addr::new(198, 51, 100, i).into());
         }
         std::thread::sleep(Duration::from_millis(5));
         balancer.pick(A);

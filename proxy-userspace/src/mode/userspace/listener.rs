@@ -1,17 +1,23 @@
 //! The socket the agent listens on for one service port, and the task that
 //! serves it. The port number is free on the node (any, or one of
 //! `portRange` when it is set, as kube-proxy's userspace mode did); the
-//! iptables rules send the Service's traffic there.
+//! iptables rules send the Service's traffic there. An IPv6 service port
+//! gets an IPv6 socket (`IPV6_V6ONLY`: the IPv4 port of the same Service
+//! has its own), which the ip6tables rules send its traffic to.
 
 use std::{
     io,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     ops::RangeInclusive,
+    os::fd::{AsFd, AsRawFd, OwnedFd},
     sync::Arc,
     time::Duration,
 };
 
 use anyhow::{Context, Result, anyhow};
+use nix::sys::socket::{
+    AddressFamily, SockFlag, SockType, SockaddrIn, SockaddrIn6, bind as bind_fd, setsockopt, socket, sockopt,
+};
 use tokio::{
     net::{TcpListener, TcpSocket, UdpSocket},
     runtime::Handle,
@@ -22,7 +28,7 @@ use super::{
     balancer::{Balancer, endpoint_addrs},
     pktinfo, tcp, udp,
 };
-use crate::model::{Protocol, ServicePort};
+use crate::model::{IpFamily, Protocol, ServicePort};
 
 /// Pending connections per TCP listener (the kernel caps it at somaxconn).
 const BACKLOG: u32 = 1024;
@@ -33,6 +39,8 @@ pub struct ListenOptions {
     /// `0.0.0.0` on a node: REDIRECT delivers to the address of the
     /// interface a packet came in on, so every local address must do.
     pub ip: Ipv4Addr,
+    /// The same for IPv6 service ports, `::` on a node.
+    pub ip6: Ipv6Addr,
     /// Ports to choose from (`portRange`); `None`: any free port.
     pub port_range: Option<RangeInclusive<u16>>,
     pub udp_idle_timeout: Duration,
@@ -42,6 +50,7 @@ impl Default for ListenOptions {
     fn default() -> Self {
         Self {
             ip: Ipv4Addr::UNSPECIFIED,
+            ip6: Ipv6Addr::UNSPECIFIED,
             port_range: None,
             udp_idle_timeout: udp::DEFAULT_IDLE_TIMEOUT,
         }
@@ -64,14 +73,18 @@ impl PortProxy {
         let balancer = Arc::new(Balancer::new(endpoint_addrs(service)));
         balancer.set_affinity(service.affinity);
         let name: Arc<str> = service.name.as_str().into();
+        let ip = match service.family() {
+            IpFamily::V4 => IpAddr::V4(opts.ip),
+            IpFamily::V6 => IpAddr::V6(opts.ip6),
+        };
         let (port, task) = match service.protocol {
             Protocol::Tcp => {
-                let listener = bind(opts, bind_tcp)?;
+                let listener = bind(ip, opts, bind_tcp)?;
                 let port = listener.local_addr()?.port();
                 (port, runtime.spawn(tcp::serve(listener, balancer.clone(), name)))
             }
             Protocol::Udp => {
-                let socket = bind(opts, bind_udp)?;
+                let socket = bind(ip, opts, bind_udp)?;
                 let port = socket.local_addr()?.port();
                 let serve = udp::serve(socket, balancer.clone(), opts.udp_idle_timeout, name);
                 (port, runtime.spawn(serve))
@@ -110,32 +123,59 @@ impl Drop for PortProxy {
     }
 }
 
-/// Binds with `bind_one` on a port of `opts.port_range`, or any port.
-fn bind<S>(opts: &ListenOptions, bind_one: impl Fn(SocketAddrV4) -> io::Result<S>) -> Result<S> {
+/// Binds `ip` with `bind_one` on a port of `opts.port_range`, or any port.
+fn bind<S>(ip: IpAddr, opts: &ListenOptions, bind_one: impl Fn(SocketAddr) -> io::Result<S>) -> Result<S> {
     let Some(range) = &opts.port_range else {
-        return bind_one(SocketAddrV4::new(opts.ip, 0)).with_context(|| format!("binding a port on {}", opts.ip));
+        return bind_one(SocketAddr::new(ip, 0)).with_context(|| format!("binding a port on {ip}"));
     };
     for port in range.clone() {
-        match bind_one(SocketAddrV4::new(opts.ip, port)) {
+        let addr = SocketAddr::new(ip, port);
+        match bind_one(addr) {
             Ok(socket) => return Ok(socket),
             Err(e) if e.kind() == io::ErrorKind::AddrInUse => {}
-            Err(e) => return Err(e).with_context(|| format!("binding {}:{port}", opts.ip)),
+            Err(e) => return Err(e).with_context(|| format!("binding {addr}")),
         }
     }
     Err(anyhow!("no free port in portRange {range:?}"))
 }
 
-fn bind_tcp(addr: SocketAddrV4) -> io::Result<TcpListener> {
-    let socket = TcpSocket::new_v4()?;
+fn v6_only(socket: &impl AsFd) -> io::Result<()> {
+    setsockopt(socket, sockopt::Ipv6V6Only, &true).map_err(io::Error::from)
+}
+
+fn bind_tcp(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = if addr.is_ipv6() {
+        let socket = TcpSocket::new_v6()?;
+        v6_only(&socket)?;
+        socket
+    } else {
+        TcpSocket::new_v4()?
+    };
     socket.set_reuseaddr(true)?;
-    socket.bind(addr.into())?;
+    socket.bind(addr)?;
     socket.listen(BACKLOG)
 }
 
-fn bind_udp(addr: SocketAddrV4) -> io::Result<UdpSocket> {
-    let socket = std::net::UdpSocket::bind(addr)?;
+/// A UDP socket made by hand: `IPV6_V6ONLY` must be set before `bind`,
+/// and std's `UdpSocket::bind` binds while it creates.
+fn bind_udp(addr: SocketAddr) -> io::Result<UdpSocket> {
+    let family = if addr.is_ipv6() {
+        AddressFamily::Inet6
+    } else {
+        AddressFamily::Inet
+    };
+    let fd: OwnedFd = socket(family, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None)?;
+    if addr.is_ipv6() {
+        v6_only(&fd)?;
+    }
+    let raw = fd.as_raw_fd();
+    match addr {
+        SocketAddr::V4(v4) => bind_fd(raw, &SockaddrIn::from(v4)),
+        SocketAddr::V6(v6) => bind_fd(raw, &SockaddrIn6::from(v6)),
+    }?;
+    let socket = std::net::UdpSocket::from(fd);
     socket.set_nonblocking(true)?;
-    pktinfo::enable(&socket)?;
+    pktinfo::enable(&socket, addr.is_ipv6())?;
     UdpSocket::from_std(socket)
 }
 
@@ -183,7 +223,7 @@ mod tests {
     async fn dropping_the_proxy_stops_listening() {
         let opts = localhost(None);
         let proxy = PortProxy::open(&Handle::current(), &opts, &service(Protocol::Tcp)).expect("open");
-        let addr = SocketAddrV4::new(Ipv4Addr::LOCALHOST, proxy.port());
+        let addr = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), proxy.port());
         tokio::net::TcpStream::connect(addr).await.expect("listening");
         drop(proxy);
         let refused = tokio::time::timeout(Duration::from_secs(2), async {

@@ -26,6 +26,11 @@
 //! port asking for `Local` is proxied as `Cluster`; external and load
 //! balancer IPs are not served. Each of these is logged once per port and
 //! counted with the skipped objects (`xproxy_skipped_objects_total`).
+//!
+//! IPv6 service ports (a dual-stack Service's second family) get their own
+//! listeners and the same chains through `ip6tables`, written and checked
+//! beside the IPv4 ones ([`RuleWriter`]); a node without `ip6tables` is
+//! served IPv4 only.
 
 pub mod balancer;
 pub mod listener;
@@ -47,7 +52,7 @@ use tracing::{debug, info, warn};
 use super::{Dataplane, Plan, options::NodePortScope, unhonoured::Unhonoured};
 use crate::{
     config::Config,
-    model::{ServicePort, usable_endpoints},
+    model::{IpFamily, ServicePort, usable_endpoints},
     sys::iptables::{Iptables, Saved, SystemIptables, owned_lines, remove_chains},
 };
 
@@ -58,18 +63,52 @@ pub struct Options {
     pub node_ports: NodePortAddresses,
 }
 
-pub struct UserspaceMode {
-    opts: Options,
-    runtime: Handle,
+/// The rules of one family: its tool and what it was last seen to hold.
+struct RuleWriter {
+    family: IpFamily,
     iptables: Box<dyn Iptables>,
-    /// The running proxies, by service port name.
-    proxies: BTreeMap<String, PortProxy>,
-    /// What the last successful sync programmed.
-    state: BTreeMap<String, ServicePort>,
+    node_ports: NodePortAddresses,
     /// The rules (without jumps) the kernel holds since the last write.
     written: Option<String>,
     /// Our lines of `iptables-save` after the last full sync's write.
     verified: Option<Vec<String>>,
+}
+
+impl RuleWriter {
+    fn new(family: IpFamily, iptables: Box<dyn Iptables>, node_ports: NodePortAddresses) -> Self {
+        Self {
+            family,
+            iptables,
+            node_ports,
+            written: None,
+            verified: None,
+        }
+    }
+
+    /// The jumps missing from the kernel's rules of this family.
+    fn missing_jumps(&mut self) -> Result<(Saved, Vec<Jump>)> {
+        let saved = Saved::parse(&self.iptables.save().context("reading the current rules")?);
+        let missing = JUMPS
+            .into_iter()
+            .filter(|jump| {
+                !saved
+                    .table(jump.table)
+                    .is_some_and(|t| t.rules.iter().any(|r| jump.matches_saved(r)))
+            })
+            .collect();
+        Ok((saved, missing))
+    }
+}
+
+pub struct UserspaceMode {
+    opts: Options,
+    runtime: Handle,
+    /// IPv4's, then IPv6's where the node has `ip6tables`.
+    writers: Vec<RuleWriter>,
+    /// The running proxies, by service port name.
+    proxies: BTreeMap<String, PortProxy>,
+    /// What the last successful sync programmed.
+    state: BTreeMap<String, ServicePort>,
     writes: u64,
     unhonoured: Unhonoured,
 }
@@ -83,17 +122,25 @@ impl UserspaceMode {
     /// A mode serving on `runtime` and writing through `iptables`; touches
     /// nothing yet.
     pub fn new(opts: Options, runtime: Handle, iptables: Box<dyn Iptables>) -> Self {
+        let v4 = RuleWriter::new(IpFamily::V4, iptables, opts.node_ports.clone());
         Self {
             opts,
             runtime,
-            iptables,
+            writers: vec![v4],
             proxies: BTreeMap::new(),
             state: BTreeMap::new(),
-            written: None,
-            verified: None,
             writes: 0,
             unhonoured: Unhonoured::default(),
         }
+    }
+
+    /// Serves IPv6 service ports too, their rules written through
+    /// `ip6tables` with NodePorts on `node_ports`.
+    #[must_use]
+    pub fn with_ipv6(mut self, ip6tables: Box<dyn Iptables>, node_ports: NodePortAddresses) -> Self {
+        self.writers.retain(|w| w.family != IpFamily::V6);
+        self.writers.push(RuleWriter::new(IpFamily::V6, ip6tables, node_ports));
+        self
     }
 
     /// The mode for this node, serving on the calling task's runtime.
@@ -111,7 +158,18 @@ impl UserspaceMode {
             node_ports: NodePortAddresses::from_scope(NodePortScope::from_config(config)),
         };
         info!(?opts, "userspace mode ready");
-        Ok(Self::new(opts, runtime, Box::new(system)))
+        let mode = Self::new(opts, runtime, Box::new(system));
+        let ip6tables = SystemIptables::ipv6();
+        match ip6tables.check() {
+            Ok(()) => Ok(mode.with_ipv6(Box::new(ip6tables), NodePortAddresses::ipv6_of(config))),
+            Err(e) => {
+                warn!(
+                    error = format!("{e:#}"),
+                    "no ip6tables: the userspace mode serves IPv4 only"
+                );
+                Ok(mode)
+            }
+        }
     }
 
     /// The local port the agent listens on for the service port `name`.
@@ -149,11 +207,13 @@ impl UserspaceMode {
         }
     }
 
-    /// The rules for the current state: each port to its proxy, or rejected.
-    fn rules_for(&self, jumps: &[Jump]) -> rules::Rendered {
+    /// The rules of `writer`'s family for the current state: each port to
+    /// its proxy, or rejected.
+    fn rules_for(&self, writer: &RuleWriter, jumps: &[Jump]) -> rules::Rendered {
         let ports: Vec<PortRules<'_>> = self
             .state
             .values()
+            .filter(|service| service.family() == writer.family)
             .filter_map(|service| {
                 let listener = self.proxies.get(&service.name)?.port();
                 let target = if usable_endpoints(&service.endpoints).is_empty() {
@@ -164,12 +224,73 @@ impl UserspaceMode {
                 Some(PortRules { service, target })
             })
             .collect();
-        rules::render(&self.opts.node_ports, &ports, jumps)
+        rules::render(writer.family, &writer.node_ports, &ports, jumps)
     }
 
-    fn restore(&mut self, rendered: &rules::Rendered) -> Result<()> {
-        self.written = None;
-        self.iptables.restore(&rendered.text)?;
+    /// A partial sync's rules: rewritten where they differ from what the
+    /// kernel holds since the last write.
+    fn sync_rules(&mut self) -> Result<()> {
+        let mut writers = std::mem::take(&mut self.writers);
+        let result = writers.iter_mut().try_for_each(|writer| {
+            let body = self.rules_for(writer, &[]);
+            if writer.written.as_deref() == Some(body.text.as_str()) {
+                debug!(family = writer.family.name(), "partial userspace sync: the rules stay");
+                return Ok(());
+            }
+            writer.verified = None;
+            self.restore(writer, &body)
+                .with_context(|| format!("partial sync of the {} rules", writer.family.name()))?;
+            writer.written = Some(body.text);
+            Ok(())
+        });
+        self.writers = writers;
+        result
+    }
+
+    /// A full sync's rules: rewritten (with any missing jump) unless the
+    /// kernel holds what the last full sync left.
+    fn sync_rules_full(&mut self) -> Result<()> {
+        let mut writers = std::mem::take(&mut self.writers);
+        let result = writers.iter_mut().try_for_each(|writer| self.sync_writer_full(writer));
+        self.writers = writers;
+        result
+    }
+
+    fn sync_writer_full(&mut self, writer: &mut RuleWriter) -> Result<()> {
+        let family = writer.family.name();
+        let (saved, missing) = writer.missing_jumps()?;
+        let body = self.rules_for(writer, &[]);
+        let unchanged = missing.is_empty()
+            && writer.written.as_deref() == Some(body.text.as_str())
+            && writer
+                .verified
+                .as_ref()
+                .is_some_and(|v| *v == owned_lines(&saved, rules::is_ours));
+        if unchanged {
+            debug!(
+                family,
+                "full userspace sync: the kernel holds what the last full sync wrote"
+            );
+            return Ok(());
+        }
+        writer.verified = None;
+        self.restore(writer, &self.rules_for(writer, &missing))
+            .with_context(|| format!("full sync of the {family} rules"))?;
+        writer.written = Some(body.text);
+        match writer.iptables.save() {
+            Ok(after) => writer.verified = Some(owned_lines(&Saved::parse(&after), rules::is_ours)),
+            Err(e) => warn!(
+                family,
+                error = format!("{e:#}"),
+                "cannot read the rules back; the next full sync rewrites them"
+            ),
+        }
+        Ok(())
+    }
+
+    fn restore(&mut self, writer: &mut RuleWriter, rendered: &rules::Rendered) -> Result<()> {
+        writer.written = None;
+        writer.iptables.restore(&rendered.text)?;
         self.writes += rendered.writes;
         Ok(())
     }
@@ -196,14 +317,7 @@ impl Dataplane for UserspaceMode {
             retired.extend(self.ensure_proxy(service)?);
             self.state.insert(service.name.clone(), service.clone());
         }
-        let body = self.rules_for(&[]);
-        if self.written.as_deref() == Some(body.text.as_str()) {
-            debug!("partial userspace sync: endpoints only, the rules stay");
-            return Ok(());
-        }
-        self.verified = None;
-        self.restore(&body).context("partial sync")?;
-        self.written = Some(body.text);
+        self.sync_rules()?;
         drop(retired);
         Ok(())
     }
@@ -224,40 +338,17 @@ impl Dataplane for UserspaceMode {
             retired.extend(self.ensure_proxy(service)?);
         }
         self.state = desired.clone();
-
-        let saved = Saved::parse(&self.iptables.save().context("reading the current rules")?);
-        let missing: Vec<Jump> = JUMPS
-            .into_iter()
-            .filter(|jump| {
-                !saved
-                    .table(jump.table)
-                    .is_some_and(|t| t.rules.iter().any(|r| jump.matches_saved(r)))
-            })
-            .collect();
-        let body = self.rules_for(&[]);
-        let unchanged = missing.is_empty()
-            && self.written.as_deref() == Some(body.text.as_str())
-            && self
-                .verified
-                .as_ref()
-                .is_some_and(|v| *v == owned_lines(&saved, rules::is_ours));
-        if unchanged {
-            debug!("full userspace sync: the kernel holds what the last full sync wrote");
-            drop(retired);
-            return Ok(());
-        }
-        self.verified = None;
-        self.restore(&self.rules_for(&missing)).context("full sync")?;
-        self.written = Some(body.text);
+        self.sync_rules_full()?;
         drop(retired);
-        match self.iptables.save() {
-            Ok(after) => self.verified = Some(owned_lines(&Saved::parse(&after), rules::is_ours)),
-            Err(e) => warn!(
-                error = format!("{e:#}"),
-                "cannot read the rules back; the next full sync rewrites them"
-            ),
-        }
         Ok(())
+    }
+
+    fn families(&self) -> &'static [IpFamily] {
+        if self.writers.iter().any(|w| w.family == IpFamily::V6) {
+            &[IpFamily::V4, IpFamily::V6]
+        } else {
+            &[IpFamily::V4]
+        }
     }
 
     fn kernel_writes(&self) -> u64 {
@@ -274,15 +365,19 @@ impl Drop for UserspaceMode {
     /// Service traffic to closed ports, so they go first, then the
     /// listeners.
     fn drop(&mut self) {
-        match cleanup_with(self.iptables.as_mut()) {
-            Ok(chains) => info!(
-                chains,
-                "removed the userspace mode's rules: Services are no longer proxied"
-            ),
-            Err(e) => warn!(
-                error = format!("{e:#}"),
-                "cannot remove the userspace mode's rules; `xproxy cleanup` removes them"
-            ),
+        for writer in &mut self.writers {
+            let family = writer.family.name();
+            match cleanup_with(writer.iptables.as_mut()) {
+                Ok(chains) => info!(
+                    family,
+                    chains, "removed the userspace mode's rules: Services are no longer proxied"
+                ),
+                Err(e) => warn!(
+                    family,
+                    error = format!("{e:#}"),
+                    "cannot remove the userspace mode's rules; `xproxy cleanup` removes them"
+                ),
+            }
         }
         self.proxies.clear();
     }
@@ -326,11 +421,12 @@ fn unhonoured_fields(service: &ServicePort) -> Vec<(&'static str, &'static str)>
 /// Idempotent; nothing happens without iptables installed. Returns how many
 /// chains it removed.
 pub fn cleanup() -> Result<usize> {
-    let mut system = SystemIptables::default();
-    if system.check().is_err() {
-        return Ok(0);
+    let mut removed = 0;
+    for mut system in [SystemIptables::default(), SystemIptables::ipv6()] {
+        if system.check().is_ok() {
+            removed += cleanup_with(&mut system)?;
+        }
     }
-    let removed = cleanup_with(&mut system)?;
     if removed > 0 {
         info!(chains = removed, "removed the userspace mode's chains and jumps");
     } else {

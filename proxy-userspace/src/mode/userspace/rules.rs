@@ -29,10 +29,21 @@
 //!
 //! Rules are written as `iptables-save` prints them, so the text read back
 //! is the text written.
+//!
+//! IPv6 service ports get the same chains through `ip6tables` ([`render`]
+//! with [`IpFamily::V6`]): `/128` destinations, the node's own traffic
+//! DNATed to `[::1]`, rejects with ICMPv6 port unreachable.
 
-use std::{fmt::Write as _, net::Ipv4Addr};
+use std::{
+    fmt::Write as _,
+    net::{Ipv4Addr, Ipv6Addr},
+};
 
-use crate::{config::Cidr, mode::options::NodePortScope, model::ServicePort};
+use crate::{
+    config::{self, Cidr, Config},
+    mode::options::NodePortScope,
+    model::{IpFamily, ServicePort},
+};
 
 /// nat, from PREROUTING: ClusterIP traffic from pods and from outside.
 pub const CONTAINER_PORTALS: &str = "KUBE-PORTALS-CONTAINER";
@@ -164,8 +175,8 @@ pub const JUMPS: [Jump; 7] = [
 /// jumps already require a local destination; this narrows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum NodePortAddresses {
-    /// Every local address; 127.0.0.0/8 too if `localhost` (the node's own
-    /// processes only: nothing from outside reaches 127.0.0.1).
+    /// Every local address; 127.0.0.0/8 (`::1`) too if `localhost` (the
+    /// node's own processes only: nothing from outside reaches 127.0.0.1).
     AllLocal { localhost: bool },
     /// Local addresses inside these networks (none: NodePorts answer nowhere).
     Networks(Vec<Cidr>),
@@ -182,16 +193,78 @@ impl NodePortAddresses {
         }
     }
 
+    /// Where IPv6 NodePorts answer: as [`Self::from_scope`] says for
+    /// IPv4, with `config`'s IPv6 node IPs and networks (the shared scope
+    /// is IPv4 only).
+    pub fn ipv6_of(config: &Config) -> Self {
+        match &config.node_port_addresses {
+            config::NodePortAddresses::All => NodePortAddresses::AllLocal {
+                localhost: config.localhost_node_ports,
+            },
+            config::NodePortAddresses::Primary => {
+                let ips: Vec<Cidr> = config
+                    .node_ips
+                    .iter()
+                    .filter(|ip| ip.is_ipv6())
+                    .filter_map(|ip| Cidr::new(*ip, 128))
+                    .collect();
+                if ips.is_empty() {
+                    NodePortAddresses::AllLocal { localhost: false }
+                } else {
+                    NodePortAddresses::Networks(ips)
+                }
+            }
+            config::NodePortAddresses::Cidrs(cidrs) => {
+                NodePortAddresses::Networks(cidrs.iter().filter(|c| !c.is_ipv4()).copied().collect())
+            }
+        }
+    }
+
     /// The destination matches (each followed by a space, or "") of the
-    /// NodePort rules: one rule per entry.
-    fn destinations(&self, from_host: bool) -> Vec<String> {
+    /// NodePort rules of `family`: one rule per entry.
+    fn destinations(&self, from_host: bool, family: IpFamily) -> Vec<String> {
         match self {
-            NodePortAddresses::AllLocal { localhost: false } if from_host => vec!["! -d 127.0.0.0/8 ".into()],
+            NodePortAddresses::AllLocal { localhost: false } if from_host => {
+                vec![format!("! -d {} ", family.loopback())]
+            }
             NodePortAddresses::AllLocal { .. } => vec![String::new()],
             NodePortAddresses::Networks(cidrs) => cidrs
                 .iter()
+                .filter(|c| c.is_ipv4() == (family == IpFamily::V4))
                 .map(|c| format!("-d {}/{} ", c.addr(), c.prefix_len()))
                 .collect(),
+        }
+    }
+}
+
+/// What the rules of a family spell differently.
+trait FamilySpelling {
+    /// The loopback network, as `iptables-save` prints it.
+    fn loopback(self) -> &'static str;
+    /// Where the node's own traffic is DNATed to: `ADDR:PORT`.
+    fn local_listener(self, port: u16) -> String;
+    fn reject_with(self) -> &'static str;
+}
+
+impl FamilySpelling for IpFamily {
+    fn loopback(self) -> &'static str {
+        match self {
+            IpFamily::V4 => "127.0.0.0/8",
+            IpFamily::V6 => "::1/128",
+        }
+    }
+
+    fn local_listener(self, port: u16) -> String {
+        match self {
+            IpFamily::V4 => format!("{}:{port}", Ipv4Addr::LOCALHOST),
+            IpFamily::V6 => format!("[{}]:{port}", Ipv6Addr::LOCALHOST),
+        }
+    }
+
+    fn reject_with(self) -> &'static str {
+        match self {
+            IpFamily::V4 => "icmp-port-unreachable",
+            IpFamily::V6 => "icmp6-port-unreachable",
         }
     }
 }
@@ -221,19 +294,20 @@ pub struct Rendered {
 }
 
 /// `iptables-restore --noflush` input that replaces our chains with the
-/// rules for `ports` (in the given order) and adds `jumps`.
-pub fn render(node_ports: &NodePortAddresses, ports: &[PortRules<'_>], jumps: &[Jump]) -> Rendered {
+/// rules for `ports` (in the given order) and adds `jumps`. `family`: the
+/// ports', and the tool's (`ip6tables-restore` for IPv6).
+pub fn render(family: IpFamily, node_ports: &NodePortAddresses, ports: &[PortRules<'_>], jumps: &[Jump]) -> Rendered {
     let mut nat: Vec<String> = Vec::new();
     let mut filter: Vec<String> = Vec::new();
     for chain in NAT_CHAINS {
         for port in ports {
             if let Target::Proxy(listener) = port.target {
-                nat.extend(proxy_rules(chain, node_ports, port.service, listener));
+                nat.extend(proxy_rules(chain, node_ports, port.service, listener, family));
             }
         }
     }
     for port in ports.iter().filter(|p| p.target == Target::Reject) {
-        filter.extend(reject_rules(node_ports, port.service));
+        filter.extend(reject_rules(node_ports, port.service, family));
     }
     let mut text = String::new();
     let mut writes = 0;
@@ -256,26 +330,34 @@ pub fn render(node_ports: &NodePortAddresses, ports: &[PortRules<'_>], jumps: &[
 }
 
 /// `service`'s rules in `chain` (one of [`NAT_CHAINS`]).
-fn proxy_rules(chain: &str, node_ports: &NodePortAddresses, service: &ServicePort, listener: u16) -> Vec<String> {
+fn proxy_rules(
+    chain: &str,
+    node_ports: &NodePortAddresses,
+    service: &ServicePort,
+    listener: u16,
+    family: IpFamily,
+) -> Vec<String> {
     let proto = service.protocol.lowercase();
     let comment = quote(&service.name);
     let from_host = chain == HOST_PORTALS || chain == HOST_NODE_PORTS;
     let target = if from_host {
-        format!("-j DNAT --to-destination {}:{listener}", Ipv4Addr::LOCALHOST)
+        format!("-j DNAT --to-destination {}", family.local_listener(listener))
     } else {
         format!("-j REDIRECT --to-ports {listener}")
     };
     if chain == CONTAINER_PORTALS || chain == HOST_PORTALS {
         return vec![format!(
-            "-A {chain} -d {}/32 -p {proto} -m comment --comment {comment} -m {proto} --dport {} {target}",
-            service.cluster_ip, service.port
+            "-A {chain} -d {}/{} -p {proto} -m comment --comment {comment} -m {proto} --dport {} {target}",
+            service.cluster_ip,
+            family.bits(),
+            service.port
         )];
     }
     let Some(node_port) = service.node_port else {
         return vec![];
     };
     node_ports
-        .destinations(from_host)
+        .destinations(from_host, family)
         .into_iter()
         .map(|dst| {
             format!("-A {chain} {dst}-p {proto} -m comment --comment {comment} -m {proto} --dport {node_port} {target}")
@@ -284,18 +366,20 @@ fn proxy_rules(chain: &str, node_ports: &NodePortAddresses, service: &ServicePor
 }
 
 /// The REJECT rules of a port without endpoints.
-fn reject_rules(node_ports: &NodePortAddresses, service: &ServicePort) -> Vec<String> {
+fn reject_rules(node_ports: &NodePortAddresses, service: &ServicePort, family: IpFamily) -> Vec<String> {
     let proto = service.protocol.lowercase();
     let comment = quote(&format!("{} has no endpoints", service.name));
-    let reject = "-j REJECT --reject-with icmp-port-unreachable";
+    let reject = format!("-j REJECT --reject-with {}", family.reject_with());
     let mut rules = vec![format!(
-        "-A {REJECT} -d {}/32 -p {proto} -m comment --comment {comment} -m {proto} --dport {} {reject}",
-        service.cluster_ip, service.port
+        "-A {REJECT} -d {}/{} -p {proto} -m comment --comment {comment} -m {proto} --dport {} {reject}",
+        service.cluster_ip,
+        family.bits(),
+        service.port
     )];
     if let Some(node_port) = service.node_port {
         // The node's own traffic to 127.0.0.1 passes here too, so the
         // localhost setting counts as for the node's DNAT rules.
-        for dst in node_ports.destinations(true) {
+        for dst in node_ports.destinations(true, family) {
             rules.push(format!(
                 "-A {REJECT} {dst}-p {proto} {LOCAL} -m comment --comment {comment} -m {proto} --dport {node_port} {reject}"
             ));
@@ -354,7 +438,12 @@ mod tests {
                 target: Target::Proxy(40003),
             },
         ];
-        let rendered = render(&NodePortAddresses::AllLocal { localhost: true }, &ports, &JUMPS);
+        let rendered = render(
+            IpFamily::V4,
+            &NodePortAddresses::AllLocal { localhost: true },
+            &ports,
+            &JUMPS,
+        );
         let golden = "\
 *nat
 :KUBE-PORTALS-CONTAINER - [0:0]
@@ -403,7 +492,13 @@ COMMIT
                 target: Target::Reject,
             },
         ];
-        let no_localhost = render(&NodePortAddresses::AllLocal { localhost: false }, &ports, &[]).text;
+        let no_localhost = render(
+            IpFamily::V4,
+            &NodePortAddresses::AllLocal { localhost: false },
+            &ports,
+            &[],
+        )
+        .text;
         for line in [
             "-A KUBE-NODEPORT-CONTAINER -p tcp -m comment --comment \"default/nginx-service\" -m tcp --dport 30791 -j REDIRECT --to-ports 40001",
             "-A KUBE-NODEPORT-HOST ! -d 127.0.0.0/8 -p tcp -m comment --comment \"default/nginx-service\" -m tcp --dport 30791 -j DNAT --to-destination 127.0.0.1:40001",
@@ -413,7 +508,7 @@ COMMIT
         }
 
         let scope = NodePortScope::NodeIps(vec![Ipv4Addr::new(172, 30, 0, 2), Ipv4Addr::new(192, 168, 1, 2)]);
-        let node_ips = render(&NodePortAddresses::from_scope(scope), &ports, &[]).text;
+        let node_ips = render(IpFamily::V4, &NodePortAddresses::from_scope(scope), &ports, &[]).text;
         for chain in [CONTAINER_NODE_PORTS, HOST_NODE_PORTS] {
             for ip in ["172.30.0.2", "192.168.1.2"] {
                 let prefix = format!("-A {chain} -d {ip}/32 -p tcp ");
@@ -425,7 +520,7 @@ COMMIT
         }
         assert_eq!(node_ips.matches("--dport 30792 -j REJECT").count(), 2);
 
-        let nowhere = render(&NodePortAddresses::Networks(vec![]), &ports, &[]).text;
+        let nowhere = render(IpFamily::V4, &NodePortAddresses::Networks(vec![]), &ports, &[]).text;
         assert!(!nowhere.contains("30791"), "{nowhere}");
         assert!(!nowhere.contains("30792"), "{nowhere}");
         assert!(nowhere.contains("--dport 88 -j REDIRECT"), "ClusterIPs still answer");
@@ -433,7 +528,7 @@ COMMIT
 
     #[test]
     fn nothing_but_our_chains_without_ports_or_jumps() {
-        let rendered = render(&NodePortAddresses::AllLocal { localhost: true }, &[], &[]);
+        let rendered = render(IpFamily::V4, &NodePortAddresses::AllLocal { localhost: true }, &[], &[]);
         assert_eq!(rendered.writes, 0);
         assert_eq!(
             rendered.text,
@@ -477,5 +572,34 @@ COMMIT
         assert_eq!(quote("web-1_a"), "web-1_a");
         assert_eq!(quote("default/web"), "\"default/web\"");
         assert_eq!(quote("a b"), "\"a b\"");
+    }
+
+    /// IPv6 NodePorts: every local address but `::1` from the node unless
+    /// localhost node ports are on; `[primary]` the IPv6 node IPs; networks
+    /// the IPv6 ones.
+    #[test]
+    fn ipv6_node_port_addresses_come_from_the_config() {
+        let env = crate::config::Environment {
+            kubeconfig: None,
+            hostname: Some("node".into()),
+        };
+        let mut config = crate::config::resolve(&crate::config::RunFlags::default(), None, &env)
+            .expect("resolve")
+            .config;
+        config.node_ips = vec!["172.30.0.2".parse().expect("ip"), "fd00:30::2".parse().expect("ip")];
+        config.localhost_node_ports = false;
+        let all = NodePortAddresses::ipv6_of(&config);
+        assert_eq!(all.destinations(true, IpFamily::V6), ["! -d ::1/128 "]);
+        config.node_port_addresses = config::NodePortAddresses::Primary;
+        let primary = NodePortAddresses::ipv6_of(&config);
+        assert_eq!(primary.destinations(false, IpFamily::V6), ["-d fd00:30::2/128 "]);
+        let v4_and_v6 = vec![
+            "172.30.0.0/24".parse().expect("cidr"),
+            "fd00:30::/64".parse().expect("cidr"),
+        ];
+        config.node_port_addresses = config::NodePortAddresses::Cidrs(v4_and_v6);
+        let networks = NodePortAddresses::ipv6_of(&config);
+        assert_eq!(networks.destinations(false, IpFamily::V6), ["-d fd00:30::/64 "]);
+        assert!(networks.destinations(false, IpFamily::V4).is_empty());
     }
 }

@@ -7,7 +7,7 @@
 //! kernel modes; they end when the agent exits.
 
 use std::{
-    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
+    net::{IpAddr, SocketAddr},
     sync::Arc,
     time::Duration,
 };
@@ -67,20 +67,17 @@ async fn relay(mut client: TcpStream, peer: SocketAddr, balancer: Arc<Balancer>,
     }
 }
 
-/// The client's IPv4 address (affinity's key); an IPv4-mapped IPv6 peer
-/// counts as its IPv4 address, any other IPv6 one as 0.0.0.0.
-fn client_ip(peer: SocketAddr) -> Ipv4Addr {
-    match peer {
-        SocketAddr::V4(v4) => *v4.ip(),
-        SocketAddr::V6(v6) => v6.ip().to_ipv4_mapped().unwrap_or(Ipv4Addr::UNSPECIFIED),
-    }
+/// The client's address (affinity's key); an IPv4-mapped IPv6 peer
+/// counts as its IPv4 address.
+fn client_ip(peer: SocketAddr) -> IpAddr {
+    peer.ip().to_canonical()
 }
 
 /// Connects to the client's endpoint ([`Balancer::pick`]), up to one
 /// attempt per [`DIAL_TIMEOUTS`] entry; after a failure the next in turn
 /// (and with affinity the client's endpoint from then on, as kube-proxy's
 /// userspace mode resets a session whose endpoint failed).
-async fn connect(balancer: &Balancer, name: &str, client: Ipv4Addr) -> Option<(TcpStream, SocketAddrV4)> {
+async fn connect(balancer: &Balancer, name: &str, client: IpAddr) -> Option<(TcpStream, SocketAddr)> {
     for (attempt, timeout) in DIAL_TIMEOUTS.into_iter().enumerate() {
         let endpoint = if attempt == 0 {
             balancer.pick(client)?
@@ -109,17 +106,14 @@ mod tests {
 
     /// A backend on 127.0.0.1 that reads until the client half-closes,
     /// then answers `name` and what it read, and closes.
-    async fn backend(name: &'static str) -> SocketAddrV4 {
+    async fn backend(name: &'static str) -> SocketAddr {
         backend_telling(name).await.0
     }
 
     /// [`backend`], also telling of every connection it accepts.
-    async fn backend_telling(name: &'static str) -> (SocketAddrV4, mpsc::UnboundedReceiver<()>) {
+    async fn backend_telling(name: &'static str) -> (SocketAddr, mpsc::UnboundedReceiver<()>) {
         let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.expect("bind backend");
-        let addr = match listener.local_addr().expect("backend address") {
-            SocketAddr::V4(a) => a,
-            SocketAddr::V6(_) => unreachable!("bound to IPv4"),
-        };
+        let addr = listener.local_addr().expect("backend address");
         let (accepted, accepts) = mpsc::unbounded_channel();
         tokio::spawn(async move {
             while let Ok((mut conn, _)) = listener.accept().await {
@@ -143,26 +137,20 @@ mod tests {
     }
 
     /// A port on 127.0.0.1 where nothing listens.
-    fn closed_port() -> SocketAddrV4 {
+    fn closed_port() -> SocketAddr {
         let listener = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind");
-        match listener.local_addr().expect("address") {
-            SocketAddr::V4(a) => a,
-            SocketAddr::V6(_) => unreachable!("bound to IPv4"),
-        }
+        listener.local_addr().expect("address")
     }
 
-    async fn proxy(balancer: Arc<Balancer>) -> SocketAddrV4 {
+    async fn proxy(balancer: Arc<Balancer>) -> SocketAddr {
         let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.expect("bind proxy");
-        let addr = match listener.local_addr().expect("proxy address") {
-            SocketAddr::V4(a) => a,
-            SocketAddr::V6(_) => unreachable!("bound to IPv4"),
-        };
+        let addr = listener.local_addr().expect("proxy address");
         tokio::spawn(serve(listener, balancer, "test/proxy".into()));
         addr
     }
 
     /// Sends `request`, half-closes, reads the answer to its end.
-    async fn request(proxy: SocketAddrV4, request: &str) -> io::Result<String> {
+    async fn request(proxy: SocketAddr, request: &str) -> io::Result<String> {
         let mut conn = TcpStream::connect(proxy).await?;
         conn.write_all(request.as_bytes()).await?;
         conn.shutdown().await?;

@@ -456,3 +456,92 @@ async fn fields_the_mode_cannot_honour_are_reported_once() {
     sync(|| mode.apply_full(&want)).expect("full sync again");
     assert_eq!(mode.unhonoured(), 3);
 }
+
+/// A TCP server on `[::1]` answering every connection with `name`.
+async fn backend6(name: &'static str) -> std::net::SocketAddr {
+    let listener = TcpListener::bind((std::net::Ipv6Addr::LOCALHOST, 0))
+        .await
+        .expect("bind backend");
+    let addr = listener.local_addr().expect("address");
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let _ = conn.write_all(name.as_bytes()).await;
+        }
+    });
+    addr
+}
+
+/// A dual-stack Service: the IPv6 port gets its own IPv6 listener that
+/// relays to the IPv6 endpoint, and its rules go to ip6tables only (the
+/// node's own traffic DNATed to `[::1]`), the IPv4 port's to iptables only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dual_stack_service_gets_a_listener_and_rules_per_family() {
+    let (kernel, kernel6) = (FakeIptables::default(), FakeIptables::default());
+    let mut opts = mode(&kernel).opts.clone();
+    opts.listen.ip6 = std::net::Ipv6Addr::LOCALHOST;
+    let mut mode = UserspaceMode::new(opts, Handle::current(), Box::new(kernel.clone())).with_ipv6(
+        Box::new(kernel6.clone()),
+        NodePortAddresses::AllLocal { localhost: false },
+    );
+    assert_eq!(mode.families(), [IpFamily::V4, IpFamily::V6]);
+    let v4 = service("default/web", Protocol::Tcp, &[backend("pod-1").await]);
+    let pod6 = backend6("pod-1 over IPv6").await;
+    let v6 = ServicePort {
+        name: format!("default/web{}", crate::model::IPV6_SUFFIX),
+        cluster_ip: "fd00:96::88".parse().expect("an address"),
+        endpoints: vec![Endpoint::ready(pod6.ip(), pod6.port())],
+        ..v4.clone()
+    };
+    sync(|| mode.apply_full(&desired(&[v4.clone(), v6.clone()]))).expect("full sync");
+    let port6 = mode.listener_port(&v6.name).expect("an IPv6 listener");
+    let mut conn = TcpStream::connect((std::net::Ipv6Addr::LOCALHOST, port6))
+        .await
+        .expect("the IPv6 listener");
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).await.expect("an answer");
+    assert_eq!(answer, "pod-1 over IPv6");
+    let port4 = mode.listener_port(&v4.name).expect("an IPv4 listener");
+
+    let host6 = kernel6.chain("nat", rules::HOST_PORTALS).expect("the IPv6 chain");
+    assert_eq!(
+        host6,
+        [format!(
+            "-d fd00:96::88/128 -p tcp -m comment --comment \"default/web (IPv6)\" -m tcp --dport 88 -j DNAT --to-destination [::1]:{port6}"
+        )]
+    );
+    let node_ports6 = kernel6.chain("nat", rules::HOST_NODE_PORTS).expect("the IPv6 chain");
+    assert!(node_ports6[0].starts_with("! -d ::1/128 -p tcp"), "{node_ports6:?}");
+    let host4 = kernel.chain("nat", rules::HOST_PORTALS).expect("the IPv4 chain");
+    assert_eq!(host4.len(), 1, "{host4:?}");
+    assert!(
+        host4[0].ends_with(&format!("--to-destination 127.0.0.1:{port4}")),
+        "{host4:?}"
+    );
+
+    // The IPv6 port loses its endpoints: rejected with ICMPv6, in ip6tables.
+    let empty = ServicePort {
+        endpoints: Vec::new(),
+        ..v6.clone()
+    };
+    sync(|| {
+        mode.apply(&Plan {
+            upsert: vec![empty],
+            remove: vec![],
+        })
+    })
+    .expect("partial sync");
+    let reject6 = kernel6.chain("filter", rules::REJECT).expect("the IPv6 reject chain");
+    assert!(
+        reject6
+            .iter()
+            .all(|r| r.ends_with("-j REJECT --reject-with icmp6-port-unreachable")),
+        "{reject6:?}"
+    );
+    assert_eq!(reject6.len(), 2, "{reject6:?}");
+    assert_eq!(kernel.chain("filter", rules::REJECT).map(|r| r.len()), Some(0));
+
+    drop(mode);
+    for k in [&kernel, &kernel6] {
+        assert_eq!(k.chain("nat", rules::HOST_PORTALS), None, "rules left after the mode");
+    }
+}

@@ -15,7 +15,7 @@
 use std::{
     collections::HashMap,
     io,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     os::fd::AsRawFd,
     sync::{
         Arc,
@@ -44,7 +44,7 @@ const MAX_DATAGRAM: usize = 65_535;
 const RECV_BACKOFF: Duration = Duration::from_millis(100);
 
 /// Sessions are per client address and the local address it reached us on.
-type SessionKey = (SocketAddrV4, Ipv4Addr);
+type SessionKey = (SocketAddr, IpAddr);
 
 /// Relays datagrams arriving on `socket` (bound, with pktinfo enabled)
 /// until the task is aborted; aborting it ends every session.
@@ -111,7 +111,7 @@ impl Activity {
 
 struct Session {
     id: u64,
-    endpoint: SocketAddrV4,
+    endpoint: SocketAddr,
     socket: Arc<UdpSocket>,
     activity: Arc<Activity>,
     replies: JoinHandle<()>,
@@ -175,10 +175,15 @@ impl Sessions {
     /// in turn, or with affinity the one the client had); `None` if there
     /// is none.
     fn open(&mut self, key: SessionKey) -> io::Result<Option<Session>> {
-        let Some(endpoint) = self.balancer.pick(*key.0.ip()) else {
+        let Some(endpoint) = self.balancer.pick(key.0.ip()) else {
             return Ok(None);
         };
-        let socket = std::net::UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+        let any: IpAddr = if endpoint.is_ipv6() {
+            Ipv6Addr::UNSPECIFIED.into()
+        } else {
+            Ipv4Addr::UNSPECIFIED.into()
+        };
+        let socket = std::net::UdpSocket::bind((any, 0))?;
         socket.connect(endpoint)?;
         socket.set_nonblocking(true)?;
         let socket = Arc::new(UdpSocket::from_std(socket)?);
@@ -237,8 +242,8 @@ fn send_now(socket: &UdpSocket, data: &[u8]) -> io::Result<usize> {
 struct Reply {
     socket: Arc<UdpSocket>,
     service: Arc<UdpSocket>,
-    client: SocketAddrV4,
-    local: Ipv4Addr,
+    client: SocketAddr,
+    local: IpAddr,
     activity: Arc<Activity>,
     idle: Duration,
     ended: mpsc::UnboundedSender<(SessionKey, u64)>,
@@ -280,9 +285,9 @@ mod tests {
     use super::*;
 
     /// A UDP server on 127.0.0.1 answering every datagram with `name`.
-    async fn backend(name: &'static str) -> SocketAddrV4 {
+    async fn backend(name: &'static str) -> SocketAddr {
         let socket = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).await.expect("bind backend");
-        let addr = v4(socket.local_addr().expect("backend address"));
+        let addr = socket.local_addr().expect("backend address");
         tokio::spawn(async move {
             let mut buf = [0u8; 512];
             while let Ok((_, peer)) = socket.recv_from(&mut buf).await {
@@ -292,23 +297,16 @@ mod tests {
         addr
     }
 
-    fn v4(addr: std::net::SocketAddr) -> SocketAddrV4 {
-        match addr {
-            std::net::SocketAddr::V4(a) => a,
-            std::net::SocketAddr::V6(_) => unreachable!("bound to IPv4"),
-        }
-    }
-
-    async fn proxy(balancer: Arc<Balancer>, idle: Duration) -> (SocketAddrV4, JoinHandle<()>) {
+    async fn proxy(balancer: Arc<Balancer>, idle: Duration) -> (SocketAddr, JoinHandle<()>) {
         let socket = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).await.expect("bind proxy");
-        pktinfo::enable(&socket).expect("IP_PKTINFO");
-        let addr = v4(socket.local_addr().expect("proxy address"));
+        pktinfo::enable(&socket, false).expect("IP_PKTINFO");
+        let addr = socket.local_addr().expect("proxy address");
         (addr, tokio::spawn(serve(socket, balancer, idle, "test/udp".into())))
     }
 
     /// A client socket connected to the proxy: it only accepts answers
     /// from the proxy's address.
-    async fn client(proxy: SocketAddrV4) -> UdpSocket {
+    async fn client(proxy: SocketAddr) -> UdpSocket {
         let socket = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).await.expect("bind client");
         socket.connect(proxy).await.expect("connect");
         socket

@@ -34,6 +34,15 @@ pub fn objects(text: &str) -> Option<FileObjects> {
     Some(objects)
 }
 
+/// The objects in one document's JSON (as [`super::block`] writes it),
+/// or `None` for libyaml's path.
+pub fn objects_from_json(json: &str) -> Option<FileObjects> {
+    let fields: Fields = serde_json::from_str(json).ok()?;
+    let mut objects = FileObjects::default();
+    fields.collect(&mut objects)?;
+    Some(objects)
+}
+
 /// The top-level fields of a Service, an EndpointSlice and a list of them,
 /// typed as k8s-openapi types them (which ignore unknown fields, as this
 /// does).
@@ -133,7 +142,7 @@ fn shrink<T>(list: &mut Option<Vec<T>>) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::source::manifest::parse::{Format, parse, tests::TYPED_LISTS, yaml_documents};
 
@@ -144,16 +153,26 @@ mod tests {
         objects
     }
 
-    fn assert_same_as_general(text: &str) {
-        let direct = objects(text).unwrap_or_else(|| panic!("taken by the direct path:\n{text}"));
+    /// `path` (a faster path, `name`d) reads `text`, and gives the
+    /// Services and EndpointSlices that the general path gives.
+    pub(in crate::source::manifest) fn assert_path_agrees(
+        name: &str,
+        path: fn(&str) -> Option<FileObjects>,
+        text: &str,
+    ) {
+        let fast = path(text).unwrap_or_else(|| panic!("refused by the {name} path:\n{text}"));
         let general = general(text);
         assert!(
             !(general.services.is_empty() && general.slices.is_empty()),
             "no objects in:\n{text}"
         );
-        assert_eq!(direct.services, general.services);
-        assert_eq!(direct.slices, general.slices);
-        assert!(direct.nodes.is_empty());
+        assert_eq!(fast.services, general.services, "{text}");
+        assert_eq!(fast.slices, general.slices, "{text}");
+        assert!(fast.nodes.is_empty());
+    }
+
+    fn assert_same_as_general(text: &str) {
+        assert_path_agrees("direct", objects, text);
     }
 
     #[test]

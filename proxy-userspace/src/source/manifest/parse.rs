@@ -117,8 +117,9 @@ pub fn parse(text: &str, format: Format, file: &str) -> Result<(FileObjects, Vec
 /// [`yaml_documents`]: documents are independent in YAML (anchors do not
 /// cross them), so a file's documents can be parsed apart, in parallel.
 ///
-/// This is libyaml's parser (`serde_yaml_ng`), which takes about half the
-/// time serde-saphyr takes (at 10,000 Services x 10 endpoints, 16 MB of
+/// A document in the plain block style goes through [`super::block`],
+/// the others through libyaml's parser (`serde_yaml_ng`), which takes
+/// about half the time serde-saphyr takes (at 10,000 Services x 10 endpoints, 16 MB of
 /// YAML: 1.1 s against 2.2 s on one core); it refuses alias bombs too
 /// (its repetition limit). A document it refuses is parsed again by
 /// [`parse`], with the whole file, for serde-saphyr's verdict. Services
@@ -128,7 +129,7 @@ pub fn parse_yaml_document(
     file: &str,
     index: usize,
 ) -> Result<(FileObjects, Vec<Problem>), serde_yaml_ng::Error> {
-    if let Some(objects) = super::direct::objects(text) {
+    if let Some(objects) = super::block::objects(text).or_else(|| super::direct::objects(text)) {
         return Ok((objects, Vec::new()));
     }
     let mut reading = Reading::new(file);

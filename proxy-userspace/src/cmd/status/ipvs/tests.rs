@@ -2,7 +2,7 @@
 //! `tests/golden/ipvs/cluster.ipvsadm` has them, plus kube-proxy's sets
 //! for external and load balancer IPs.
 
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use super::*;
 use crate::{mode::ipvs::netlink::VirtualKey, model::Protocol};
@@ -26,7 +26,7 @@ add SOMETHING-ELSE 1.2.3.4
 a line no version writes
 ";
 
-fn ip(text: &str) -> Ipv4Addr {
+fn ip(text: &str) -> IpAddr {
     text.parse().expect("an address")
 }
 
@@ -75,6 +75,8 @@ fn kinds_policies_and_counts_come_from_ipvs_and_the_sets() {
         server(Protocol::Tcp, "198.51.100.7", 80, &[]),
         server(Protocol::Tcp, "203.0.113.99", 80, &[]),
         lb,
+        // The table is IPv4 only: an IPv6 virtual server is left out.
+        server(Protocol::Tcp, "fd00:96::88", 88, &[("fd00:10:244::11", 80, 1, 0, 0)]),
     ];
     let table = table_of(&servers, &Sets::parse(SETS));
     let expected = "\

@@ -3,15 +3,15 @@
 //! connection counters (active, inactive, persistent), read over the same
 //! generic netlink socket. `xproxy status` prints them.
 
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use anyhow::{Context, Result};
 
 use super::{
-    IPVS_CMD_ATTR_DEST, IPVS_CMD_ATTR_SERVICE, IPVS_CMD_GET_DEST, IPVS_DEST_ATTR_ADDR, IPVS_DEST_ATTR_PORT,
-    IPVS_DEST_ATTR_WEIGHT, IPVS_VERSION, Ipvs, VirtualKey, service_key,
+    IPVS_CMD_ATTR_DEST, IPVS_CMD_ATTR_SERVICE, IPVS_CMD_GET_DEST, IPVS_DEST_ATTR_PORT, IPVS_DEST_ATTR_WEIGHT,
+    IPVS_VERSION, Ipvs, VirtualKey, dest_addr, family_of, service_key,
 };
-use crate::sys::netlink::{Message, NLM_F_DUMP, NLM_F_REQUEST, attrs, find, read_ipv4, read_u32};
+use crate::sys::netlink::{Message, NLM_F_DUMP, NLM_F_REQUEST, attrs, find, read_u32};
 
 // linux/ip_vs.h.
 const IPVS_DEST_ATTR_ACTIVE_CONNS: u16 = 7;
@@ -31,7 +31,7 @@ pub struct VirtualCounters {
 /// A real server with its connection counters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RealCounters {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
     pub weight: u32,
     /// Connections established (TCP) or in use.
@@ -43,7 +43,8 @@ pub struct RealCounters {
 }
 
 impl Ipvs {
-    /// Every IPv4 TCP/UDP virtual server with its real servers' counters.
+    /// Every TCP/UDP virtual server (IPv4 and IPv6) with its real servers'
+    /// counters.
     pub fn list_counters(&mut self) -> Result<Vec<VirtualCounters>> {
         let mut out = Vec::new();
         for (key, scheduler, persistent_seconds) in self.dump_services()? {
@@ -65,19 +66,21 @@ impl Ipvs {
             .socket
             .request(&message)
             .with_context(|| format!("listing the real servers of {key}"))?;
-        Ok(answers.iter().filter_map(|a| parse_real(a)).collect())
+        let af = family_of(key.addr);
+        Ok(answers.iter().filter_map(|a| parse_real(a, af)).collect())
     }
 }
 
 /// A real server and its counters from a payload holding a destination;
-/// a counter the kernel leaves out is 0.
-fn parse_real(payload: &[u8]) -> Option<RealCounters> {
+/// a counter the kernel leaves out is 0. `service_af`: the virtual
+/// server's family.
+fn parse_real(payload: &[u8], service_af: u16) -> Option<RealCounters> {
     let top = attrs(payload.get(4..)?);
     let dest = find(&top, IPVS_CMD_ATTR_DEST)?;
     let fields = attrs(&dest);
     let counter = |kind| find(&fields, kind).and_then(|v| read_u32(&v)).unwrap_or(0);
     Some(RealCounters {
-        addr: read_ipv4(&find(&fields, IPVS_DEST_ATTR_ADDR)?)?,
+        addr: dest_addr(&fields, service_af)?,
         port: u16::from_be_bytes(find(&fields, IPVS_DEST_ATTR_PORT)?.get(..2)?.try_into().ok()?),
         weight: read_u32(&find(&fields, IPVS_DEST_ATTR_WEIGHT)?)?,
         active: counter(IPVS_DEST_ATTR_ACTIVE_CONNS),
@@ -88,24 +91,26 @@ fn parse_real(payload: &[u8]) -> Option<RealCounters> {
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
     use crate::{
-        mode::ipvs::netlink::{IPVS_CMD_NEW_DEST, dest_message},
+        mode::ipvs::netlink::{IPVS_CMD_NEW_DEST, IPVS_DEST_ATTR_ADDR, dest_message},
         model::Protocol,
     };
 
     const KEY: VirtualKey = VirtualKey {
         protocol: Protocol::Tcp,
-        addr: Ipv4Addr::new(10, 96, 0, 88),
+        addr: IpAddr::V4(Ipv4Addr::new(10, 96, 0, 88)),
         port: 88,
     };
 
     #[test]
     fn reads_counters_and_takes_missing_ones_as_zero() {
-        let real = (Ipv4Addr::new(10, 244, 0, 11), 80);
+        let real = (IpAddr::V4(Ipv4Addr::new(10, 244, 0, 11)), 80);
         let mut message = dest_message(0x22, IPVS_CMD_NEW_DEST, &KEY, real, 1);
         assert_eq!(
-            parse_real(&message.finish(1)[16..]),
+            parse_real(&message.finish(1)[16..], libc::AF_INET as u16),
             Some(RealCounters {
                 addr: real.0,
                 port: 80,
@@ -124,7 +129,7 @@ mod tests {
                 .u32(IPVS_DEST_ATTR_INACT_CONNS, 2)
                 .u32(IPVS_DEST_ATTR_PERSIST_CONNS, 1);
         });
-        let got = parse_real(&message.finish(1)[16..]).expect("parses");
+        let got = parse_real(&message.finish(1)[16..], libc::AF_INET as u16).expect("parses");
         assert_eq!((got.weight, got.active, got.inactive, got.persistent), (0, 3, 2, 1));
     }
 }
