@@ -207,12 +207,18 @@ fn send_through(frontend: impl Into<IpAddr>, endpoint: &UdpSocket) {
         CLIENT.into()
     };
     let client = UdpSocket::bind((client_ip, 0)).expect("client socket");
-    client.send_to(b"ping", (frontend, 53)).expect("send");
     endpoint
-        .set_read_timeout(Some(Duration::from_secs(2)))
+        .set_read_timeout(Some(Duration::from_secs(1)))
         .expect("timeout");
     let mut buf = [0; 16];
-    let (n, _) = endpoint.recv_from(&mut buf).expect("the datagram arrives DNATed");
+    // Sent again (the same flow) if it does not arrive: under load the
+    // first IPv6 datagram in a fresh namespace was seen lost once in three
+    // runs of the whole suite; what is tested is the flow's entry.
+    let received = (0..3).find_map(|_| {
+        client.send_to(b"ping", (frontend, 53)).expect("send");
+        endpoint.recv_from(&mut buf).ok()
+    });
+    let (n, _) = received.expect("the datagram arrives DNATed");
     assert_eq!(&buf[..n], b"ping");
 }
 
