@@ -84,8 +84,16 @@ pub enum Started {
 /// named, whatever this machine's alternative is.
 pub const IPTABLES_BACKENDS: [(&str, &str); 2] = [("iptables", "nft"), ("iptables-legacy", "legacy")];
 
-/// The iptables commands the agent runs.
-const IPTABLES_COMMANDS: [&str; 3] = ["iptables", "iptables-save", "iptables-restore"];
+/// The iptables commands the agent runs (`ip6tables*` for its IPv6 rules,
+/// on the same backend).
+const IPTABLES_COMMANDS: [&str; 6] = [
+    "iptables",
+    "iptables-save",
+    "iptables-restore",
+    "ip6tables",
+    "ip6tables-save",
+    "ip6tables-restore",
+];
 
 /// `xproxy run --mode` for the bench's `mode`, and the environment that
 /// picks its iptables backend: a `PATH` starting with a directory (in
@@ -98,7 +106,7 @@ fn agent_mode(mode: &str, dir: &Path) -> Result<(String, Vec<(String, String)>),
     let bin = dir.join(format!("iptables-{backend}-bin"));
     fs::create_dir_all(&bin).map_err(|e| format!("creating {}: {e}", bin.display()))?;
     for command in IPTABLES_COMMANDS {
-        let real = command.replacen("iptables", &format!("iptables-{backend}"), 1);
+        let real = command.replacen("tables", &format!("tables-{backend}"), 1);
         let target = find_in_path(&real).ok_or(format!("no {real} on this machine (Debian: the iptables package)"))?;
         let link = bin.join(command);
         let _ = fs::remove_file(&link);

@@ -950,9 +950,11 @@ pub fn udp_request(addr: impl Into<SocketAddr>, timeout: Duration) -> io::Result
 
 /// [`udp_request`] from local port `source_port` (0: any): the same port
 /// again is the same flow to conntrack.
-pub fn udp_request_from(source_port: u16, addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
-    let local = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, source_port);
-    udp_request_bound(local.into(), addr.into(), timeout)
+pub fn udp_request_from(source_port: u16, addr: impl Into<SocketAddr>, timeout: Duration) -> io::Result<String> {
+    let addr = addr.into();
+    let mut local = any_local(addr);
+    local.set_port(source_port);
+    udp_request_bound(local, addr, timeout)
 }
 
 /// Sends `len` bytes (a fixed pattern) in one datagram to `to`, an echo

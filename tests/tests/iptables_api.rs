@@ -49,7 +49,7 @@ fn options() -> RuleOptions {
     RuleOptions {
         local_traffic: Some(LocalTraffic::Cidr(POD_CIDR.parse().expect("cidr"))),
         node_name: Some(NODE_NAME.into()),
-        node_ips: vec![NODE_IP],
+        node_ips: vec![NODE_IP.into()],
         ..RuleOptions::default()
     }
 }

@@ -166,7 +166,7 @@ fn iptables_service_api() {
     let ns = Netns::new("xg").expect("a namespace");
     let mut mode = iptables_mode(|o| {
         o.node_name = Some("demo-node".into());
-        o.node_ips = vec![NODE_IP];
+        o.node_ips = vec![NODE_IP.into()];
     });
     let desired = desired_from(&[("service-api.yaml", IPTABLES_API_YAML)]).expect("the Service API input");
     assert_eq!(desired.len(), 1, "{desired:?}");

@@ -87,7 +87,7 @@ fn options() -> Options {
     Options {
         local_traffic: Some(LocalTraffic::Cidr(POD_CIDR.parse().expect("cidr"))),
         node_name: Some(NODE_NAME.into()),
-        node_ips: vec![NODE_IP],
+        node_ips: vec![NODE_IP.into()],
         ..Options::default()
     }
 }

@@ -18,7 +18,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4},
     process::Command,
     time::Duration,
 };
@@ -27,6 +27,7 @@ use anyhow::Result;
 use proxy_userspace::{
     mode::{
         Dataplane, Plan,
+        dual_stack::DualStack,
         iptables::{
             self, Iptables, IptablesMode, RuleOptions, SystemIptables,
             chains::{self, PortChains},
@@ -34,7 +35,7 @@ use proxy_userspace::{
         nftables::{self, NftablesMode, Options, SystemNft, names},
         options::LocalTraffic,
     },
-    model::{Endpoint, Protocol, ServicePort},
+    model::{Endpoint, IPV6_SUFFIX, IpFamily, Protocol, ServicePort, SourceRange},
 };
 use testbed::{
     agent_bed::workspace_root,
@@ -314,6 +315,166 @@ fn iptables_mode_in_a_namespace() {
     assert_eq!(again, 0);
 }
 
+/// An IPv6 address of the test's own ULA prefix (`fd00:10:<net>::<host>`).
+fn ula(net: u16, host: u16) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0x10, net, 0, 0, 0, 0, host)
+}
+
+/// The IPv6 half of the dual-stack seed Service, with the Service API's
+/// external addresses, source ranges and ClientIP affinity on top.
+fn seed_port_v6() -> ServicePort {
+    ServicePort {
+        name: format!("{SEED_NAME}{IPV6_SUFFIX}"),
+        cluster_ip: ula(0x96, 0x88).into(),
+        external_ips: vec![ula(0x77, 7).into()],
+        load_balancer_ips: vec![ula(0x78, 5).into()],
+        source_ranges: vec![SourceRange {
+            addr: ula(0x79, 0).into(),
+            prefix_len: 64,
+        }],
+        affinity: Some(Duration::from_secs(600)),
+        endpoints: (0xb..=0xd).map(|e| Endpoint::ready(ula(0x244, e), 80)).collect(),
+        ..seed_port()
+    }
+}
+
+/// An IPv6 port without endpoints.
+fn empty_port_v6() -> ServicePort {
+    ServicePort {
+        name: format!("default/empty-service{IPV6_SUFFIX}"),
+        cluster_ip: ula(0x96, 0x89).into(),
+        endpoints: Vec::new(),
+        ..empty_port()
+    }
+}
+
+/// [`bare_namespace`] with an IPv6 address and default route on the same
+/// veth (no duplicate address detection: usable at once).
+fn dual_stack_namespace() -> Result<Netns> {
+    let ns = bare_namespace()?;
+    ns.ip(&["-6", "addr", "add", "fd00:10:1::1/64", "dev", "v0", "nodad"])?;
+    ns.ip(&["-6", "route", "add", "default", "dev", "v0"])?;
+    Ok(ns)
+}
+
+/// Whether a TCP connect from `ns` to `addr` is refused (an ICMPv6 port
+/// unreachable or a RST from the rules, not a timeout).
+fn refused(ns: &Netns, addr: SocketAddr) -> bool {
+    let result = ns
+        .run_in(|| std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)))
+        .expect("thread");
+    matches!(result, Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused)
+}
+
+/// `ip6tables-save` (or `ip6tables-legacy-save`) in `ns`, with counters.
+fn save6(ns: &Netns, legacy: bool) -> Result<String> {
+    let program = if legacy {
+        "ip6tables-legacy-save"
+    } else {
+        "ip6tables-save"
+    };
+    ns.run_in(|| netns::run(Command::new(program).arg("-c")))?
+}
+
+/// The dual-stack iptables mode on one backend: the IPv4 half writes
+/// exactly the IPv4-only rules (the seed golden file), the IPv6 half
+/// kube-proxy's chains with IPv6 addresses, read back from the kernel;
+/// a connect to the IPv6 ClusterIP walks them; cleanup removes both.
+fn dual_stack_on_backend(legacy: bool) {
+    let ns = dual_stack_namespace().expect("creating the namespace");
+    let system = |family| {
+        if legacy {
+            SystemIptables::legacy(family)
+        } else {
+            SystemIptables::for_family(family)
+        }
+    };
+    let v6_opts = RuleOptions {
+        family: IpFamily::V6,
+        local_traffic: Some(LocalTraffic::Cidr("fd00:10:244::/56".parse().expect("cidr"))),
+        node_ports: iptables::NodePortDestinations::AllLocal { localhost: false },
+        node_ips: vec![ula(0x79, 2).into()],
+        ..RuleOptions::default()
+    };
+    let mut mode = DualStack::new(vec![
+        Box::new(IptablesMode::new(rule_options(), Box::new(system(IpFamily::V4)))),
+        Box::new(IptablesMode::new(v6_opts, Box::new(system(IpFamily::V6)))),
+    ]);
+    let (seed, seed6, empty6) = (seed_port(), seed_port_v6(), empty_port_v6());
+    full(&ns, &mut mode, [&seed, &seed6, &empty6], "dual-stack full sync");
+
+    if !legacy {
+        assert_golden(
+            "iptables/seed.iptables-save",
+            &normalized(&save(&ns, false).expect("iptables-save")),
+        );
+    }
+    // A connect to the IPv6 ClusterIP (nobody answers) is counted in its chain.
+    let cluster6 = SocketAddr::new(seed6.cluster_ip, SEED_PORT);
+    let _ = ns
+        .run_in(|| std::net::TcpStream::connect_timeout(&cluster6, Duration::from_millis(100)))
+        .expect("thread");
+    let saved = save6(&ns, legacy).expect("ip6tables-save");
+    let names = PortChains::of(&seed6);
+    let sep_b = chains::sep_chain(&seed6.name, seed6.protocol, "[fd00:10:244::b]:80");
+    for needle in [
+        format!(
+            "-A KUBE-SERVICES -d fd00:10:96::88/128 -p tcp -m comment --comment \"{SEED_NAME} (IPv6) cluster IP\" -m tcp --dport {SEED_PORT} -j {}",
+            names.svc
+        ),
+        format!("-A KUBE-SERVICES -d fd00:10:77::7/128 -p tcp -m comment --comment \"{SEED_NAME} (IPv6) external IP\" -m tcp --dport {SEED_PORT} -j {}", names.ext),
+        format!("-A KUBE-SERVICES -d fd00:10:78::5/128 -p tcp -m comment --comment \"{SEED_NAME} (IPv6) loadbalancer IP\" -m tcp --dport {SEED_PORT} -j {}", names.fw),
+        format!("-A {} -s fd00:10:79::/64 -m comment --comment \"{SEED_NAME} (IPv6) loadbalancer IP\" -j {}", names.fw, names.ext),
+        format!("-A {} -s fd00:10:78::5/128 -m comment --comment \"{SEED_NAME} (IPv6) loadbalancer IP\" -j {}", names.fw, names.ext),
+        format!("-A KUBE-NODEPORTS -p tcp -m comment --comment \"{SEED_NAME} (IPv6)\" -m tcp --dport {SEED_NODE_PORT} -j {}", names.ext),
+        format!("-A {sep_b} -p tcp -m comment --comment \"{SEED_NAME} (IPv6)\" -m recent --set --name {sep_b} --mask ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff --rsource -m tcp -j DNAT --to-destination [fd00:10:244::b]:80"),
+        format!("-A {} ! -s fd00:10:244::/56 -d fd00:10:96::88/128 -p tcp", names.svc),
+        "-A KUBE-SERVICES ! -d ::1/128 -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS".to_owned(),
+        format!("-d fd00:10:96::89/128 -p tcp -m comment --comment \"default/empty-service (IPv6) has no endpoints\" -m tcp --dport {EMPTY_PORT} -j REJECT --reject-with icmp6-port-unreachable"),
+        "-j MASQUERADE --random-fully".to_owned(),
+        "-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000".to_owned(),
+    ] {
+        assert!(saved.contains(&needle), "ip6tables-save lacks {needle:?}:\n{saved}");
+    }
+    assert!(
+        !saved.contains("KUBE-FIREWALL") && !saved.contains("127.0.0.0/8"),
+        "{saved}"
+    );
+    assert!(
+        chain_packets(&saved, &names.svc) > 0,
+        "the IPv6 connect was not counted:\n{saved}"
+    );
+    let empty = SocketAddr::new(empty6.cluster_ip, EMPTY_PORT);
+    assert!(refused(&ns, empty), "{empty} without endpoints is not rejected");
+    let saved4 = save(&ns, false).expect("iptables-save");
+    assert!(!saved4.contains("fd00:"), "IPv6 addresses in the IPv4 rules:\n{saved4}");
+    assert!(mode.counters().iptables_rules.iter().all(|(_, n)| *n > 0));
+
+    // Cleanup (nft backend: the agent's own) removes both families' chains.
+    if !legacy {
+        let removed = ns.run_in(iptables::cleanup).expect("thread").expect("cleanup");
+        assert!(removed >= 18, "removed {removed} chains");
+        let saved = save6(&ns, false).expect("ip6tables-save");
+        assert!(!saved.contains("KUBE-"), "left behind:\n{saved}");
+    }
+}
+
+#[test]
+fn ip6tables_dual_stack_in_a_namespace() {
+    if !require_root("ip6tables_dual_stack_in_a_namespace") {
+        return;
+    }
+    dual_stack_on_backend(false);
+}
+
+#[test]
+fn ip6tables_legacy_dual_stack_in_a_namespace() {
+    if !require_root("ip6tables_legacy_dual_stack_in_a_namespace") {
+        return;
+    }
+    dual_stack_on_backend(true);
+}
+
 /// The kernel's `recent` lists in the calling thread's namespace (one per
 /// endpoint chain while a rule names it).
 fn recent_lists() -> BTreeSet<String> {
@@ -575,4 +736,62 @@ fn nftables_mode_in_a_namespace() {
 fn nft_stdin(script: &str) -> Result<()> {
     use proxy_userspace::mode::nftables::Nft;
     SystemNft::default().run(script)
+}
+
+/// The nftables mode over both families: the `ip` table exactly as the
+/// IPv4-only mode leaves it (golden file), the `ip6` table with IPv6 keys
+/// and matches read back from the kernel; a Service without endpoints is
+/// refused over IPv6 by the rules; cleanup removes both tables.
+#[test]
+fn nftables_dual_stack_in_a_namespace() {
+    if !require_root("nftables_dual_stack_in_a_namespace") {
+        return;
+    }
+    let ns = dual_stack_namespace().expect("creating the namespace");
+    let v6_opts = Options {
+        family: IpFamily::V6,
+        local_traffic: Some(LocalTraffic::Cidr("fd00:10:244::/56".parse().expect("cidr"))),
+        node_ips: vec![ula(0x79, 2).into()],
+        ..Options::default()
+    };
+    let mut mode = DualStack::new(vec![
+        Box::new(NftablesMode::new(nft_options(), Box::new(SystemNft::default()))),
+        Box::new(NftablesMode::new(v6_opts, Box::new(SystemNft::default()))),
+    ]);
+    let (seed6, empty6) = (seed_port_v6(), empty_port_v6());
+    full(
+        &ns,
+        &mut mode,
+        [&seed_port(), &empty_port(), &seed6, &empty6],
+        "dual-stack full sync",
+    );
+    assert_golden("nftables/seed.nft-list", &list_table(&ns, false).expect("nft list"));
+    let listing = ns
+        .exec(&["nft", "list", "table", "ip6", "xproxy"])
+        .expect("nft list ip6");
+    let service = names::service_chain(&seed6);
+    for needle in [
+        "map service-ips {\n\t\ttype ipv6_addr . inet_proto . inet_service : verdict".to_owned(),
+        format!("fd00:10:96::88 . tcp . {SEED_PORT} : goto {service}"),
+        format!("fd00:10:96::89 . tcp . {EMPTY_PORT} comment \"default/empty-service (IPv6)\" : goto reject-chain"),
+        "ip6 daddr . meta l4proto . th dport vmap @service-ips".to_owned(),
+        "fib daddr type local ip6 daddr != ::1 meta l4proto . th dport vmap @service-nodeports".to_owned(),
+        "meta l4proto tcp dnat to [fd00:10:244::b]:80".to_owned(),
+        "ip6 saddr != { fd00:10:78::5, fd00:10:79::/64 } drop".to_owned(),
+        "type ipv6_addr\n\t\tsize 65535\n\t\tflags dynamic,timeout\n\t\ttimeout 10m".to_owned(),
+    ] {
+        assert!(
+            listing.contains(&needle),
+            "nft list table ip6 xproxy lacks {needle:?}:\n{listing}"
+        );
+    }
+    // nft lists `reject with icmpv6 port-unreachable` as `reject`, its
+    // default in an ip6 table; the refused connect shows what it sends.
+    assert!(listing.lines().any(|l| l.trim() == "reject"), "{listing}");
+    let empty = SocketAddr::new(empty6.cluster_ip, EMPTY_PORT);
+    assert!(refused(&ns, empty), "{empty} without endpoints is not rejected");
+
+    assert!(ns.run_in(nftables::cleanup).expect("thread").expect("cleanup"));
+    let tables = ns.exec(&["nft", "list", "tables"]).expect("nft list tables");
+    assert!(!tables.contains("xproxy"), "{tables}");
 }

@@ -1508,13 +1508,15 @@ fn iptables_read_back(bed: &AgentBed, stage: Stage) -> Result<String> {
 }
 
 /// After the first (full) sync, kube-proxy's rule count per table equals
-/// the KUBE-* rules `iptables-save` shows there: those in KUBE-* chains
-/// and the jumps into them (every KUBE-* chain in the bed is the agent's).
+/// the KUBE-* rules `iptables-save` and `ip6tables-save` show there (the
+/// mode's IPv4 and IPv6 rules added up): those in KUBE-* chains and the
+/// jumps into them (every KUBE-* chain in the bed is the agent's).
 fn rule_count_metrics(bed: &AgentBed) -> Result<String> {
     let metrics = bed.metrics()?;
     let mut counts = Vec::new();
     for table in ["filter", "nat"] {
-        let saved = bed.topo.node.exec(&["iptables-save", "-t", table])?;
+        let saved = bed.topo.node.exec(&["iptables-save", "-t", table])?
+            + &bed.topo.node.exec(&["ip6tables-save", "-t", table])?;
         let rules = saved
             .lines()
             .filter(|l| l.starts_with("-A KUBE-") || (l.starts_with("-A ") && l.contains(" -j KUBE-")))

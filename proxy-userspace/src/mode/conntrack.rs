@@ -26,7 +26,7 @@ use tracing::warn;
 
 use super::SyncedChange;
 use crate::{
-    model::{Protocol, ServicePort, usable_endpoints},
+    model::{IpFamily, Protocol, ServicePort, usable_endpoints},
     sys::conntrack::{self, UdpFlowFilter},
 };
 
@@ -39,29 +39,36 @@ pub enum StaleFlows {
     ToNodePort { node_port: u16, endpoint: IpAddr },
     /// Every flow to `cluster_ip` (the port had no endpoints).
     AllToClusterIp { cluster_ip: IpAddr },
-    /// Every flow to any node address on `node_port`.
-    AllToNodePort { node_port: u16 },
+    /// Every flow to any node address of `family` on `node_port` (a
+    /// dual-stack Service's node port is open in both families; each
+    /// family's port flushes its own table).
+    AllToNodePort { node_port: u16, family: IpFamily },
 }
 
 impl StaleFlows {
-    /// The conntrack filter matching these flows.
+    /// The conntrack filter matching these flows, in the table of their
+    /// family.
     pub fn filter(&self) -> UdpFlowFilter {
         match *self {
             StaleFlows::ToClusterIp { cluster_ip, endpoint } => UdpFlowFilter {
+                family: IpFamily::of(cluster_ip),
                 orig_dst: Some(cluster_ip),
                 dst_nat: Some(endpoint),
                 ..UdpFlowFilter::default()
             },
             StaleFlows::ToNodePort { node_port, endpoint } => UdpFlowFilter {
+                family: IpFamily::of(endpoint),
                 orig_dst_port: Some(node_port),
                 dst_nat: Some(endpoint),
                 ..UdpFlowFilter::default()
             },
             StaleFlows::AllToClusterIp { cluster_ip } => UdpFlowFilter {
+                family: IpFamily::of(cluster_ip),
                 orig_dst: Some(cluster_ip),
                 ..UdpFlowFilter::default()
             },
-            StaleFlows::AllToNodePort { node_port } => UdpFlowFilter {
+            StaleFlows::AllToNodePort { node_port, family } => UdpFlowFilter {
+                family,
                 orig_dst_port: Some(node_port),
                 ..UdpFlowFilter::default()
             },
@@ -129,7 +136,10 @@ fn stale_flows_of_port(old: Option<&ServicePort>, new: Option<&ServicePort>, sta
                 cluster_ip: new.cluster_ip,
             });
             if let Some(node_port) = new.node_port {
-                stale.insert(StaleFlows::AllToNodePort { node_port });
+                stale.insert(StaleFlows::AllToNodePort {
+                    node_port,
+                    family: new.family(),
+                });
             }
         }
     }
@@ -264,7 +274,10 @@ mod tests {
             stale,
             BTreeSet::from([
                 StaleFlows::AllToClusterIp { cluster_ip: CLUSTER_IP },
-                StaleFlows::AllToNodePort { node_port: 30053 },
+                StaleFlows::AllToNodePort {
+                    node_port: 30053,
+                    family: IpFamily::V4
+                },
             ])
         );
         // A brand-new port too: an earlier sync may have left it endpoint-less.
@@ -310,6 +323,7 @@ mod tests {
         assert_eq!(
             flow.filter(),
             UdpFlowFilter {
+                family: IpFamily::V4,
                 orig_dst: None,
                 orig_dst_port: Some(30053),
                 dst_nat: Some(pod(2)),
@@ -320,10 +334,36 @@ mod tests {
         assert_eq!(
             all.filter(),
             UdpFlowFilter {
+                family: IpFamily::V4,
                 orig_dst: Some(CLUSTER_IP),
                 orig_dst_port: None,
                 dst_nat: None,
             }
+        );
+    }
+
+    /// The IPv6 port of a dual-stack UDP Service: its flows are looked
+    /// for in the IPv6 table, the node port's too.
+    #[test]
+    fn ipv6_flows_are_flushed_in_the_ipv6_table() {
+        let v6 = |last: u16| IpAddr::from(std::net::Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, last));
+        let dual = |endpoints: &[u16]| ServicePort {
+            name: format!("default/dns:dns{}", crate::model::IPV6_SUFFIX),
+            cluster_ip: std::net::Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0xa).into(),
+            endpoints: endpoints.iter().map(|e| Endpoint::ready(v6(*e), 5353)).collect(),
+            ..port(Protocol::Udp, Some(30053), &[])
+        };
+        let stale = stale_flows(&state(dual(&[1, 2])), &state(dual(&[1])));
+        let filters: Vec<UdpFlowFilter> = stale.iter().map(StaleFlows::filter).collect();
+        assert_eq!(filters.len(), 2, "{stale:?}");
+        assert!(filters.iter().all(|f| f.family == IpFamily::V6), "{filters:?}");
+        let first = stale_flows(&state(dual(&[])), &state(dual(&[1])));
+        assert!(
+            first.contains(&StaleFlows::AllToNodePort {
+                node_port: 30053,
+                family: IpFamily::V6
+            }),
+            "{first:?}"
         );
     }
 }

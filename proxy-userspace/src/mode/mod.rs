@@ -2,6 +2,7 @@
 //! through the same interface, so every mode can be compared on equal terms.
 
 pub mod conntrack;
+pub mod dual_stack;
 pub mod ebpf;
 pub mod fake;
 #[cfg(test)]
@@ -52,15 +53,9 @@ pub trait Dataplane: Send {
 
     /// The address families the mode programs. The reconciler hands it
     /// the ports of these families only and reports the others, once
-    /// each, as not served. Asked after [`Dataplane::ready`].
+    /// each, as not served.
     fn families(&self) -> &'static [IpFamily] {
         &[IpFamily::V4]
-    }
-
-    /// Waits until the mode can take a sync (a mode still starting, see
-    /// `cmd::run::starting`); an error if it never will.
-    fn ready(&mut self) -> Result<()> {
-        Ok(())
     }
 
     /// A partial sync: programs `plan` (removals first), touching nothing else.

@@ -5,11 +5,14 @@
 //! in its own language (an iptables match, an nft expression) next to its
 //! rules.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use tracing::warn;
 
-use crate::config::{Cidr, Config, DetectLocal, NodePortAddresses};
+use crate::{
+    config::{Cidr, Config, DetectLocal, NodePortAddresses},
+    model::{IpFamily, ipv4},
+};
 
 /// How traffic from this node's pods is recognised (kube-proxy's
 /// `detectLocalMode`); traffic from anywhere else to a ClusterIP is
@@ -29,11 +32,17 @@ impl LocalTraffic {
     /// apart: `ClusterCIDR` without an IPv4 cluster CIDR, or `NodeCIDR`
     /// (not supported yet; warned about, naming `mode`).
     pub fn from_config(config: &Config, mode: &str) -> Option<Self> {
+        Self::for_family(config, mode, IpFamily::V4)
+    }
+
+    /// [`LocalTraffic::from_config`] for the rules of `family`: the
+    /// cluster CIDR of that family (interfaces match both).
+    pub fn for_family(config: &Config, mode: &str, family: IpFamily) -> Option<Self> {
         match &config.detect_local {
             DetectLocal::ClusterCidr => config
                 .cluster_cidrs
                 .iter()
-                .find(|c| c.is_ipv4())
+                .find(|c| c.is_ipv4() == (family == IpFamily::V4))
                 .map(|c| LocalTraffic::Cidr(*c)),
             DetectLocal::NodeCidr => {
                 warn!(
@@ -68,28 +77,66 @@ pub enum NodePortScope {
 impl NodePortScope {
     /// What `config` asks for, warning about what cannot be honoured.
     pub fn from_config(config: &Config) -> Self {
+        match FamilyNodePorts::from_config(config, IpFamily::V4) {
+            FamilyNodePorts::AllLocal { localhost } => NodePortScope::AllLocal { localhost },
+            FamilyNodePorts::NodeIps(ips) => NodePortScope::NodeIps(ips.into_iter().filter_map(ipv4).collect()),
+            FamilyNodePorts::Cidrs(v4) => {
+                if v4.is_empty() {
+                    warn!(cidrs = ?config.node_port_addresses, "no IPv4 network in nodePortAddresses: NodePorts answer nowhere");
+                }
+                NodePortScope::Cidrs(v4)
+            }
+        }
+    }
+}
+
+/// The node's configured addresses of `family` (`--node-ip`, or those
+/// found at start).
+pub fn node_ips_of(config: &Config, family: IpFamily) -> Vec<IpAddr> {
+    config
+        .node_ips
+        .iter()
+        .copied()
+        .filter(|ip| IpFamily::of(*ip) == family)
+        .collect()
+}
+
+/// [`NodePortScope`] for the rules of one family, as kube-proxy's proxier
+/// of that family reads `nodePortAddresses`: that family's node IPs and
+/// networks; localhost only for IPv4 (IPv6 has no `route_localnet`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FamilyNodePorts {
+    /// Every local address of the family; 127.0.0.0/8 too if `localhost`.
+    AllLocal { localhost: bool },
+    /// The node's addresses of the family (`[primary]`); never empty.
+    NodeIps(Vec<IpAddr>),
+    /// Local addresses inside these networks of the family; may be empty.
+    Cidrs(Vec<Cidr>),
+}
+
+impl FamilyNodePorts {
+    /// What `config` asks of the rules of `family`, warning about what
+    /// cannot be honoured.
+    pub fn from_config(config: &Config, family: IpFamily) -> Self {
+        let of_family = |ip: &IpAddr| IpFamily::of(*ip) == family;
         match &config.node_port_addresses {
-            NodePortAddresses::All => NodePortScope::AllLocal {
-                localhost: config.localhost_node_ports,
+            NodePortAddresses::All => FamilyNodePorts::AllLocal {
+                localhost: config.localhost_node_ports && family == IpFamily::V4,
             },
             NodePortAddresses::Primary => {
-                let ips = config.ipv4_node_ips();
+                let ips = node_ips_of(config, family);
                 if ips.is_empty() {
                     warn!(
-                        "nodePortAddresses is [primary] but no IPv4 node IP is known: \
-                         NodePorts answer on every local address"
+                        "nodePortAddresses is [primary] but no {family:?} node IP is known: \
+                         its NodePorts answer on every local address"
                     );
-                    NodePortScope::AllLocal { localhost: false }
+                    FamilyNodePorts::AllLocal { localhost: false }
                 } else {
-                    NodePortScope::NodeIps(ips)
+                    FamilyNodePorts::NodeIps(ips)
                 }
             }
             NodePortAddresses::Cidrs(cidrs) => {
-                let v4: Vec<Cidr> = cidrs.iter().filter(|c| c.is_ipv4()).copied().collect();
-                if v4.is_empty() {
-                    warn!(?cidrs, "no IPv4 network in nodePortAddresses: NodePorts answer nowhere");
-                }
-                NodePortScope::Cidrs(v4)
+                FamilyNodePorts::Cidrs(cidrs.iter().filter(|c| of_family(&c.addr())).copied().collect())
             }
         }
     }
@@ -172,5 +219,33 @@ mod tests {
         );
         config.node_port_addresses = NodePortAddresses::Cidrs(vec![cidr("fd00::/64")]);
         assert_eq!(NodePortScope::from_config(&config), NodePortScope::Cidrs(vec![]));
+    }
+
+    /// The IPv6 rules: the IPv6 node IPs and networks, never localhost.
+    #[test]
+    fn family_node_ports_take_the_familys_addresses() {
+        let mut config = defaults();
+        assert_eq!(
+            FamilyNodePorts::from_config(&config, IpFamily::V6),
+            FamilyNodePorts::AllLocal { localhost: false },
+            "localhostNodePorts is IPv4 only"
+        );
+        config.node_port_addresses = NodePortAddresses::Primary;
+        config.node_ips = vec!["fd00::2".parse().expect("ip"), "172.30.0.2".parse().expect("ip")];
+        assert_eq!(
+            FamilyNodePorts::from_config(&config, IpFamily::V6),
+            FamilyNodePorts::NodeIps(vec!["fd00::2".parse().expect("ip")])
+        );
+        config.node_port_addresses = NodePortAddresses::Cidrs(vec![cidr("fd00::/64"), cidr("172.30.0.0/24")]);
+        assert_eq!(
+            FamilyNodePorts::from_config(&config, IpFamily::V6),
+            FamilyNodePorts::Cidrs(vec![cidr("fd00::/64")])
+        );
+        config.cluster_cidrs = vec![cidr("10.244.0.0/16"), cidr("fd00:10:244::/56")];
+        config.detect_local = DetectLocal::ClusterCidr;
+        assert_eq!(
+            LocalTraffic::for_family(&config, "test", IpFamily::V6),
+            Some(LocalTraffic::Cidr(cidr("fd00:10:244::/56")))
+        );
     }
 }

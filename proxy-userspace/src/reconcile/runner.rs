@@ -193,7 +193,6 @@ impl Reconciler {
         changed: &BTreeSet<String>,
         full: bool,
     ) -> Result<SyncReport> {
-        self.mode.ready()?;
         let (served, unserved_problems) = self.served(desired, changed, full);
         let desired = served.as_ref().unwrap_or(desired);
         let plan = if full {

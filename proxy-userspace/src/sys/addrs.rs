@@ -1,7 +1,7 @@
 //! The addresses on this network namespace's interfaces, and those of the
 //! interface its IPv4 default route leaves by.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use anyhow::{Context, Result};
 
@@ -11,6 +11,20 @@ pub fn local_ipv4() -> Result<Vec<Ipv4Addr>> {
     let addrs = nix::ifaddrs::getifaddrs().context("getifaddrs")?;
     Ok(addrs
         .filter_map(|ifa| Some(ifa.address?.as_sockaddr_in()?.ip()))
+        .collect())
+}
+
+/// Every address of either family on the calling thread's network
+/// namespace's interfaces (`getifaddrs`).
+pub fn local_ips() -> Result<Vec<IpAddr>> {
+    let addrs = nix::ifaddrs::getifaddrs().context("getifaddrs")?;
+    Ok(addrs
+        .filter_map(|ifa| {
+            let addr = ifa.address?;
+            addr.as_sockaddr_in()
+                .map(|v4| IpAddr::V4(v4.ip()))
+                .or_else(|| addr.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip())))
+        })
         .collect())
 }
 

@@ -1,13 +1,18 @@
 //! Deleting UDP flows from the kernel's connection tracking over netlink
-//! (ctnetlink, `NFNL_SUBSYS_CTNETLINK`): one dump of the IPv4 table, then
-//! an `IPCTNL_MSG_CT_DELETE` of each entry a filter matches, all on one
-//! socket. This is what `conntrack -D -p udp --orig-dst ... --dst-nat ...`
+//! (ctnetlink, `NFNL_SUBSYS_CTNETLINK`): one dump of the IPv4 table (and
+//! one of the IPv6 table when a filter is of that family), then an
+//! `IPCTNL_MSG_CT_DELETE` of each entry a filter matches, all on one
+//! socket. The two families differ only in the address attributes
+//! (`CTA_IP_V4_*`, 4 bytes; `CTA_IP_V6_*`, 16 bytes): see [`TupleAddr`]. This is what `conntrack -D -p udp --orig-dst ... --dst-nat ...`
 //! does, without a process per filter (kube-proxy moved to netlink too).
 //! The filters are applied here rather than in the kernel: the kernel's
 //! own flush filter cannot match the NAT target on every kernel the modes
 //! run on.
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::{
+    fmt::Debug,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
 
 use anyhow::{Context, Result};
 use tracing::debug;
@@ -15,6 +20,7 @@ use tracing::debug;
 use super::netlink::{
     Message, NETLINK_NETFILTER, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, Socket, attrs, errno, find, read_ipv4,
 };
+use crate::model::IpFamily;
 
 // linux/netfilter/nfnetlink.h, nfnetlink_conntrack.h.
 const NFNL_SUBSYS_CTNETLINK: u16 = 1;
@@ -29,6 +35,8 @@ const CTA_TUPLE_IP: u16 = 1;
 const CTA_TUPLE_PROTO: u16 = 2;
 const CTA_IP_V4_SRC: u16 = 1;
 const CTA_IP_V4_DST: u16 = 2;
+const CTA_IP_V6_SRC: u16 = 3;
+const CTA_IP_V6_DST: u16 = 4;
 const CTA_PROTO_NUM: u16 = 1;
 const CTA_PROTO_SRC_PORT: u16 = 2;
 const CTA_PROTO_DST_PORT: u16 = 3;
@@ -36,10 +44,65 @@ const CTA_PROTO_DST_PORT: u16 = 3;
 const IPS_DST_NAT: u32 = 1 << 5;
 const IPPROTO_UDP: u8 = 17;
 
+/// An address of one family as ctnetlink carries it in a tuple.
+pub trait TupleAddr: Copy + Debug + Eq + Into<IpAddr> {
+    /// The table (`nfgen_family`) the entries are in.
+    const FAMILY: IpFamily;
+    /// `CTA_IP_V4_SRC` / `CTA_IP_V6_SRC`.
+    const SRC: u16;
+    /// `CTA_IP_V4_DST` / `CTA_IP_V6_DST`.
+    const DST: u16;
+    /// The address from an attribute's payload.
+    fn read(bytes: &[u8]) -> Option<Self>;
+    /// The address as an attribute's payload (network order).
+    fn bytes(self) -> Vec<u8>;
+}
+
+impl TupleAddr for Ipv4Addr {
+    const FAMILY: IpFamily = IpFamily::V4;
+    const SRC: u16 = CTA_IP_V4_SRC;
+    const DST: u16 = CTA_IP_V4_DST;
+
+    fn read(bytes: &[u8]) -> Option<Self> {
+        read_ipv4(bytes)
+    }
+
+    fn bytes(self) -> Vec<u8> {
+        self.octets().to_vec()
+    }
+}
+
+impl TupleAddr for Ipv6Addr {
+    const FAMILY: IpFamily = IpFamily::V6;
+    const SRC: u16 = CTA_IP_V6_SRC;
+    const DST: u16 = CTA_IP_V6_DST;
+
+    fn read(bytes: &[u8]) -> Option<Self> {
+        let octets: [u8; 16] = bytes.get(..16)?.try_into().ok()?;
+        Some(Ipv6Addr::from(octets))
+    }
+
+    fn bytes(self) -> Vec<u8> {
+        self.octets().to_vec()
+    }
+}
+
+/// The `nfgen_family` of a table.
+fn af(family: IpFamily) -> u8 {
+    match family {
+        IpFamily::V4 => libc::AF_INET as u8,
+        IpFamily::V6 => libc::AF_INET6 as u8,
+    }
+}
+
 /// UDP flows to delete, by what their conntrack entry holds; a field left
-/// `None` matches anything.
+/// `None` matches anything. A filter looks into the table of its `family`
+/// only (a node port is open in both: each family's flows have a filter
+/// of their own).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
 pub struct UdpFlowFilter {
+    /// The table the flows are in.
+    pub family: IpFamily,
     /// The original destination address (where the client sent to).
     pub orig_dst: Option<IpAddr>,
     /// The original destination port.
@@ -51,21 +114,22 @@ pub struct UdpFlowFilter {
 impl UdpFlowFilter {
     /// Whether `entry` is one of these flows (as `conntrack -D -p udp`
     /// with `--orig-dst`, `--orig-port-dst`, `--dst-nat` judges it).
-    pub fn matches(&self, entry: &Entry) -> bool {
-        entry.orig.proto == IPPROTO_UDP
-            && self.orig_dst.is_none_or(|dst| IpAddr::V4(entry.orig.dst) == dst)
+    pub fn matches<A: TupleAddr>(&self, entry: &Entry<A>) -> bool {
+        self.family == A::FAMILY
+            && entry.orig.proto == IPPROTO_UDP
+            && self.orig_dst.is_none_or(|dst| entry.orig.dst.into() == dst)
             && self.orig_dst_port.is_none_or(|port| entry.orig.dport == port)
             && self
                 .dst_nat
-                .is_none_or(|nat| entry.dst_nat && IpAddr::V4(entry.reply.src) == nat)
+                .is_none_or(|nat| entry.dst_nat && entry.reply.src.into() == nat)
     }
 }
 
-/// One direction of a tracked flow.
+/// One direction of a tracked flow (IPv4 unless said otherwise).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Tuple {
-    pub src: Ipv4Addr,
-    pub dst: Ipv4Addr,
+pub struct Tuple<A = Ipv4Addr> {
+    pub src: A,
+    pub dst: A,
     /// The IP protocol number.
     pub proto: u8,
     pub sport: u16,
@@ -74,20 +138,20 @@ pub struct Tuple {
 
 /// A conntrack entry, as far as the filters look.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Entry {
+pub struct Entry<A = Ipv4Addr> {
     /// The flow as the client sent it.
-    pub orig: Tuple,
+    pub orig: Tuple<A>,
     /// The flow as the replies come back (source: the DNAT target).
-    pub reply: Tuple,
+    pub reply: Tuple<A>,
     /// Whether the destination was translated.
     pub dst_nat: bool,
     /// The conntrack zone, if not the default one.
     zone: Option<u16>,
 }
 
-impl Entry {
+impl<A> Entry<A> {
     /// An entry of the default zone (for tables built by hand).
-    pub fn new(orig: Tuple, reply: Tuple, dst_nat: bool) -> Self {
+    pub fn new(orig: Tuple<A>, reply: Tuple<A>, dst_nat: bool) -> Self {
         Self {
             orig,
             reply,
@@ -100,10 +164,15 @@ impl Entry {
 /// Every IPv4 entry of the calling thread's network namespace (`xproxy
 /// status` counts the rule-based modes' flows from them).
 pub fn list_entries() -> Result<Vec<Entry>> {
+    list_entries_of()
+}
+
+/// Every entry of the table of `A`'s family.
+pub fn list_entries_of<A: TupleAddr>() -> Result<Vec<Entry<A>>> {
     let mut socket = Socket::open(NETLINK_NETFILTER)?;
     let mut entries = Vec::new();
     socket
-        .request_each(&dump_message(), |payload| {
+        .request_each(&dump_message(A::FAMILY), |payload| {
             entries.extend(parse_entry(payload));
             Ok(())
         })
@@ -119,17 +188,28 @@ pub fn delete_udp_flows(filters: &[UdpFlowFilter]) -> Result<u64> {
         return Ok(0);
     }
     let mut socket = Socket::open(NETLINK_NETFILTER)?;
+    let deleted = delete_in::<Ipv4Addr>(&mut socket, filters)? + delete_in::<Ipv6Addr>(&mut socket, filters)?;
+    debug!(filters = filters.len(), deleted, "deleted stale UDP flows");
+    Ok(deleted)
+}
+
+/// [`delete_udp_flows`] in the table of `A`'s family: no dump at all
+/// when no filter is of that family.
+fn delete_in<A: TupleAddr>(socket: &mut Socket, filters: &[UdpFlowFilter]) -> Result<u64> {
+    if !filters.iter().any(|f| f.family == A::FAMILY) {
+        return Ok(0);
+    }
     let mut doomed = Vec::new();
     socket
-        .request_each(&dump_message(), |payload| {
-            if let Some(entry) = parse_entry(payload)
+        .request_each(&dump_message(A::FAMILY), |payload| {
+            if let Some(entry) = parse_entry::<A>(payload)
                 && filters.iter().any(|f| f.matches(&entry))
             {
                 doomed.push(entry);
             }
             Ok(())
         })
-        .context("listing the conntrack table")?;
+        .with_context(|| format!("listing the {:?} conntrack table", A::FAMILY))?;
     let mut deleted = 0;
     for entry in &doomed {
         match socket.request(&delete_message(entry)) {
@@ -138,24 +218,23 @@ pub fn delete_udp_flows(filters: &[UdpFlowFilter]) -> Result<u64> {
             Err(e) => return Err(e.context(format!("deleting the conntrack entry {entry:?}"))),
         }
     }
-    debug!(filters = filters.len(), deleted, "deleted stale UDP flows");
     Ok(deleted)
 }
 
-/// A ctnetlink message of `kind` about IPv4 entries.
-fn message(kind: u16, flags: u16) -> Message {
-    let nfgenmsg = [libc::AF_INET as u8, NFNETLINK_V0, 0, 0];
+/// A ctnetlink message of `kind` about the entries of `family`.
+fn message(kind: u16, flags: u16, family: IpFamily) -> Message {
+    let nfgenmsg = [af(family), NFNETLINK_V0, 0, 0];
     Message::new((NFNL_SUBSYS_CTNETLINK << 8) | kind, flags, &nfgenmsg)
 }
 
-/// Lists the IPv4 table.
-fn dump_message() -> Message {
-    message(IPCTNL_MSG_CT_GET, NLM_F_REQUEST | NLM_F_DUMP)
+/// Lists the table of `family`.
+fn dump_message(family: IpFamily) -> Message {
+    message(IPCTNL_MSG_CT_GET, NLM_F_REQUEST | NLM_F_DUMP, family)
 }
 
 /// Deletes `entry`, named by its original tuple (and zone).
-fn delete_message(entry: &Entry) -> Message {
-    let mut message = message(IPCTNL_MSG_CT_DELETE, NLM_F_REQUEST | NLM_F_ACK);
+fn delete_message<A: TupleAddr>(entry: &Entry<A>) -> Message {
+    let mut message = message(IPCTNL_MSG_CT_DELETE, NLM_F_REQUEST | NLM_F_ACK, A::FAMILY);
     put_tuple(&mut message, CTA_TUPLE_ORIG, entry.orig);
     if let Some(zone) = entry.zone {
         message.attr(CTA_ZONE, &zone.to_be_bytes());
@@ -165,11 +244,10 @@ fn delete_message(entry: &Entry) -> Message {
 
 /// `tuple` as attribute `kind` (`CTA_TUPLE_ORIG`/`_REPLY`), nested as the
 /// kernel nests it.
-fn put_tuple(message: &mut Message, kind: u16, tuple: Tuple) {
+fn put_tuple<A: TupleAddr>(message: &mut Message, kind: u16, tuple: Tuple<A>) {
     message.nested(kind, |m| {
         m.nested(CTA_TUPLE_IP, |m| {
-            m.attr(CTA_IP_V4_SRC, &tuple.src.octets())
-                .attr(CTA_IP_V4_DST, &tuple.dst.octets());
+            m.attr(A::SRC, &tuple.src.bytes()).attr(A::DST, &tuple.dst.bytes());
         })
         .nested(CTA_TUPLE_PROTO, |m| {
             m.attr(CTA_PROTO_NUM, &[tuple.proto])
@@ -180,8 +258,9 @@ fn put_tuple(message: &mut Message, kind: u16, tuple: Tuple) {
 }
 
 /// An entry from a dump answer's payload (after the netlink header); `None`
-/// for anything that is not an IPv4 TCP/UDP-like entry with both tuples.
-fn parse_entry(payload: &[u8]) -> Option<Entry> {
+/// for anything that is not a TCP/UDP-like entry of `A`'s family with both
+/// tuples.
+fn parse_entry<A: TupleAddr>(payload: &[u8]) -> Option<Entry<A>> {
     let top = attrs(payload.get(4..)?);
     let status = find(&top, CTA_STATUS).and_then(|s| Some(u32::from_be_bytes(s.get(..4)?.try_into().ok()?)));
     let zone = find(&top, CTA_ZONE)
@@ -195,7 +274,7 @@ fn parse_entry(payload: &[u8]) -> Option<Entry> {
     })
 }
 
-fn parse_tuple(tuple: &[u8]) -> Option<Tuple> {
+fn parse_tuple<A: TupleAddr>(tuple: &[u8]) -> Option<Tuple<A>> {
     let fields = attrs(tuple);
     let ip = find(&fields, CTA_TUPLE_IP)?;
     let ip = attrs(&ip);
@@ -203,8 +282,8 @@ fn parse_tuple(tuple: &[u8]) -> Option<Tuple> {
     let proto = attrs(&proto);
     let port = |kind| Some(u16::from_be_bytes(find(&proto, kind)?.get(..2)?.try_into().ok()?));
     Some(Tuple {
-        src: read_ipv4(&find(&ip, CTA_IP_V4_SRC)?)?,
-        dst: read_ipv4(&find(&ip, CTA_IP_V4_DST)?)?,
+        src: A::read(&find(&ip, A::SRC)?)?,
+        dst: A::read(&find(&ip, A::DST)?)?,
         proto: *find(&proto, CTA_PROTO_NUM)?.first()?,
         sport: port(CTA_PROTO_SRC_PORT)?,
         dport: port(CTA_PROTO_DST_PORT)?,

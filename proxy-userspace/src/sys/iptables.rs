@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use anyhow::{Context, Result};
 
 use super::tool;
+use crate::model::IpFamily;
 
 /// What the modes need from iptables; tests use a fake.
 pub trait Iptables: Send {
@@ -27,10 +28,7 @@ pub struct SystemIptables {
 
 impl Default for SystemIptables {
     fn default() -> Self {
-        Self {
-            save: "iptables-save".into(),
-            restore: "iptables-restore".into(),
-        }
+        Self::for_family(IpFamily::V4)
     }
 }
 
@@ -39,12 +37,36 @@ const LOCK_WAIT_SECONDS: &str = "5";
 const PACKAGE: &str = "the iptables package";
 
 impl SystemIptables {
+    /// `iptables-*` for IPv4, `ip6tables-*` for IPv6: the same binary name
+    /// found in `PATH` either way, so whatever picks the backend (the
+    /// `iptables` alternative, a wrapper earlier in `PATH`) picks it for
+    /// both families.
+    pub fn for_family(family: IpFamily) -> Self {
+        let prefix = match family {
+            IpFamily::V4 => "iptables",
+            IpFamily::V6 => "ip6tables",
+        };
+        Self {
+            save: format!("{prefix}-save"),
+            restore: format!("{prefix}-restore"),
+        }
+    }
+
+    /// The legacy (x_tables) backend's binaries of `family` by their own
+    /// names (`ip6tables-legacy-save`, ...), whatever `PATH` picks: for
+    /// tests and benches that compare the two backends on one machine.
+    pub fn legacy(family: IpFamily) -> Self {
+        let plain = Self::for_family(family);
+        let legacy = |name: &str| name.replacen("tables-", "tables-legacy-", 1);
+        Self {
+            save: legacy(&plain.save),
+            restore: legacy(&plain.restore),
+        }
+    }
+
     /// `ip6tables-save` and `ip6tables-restore`: the IPv6 twin.
     pub fn ipv6() -> Self {
-        Self {
-            save: "ip6tables-save".into(),
-            restore: "ip6tables-restore".into(),
-        }
+        Self::for_family(IpFamily::V6)
     }
 
     /// Fails if the binaries cannot be run at all.

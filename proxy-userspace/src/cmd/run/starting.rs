@@ -9,6 +9,7 @@
 //! was ready: started this way, that work is done by then.
 
 use std::{
+    cell::OnceCell,
     collections::BTreeMap,
     sync::mpsc::{self, Receiver, SyncSender},
     time::Instant,
@@ -25,7 +26,9 @@ use crate::{
 /// Stands for the mode `name` until [`ModeSender::started`] hands it over.
 pub struct Starting {
     name: &'static str,
-    mode: Option<Box<dyn Dataplane>>,
+    /// Set once, when the mode arrives (also from `&self`: the families
+    /// the mode serves are asked before the first sync).
+    mode: OnceCell<Box<dyn Dataplane>>,
     arrival: Receiver<Box<dyn Dataplane>>,
 }
 
@@ -44,7 +47,7 @@ pub fn starting(name: &'static str) -> (Starting, ModeSender) {
     let (sender, arrival) = mpsc::sync_channel(1);
     let starting = Starting {
         name,
-        mode: None,
+        mode: OnceCell::new(),
         arrival,
     };
     (starting, ModeSender(sender))
@@ -54,22 +57,26 @@ impl Starting {
     /// The mode, once it has started; waits for it (a sync runs on a
     /// blocking thread, see the agent). An error if it never will.
     fn started(&mut self) -> Result<&mut Box<dyn Dataplane>> {
-        if self.mode.is_none() {
-            let since = Instant::now();
-            let mode = self
-                .arrival
-                .recv()
-                .map_err(|_| anyhow!("the {} mode did not start", self.name))?;
+        self.wait();
+        self.mode
+            .get_mut()
+            .ok_or_else(|| anyhow!("the {} mode did not start", self.name))
+    }
+
+    /// Waits for the mode unless it is here (or will never come).
+    fn wait(&self) {
+        if self.mode.get().is_some() {
+            return;
+        }
+        let since = Instant::now();
+        if let Ok(mode) = self.arrival.recv() {
             info!(
                 mode = self.name,
                 waited_ms = since.elapsed().as_secs_f64() * 1e3,
                 "the first sync waited for the mode to start"
             );
-            self.mode = Some(mode);
+            let _ = self.mode.set(mode);
         }
-        self.mode
-            .as_mut()
-            .ok_or_else(|| anyhow!("the {} mode did not start", self.name))
     }
 }
 
@@ -78,13 +85,11 @@ impl Dataplane for Starting {
         self.name
     }
 
-    /// The mode's, once it started (the reconciler asks after `ready`).
+    /// The mode's: the first sync asks before it applies, so this waits
+    /// for the mode (IPv4 if it never starts; that sync fails anyway).
     fn families(&self) -> &'static [IpFamily] {
-        self.mode.as_ref().map_or(&[IpFamily::V4], |mode| mode.families())
-    }
-
-    fn ready(&mut self) -> Result<()> {
-        self.started().map(|_| ())
+        self.wait();
+        self.mode.get().map_or(&[IpFamily::V4], |mode| mode.families())
     }
 
     fn apply(&mut self, plan: &Plan) -> Result<()> {
@@ -97,19 +102,19 @@ impl Dataplane for Starting {
 
     /// None before the mode started: its own count starts then.
     fn kernel_writes(&self) -> u64 {
-        self.mode.as_ref().map_or(0, |mode| mode.kernel_writes())
+        self.mode.get().map_or(0, |mode| mode.kernel_writes())
     }
 
     fn delete_stale_flows(&mut self, change: &SyncedChange<'_>) -> u64 {
-        self.mode.as_mut().map_or(0, |mode| mode.delete_stale_flows(change))
+        self.mode.get_mut().map_or(0, |mode| mode.delete_stale_flows(change))
     }
 
     fn take_problems(&mut self) -> Vec<Problem> {
-        self.mode.as_mut().map(|mode| mode.take_problems()).unwrap_or_default()
+        self.mode.get_mut().map(|mode| mode.take_problems()).unwrap_or_default()
     }
 
     fn counters(&self) -> ModeCounters {
-        self.mode.as_ref().map(|mode| mode.counters()).unwrap_or_default()
+        self.mode.get().map(|mode| mode.counters()).unwrap_or_default()
     }
 }
 
@@ -132,33 +137,32 @@ mod tests {
         assert_eq!(seen.calls().len(), 1, "the sync reached the mode");
     }
 
-    /// A mode of both families, to tell its answer from the default.
-    struct DualStack;
-
-    impl Dataplane for DualStack {
-        fn name(&self) -> &'static str {
-            "dual"
-        }
-        fn families(&self) -> &'static [IpFamily] {
-            &[IpFamily::V4, IpFamily::V6]
-        }
-        fn apply(&mut self, _plan: &Plan) -> Result<()> {
-            Ok(())
-        }
-        fn apply_full(&mut self, _desired: &BTreeMap<String, ServicePort>) -> Result<()> {
-            Ok(())
-        }
-        fn kernel_writes(&self) -> u64 {
-            0
-        }
-    }
-
+    /// The reconciler asks which families the mode serves before the
+    /// first sync: the answer is the started mode's, not the default.
     #[test]
-    fn once_ready_the_families_are_the_modes() {
-        let (mut starting, sender) = starting("dual");
-        sender.started(Box::new(DualStack));
-        starting.ready().expect("the mode arrived");
+    fn the_families_are_the_started_modes() {
+        struct BothFamilies(Fake);
+        impl Dataplane for BothFamilies {
+            fn name(&self) -> &'static str {
+                "both"
+            }
+            fn families(&self) -> &'static [IpFamily] {
+                &[IpFamily::V4, IpFamily::V6]
+            }
+            fn apply(&mut self, plan: &Plan) -> Result<()> {
+                self.0.apply(plan)
+            }
+            fn apply_full(&mut self, desired: &BTreeMap<String, ServicePort>) -> Result<()> {
+                self.0.apply_full(desired)
+            }
+            fn kernel_writes(&self) -> u64 {
+                self.0.kernel_writes()
+            }
+        }
+        let (starting, sender) = starting("both");
+        let handing = std::thread::spawn(move || sender.started(Box::new(BothFamilies(Fake::default()))));
         assert_eq!(starting.families(), [IpFamily::V4, IpFamily::V6]);
+        handing.join().expect("handed over");
     }
 
     #[test]

@@ -130,9 +130,10 @@ impl PortChains {
     }
 }
 
-/// `ip:port`, as kube-proxy writes an endpoint (in hashes, comments and DNAT).
+/// `ip:port` (`[ip]:port` for IPv6), as kube-proxy writes an endpoint
+/// (Go's `net.JoinHostPort`: in hashes, comments and DNAT).
 pub fn endpoint_string(ep: &Endpoint) -> String {
-    format!("{}:{}", ep.addr, ep.port)
+    std::net::SocketAddr::new(ep.addr, ep.port).to_string()
 }
 
 #[cfg(test)]

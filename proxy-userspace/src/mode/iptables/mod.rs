@@ -12,6 +12,11 @@
 //! stale per-service chains; when the kernel still holds exactly what the
 //! last full sync of the same state left, it writes nothing.
 //!
+//! IPv6 ports get a ruleset of their own through `ip6tables-restore`, with
+//! the same layout, as kube-proxy runs a second proxier for IPv6: an
+//! `IptablesMode` serves one family ([`RuleOptions::family`]) and
+//! [`start`] pairs two under [`DualStack`].
+//!
 //! The parts: [`chains`] names the chains (kube-proxy's hashes), [`rules`]
 //! renders them; `iptables-save` and `iptables-restore` run in
 //! [`crate::sys::iptables`].
@@ -21,7 +26,7 @@ pub mod rules;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr},
 };
 
 pub use crate::sys::iptables::{Iptables, Saved, SystemIptables};
@@ -31,10 +36,15 @@ use rules::{Rewrite, SyncInput, jumps, port_chains, render};
 use tracing::{debug, info, warn};
 
 pub use super::options::LocalTraffic;
-use super::{Dataplane, ModeCounters, Plan, SyncedChange, conntrack, options::NodePortScope, unhonoured::Unhonoured};
+use super::{
+    Dataplane, ModeCounters, Plan, SyncedChange, conntrack,
+    dual_stack::DualStack,
+    options::{FamilyNodePorts, node_ips_of},
+    unhonoured::Unhonoured,
+};
 use crate::{
     config::{Cidr, Config},
-    model::ServicePort,
+    model::{IpFamily, ServicePort},
     sys::{
         addrs,
         iptables::{owned_lines, owned_rule_counts, remove_chains},
@@ -90,21 +100,26 @@ pub struct NodePortCidrs {
 }
 
 impl NodePortCidrs {
-    /// The local addresses (of the calling thread's network namespace)
-    /// NodePorts answer on.
-    pub fn resolve(&self) -> Result<Vec<Ipv4Addr>> {
-        Ok(addrs::local_ipv4()
+    /// The local addresses of `family` (of the calling thread's network
+    /// namespace) NodePorts answer on; never `::1` (see
+    /// [`RuleOptions::localhost_node_ports`]).
+    pub fn resolve(&self, family: IpFamily) -> Result<Vec<IpAddr>> {
+        Ok(addrs::local_ips()
             .context("listing local addresses for nodePortAddresses")?
             .into_iter()
-            .filter(|ip| self.cidrs.iter().any(|c| c.contains((*ip).into())))
-            .filter(|ip| !ip.is_loopback() || self.localhost)
+            .filter(|ip| IpFamily::of(*ip) == family)
+            .filter(|ip| self.cidrs.iter().any(|c| c.contains(*ip)))
+            .filter(|ip| !ip.is_loopback() || (self.localhost && family == IpFamily::V4))
             .collect())
     }
 }
 
-/// Starts the iptables mode for `xproxy run` (see [`IptablesMode::start`]).
+/// Starts the iptables mode for `xproxy run`: an IPv4 half and, where
+/// `ip6tables` works, an IPv6 half (see [`DualStack`]).
 pub fn start(config: &Config) -> Result<Box<dyn Dataplane>> {
-    Ok(Box::new(IptablesMode::start(config)?))
+    let v4 = Box::new(IptablesMode::start(config)?);
+    let v6 = IptablesMode::start_family(config, IpFamily::V6).map(|m| Box::new(m) as Box<dyn Dataplane>);
+    Ok(Box::new(DualStack::start(v4, v6)))
 }
 
 impl IptablesMode {
@@ -138,7 +153,7 @@ impl IptablesMode {
         let Some(cidrs) = &self.node_port_cidrs else {
             return;
         };
-        let ips = match cidrs.resolve() {
+        let ips = match cidrs.resolve(self.opts.family) {
             Ok(ips) => ips,
             Err(e) => {
                 warn!(error = format!("{e:#}"), "NodePorts keep the addresses found before");
@@ -149,7 +164,7 @@ impl IptablesMode {
         if now != self.opts.node_ports || !self.node_ports_resolved {
             self.node_ports_resolved = true;
             if matches!(&now, NodePortDestinations::Addresses(ips) if ips.is_empty()) {
-                warn!(cidrs = ?cidrs.cidrs, "no local IPv4 address is in nodePortAddresses: NodePorts answer nowhere");
+                warn!(cidrs = ?cidrs.cidrs, family = ?self.opts.family, "no local address of the family is in nodePortAddresses: NodePorts answer nowhere");
             } else {
                 info!(node_ports = ?now, "NodePorts answer on these addresses");
             }
@@ -162,20 +177,26 @@ impl IptablesMode {
     /// when NodePorts answer on localhost (as kube-proxy does). Rules are
     /// written by the first sync.
     pub fn start(config: &Config) -> Result<Self> {
-        let system = SystemIptables::default();
+        Self::start_family(config, IpFamily::V4)
+    }
+
+    /// [`IptablesMode::start`] for the ports of `family`, written with
+    /// `iptables` or `ip6tables`.
+    pub fn start_family(config: &Config, family: IpFamily) -> Result<Self> {
+        let system = SystemIptables::for_family(family);
         system.check()?;
-        let (opts, node_port_cidrs) = rule_options(config);
+        let (opts, node_port_cidrs) = rule_options_for(config, family);
         let localhost_in_cidrs = node_port_cidrs
             .as_ref()
             .is_some_and(|c| c.localhost && c.cidrs.iter().any(|cidr| cidr.contains(Ipv4Addr::LOCALHOST.into())));
-        if opts.node_ports.localhost() || localhost_in_cidrs {
+        if opts.localhost_node_ports() || (localhost_in_cidrs && family == IpFamily::V4) {
             info!(
                 "setting route_localnet=1 so that NodePorts answer on 127.0.0.1 \
                  (turn off with iptables.localhostNodePorts: false, or leave 127.0.0.0/8 out of nodePortAddresses)"
             );
             std::fs::write(ROUTE_LOCALNET, "1").with_context(|| format!("writing 1 to {ROUTE_LOCALNET}"))?;
         }
-        info!(?opts, "iptables mode ready");
+        info!(?opts, "iptables mode ready for {family:?}");
         let mut mode = Self::new(opts, Box::new(system));
         mode.node_port_cidrs = node_port_cidrs;
         Ok(mode)
@@ -216,6 +237,13 @@ impl IptablesMode {
 impl Dataplane for IptablesMode {
     fn name(&self) -> &'static str {
         "iptables"
+    }
+
+    fn families(&self) -> &'static [IpFamily] {
+        match self.opts.family {
+            IpFamily::V4 => &[IpFamily::V4],
+            IpFamily::V6 => &[IpFamily::V6],
+        }
     }
 
     fn delete_stale_flows(&mut self, change: &SyncedChange<'_>) -> u64 {
@@ -377,16 +405,20 @@ impl Dataplane for IptablesMode {
 /// there is nothing to remove, and nothing at all when iptables is not
 /// installed. Returns how many chains it removed.
 pub fn cleanup() -> Result<usize> {
-    let mut system = SystemIptables::default();
-    if system.check().is_err() {
-        info!("iptables is not installed: no iptables rules to remove");
-        return Ok(0);
-    }
-    let removed = cleanup_with(&mut system)?;
-    if removed > 0 {
-        info!(chains = removed, "removed the iptables mode's chains and jumps");
-    } else {
-        info!("no iptables chains of xproxy or kube-proxy found");
+    let mut removed = 0;
+    for (family, tool) in [(IpFamily::V4, "iptables"), (IpFamily::V6, "ip6tables")] {
+        let mut system = SystemIptables::for_family(family);
+        if system.check().is_err() {
+            info!("{tool} is not installed: no {tool} rules to remove");
+            continue;
+        }
+        let here = cleanup_with(&mut system).with_context(|| format!("removing the {tool} rules"))?;
+        if here > 0 {
+            info!(chains = here, "removed the iptables mode's {tool} chains and jumps");
+        } else {
+            info!("no {tool} chains of xproxy or kube-proxy found");
+        }
+        removed += here;
     }
     Ok(removed)
 }
@@ -400,10 +432,16 @@ pub fn cleanup_with(iptables: &mut dyn Iptables) -> Result<usize> {
 /// networks of `nodePortAddresses` when it gives networks (their local
 /// addresses are looked up at every sync, see [`NodePortCidrs`]).
 pub fn rule_options(config: &Config) -> (RuleOptions, Option<NodePortCidrs>) {
-    let (node_ports, cidrs) = match NodePortScope::from_config(config) {
-        NodePortScope::AllLocal { localhost } => (NodePortDestinations::AllLocal { localhost }, None),
-        NodePortScope::NodeIps(ips) => (NodePortDestinations::Addresses(ips), None),
-        NodePortScope::Cidrs(cidrs) => {
+    rule_options_for(config, IpFamily::V4)
+}
+
+/// Where the NodePorts of `family` answer, and the networks to look their
+/// addresses up in at every sync.
+fn node_port_destinations(config: &Config, family: IpFamily) -> (NodePortDestinations, Option<NodePortCidrs>) {
+    match FamilyNodePorts::from_config(config, family) {
+        FamilyNodePorts::AllLocal { localhost } => (NodePortDestinations::AllLocal { localhost }, None),
+        FamilyNodePorts::NodeIps(ips) => (NodePortDestinations::Addresses(ips), None),
+        FamilyNodePorts::Cidrs(cidrs) => {
             let cidrs = NodePortCidrs {
                 cidrs,
                 localhost: config.localhost_node_ports,
@@ -411,7 +449,12 @@ pub fn rule_options(config: &Config) -> (RuleOptions, Option<NodePortCidrs>) {
             // Filled in by the first sync.
             (NodePortDestinations::Addresses(Vec::new()), Some(cidrs))
         }
-    };
+    }
+}
+
+/// [`rule_options`] for the rules of `family`.
+pub fn rule_options_for(config: &Config, family: IpFamily) -> (RuleOptions, Option<NodePortCidrs>) {
+    let (node_ports, cidrs) = node_port_destinations(config, family);
     let be_liberal = std::fs::read_to_string(TCP_BE_LIBERAL).is_ok_and(|v| v.trim() != "0");
     if be_liberal {
         info!("nf_conntrack_tcp_be_liberal is set: INVALID packets are not dropped");
@@ -419,11 +462,12 @@ pub fn rule_options(config: &Config) -> (RuleOptions, Option<NodePortCidrs>) {
     let opts = RuleOptions {
         masquerade_bit: config.masquerade.bit,
         masquerade_all: config.masquerade.all,
-        local_traffic: LocalTraffic::from_config(config, "iptables"),
+        local_traffic: LocalTraffic::for_family(config, "iptables", family),
         node_ports,
         drop_invalid: !be_liberal,
         node_name: Some(config.node_name.clone()),
-        node_ips: config.ipv4_node_ips(),
+        node_ips: node_ips_of(config, family),
+        family,
     };
     (opts, cidrs)
 }

@@ -46,13 +46,13 @@
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     fmt::Write as _,
-    net::{IpAddr, Ipv4Addr},
+    net::IpAddr,
 };
 
 use super::chains::{self, PortChains, endpoint_string, sep_chain};
 use crate::{
     mode::options::LocalTraffic,
-    model::{Endpoint, EndpointSets, ServicePort},
+    model::{Endpoint, EndpointSets, IpFamily, ServicePort},
 };
 
 /// The match for "not from a local pod".
@@ -75,8 +75,8 @@ pub enum NodePortDestinations {
     /// Every local address (`-m addrtype --dst-type LOCAL`); 127.0.0.0/8
     /// too if `localhost` (which needs `route_localnet=1`).
     AllLocal { localhost: bool },
-    /// Only these addresses.
-    Addresses(Vec<Ipv4Addr>),
+    /// Only these addresses (of the rules' family).
+    Addresses(Vec<IpAddr>),
 }
 
 impl NodePortDestinations {
@@ -85,7 +85,7 @@ impl NodePortDestinations {
     pub fn localhost(&self) -> bool {
         match self {
             NodePortDestinations::AllLocal { localhost } => *localhost,
-            NodePortDestinations::Addresses(ips) => ips.iter().any(Ipv4Addr::is_loopback),
+            NodePortDestinations::Addresses(ips) => ips.iter().any(IpAddr::is_loopback),
         }
     }
 }
@@ -107,11 +107,15 @@ pub struct RuleOptions {
     /// This node's name: endpoints naming it are the ones the `Local`
     /// traffic policies reach. `None`: no endpoint is local.
     pub node_name: Option<String>,
-    /// This node's IPv4 addresses, as far as known: when a
+    /// The family of the ports, addresses and tools (`iptables` or
+    /// `ip6tables`) these rules are for: kube-proxy runs one proxier per
+    /// family with the same chain layout.
+    pub family: IpFamily,
+    /// This node's addresses of `family`, as far as known: when a
     /// `loadBalancerSourceRanges` entry holds one, the node's own traffic
     /// to the load balancer IPs (which may come back with a load balancer
     /// IP as its source) is let through too, as kube-proxy does.
-    pub node_ips: Vec<Ipv4Addr>,
+    pub node_ips: Vec<IpAddr>,
 }
 
 impl Default for RuleOptions {
@@ -125,6 +129,7 @@ impl Default for RuleOptions {
             drop_invalid: true,
             node_name: None,
             node_ips: Vec::new(),
+            family: IpFamily::V4,
         }
     }
 }
@@ -133,6 +138,14 @@ impl RuleOptions {
     /// The mark, as iptables prints it (`0x4000` for bit 14).
     pub fn mark(&self) -> String {
         format!("{:#x}", 1u32 << self.masquerade_bit)
+    }
+
+    /// Whether NodePorts answer on 127.0.0.0/8 (with `route_localnet` and
+    /// the martian guard `KUBE-FIREWALL`). Never for IPv6: the kernel
+    /// has no `route_localnet` there, so `::1` cannot be DNATed away
+    /// (kube-proxy leaves it out too).
+    pub fn localhost_node_ports(&self) -> bool {
+        self.family == IpFamily::V4 && self.node_ports.localhost()
     }
 }
 
@@ -284,7 +297,7 @@ const FIREWALL_JUMPS: [Jump; 2] = [
 /// The jumps these options need.
 pub fn jumps(opts: &RuleOptions) -> Vec<Jump> {
     let mut all = JUMPS.to_vec();
-    if opts.node_ports.localhost() {
+    if opts.localhost_node_ports() {
         all.extend(FIREWALL_JUMPS);
     }
     all
@@ -445,7 +458,7 @@ pub fn render(opts: &RuleOptions, input: &SyncInput<'_>) -> Rendered {
     ] {
         filter.chain(chain);
     }
-    if opts.node_ports.localhost() {
+    if opts.localhost_node_ports() {
         filter.chain(chains::FIREWALL);
     }
     for chain in [
@@ -469,7 +482,7 @@ pub fn render(opts: &RuleOptions, input: &SyncInput<'_>) -> Rendered {
         "-m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully",
     );
     nat.rule(chains::MARK_MASQ, format!("-j MARK --or-mark {mark}"));
-    if opts.node_ports.localhost() {
+    if opts.localhost_node_ports() {
         filter.rule(
             chains::FIREWALL,
             "-m comment --comment \"block incoming localnet connections\" -d 127.0.0.0/8 ! -s 127.0.0.0/8 \
@@ -485,7 +498,11 @@ pub fn render(opts: &RuleOptions, input: &SyncInput<'_>) -> Rendered {
         "-m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\"";
     match &opts.node_ports {
         NodePortDestinations::AllLocal { localhost } => {
-            let not_localhost = if *localhost { "" } else { " ! -d 127.0.0.0/8" };
+            let not_localhost = match opts.family {
+                IpFamily::V6 => " ! -d ::1/128",
+                IpFamily::V4 if *localhost => "",
+                IpFamily::V4 => " ! -d 127.0.0.0/8",
+            };
             nat.rule(
                 chains::SERVICES,
                 format!(
@@ -797,7 +814,7 @@ fn firewall_rules(opts: &RuleOptions, port: &ServicePort, names: &PortChains, na
     let allow_from_node = port
         .source_ranges
         .iter()
-        .any(|range| opts.node_ips.iter().any(|ip| range.contains((*ip).into())));
+        .any(|range| opts.node_ips.iter().any(|ip| range.contains(*ip)));
     if allow_from_node {
         for ip in &port.load_balancer_ips {
             nat.rule(fw, format!("-m comment --comment {comment} -s {ip} -j {}", names.ext));
@@ -906,7 +923,7 @@ fn dispatch(nat: &mut Table, chain: &str, port: &ServicePort, endpoints: &[&Endp
 
 #[cfg(test)]
 mod tests {
-    use std::path::PathBuf;
+    use std::{net::Ipv4Addr, path::PathBuf};
 
     use super::*;
     use crate::{
@@ -1102,8 +1119,8 @@ mod tests {
         assert_eq!(no_lo.len(), 1);
         assert!(no_lo[0].contains("--dst-type LOCAL ! -d 127.0.0.0/8 -j"), "{no_lo:?}");
         let ips = last_rules(NodePortDestinations::Addresses(vec![
-            Ipv4Addr::new(172, 30, 0, 2),
-            Ipv4Addr::new(192, 168, 1, 2),
+            Ipv4Addr::new(172, 30, 0, 2).into(),
+            Ipv4Addr::new(192, 168, 1, 2).into(),
         ]));
         assert_eq!(ips.len(), 2);
         assert!(ips[0].contains("-d 172.30.0.2 -j KUBE-NODEPORTS"), "{ips:?}");
@@ -1382,7 +1399,7 @@ mod tests {
 
     fn api_options() -> RuleOptions {
         RuleOptions {
-            node_ips: vec![Ipv4Addr::new(172, 30, 0, 2)],
+            node_ips: vec![Ipv4Addr::new(172, 30, 0, 2).into()],
             ..node_a_options()
         }
     }

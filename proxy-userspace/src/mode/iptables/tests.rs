@@ -5,7 +5,7 @@
 //! `tests/tests/mode_rules.rs` run the same against the real kernel.
 
 use std::{
-    net::Ipv4Addr,
+    net::{Ipv4Addr, Ipv6Addr},
     sync::{Arc, Mutex},
 };
 
@@ -540,4 +540,147 @@ fn source_ranges_add_and_remove_the_firewall_chain() {
         "{:?}",
         kernel.rules("nat", chains::SERVICES)
     );
+}
+
+/// The IPv6 half of a dual-stack `port("a", ...)`: `fd00:10:96::IP` and
+/// endpoints `fd00:10:244::E`, named as the model names it.
+fn port_v6(name: &str, ip: u16, node_port: Option<u16>, endpoints: &[u16]) -> ServicePort {
+    ServicePort {
+        name: format!("default/{name}{}", crate::model::IPV6_SUFFIX),
+        cluster_ip: Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, ip).into(),
+        endpoints: endpoints
+            .iter()
+            .map(|e| Endpoint::ready(Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, *e), 8080))
+            .collect(),
+        ..port(name, 0, node_port, &[])
+    }
+}
+
+fn mode_v6() -> (IptablesMode, FakeKernel) {
+    let kernel = FakeKernel::default();
+    let opts = RuleOptions {
+        family: IpFamily::V6,
+        local_traffic: Some(LocalTraffic::Cidr("fd00:10:244::/56".parse().expect("cidr"))),
+        node_ports: NodePortDestinations::AllLocal { localhost: false },
+        ..RuleOptions::default()
+    };
+    (IptablesMode::new(opts, Box::new(kernel.clone())), kernel)
+}
+
+/// The IPv6 rules: kube-proxy's chains with IPv6 addresses, `[ip]:port`
+/// endpoints (in the DNAT and in the chain hashes), no localnet guard
+/// and NodePorts never on `::1`; a port without endpoints is rejected.
+#[test]
+fn ipv6_rules_like_kube_proxys_ipv6_proxier() {
+    let (mut mode, kernel) = mode_v6();
+    let a = port_v6("a", 0x88, Some(30001), &[0xb, 0xc]);
+    let empty = port_v6("empty", 0x89, None, &[]);
+    mode.apply_full(&state([&a, &empty])).expect("full sync");
+    let names = chains::PortChains::of(&a);
+    let sep_b = chains::sep_chain(&a.name, a.protocol, "[fd00:10:244::b]:8080");
+    assert!(
+        kernel.rules("nat", chains::SERVICES).contains(&format!(
+            "-m comment --comment \"default/a (IPv6) cluster IP\" -m tcp -p tcp -d fd00:10:96::88 --dport 80 -j {}",
+            names.svc
+        )),
+        "{:?}",
+        kernel.rules("nat", chains::SERVICES)
+    );
+    assert_eq!(
+        kernel.rules("nat", &sep_b),
+        [
+            "-m comment --comment \"default/a (IPv6)\" -s fd00:10:244::b -j KUBE-MARK-MASQ",
+            "-m comment --comment \"default/a (IPv6)\" -m tcp -p tcp -j DNAT --to-destination [fd00:10:244::b]:8080",
+        ]
+    );
+    let svc = kernel.rules("nat", &names.svc);
+    assert!(svc[0].ends_with("! -s fd00:10:244::/56 -j KUBE-MARK-MASQ"), "{svc:?}");
+    assert!(
+        kernel
+            .rules("nat", chains::SERVICES)
+            .last()
+            .is_some_and(|r| r.ends_with("-m addrtype --dst-type LOCAL ! -d ::1/128 -j KUBE-NODEPORTS")),
+        "{:?}",
+        kernel.rules("nat", chains::SERVICES)
+    );
+    assert!(!kernel.chains("filter").iter().any(|c| c == chains::FIREWALL));
+    assert!(!kernel.clone().save().expect("save").contains("127.0.0.0/8"));
+    assert_eq!(
+        kernel.rules("filter", chains::SERVICES),
+        [
+            "-m comment --comment \"default/empty (IPv6) has no endpoints\" -m tcp -p tcp -d fd00:10:96::89 --dport 80 -j REJECT"
+        ]
+    );
+    assert_eq!(mode.families(), [IpFamily::V6]);
+}
+
+fn dual_stack() -> (DualStack, FakeKernel, FakeKernel, RuleOptions) {
+    let (v4, kernel4) = mode();
+    let (v6, kernel6) = mode_v6();
+    let v6_opts = v6.options().clone();
+    (
+        DualStack::new(vec![Box::new(v4), Box::new(v6)]),
+        kernel4,
+        kernel6,
+        v6_opts,
+    )
+}
+
+/// A dual-stack Service: each family's ports go to its own tool only;
+/// the IPv4 rules are byte for byte what an IPv4-only mode writes.
+#[test]
+fn dual_stack_writes_each_family_with_its_own_tool() {
+    let (mut dual, kernel4, kernel6, v6_opts) = dual_stack();
+    assert_eq!(dual.families(), [IpFamily::V4, IpFamily::V6]);
+    assert_eq!(dual.name(), "iptables");
+    let a4 = port("a", 1, Some(30001), &[11, 12]);
+    let a6 = port_v6("a", 1, Some(30001), &[0x11]);
+    dual.apply_full(&state([&a4, &a6])).expect("full sync");
+    let (mut alone, kernel_alone) = mode();
+    alone.apply_full(&state([&a4])).expect("IPv4 alone");
+    assert_eq!(kernel4.restores(), kernel_alone.restores());
+    assert_eq!(service_chains(&kernel4), port_chains(&a4));
+    assert_eq!(service_chains(&kernel6), rules::port_chains(&v6_opts, &a6));
+    assert!(!kernel6.restores().concat().contains("10.96.0.1"));
+
+    // A partial sync of the IPv6 port only leaves the IPv4 tool alone.
+    let a6b = port_v6("a", 1, Some(30001), &[0x12]);
+    dual.apply(&Plan {
+        upsert: vec![a6b.clone()],
+        remove: vec![],
+    })
+    .expect("partial sync");
+    assert_eq!(kernel4.restores().len(), 1);
+    assert_eq!(service_chains(&kernel6), rules::port_chains(&v6_opts, &a6b));
+}
+
+/// A failing IPv6 restore does not keep the IPv4 rules from being
+/// written; the error names the family, and the counters add up.
+#[test]
+fn dual_stack_syncs_one_family_when_the_other_fails() {
+    let (mut dual, kernel4, kernel6, _) = dual_stack();
+    let a4 = port("a", 1, Some(30001), &[11]);
+    let a6 = port_v6("a", 1, Some(30001), &[0x11]);
+    kernel6.fail_next();
+    let err = dual.apply_full(&state([&a4, &a6])).expect_err("the IPv6 restore fails");
+    assert!(format!("{err:#}").contains("V6 rules"), "{err:#}");
+    assert_eq!(service_chains(&kernel4), port_chains(&a4));
+    assert_eq!(dual.counters().iptables_restore_failures, 1);
+    dual.apply_full(&state([&a4, &a6])).expect("retry");
+    let rules = dual.counters().iptables_rules;
+    let count = |kernel: &FakeKernel, table: &str| {
+        let saved = Saved::parse(&kernel.clone().save().expect("save"));
+        owned_lines(&saved, chains::is_ours)
+            .iter()
+            .filter(|l| l.starts_with(&format!("{table} -A")))
+            .count() as u64
+    };
+    for (table, n) in &rules {
+        assert_eq!(
+            *n,
+            count(&kernel4, table) + count(&kernel6, table),
+            "{table}: {rules:?}"
+        );
+    }
+    assert_eq!(rules.len(), 2, "{rules:?}");
 }

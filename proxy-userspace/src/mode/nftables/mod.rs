@@ -1,6 +1,8 @@
 //! The nftables mode, kube-proxy's nftables layout in a table of its own
 //! (`ip xproxy`, so it runs next to a kube-proxy and its cleanup never
-//! touches kube-proxy's `kube-proxy` table): verdict maps keyed by
+//! touches kube-proxy's `kube-proxy` table; IPv6 ports in `ip6 xproxy`,
+//! written by a second instance of the mode, as kube-proxy has an `ip` and
+//! an `ip6` table and a proxier for each, see [`super::dual_stack`]): verdict maps keyed by
 //! `daddr . l4proto . dport` (ClusterIPs, external IPs, LB IPs) and
 //! `l4proto . dport` (NodePorts) jump to a chain per service port, which
 //! picks an endpoint chain with `numgen random` (after the ClientIP
@@ -24,7 +26,7 @@ pub mod ruleset;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::IpAddr,
     time::{Duration, Instant},
 };
 
@@ -35,8 +37,15 @@ pub use ruleset::{NodePorts, Options};
 use tracing::{debug, info, warn};
 
 pub use super::options::LocalTraffic;
-use super::{Dataplane, ModeCounters, Plan, SyncedChange, conntrack, options::NodePortScope};
-use crate::{config::Config, model::ServicePort};
+use super::{
+    Dataplane, ModeCounters, Plan, SyncedChange, conntrack,
+    dual_stack::DualStack,
+    options::{FamilyNodePorts, node_ips_of},
+};
+use crate::{
+    config::Config,
+    model::{IpFamily, ServicePort},
+};
 
 /// How long an emptied chain waits before it is deleted (kube-proxy's
 /// margin for kernels that release references late).
@@ -63,9 +72,13 @@ struct Verified {
     listing: String,
 }
 
-/// Starts the nftables mode for `xproxy run` (see [`NftablesMode::start`]).
+/// Starts the nftables mode for `xproxy run`: the `ip` table's half and,
+/// where the kernel takes an `ip6` table, the `ip6` one's (see
+/// [`NftablesMode::start`] and [`DualStack`]).
 pub fn start(config: &Config) -> Result<Box<dyn Dataplane>> {
-    Ok(Box::new(NftablesMode::start(config)?))
+    let v4 = Box::new(NftablesMode::start(config, IpFamily::V4)?);
+    let v6 = NftablesMode::start(config, IpFamily::V6).map(|m| Box::new(m) as Box<dyn Dataplane>);
+    Ok(Box::new(DualStack::start(v4, v6)))
 }
 
 impl NftablesMode {
@@ -83,17 +96,23 @@ impl NftablesMode {
         }
     }
 
-    /// The mode for this node: checks that `nft` runs and reaches the
-    /// kernel, and reads the options from `config`. The table is written by the first sync.
-    pub fn start(config: &Config) -> Result<Self> {
+    /// The mode for the ports of `family` on this node: checks that `nft`
+    /// runs and reaches the kernel, and reads the options from `config`.
+    /// The table is written by the first sync.
+    pub fn start(config: &Config, family: IpFamily) -> Result<Self> {
         let system = SystemNft::default();
         system.check()?;
         system
-            .check_kernel(names::FAMILY)
-            .context("nftables is not usable here")?;
-        let opts = options(config);
-        info!(?opts, "nftables mode ready");
+            .check_kernel(names::nft_family(family))
+            .with_context(|| format!("nftables is not usable here for {family:?}"))?;
+        let opts = options_for(config, family);
+        info!(?opts, "nftables mode ready for {family:?}");
         Ok(Self::new(opts, Box::new(system)))
+    }
+
+    /// The nft family of the mode's table (`ip`, `ip6`).
+    fn table_family(&self) -> &'static str {
+        names::nft_family(self.opts.family)
     }
 
     pub fn options(&self) -> &Options {
@@ -133,7 +152,7 @@ impl NftablesMode {
                 // Perhaps a kernel before 6.2, which frees a chain only a
                 // moment after the last map element pointing to it is gone:
                 // empty the chains now, delete them in a later sync.
-                let retry = ruleset::partial(before, after, due, ChainRemoval::Flush);
+                let retry = ruleset::partial(self.opts.family, before, after, due, ChainRemoval::Flush);
                 self.run(&retry).map_err(|retry_error| {
                     retry_error.context(format!("partial sync (also without deleting chains; first: {e:#})"))
                 })?;
@@ -165,6 +184,13 @@ impl NftablesMode {
 impl Dataplane for NftablesMode {
     fn name(&self) -> &'static str {
         "nftables"
+    }
+
+    fn families(&self) -> &'static [IpFamily] {
+        match self.opts.family {
+            IpFamily::V4 => &[IpFamily::V4],
+            IpFamily::V6 => &[IpFamily::V6],
+        }
     }
 
     fn delete_stale_flows(&mut self, change: &SyncedChange<'_>) -> u64 {
@@ -207,7 +233,7 @@ impl Dataplane for NftablesMode {
             .map(|(name, _)| name.clone())
             .collect();
 
-        let script = ruleset::partial(&before, &after, &due, ChainRemoval::Delete);
+        let script = ruleset::partial(self.opts.family, &before, &after, &due, ChainRemoval::Delete);
         debug!(
             changed = plan.upsert.len(),
             removed = plan.remove.len(),
@@ -234,7 +260,7 @@ impl Dataplane for NftablesMode {
         if let Some(verified) = &self.verified
             && verified.desired == *desired
         {
-            match self.nft.list_table(names::FAMILY, names::TABLE) {
+            match self.nft.list_table(self.table_family(), names::TABLE) {
                 Ok(Some(listing)) if without_affinity_clients(&listing) == verified.listing => {
                     debug!("full nftables sync: the table holds what the last full sync wrote");
                     return Ok(());
@@ -257,7 +283,7 @@ impl Dataplane for NftablesMode {
         self.state = state;
         // The table was replaced: no chain of an earlier sync is left.
         self.leftovers.clear();
-        match self.nft.list_table(names::FAMILY, names::TABLE) {
+        match self.nft.list_table(self.table_family(), names::TABLE) {
             Ok(Some(listing)) => {
                 self.verified = Some(Verified {
                     desired: desired.clone(),
@@ -308,10 +334,11 @@ fn without_affinity_clients(listing: &str) -> String {
     out
 }
 
-/// Removes the `ip xproxy` table (and with it everything the nftables mode
-/// installed) in the calling thread's network namespace. Idempotent; does
-/// nothing when nft is not installed or the table is absent; never touches
-/// another table. Returns whether there was a table to remove.
+/// Removes the `ip xproxy` and `ip6 xproxy` tables (and with them
+/// everything the nftables mode installed) in the calling thread's network
+/// namespace. Idempotent; does nothing when nft is not installed or the
+/// tables are absent; never touches another table. Returns whether there
+/// was a table to remove.
 pub fn cleanup() -> Result<bool> {
     let mut system = SystemNft::default();
     if system.check().is_err() {
@@ -319,12 +346,7 @@ pub fn cleanup() -> Result<bool> {
         return Ok(false);
     }
     let removed = cleanup_with(&mut system)?;
-    if removed {
-        info!(
-            table = format!("{} {}", names::FAMILY, names::TABLE),
-            "removed the nftables mode's table"
-        );
-    } else {
+    if !removed {
         info!("no nftables table of xproxy found");
     }
     Ok(removed)
@@ -332,7 +354,23 @@ pub fn cleanup() -> Result<bool> {
 
 /// [`cleanup`] through `nft`.
 pub fn cleanup_with(nft: &mut dyn Nft) -> Result<bool> {
-    match nft.list_table(names::FAMILY, names::TABLE) {
+    let mut removed = false;
+    for family in [IpFamily::V4, IpFamily::V6] {
+        let family = names::nft_family(family);
+        if remove_table(nft, family)? {
+            info!(
+                table = format!("{family} {}", names::TABLE),
+                "removed the nftables mode's table"
+            );
+            removed = true;
+        }
+    }
+    Ok(removed)
+}
+
+/// Removes the table of nft family `family`, if there is one.
+fn remove_table(nft: &mut dyn Nft, family: &str) -> Result<bool> {
+    match nft.list_table(family, names::TABLE) {
         Ok(Some(_)) => {}
         Ok(None) => return Ok(false),
         // E.g. a kernel without nf_tables: then there is no table either.
@@ -341,17 +379,22 @@ pub fn cleanup_with(nft: &mut dyn Nft) -> Result<bool> {
             return Ok(false);
         }
     }
-    crate::sys::nft::delete_table(nft, names::FAMILY, names::TABLE)?;
+    crate::sys::nft::delete_table(nft, family, names::TABLE)?;
     Ok(true)
 }
 
-/// The ruleset options `config` asks for.
+/// The ruleset options `config` asks for (the `ip` table's).
 pub fn options(config: &Config) -> Options {
-    let node_ports = match NodePortScope::from_config(config) {
+    options_for(config, IpFamily::V4)
+}
+
+/// The ruleset options `config` asks for, for the table of `family`.
+pub fn options_for(config: &Config, family: IpFamily) -> Options {
+    let node_ports = match FamilyNodePorts::from_config(config, family) {
         // kube-proxy's nftables mode does not answer on localhost either.
-        NodePortScope::AllLocal { .. } => NodePorts::AllLocal,
-        NodePortScope::NodeIps(ips) => {
-            let (loopback, ips): (Vec<_>, Vec<_>) = ips.into_iter().partition(Ipv4Addr::is_loopback);
+        FamilyNodePorts::AllLocal { .. } => NodePorts::AllLocal,
+        FamilyNodePorts::NodeIps(ips) => {
+            let (loopback, ips): (Vec<_>, Vec<_>) = ips.into_iter().partition(IpAddr::is_loopback);
             for ip in loopback {
                 warn!(%ip, "NodePorts on localhost are not supported by the nftables mode");
             }
@@ -361,7 +404,7 @@ pub fn options(config: &Config) -> Options {
                 NodePorts::Addresses(ips)
             }
         }
-        NodePortScope::Cidrs(cidrs) => {
+        FamilyNodePorts::Cidrs(cidrs) => {
             if cidrs.iter().any(|c| c.addr().is_loopback()) {
                 warn!("NodePorts on localhost are not supported by the nftables mode");
             }
@@ -371,10 +414,11 @@ pub fn options(config: &Config) -> Options {
     Options {
         masquerade_bit: config.masquerade.bit,
         masquerade_all: config.masquerade.all,
-        local_traffic: LocalTraffic::from_config(config, "nftables"),
+        local_traffic: LocalTraffic::for_family(config, "nftables", family),
         node_ports,
         node_name: Some(config.node_name.clone()),
-        node_ips: config.ipv4_node_ips(),
+        node_ips: node_ips_of(config, family),
+        family,
     }
 }
 

@@ -11,12 +11,22 @@
 
 use sha2::{Digest, Sha256};
 
-use crate::model::{Endpoint, ServicePort};
+use crate::model::{Endpoint, IPV6_SUFFIX, IpFamily, ServicePort};
 
-/// The table's family and name: not kube-proxy's `kube-proxy`, so both can
-/// run side by side and cleaning up one never touches the other.
+/// The IPv4 table's family and the name of both tables: not kube-proxy's
+/// `kube-proxy`, so both can run side by side and cleaning up one never
+/// touches the other.
 pub const FAMILY: &str = "ip";
 pub const TABLE: &str = "xproxy";
+
+/// The nft family of the table for ports of `family` (`ip`, `ip6`), which
+/// is also the keyword of its address matches (`ip saddr`, `ip6 daddr`).
+pub fn nft_family(family: IpFamily) -> &'static str {
+    match family {
+        IpFamily::V4 => FAMILY,
+        IpFamily::V6 => "ip6",
+    }
+}
 
 // Base chains, named `TYPE-HOOK` like kube-proxy's.
 pub const FILTER_PREROUTING: &str = "filter-prerouting";
@@ -89,7 +99,10 @@ pub fn is_service_chain(chain: &str) -> bool {
 
 /// `namespace/service/protocol/port` of a port named `namespace/service[:port]`.
 fn port_path(port: &ServicePort) -> String {
-    let (ns, rest) = port.name.split_once('/').unwrap_or(("", &port.name));
+    // The IPv6 half of a dual-stack Service lives in a table of its own:
+    // its chains are named as in the IPv4 table, as kube-proxy names them.
+    let name = port.name.strip_suffix(IPV6_SUFFIX).unwrap_or(&port.name);
+    let (ns, rest) = name.split_once('/').unwrap_or(("", name));
     // Service names cannot hold ':', so the first one starts the port name.
     let (service, port_name) = rest.split_once(':').unwrap_or((rest, ""));
     format!("{ns}/{service}/{}/{port_name}", port.protocol.lowercase())

@@ -44,6 +44,10 @@
 //! NODEPORT-DEST is `fib daddr type local` (every local address but
 //! 127.0.0.0/8), a set of node IPs, or local addresses inside a set of CIDRs.
 //!
+//! The drawing is the `ip` table's; the `ip6` table of IPv6 ports is the
+//! same with `ip6` matches, `ipv6_addr` keys, `[IP]:PORT` DNATs, ICMPv6
+//! rejects and `::1` where it says 127.0.0.0/8 ([`Options::family`]).
+//!
 //! A full sync is one transaction that replaces the table (`add table`,
 //! `delete table`, `add table` with everything in it): atomic, so no packet
 //! ever sees a half-written table. A partial sync is one transaction that
@@ -56,37 +60,61 @@
 use std::{
     collections::BTreeMap,
     fmt::Write as _,
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, SocketAddr},
 };
 
-use super::names::{self, FAMILY, TABLE};
+use super::names::{self, TABLE, nft_family};
 use crate::{
     config::Cidr,
     mode::options::LocalTraffic,
-    model::{Endpoint, EndpointSets, ServicePort},
+    model::{Endpoint, EndpointSets, IpFamily, ServicePort},
 };
 
 const TABLE_COMMENT: &str = "rules for xproxy (kube-proxy's nftables layout)";
 /// Matches a destination that is not localhost: NodePorts never answer on
 /// 127.0.0.0/8 in this mode (that needs route_localnet, like kube-proxy's
-/// iptables mode, and kube-proxy's nftables mode does not do it either).
-const NOT_LOCALHOST: &str = "ip daddr != 127.0.0.0/8";
+/// iptables mode, and kube-proxy's nftables mode does not do it either),
+/// nor on `::1` (IPv6 has no route_localnet at all).
+fn not_localhost(family: IpFamily) -> &'static str {
+    match family {
+        IpFamily::V4 => "ip daddr != 127.0.0.0/8",
+        IpFamily::V6 => "ip6 daddr != ::1",
+    }
+}
+
+/// The nft type of an address of `family`, in set and map keys.
+fn addr_type(family: IpFamily) -> &'static str {
+    match family {
+        IpFamily::V4 => "ipv4_addr",
+        IpFamily::V6 => "ipv6_addr",
+    }
+}
+
+/// What `reject-chain` answers with: ICMP port unreachable (nft's default
+/// in an `ip` table), ICMPv6 port unreachable in the `ip6` table.
+fn reject(family: IpFamily) -> &'static str {
+    match family {
+        IpFamily::V4 => "reject",
+        IpFamily::V6 => "reject with icmpv6 port-unreachable",
+    }
+}
+
 /// nftables keeps at most 256 bytes of a comment; stay well inside.
 const COMMENT_MAX: usize = 128;
 
-/// The match for "not from a local pod".
-fn if_not_local(local: &LocalTraffic) -> String {
+/// The match for "not from a local pod" (in the table of `family`).
+fn if_not_local(local: &LocalTraffic, family: IpFamily) -> String {
     match local {
-        LocalTraffic::Cidr(cidr) => format!("ip saddr != {cidr}"),
+        LocalTraffic::Cidr(cidr) => format!("{} saddr != {cidr}", nft_family(family)),
         LocalTraffic::Bridge(name) => format!("iifname != {}", quote(name)),
         LocalTraffic::InterfacePrefix(prefix) => format!("iifname != {}", quote(&format!("{prefix}*"))),
     }
 }
 
-/// The match for "from a local pod".
-fn if_local(local: &LocalTraffic) -> String {
+/// The match for "from a local pod" (in the table of `family`).
+fn if_local(local: &LocalTraffic, family: IpFamily) -> String {
     match local {
-        LocalTraffic::Cidr(cidr) => format!("ip saddr {cidr}"),
+        LocalTraffic::Cidr(cidr) => format!("{} saddr {cidr}", nft_family(family)),
         LocalTraffic::Bridge(name) => format!("iifname {}", quote(name)),
         LocalTraffic::InterfacePrefix(prefix) => format!("iifname {}", quote(&format!("{prefix}*"))),
     }
@@ -97,8 +125,8 @@ fn if_local(local: &LocalTraffic) -> String {
 pub enum NodePorts {
     /// Every local address but 127.0.0.0/8 (`fib daddr type local`).
     AllLocal,
-    /// These addresses (set `nodeport-ips`).
-    Addresses(Vec<Ipv4Addr>),
+    /// These addresses (set `nodeport-ips`), of the table's family.
+    Addresses(Vec<IpAddr>),
     /// Local addresses inside these networks (set `nodeport-cidrs`). Read
     /// by the kernel at packet time, so addresses added later count too.
     Cidrs(Vec<Cidr>),
@@ -118,10 +146,13 @@ pub struct Options {
     /// This node's name: endpoints naming it are the ones the `Local`
     /// traffic policies reach. `None`: no endpoint is local.
     pub node_name: Option<String>,
-    /// This node's IPv4 addresses: when a `loadBalancerSourceRanges` entry
-    /// holds one, the LB IPs themselves are allowed as sources too
+    /// This node's addresses of `family`: when a `loadBalancerSourceRanges`
+    /// entry holds one, the LB IPs themselves are allowed as sources too
     /// (kube-proxy's allowance for LB IPs bound on the node).
-    pub node_ips: Vec<Ipv4Addr>,
+    pub node_ips: Vec<IpAddr>,
+    /// The family of the ports and of the table (`ip xproxy` or `ip6
+    /// xproxy`): kube-proxy keeps one table per family too.
+    pub family: IpFamily,
 }
 
 impl Default for Options {
@@ -134,6 +165,7 @@ impl Default for Options {
             node_ports: NodePorts::AllLocal,
             node_name: None,
             node_ips: Vec::new(),
+            family: IpFamily::V4,
         }
     }
 }
@@ -146,11 +178,12 @@ impl Options {
 
     /// The match for "addressed to a NodePort address".
     fn node_port_destination(&self) -> String {
+        let (ip, not_localhost) = (nft_family(self.family), not_localhost(self.family));
         match &self.node_ports {
-            NodePorts::AllLocal => format!("fib daddr type local {NOT_LOCALHOST}"),
-            NodePorts::Addresses(_) => format!("ip daddr @{}", names::NODEPORT_IPS),
+            NodePorts::AllLocal => format!("fib daddr type local {not_localhost}"),
+            NodePorts::Addresses(_) => format!("{ip} daddr @{}", names::NODEPORT_IPS),
             NodePorts::Cidrs(_) => format!(
-                "fib daddr type local {NOT_LOCALHOST} ip daddr @{}",
+                "fib daddr type local {not_localhost} {ip} daddr @{}",
                 names::NODEPORT_CIDRS
             ),
         }
@@ -184,13 +217,16 @@ pub struct Chain {
 pub struct AffinitySet {
     pub name: String,
     pub timeout_secs: u64,
+    /// The family of the client addresses it holds.
+    pub family: IpFamily,
 }
 
 impl AffinitySet {
     /// The `{ ... }` body of its `add set` command.
     fn spec(&self) -> String {
         format!(
-            "{{ type ipv4_addr ; flags dynamic,timeout ; timeout {}s ; }}",
+            "{{ type {} ; flags dynamic,timeout ; timeout {}s ; }}",
+            addr_type(self.family),
             self.timeout_secs
         )
     }
@@ -271,13 +307,16 @@ fn no_endpoint_verdicts(sets: &EndpointSets<'_>) -> (String, String) {
 /// client in the endpoint's set.
 fn endpoint_chain(port: &ServicePort, ep: &Endpoint) -> Chain {
     let proto = port.protocol.lowercase();
+    let ip = nft_family(port.family());
     // A pod reaching itself through its Service: without SNAT its reply
     // would bypass the DNAT's reverse.
-    let mut rules = vec![format!("ip saddr {} jump {}", ep.addr, names::MARK_MASQ)];
+    let mut rules = vec![format!("{ip} saddr {} jump {}", ep.addr, names::MARK_MASQ)];
     if port.affinity.is_some() {
-        rules.push(format!("update @{} {{ ip saddr }}", names::affinity_set(port, ep)));
+        rules.push(format!("update @{} {{ {ip} saddr }}", names::affinity_set(port, ep)));
     }
-    rules.push(format!("meta l4proto {proto} dnat to {}:{}", ep.addr, ep.port));
+    // `[ip]:port` for IPv6.
+    let to = SocketAddr::new(ep.addr, ep.port);
+    rules.push(format!("meta l4proto {proto} dnat to {to}"));
     Chain {
         name: names::endpoint_chain(port, ep),
         kind: ChainKind::Endpoint,
@@ -292,6 +331,7 @@ fn affinity_set(port: &ServicePort, ep: &Endpoint) -> Option<AffinitySet> {
         // The model keeps the timeout within 1..=86400 s; never 0, which
         // nft would read as "no timeout".
         timeout_secs: timeout.as_secs().max(1),
+        family: port.family(),
     })
 }
 
@@ -416,14 +456,18 @@ fn firewall_chain(opts: &Options, port: &ServicePort) -> Option<Chain> {
     let allow_from_node = port
         .source_ranges
         .iter()
-        .any(|range| opts.node_ips.iter().any(|ip| range.contains((*ip).into())));
+        .any(|range| opts.node_ips.iter().any(|ip| range.contains(*ip)));
     if allow_from_node {
         sources.extend(port.load_balancer_ips.iter().map(ToString::to_string));
     }
     Some(Chain {
         name: names::firewall_chain(port),
         kind: ChainKind::Firewall,
-        rules: vec![format!("ip saddr != {{ {} }} drop", sources.join(", "))],
+        rules: vec![format!(
+            "{} saddr != {{ {} }} drop",
+            nft_family(port.family()),
+            sources.join(", ")
+        )],
     })
 }
 
@@ -448,7 +492,8 @@ fn affinity_lookups(port: &ServicePort, endpoints: &[&Endpoint]) -> Vec<String> 
         .iter()
         .map(|ep| {
             format!(
-                "ip saddr @{} goto {}",
+                "{} saddr @{} goto {}",
+                nft_family(port.family()),
                 names::affinity_set(port, ep),
                 names::endpoint_chain(port, ep)
             )
@@ -461,13 +506,23 @@ fn affinity_lookups(port: &ServicePort, endpoints: &[&Endpoint]) -> Vec<String> 
 /// cannot be told apart).
 fn internal_masquerade(opts: &Options, port: &ServicePort) -> Option<String> {
     let proto = port.protocol.lowercase();
-    let destination = format!("ip daddr {} {proto} dport {}", port.cluster_ip, port.port);
+    let family = port.family();
+    let destination = format!(
+        "{} daddr {} {proto} dport {}",
+        nft_family(family),
+        port.cluster_ip,
+        port.port
+    );
     if opts.masquerade_all {
         Some(format!("{destination} jump {}", names::MARK_MASQ))
     } else {
-        opts.local_traffic
-            .as_ref()
-            .map(|local| format!("{destination} {} jump {}", if_not_local(local), names::MARK_MASQ))
+        opts.local_traffic.as_ref().map(|local| {
+            format!(
+                "{destination} {} jump {}",
+                if_not_local(local, family),
+                names::MARK_MASQ
+            )
+        })
     }
 }
 
@@ -497,7 +552,7 @@ fn external_rules(opts: &Options, port: &ServicePort, sets: &EndpointSets<'_>) -
     if let Some(local) = &opts.local_traffic {
         rules.push(format!(
             "{} goto {service} comment {}",
-            if_local(local),
+            if_local(local, port.family()),
             quote("short-circuit pod traffic")
         ));
     }
@@ -540,9 +595,11 @@ impl Objects {
     }
 }
 
-/// One `nft -f` input.
+/// One `nft -f` input, for the table of one family.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Script {
+    /// The table's family (`ip`, `ip6`).
+    family: &'static str,
     pub text: String,
     /// Table objects, chains, rules and elements added, flushed or deleted.
     pub writes: u64,
@@ -552,6 +609,13 @@ pub struct Script {
 }
 
 impl Script {
+    fn new(family: IpFamily) -> Self {
+        Self {
+            family: nft_family(family),
+            ..Self::default()
+        }
+    }
+
     fn cmd(&mut self, writes: u64, args: std::fmt::Arguments<'_>) {
         let _ = writeln!(self.text, "{args}");
         self.writes += writes;
@@ -565,17 +629,18 @@ impl Script {
     /// timeout (kernels that cannot refuse it; the sync then fails and the
     /// full sync after it replaces the table).
     fn set(&mut self, set: &AffinitySet) {
-        self.cmd(1, format_args!("add set {FAMILY} {TABLE} {} {}", set.name, set.spec()));
+        let f = self.family;
+        self.cmd(1, format_args!("add set {f} {TABLE} {} {}", set.name, set.spec()));
     }
 
     fn chain(&mut self, chain: &Chain, flush: bool) {
-        let name = &chain.name;
-        self.cmd(1, format_args!("add chain {FAMILY} {TABLE} {name}"));
+        let (f, name) = (self.family, &chain.name);
+        self.cmd(1, format_args!("add chain {f} {TABLE} {name}"));
         if flush {
-            self.cmd(1, format_args!("flush chain {FAMILY} {TABLE} {name}"));
+            self.cmd(1, format_args!("flush chain {f} {TABLE} {name}"));
         }
         for rule in &chain.rules {
-            self.cmd(1, format_args!("add rule {FAMILY} {TABLE} {name} {rule}"));
+            self.cmd(1, format_args!("add rule {f} {TABLE} {name} {rule}"));
         }
     }
 
@@ -587,7 +652,7 @@ impl Script {
             by_map.entry(element.map).or_default().push(element);
         }
         for (map, elements) in by_map {
-            let _ = writeln!(self.text, "{verb} element {FAMILY} {TABLE} {map} {{");
+            let _ = writeln!(self.text, "{verb} element {} {TABLE} {map} {{", self.family);
             let last = elements.len() - 1;
             for (i, e) in elements.iter().enumerate() {
                 let sep = if i == last { "" } else { "," };
@@ -606,12 +671,13 @@ impl Script {
 
 /// The fixed part of the table: base chains, helper chains, maps, sets.
 fn base(opts: &Options, s: &mut Script) {
+    let (f, ip, addr) = (s.family, nft_family(opts.family), addr_type(opts.family));
     // `add` first so that `delete` never fails on a fresh node.
-    s.cmd(1, format_args!("add table {FAMILY} {TABLE}"));
-    s.cmd(1, format_args!("delete table {FAMILY} {TABLE}"));
+    s.cmd(1, format_args!("add table {f} {TABLE}"));
+    s.cmd(1, format_args!("delete table {f} {TABLE}"));
     s.cmd(
         1,
-        format_args!("add table {FAMILY} {TABLE} {{ comment {} ; }}", quote(TABLE_COMMENT)),
+        format_args!("add table {f} {TABLE} {{ comment {} ; }}", quote(TABLE_COMMENT)),
     );
     // Filtering sees the destination before DNAT; numeric priorities
     // because nft takes names like `dstnat` only on some hooks.
@@ -626,7 +692,7 @@ fn base(opts: &Options, s: &mut Script) {
     ] {
         s.cmd(
             1,
-            format_args!("add chain {FAMILY} {TABLE} {name} {{ type {kind} hook {hook} priority {priority} ; }}"),
+            format_args!("add chain {f} {TABLE} {name} {{ type {kind} hook {hook} priority {priority} ; }}"),
         );
     }
     for name in [
@@ -636,12 +702,12 @@ fn base(opts: &Options, s: &mut Script) {
         names::MARK_MASQ,
         names::MASQUERADING,
     ] {
-        s.cmd(1, format_args!("add chain {FAMILY} {TABLE} {name}"));
+        s.cmd(1, format_args!("add chain {f} {TABLE} {name}"));
     }
     s.cmd(
         1,
         format_args!(
-            "add chain {FAMILY} {TABLE} {} {{ comment {} ; }}",
+            "add chain {f} {TABLE} {} {{ comment {} ; }}",
             names::REJECT_CHAIN,
             quote("helper for @no-endpoint-services / @no-endpoint-nodeports")
         ),
@@ -649,15 +715,16 @@ fn base(opts: &Options, s: &mut Script) {
     s.cmd(
         1,
         format_args!(
-            "add chain {FAMILY} {TABLE} {} {{ comment {} ; }}",
+            "add chain {f} {TABLE} {} {{ comment {} ; }}",
             names::DROP_EXTERNAL_CHAIN,
             quote("helper for @no-endpoint-nodeports: Local policy without local endpoints")
         ),
     );
+    let address_key = format!("{addr} . inet_proto . inet_service");
     for (name, key, comment) in [
         (
             names::SERVICE_IPS,
-            "ipv4_addr . inet_proto . inet_service",
+            address_key.as_str(),
             "ClusterIP, ExternalIP and LoadBalancer IP traffic",
         ),
         (
@@ -667,7 +734,7 @@ fn base(opts: &Options, s: &mut Script) {
         ),
         (
             names::NO_ENDPOINT_SERVICES,
-            "ipv4_addr . inet_proto . inet_service",
+            address_key.as_str(),
             "vmap to reject packets to services with no endpoints",
         ),
         (
@@ -677,14 +744,14 @@ fn base(opts: &Options, s: &mut Script) {
         ),
         (
             names::FIREWALL_IPS,
-            "ipv4_addr . inet_proto . inet_service",
+            address_key.as_str(),
             "destinations that are subject to LoadBalancerSourceRanges",
         ),
     ] {
         s.cmd(
             1,
             format_args!(
-                "add map {FAMILY} {TABLE} {name} {{ type {key} : verdict ; comment {} ; }}",
+                "add map {f} {TABLE} {name} {{ type {key} : verdict ; comment {} ; }}",
                 quote(comment)
             ),
         );
@@ -695,19 +762,19 @@ fn base(opts: &Options, s: &mut Script) {
             s.cmd(
                 1,
                 format_args!(
-                    "add set {FAMILY} {TABLE} {} {{ type ipv4_addr ; comment {} ; }}",
+                    "add set {f} {TABLE} {} {{ type {addr} ; comment {} ; }}",
                     names::NODEPORT_IPS,
                     quote("IPs that accept NodePort traffic")
                 ),
             );
-            let items: Vec<String> = ips.iter().map(Ipv4Addr::to_string).collect();
+            let items: Vec<String> = ips.iter().map(IpAddr::to_string).collect();
             set_elements(s, names::NODEPORT_IPS, &items);
         }
         NodePorts::Cidrs(cidrs) => {
             s.cmd(
                 1,
                 format_args!(
-                    "add set {FAMILY} {TABLE} {} {{ type ipv4_addr ; flags interval ; auto-merge ; comment {} ; }}",
+                    "add set {f} {TABLE} {} {{ type {addr} ; flags interval ; auto-merge ; comment {} ; }}",
                     names::NODEPORT_CIDRS,
                     quote("networks whose local IPs accept NodePort traffic")
                 ),
@@ -727,7 +794,7 @@ fn base(opts: &Options, s: &mut Script) {
         (names::NAT_OUTPUT, "", names::SERVICES),
         (names::NAT_POSTROUTING, "", names::MASQUERADING),
     ] {
-        s.cmd(1, format_args!("add rule {FAMILY} {TABLE} {from} {matches}jump {to}"));
+        s.cmd(1, format_args!("add rule {f} {TABLE} {from} {matches}jump {to}"));
     }
     let mark = opts.mark();
     let node_ports = opts.node_port_destination();
@@ -736,19 +803,19 @@ fn base(opts: &Options, s: &mut Script) {
         (names::MASQUERADING, format!("meta mark and {mark} == 0 return")),
         (names::MASQUERADING, format!("meta mark set meta mark xor {mark}")),
         (names::MASQUERADING, "masquerade fully-random".to_owned()),
-        (names::REJECT_CHAIN, "reject".to_owned()),
+        (names::REJECT_CHAIN, reject(opts.family).to_owned()),
         // The filter chains see the node's own traffic before nat-output
         // DNATs it to any endpoint (kube-proxy's short-circuit): let it be.
         (names::DROP_EXTERNAL_CHAIN, "fib saddr type local return".to_owned()),
         (names::DROP_EXTERNAL_CHAIN, "drop".to_owned()),
         (
             names::FIREWALL_CHECK,
-            format!("ip daddr . meta l4proto . th dport vmap @{}", names::FIREWALL_IPS),
+            format!("{ip} daddr . meta l4proto . th dport vmap @{}", names::FIREWALL_IPS),
         ),
         (
             names::ENDPOINTS_CHECK,
             format!(
-                "ip daddr . meta l4proto . th dport vmap @{}",
+                "{ip} daddr . meta l4proto . th dport vmap @{}",
                 names::NO_ENDPOINT_SERVICES
             ),
         ),
@@ -761,7 +828,7 @@ fn base(opts: &Options, s: &mut Script) {
         ),
         (
             names::SERVICES,
-            format!("ip daddr . meta l4proto . th dport vmap @{}", names::SERVICE_IPS),
+            format!("{ip} daddr . meta l4proto . th dport vmap @{}", names::SERVICE_IPS),
         ),
         (
             names::SERVICES,
@@ -772,7 +839,7 @@ fn base(opts: &Options, s: &mut Script) {
         ),
     ];
     for (chain, rule) in fixed {
-        s.cmd(1, format_args!("add rule {FAMILY} {TABLE} {chain} {rule}"));
+        s.cmd(1, format_args!("add rule {f} {TABLE} {chain} {rule}"));
     }
 }
 
@@ -780,15 +847,16 @@ fn set_elements(s: &mut Script, set: &str, items: &[String]) {
     if items.is_empty() {
         return;
     }
+    let f = s.family;
     s.cmd(
         items.len() as u64,
-        format_args!("add element {FAMILY} {TABLE} {set} {{ {} }}", items.join(", ")),
+        format_args!("add element {f} {TABLE} {set} {{ {} }}", items.join(", ")),
     );
 }
 
 /// A full sync: the whole table, replacing whatever is there.
 pub fn full<'a>(opts: &Options, ports: impl IntoIterator<Item = (&'a str, &'a PortRules)>) -> Script {
-    let mut s = Script::default();
+    let mut s = Script::new(opts.family);
     base(opts, &mut s);
     let mut all = Objects::default();
     for (name, rules) in ports {
@@ -819,9 +887,17 @@ pub enum ChainRemoval {
 
 /// A partial sync from `before` to `after`, the renderings of the changed
 /// ports as programmed and as wanted. `leftover` names chains left empty
-/// by earlier syncs, removed too unless `after` uses them again.
-pub fn partial(before: &Objects, after: &Objects, leftover: &[String], removal: ChainRemoval) -> Script {
-    let mut s = Script::default();
+/// by earlier syncs, removed too unless `after` uses them again. All in the
+/// table of `family`.
+pub fn partial(
+    family: IpFamily,
+    before: &Objects,
+    after: &Objects,
+    leftover: &[String],
+    removal: ChainRemoval,
+) -> Script {
+    let mut s = Script::new(family);
+    let f = s.family;
 
     let gone: Vec<&Element> = before
         .elements
@@ -879,13 +955,13 @@ pub fn partial(before: &Objects, after: &Objects, leftover: &[String], removal: 
         ChainRemoval::Flush => "flush",
     };
     for (_, name) in unused {
-        s.cmd(1, format_args!("{verb} chain {FAMILY} {TABLE} {name}"));
+        s.cmd(1, format_args!("{verb} chain {f} {TABLE} {name}"));
         s.removed_chains.push(name.to_owned());
     }
     // Last: the rules using them are gone (deleted, flushed or rewritten).
     // With the set go the clients its endpoint kept.
     for name in before.sets.keys().filter(|name| !after.sets.contains_key(*name)) {
-        s.cmd(1, format_args!("delete set {FAMILY} {TABLE} {name}"));
+        s.cmd(1, format_args!("delete set {f} {TABLE} {name}"));
     }
     s
 }

@@ -5,7 +5,7 @@
 //! `tests/tests/mode_rules.rs` apply them to a real namespace.
 
 use std::{
-    net::Ipv4Addr,
+    net::{Ipv4Addr, Ipv6Addr},
     path::PathBuf,
     process::{Command, Stdio},
     sync::{Arc, Mutex},
@@ -114,15 +114,23 @@ impl Nft for FakeNft {
             *times -= 1;
             anyhow::bail!("injected failure on {needle:?}");
         }
-        if script.contains("delete table ip xproxy") {
-            s.listing = (!script.ends_with("delete table ip xproxy\n")).then(|| format!("table #{}", s.scripts.len()));
+        for family in ["ip", "ip6"] {
+            let delete = format!("delete table {family} xproxy");
+            if script.contains(&delete) {
+                let listing = format!("table {family} #{}", s.scripts.len());
+                s.listing = (!script.ends_with(&format!("{delete}\n"))).then_some(listing);
+            }
         }
         s.scripts.push(script.to_owned());
         Ok(())
     }
 
-    fn list_table(&mut self, _family: &str, _table: &str) -> Result<Option<String>> {
-        Ok(self.0.lock().expect("lock").listing.clone())
+    /// The listing set, if it is of a table of `family` (an IPv4 fake
+    /// has none in `ip6`).
+    fn list_table(&mut self, family: &str, _table: &str) -> Result<Option<String>> {
+        let listing = self.0.lock().expect("lock").listing.clone();
+        let ipv6_listing = listing.as_deref().is_some_and(|l| l.starts_with("table ip6 "));
+        Ok(listing.filter(|_| ipv6_listing == (family == "ip6")))
     }
 }
 
@@ -483,7 +491,7 @@ fn masquerade_options_shape_the_service_chain() {
 #[test]
 fn node_port_addresses_choose_the_destination_match() {
     let ips = Options {
-        node_ports: NodePorts::Addresses(vec![Ipv4Addr::new(172, 30, 0, 2)]),
+        node_ports: NodePorts::Addresses(vec![Ipv4Addr::new(172, 30, 0, 2).into()]),
         ..opts()
     };
     let text = ruleset::full(&ips, []).text;
@@ -592,6 +600,9 @@ fn cleanup_removes_only_an_existing_table() {
     assert!(cleanup_with(&mut fake.clone()).expect("cleanup"));
     assert_eq!(fake.last(), "add table ip xproxy\ndelete table ip xproxy\n");
     assert!(!cleanup_with(&mut fake.clone()).expect("second cleanup"));
+    fake.set_listing(Some("table ip6 xproxy {}"));
+    assert!(cleanup_with(&mut fake.clone()).expect("cleanup of the IPv6 table"));
+    assert_eq!(fake.last(), "add table ip6 xproxy\ndelete table ip6 xproxy\n");
 }
 
 #[test]
@@ -623,7 +634,10 @@ fn options_from_the_configuration() {
     );
     assert_eq!(o.node_ports, NodePorts::AllLocal);
     let o = options(&load("nodePortAddresses: [primary]\n"));
-    assert_eq!(o.node_ports, NodePorts::Addresses(vec![Ipv4Addr::new(172, 30, 0, 2)]));
+    assert_eq!(
+        o.node_ports,
+        NodePorts::Addresses(vec![Ipv4Addr::new(172, 30, 0, 2).into()])
+    );
     let o = options(&load("nodePortAddresses: [172.30.0.0/24, \"fd00::/64\"]\n"));
     assert_eq!(
         o.node_ports,
@@ -838,7 +852,7 @@ fn api_port() -> ServicePort {
 
 fn node_a_with_ip() -> Options {
     Options {
-        node_ips: vec![NODE_IP],
+        node_ips: vec![NODE_IP.into()],
         ..node_a()
     }
 }
@@ -1123,4 +1137,116 @@ fn clients_in_affinity_sets_do_not_count_as_a_changed_table() {
     );
     assert_ne!(one, listing);
     assert_eq!(without_affinity_clients(&one), stable);
+}
+
+// ---------------------------------------------------------------------------
+// IPv6: the `ip6 xproxy` table.
+
+/// `fd00:10:<net>::<host>`, the test's own ULA addresses.
+fn ula(net: u16, host: u16) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0x10, net, 0, 0, 0, 0, host)
+}
+
+/// The IPv6 half of the dual-stack seed Service, with an LB IP behind a
+/// source range and ClientIP affinity.
+fn seed_v6() -> ServicePort {
+    ServicePort {
+        name: format!("{SEED}{}", crate::model::IPV6_SUFFIX),
+        cluster_ip: ula(0x96, 0x88).into(),
+        load_balancer_ips: vec![ula(0x78, 5).into()],
+        source_ranges: vec![range("fd00:10:79::/64")],
+        affinity: Some(std::time::Duration::from_secs(600)),
+        endpoints: (0xb..=0xd).map(|e| Endpoint::ready(ula(0x244, e), 80)).collect(),
+        ..seed(&[])
+    }
+}
+
+fn empty_service_v6() -> ServicePort {
+    ServicePort {
+        name: format!("default/empty-service{}", crate::model::IPV6_SUFFIX),
+        cluster_ip: ula(0x96, 0x89).into(),
+        ..empty_service()
+    }
+}
+
+fn opts_v6() -> Options {
+    Options {
+        family: IpFamily::V6,
+        local_traffic: Some(LocalTraffic::Cidr("fd00:10:244::/56".parse().expect("cidr"))),
+        node_ips: vec![ula(0x79, 2).into()],
+        ..Options::default()
+    }
+}
+
+/// The IPv6 ports in an `ip6` table, as kube-proxy's IPv6 nftables
+/// proxier writes them: `ipv6_addr` keys, `ip6` matches, `[ip]:port`
+/// DNATs, ICMPv6 rejects, never `::1` for NodePorts, and the chains named
+/// as in the `ip` table (without the model's " (IPv6)").
+#[test]
+fn ipv6_table_like_kube_proxys_ip6_table() {
+    let fake = FakeNft::default();
+    let mut mode = NftablesMode::new(opts_v6(), Box::new(fake.clone()));
+    assert_eq!(mode.families(), [IpFamily::V6]);
+    mode.apply_full(&state(&[seed_v6(), empty_service_v6()]))
+        .expect("full sync");
+    let full = fake.last();
+    assert_golden("seed-ipv6-full.nft", &full);
+    for needle in [
+        "add table ip6 xproxy { comment",
+        "add map ip6 xproxy service-ips { type ipv6_addr . inet_proto . inet_service : verdict",
+        "add rule ip6 xproxy services ip6 daddr . meta l4proto . th dport vmap @service-ips",
+        "fib daddr type local ip6 daddr != ::1 meta l4proto . th dport vmap @service-nodeports",
+        "add rule ip6 xproxy reject-chain reject with icmpv6 port-unreachable",
+        "meta l4proto tcp dnat to [fd00:10:244::b]:80",
+        "ip6 daddr fd00:10:96::88 tcp dport 88 ip6 saddr != fd00:10:244::/56 jump mark-for-masquerade",
+        "ip6 saddr != { fd00:10:79::/64, fd00:10:78::5 } drop",
+        "{ type ipv6_addr ; flags dynamic,timeout ; timeout 600s ; }",
+        "update @affinity-",
+        "\tfd00:10:96::89 . tcp . 89 comment \"default/empty-service (IPv6)\" : goto reject-chain",
+    ] {
+        assert!(full.contains(needle), "lacks {needle:?}:\n{full}");
+    }
+    assert!(
+        !full.contains(" ip xproxy") && !full.contains("ip saddr") && !full.contains("ip daddr"),
+        "{full}"
+    );
+    assert!(
+        full.contains(&names::service_chain(&seed(&[]))),
+        "the IPv4 chain names: {full}"
+    );
+
+    let mut changed = seed_v6();
+    changed.endpoints.truncate(2);
+    mode.apply(&Plan {
+        upsert: vec![changed],
+        remove: vec![],
+    })
+    .expect("partial sync");
+    let partial = fake.last();
+    assert!(partial.lines().all(|l| !l.contains(" ip xproxy")), "{partial}");
+    assert!(partial.contains("delete chain ip6 xproxy endpoint-"), "{partial}");
+    expect_kernel_accepts("IPv6 full script", &full);
+    expect_kernel_accepts("IPv6 full + partial scripts", &format!("{full}{partial}"));
+}
+
+/// Both tables through the dual-stack split: the `ip` table's script is
+/// byte for byte the one an IPv4-only mode writes; both pass the kernel's
+/// check together.
+#[test]
+fn dual_stack_writes_an_ip_and_an_ip6_table() {
+    let (v4, fake4) = mode();
+    let fake6 = FakeNft::default();
+    let v6 = NftablesMode::new(opts_v6(), Box::new(fake6.clone()));
+    let mut dual = DualStack::new(vec![Box::new(v4), Box::new(v6)]);
+    assert_eq!(dual.name(), "nftables");
+    let ports = [seed(&[11, 12, 13]), seed_v6(), empty_service(), empty_service_v6()];
+    dual.apply_full(&state(&ports)).expect("full sync");
+    let (mut alone, fake_alone) = mode();
+    alone
+        .apply_full(&state(&[seed(&[11, 12, 13]), empty_service()]))
+        .expect("IPv4 alone");
+    assert_eq!(fake4.scripts(), fake_alone.scripts());
+    assert!(!fake4.last().contains("fd00:"), "{}", fake4.last());
+    assert!(fake6.last().contains("add table ip6 xproxy"));
+    expect_kernel_accepts("ip and ip6 tables", &format!("{}{}", fake4.last(), fake6.last()));
 }

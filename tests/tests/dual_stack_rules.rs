@@ -1,0 +1,230 @@
+//! The rule-writing modes (iptables, nftables) with a dual-stack seed
+//! Service, through the real agent on the one-node test bed: in one run the
+//! IPv4 and the IPv6 half both answer, over TCP and UDP, from every
+//! backend, through the NodePort from the outside client (`NODE_IP:30791`,
+//! `[NODE_IP6]:30791`) and through the ClusterIP from a pod
+//! (`10.96.0.88:88`, `[fd00:96::88]:88`); a dual-stack Service without
+//! endpoints is refused in both families (ICMP / ICMPv6 port unreachable);
+//! a UDP flow of the IPv6 half moves off an endpoint that left it (the
+//! agent deletes its entry from the IPv6 conntrack table);
+//! the rules are read back from the kernel (`ip6tables-save`, `nft list
+//! table ip6 xproxy`) and `xproxy cleanup` removes both families' rules.
+
+use std::{
+    io,
+    net::{IpAddr, Ipv6Addr, SocketAddr},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail, ensure};
+use testbed::{
+    agent_bed::{AgentBed, Mode, READY_WITHIN, seed_node_port},
+    fixtures::{
+        EMPTY_CLUSTER_IP, EMPTY_NAME, EMPTY_PORT, SEED_CLUSTER_IP, SEED_CLUSTER_IP6, SEED_NODE_PORT, SEED_PORT,
+        dual_stack, seed_objects_dual_stack, seed_tcp_udp, service, yaml_documents,
+    },
+    netns,
+    privileged::require_root,
+    probe::{Checks, PROTOCOLS, Protocol, REJECT_TIMEOUT, expect_all_backends, expect_refused},
+    topology::{BACKENDS, NODE_IP, NODE_IP6, TARGET_PORT, Topology, pod_ipv6},
+};
+
+/// The IPv6 ClusterIP of the dual-stack Service without endpoints.
+const EMPTY_CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x89);
+
+/// The dual-stack seed (TCP and UDP) and an endpoint-less dual-stack
+/// Service.
+fn seed_objects() -> Vec<serde_json::Value> {
+    let mut objects = seed_objects_dual_stack(&seed_tcp_udp());
+    objects.push(dual_stack(
+        service(EMPTY_NAME, EMPTY_CLUSTER_IP, EMPTY_PORT, TARGET_PORT, None),
+        EMPTY_CLUSTER_IP6,
+    ));
+    objects
+}
+
+/// The agent in `mode` with `objects`, told both node addresses.
+fn start(bed: &mut AgentBed, mode: Mode, objects: &[serde_json::Value]) -> Result<()> {
+    bed.write_manifest("seed.yaml", &yaml_documents(objects))?;
+    let mut args = bed.manifest_args();
+    // Beside the IPv4 one the bed passes.
+    args.extend(["--node-ip".to_owned(), NODE_IP6.to_string()]);
+    bed.start_agent_in(mode.name(), &args)?;
+    bed.wait_first_sync(READY_WITHIN)?;
+    bed.wait_answering(seed_node_port(), READY_WITHIN)?;
+    Ok(())
+}
+
+/// Both families of the seed from the client (NodePort) and the client
+/// pod (ClusterIP), and of the Service without endpoints from the pod.
+fn check_both_families(bed: &AgentBed, checks: &mut Checks) {
+    let topo = &bed.topo;
+    for (node, cluster, empty) in [
+        (
+            IpAddr::from(NODE_IP),
+            IpAddr::from(SEED_CLUSTER_IP),
+            IpAddr::from(EMPTY_CLUSTER_IP),
+        ),
+        (NODE_IP6.into(), SEED_CLUSTER_IP6.into(), EMPTY_CLUSTER_IP6.into()),
+    ] {
+        for protocol in PROTOCOLS {
+            let node_port = SocketAddr::new(node, SEED_NODE_PORT);
+            checks.check(
+                &format!("{protocol:?} client -> {node_port}"),
+                expect_all_backends(&topo.client, protocol, node_port),
+            );
+            let cluster_ip = SocketAddr::new(cluster, SEED_PORT);
+            checks.check(
+                &format!("{protocol:?} client pod -> {cluster_ip}"),
+                expect_all_backends(&topo.client_pod.ns, protocol, cluster_ip),
+            );
+        }
+        let empty = SocketAddr::new(empty, EMPTY_PORT);
+        checks.check(
+            &format!("TCP client pod -> {empty} (no endpoints)"),
+            refused(topo, empty),
+        );
+    }
+}
+
+/// A TCP connect from the client pod to `addr` fails with ECONNREFUSED
+/// (the rules' ICMP or ICMPv6 port unreachable), not by a timeout. Over
+/// IPv4 at once ([`expect_refused`]); over IPv6 the first SYN's ICMPv6
+/// error comes back (on this bed, in the same softirq on the same CPU)
+/// while the connecting socket is still locked and is only kept as a soft
+/// error (`TcpExtLockDroppedIcmps` counts it): the retransmitted SYN's
+/// error, a second later, ends the connect. Both rule modes alike.
+fn refused(topo: &Topology, addr: SocketAddr) -> Result<String> {
+    if addr.is_ipv4() {
+        return expect_refused(&topo.client_pod.ns, Protocol::Tcp, addr);
+    }
+    let started = Instant::now();
+    let result = topo.client_pod.ns.run_in(|| netns::tcp_connect(addr, REJECT_TIMEOUT))?;
+    match result {
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => Ok(format!("refused after {:?}", started.elapsed())),
+        other => bail!("expected ECONNREFUSED, got {other:?} after {:?}", started.elapsed()),
+    }
+}
+
+/// The mode's IPv6 rules as the kernel lists them.
+fn ipv6_rules(bed: &AgentBed, mode: Mode) -> Result<String> {
+    match mode {
+        Mode::Nftables => bed.topo.node.exec(&["nft", "list", "table", "ip6", "xproxy"]),
+        _ => bed.topo.node.exec(&["ip6tables-save"]),
+    }
+}
+
+/// Local ports of the client pod's IPv6 UDP flows (outside the probes'
+/// stage ports).
+const FLOW_PORTS: std::ops::RangeInclusive<u16> = 61_101..=61_140;
+
+/// The seed's dual-stack objects without pod-3 in its IPv6 EndpointSlice.
+fn without_pod3_in_ipv6(objects: &mut [serde_json::Value]) {
+    let pod3 = pod_ipv6(BACKENDS[2].1).to_string();
+    for slice in objects.iter_mut().filter(|o| o["addressType"] == "IPv6") {
+        if let Some(endpoints) = slice["endpoints"].as_array_mut() {
+            endpoints.retain(|e| e["addresses"][0] != pod3.as_str());
+        }
+    }
+}
+
+/// A UDP flow of the IPv6 half whose endpoint leaves it moves on: from a
+/// fixed local port of the client pod, a flow lands on pod-3; pod-3
+/// leaves the IPv6 EndpointSlice (it still serves, and is still in the
+/// IPv4 one); once new flows miss it, the same flow's next datagram is
+/// answered by another pod. Without the agent deleting the flow's entry
+/// from the IPv6 conntrack table, pod-3 would keep answering it.
+fn ipv6_udp_flow_moves(bed: &mut AgentBed, objects: &mut [serde_json::Value]) -> Result<String> {
+    let addr = SocketAddr::new(SEED_CLUSTER_IP6.into(), SEED_PORT);
+    let pod3 = BACKENDS[2].0;
+    let ask = |port: u16| -> Result<String> {
+        Ok(bed
+            .topo
+            .client_pod
+            .ns
+            .run_in(|| netns::udp_request_from(port, addr, Duration::from_secs(1)))??)
+    };
+    let mut on_pod3 = None;
+    for port in FLOW_PORTS {
+        if ask(port)? == pod3 {
+            on_pod3 = Some(port);
+            break;
+        }
+    }
+    let port = on_pod3.context("no flow landed on pod-3")?;
+    without_pod3_in_ipv6(objects);
+    bed.write_manifest("seed.yaml", &yaml_documents(objects))?;
+    netns::wait_for("pod-3 to leave the IPv6 backends", READY_WITHIN, || {
+        for _ in 0..30 {
+            let answer = ask(0).map_err(|e| format!("{e:#}"))?;
+            if answer == pod3 {
+                return Err("pod-3 still answers new IPv6 flows".into());
+            }
+        }
+        Ok(())
+    })?;
+    // The agent deletes the entries just after the sync that changed the
+    // rules, so new flows may miss pod-3 a moment before. Asking again
+    // keeps the entry alive (UDP timeout 30 s): only its deletion moves it.
+    let answer = netns::wait_for(&format!("the flow from port {port} to move"), READY_WITHIN, || {
+        let answer = ask(port).map_err(|e| format!("{e:#}"))?;
+        if answer == pod3 {
+            return Err(format!("still on {answer}"));
+        }
+        Ok(answer)
+    })?;
+    Ok(format!("the flow from port {port} moved from {pod3} to {answer}"))
+}
+
+fn dual_stack_seed(mode: Mode, test: &str) {
+    if !require_root(test) || !mode.available(test) {
+        return;
+    }
+    let mut bed = AgentBed::new(test).expect("building the test bed");
+    let mut checks = Checks::new(test);
+    let mut objects = seed_objects();
+    checks.check(
+        "the agent starts",
+        start(&mut bed, mode, &objects).map(|()| "ready".to_owned()),
+    );
+    check_both_families(&bed, &mut checks);
+    checks.check(
+        "the IPv6 rules name the IPv6 ClusterIP",
+        ipv6_rules(&bed, mode).and_then(|rules| {
+            ensure!(rules.contains(&SEED_CLUSTER_IP6.to_string()), "{rules}");
+            ensure!(
+                !rules.contains(&SEED_CLUSTER_IP.to_string()),
+                "IPv4 in the IPv6 rules: {rules}"
+            );
+            Ok(format!("{} lines", rules.lines().count()))
+        }),
+    );
+    checks.check(
+        "an IPv6 UDP flow leaves a gone endpoint",
+        ipv6_udp_flow_moves(&mut bed, &mut objects),
+    );
+    let stopped = bed.stop_agent(libc::SIGTERM).context("stopping the agent");
+    checks.check(
+        "cleanup removes the IPv6 rules too",
+        stopped.and_then(|_| bed.cleanup()).and_then(|_| {
+            // nft: the table is gone, so listing it fails.
+            let rules = ipv6_rules(&bed, mode).unwrap_or_default();
+            ensure!(!rules.contains(&SEED_CLUSTER_IP6.to_string()), "left behind: {rules}");
+            Ok("gone".to_owned())
+        }),
+    );
+    if !checks.passed() {
+        eprintln!("{}", bed.log());
+    }
+    checks.finish();
+}
+
+#[test]
+fn iptables_dual_stack_seed() {
+    dual_stack_seed(Mode::Iptables, "iptables_dual_stack_seed");
+}
+
+#[test]
+fn nftables_dual_stack_seed() {
+    dual_stack_seed(Mode::Nftables, "nftables_dual_stack_seed");
+}
