@@ -92,6 +92,10 @@ const MODULES: &[&str] = &[
     "nft_numgen",
     "nft_fib_ipv4",
     "nft_reject_ipv4",
+    // The nftables mode's `ip6` table (written in every run, IPv6 ports or
+    // not): `fib` and ICMPv6 rejects.
+    "nft_fib_ipv6",
+    "nft_reject_ipv6",
     // The IPVS and userspace modes' IPv6 rules (ip6tables-nft).
     "ip6t_REJECT",
     // SCTP sockets for the live SCTP Services (`sctp`) and iptables'
