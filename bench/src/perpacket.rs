@@ -774,7 +774,9 @@ mod tests {
             [
                 "XP_AFFINITY",
                 "XP_BACKENDS",
+                "XP_BACKENDS6",
                 "XP_CT",
+                "XP_CT6",
                 "XP_CT_STATS",
                 "XP_FRAGS",
                 "XP_MAGLEV",
@@ -784,6 +786,7 @@ mod tests {
                 "XP_PORTS",
                 "XP_REV_NAT",
                 "XP_SERVICES",
+                "XP_SERVICES6",
                 "XP_SLOTS",
                 "XP_SOCK_CFG",
                 "XP_SOCK_REV",
