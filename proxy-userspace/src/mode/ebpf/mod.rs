@@ -191,6 +191,9 @@ pub struct EbpfMode {
     unhonoured: Unhonoured,
     /// See [`EbpfOptions::lb_algorithm`].
     lb_default: LbAlgorithm,
+    /// Says when the pod interfaces found at start are attached (see
+    /// [`attach_pods_meanwhile`]); taken by the first sync.
+    pods_attached: Option<std::sync::mpsc::Receiver<()>>,
     /// The SCTP ports whose port changes, NATed by the kernel.
     sctp: sctp_fallback::SctpFallback,
 }
@@ -235,16 +238,7 @@ impl EbpfMode {
             };
             attach_uplink(&mut datapath, &uplink.name, hook, opts.xdp)?;
         }
-        for pod in interfaces::pod_interfaces(&all, &uplinks) {
-            // A pod interface that vanished since the listing is not an error.
-            if let Err(e) = datapath.attach(&pod.name, Hook::Pod) {
-                warn!(
-                    iface = pod.name,
-                    error = format!("{e:#}"),
-                    "could not attach to pod interface"
-                );
-            }
-        }
+        let pods = interfaces::pod_interfaces(&all, &uplinks);
         start_socket_lb(&mut datapath, &opts.socket_lb, primary).await;
         // Without them the pods' traffic is treated as the outside's: a
         // difference from kube-proxy, not a reason to stop.
@@ -262,6 +256,7 @@ impl EbpfMode {
             ),
         }
         let datapath = Arc::new(Mutex::new(datapath));
+        let pods_attached = attach_pods_meanwhile(datapath.clone(), pods);
         let rescan_pods = spawn_pod_interface_watcher(datapath.clone(), uplinks, handle)?;
         spawn_conntrack_sweeper(opts.pin_path.clone(), opts.conntrack);
         let mut maps = ServiceMaps::open(&opts.pin_path, node_ips.clone())?;
@@ -278,6 +273,7 @@ impl EbpfMode {
             snat_ports: opts.snat_ports.clone(),
             unhonoured: Unhonoured::default(),
             lb_default: opts.lb_algorithm,
+            pods_attached: Some(pods_attached),
             sctp: sctp_fallback::SctpFallback::new(
                 Box::new(crate::sys::nft::SystemNft::default()),
                 snat_mark,
@@ -399,6 +395,25 @@ fn spawn_conntrack_sweeper(pin_path: PathBuf, settings: conntrack::CtSettings) {
     });
 }
 
+/// Attaches the programs to the pod interfaces found at start on a thread
+/// of its own, while the first sync fills the maps: each attachment waits
+/// for an RCU grace period in the kernel (~10-20 ms, two a pod), which
+/// at start would add up before anything is programmed. The first sync
+/// waits for it at its end ([`EbpfMode::wait_for_pods`]), so a node
+/// reported ready has every pod of its start attached, as before. The
+/// receiver hears when all are done.
+fn attach_pods_meanwhile(datapath: Arc<Mutex<Datapath>>, pods: Vec<Interface>) -> std::sync::mpsc::Receiver<()> {
+    let (done, attached) = std::sync::mpsc::sync_channel(1);
+    std::thread::spawn(move || {
+        for pod in &pods {
+            // A pod interface that vanished since the listing is not an error.
+            attach_pod(&datapath, &pod.name, "pod interface attached", false);
+        }
+        let _ = done.send(());
+    });
+    attached
+}
+
 /// Attaches the programs to pod interfaces as they appear (link events),
 /// and, whenever asked (every full sync), to any pod interface that has
 /// none: a link event can be missed (a netlink socket buffer overrun under
@@ -499,6 +514,21 @@ impl EbpfMode {
         }
     }
 
+    /// Waits, once, for the pod interfaces found at start to be attached
+    /// (see [`attach_pods_meanwhile`]).
+    fn wait_for_pods(&mut self) {
+        let Some(attached) = self.pods_attached.take() else {
+            return;
+        };
+        let since = std::time::Instant::now();
+        // An error means the thread is gone: nothing left to wait for.
+        let _ = attached.recv();
+        debug!(
+            waited_ms = since.elapsed().as_secs_f64() * 1e3,
+            "the first sync waited for the pod interfaces"
+        );
+    }
+
     /// Reports, once a port, what the programs do differently from
     /// kube-proxy for the ports just programmed.
     fn note_unhonoured<'a>(&mut self, ports: impl Iterator<Item = &'a ServicePort>) {
@@ -588,6 +618,7 @@ impl Dataplane for EbpfMode {
         }
         self.sctp.sync(&ipv4_only(&self.node_ips))?;
         self.note_unhonoured(plan.upsert.iter());
+        self.wait_for_pods();
         Ok(())
     }
 
@@ -610,6 +641,7 @@ impl Dataplane for EbpfMode {
         self.sctp.replace(desired.values().filter(|p| !programs_translate(p)));
         self.sctp.sync(&ipv4_only(&self.node_ips))?;
         self.note_unhonoured(desired.values());
+        self.wait_for_pods();
         Ok(())
     }
 
