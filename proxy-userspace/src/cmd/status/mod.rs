@@ -14,11 +14,12 @@ pub mod userspace;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow};
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::{ExitCode, Failure, WithExitCode, is_root};
 use crate::{
     config::Mode,
+    model::IpFamily,
     sys::iptables::{Iptables, Saved, SystemIptables},
 };
 
@@ -113,4 +114,33 @@ pub fn detect(pin_path: &Path) -> Result<Option<Mode>> {
         warn!(modes = ?names, "the state of several modes is programmed; showing the first (--mode picks one)");
     }
     Ok(found.first().copied())
+}
+
+/// `iptables-save` or `ip6tables-save` output (the iptables and userspace
+/// modes' read-back). A node without `ip6tables` has no IPv6 rules: empty.
+fn saved_rules(family: IpFamily) -> Result<String> {
+    let mut system = SystemIptables::for_family(family);
+    if family == IpFamily::V6 && system.check().is_err() {
+        debug!("ip6tables is not installed: no IPv6 rules to read");
+        return Ok(String::new());
+    }
+    let tool = match family {
+        IpFamily::V4 => "iptables-save",
+        IpFamily::V6 => "ip6tables-save",
+    };
+    system.save().with_context(|| format!("running {tool}"))
+}
+
+/// The table of both families' saved rules, each family's frontends read
+/// by `add_saved` (the iptables and userspace modes' read-back).
+fn saved_table(
+    mode: &'static str,
+    saved_v4: &str,
+    saved_v6: &str,
+    add_saved: fn(&mut table::Frontends, &str, IpFamily),
+) -> table::Table {
+    let mut frontends = table::Frontends::default();
+    add_saved(&mut frontends, saved_v4, IpFamily::V4);
+    add_saved(&mut frontends, saved_v6, IpFamily::V6);
+    frontends.into_table(mode)
 }
