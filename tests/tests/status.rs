@@ -300,23 +300,32 @@ fn seed_connections() -> Vec<(IpAddr, u16)> {
     ]
 }
 
+/// The iptables mode's IPv6 half (ip6tables; NodePorts never on `::1`).
+fn iptables_v6() -> Box<dyn Dataplane> {
+    let opts = iptables::RuleOptions {
+        family: IpFamily::V6,
+        node_ports: NodePortDestinations::AllLocal { localhost: false },
+        ..iptables::RuleOptions::default()
+    };
+    Box::new(IptablesMode::new(opts, Box::new(SystemIptables::ipv6())))
+}
+
+/// The nftables mode's IPv6 half (`table ip6 xproxy`).
+fn nftables_v6() -> Box<dyn Dataplane> {
+    let opts = nftables::Options {
+        family: IpFamily::V6,
+        ..nftables::Options::default()
+    };
+    Box::new(NftablesMode::new(opts, Box::new(SystemNft::default())))
+}
+
 #[test]
 fn iptables_status() {
     if !require_root("iptables_status") {
         return;
     }
-    let v6 = iptables::RuleOptions {
-        family: IpFamily::V6,
-        node_ports: NodePortDestinations::AllLocal { localhost: false },
-        ..iptables::RuleOptions::default()
-    };
-    let mut mode = DualStack::new(vec![
-        Box::new(IptablesMode::new(
-            iptables::RuleOptions::default(),
-            Box::new(SystemIptables::default()),
-        )),
-        Box::new(IptablesMode::new(v6, Box::new(SystemIptables::ipv6()))),
-    ]);
+    let v4 = IptablesMode::new(iptables::RuleOptions::default(), Box::new(SystemIptables::default()));
+    let mut mode = DualStack::new(vec![Box::new(v4), iptables_v6()]);
     rules_read_back(Mode::Iptables, &mut mode);
 }
 
@@ -325,18 +334,33 @@ fn nftables_status() {
     if !require_root("nftables_status") {
         return;
     }
-    let v6 = nftables::Options {
-        family: IpFamily::V6,
-        ..nftables::Options::default()
-    };
-    let mut mode = DualStack::new(vec![
-        Box::new(NftablesMode::new(
-            nftables::Options::default(),
-            Box::new(SystemNft::default()),
-        )),
-        Box::new(NftablesMode::new(v6, Box::new(SystemNft::default()))),
-    ]);
+    let v4 = NftablesMode::new(nftables::Options::default(), Box::new(SystemNft::default()));
+    let mut mode = DualStack::new(vec![Box::new(v4), nftables_v6()]);
     rules_read_back(Mode::Nftables, &mut mode);
+}
+
+/// A node with IPv6 Services only: each rule mode is found by its IPv6
+/// state alone (`ip6tables-save`, `table ip6 xproxy`), and lists exactly
+/// the IPv6 frontends.
+#[test]
+fn ipv6_only_rules_are_found() {
+    if !require_root("ipv6_only_rules_are_found") {
+        return;
+    }
+    for (mode, half) in [(Mode::Iptables, iptables_v6()), (Mode::Nftables, nftables_v6())] {
+        let ns = node();
+        // DualStack hands the IPv6 half the IPv6 ports only.
+        apply(&ns, &mut DualStack::new(vec![half]));
+        let found = ns
+            .run_in(|| status::detect(std::path::Path::new("/nonexistent")))
+            .expect("entering the namespace")
+            .expect("detecting the mode");
+        assert_eq!(found, Some(mode));
+        let table = read_back(&ns, mode);
+        let mut ipv6 = expected(any_address);
+        ipv6.retain(|frontend, _| frontend.contains('['));
+        assert_eq!(listed(&table), ipv6, "{mode:?}:\n{}", table.render());
+    }
 }
 
 /// IPVS counts its own connections; NodePorts are virtual servers on the
