@@ -41,9 +41,7 @@
 //! `... (IPv6)`: NodePort (`Cluster`, `[fd00:30::2]:30880`, and `Local`)
 //! from the outside client, ClusterIP (`[fd00:96::80]:80`) from a pod and
 //! from the node. The other paths, and the two-node bed, are IPv4 only
-//! (fewer rows of more value: CI time). Every mode whose
-//! [`serves_ipv6_bulk`] is on: all but ebpf, whose agent does not serve
-//! IPv6 yet (switched on with its IPv6 map writer).
+//! (fewer rows of more value: CI time). Every mode runs them.
 //!
 //! The two-node test bed (`testbed::two_node`), a Service whose only
 //! endpoint runs on node-b ([`RemotePath`]): NodePort on node-a from the
@@ -54,8 +52,8 @@
 //!
 //! Where the modes differ: nowhere in what arrives. Every row passes in
 //! every mode, both ways, with either offloads (asserted; IPVS in the 6.1
-//! guest, the others on the 6.18 host and in the guest), the IPv6 rows in
-//! every mode but ebpf, where they do not run yet. How the bytes get
+//! guest, the others on the 6.18 host and in the guest), the IPv6 rows
+//! too. How the bytes get
 //! there differs (see `modes.rs` and `two_node.rs` for the addresses a
 //! backend sees):
 //!
@@ -70,10 +68,10 @@
 //! | LoadBalancer IP from the client | intact (the uplink's hook, as a NodePort) | intact | intact | intact (the address bound to `kube-ipvs0`) | not run (the mode serves no LB IP)
 //! | external IP from a pod | intact (tc on the pod's veth) | intact | intact | intact | not run (no external IPs)
 //! | ClientIP affinity, ClusterIP from a pod | intact, every transfer to the first pod | intact (`-m recent`) | intact (affinity set) | intact (persistence) | intact (the agent's balancer)
-//! | IPv6: NodePort from the client, backend local | not run yet (`serves_ipv6_bulk`) | intact (`ip6tables`: DNAT + masquerade) | intact (table `ip6 xproxy`) | intact (IPv6 virtual server on `[fd00:30::2]`) | intact (copied; the IPv6 listener)
-//! | IPv6: ClusterIP from a pod | not run yet | intact | intact | intact (`fd00:96::80/128` on `kube-ipvs0`) | intact (copied)
-//! | IPv6: ClusterIP from the node | not run yet | intact | intact | intact | intact (copied; DNAT to `[::1]` from OUTPUT)
-//! | IPv6: `externalTrafficPolicy: Local` NodePort | not run yet | intact | intact | intact | intact (copied)
+//! | IPv6: NodePort from the client, backend local | intact (the IPv6 path of the uplink's hook, `XP_CT6`) | intact (`ip6tables`: DNAT + masquerade) | intact (table `ip6 xproxy`) | intact (IPv6 virtual server on `[fd00:30::2]`) | intact (copied; the IPv6 listener)
+//! | IPv6: ClusterIP from a pod | intact (tc on the pod's veth) | intact | intact | intact (`fd00:96::80/128` on `kube-ipvs0`) | intact (copied)
+//! | IPv6: ClusterIP from the node | intact (the uplink's tc egress) | intact | intact | intact | intact (copied; DNAT to `[::1]` from OUTPUT)
+//! | IPv6: `externalTrafficPolicy: Local` NodePort | intact | intact | intact | intact | intact (copied)
 //! | two nodes: NodePort to the other node's backend | intact (DNAT and mark at the uplink, the kernel masquerades and forwards it back out of the uplink) | intact | intact | not run | not run
 //! | two nodes: ClusterIP from a pod to the other node's backend | intact | intact | intact | not run | not run
 
@@ -350,16 +348,6 @@ const IPV6_PATHS: [Path; 4] = [
     Path::LocalNodePortFromClient,
 ];
 
-/// Whether `mode`'s tests run the IPv6 rows ([`IPV6_PATHS`]). Off for
-/// ebpf: its agent does not write the programs' IPv6 maps yet and reports
-/// IPv6 ports as not served. Turn it on with that writer.
-fn serves_ipv6_bulk(mode: Mode) -> bool {
-    match mode {
-        Mode::Ebpf => false,
-        Mode::Iptables | Mode::Nftables | Mode::Ipvs | Mode::Userspace => true,
-    }
-}
-
 /// A [`Path`] in one [`Family`]: a row of the one-node table.
 #[derive(Clone, Copy, Debug)]
 struct Route {
@@ -368,15 +356,13 @@ struct Route {
 }
 
 impl Route {
-    /// Every path `mode` serves over IPv4, then [`IPV6_PATHS`] over IPv6
-    /// where [`serves_ipv6_bulk`].
+    /// Every path `mode` serves over IPv4, then [`IPV6_PATHS`] over IPv6.
     fn of(mode: Mode) -> Vec<Route> {
-        let ipv6 = if serves_ipv6_bulk(mode) { &IPV6_PATHS[..] } else { &[] };
         let in_family = |family| move |&path| Route { path, family };
         Path::of(mode)
             .iter()
             .map(in_family(Family::V4))
-            .chain(ipv6.iter().map(in_family(Family::V6)))
+            .chain(IPV6_PATHS.iter().map(in_family(Family::V6)))
             .collect()
     }
 
