@@ -553,7 +553,9 @@ impl Report {
              packets in IPv6 (40-byte header, no extension header) to the seed Service's IPv6 twin \
              (ClusterIP [fd00:10:96::a]:88, NodePort [fd00:192:168:50::10]:30791, the same three \
              backends' IPv6 addresses), tracked in the IPv6 conntrack (XP_CT6); affinity, source \
-             ranges, Maglev and the working sets are measured in IPv4 only. Every call's return \
+             ranges, Maglev and the working sets are measured in IPv4 only, so an IPv6 new flow \
+             inserts into a nearly empty XP_CT6 where an IPv4 one meets the working sets' flows in \
+             XP_CT. Every call's return \
              code and output packet (checksums included) and every batch's verdict counters were \
              checked.\n\n\
              Programs measured ({}): {}.\n",

@@ -388,12 +388,12 @@ impl<'a> Runner<'a> {
         // did, in the bulk measurement; a mode may still be at work on the
         // others).
         for (ns, addr) in &addrs {
-            answers(ns, *addr)?;
+            answers(ns, *addr, programming::CHECK_PATIENCE)?;
         }
         // The dual-stack last Service over IPv6: measured where it answers,
         // a note where not (the IPv4 figures stand either way).
         let ipv6 = ipv6_targets(topo, last)?;
-        match ipv6.iter().try_for_each(|(ns, addr)| answers(ns, *addr)) {
+        match ipv6.iter().try_for_each(|(ns, addr)| answers(ns, *addr, IPV6_PATIENCE)) {
             Ok(()) => addrs.extend(ipv6),
             Err(e) => {
                 self.say(&format!("{label}: IPv6 not measured: {e:#}"));
@@ -579,9 +579,15 @@ impl<'a> Runner<'a> {
 /// first, last, direct.
 const IPV4_TARGETS: usize = 6;
 
-/// `addr` answers from `ns` (a mode may still be at work on it: patiently).
-fn answers(ns: &Netns, addr: SocketAddr) -> Result<()> {
-    ns.run_in(|| programming::probe_patiently(addr, programming::CHECK_CONNECT_TIMEOUT, programming::CHECK_PATIENCE))?
+/// How long the last Service's IPv6 half may take to answer once its IPv4
+/// half does (the same sync programs both): a mode that does not serve it
+/// costs the run no more.
+const IPV6_PATIENCE: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// `addr` answers from `ns` within `patience` (a mode may still be at work
+/// on it).
+fn answers(ns: &Netns, addr: SocketAddr, patience: std::time::Duration) -> Result<()> {
+    ns.run_in(|| programming::probe_patiently(addr, programming::CHECK_CONNECT_TIMEOUT, patience))?
         .map_err(|e| anyhow::anyhow!("{addr} from {}: {e}", ns.name()))?;
     Ok(())
 }
