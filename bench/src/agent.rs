@@ -18,7 +18,12 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 use testbed::fixtures::NODE_NAME;
-use testbed::{agent::AgentProcess, netns::Netns, privileged::unique_name, topology::NODE_IP};
+use testbed::{
+    agent::AgentProcess,
+    netns::Netns,
+    privileged::unique_name,
+    topology::{NODE_IP, NODE_IP6},
+};
 
 /// `xproxy run`'s exit code for a mode this machine cannot run.
 const EXIT_MODE_UNAVAILABLE: i32 = 6;
@@ -156,7 +161,7 @@ impl BenchAgent {
             &source_flag,
             &source_path,
             "--node-ip",
-            &NODE_IP.to_string(),
+            &format!("{NODE_IP},{NODE_IP6}"),
             "--hostname-override",
             NODE_NAME,
         ]

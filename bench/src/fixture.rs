@@ -5,7 +5,8 @@ use crate::{
     memory::{MapMemory, Memory},
     programming::{EndpointChange, Programming},
     results::{
-        Baseline, Machine, ModeResult, ModeStatus, Parameters, PartTiming, Results, Run, RunLatency, RunThroughput,
+        Baseline, Ipv6Latency, Machine, ModeResult, ModeStatus, Parameters, PartTiming, Results, Run, RunLatency,
+        RunThroughput,
     },
     stats::Summary,
     throughput::{Throughput, WrkOptions},
@@ -56,6 +57,10 @@ fn run(services: usize, first: f64, last: f64, rps: f64, sync_s: f64) -> Run {
         nodeport_first: latency(first + 5.0),
         nodeport_last: latency(last + 5.0),
         nodeport_direct: latency(18.0),
+        ipv6: Some(Ipv6Latency {
+            clusterip: latency(last + 2.0),
+            nodeport: latency(last + 7.0),
+        }),
     });
     run.throughput = Some(RunThroughput {
         nodeport_short: throughput(rps),

@@ -9,7 +9,7 @@
 
 use std::{
     io::{Read, Write},
-    net::SocketAddrV4,
+    net::SocketAddr,
     time::{Duration, Instant},
 };
 
@@ -30,7 +30,7 @@ const PORTS: std::ops::Range<u32> = 2_000..65_000;
 /// Where connections go, and from which local ports.
 #[derive(Clone, Debug)]
 pub struct Target {
-    pub addr: SocketAddrV4,
+    pub addr: SocketAddr,
     ports: std::ops::Range<u16>,
     next: u16,
 }
@@ -38,7 +38,7 @@ pub struct Target {
 impl Target {
     /// Target `slot` of `slots` to `addr`: its local ports are the slot-th
     /// share of [`PORTS`].
-    pub fn new(addr: SocketAddrV4, slot: usize, slots: usize) -> Self {
+    pub fn new(addr: SocketAddr, slot: usize, slots: usize) -> Self {
         let share = (PORTS.end - PORTS.start) / slots.max(1) as u32;
         let start = PORTS.start + share * slot as u32;
         let ports = start as u16..(start + share) as u16;
@@ -107,7 +107,7 @@ fn micros(d: Duration) -> f64 {
 }
 
 /// One connection: (socket + connect, the whole request).
-fn one_connection(port: u16, addr: SocketAddrV4) -> std::io::Result<(Duration, Duration)> {
+fn one_connection(port: u16, addr: SocketAddr) -> std::io::Result<(Duration, Duration)> {
     let start = Instant::now();
     let mut stream = sock::connect_from(port, addr, CONNECT_TIMEOUT)?;
     let connected = start.elapsed();
@@ -210,7 +210,7 @@ mod tests {
 
     #[test]
     fn targets_get_disjoint_port_shares_and_cycle() {
-        let addr = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 80);
+        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, 80));
         let a = Target::new(addr, 0, 6);
         let b = Target::new(addr, 1, 6);
         let last = Target::new(addr, 5, 6);

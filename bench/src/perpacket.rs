@@ -17,6 +17,7 @@
 
 mod bed;
 mod cases;
+mod family;
 mod memory;
 mod raw;
 
@@ -29,10 +30,11 @@ use std::{
 use anyhow::{Context, Result, ensure};
 use proxy_common::{Verdict, maps::CONNTRACK_MAX};
 use serde::Serialize;
-use testbed::testrun::{NODE_IP, Prog};
+use testbed::testrun::Prog;
 
 pub use bed::ProgramInfo;
 pub use cases::{Frontend, Kind};
+pub use family::Family;
 pub use memory::map_memory;
 
 use self::{
@@ -119,6 +121,8 @@ pub struct CaseReport {
     pub program: String,
     pub kind: Kind,
     pub frontend: Frontend,
+    /// The family of the case's packets.
+    pub family: Family,
     /// Human-readable case name, e.g. "established, 100k flows (NodePort)".
     pub label: String,
     /// The verdict every packet was counted under, and its return code.
@@ -266,8 +270,8 @@ impl ObjectRun {
                 object.source
             ));
             let beds = [
-                Bed::load(&object, SNAT_MARK, NODE_IP)?,
-                Bed::load(&object, SNAT_MARK, NODE_IP)?,
+                Bed::load(&object, SNAT_MARK, family::node_ips())?,
+                Bed::load(&object, SNAT_MARK, family::node_ips())?,
             ];
             let cases = cases::build(&beds, options.working_set, progress)?;
             loads.push(Loaded { beds, cases });
@@ -366,6 +370,7 @@ fn case_report(case: &Case, rounds: Vec<RoundSample>) -> CaseReport {
         program: case.prog.name().to_owned(),
         kind: case.kind,
         frontend: case.frontend,
+        family: case.family,
         label: case.label.clone(),
         verdict: case.kind.verdict().name().to_owned(),
         code: case.code,
@@ -544,8 +549,15 @@ impl Report {
              their next packets sent in a shuffled order, so each call finds its conntrack entry \
              cold. Reply: the backend's answer, reverse-NATed on the pod's egress. Miss: a packet \
              to no Service (SSH to the node; pod to pod; node to pod), of one flow or of many (then \
-             the conntrack lookup for a reply is cold). Every call's return code \
-             and output packet and every batch's verdict counters were checked.\n\n\
+             the conntrack lookup for a reply is cold). Cases ending in \"IPv6\" send the same \
+             packets in IPv6 (40-byte header, no extension header) to the seed Service's IPv6 twin \
+             (ClusterIP [fd00:10:96::a]:88, NodePort [fd00:192:168:50::10]:30791, the same three \
+             backends' IPv6 addresses), tracked in the IPv6 conntrack (XP_CT6); affinity, source \
+             ranges, Maglev and the working sets are measured in IPv4 only, so an IPv6 new flow \
+             inserts into a nearly empty XP_CT6 where an IPv4 one meets the working sets' flows in \
+             XP_CT. Every call's return \
+             code and output packet (checksums included) and every batch's verdict counters were \
+             checked.\n\n\
              Programs measured ({}): {}.\n",
             self.working_set,
             self.object,
@@ -558,6 +570,40 @@ impl Report {
                 .collect::<Vec<_>>()
                 .join("; ")
         );
+        out + &self.families_markdown()
+    }
+
+    /// The IPv4 case of the same program, kind and frontend as `v6`.
+    fn ipv4_twin(&self, v6: &CaseReport) -> Option<&CaseReport> {
+        let same = |v4: &&CaseReport| (&v4.program, v4.kind, v4.frontend) == (&v6.program, v6.kind, v6.frontend);
+        self.cases.iter().filter(|c| c.family == Family::Ipv4).find(same)
+    }
+
+    /// Each IPv6 case beside its IPv4 twin.
+    fn families_markdown(&self) -> String {
+        let pairs: Vec<(&CaseReport, &CaseReport)> = (self.cases.iter())
+            .filter(|c| c.family == Family::Ipv6)
+            .filter_map(|v6| self.ipv4_twin(v6).map(|v4| (v4, v6)))
+            .collect();
+        if pairs.is_empty() {
+            return String::new();
+        }
+        let mut out = "\nIPv4 and IPv6 side by side: net ns per packet, median over the rounds \
+                       (IQM in brackets), and IPv6's extra cost (IQM):\n\n\
+                       | program | case | IPv4 | IPv6 | IPv6 - IPv4 |\n|---|---|---:|---:|---:|\n"
+            .to_owned();
+        for (v4, v6) in pairs {
+            out += &format!(
+                "| {} | {} | {:.0} [{:.0}] | {:.0} [{:.0}] | {:+.0} |\n",
+                v4.program,
+                v4.label,
+                v4.net.median,
+                v4.net_iqm.median,
+                v6.net.median,
+                v6.net_iqm.median,
+                v6.net_iqm.median - v4.net_iqm.median
+            );
+        }
         out
     }
 }
@@ -658,34 +704,43 @@ mod tests {
             "{messages:?}"
         );
 
-        let present: Vec<(&str, Kind, Frontend)> = report
+        let present: Vec<(&str, Kind, Frontend, Family)> = report
             .cases
             .iter()
-            .map(|c| (c.program.as_str(), c.kind, c.frontend))
+            .map(|c| (c.program.as_str(), c.kind, c.frontend, c.family))
             .collect();
-        let want = [
+        // The main kinds in both families; Service features and working
+        // sets in IPv4.
+        let both_families = [
             ("xdp_uplink", Kind::NewFlow, Frontend::NodePort),
             ("xdp_uplink", Kind::NewFlow, Frontend::ClusterIp),
             ("xdp_uplink", Kind::Established, Frontend::NodePort),
             ("xdp_uplink", Kind::Established, Frontend::ClusterIp),
-            ("xdp_uplink", Kind::EstablishedWorkingSet, Frontend::NodePort),
             ("xdp_uplink", Kind::Miss, Frontend::None),
+            ("tc_ingress", Kind::NewFlow, Frontend::ClusterIp),
+            ("tc_ingress", Kind::Established, Frontend::ClusterIp),
+            ("tc_ingress", Kind::Miss, Frontend::None),
+            ("tc_egress", Kind::Reply, Frontend::ClusterIp),
+            ("tc_egress", Kind::Miss, Frontend::None),
+        ];
+        let ipv4_only = [
+            ("xdp_uplink", Kind::EstablishedWorkingSet, Frontend::NodePort),
             ("xdp_uplink", Kind::MissWorkingSet, Frontend::None),
             ("xdp_uplink", Kind::AffinityHit, Frontend::AffinityClusterIp),
             ("xdp_uplink", Kind::AffinityMiss, Frontend::AffinityClusterIp),
             ("xdp_uplink", Kind::NewFlow, Frontend::LoadBalancerIp),
             ("xdp_uplink", Kind::NewFlow, Frontend::MaglevClusterIp),
-            ("tc_ingress", Kind::NewFlow, Frontend::ClusterIp),
-            ("tc_ingress", Kind::Established, Frontend::ClusterIp),
             ("tc_ingress", Kind::EstablishedWorkingSet, Frontend::ClusterIp),
-            ("tc_ingress", Kind::Miss, Frontend::None),
             ("tc_ingress", Kind::MissWorkingSet, Frontend::None),
-            ("tc_egress", Kind::Reply, Frontend::ClusterIp),
             ("tc_egress", Kind::ReplyWorkingSet, Frontend::ClusterIp),
-            ("tc_egress", Kind::Miss, Frontend::None),
         ];
-        for case in want {
-            assert!(present.contains(&case), "{case:?} missing from {present:?}");
+        let of = |family| move |&(p, k, f): &(&'static str, Kind, Frontend)| (p, k, f, family);
+        let want: Vec<_> = (both_families.iter().map(of(Family::Ipv4)))
+            .chain(ipv4_only.iter().map(of(Family::Ipv4)))
+            .chain(both_families.iter().map(of(Family::Ipv6)))
+            .collect();
+        for case in &want {
+            assert!(present.contains(case), "{case:?} missing from {present:?}");
         }
         assert_eq!(present.len(), want.len(), "{present:?}");
 
@@ -722,6 +777,15 @@ mod tests {
         let markdown = report.markdown();
         for case in &report.cases {
             assert!(markdown.contains(&case.label), "{} not in\n{markdown}", case.label);
+        }
+        // Every IPv6 case has its IPv4 twin's row in the side-by-side table.
+        let side_by_side = markdown.split("IPv4 and IPv6 side by side").nth(1).expect("the table");
+        for case in report.cases.iter().filter(|c| c.family == Family::Ipv6) {
+            let twin = case.label.trim_end_matches(", IPv6");
+            assert!(
+                side_by_side.contains(&format!("| {} | {twin} |", case.program)),
+                "{twin}: {side_by_side}"
+            );
         }
         serde_json::to_string(&report).expect("the report serialises");
     }
@@ -766,7 +830,7 @@ mod tests {
             return;
         }
         let object = Object::from_env_or_builtin().expect("object");
-        let bed = Bed::load(&object, SNAT_MARK, NODE_IP).expect("load");
+        let bed = Bed::load(&object, SNAT_MARK, family::node_ips()).expect("load");
         let maps = map_memory(bed.pin_dir()).expect("map memory");
         let names: Vec<&str> = maps.iter().map(|m| m.name.as_str()).collect();
         assert_eq!(

@@ -4,7 +4,7 @@
 
 use std::{
     io::Read,
-    net::SocketAddrV4,
+    net::{SocketAddr, SocketAddrV4},
     time::{Duration, Instant, SystemTime},
 };
 
@@ -59,12 +59,12 @@ const LOG_CHECK_EVERY: u32 = 100;
 const CHANGE_PATIENCE: Duration = Duration::from_secs(60);
 
 /// One connection: the answering pod's name, or why none answered.
-pub fn probe(addr: SocketAddrV4, timeout: Duration) -> Result<String, String> {
+pub fn probe(addr: SocketAddr, timeout: Duration) -> Result<String, String> {
     probe_from(0, addr, timeout)
 }
 
 /// [`probe`] from local port `port` (0: an ephemeral one).
-fn probe_from(port: u16, addr: SocketAddrV4, timeout: Duration) -> Result<String, String> {
+fn probe_from(port: u16, addr: SocketAddr, timeout: Duration) -> Result<String, String> {
     let mut stream = sock::connect_from(port, addr, timeout).map_err(|e| e.to_string())?;
     stream
         .set_read_timeout(Some(Duration::from_secs(2)))
@@ -82,7 +82,7 @@ fn probe_from(port: u16, addr: SocketAddrV4, timeout: Duration) -> Result<String
 /// answered, for at most `patience`: a connection that is not answered in
 /// time means "not yet", not a failure. The error says how often it was
 /// tried and the last reason.
-pub fn probe_patiently(addr: SocketAddrV4, timeout: Duration, patience: Duration) -> Result<String, String> {
+pub fn probe_patiently(addr: SocketAddr, timeout: Duration, patience: Duration) -> Result<String, String> {
     let started = Instant::now();
     let mut tries = 0u32;
     loop {
@@ -194,7 +194,7 @@ pub fn wait_programmed(
             }
         };
         let attempt = SystemTime::now();
-        if ns.run_in(|| probe_from(port, last, probe_timeout))?.is_ok() {
+        if ns.run_in(|| probe_from(port, last.into(), probe_timeout))?.is_ok() {
             break attempt;
         }
         agent.alive()?;
@@ -299,7 +299,7 @@ pub fn endpoint_changes(
 fn wait_for_pod(addr: SocketAddrV4, pod: &str, since: Instant) -> Result<Duration> {
     let mut last = String::new();
     while since.elapsed() < CHANGE_PATIENCE {
-        match probe(addr, Duration::from_millis(200)) {
+        match probe(addr.into(), Duration::from_millis(200)) {
             Ok(name) if name == pod => return Ok(since.elapsed()),
             Ok(name) => last = format!("answered by {name}"),
             Err(e) => last = e,

@@ -717,6 +717,16 @@ fn latency_table(out: &mut String, r: &Results, title: &str, pick: fn(&Latency) 
                 ),
                 latency_cell(&l.nodeport_last, pick),
             ]);
+            if let Some(v6) = &l.ipv6 {
+                rows.push(vec![
+                    format!("{}, IPv6", m.mode),
+                    run.services.to_string(),
+                    "–".into(),
+                    latency_cell(&v6.clusterip, pick),
+                    "–".into(),
+                    latency_cell(&v6.nodeport, pick),
+                ]);
+            }
         }
     }
     table(
@@ -738,7 +748,11 @@ fn tables(out: &mut String, r: &Results) {
     let _ = writeln!(
         out,
         "\"no proxy\" is straight to a pod's address before any agent ran; \"direct\" is the same \
-         with the mode in place (what the mode costs traffic that is no Service's).\n"
+         with the mode in place (what the mode costs traffic that is no Service's). The \
+         \"IPv6\" row under a mode's row is the same last Service over IPv6 (it is dual-stack: an \
+         IPv6 ClusterIP and the node's IPv6 address with its NodePort, the same pods' IPv6 addresses \
+         as endpoints), from the same clients, in the same interleaved rounds; first and direct are \
+         not measured over IPv6.\n"
     );
     latency_table(out, r, "Connect latency (socket + connect)", |l| {
         (&l.connect_p50_us, &l.connect_p99_us)

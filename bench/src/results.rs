@@ -154,6 +154,20 @@ pub struct RunLatency {
     pub nodeport_first: Latency,
     pub nodeport_last: Latency,
     pub nodeport_direct: Latency,
+    /// The last Service (dual-stack) over IPv6, from the same clients;
+    /// absent where the mode did not answer over IPv6 (or in results from
+    /// before IPv6 was measured).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ipv6: Option<Ipv6Latency>,
+}
+
+/// The last Service's IPv6 paths.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Ipv6Latency {
+    /// Client pod -> the IPv6 ClusterIP.
+    pub clusterip: Latency,
+    /// Outside client -> NODE_IP6:NodePort.
+    pub nodeport: Latency,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -9,15 +9,16 @@
 //! measurements while it runs.
 
 use std::{
-    net::SocketAddrV4,
+    net::{SocketAddr, SocketAddrV4},
     path::{Path, PathBuf},
 };
 
 use anyhow::{Context, Result, bail};
-use testbed::topology::NODE_IP;
+use testbed::topology::{NODE_IP, NODE_IP6};
 use testbed::{
     agent_bed::{NodeApiServer, TempDir},
-    fixtures::{node, yaml_documents},
+    fixtures::{node_dual_stack as node, yaml_documents},
+    netns::Netns,
 };
 
 use crate::{
@@ -28,8 +29,8 @@ use crate::{
     programming::{self, EndpointPod},
     progress::Progress,
     results::{
-        Baseline, MANIFEST_FILE_SERVICES, ModeResult, ModeStatus, Parameters, Run, RunLatency, RunThroughput, ScaleRun,
-        ScaleSource,
+        Baseline, Ipv6Latency, MANIFEST_FILE_SERVICES, ModeResult, ModeStatus, Parameters, Run, RunLatency,
+        RunThroughput, ScaleRun, ScaleSource,
     },
     services::{self, CHANGE_CLUSTER_IP, PORT, ServiceSet},
     throughput,
@@ -102,6 +103,12 @@ impl<'a> Runner<'a> {
                 (
                     "NodePort path".into(),
                     "the outside client (172.30.0.1) -> 172.30.0.2:NodePort, through the node's uplink".into(),
+                ),
+                (
+                    "IPv6 paths".into(),
+                    "the same clients (fd00:244::64, fd00:30::1) -> the last Service's IPv6 ClusterIP:80 and \
+                     [fd00:30::2]:NodePort (the last Service is dual-stack; its IPv6 endpoints are the same pods)"
+                        .into(),
                 ),
                 (
                     "baseline, direct".into(),
@@ -235,7 +242,7 @@ impl<'a> Runner<'a> {
 
     fn baseline(&self, topo: &BenchTopology) -> Result<Baseline> {
         // Straight to pod-1's address, from both clients.
-        let pod = SocketAddrV4::new(pod_ip(1), services::TARGET_PORT);
+        let pod = SocketAddr::from((pod_ip(1), services::TARGET_PORT));
         let mut from_pod = Target::new(pod, 0, 2);
         let mut from_client = Target::new(pod, 1, 2);
         let mut targets = [(&topo.client_pod.ns, &mut from_pod), (&topo.client, &mut from_client)];
@@ -369,28 +376,37 @@ impl<'a> Runner<'a> {
         }
 
         let direct = SocketAddrV4::new(last.endpoints[0].ip, services::TARGET_PORT);
-        let addrs = [
-            (&topo.client_pod.ns, cluster(first)),
-            (&topo.client_pod.ns, cluster(last)),
-            (&topo.client_pod.ns, direct),
-            (&topo.client, node_port(first)?),
-            (&topo.client, node_port(last)?),
-            (&topo.client, direct),
+        let mut addrs: Vec<(&Netns, SocketAddr)> = vec![
+            (&topo.client_pod.ns, cluster(first).into()),
+            (&topo.client_pod.ns, cluster(last).into()),
+            (&topo.client_pod.ns, direct.into()),
+            (&topo.client, node_port(first)?.into()),
+            (&topo.client, node_port(last)?.into()),
+            (&topo.client, direct.into()),
         ];
         // Every address answers before the rounds start (the last Service
         // did, in the bulk measurement; a mode may still be at work on the
         // others).
         for (ns, addr) in &addrs {
-            ns.run_in(|| {
-                programming::probe_patiently(*addr, programming::CHECK_CONNECT_TIMEOUT, programming::CHECK_PATIENCE)
-            })?
-            .map_err(|e| anyhow::anyhow!("{addr} from {}: {e}", ns.name()))?;
+            answers(ns, *addr, programming::CHECK_PATIENCE)?;
+        }
+        // The dual-stack last Service over IPv6: measured where it answers,
+        // a note where not (the IPv4 figures stand either way).
+        let ipv6 = ipv6_targets(topo, last)?;
+        match ipv6.iter().try_for_each(|(ns, addr)| answers(ns, *addr, IPV6_PATIENCE)) {
+            Ok(()) => addrs.extend(ipv6),
+            Err(e) => {
+                self.say(&format!("{label}: IPv6 not measured: {e:#}"));
+                run.note = Some(format!("IPv6 not measured: {e:#}"));
+            }
         }
         run.latency = Some(self.progress.part(&format!("{label}: latency"), || {
+            // IPv6 targets take the port shares of IPv4 ones: flows of two
+            // families never meet in any conntrack.
             let mut targets: Vec<Target> = addrs
                 .iter()
                 .enumerate()
-                .map(|(i, (_, addr))| Target::new(*addr, i, addrs.len()))
+                .map(|(i, (_, addr))| Target::new(*addr, i % IPV4_TARGETS, IPV4_TARGETS))
                 .collect();
             let needed = self.plan.rounds * self.plan.connections;
             if needed > targets[0].capacity() {
@@ -559,6 +575,34 @@ impl<'a> Runner<'a> {
     }
 }
 
+/// The latency targets in IPv4: ClusterIP first, last, direct; NodePort
+/// first, last, direct.
+const IPV4_TARGETS: usize = 6;
+
+/// How long the last Service's IPv6 half may take to answer once its IPv4
+/// half does (the same sync programs both): a mode that does not serve it
+/// costs the run no more.
+const IPV6_PATIENCE: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// `addr` answers from `ns` within `patience` (a mode may still be at work
+/// on it).
+fn answers(ns: &Netns, addr: SocketAddr, patience: std::time::Duration) -> Result<()> {
+    ns.run_in(|| programming::probe_patiently(addr, programming::CHECK_CONNECT_TIMEOUT, patience))?
+        .map_err(|e| anyhow::anyhow!("{addr} from {}: {e}", ns.name()))?;
+    Ok(())
+}
+
+/// The dual-stack `last` Service in IPv6: its ClusterIP from the client
+/// pod, its NodePort on the node's IPv6 address from outside.
+fn ipv6_targets<'a>(topo: &'a BenchTopology, last: &services::BenchService) -> Result<Vec<(&'a Netns, SocketAddr)>> {
+    let cluster = last.cluster_ip6.context("the last Service is dual-stack")?;
+    let node_port = last.node_port.context("a NodePort")?;
+    Ok(vec![
+        (&topo.client_pod.ns, SocketAddr::from((cluster, PORT))),
+        (&topo.client, SocketAddr::from((NODE_IP6, node_port))),
+    ])
+}
+
 /// Why the agent did not program the Services, if its log says.
 fn sync_failure(agent: &BenchAgent) -> Option<String> {
     let failure = agent::parse_log(&agent.log_text()).last_sync_failure?;
@@ -588,7 +632,18 @@ fn failed_scale(point: &ScalePoint, error: String) -> ScaleRun {
     }
 }
 
-fn run_latency(found: Vec<Latency>) -> Result<RunLatency> {
+/// The results in the order of the targets: six IPv4 ones, then the two
+/// IPv6 ones if they were measured.
+fn run_latency(mut found: Vec<Latency>) -> Result<RunLatency> {
+    let ipv6 = match found.len() {
+        IPV4_TARGETS => None,
+        8 => {
+            let nodeport = found.pop().context("eight results")?;
+            let clusterip = found.pop().context("eight results")?;
+            Some(Ipv6Latency { clusterip, nodeport })
+        }
+        n => bail!("{n} latency results, want {IPV4_TARGETS} or 8"),
+    };
     let [
         clusterip_first,
         clusterip_last,
@@ -596,10 +651,11 @@ fn run_latency(found: Vec<Latency>) -> Result<RunLatency> {
         nodeport_first,
         nodeport_last,
         nodeport_direct,
-    ]: [Latency; 6] = found
+    ]: [Latency; IPV4_TARGETS] = found
         .try_into()
         .map_err(|v: Vec<Latency>| anyhow::anyhow!("{} latency results, want 6", v.len()))?;
     Ok(RunLatency {
+        ipv6,
         clusterip_first,
         clusterip_last,
         clusterip_direct,

@@ -16,7 +16,8 @@
 //! clients' ports are free again at once.
 
 use std::{
-    net::{Ipv4Addr, SocketAddr},
+    net::{Ipv6Addr, SocketAddr},
+    os::fd::AsRawFd,
     time::Duration,
 };
 
@@ -53,8 +54,8 @@ impl PodServers {
         Ok(Self { runtime: Some(runtime) })
     }
 
-    /// Serves `name` on `0.0.0.0:port` inside `ns` (every address the
-    /// namespace has, its local routes included).
+    /// Serves `name` on `[::]:port` inside `ns` (every address the
+    /// namespace has, of both families, its local routes included).
     pub fn serve(&self, ns: &Netns, port: u16, name: &str) -> Result<()> {
         let std_listener = ns
             .run_in(|| listen(port))?
@@ -76,17 +77,16 @@ impl Drop for PodServers {
     }
 }
 
-/// A non-blocking listener with a deep backlog, in the calling thread's namespace.
+/// A non-blocking listener with a deep backlog on every address of both
+/// families (`[::]`, IPv4 too), in the calling thread's namespace.
 fn listen(port: u16) -> std::io::Result<std::net::TcpListener> {
-    // SAFETY: plain socket(2); the fd is owned right away.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: fd is a fresh descriptor nobody else owns.
-    let listener = unsafe { <std::net::TcpListener as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    let any = SocketAddr::from((Ipv6Addr::UNSPECIFIED, port));
+    let owned = crate::sock::stream_socket(any)?;
+    let fd = owned.as_raw_fd();
+    let listener = std::net::TcpListener::from(owned);
     crate::sock::set_int_option(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1)?;
-    crate::sock::bind(fd, SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)))?;
+    crate::sock::set_int_option(fd, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, 0)?;
+    crate::sock::bind(fd, any)?;
     // SAFETY: listen(2) on a socket this function owns.
     if unsafe { libc::listen(fd, BACKLOG) } != 0 {
         return Err(std::io::Error::last_os_error());

@@ -8,14 +8,24 @@
 //! in its namespace), and a Service's endpoints sit on distinct pods, each
 //! with an address of its own, as pods of different Services would.
 //!
+//! The last Service is dual-stack: its IPv6 ClusterIP is
+//! [`FIRST_CLUSTER_IP6`] + `i`, and a second EndpointSlice holds its
+//! endpoints' pods' IPv6 addresses (a pod answers on one, [`pod_ipv6`] of
+//! its primary IPv4 address).
+//!
 //! Besides the N Services there is one more, `svc-change`, whose single
 //! endpoint the endpoint-change measurement moves between two pods.
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 use anyhow::{Result, ensure};
 use serde_json::Value;
-use testbed::fixtures::{service, slice};
+use testbed::{
+    fixtures::{NODE_NAME, PortDef, dual_stack, service, slice, slice6_with},
+    topology::pod_ipv6,
+};
+
+use crate::topology::pod_ip;
 
 /// Backend pods; a Service has at most this many endpoints.
 pub const PODS: usize = 10;
@@ -33,6 +43,8 @@ const NODE_PORT_MAX: u16 = 32767;
 const FIRST_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 /// The last usable address of 10.96.0.0/12.
 const LAST_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 111, 255, 254);
+/// The IPv6 ClusterIP Service `i` would have; only the last one has it.
+const FIRST_CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0xa);
 /// The ClusterIP of the endpoint-change Service (below the others).
 pub const CHANGE_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 9);
 pub const CHANGE_SERVICE: &str = "svc-change";
@@ -66,18 +78,28 @@ pub struct BenchService {
     pub index: usize,
     pub name: String,
     pub cluster_ip: Ipv4Addr,
+    /// Set for the last Service: it is dual-stack.
+    pub cluster_ip6: Option<Ipv6Addr>,
     pub node_port: Option<u16>,
     pub endpoints: Vec<BenchEndpoint>,
 }
 
 impl BenchService {
-    /// The Service and its EndpointSlice, as the API server stores them.
-    pub fn objects(&self) -> [Value; 2] {
+    /// The Service and its EndpointSlice (and a dual-stack one's IPv6
+    /// slice), as the API server stores them.
+    pub fn objects(&self) -> Vec<Value> {
         let ips: Vec<Ipv4Addr> = self.endpoints.iter().map(|e| e.ip).collect();
-        [
-            service(&self.name, self.cluster_ip, PORT, TARGET_PORT, self.node_port),
-            slice(&format!("{}-1", self.name), &self.name, TARGET_PORT, &ips),
-        ]
+        let service = service(&self.name, self.cluster_ip, PORT, TARGET_PORT, self.node_port);
+        let slice = slice(&format!("{}-1", self.name), &self.name, TARGET_PORT, &ips);
+        let Some(ip6) = self.cluster_ip6 else {
+            return vec![service, slice];
+        };
+        let ips6: Vec<(Ipv6Addr, &str)> = (self.endpoints.iter())
+            .map(|e| (pod_ipv6(pod_ip(e.pod)), NODE_NAME))
+            .collect();
+        let port = PortDef::tcp(0, TARGET_PORT, None);
+        let slice6 = slice6_with(&format!("{}-ipv6", self.name), &self.name, &[port], &ips6);
+        vec![dual_stack(service, ip6), slice, slice6]
     }
 }
 
@@ -142,6 +164,8 @@ impl ServiceSet {
                 index,
                 name: service_name(index),
                 cluster_ip: Ipv4Addr::from(u32::from(FIRST_CLUSTER_IP) + index as u32),
+                cluster_ip6: (index + 1 == count)
+                    .then(|| Ipv6Addr::from(u128::from(FIRST_CLUSTER_IP6) + index as u128)),
                 node_port: node_port(index, count),
                 endpoints,
             });
@@ -295,7 +319,7 @@ mod tests {
     fn objects_pair_services_with_slices() {
         let set = ServiceSet::generate(3, DEFAULT_SEED).expect("set");
         let objects = set.objects(Ipv4Addr::new(10, 244, 0, 11));
-        assert_eq!(objects.len(), 2 * 3 + 2);
+        assert_eq!(objects.len(), 2 * 3 + 1 + 2);
         assert_eq!(objects[0]["kind"], "Service");
         assert_eq!(objects[0]["spec"]["clusterIP"], "10.96.0.10");
         assert_eq!(objects[1]["kind"], "EndpointSlice");
@@ -307,8 +331,17 @@ mod tests {
             objects[1]["endpoints"].as_array().map(Vec::len),
             Some(set.first().endpoints.len())
         );
-        assert_eq!(objects[6]["metadata"]["name"], CHANGE_SERVICE);
-        assert_eq!(objects[7]["endpoints"][0]["addresses"][0], "10.244.0.11");
+        // The last Service is dual-stack, with an IPv6 slice of its pods.
+        assert_eq!(objects[4]["spec"]["clusterIPs"][1], "fd00:96::c");
+        assert_eq!(objects[6]["addressType"], "IPv6");
+        let pod = set.last().endpoints[0].pod;
+        assert_eq!(
+            objects[6]["endpoints"][0]["addresses"][0],
+            pod_ipv6(pod_ip(pod)).to_string()
+        );
+        assert!(set.services[..2].iter().all(|s| s.cluster_ip6.is_none()));
+        assert_eq!(objects[7]["metadata"]["name"], CHANGE_SERVICE);
+        assert_eq!(objects[8]["endpoints"][0]["addresses"][0], "10.244.0.11");
     }
 
     #[test]

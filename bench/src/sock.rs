@@ -3,19 +3,70 @@
 
 use std::{
     io,
-    net::{SocketAddr, SocketAddrV4, TcpStream},
-    os::fd::{FromRawFd, OwnedFd, RawFd},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream},
+    os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
     time::Duration,
 };
 
-fn sockaddr(addr: SocketAddrV4) -> libc::sockaddr_in {
-    libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: addr.port().to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from_ne_bytes(addr.ip().octets()),
-        },
-        sin_zero: [0; 8],
+/// An address as bind(2) and connect(2) take it.
+enum RawAddr {
+    V4(libc::sockaddr_in),
+    V6(libc::sockaddr_in6),
+}
+
+impl RawAddr {
+    fn of(addr: SocketAddr) -> Self {
+        match addr {
+            SocketAddr::V4(a) => RawAddr::V4(libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(a.ip().octets()),
+                },
+                sin_zero: [0; 8],
+            }),
+            SocketAddr::V6(a) => RawAddr::V6(libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: a.flowinfo(),
+                sin6_addr: libc::in6_addr {
+                    s6_addr: a.ip().octets(),
+                },
+                sin6_scope_id: a.scope_id(),
+            }),
+        }
+    }
+
+    /// The pointer and the length to pass; valid while `self` lives.
+    fn as_raw(&self) -> (*const libc::sockaddr, libc::socklen_t) {
+        match self {
+            RawAddr::V4(sa) => (
+                (sa as *const libc::sockaddr_in).cast(),
+                std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+            ),
+            RawAddr::V6(sa) => (
+                (sa as *const libc::sockaddr_in6).cast(),
+                std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t,
+            ),
+        }
+    }
+}
+
+/// A blocking TCP socket of `addr`'s family.
+pub fn stream_socket(addr: SocketAddr) -> io::Result<OwnedFd> {
+    let domain = if addr.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
+    // SAFETY: plain socket(2); the fd is owned right away.
+    let fd = unsafe { libc::socket(domain, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    check(fd)?;
+    // SAFETY: fd is a fresh descriptor nobody else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// The unspecified address of `addr`'s family.
+fn unspecified(addr: SocketAddr) -> IpAddr {
+    match addr {
+        SocketAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
+        SocketAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
     }
 }
 
@@ -41,18 +92,10 @@ pub fn set_int_option(fd: RawFd, level: libc::c_int, name: libc::c_int, value: l
 }
 
 pub fn bind(fd: RawFd, addr: SocketAddr) -> io::Result<()> {
-    let SocketAddr::V4(addr) = addr else {
-        return Err(io::Error::new(io::ErrorKind::Unsupported, "IPv4 only"));
-    };
-    let sa = sockaddr(addr);
-    // SAFETY: sa is a valid sockaddr_in of the size passed.
-    check(unsafe {
-        libc::bind(
-            fd,
-            (&sa as *const libc::sockaddr_in).cast(),
-            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
-        )
-    })
+    let raw = RawAddr::of(addr);
+    let (sa, len) = raw.as_raw();
+    // SAFETY: sa points at a sockaddr of `len` bytes that outlives the call.
+    check(unsafe { libc::bind(fd, sa, len) })
 }
 
 /// A blocking TCP connection to `to` from local port `from_port` (0: any):
@@ -61,15 +104,12 @@ pub fn bind(fd: RawFd, addr: SocketAddr) -> io::Result<()> {
 /// latency rounds time) and gives up after `timeout` (SO_SNDTIMEO): then it
 /// fails with [`io::ErrorKind::TimedOut`], "no answer yet" to a caller that
 /// probes.
-pub fn connect_from(from_port: u16, to: SocketAddrV4, timeout: Duration) -> io::Result<TcpStream> {
-    // SAFETY: plain socket(2); the fd is owned right away.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    check(fd)?;
-    // SAFETY: fd is a fresh descriptor nobody else owns.
-    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+pub fn connect_from(from_port: u16, to: SocketAddr, timeout: Duration) -> io::Result<TcpStream> {
+    let owned = stream_socket(to)?;
+    let fd = owned.as_raw_fd();
     if from_port != 0 {
         set_int_option(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1)?;
-        bind(fd, SocketAddr::from(([0, 0, 0, 0], from_port)))?;
+        bind(fd, SocketAddr::new(unspecified(to), from_port))?;
     }
     let tv = libc::timeval {
         tv_sec: timeout.as_secs() as libc::time_t,
@@ -85,16 +125,10 @@ pub fn connect_from(from_port: u16, to: SocketAddrV4, timeout: Duration) -> io::
             std::mem::size_of::<libc::timeval>() as libc::socklen_t,
         )
     })?;
-    let sa = sockaddr(to);
-    // SAFETY: sa is a valid sockaddr_in of the size passed.
-    check(unsafe {
-        libc::connect(
-            fd,
-            (&sa as *const libc::sockaddr_in).cast(),
-            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
-        )
-    })
-    .map_err(|e| connect_error(e, to, timeout))?;
+    let raw = RawAddr::of(to);
+    let (sa, len) = raw.as_raw();
+    // SAFETY: sa points at a sockaddr of `len` bytes that outlives the call.
+    check(unsafe { libc::connect(fd, sa, len) }).map_err(|e| connect_error(e, to, timeout))?;
     Ok(TcpStream::from(owned))
 }
 
@@ -102,7 +136,7 @@ pub fn connect_from(from_port: u16, to: SocketAddrV4, timeout: Duration) -> io::
 /// the handshake completes, Linux returns EINPROGRESS (socket(7)): the SYN
 /// went out and nothing came back in time; the socket is closed right after,
 /// so nothing is "in progress" any more: that is a timeout.
-fn connect_error(e: io::Error, to: SocketAddrV4, timeout: Duration) -> io::Error {
+fn connect_error(e: io::Error, to: SocketAddr, timeout: Duration) -> io::Error {
     match e.raw_os_error() {
         Some(libc::EINPROGRESS | libc::EAGAIN) => io::Error::new(
             io::ErrorKind::TimedOut,
@@ -114,7 +148,7 @@ fn connect_error(e: io::Error, to: SocketAddrV4, timeout: Duration) -> io::Error
 
 #[cfg(test)]
 mod tests {
-    use std::net::{Ipv4Addr, TcpListener};
+    use std::net::TcpListener;
 
     use super::*;
 
@@ -123,18 +157,13 @@ mod tests {
     /// the SYN-ACK that never comes, as one to a Service not programmed yet.
     #[test]
     fn a_connect_without_answer_times_out() {
-        // SAFETY: plain socket calls on descriptors owned right away.
-        let listener = unsafe {
-            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-            check(fd).expect("socket");
-            let owned = OwnedFd::from_raw_fd(fd);
-            bind(fd, SocketAddr::from((Ipv4Addr::LOCALHOST, 0))).expect("bind");
-            check(libc::listen(fd, 0)).expect("listen");
-            TcpListener::from(owned)
-        };
-        let SocketAddr::V4(addr) = listener.local_addr().expect("address") else {
-            unreachable!("bound to IPv4")
-        };
+        let loopback = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+        let owned = stream_socket(loopback).expect("socket");
+        bind(owned.as_raw_fd(), loopback).expect("bind");
+        // SAFETY: listen(2) on a socket this test owns.
+        check(unsafe { libc::listen(owned.as_raw_fd(), 0) }).expect("listen");
+        let listener = TcpListener::from(owned);
+        let addr = listener.local_addr().expect("address");
         // Fill the accept queue (never accepted) until a connect goes unanswered.
         let mut held = Vec::new();
         let timeout = Duration::from_millis(100);
@@ -150,5 +179,24 @@ mod tests {
         // Other errors stay what they are.
         let refused = connect_error(io::Error::from_raw_os_error(libc::ECONNREFUSED), addr, timeout);
         assert_eq!(refused.kind(), io::ErrorKind::ConnectionRefused);
+    }
+
+    /// Connections over IPv6 and IPv4 loopback to a listener on every
+    /// address of both families (as the pods' servers listen).
+    #[test]
+    fn a_dual_stack_listener_is_reached_over_both_families() {
+        let any = SocketAddr::from((Ipv6Addr::UNSPECIFIED, 0));
+        let owned = stream_socket(any).expect("socket");
+        set_int_option(owned.as_raw_fd(), libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, 0).expect("dual-stack");
+        bind(owned.as_raw_fd(), any).expect("bind");
+        // SAFETY: listen(2) on a socket this test owns.
+        check(unsafe { libc::listen(owned.as_raw_fd(), 4) }).expect("listen");
+        let listener = TcpListener::from(owned);
+        let port = listener.local_addr().expect("address").port();
+        let stream = connect_from(0, SocketAddr::from((Ipv6Addr::LOCALHOST, port)), Duration::from_secs(1))
+            .expect("connect over IPv6");
+        assert!(stream.local_addr().expect("local").is_ipv6());
+        let v4 = connect_from(0, SocketAddr::from((Ipv4Addr::LOCALHOST, port)), Duration::from_secs(1));
+        assert!(v4.is_ok(), "the dual-stack listener takes IPv4 too: {v4:?}");
     }
 }

@@ -69,7 +69,7 @@ fn wrk_deadline(options: &WrkOptions) -> Duration {
 
 /// `rounds` runs of `wrk` from `ns` against `http://addr/`.
 pub fn measure(ns: &Netns, addr: SocketAddrV4, keep_alive: bool, options: &WrkOptions) -> Result<Throughput> {
-    ns.run_in(|| crate::programming::probe_patiently(addr, Duration::from_secs(1), ANSWER_PATIENCE))?
+    ns.run_in(|| crate::programming::probe_patiently(addr.into(), Duration::from_secs(1), ANSWER_PATIENCE))?
         .map_err(|e| anyhow::anyhow!("{addr} from {} before wrk: {e}", ns.name()))?;
     let mut rates = Vec::new();
     let mut errors = 0;

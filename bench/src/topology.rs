@@ -13,13 +13,18 @@
 //! its /16 (a `local` route in the pod, like AnyIP), so all endpoints of
 //! every Service are real and distinct. One multi-threaded server
 //! ([`PodServers`]) serves port 80 in every backend pod.
+//!
+//! IPv6 as on the testbed's bed: the client link has `fd00:30::1` and
+//! `fd00:30::2`, every pod its `pod_ipv6` address (`fd00:244::b` for
+//! 10.244.0.11, the client pod `fd00:244::64`): what the dual-stack last
+//! Service's IPv6 rows go through.
 
 use std::net::Ipv4Addr;
 
 use anyhow::{Context, Result};
 use testbed::{
     netns::Netns,
-    topology::{POD_GATEWAY, Pod, add_pod, link_client, node_ns},
+    topology::{POD_GATEWAY, POD_GATEWAY6, Pod, add_pod, link_client, link_client_ipv6, node_ns},
 };
 
 use crate::{
@@ -64,12 +69,14 @@ impl BenchTopology {
         // (rev-NATed replies come in on pod veths), no ICMP rate limit.
         let node = node_ns("bn")?;
 
-        link_client(&client, &node, CLIENT_ROUTE)?;
+        let (client_if, uplink) = link_client(&client, &node, CLIENT_ROUTE)?;
+        link_client_ipv6(&client, &client_if, &node, &uplink)?;
 
         let servers = PodServers::new(server_workers())?;
         let mut pods = Vec::with_capacity(PODS);
         for (k, name) in POD_NAMES.iter().enumerate() {
-            let pod = add_pod(&node, POD_GATEWAY, name, pod_ip(k))?;
+            let mut pod = add_pod(&node, POD_GATEWAY, name, pod_ip(k))?;
+            pod.add_ipv6(&node, POD_GATEWAY6)?;
             let (block, len) = endpoint_block(k);
             let cidr = format!("{block}/{len}");
             pod.ns
@@ -79,7 +86,8 @@ impl BenchTopology {
             servers.serve(&pod.ns, TARGET_PORT, name)?;
             pods.push(pod);
         }
-        let client_pod = add_pod(&node, POD_GATEWAY, CLIENT_POD.0, CLIENT_POD.1)?;
+        let mut client_pod = add_pod(&node, POD_GATEWAY, CLIENT_POD.0, CLIENT_POD.1)?;
+        client_pod.add_ipv6(&node, POD_GATEWAY6)?;
         Ok(Self {
             _servers: servers,
             _pods: pods,

@@ -917,6 +917,16 @@ fn node_ports_in_use(st: &State, except: (&str, &str)) -> BTreeSet<u64> {
 /// Service defaulting and allocation, as the real server does it:
 /// type, sessionAffinity, protocols, targetPorts, a cluster IP and node
 /// ports (kept from the stored object on update when left out).
+/// A dual-stack Service's IPv6 ClusterIP (`spec.clusterIPs[1]`), as given
+/// or as stored: kept, not allocated (this server allocates IPv4 only).
+fn secondary_ipv6(spec: &Map<String, Value>, old_spec: &Value) -> Option<String> {
+    let second = |ips: Option<&Value>| {
+        let ip = ips?.get(1)?.as_str()?;
+        ip.parse::<std::net::Ipv6Addr>().is_ok().then(|| ip.to_owned())
+    };
+    second(spec.get("clusterIPs")).or_else(|| second(old_spec.get("clusterIPs")))
+}
+
 fn default_service(st: &State, obj: &mut Value, old: Option<&Value>, name: &str) -> Result<(), ApiError> {
     let r = &resources::SERVICES;
     let ns = meta_str(obj, "namespace").unwrap_or("").to_string();
@@ -991,7 +1001,11 @@ fn default_service(st: &State, obj: &mut Value, old: Option<&Value>, name: &str)
             }
         };
         spec.insert("clusterIP".into(), json!(ip));
-        spec.insert("clusterIPs".into(), json!([ip]));
+        let ips = match secondary_ipv6(spec, &old_spec) {
+            Some(ip6) => json!([ip, ip6]),
+            None => json!([ip]),
+        };
+        spec.insert("clusterIPs".into(), ips);
         spec.entry("ipFamilies").or_insert(json!(["IPv4"]));
         spec.entry("ipFamilyPolicy").or_insert(json!("SingleStack"));
         spec.entry("internalTrafficPolicy").or_insert(json!("Cluster"));
@@ -1265,6 +1279,20 @@ mod tests {
         assert_eq!(b2["spec"]["ports"][0]["nodePort"], 30000);
         assert_eq!(b2["metadata"]["generation"], 2);
         assert_eq!(b2["metadata"]["uid"], b["metadata"]["uid"]);
+        // A dual-stack Service keeps its IPv6 ClusterIP, also through an
+        // update that does not repeat it.
+        let dual = json!({"metadata": {"name": "d"}, "spec": {"type": "ClusterIP", "ports": [{"port": 1}],
+            "clusterIP": "10.96.0.9", "clusterIPs": ["10.96.0.9", "fd00:96::9"],
+            "ipFamilies": ["IPv4", "IPv6"], "ipFamilyPolicy": "RequireDualStack"}});
+        let d = store
+            .create(&resources::SERVICES, Some("default"), dual, false)
+            .expect("created");
+        assert_eq!(d["spec"]["clusterIPs"], json!(["10.96.0.9", "fd00:96::9"]));
+        let upd = json!({"metadata": {"name": "d"}, "spec": {"type": "ClusterIP", "ports": [{"port": 2}]}});
+        let d2 = store
+            .update(&resources::SERVICES, "default", "d", upd, UpdateMode::Main, false)
+            .expect("updated");
+        assert_eq!(d2["spec"]["clusterIPs"], json!(["10.96.0.9", "fd00:96::9"]));
     }
 
     #[test]

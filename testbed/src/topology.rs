@@ -252,7 +252,7 @@ pub fn add_pod(node: &Netns, gateway: Ipv4Addr, name: &'static str, ip: Ipv4Addr
 /// IPv6 on the client link made by [`link_client`]: [`CLIENT_IP6`] and
 /// [`NODE_IP6`], the node's default route via the client and the
 /// client's route to [`POD_CIDR6`] via the node.
-fn link_client_ipv6(client: &Netns, client_if: &str, node: &Netns, uplink: &str) -> Result<()> {
+pub fn link_client_ipv6(client: &Netns, client_if: &str, node: &Netns, uplink: &str) -> Result<()> {
     client.add_addr(client_if, &format!("{CLIENT_IP6}/64"))?;
     node.add_addr(uplink, &format!("{NODE_IP6}/64"))?;
     node.add_route(&["::/0", "via", &CLIENT_IP6.to_string(), "dev", uplink])?;

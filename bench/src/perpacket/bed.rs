@@ -2,7 +2,7 @@
 //! with the seed Services programmed through the agent's own map code.
 
 use std::{
-    net::Ipv4Addr,
+    net::IpAddr,
     os::fd::{AsFd, BorrowedFd},
     path::Path,
 };
@@ -13,11 +13,13 @@ use aya::{
     maps::{HashMap, Map, MapData},
     programs::{SchedClassifier, Xdp},
 };
-use proxy_common::{CtKey, CtValue, Verdict, maps};
+use proxy_common::{CtKey, CtKey6, CtValue, CtValue6, Verdict, maps};
 use proxy_userspace::mode::ebpf::{ServiceMaps, object_bytes};
 use serde::Serialize;
 use testbed::privileged::PinDir;
 use testbed::testrun::{Prog, seed_services};
+
+use super::family::{FlowKey, seed_service6};
 
 /// Names an eBPF object to measure instead of the one built into this
 /// binary (e.g. a candidate change built elsewhere), read at run time.
@@ -82,8 +84,10 @@ impl Object {
 /// Fields drop in order: maps and programs before the pin directory.
 pub struct Bed {
     pub maps: ServiceMaps,
-    /// A second handle on conntrack, to remove flows a case opened.
+    /// Second handles on conntrack (IPv4's, IPv6's), to remove flows a
+    /// case opened.
     conntrack: HashMap<MapData, CtKey, CtValue>,
+    conntrack6: HashMap<MapData, CtKey6, CtValue6>,
     ebpf: Ebpf,
     /// Removes every pin when dropped.
     _pin: PinDir,
@@ -92,8 +96,8 @@ pub struct Bed {
 impl Bed {
     /// Loads `object` into a fresh pin directory the way the agent does
     /// (maps pinned by name, `snat_mark` patched in) and programs the seed
-    /// Services, with NodePorts on `node_ip`.
-    pub fn load(object: &Object, snat_mark: u32, node_ip: Ipv4Addr) -> Result<Self> {
+    /// Services (and the seed's IPv6 twin), with NodePorts on `node_ips`.
+    pub fn load(object: &Object, snat_mark: u32, node_ips: Vec<IpAddr>) -> Result<Self> {
         let pin = PinDir::new();
         std::fs::create_dir_all(pin.path()).with_context(|| format!("creating {}", pin.path().display()))?;
         let mut ebpf = EbpfLoader::new()
@@ -107,28 +111,29 @@ impl Bed {
             let tc: &mut SchedClassifier = program(&mut ebpf, name)?.try_into()?;
             tc.load().with_context(|| format!("verifier rejected {name}"))?;
         }
-        let mut maps = ServiceMaps::open(pin.path(), vec![node_ip.into()])?;
-        for svc in seed_services().into_iter().chain(super::cases::api_services()) {
+        let mut maps = ServiceMaps::open(pin.path(), node_ips)?;
+        let services = seed_services().into_iter().chain(super::cases::api_services());
+        for svc in services.chain([seed_service6()]) {
             maps.sync_service(&svc)
                 .with_context(|| format!("programming {}", svc.name))?;
         }
-        let ct_pin = pin.path().join(maps::CONNTRACK);
-        let ct = MapData::from_pin(&ct_pin).with_context(|| format!("opening {}", ct_pin.display()))?;
-        let conntrack = HashMap::try_from(Map::from_map_data(ct)?).context("conntrack has an unexpected layout")?;
         Ok(Self {
             maps,
-            conntrack,
+            conntrack: open_conntrack(pin.path(), maps::CONNTRACK)?,
+            conntrack6: open_conntrack(pin.path(), maps::CONNTRACK6)?,
             ebpf,
             _pin: pin,
         })
     }
 
     /// Removes conntrack entries; all of them must exist.
-    pub fn forget(&mut self, keys: &[CtKey]) -> Result<()> {
+    pub fn forget(&mut self, keys: &[FlowKey]) -> Result<()> {
         for key in keys {
-            self.conntrack
-                .remove(key)
-                .with_context(|| format!("removing conntrack entry {key:?}"))?;
+            let removed = match key {
+                FlowKey::V4(key) => self.conntrack.remove(key),
+                FlowKey::V6(key) => self.conntrack6.remove(key),
+            };
+            removed.with_context(|| format!("removing conntrack entry {key:?}"))?;
         }
         Ok(())
     }
@@ -169,6 +174,13 @@ impl Bed {
         }
         Ok(out)
     }
+}
+
+/// A handle on the pinned conntrack map `name` with keys `K`.
+fn open_conntrack<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
+    let pin = pin_dir.join(name);
+    let data = MapData::from_pin(&pin).with_context(|| format!("opening {}", pin.display()))?;
+    HashMap::try_from(Map::from_map_data(data)?).with_context(|| format!("{name} has an unexpected layout"))
 }
 
 fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut aya::programs::Program> {

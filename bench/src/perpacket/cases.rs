@@ -2,23 +2,24 @@
 //! and what the program must do with every one of them.
 
 use std::{
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{Ipv4Addr, SocketAddr},
     os::fd::BorrowedFd,
     time::Duration,
 };
 
-use anyhow::{Context, Result, bail, ensure};
-use proxy_common::{CtKey, Verdict, proto};
+use anyhow::{Context, Result, ensure};
+use proxy_common::Verdict;
 use proxy_userspace::model::{ServicePort, SourceRange};
 use rand::{SeedableRng, rngs::StdRng, seq::SliceRandom};
 use serde::Serialize;
 use testbed::{
-    frame::{Frame, Strict, check, parse_strict, tcp_flags},
-    testrun::{NODE_IP, Prog, cluster_ip, node_port, seed_backends, service},
+    frame::tcp_flags,
+    testrun::{Prog, seed_backends, service},
 };
 
 use super::{
     bed::Bed,
+    family::{Family, FlowKey, checked_ends, tcp_frame},
     raw::{self, PassProgram},
 };
 
@@ -110,13 +111,15 @@ pub enum Frontend {
 }
 
 impl Frontend {
-    fn addr(self) -> Option<SocketAddrV4> {
+    /// The frontend's address in `family`; the [`api_services`] are IPv4's.
+    fn addr(self, family: Family) -> Option<SocketAddr> {
+        let ipv4 = |ip: Ipv4Addr| (family == Family::Ipv4).then(|| SocketAddr::from((ip, 88)));
         match self {
-            Frontend::NodePort => Some(node_port()),
-            Frontend::ClusterIp => Some(cluster_ip()),
-            Frontend::AffinityClusterIp => Some(SocketAddrV4::new(AFFINITY_IP, 88)),
-            Frontend::LoadBalancerIp => Some(SocketAddrV4::new(LB_IP, 88)),
-            Frontend::MaglevClusterIp => Some(SocketAddrV4::new(MAGLEV_IP, 88)),
+            Frontend::NodePort => Some(family.node_port()),
+            Frontend::ClusterIp => Some(family.cluster_ip()),
+            Frontend::AffinityClusterIp => ipv4(AFFINITY_IP),
+            Frontend::LoadBalancerIp => ipv4(LB_IP),
+            Frontend::MaglevClusterIp => ipv4(MAGLEV_IP),
             Frontend::None => None,
         }
     }
@@ -205,9 +208,9 @@ enum Expect {
     /// DNATed to one of the seed backends, source unchanged.
     DnatToAny,
     /// DNATed to this backend (the flow's own), source unchanged.
-    DnatTo(SocketAddrV4),
+    DnatTo(SocketAddr),
     /// Source rewritten to this frontend, destination unchanged.
-    SourceIs(SocketAddrV4),
+    SourceIs(SocketAddr),
     /// Passed on byte for byte.
     Untouched,
 }
@@ -218,14 +221,17 @@ struct Packet {
 }
 
 /// Hands out client addresses no other flow of the same data path uses:
-/// `/24` blocks of a range, 60000 ports per address.
+/// `/24` blocks of a range, 60000 ports per address (in IPv6, the
+/// range's [`Family::host`] counterparts).
 pub struct Clients {
+    family: Family,
     first_block: Ipv4Addr,
     next_block: u32,
 }
 
 /// One block's worth of fresh `(address, port)` pairs.
 struct FlowSource {
+    family: Family,
     base: u32,
     next: u32,
 }
@@ -236,12 +242,13 @@ const FIRST_PORT: u32 = 1024;
 impl Clients {
     /// External clients come from 198.18.0.0/15 (RFC 2544, for benchmarks),
     /// pods from 10.244.128.0/17 (away from the seed backends).
-    pub fn new(side: Side) -> Self {
+    pub fn new(side: Side, family: Family) -> Self {
         let first_block = match side {
             Side::Uplink => Ipv4Addr::new(198, 18, 0, 0),
             Side::Pods => Ipv4Addr::new(10, 244, 128, 0),
         };
         Self {
+            family,
             first_block,
             next_block: 0,
         }
@@ -250,31 +257,32 @@ impl Clients {
     fn block(&mut self) -> FlowSource {
         let base = u32::from(self.first_block) + (self.next_block << 8);
         self.next_block += 1;
-        FlowSource { base, next: 0 }
+        FlowSource {
+            family: self.family,
+            base,
+            next: 0,
+        }
     }
 }
 
 impl FlowSource {
-    fn next(&mut self) -> SocketAddrV4 {
+    fn next(&mut self) -> SocketAddr {
         let i = self.next;
         self.next += 1;
         assert!(i / PORTS_PER_ADDR < 256, "a client block ran out of addresses");
-        let ip = Ipv4Addr::from(self.base + i / PORTS_PER_ADDR);
-        SocketAddrV4::new(ip, (FIRST_PORT + i % PORTS_PER_ADDR) as u16)
+        let ip = self.family.host(Ipv4Addr::from(self.base + i / PORTS_PER_ADDR));
+        SocketAddr::new(ip, (FIRST_PORT + i % PORTS_PER_ADDR) as u16)
     }
 }
 
 /// Where packets come from and in what order.
 enum Feed {
     /// A new flow's first packet every call: built per batch.
-    Fresh {
-        clients: FlowSource,
-        frontend: SocketAddrV4,
-    },
+    Fresh { clients: FlowSource, frontend: SocketAddr },
     /// A new flow's first packet every call, each from a client address
     /// not seen for a long while (a cycle through 100.64.0.0/10, far more
     /// addresses than the affinity map keeps).
-    FreshClients { next: u32, frontend: SocketAddrV4 },
+    FreshClients { next: u32, frontend: SocketAddr },
     /// Prepared packets, sent in order and from the start again when done.
     Cycle { next: usize },
 }
@@ -288,6 +296,7 @@ pub struct Case {
     pub prog: Prog,
     pub kind: Kind,
     pub frontend: Frontend,
+    pub family: Family,
     pub label: String,
     /// The return code every call must give.
     pub code: u32,
@@ -297,7 +306,7 @@ pub struct Case {
     /// Indexes into `packets` of the current batch.
     batch: Vec<usize>,
     /// Conntrack entries the current batch created (new flows only).
-    created: Vec<CtKey>,
+    created: Vec<FlowKey>,
 }
 
 /// A pair of test runs: the baseline's and the program's, in ns.
@@ -308,16 +317,22 @@ pub struct Timing {
 }
 
 impl Case {
-    fn new(side: Side, prog: Prog, kind: Kind, frontend: Frontend, working_set: usize, feed: Feed) -> Self {
-        let label = match frontend {
+    /// A case of `family`'s packets through `prog` (an IPv6 case's label
+    /// ends in ", IPv6").
+    fn new(family: Family, prog: Prog, kind: Kind, frontend: Frontend, working_set: usize, feed: Feed) -> Self {
+        let mut label = match frontend {
             Frontend::None => kind.label(working_set),
             f => format!("{} ({})", kind.label(working_set), f.label()),
         };
+        if family == Family::Ipv6 {
+            label += ", IPv6";
+        }
         Self {
-            side,
+            side: side_of(prog),
             prog,
             kind,
             frontend,
+            family,
             label,
             code: prog.pass(),
             baseline: match prog {
@@ -343,7 +358,7 @@ impl Case {
             Feed::Fresh { clients, frontend } => {
                 self.packets.clear();
                 for i in 0..calls {
-                    let frame = Frame::tcp(clients.next(), *frontend, tcp_flags::SYN).build();
+                    let frame = tcp_frame(clients.next(), *frontend, tcp_flags::SYN);
                     self.packets.push(Packet {
                         frame,
                         expect: Expect::DnatToAny,
@@ -356,7 +371,7 @@ impl Case {
                 for i in 0..calls {
                     let ip = Ipv4Addr::from(FRESH_CLIENTS.0 + *next % FRESH_CLIENTS.1);
                     *next = next.wrapping_add(1);
-                    let frame = Frame::tcp(SocketAddrV4::new(ip, 1024), *frontend, tcp_flags::SYN).build();
+                    let frame = tcp_frame(SocketAddr::from((ip, 1024)), *frontend, tcp_flags::SYN);
                     self.packets.push(Packet {
                         frame,
                         expect: Expect::DnatToAny,
@@ -433,62 +448,38 @@ fn check_output(input: &[u8], out: &[u8], expect: Expect) -> Result<()> {
         return Ok(());
     }
     ensure!(out.len() == input.len(), "length {} -> {}", input.len(), out.len());
-    if let Err(e) = check(out) {
-        bail!("the rewritten packet's checksums are wrong: {e}");
-    }
-    let (Strict::Flow(before), Strict::Flow(after)) = (parse_strict(input), parse_strict(out)) else {
-        bail!("the output is no longer a valid flow");
-    };
-    match expect {
-        Expect::DnatToAny => ensure!(
-            after.src == before.src && seed_backends().contains(&after.dst),
-            "{} -> {} became {} -> {}, want a seed backend",
-            before.src,
-            before.dst,
-            after.src,
-            after.dst
+    let (src, dst) = checked_ends(input)?;
+    let (new_src, new_dst) = checked_ends(out).context("the rewritten packet")?;
+    let (ok, want) = match expect {
+        Expect::DnatToAny => (
+            new_src == src && Family::of(dst).backends().contains(&new_dst),
+            "a seed backend".to_owned(),
         ),
-        Expect::DnatTo(backend) => ensure!(
-            after.src == before.src && after.dst == backend,
-            "{} -> {} became {} -> {}, want the flow's backend {backend}",
-            before.src,
-            before.dst,
-            after.src,
-            after.dst
+        Expect::DnatTo(backend) => (
+            new_src == src && new_dst == backend,
+            format!("the flow's backend {backend}"),
         ),
-        Expect::SourceIs(frontend) => ensure!(
-            after.src == frontend && after.dst == before.dst,
-            "{} -> {} became {} -> {}, want the source {frontend}",
-            before.src,
-            before.dst,
-            after.src,
-            after.dst
-        ),
+        Expect::SourceIs(frontend) => (new_src == frontend && new_dst == dst, format!("the source {frontend}")),
         Expect::Untouched => unreachable!("handled above"),
-    }
+    };
+    ensure!(ok, "{src} -> {dst} became {new_src} -> {new_dst}, want {want}");
     Ok(())
 }
 
 /// The forward and reply conntrack keys of the flow whose first packet was
 /// `input`, DNATed into `output`.
-fn conntrack_keys(input: &[u8], output: &[u8]) -> Result<[CtKey; 2]> {
-    let (Strict::Flow(before), Strict::Flow(after)) = (parse_strict(input), parse_strict(output)) else {
-        bail!("not a flow");
-    };
-    let (client, frontend, backend) = (before.src, before.dst, after.dst);
-    Ok([
-        CtKey::new(*client.ip(), client.port(), *frontend.ip(), frontend.port(), proto::TCP),
-        CtKey::new(*backend.ip(), backend.port(), *client.ip(), client.port(), proto::TCP),
-    ])
+fn conntrack_keys(input: &[u8], output: &[u8]) -> Result<[FlowKey; 2]> {
+    let ((client, frontend), (_, backend)) = (checked_ends(input)?, checked_ends(output)?);
+    Ok([FlowKey::tcp(client, frontend)?, FlowKey::tcp(backend, client)?])
 }
 
 /// Opens a flow from `client` to `frontend` through `prog` and returns the
 /// backend chosen: the client's SYN, then the backend's SYN-ACK, so that
 /// conntrack has the flow established (its first answer moves the state
 /// of both entries, which no later packet of the cases does).
-fn open_flow(bed: &Bed, prog: Prog, client: SocketAddrV4, frontend: SocketAddrV4) -> Result<SocketAddrV4> {
+fn open_flow(bed: &Bed, prog: Prog, client: SocketAddr, frontend: SocketAddr) -> Result<SocketAddr> {
     let backend = send_syn(bed, prog, client, frontend)?;
-    let syn_ack = Frame::tcp(backend, client, tcp_flags::SYN | tcp_flags::ACK).build();
+    let syn_ack = tcp_frame(backend, client, tcp_flags::SYN | tcp_flags::ACK);
     let mut out = vec![0u8; OUT_BUF_LEN];
     let run = raw::test_run(bed.fd(prog)?, &syn_ack, &mut out)
         .with_context(|| format!("answering a flow through {}", prog.name()))?;
@@ -498,8 +489,8 @@ fn open_flow(bed: &Bed, prog: Prog, client: SocketAddrV4, frontend: SocketAddrV4
 }
 
 /// The client's SYN through `prog`; returns the backend it was sent to.
-fn send_syn(bed: &Bed, prog: Prog, client: SocketAddrV4, frontend: SocketAddrV4) -> Result<SocketAddrV4> {
-    let frame = Frame::tcp(client, frontend, tcp_flags::SYN).build();
+fn send_syn(bed: &Bed, prog: Prog, client: SocketAddr, frontend: SocketAddr) -> Result<SocketAddr> {
+    let frame = tcp_frame(client, frontend, tcp_flags::SYN);
     let mut out = vec![0u8; OUT_BUF_LEN];
     let run = raw::test_run(bed.fd(prog)?, &frame, &mut out)
         .with_context(|| format!("opening a flow through {}", prog.name()))?;
@@ -510,24 +501,22 @@ fn send_syn(bed: &Bed, prog: Prog, client: SocketAddrV4, frontend: SocketAddrV4)
         run.code
     );
     check_output(&frame, &out[..run.out_len], Expect::DnatToAny)?;
-    match parse_strict(&out[..run.out_len]) {
-        Strict::Flow(flow) => Ok(flow.dst),
-        _ => bail!("the DNATed packet does not parse"),
-    }
+    let (_, backend) = checked_ends(&out[..run.out_len])?;
+    Ok(backend)
 }
 
 /// The next packet of an open flow (an ACK, as after the handshake).
-fn next_packet(client: SocketAddrV4, frontend: SocketAddrV4, backend: SocketAddrV4) -> Packet {
+fn next_packet(client: SocketAddr, frontend: SocketAddr, backend: SocketAddr) -> Packet {
     Packet {
-        frame: Frame::tcp(client, frontend, tcp_flags::ACK).build(),
+        frame: tcp_frame(client, frontend, tcp_flags::ACK),
         expect: Expect::DnatTo(backend),
     }
 }
 
 /// The backend's reply of an open flow.
-fn reply_packet(client: SocketAddrV4, frontend: SocketAddrV4, backend: SocketAddrV4) -> Packet {
+fn reply_packet(client: SocketAddr, frontend: SocketAddr, backend: SocketAddr) -> Packet {
     Packet {
-        frame: Frame::tcp(backend, client, tcp_flags::ACK).build(),
+        frame: tcp_frame(backend, client, tcp_flags::ACK),
         expect: Expect::SourceIs(frontend),
     }
 }
@@ -540,9 +529,9 @@ fn open_flows(
     bed: &Bed,
     prog: Prog,
     clients: &mut Clients,
-    frontend: SocketAddrV4,
+    frontend: SocketAddr,
     count: usize,
-) -> Result<Vec<(SocketAddrV4, SocketAddrV4)>> {
+) -> Result<Vec<(SocketAddr, SocketAddr)>> {
     let mut source = clients.block();
     (0..count)
         .map(|_| {
@@ -557,130 +546,130 @@ fn shuffled(mut packets: Vec<Packet>, seed: u64) -> Vec<Packet> {
     packets
 }
 
+/// The data path a program's packets are measured in.
+fn side_of(prog: Prog) -> Side {
+    match prog {
+        Prog::XdpUplink => Side::Uplink,
+        Prog::TcIngress | Prog::TcEgress => Side::Pods,
+    }
+}
+
+/// The programs a side's flows take: the client's way in, and the
+/// backend's reply's way out where the side measures it.
+type Ways = (Prog, Option<Prog>);
+const UPLINK: Ways = (Prog::XdpUplink, None);
+const PODS: Ways = (Prog::TcIngress, Some(Prog::TcEgress));
+
 /// Builds every case, opening the flows the established and reply cases
-/// need in `beds` (indexed like [`Side::ALL`]).
+/// need in `beds` (indexed like [`Side::ALL`]): the main kinds in both
+/// families, the Service features and the working sets in IPv4.
 pub fn build(beds: &[Bed; 2], working_set: usize, progress: &dyn Fn(&str)) -> Result<Vec<Case>> {
     let mut cases = Vec::new();
-    let uplink = &beds[0];
-    let pods = &beds[1];
-
-    let mut clients = Clients::new(Side::Uplink);
-    let xdp = Prog::XdpUplink;
-    for frontend in [Frontend::NodePort, Frontend::ClusterIp] {
-        let addr = frontend.addr().context("a Service frontend")?;
-        let feed = Feed::Fresh {
-            clients: clients.block(),
-            frontend: addr,
-        };
-        cases.push(Case::new(Side::Uplink, xdp, Kind::NewFlow, frontend, working_set, feed));
-        let flow = open_flows(uplink, xdp, &mut clients, addr, 1)?;
-        let packets = flow.iter().map(|(c, b)| next_packet(*c, addr, *b)).collect();
-        let case = Case::new(Side::Uplink, xdp, Kind::Established, frontend, working_set, cycle());
-        cases.push(case.cycled(packets));
+    for family in Family::ALL {
+        let mut clients = [Clients::new(Side::Uplink, family), Clients::new(Side::Pods, family)];
+        cases.extend(main_kinds(beds, &mut clients, working_set)?);
+        if family == Family::Ipv4 {
+            cases.extend(api_cases(&mut clients[0], working_set)?);
+            cases.extend(working_sets(beds, &mut clients, working_set, progress)?);
+        }
     }
-    cases.extend(api_cases(&mut clients, working_set)?);
-    progress(&format!("per-packet: opening {working_set} flows through xdp_uplink"));
-    let np = node_port();
-    let flows = open_flows(uplink, xdp, &mut clients, np, working_set)?;
-    let packets = flows.iter().map(|(c, b)| next_packet(*c, np, *b)).collect();
-    let case = Case::new(
-        Side::Uplink,
-        xdp,
-        Kind::EstablishedWorkingSet,
-        Frontend::NodePort,
-        working_set,
-        cycle(),
-    );
-    cases.push(case.cycled(shuffled(packets, SHUFFLE_SEED)));
-    // SSH to the node: the uplink's everyday traffic that is no Service's.
-    let ssh = SocketAddrV4::new(NODE_IP, 22);
-    cases.push(miss_case(Side::Uplink, xdp, working_set, &mut clients, ssh, 1));
-    cases.push(miss_case(
-        Side::Uplink,
-        xdp,
-        working_set,
-        &mut clients,
-        ssh,
-        working_set,
-    ));
+    Ok(cases)
+}
 
-    let mut clients = Clients::new(Side::Pods);
-    let (ingress, egress) = (Prog::TcIngress, Prog::TcEgress);
-    let svc = cluster_ip();
+/// New flows, established flows, replies and misses, one flow each, in
+/// the family of `clients` (the uplink's, the pods').
+fn main_kinds(beds: &[Bed; 2], clients: &mut [Clients; 2], working_set: usize) -> Result<Vec<Case>> {
+    let [uplink, pods] = clients;
+    let mut cases = Vec::new();
+    for frontend in [Frontend::NodePort, Frontend::ClusterIp] {
+        cases.push(new_flow_case(UPLINK.0, uplink, frontend, working_set)?);
+        cases.extend(flow_cases(&beds[0], UPLINK, uplink, frontend, 1, working_set)?);
+    }
+    cases.push(miss_case(UPLINK.0, working_set, uplink, ssh_to_node(uplink.family), 1));
+    cases.push(new_flow_case(PODS.0, pods, Frontend::ClusterIp, working_set)?);
+    cases.extend(flow_cases(&beds[1], PODS, pods, Frontend::ClusterIp, 1, working_set)?);
+    cases.push(miss_case(PODS.0, working_set, pods, other_pod(pods.family), 1));
+    cases.push(node_to_pod_case(pods.family, working_set));
+    Ok(cases)
+}
+
+/// `working_set` flows through each side: their next packets and replies
+/// in a shuffled order, and misses of as many flows.
+fn working_sets(
+    beds: &[Bed; 2],
+    clients: &mut [Clients; 2],
+    working_set: usize,
+    progress: &dyn Fn(&str),
+) -> Result<Vec<Case>> {
+    let [uplink, pods] = clients;
+    let mut cases = Vec::new();
+    progress(&format!("per-packet: opening {working_set} flows through xdp_uplink"));
+    let np = Frontend::NodePort;
+    cases.extend(flow_cases(&beds[0], UPLINK, uplink, np, working_set, working_set)?);
+    let ssh = ssh_to_node(uplink.family);
+    cases.push(miss_case(UPLINK.0, working_set, uplink, ssh, working_set));
+    progress(&format!("per-packet: opening {working_set} flows through tc_ingress"));
+    let cip = Frontend::ClusterIp;
+    cases.extend(flow_cases(&beds[1], PODS, pods, cip, working_set, working_set)?);
+    let pod = other_pod(pods.family);
+    cases.push(miss_case(PODS.0, working_set, pods, pod, working_set));
+    Ok(cases)
+}
+
+/// SSH to the node: the uplink's everyday traffic that is no Service's.
+fn ssh_to_node(family: Family) -> SocketAddr {
+    SocketAddr::new(family.node_ip(), 22)
+}
+
+/// A pod that is no backend, which other pods talk to directly.
+fn other_pod(family: Family) -> SocketAddr {
+    SocketAddr::new(family.host(Ipv4Addr::new(10, 244, 0, 50)), 8080)
+}
+
+/// First packets of flows never seen, from `clients` to `frontend`.
+fn new_flow_case(prog: Prog, clients: &mut Clients, frontend: Frontend, working_set: usize) -> Result<Case> {
     let feed = Feed::Fresh {
         clients: clients.block(),
-        frontend: svc,
+        frontend: frontend.addr(clients.family).context("a Service frontend")?,
     };
-    cases.push(Case::new(
-        Side::Pods,
-        ingress,
+    Ok(Case::new(
+        clients.family,
+        prog,
         Kind::NewFlow,
-        Frontend::ClusterIp,
+        frontend,
         working_set,
         feed,
-    ));
-    let flow = open_flows(pods, ingress, &mut clients, svc, 1)?;
-    let packets = flow.iter().map(|(c, b)| next_packet(*c, svc, *b)).collect();
-    let case = Case::new(
-        Side::Pods,
-        ingress,
-        Kind::Established,
-        Frontend::ClusterIp,
-        working_set,
-        cycle(),
-    );
-    cases.push(case.cycled(packets));
-    let replies = flow.iter().map(|(c, b)| reply_packet(*c, svc, *b)).collect();
-    let case = Case::new(
-        Side::Pods,
-        egress,
-        Kind::Reply,
-        Frontend::ClusterIp,
-        working_set,
-        cycle(),
-    );
-    cases.push(case.cycled(replies));
+    ))
+}
 
-    progress(&format!("per-packet: opening {working_set} flows through tc_ingress"));
-    let flows = open_flows(pods, ingress, &mut clients, svc, working_set)?;
-    let packets = flows.iter().map(|(c, b)| next_packet(*c, svc, *b)).collect();
-    let case = Case::new(
-        Side::Pods,
-        ingress,
-        Kind::EstablishedWorkingSet,
-        Frontend::ClusterIp,
-        working_set,
-        cycle(),
-    );
-    cases.push(case.cycled(shuffled(packets, SHUFFLE_SEED)));
-    let replies = flows.iter().map(|(c, b)| reply_packet(*c, svc, *b)).collect();
-    let case = Case::new(
-        Side::Pods,
-        egress,
-        Kind::ReplyWorkingSet,
-        Frontend::ClusterIp,
-        working_set,
-        cycle(),
-    );
-    cases.push(case.cycled(shuffled(replies, SHUFFLE_SEED + 1)));
-
-    // A pod talking to another pod directly, and the node to a pod.
-    let other_pod = SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, 50), 8080);
-    cases.push(miss_case(Side::Pods, ingress, working_set, &mut clients, other_pod, 1));
-    cases.push(miss_case(
-        Side::Pods,
-        ingress,
-        working_set,
-        &mut clients,
-        other_pod,
-        working_set,
-    ));
-    let node_to_pod = Frame::tcp(SocketAddrV4::new(NODE_IP, 40000), other_pod, tcp_flags::ACK).build();
-    let packet = Packet {
-        frame: node_to_pod,
-        expect: Expect::Untouched,
+/// Opens `flows` flows from `clients` to `frontend` through `ways.0`; the
+/// case of their next packets ([`Kind::Established`] for one flow, else
+/// [`Kind::EstablishedWorkingSet`]) and, where `ways.1` is the replies'
+/// way out, of the backends' replies. Many flows are sent in a shuffled
+/// order.
+fn flow_cases(
+    bed: &Bed,
+    ways: Ways,
+    clients: &mut Clients,
+    frontend: Frontend,
+    flows: usize,
+    working_set: usize,
+) -> Result<Vec<Case>> {
+    let family = clients.family;
+    let addr = frontend.addr(family).context("a Service frontend")?;
+    let opened = open_flows(bed, ways.0, clients, addr, flows)?;
+    let case = |prog, kinds: [Kind; 2], packets, seed| {
+        let kind = kinds[usize::from(flows > 1)];
+        Case::new(family, prog, kind, frontend, working_set, cycle()).cycled(shuffled(packets, seed))
     };
-    cases.push(Case::new(Side::Pods, egress, Kind::Miss, Frontend::None, working_set, cycle()).cycled(vec![packet]));
+    let next = opened.iter().map(|(c, b)| next_packet(*c, addr, *b)).collect();
+    let established = [Kind::Established, Kind::EstablishedWorkingSet];
+    let mut cases = vec![case(ways.0, established, next, SHUFFLE_SEED)];
+    if let Some(way_out) = ways.1 {
+        let replies = opened.iter().map(|(c, b)| reply_packet(*c, addr, *b)).collect();
+        let reply = [Kind::Reply, Kind::ReplyWorkingSet];
+        cases.push(case(way_out, reply, replies, SHUFFLE_SEED + 1));
+    }
     Ok(cases)
 }
 
@@ -689,9 +678,8 @@ pub fn build(beds: &[Bed; 2], working_set: usize, progress: &dyn Fn(&str)) -> Re
 /// affinity miss (a new client each time), a source range check and a
 /// Maglev pick.
 fn api_cases(clients: &mut Clients, working_set: usize) -> Result<Vec<Case>> {
-    let xdp = Prog::XdpUplink;
-    let affinity = Frontend::AffinityClusterIp.addr().context("a frontend")?;
-    let lb = Frontend::LoadBalancerIp.addr().context("a frontend")?;
+    let addr = |frontend: Frontend| frontend.addr(Family::Ipv4).context("an IPv4 frontend");
+    let affinity = addr(Frontend::AffinityClusterIp)?;
     let hit = Feed::Fresh {
         clients: clients.block(),
         frontend: affinity,
@@ -702,13 +690,13 @@ fn api_cases(clients: &mut Clients, working_set: usize) -> Result<Vec<Case>> {
     };
     let ranges = Feed::Fresh {
         clients: clients.block(),
-        frontend: lb,
+        frontend: addr(Frontend::LoadBalancerIp)?,
     };
     let maglev = Feed::Fresh {
         clients: clients.block(),
-        frontend: Frontend::MaglevClusterIp.addr().context("a frontend")?,
+        frontend: addr(Frontend::MaglevClusterIp)?,
     };
-    let case = |kind, frontend, feed| Case::new(Side::Uplink, xdp, kind, frontend, working_set, feed);
+    let case = |kind, frontend, feed| Case::new(Family::Ipv4, UPLINK.0, kind, frontend, working_set, feed);
     Ok(vec![
         case(Kind::AffinityHit, Frontend::AffinityClusterIp, hit),
         case(Kind::AffinityMiss, Frontend::AffinityClusterIp, miss),
@@ -722,21 +710,27 @@ fn cycle() -> Feed {
 }
 
 /// Packets of `flows` different clients to `dst`, which is no Service.
-fn miss_case(
-    side: Side,
-    prog: Prog,
-    working_set: usize,
-    clients: &mut Clients,
-    dst: SocketAddrV4,
-    flows: usize,
-) -> Case {
+fn miss_case(prog: Prog, working_set: usize, clients: &mut Clients, dst: SocketAddr, flows: usize) -> Case {
     let mut source = clients.block();
     let packets = (0..flows)
         .map(|_| Packet {
-            frame: Frame::tcp(source.next(), dst, tcp_flags::ACK).build(),
+            frame: tcp_frame(source.next(), dst, tcp_flags::ACK),
             expect: Expect::Untouched,
         })
         .collect();
     let kind = if flows == 1 { Kind::Miss } else { Kind::MissWorkingSet };
-    Case::new(side, prog, kind, Frontend::None, working_set, cycle()).cycled(packets)
+    Case::new(clients.family, prog, kind, Frontend::None, working_set, cycle()).cycled(packets)
+}
+
+/// The node talking to a pod on its way out to the pod: no Service's.
+fn node_to_pod_case(family: Family, working_set: usize) -> Case {
+    let packet = Packet {
+        frame: tcp_frame(
+            SocketAddr::new(family.node_ip(), 40000),
+            other_pod(family),
+            tcp_flags::ACK,
+        ),
+        expect: Expect::Untouched,
+    };
+    Case::new(family, Prog::TcEgress, Kind::Miss, Frontend::None, working_set, cycle()).cycled(vec![packet])
 }
