@@ -103,6 +103,12 @@ impl Backend6 {
             flags: 0,
         }
     }
+    pub fn addr(&self) -> Ipv6Addr {
+        ipv6_of(self.addr_be)
+    }
+    pub fn port(&self) -> u16 {
+        u16::from_be(self.port_be)
+    }
 }
 
 /// Key of `XP_CT6`: an IPv6 packet's tuple, as [`crate::CtKey`] (two

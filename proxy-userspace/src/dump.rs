@@ -1,7 +1,10 @@
 //! One text form of the live data path, read like `ipvsadm -Ln`: what
 //! `xproxy status` prints and what golden tests compare.
 
-use std::{fmt::Write, net::Ipv4Addr};
+use std::{
+    fmt::Write,
+    net::{IpAddr, SocketAddr},
+};
 
 use proxy_common::{Verdict, VerdictCounter, conntrack::state, stats::ct_stat};
 
@@ -10,7 +13,7 @@ use crate::mode::ebpf::conntrack::ConntrackCounts;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BackendRow {
     /// `None` if the slot or backend is missing (maps out of step).
-    pub addr: Option<(Ipv4Addr, u16)>,
+    pub addr: Option<(IpAddr, u16)>,
     /// Tracked flows pinned to this backend through this frontend.
     pub flows: u64,
 }
@@ -18,7 +21,7 @@ pub struct BackendRow {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FrontendRow {
     pub proto: u8,
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
     pub node_port: bool,
     /// A `Local` traffic policy: the backends are this node's; with none,
@@ -58,11 +61,10 @@ pub fn render_services(snapshot: &Snapshot) -> String {
             (true, false) => " (Local: this node's endpoints)",
             (false, false) => "",
         };
-        let _ = writeln!(out, "{:<4} {}:{} {kind}{empty}", proto_name(f.proto), f.addr, f.port);
+        let frontend = SocketAddr::new(f.addr, f.port);
+        let _ = writeln!(out, "{:<4} {frontend} {kind}{empty}", proto_name(f.proto));
         for b in &f.backends {
-            let addr = b
-                .addr
-                .map_or_else(|| "<missing>".to_string(), |(ip, port)| format!("{ip}:{port}"));
+            let addr = (b.addr).map_or_else(|| "<missing>".to_string(), |addr| SocketAddr::from(addr).to_string());
             let _ = writeln!(out, "  -> {addr:<28} {}", b.flows);
         }
     }
@@ -121,6 +123,8 @@ pub fn render_totals(snapshot: &Snapshot) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
 
     #[test]
@@ -129,13 +133,13 @@ mod tests {
             frontends: vec![
                 FrontendRow {
                     proto: proxy_common::proto::TCP,
-                    addr: Ipv4Addr::new(10, 96, 0, 10),
+                    addr: Ipv4Addr::new(10, 96, 0, 10).into(),
                     port: 88,
                     node_port: false,
                     local_only: false,
                     backends: vec![
                         BackendRow {
-                            addr: Some((Ipv4Addr::new(10, 244, 0, 11), 80)),
+                            addr: Some((Ipv4Addr::new(10, 244, 0, 11).into(), 80)),
                             flows: 2,
                         },
                         BackendRow { addr: None, flows: 0 },
@@ -143,7 +147,7 @@ mod tests {
                 },
                 FrontendRow {
                     proto: proxy_common::proto::UDP,
-                    addr: Ipv4Addr::new(10, 96, 0, 20),
+                    addr: Ipv4Addr::new(10, 96, 0, 20).into(),
                     port: 53,
                     node_port: false,
                     local_only: false,

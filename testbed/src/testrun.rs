@@ -210,7 +210,7 @@ impl Harness {
         let pin = PinDir::new();
         let datapath = Datapath::load_with(pin.path(), &options)
             .unwrap_or_else(|e| panic!("loading the data path into {}: {e:#}", pin.path().display()));
-        let maps = ServiceMaps::open(pin.path(), node_ips)
+        let maps = ServiceMaps::open(pin.path(), node_ips.into_iter().map(Into::into).collect())
             .unwrap_or_else(|e| panic!("opening the maps in {}: {e:#}", pin.path().display()));
         Self {
             maps,

@@ -68,7 +68,7 @@ impl Cluster {
         })??;
         self.datapath = Some(datapath);
 
-        let mut maps = ServiceMaps::open(self.pins.path(), vec![NODE_IP])?;
+        let mut maps = ServiceMaps::open(self.pins.path(), vec![NODE_IP.into()])?;
         for (protocol, suffix) in [(Protocol::Tcp, "tcp"), (Protocol::Udp, "udp")] {
             let seed = format!("default/nginx-service:{suffix}");
             maps.sync_service(&ports::seed_port(&seed, protocol, &backend_ips()))?;

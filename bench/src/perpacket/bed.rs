@@ -107,7 +107,7 @@ impl Bed {
             let tc: &mut SchedClassifier = program(&mut ebpf, name)?.try_into()?;
             tc.load().with_context(|| format!("verifier rejected {name}"))?;
         }
-        let mut maps = ServiceMaps::open(pin.path(), vec![node_ip])?;
+        let mut maps = ServiceMaps::open(pin.path(), vec![node_ip.into()])?;
         for svc in seed_services().into_iter().chain(super::cases::api_services()) {
             maps.sync_service(&svc)
                 .with_context(|| format!("programming {}", svc.name))?;

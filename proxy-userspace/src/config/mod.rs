@@ -367,19 +367,11 @@ pub struct Config {
 }
 
 impl Config {
-    /// The configured node IPs that every mode programs (IPv4 only for
-    /// now: IPv6 ones are warned about and left out).
+    /// The configured IPv4 node IPs (`--node-ip`, one per family): what
+    /// finds the ebpf mode's uplinks and the health check listeners' primary
+    /// addresses.
     pub fn ipv4_node_ips(&self) -> Vec<Ipv4Addr> {
-        self.node_ips
-            .iter()
-            .filter_map(|ip| match ip {
-                IpAddr::V4(v4) => Some(*v4),
-                IpAddr::V6(v6) => {
-                    tracing::warn!(%v6, "IPv6 node IPs are not programmed yet");
-                    None
-                }
-            })
-            .collect()
+        self.node_ips.iter().filter_map(|ip| crate::model::ipv4(*ip)).collect()
     }
 }
 

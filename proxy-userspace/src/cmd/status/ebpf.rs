@@ -11,7 +11,7 @@ use super::table::{Backend, Frontend, Kind, Table};
 use crate::{
     dump::{self, FrontendRow, Snapshot},
     mode::ebpf::{ServiceMaps, conntrack::read_conntrack_counts},
-    model::Protocol,
+    model::{Protocol, ipv4},
 };
 
 /// Whether an ebpf data path is pinned at `pin_path`.
@@ -21,7 +21,7 @@ pub fn in_use(pin_path: &Path) -> bool {
 
 /// The table and, below it, the flow totals and verdict counters.
 pub fn read_back(pin_path: &Path) -> Result<(Table, String)> {
-    let maps = ServiceMaps::open(pin_path, vec![])?;
+    let maps = ServiceMaps::open(pin_path, Vec::new())?;
     let mut snapshot = maps.snapshot()?;
     snapshot.table = read_conntrack_counts(pin_path)?;
     let table = table_of(&snapshot, |row| {
@@ -39,6 +39,9 @@ pub fn table_of(snapshot: &Snapshot, flags_of: impl Fn(&FrontendRow) -> Option<(
         .iter()
         .filter_map(|row| {
             let proto = Protocol::from_number(row.proto)?;
+            // The shared table is IPv4's for now (every mode's status
+            // reads IPv4 rules only): IPv6 frontends are `dump`'s rows.
+            let addr = ipv4(row.addr)?;
             let (flags, affinity) = flags_of(row).unwrap_or_default();
             // The maps do not tell an external or load balancer IP from a
             // ClusterIP; a frontend filtering its sources is a load
@@ -50,7 +53,7 @@ pub fn table_of(snapshot: &Snapshot, flags_of: impl Fn(&FrontendRow) -> Option<(
             } else {
                 Kind::ClusterIp
             };
-            let mut frontend = Frontend::new(proto, row.addr, row.port, kind);
+            let mut frontend = Frontend::new(proto, addr, row.port, kind);
             frontend.local_only = row.local_only;
             frontend.source_filtered = flags & FLAG_SOURCE_RANGES != 0;
             frontend.affinity_seconds = (flags & FLAG_AFFINITY_CLIENT_IP != 0).then_some(affinity);
@@ -58,7 +61,7 @@ pub fn table_of(snapshot: &Snapshot, flags_of: impl Fn(&FrontendRow) -> Option<(
                 .backends
                 .iter()
                 .map(|b| Backend {
-                    addr: b.addr,
+                    addr: b.addr.and_then(|(ip, port)| Some((ipv4(ip)?, port))),
                     flows: Some(b.flows),
                     notes: Vec::new(),
                 })

@@ -89,21 +89,21 @@ pub fn now_ns() -> u64 {
     (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// The entries of the conntrack map that `keep` accepts, read
-/// [`READ_BATCH`] at a time (BPF_MAP_LOOKUP_BATCH; aya's iterator takes
-/// two syscalls an entry). Falls back to the iterator where the kernel
-/// has no batches.
-pub fn read_entries(
-    conntrack: &HashMap<MapData, CtKey, CtValue>,
-    keep: impl Fn(&CtKey, &CtValue) -> bool,
-) -> Result<Vec<(CtKey, CtValue)>> {
+/// The entries of a conntrack map (`XP_CT` or `XP_CT6`) that `keep`
+/// accepts, read [`READ_BATCH`] at a time (BPF_MAP_LOOKUP_BATCH; aya's
+/// iterator takes two syscalls an entry). Falls back to the iterator where
+/// the kernel has no batches.
+pub fn read_entries<K: aya::Pod + bytemuck::Pod, V: aya::Pod + bytemuck::Pod>(
+    conntrack: &HashMap<MapData, K, V>,
+    keep: impl Fn(&K, &V) -> bool,
+) -> Result<Vec<(K, V)>> {
     let mut kept = Vec::new();
     let mut cursor = BatchCursor::default();
-    let mut keys: Vec<CtKey> = Vec::with_capacity(READ_BATCH);
-    let mut values: Vec<CtValue> = Vec::with_capacity(READ_BATCH);
+    let mut keys: Vec<K> = Vec::with_capacity(READ_BATCH);
+    let mut values: Vec<V> = Vec::with_capacity(READ_BATCH);
     loop {
-        // SAFETY: aya opened `conntrack` as a map of `CtKey` to `CtValue`
-        // after checking the kernel's key and value sizes.
+        // SAFETY: aya opened `conntrack` as a map of `K` to `V` after
+        // checking the kernel's key and value sizes.
         let read = unsafe { lookup_batch(fd_of(conntrack), &mut cursor, &mut keys, &mut values) };
         match read {
             Ok(complete) => {
@@ -180,7 +180,7 @@ pub fn sweep(pin_path: &Path, timeouts: &CtTimeouts) -> Result<Sweep> {
 }
 
 /// Deletes `keys`; returns how many were there to delete.
-pub fn remove_all(conntrack: &mut HashMap<MapData, CtKey, CtValue>, keys: &[CtKey]) -> Result<u64> {
+pub fn remove_all<K: aya::Pod, V: aya::Pod>(conntrack: &mut HashMap<MapData, K, V>, keys: &[K]) -> Result<u64> {
     let mut deleted = 0;
     for key in keys {
         match conntrack.remove(key) {

@@ -5,7 +5,7 @@
 //! Nothing here touches a map: the writer (`service_maps`) stages the
 //! writes an id's first use and last release call for.
 
-use std::{collections::BTreeSet, net::Ipv4Addr};
+use std::{collections::BTreeSet, net::IpAddr};
 
 use anyhow::{Result, bail};
 
@@ -54,7 +54,7 @@ impl IdAllocator {
 }
 
 /// A backend as the maps key it for sharing: `(ip, port, protocol)`.
-pub(super) type BackendAddr = (Ipv4Addr, u16, u8);
+pub(super) type BackendAddr = (IpAddr, u16, u8);
 
 /// What [`BackendRefs::acquire`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -133,6 +133,11 @@ impl BackendRefs {
         self.by_addr.get(&addr).is_some_and(|(held, _)| *held != id)
     }
 
+    /// The address `id` is held for, if some Service port holds it.
+    pub fn addr_of(&self, id: u32) -> Option<BackendAddr> {
+        self.by_id.get(&id).copied()
+    }
+
     /// Whether some Service port holds `id`.
     pub fn holds(&self, id: u32) -> bool {
         self.by_id.contains_key(&id)
@@ -163,6 +168,8 @@ impl BackendRefs {
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
 
     #[test]
@@ -188,8 +195,8 @@ mod tests {
         assert_eq!(ids.allocate().unwrap(), 2, "wraps to the smallest free id, never 0");
     }
 
-    const A: BackendAddr = (Ipv4Addr::new(10, 244, 0, 1), 80, 6);
-    const B: BackendAddr = (Ipv4Addr::new(10, 244, 0, 2), 80, 6);
+    const A: BackendAddr = (IpAddr::V4(Ipv4Addr::new(10, 244, 0, 1)), 80, 6);
+    const B: BackendAddr = (IpAddr::V4(Ipv4Addr::new(10, 244, 0, 2)), 80, 6);
 
     #[test]
     fn a_backend_shared_by_two_ports_goes_with_the_last() {

@@ -13,13 +13,14 @@ use std::collections::BTreeSet;
 
 use anyhow::Result;
 use proxy_common::{
-    Backend, BackendSlotKey, CtKey, CtValue, FrontendPort, MaglevChunk, MaglevKey, MemberKey, PortBits, ServiceKey,
-    ServiceValue, SourceRangeKey, Verdict, VerdictCounter,
+    Backend, Backend6, BackendSlotKey, CtKey, CtValue, FrontendPort, MaglevChunk, MaglevKey, MemberKey, PortBits,
+    Service6Key, ServiceKey, ServiceValue, SourceRangeKey, Verdict, VerdictCounter,
 };
 
 use super::write_batch::{SplitStaged, Step};
 
-/// The Service maps (`XP_SERVICES`, `XP_SLOTS`, `XP_BACKENDS`,
+/// The Service maps (`XP_SERVICES`, `XP_SERVICES6`, `XP_SLOTS`,
+/// `XP_BACKENDS`, `XP_BACKENDS6`,
 /// `XP_REV_NAT`, `XP_MEMBERS`, `XP_SRC_RANGES`, `XP_SVC_PORTS`, `XP_MAGLEV`),
 /// the port filter
 /// (`XP_PORTS`), what the programs write that a snapshot shows (`XP_CT`,
@@ -29,6 +30,10 @@ pub trait LbMaps: Sync {
     fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>>;
     /// One frontend, `None` if it is not there.
     fn service(&self, key: &ServiceKey) -> Result<Option<ServiceValue>>;
+    /// Every IPv6 frontend: `XP_SERVICES6`.
+    fn services6(&self) -> Result<Vec<(Service6Key, ServiceValue)>>;
+    /// One IPv6 frontend, `None` if it is not there.
+    fn service6(&self, key: &Service6Key) -> Result<Option<ServiceValue>>;
     /// Every backend slot's key: `XP_SLOTS`.
     fn slot_keys(&self) -> Result<Vec<BackendSlotKey>>;
     /// The backend id in one slot, `None` if the slot is not there.
@@ -37,6 +42,10 @@ pub trait LbMaps: Sync {
     fn backends(&self) -> Result<Vec<(u32, Backend)>>;
     /// One backend, `None` if it is not there.
     fn backend(&self, id: u32) -> Result<Option<Backend>>;
+    /// Every IPv6 backend by id: `XP_BACKENDS6`.
+    fn backends6(&self) -> Result<Vec<(u32, Backend6)>>;
+    /// One IPv6 backend, `None` if it is not there.
+    fn backend6(&self, id: u32) -> Result<Option<Backend6>>;
     /// Every reverse NAT id: `XP_REV_NAT`.
     fn rev_nat_ids(&self) -> Result<Vec<u32>>;
     /// Every backend set member's key: `XP_MEMBERS`.

@@ -5,11 +5,11 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
     programs::{
-        CgroupSockAddr, SchedClassifier, TcAttachType, Xdp, XdpMode,
+        CgroupSockAddr, Program, SchedClassifier, TcAttachType, Xdp, XdpMode,
         links::{FdLink, LinkError, PinnedLink},
         tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
         xdp::XdpLink,
@@ -72,6 +72,7 @@ impl Datapath {
     /// `xproxy cleanup`.
     pub fn load_with(pin_path: &Path, options: &LoadOptions) -> Result<Self> {
         ensure_bpffs_dir(pin_path)?;
+        let started = std::time::Instant::now();
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(pin_path)
             .override_global(maps::GLOBAL_SNAT_MARK, &options.snat_mark, true)
@@ -79,17 +80,14 @@ impl Datapath {
             .map_max_entries(maps::CONNTRACK, options.conntrack.entries)
             .load(object_bytes()?)
             .context("loading the eBPF object (are you root, and is the kernel 6.1 or newer?)")?;
-        let xdp: &mut Xdp = program(&mut ebpf, maps::PROG_XDP_UPLINK)?.try_into()?;
-        xdp.load()
-            .with_context(|| format!("verifier rejected {}", maps::PROG_XDP_UPLINK))?;
-        for name in [maps::PROG_TC_INGRESS, maps::PROG_TC_EGRESS] {
-            let prog: &mut SchedClassifier = program(&mut ebpf, name)?.try_into()?;
-            prog.load().with_context(|| format!("verifier rejected {name}"))?;
-        }
-        for name in proxy_common::socket_lb::PROGRAMS {
-            let prog: &mut CgroupSockAddr = program(&mut ebpf, name)?.try_into()?;
-            prog.load().with_context(|| format!("verifier rejected {name}"))?;
-        }
+        let maps_ready = started.elapsed();
+        let names = [maps::PROG_XDP_UPLINK, maps::PROG_TC_INGRESS, maps::PROG_TC_EGRESS];
+        load_programs(&mut ebpf, names.into_iter().chain(proxy_common::socket_lb::PROGRAMS))?;
+        info!(
+            maps_ms = maps_ready.as_secs_f64() * 1e3,
+            programs_ms = (started.elapsed() - maps_ready).as_secs_f64() * 1e3,
+            "programs loaded"
+        );
         warn_on_adopted_conntrack_size(pin_path, options.conntrack.entries);
         Ok(Self {
             ebpf,
@@ -370,6 +368,39 @@ pub(super) fn pin_link(link: FdLink, pin: &Path) -> Result<()> {
     }
     link.pin(pin)
         .with_context(|| format!("pinning link at {}", pin.display()))?;
+    Ok(())
+}
+
+/// Loads the programs `names` into the kernel side by side, one thread
+/// each: the verifier's walk of the three packet programs (some 40,000
+/// instructions each) is most of the time a start takes, and the kernel
+/// verifies programs of separate loads in parallel.
+fn load_programs<'a>(ebpf: &mut Ebpf, names: impl IntoIterator<Item = &'a str>) -> Result<()> {
+    let names: Vec<&str> = names.into_iter().collect();
+    let mut found: Vec<(&str, &mut Program)> = ebpf.programs_mut().filter(|(n, _)| names.contains(n)).collect();
+    if let Some(missing) = names.iter().find(|n| !found.iter().any(|(f, _)| f == *n)) {
+        bail!("program {missing} missing from the eBPF object");
+    }
+    std::thread::scope(|scope| {
+        let loads: Vec<_> = (found.drain(..))
+            .map(|(name, prog)| (name, scope.spawn(move || load_program(prog))))
+            .collect();
+        for (name, load) in loads {
+            let loaded = load.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            loaded.with_context(|| format!("verifier rejected {name}"))?;
+        }
+        Ok(())
+    })
+}
+
+/// Loads one program of a type the agent attaches.
+fn load_program(prog: &mut Program) -> Result<()> {
+    match prog {
+        Program::Xdp(p) => p.load()?,
+        Program::SchedClassifier(p) => p.load()?,
+        Program::CgroupSockAddr(p) => p.load()?,
+        other => bail!("unexpected program type {:?}", other.prog_type()),
+    }
     Ok(())
 }
 

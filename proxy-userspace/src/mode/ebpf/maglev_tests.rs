@@ -41,7 +41,7 @@ fn port(n: u8, algorithm: Option<LbAlgorithm>) -> ServicePort {
 }
 
 fn writer(maps: MemoryMaps) -> ServiceMaps<MemoryMaps> {
-    let mut writer = ServiceMaps::on(maps, vec![NODE_IP]).expect("the maps read back");
+    let mut writer = ServiceMaps::on(maps, vec![NODE_IP.into()]).expect("the maps read back");
     writer.set_topology(Some(THIS_NODE.into()), false);
     writer
 }

@@ -20,8 +20,9 @@ use std::{
 
 use anyhow::{Result, bail};
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtValue, FrontendPort, MaglevChunk, MaglevKey,
-    MemberKey, PortBits, RevNat, ServiceKey, ServiceValue, SourceRangeKey, Verdict, VerdictCounter, maps, ports,
+    AffinityKey, AffinityValue, Backend, Backend6, BackendSlotKey, CtKey, CtValue, FrontendPort, MaglevChunk,
+    MaglevKey, MemberKey, PortBits, RevNat, Service6Key, ServiceKey, ServiceValue, SourceRangeKey, Verdict,
+    VerdictCounter, maps, ports,
 };
 
 use super::{
@@ -104,8 +105,10 @@ impl<K: Copy + Eq + Hash, V: Copy> MemTable<K, V> {
 
 struct State {
     services: MemTable<ServiceKey, ServiceValue>,
+    services6: MemTable<Service6Key, ServiceValue>,
     slots: MemTable<BackendSlotKey, u32>,
     backends: MemTable<u32, Backend>,
+    backends6: MemTable<u32, Backend6>,
     rev_nat: MemTable<u32, RevNat>,
     members: MemTable<MemberKey, u32>,
     maglev: MemTable<MaglevKey, MaglevChunk>,
@@ -123,17 +126,21 @@ impl State {
     fn apply(&mut self, step: Step, staged: &SplitStaged) -> Result<u64> {
         Ok(match step {
             Step::Write(Table::Backends) => self.backends.write(&staged.backends)?,
+            Step::Write(Table::Backends6) => self.backends6.write(&staged.backends6)?,
             Step::Write(Table::Slots) => self.slots.write(&staged.slots)?,
             Step::Write(Table::RevNat) => self.rev_nat.write(&staged.rev_nat)?,
             Step::Write(Table::Services) => self.services.write(&staged.services)?,
+            Step::Write(Table::Services6) => self.services6.write(&staged.services6)?,
             Step::Write(Table::Members) => self.members.write(&staged.members)?,
             Step::Write(Table::Maglev) => self.maglev.write(&staged.maglev)?,
             Step::Write(Table::SourceRanges) => self.source_ranges.write(&staged.source_ranges)?,
             Step::Write(Table::ServicePorts) => self.service_ports.write(&staged.service_ports)?,
             Step::Delete(Table::Backends) => self.backends.delete(&staged.backends),
+            Step::Delete(Table::Backends6) => self.backends6.delete(&staged.backends6),
             Step::Delete(Table::Slots) => self.slots.delete(&staged.slots),
             Step::Delete(Table::RevNat) => self.rev_nat.delete(&staged.rev_nat),
             Step::Delete(Table::Services) => self.services.delete(&staged.services),
+            Step::Delete(Table::Services6) => self.services6.delete(&staged.services6),
             Step::Delete(Table::Members) => self.members.delete(&staged.members),
             Step::Delete(Table::Maglev) => self.maglev.delete(&staged.maglev),
             Step::Delete(Table::SourceRanges) => self.source_ranges.delete(&staged.source_ranges),
@@ -145,11 +152,9 @@ impl State {
     /// now, after `step`.
     /// (A Service port entry's short-circuit view counts as a frontend.)
     fn check_readers_view(&mut self, step: Step) {
-        let frontends = self
-            .services
-            .all()
-            .into_iter()
-            .map(|(k, v)| (format!("{}:{}", k.addr(), k.port()), v));
+        let frontends4 = (self.services.all().into_iter()).map(|(k, v)| (format!("{}:{}", k.addr(), k.port()), v));
+        let frontends6 = (self.services6.all().into_iter()).map(|(k, v)| (format!("[{}]:{}", k.addr(), k.port()), v));
+        let frontends = frontends4.chain(frontends6);
         let short_circuits = (self.service_ports.all().into_iter())
             .filter(|(_, port)| port.short_circuits())
             .map(|(id, port)| (format!("the short-circuit of frontend {id}"), port.cluster));
@@ -160,7 +165,9 @@ impl State {
                     backend_set: value.backend_set,
                     slot,
                 };
-                self.slots.get(&slot).is_some_and(|id| self.backends.get(&id).is_some())
+                self.slots
+                    .get(&slot)
+                    .is_some_and(|id| self.backends.get(&id).is_some() || self.backends6.get(&id).is_some())
             });
             if !whole {
                 self.torn
@@ -172,9 +179,11 @@ impl State {
     fn table_mut(&mut self, table: Table) -> &mut usize {
         match table {
             Table::Backends => &mut self.backends.max_entries,
+            Table::Backends6 => &mut self.backends6.max_entries,
             Table::Slots => &mut self.slots.max_entries,
             Table::RevNat => &mut self.rev_nat.max_entries,
             Table::Services => &mut self.services.max_entries,
+            Table::Services6 => &mut self.services6.max_entries,
             Table::Members => &mut self.members.max_entries,
             Table::Maglev => &mut self.maglev.max_entries,
             Table::SourceRanges => &mut self.source_ranges.max_entries,
@@ -188,8 +197,10 @@ impl MemoryMaps {
     pub fn new() -> Self {
         let state = State {
             services: MemTable::new(maps::SERVICES_MAX),
+            services6: MemTable::new(maps::SERVICES6_MAX),
             slots: MemTable::new(maps::BACKEND_SLOTS_MAX),
             backends: MemTable::new(maps::BACKENDS_MAX),
+            backends6: MemTable::new(maps::BACKENDS6_MAX),
             rev_nat: MemTable::new(maps::REV_NAT_MAX),
             members: MemTable::new(maps::MEMBERS_MAX),
             maglev: MemTable::new(maps::MAGLEV_MAX),
@@ -222,13 +233,14 @@ impl MemoryMaps {
         self.state().torn.clone()
     }
 
-    /// Entries in each Service map: services, slots, backends, reverse NAT.
+    /// Entries in each Service map: services, slots, backends, reverse NAT
+    /// (each family's frontends and backends counted together).
     pub fn entries(&self) -> [usize; 4] {
         let state = self.state();
         [
-            state.services.entries.len(),
+            state.services.entries.len() + state.services6.entries.len(),
             state.slots.entries.len(),
-            state.backends.entries.len(),
+            state.backends.entries.len() + state.backends6.entries.len(),
             state.rev_nat.entries.len(),
         ]
     }
@@ -284,6 +296,14 @@ impl LbMaps for MemoryMaps {
         Ok(self.state().services.get(key))
     }
 
+    fn services6(&self) -> Result<Vec<(Service6Key, ServiceValue)>> {
+        Ok(self.state().services6.all())
+    }
+
+    fn service6(&self, key: &Service6Key) -> Result<Option<ServiceValue>> {
+        Ok(self.state().services6.get(key))
+    }
+
     fn slot_keys(&self) -> Result<Vec<BackendSlotKey>> {
         Ok(self.state().slots.keys())
     }
@@ -298,6 +318,14 @@ impl LbMaps for MemoryMaps {
 
     fn backend(&self, id: u32) -> Result<Option<Backend>> {
         Ok(self.state().backends.get(&id))
+    }
+
+    fn backends6(&self) -> Result<Vec<(u32, Backend6)>> {
+        Ok(self.state().backends6.all())
+    }
+
+    fn backend6(&self, id: u32) -> Result<Option<Backend6>> {
+        Ok(self.state().backends6.get(&id))
     }
 
     fn rev_nat_ids(&self) -> Result<Vec<u32>> {
@@ -423,6 +451,14 @@ impl LbMaps for FaultyMaps {
         self.inner.service(key)
     }
 
+    fn services6(&self) -> Result<Vec<(Service6Key, ServiceValue)>> {
+        self.inner.services6()
+    }
+
+    fn service6(&self, key: &Service6Key) -> Result<Option<ServiceValue>> {
+        self.inner.service6(key)
+    }
+
     fn slot_keys(&self) -> Result<Vec<BackendSlotKey>> {
         self.inner.slot_keys()
     }
@@ -437,6 +473,14 @@ impl LbMaps for FaultyMaps {
 
     fn backend(&self, id: u32) -> Result<Option<Backend>> {
         self.inner.backend(id)
+    }
+
+    fn backends6(&self) -> Result<Vec<(u32, Backend6)>> {
+        self.inner.backends6()
+    }
+
+    fn backend6(&self, id: u32) -> Result<Option<Backend6>> {
+        self.inner.backend6(id)
     }
 
     fn rev_nat_ids(&self) -> Result<Vec<u32>> {

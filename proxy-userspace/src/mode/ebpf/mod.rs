@@ -24,10 +24,16 @@
 //! the entries of UDP flows whose backend left their frontend
 //! (`stale_flows`), so their next datagram picks a current backend, or
 //! passes untranslated if the Service is gone.
+//!
+//! Both families: IPv6 Service ports go to the programs' IPv6 maps (see
+//! `service_maps`), node ports answer on the node's IPv6 addresses too, and
+//! the kernel masquerades marked IPv6 flows (ip6tables). What the IPv6 path
+//! leaves out is reported per port (`ipv6_limits`).
 
 pub mod conntrack;
 mod ids;
 mod interfaces;
+mod ipv6_limits;
 mod lb_maps;
 pub mod legacy_ct;
 mod loader;
@@ -73,7 +79,7 @@ mod writer_tests;
 
 use std::{
     collections::BTreeMap,
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr},
     ops::RangeInclusive,
     path::PathBuf,
     sync::{Arc, Mutex},
@@ -96,20 +102,21 @@ pub use write_batch::{Split, SplitStaged, Step, Table};
 use super::{Dataplane, Plan, SyncedChange, unhonoured::Unhonoured};
 use crate::{
     config::{Cidr, Config, XdpPolicy},
-    model::{LbAlgorithm, Problem, Protocol, ServicePort},
+    model::{IpFamily, LbAlgorithm, Problem, Protocol, ServicePort, ipv4},
 };
 
 /// Where the ebpf mode attaches and what it programs NodePorts on.
 #[derive(Clone, Debug)]
 pub struct EbpfOptions {
     pub pin_path: PathBuf,
-    /// The node's addresses: the uplinks carry them, NodePorts answer on
-    /// them. If empty, the addresses of the uplinks named in `interfaces`.
+    /// The node's IPv4 addresses, which the uplinks carry (NodePorts answer
+    /// on every local address of both families, see [`node_port_ips`]).
+    /// If empty, the uplinks are those named in `interfaces`.
     pub node_ips: Vec<Ipv4Addr>,
     /// Uplinks by name; if empty, the interfaces carrying `node_ips`.
     pub interfaces: Vec<String>,
     /// kube-proxy's nodePortAddresses as CIDRs: NodePorts answer on every
-    /// local IPv4 address inside them. `None`: on every local address
+    /// local address inside them. `None`: on every local address
     /// (see [`node_port_ips`]).
     pub node_port_cidrs: Option<Vec<Cidr>>,
     /// The skb mark bit for flows the kernel must masquerade (kube-proxy's
@@ -174,7 +181,7 @@ pub struct EbpfMode {
     /// Asks that task to look for pod interfaces without programs.
     rescan_pods: mpsc::Sender<()>,
     /// The addresses NodePorts answer on (see [`node_port_ips`]).
-    node_ips: Vec<Ipv4Addr>,
+    node_ips: Vec<IpAddr>,
     /// See [`EbpfOptions::node_port_cidrs`].
     node_port_cidrs: Option<Vec<Cidr>>,
     pin_path: PathBuf,
@@ -182,6 +189,11 @@ pub struct EbpfMode {
     snat_ports: RangeInclusive<u16>,
     /// What the programs do differently from kube-proxy, reported once a port.
     unhonoured: Unhonoured,
+    /// See [`EbpfOptions::lb_algorithm`].
+    lb_default: LbAlgorithm,
+    /// Says when the pod interfaces found at start are attached (see
+    /// [`attach_pods_meanwhile`]); taken by the first sync.
+    pods_attached: Option<std::sync::mpsc::Receiver<()>>,
     /// The SCTP ports whose port changes, NATed by the kernel.
     sctp: sctp_fallback::SctpFallback,
 }
@@ -193,6 +205,7 @@ impl EbpfMode {
     /// runtime, in the node's network namespace.
     pub async fn start(opts: &EbpfOptions) -> Result<Self> {
         let snat_mark = install_snat_rules(opts.snat_mark, &opts.snat_ports);
+        install_snat6_rules(snat_mark, &opts.snat_ports);
         let load = LoadOptions {
             snat_mark,
             conntrack: opts.conntrack,
@@ -205,7 +218,7 @@ impl EbpfMode {
             bail!("the ebpf mode needs --node-ip or --interface to know the node's uplinks");
         }
         let uplinks = interfaces::uplinks(&all, &opts.interfaces, &opts.node_ips)?;
-        let local = all.iter().flat_map(|i| i.ipv4.iter().copied());
+        let local = crate::sys::addrs::local_ips().context("listing the node's addresses")?;
         let node_ips = node_port_ips(local, opts.node_port_cidrs.as_deref());
         // The address the socket programs' replies seem to come from.
         let primary = opts
@@ -225,16 +238,7 @@ impl EbpfMode {
             };
             attach_uplink(&mut datapath, &uplink.name, hook, opts.xdp)?;
         }
-        for pod in interfaces::pod_interfaces(&all, &uplinks) {
-            // A pod interface that vanished since the listing is not an error.
-            if let Err(e) = datapath.attach(&pod.name, Hook::Pod) {
-                warn!(
-                    iface = pod.name,
-                    error = format!("{e:#}"),
-                    "could not attach to pod interface"
-                );
-            }
-        }
+        let pods = interfaces::pod_interfaces(&all, &uplinks);
         start_socket_lb(&mut datapath, &opts.socket_lb, primary).await;
         // Without them the pods' traffic is treated as the outside's: a
         // difference from kube-proxy, not a reason to stop.
@@ -252,6 +256,7 @@ impl EbpfMode {
             ),
         }
         let datapath = Arc::new(Mutex::new(datapath));
+        let pods_attached = attach_pods_meanwhile(datapath.clone(), pods);
         let rescan_pods = spawn_pod_interface_watcher(datapath.clone(), uplinks, handle)?;
         spawn_conntrack_sweeper(opts.pin_path.clone(), opts.conntrack);
         let mut maps = ServiceMaps::open(&opts.pin_path, node_ips.clone())?;
@@ -267,6 +272,8 @@ impl EbpfMode {
             pin_path: opts.pin_path.clone(),
             snat_ports: opts.snat_ports.clone(),
             unhonoured: Unhonoured::default(),
+            lb_default: opts.lb_algorithm,
+            pods_attached: Some(pods_attached),
             sctp: sctp_fallback::SctpFallback::new(
                 Box::new(crate::sys::nft::SystemNft::default()),
                 snat_mark,
@@ -286,16 +293,19 @@ impl EbpfMode {
     }
 }
 
-/// The addresses NodePorts answer on, of the node's `local` IPv4 ones:
-/// those inside nodePortAddresses, or, without it, every one but loopback
+/// The addresses NodePorts answer on, of the node's `local` ones: those
+/// inside nodePortAddresses, or, without it, every one but loopback
 /// addresses, as kube-proxy's `addrtype LOCAL` (the node's own connections
 /// to 127.0.0.1 are the socket programs'; no packet from outside comes to
-/// it). Sorted, so that two listings compare.
-fn node_port_ips(local: impl IntoIterator<Item = Ipv4Addr>, cidrs: Option<&[Cidr]>) -> Vec<Ipv4Addr> {
-    let mut ips: Vec<Ipv4Addr> = local
+/// it). IPv6 link-local addresses never: one is only an address with its
+/// link's scope, which a frontend key has no room for, and a client off the
+/// link cannot reach it. Sorted, so that two listings compare.
+fn node_port_ips(local: impl IntoIterator<Item = IpAddr>, cidrs: Option<&[Cidr]>) -> Vec<IpAddr> {
+    let mut ips: Vec<IpAddr> = local
         .into_iter()
+        .filter(|ip| !matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local()))
         .filter(|ip| match cidrs {
-            Some(cidrs) => cidrs.iter().any(|c| c.contains((*ip).into())),
+            Some(cidrs) => cidrs.iter().any(|c| c.contains(*ip)),
             None => !ip.is_loopback(),
         })
         .collect();
@@ -345,6 +355,23 @@ fn install_snat_rules(mark: u32, ports: &RangeInclusive<u16>) -> u32 {
     }
 }
 
+/// Installs the IPv6 twin of the masquerade rules (ip6tables) for the mark
+/// the programs use; without them, IPv6 flows that need SNAT (hairpin,
+/// node ports to other nodes, masqueradeAll) fail, the rest still work.
+fn install_snat6_rules(mark: u32, ports: &RangeInclusive<u16>) {
+    if mark == 0 {
+        return;
+    }
+    let mut ip6tables = crate::sys::iptables::SystemIptables::for_family(IpFamily::V6);
+    let installed = ip6tables
+        .check()
+        .and_then(|()| snat::install(&mut ip6tables, mark, ports));
+    ok_or_warn(
+        installed,
+        "no IPv6 SNAT fallback: IPv6 hairpin, masqueradeAll and NodePorts to other nodes will not work",
+    );
+}
+
 /// Deletes expired flows from the conntrack table every
 /// [`conntrack::CtSettings::sweep_interval`] (see `conntrack`).
 fn spawn_conntrack_sweeper(pin_path: PathBuf, settings: conntrack::CtSettings) {
@@ -366,6 +393,25 @@ fn spawn_conntrack_sweeper(pin_path: PathBuf, settings: conntrack::CtSettings) {
             }
         }
     });
+}
+
+/// Attaches the programs to the pod interfaces found at start on a thread
+/// of its own, while the first sync fills the maps: each attachment waits
+/// for an RCU grace period in the kernel (~10-20 ms, two a pod), which
+/// at start would add up before anything is programmed. The first sync
+/// waits for it at its end ([`EbpfMode::wait_for_pods`]), so a node
+/// reported ready has every pod of its start attached, as before. The
+/// receiver hears when all are done.
+fn attach_pods_meanwhile(datapath: Arc<Mutex<Datapath>>, pods: Vec<Interface>) -> std::sync::mpsc::Receiver<()> {
+    let (done, attached) = std::sync::mpsc::sync_channel(1);
+    std::thread::spawn(move || {
+        for pod in &pods {
+            // A pod interface that vanished since the listing is not an error.
+            attach_pod(&datapath, &pod.name, "pod interface attached", false);
+        }
+        let _ = done.send(());
+    });
+    attached
 }
 
 /// Attaches the programs to pod interfaces as they appear (link events),
@@ -455,7 +501,7 @@ impl EbpfMode {
     /// programs follow address events on their own.
     fn follow_node_addresses(&mut self) {
         let Some(local) = ok_or_warn(
-            crate::sys::addrs::local_ipv4(),
+            crate::sys::addrs::local_ips(),
             "node addresses not listed: node ports stay where they are",
         ) else {
             return;
@@ -468,6 +514,21 @@ impl EbpfMode {
         }
     }
 
+    /// Waits, once, for the pod interfaces found at start to be attached
+    /// (see [`attach_pods_meanwhile`]).
+    fn wait_for_pods(&mut self) {
+        let Some(attached) = self.pods_attached.take() else {
+            return;
+        };
+        let since = std::time::Instant::now();
+        // An error means the thread is gone: nothing left to wait for.
+        let _ = attached.recv();
+        debug!(
+            waited_ms = since.elapsed().as_secs_f64() * 1e3,
+            "the first sync waited for the pod interfaces"
+        );
+    }
+
     /// Reports, once a port, what the programs do differently from
     /// kube-proxy for the ports just programmed.
     fn note_unhonoured<'a>(&mut self, ports: impl Iterator<Item = &'a ServicePort>) {
@@ -475,7 +536,12 @@ impl EbpfMode {
             if let Some(how) = node_port_among_snat_ports(port, &self.snat_ports) {
                 self.unhonoured.report(port, "nodePort", &how);
             }
-            if !programs_translate(port) && !sctp_fallback::serves(port) {
+            for (field, how) in ipv6_limits::unhonoured(port, self.lb_default) {
+                self.unhonoured.report(port, field, how);
+            }
+            if port.family() == IpFamily::V6 && port.protocol == Protocol::Sctp {
+                // Said by `ipv6_limits`.
+            } else if !programs_translate(port) && !sctp_fallback::serves(port) {
                 self.unhonoured
                     .report(port, "spec.ports[].protocol", sctp_fallback::NOT_SERVED_IPV6);
             } else if !programs_translate(port) && sctp_fallback::leaves_out(port) {
@@ -486,13 +552,20 @@ impl EbpfMode {
     }
 }
 
-/// Whether the programs translate `port`: every TCP and UDP port; an SCTP
-/// port only where no frontend's port changes on the way to an endpoint
-/// (no node port, every endpoint on the Service's port), since SCTP's
-/// CRC32c covers the ports but not the addresses (see proxy-ebpf's `nat`).
-/// The others are the kernel's ([`sctp_fallback`]).
+/// Whether the programs translate `port`: every TCP and UDP port; an IPv4
+/// SCTP port only where no frontend's port changes on the way to an
+/// endpoint (no node port, every endpoint on the Service's port), since
+/// SCTP's CRC32c covers the ports but not the addresses (see proxy-ebpf's
+/// `nat`). The others are the kernel's ([`sctp_fallback`]), or, for IPv6
+/// SCTP (which the programs' IPv6 path does not parse), nobody's yet.
 fn programs_translate(port: &ServicePort) -> bool {
-    port.protocol != Protocol::Sctp || (port.node_port.is_none() && port.endpoints.iter().all(|e| e.port == port.port))
+    let same_port = port.node_port.is_none() && port.endpoints.iter().all(|e| e.port == port.port);
+    port.protocol != Protocol::Sctp || (port.family() == IpFamily::V4 && same_port)
+}
+
+/// The IPv4 ones of `ips` (the SCTP fallback's table is IPv4's).
+fn ipv4_only(ips: &[IpAddr]) -> Vec<Ipv4Addr> {
+    ips.iter().filter_map(|ip| ipv4(*ip)).collect()
 }
 
 /// Why `port`'s node port is at risk, if it is among the ports flows to
@@ -509,6 +582,10 @@ fn node_port_among_snat_ports(port: &ServicePort, snat_ports: &RangeInclusive<u1
 impl Dataplane for EbpfMode {
     fn name(&self) -> &'static str {
         "ebpf"
+    }
+
+    fn families(&self) -> &'static [IpFamily] {
+        &[IpFamily::V4, IpFamily::V6]
     }
 
     fn take_problems(&mut self) -> Vec<Problem> {
@@ -539,8 +616,9 @@ impl Dataplane for EbpfMode {
         for port in &plan.upsert {
             self.sctp.set(&port.name, Some(port).filter(|p| !programs_translate(p)));
         }
-        self.sctp.sync(&self.node_ips)?;
+        self.sctp.sync(&ipv4_only(&self.node_ips))?;
         self.note_unhonoured(plan.upsert.iter());
+        self.wait_for_pods();
         Ok(())
     }
 
@@ -561,8 +639,9 @@ impl Dataplane for EbpfMode {
             Ok(())
         })?;
         self.sctp.replace(desired.values().filter(|p| !programs_translate(p)));
-        self.sctp.sync(&self.node_ips)?;
+        self.sctp.sync(&ipv4_only(&self.node_ips))?;
         self.note_unhonoured(desired.values());
+        self.wait_for_pods();
         Ok(())
     }
 

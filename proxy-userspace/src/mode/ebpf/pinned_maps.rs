@@ -10,9 +10,9 @@ use std::{
 use anyhow::{Context, Result};
 use aya::maps::{Array, HashMap, IterableMap, LpmTrie, Map, MapData, MapError, PerCpuArray};
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlotKey, CtKey, CtValue, FrontendPort, MaglevChunk, MaglevKey,
-    MemberKey, PortBits, RevNat, ServiceKey, ServiceValue, SourceRangeData, SourceRangeKey, Verdict, VerdictCounter,
-    maps, ports,
+    AffinityKey, AffinityValue, Backend, Backend6, BackendSlotKey, CtKey, CtValue, FrontendPort, MaglevChunk,
+    MaglevKey, MemberKey, PortBits, RevNat, Service6Key, ServiceKey, ServiceValue, SourceRangeData, SourceRangeKey,
+    Verdict, VerdictCounter, maps, ports,
 };
 
 use super::{
@@ -63,8 +63,10 @@ pub fn sum_verdicts(stats: &PerCpuArray<MapData, VerdictCounter>) -> Result<Vec<
 /// (created by [`super::Datapath::load`]).
 pub struct PinnedMaps {
     services: HashMap<MapData, ServiceKey, ServiceValue>,
+    services6: HashMap<MapData, Service6Key, ServiceValue>,
     slots: HashMap<MapData, BackendSlotKey, u32>,
     backends: HashMap<MapData, u32, Backend>,
+    backends6: HashMap<MapData, u32, Backend6>,
     rev_nat: HashMap<MapData, u32, RevNat>,
     members: HashMap<MapData, MemberKey, u32>,
     maglev: HashMap<MapData, MaglevKey, MaglevChunk>,
@@ -83,8 +85,10 @@ impl PinnedMaps {
         let layout = |name: &str| format!("map {name} has an unexpected layout");
         Ok(Self {
             services: open(pin_path, maps::SERVICES)?,
+            services6: open(pin_path, maps::SERVICES6)?,
             slots: open(pin_path, maps::BACKEND_SLOTS)?,
             backends: open(pin_path, maps::BACKENDS)?,
+            backends6: open(pin_path, maps::BACKENDS6)?,
             rev_nat: open(pin_path, maps::REV_NAT)?,
             members: open(pin_path, maps::MEMBERS)?,
             maglev: open(pin_path, maps::MAGLEV)?,
@@ -110,6 +114,8 @@ impl PinnedMaps {
     #[cfg(test)]
     pub(super) fn entries(&self) -> usize {
         self.services.keys().count()
+            + self.services6.keys().count()
+            + self.backends6.keys().count()
             + self.rev_nat.keys().count()
             + self.slots.keys().count()
             + self.backends.keys().count()
@@ -170,6 +176,14 @@ impl LbMaps for PinnedMaps {
         get(&self.services, key)
     }
 
+    fn services6(&self) -> Result<Vec<(Service6Key, ServiceValue)>> {
+        Ok(self.services6.iter().collect::<Result<_, _>>()?)
+    }
+
+    fn service6(&self, key: &Service6Key) -> Result<Option<ServiceValue>> {
+        get(&self.services6, key)
+    }
+
     fn slot_keys(&self) -> Result<Vec<BackendSlotKey>> {
         Ok(self.slots.keys().collect::<Result<_, _>>()?)
     }
@@ -184,6 +198,14 @@ impl LbMaps for PinnedMaps {
 
     fn backend(&self, id: u32) -> Result<Option<Backend>> {
         get(&self.backends, &id)
+    }
+
+    fn backends6(&self) -> Result<Vec<(u32, Backend6)>> {
+        Ok(self.backends6.iter().collect::<Result<_, _>>()?)
+    }
+
+    fn backend6(&self, id: u32) -> Result<Option<Backend6>> {
+        get(&self.backends6, &id)
     }
 
     fn rev_nat_ids(&self) -> Result<Vec<u32>> {
@@ -244,9 +266,11 @@ impl LbMaps for PinnedMaps {
         let ranges = self.source_ranges_fd();
         match step {
             Step::Write(Table::Backends) => write_to(w, &self.backends, &staged.backends),
+            Step::Write(Table::Backends6) => write_to(w, &self.backends6, &staged.backends6),
             Step::Write(Table::Slots) => write_to(w, &self.slots, &staged.slots),
             Step::Write(Table::RevNat) => write_to(w, &self.rev_nat, &staged.rev_nat),
             Step::Write(Table::Services) => write_to(w, &self.services, &staged.services),
+            Step::Write(Table::Services6) => write_to(w, &self.services6, &staged.services6),
             Step::Write(Table::Members) => write_to(w, &self.members, &staged.members),
             Step::Write(Table::ServicePorts) => write_to(w, &self.service_ports, &staged.service_ports),
             Step::Write(Table::Maglev) => write_to(w, &self.maglev, &staged.maglev),
@@ -254,9 +278,11 @@ impl LbMaps for PinnedMaps {
             // and its value a `u8` (aya checked both sizes at open).
             Step::Write(Table::SourceRanges) => unsafe { w.write(ranges, &staged.source_ranges) },
             Step::Delete(Table::Backends) => delete_from(w, &self.backends, &staged.backends),
+            Step::Delete(Table::Backends6) => delete_from(w, &self.backends6, &staged.backends6),
             Step::Delete(Table::Slots) => delete_from(w, &self.slots, &staged.slots),
             Step::Delete(Table::RevNat) => delete_from(w, &self.rev_nat, &staged.rev_nat),
             Step::Delete(Table::Services) => delete_from(w, &self.services, &staged.services),
+            Step::Delete(Table::Services6) => delete_from(w, &self.services6, &staged.services6),
             Step::Delete(Table::Members) => delete_from(w, &self.members, &staged.members),
             Step::Delete(Table::ServicePorts) => delete_from(w, &self.service_ports, &staged.service_ports),
             Step::Delete(Table::Maglev) => delete_from(w, &self.maglev, &staged.maglev),

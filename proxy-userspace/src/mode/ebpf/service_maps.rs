@@ -31,6 +31,13 @@
 //!
 //! The maps are an [`LbMaps`]: the pinned ones ([`ServiceMaps::open`]) or,
 //! in tests, ones in memory ([`ServiceMaps::on`]).
+//!
+//! Both families go through the same code: a Service port's frontends and
+//! backends are of its ClusterIP's family and land in that family's maps
+//! (`XP_SERVICES`/`XP_BACKENDS` or `XP_SERVICES6`/`XP_BACKENDS6`, see
+//! `proxy_common::ipv6` for why apart); backend sets, slots, ids and the
+//! port filter are shared. What the programs' IPv6 path does not do yet is
+//! reported per port by `ipv6_limits`.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -40,8 +47,8 @@ use std::{
 
 use anyhow::{Context, Result};
 use proxy_common::{
-    Backend, BackendSlotKey, CtKey, CtValue, FrontendPort, MaglevKey, MemberKey, ServiceKey, ServiceValue,
-    SourceRangeKey, Verdict, VerdictCounter,
+    Backend, Backend6, BackendSlotKey, CtKey, CtValue, FrontendPort, MaglevKey, MemberKey, Service6Key, ServiceKey,
+    ServiceValue, SourceRangeKey, Verdict, VerdictCounter,
     backend::FLAG_LOCAL,
     service::{
         FLAG_AFFINITY_CLIENT_IP, FLAG_EXTERNAL_ADDR, FLAG_EXTERNAL_LOCAL, FLAG_INTERNAL_LOCAL, FLAG_MAGLEV,
@@ -51,7 +58,7 @@ use proxy_common::{
 use tracing::debug;
 
 use super::{
-    ids::{Acquired, BackendRefs, IdAllocator},
+    ids::{Acquired, BackendAddr, BackendRefs, IdAllocator},
     lb_maps::LbMaps,
     maglev,
     pinned_maps::PinnedMaps,
@@ -70,7 +77,7 @@ use crate::{
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Applied {
     /// Frontend key -> the service entry written for it.
-    frontends: BTreeMap<ServiceKeyOrd, ServiceValue>,
+    frontends: BTreeMap<FrontendKey, ServiceValue>,
     backend_set: u32,
     /// Backend ids in slot order.
     backends: Vec<u32>,
@@ -105,18 +112,36 @@ impl FrontendKind {
     }
 }
 
-/// `ServiceKey` ordered by its bytes, for deterministic iteration.
+/// A frontend of either family as the writer keeps it: ordered, for
+/// deterministic iteration, and turned into its family's map key
+/// ([`ServiceKey`] or [`Service6Key`]) only when staged.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-struct ServiceKeyOrd([u8; 8]);
+struct FrontendKey {
+    addr: IpAddr,
+    port: u16,
+    proto: u8,
+}
 
-impl From<ServiceKey> for ServiceKeyOrd {
-    fn from(k: ServiceKey) -> Self {
-        Self(bytemuck::cast(k))
+impl FrontendKey {
+    fn new(addr: IpAddr, port: u16, proto: u8) -> Self {
+        Self { addr, port, proto }
+    }
+
+    /// A Service port's key: its ClusterIP frontend.
+    fn of_port(port: &ServicePort) -> Self {
+        Self::new(port.cluster_ip, port.port, port.protocol.number())
     }
 }
-impl From<ServiceKeyOrd> for ServiceKey {
-    fn from(k: ServiceKeyOrd) -> Self {
-        bytemuck::cast(k.0)
+
+impl From<ServiceKey> for FrontendKey {
+    fn from(k: ServiceKey) -> Self {
+        Self::new(k.addr().into(), k.port(), k.proto)
+    }
+}
+
+impl From<Service6Key> for FrontendKey {
+    fn from(k: Service6Key) -> Self {
+        Self::new(k.addr().into(), k.port(), k.proto)
     }
 }
 
@@ -125,7 +150,9 @@ pub struct ServiceMaps<M = PinnedMaps> {
     maps: M,
     /// Ports of every frontend and backend written (see `port_filter`).
     port_filter: PortFilter,
-    node_ips: Vec<Ipv4Addr>,
+    /// Both families': a Service port's node port frontends are on those
+    /// of its own.
+    node_ips: Vec<IpAddr>,
     /// Endpoints on this node (by their nodeName) are local backends; if
     /// `None`, or an endpoint names no node, it is taken to be local (for
     /// the SNAT decision only: the `Local` traffic policies reach only
@@ -136,9 +163,9 @@ pub struct ServiceMaps<M = PinnedMaps> {
     /// The algorithm of Service ports that do not name one.
     lb_default: LbAlgorithm,
     /// By ClusterIP frontend.
-    applied: BTreeMap<ServiceKeyOrd, Applied>,
+    applied: BTreeMap<FrontendKey, Applied>,
     /// Service port name -> ClusterIP frontend, for ports synced by name.
-    names: BTreeMap<String, ServiceKeyOrd>,
+    names: BTreeMap<String, FrontendKey>,
     /// Backend ids by address, counted by the Service ports using them.
     backends: BackendRefs,
     set_ids: IdAllocator,
@@ -165,6 +192,7 @@ pub struct ServiceMaps<M = PinnedMaps> {
 struct Leftovers {
     slots: Vec<BackendSlotKey>,
     backends: Vec<u32>,
+    backends6: Vec<u32>,
     rev_nats: Vec<u32>,
     members: Vec<MemberKey>,
     source_ranges: Vec<SourceRangeKey>,
@@ -176,7 +204,7 @@ struct Leftovers {
 impl ServiceMaps<PinnedMaps> {
     /// Opens the maps pinned under `pin_path` (created by [`super::Datapath::load`]).
     /// `node_ips` are the addresses NodePort frontends are programmed on.
-    pub fn open(pin_path: &Path, node_ips: Vec<Ipv4Addr>) -> Result<Self> {
+    pub fn open(pin_path: &Path, node_ips: Vec<IpAddr>) -> Result<Self> {
         Self::on(PinnedMaps::open(pin_path)?, node_ips)
     }
 }
@@ -184,7 +212,7 @@ impl ServiceMaps<PinnedMaps> {
 impl<M: LbMaps> ServiceMaps<M> {
     /// Writes into `maps`, adopting what they hold. `node_ips` are the
     /// addresses NodePort frontends are programmed on.
-    pub fn on(maps: M, node_ips: Vec<Ipv4Addr>) -> Result<Self> {
+    pub fn on(maps: M, node_ips: Vec<IpAddr>) -> Result<Self> {
         let port_filter = PortFilter::load(&maps)?;
         let mut this = Self {
             maps,
@@ -241,8 +269,18 @@ impl<M: LbMaps> ServiceMaps<M> {
         for key in self.maps.maglev_keys()? {
             *maglev_chunks.entry(key.backend_set).or_default() += 1;
         }
-        let mut groups: BTreeMap<u32, Vec<(ServiceKey, ServiceValue)>> = BTreeMap::new();
-        for (key, value) in self.maps.services()? {
+        let mut groups: BTreeMap<u32, Vec<(FrontendKey, ServiceValue)>> = BTreeMap::new();
+        let v4 = self
+            .maps
+            .services()?
+            .into_iter()
+            .map(|(k, v)| (FrontendKey::from(k), v));
+        let v6 = self
+            .maps
+            .services6()?
+            .into_iter()
+            .map(|(k, v)| (FrontendKey::from(k), v));
+        for (key, value) in v4.chain(v6) {
             groups.entry(value.backend_set).or_default().push((key, value));
         }
         for (set, members) in groups {
@@ -259,7 +297,7 @@ impl<M: LbMaps> ServiceMaps<M> {
             for (_, value) in &members {
                 self.rev_nat_ids.reserve(value.rev_nat_id);
             }
-            let frontends = members.iter().map(|(k, v)| (ServiceKeyOrd::from(*k), *v)).collect();
+            let frontends = members.iter().copied().collect();
             let (backend_set, backends) = match self.adopt_backend_set(set, len) {
                 Some(ids) => (set, ids),
                 None => (0, Vec::new()),
@@ -279,7 +317,7 @@ impl<M: LbMaps> ServiceMaps<M> {
                 backend_set != 0 && !backends.is_empty() && member_counts.get(&set) == Some(&backends.len());
             let maglev = adopted_maglev_run(&members, maglev_chunks.get(&set).copied()).filter(|_| backend_set != 0);
             self.applied.insert(
-                cluster_key.into(),
+                cluster_key,
                 Applied {
                     frontends,
                     backend_set,
@@ -300,8 +338,7 @@ impl<M: LbMaps> ServiceMaps<M> {
         let mut members = Vec::new();
         for slot in 0..count {
             let id = self.maps.slot(&BackendSlotKey { backend_set: set, slot }).ok()??;
-            let backend = self.maps.backend(id).ok()??;
-            members.push((id, (backend.addr(), backend.port(), backend.proto)));
+            members.push((id, self.backend_in_maps(id)?));
         }
         // The same address under two ids: let the next sync rewrite it.
         if members.iter().any(|(id, addr)| self.backends.aliased(*id, *addr)) {
@@ -311,6 +348,16 @@ impl<M: LbMaps> ServiceMaps<M> {
             self.backends.adopt(*id, *addr);
         }
         Some(members.into_iter().map(|(id, _)| id).collect())
+    }
+
+    /// The backend `id` in the maps, of either family; `None` if it is in
+    /// neither (or cannot be read).
+    fn backend_in_maps(&self, id: u32) -> Option<BackendAddr> {
+        if let Some(b) = self.maps.backend(id).ok()? {
+            return Some((b.addr().into(), b.port(), b.proto));
+        }
+        let b = self.maps.backend6(id).ok()??;
+        Some((b.addr().into(), b.port(), b.proto))
     }
 
     /// Sets which endpoints are local (see the field) and masqueradeAll.
@@ -341,6 +388,10 @@ impl<M: LbMaps> ServiceMaps<M> {
             self.backends.ids().reserve(id);
             found.backends.push(id);
         }
+        for (id, _) in self.maps.backends6()? {
+            self.backends.ids().reserve(id);
+            found.backends6.push(id);
+        }
         for id in self.maps.rev_nat_ids()? {
             self.rev_nat_ids.reserve(id);
             found.rev_nats.push(id);
@@ -367,6 +418,7 @@ impl<M: LbMaps> ServiceMaps<M> {
         let sets: BTreeSet<u32> = self.applied.values().map(|a| a.backend_set).collect();
         found.slots.retain(|k| !sets.contains(&k.backend_set));
         found.backends.retain(|id| !self.backends.holds(*id));
+        found.backends6.retain(|id| !self.backends.holds(*id));
         let member_sets: BTreeSet<u32> = (self.applied.values())
             .filter(|a| a.members)
             .map(|a| a.backend_set)
@@ -425,7 +477,7 @@ impl<M: LbMaps> ServiceMaps<M> {
 
     fn stage_service(&mut self, svc: &ServicePort) -> Result<()> {
         let proto = svc.protocol.number();
-        let id = ServiceKeyOrd::from(ServiceKey::new(v4(svc.cluster_ip), svc.port, proto));
+        let id = FrontendKey::of_port(svc);
         if let Some(previous) = self.names.insert(svc.name.clone(), id)
             && previous != id
         {
@@ -438,7 +490,7 @@ impl<M: LbMaps> ServiceMaps<M> {
         let mut backends = Vec::with_capacity(layout.slots.len());
         for ep in &layout.slots {
             let local = self.is_local(ep);
-            backends.push(self.acquire_backend(v4(ep.addr), ep.port, proto, local)?);
+            backends.push(self.acquire_backend(ep.addr, ep.port, proto, local)?);
         }
         // Affinity needs the set's members: a set written without them is
         // written again with them (and the other way round).
@@ -455,7 +507,7 @@ impl<M: LbMaps> ServiceMaps<M> {
                 set
             };
 
-        let ports = self.frontends_of(svc).into_iter().map(|(key, _)| key.port());
+        let ports = self.frontends_of(svc).into_iter().map(|(key, _)| key.port);
         self.port_filter
             .allow(&self.maps, ports, layout.slots.iter().map(|ep| ep.port))?;
         let mut frontends = BTreeMap::new();
@@ -464,8 +516,7 @@ impl<M: LbMaps> ServiceMaps<M> {
         // The ClusterIP frontend comes first: its id is the port's affinity id.
         let mut affinity_id = 0;
         for (key, kind) in self.frontends_of(svc) {
-            let ord = ServiceKeyOrd::from(key);
-            let written = old.frontends.get(&ord);
+            let written = old.frontends.get(&key);
             let rev_nat_id = match written {
                 Some(value) => value.rev_nat_id,
                 None => self.rev_nat_ids.allocate()?,
@@ -474,7 +525,9 @@ impl<M: LbMaps> ServiceMaps<M> {
             if maglev == Some((backend_offset, backend_count)) {
                 flags |= FLAG_MAGLEV;
             }
-            if flags & FLAG_SOURCE_RANGES != 0 {
+            // IPv6 frontends have no range map: the programs' IPv6 path
+            // drops their new flows (closed, see `ipv6_limits`).
+            if flags & FLAG_SOURCE_RANGES != 0 && key.addr.is_ipv4() {
                 ranges.extend(source_ranges::entries(svc, rev_nat_id));
             }
             let value = ServiceValue {
@@ -500,9 +553,9 @@ impl<M: LbMaps> ServiceMaps<M> {
             // The bookkeeping, not a read of the map: it matches the map
             // (read back after any failure), and a read per frontend costs.
             if written != Some(&value) {
-                self.staged.services.write(key, value);
+                self.write_frontend(key, value);
             }
-            frontends.insert(ord, value);
+            frontends.insert(key, value);
         }
 
         for range in ranges.difference(&old.ranges) {
@@ -510,9 +563,9 @@ impl<M: LbMaps> ServiceMaps<M> {
         }
 
         // Everything below removes what the new state no longer references.
-        for (ord, value) in &old.frontends {
-            if !frontends.contains_key(ord) {
-                self.remove_frontend((*ord).into(), value);
+        for (key, value) in &old.frontends {
+            if !frontends.contains_key(key) {
+                self.remove_frontend(*key, value);
             }
         }
         for range in old.ranges.difference(&ranges) {
@@ -595,7 +648,7 @@ impl<M: LbMaps> ServiceMaps<M> {
 
     /// Removes a Service port by its frontend, whoever programmed it.
     pub fn remove_port(&mut self, port: &ServicePort) -> Result<()> {
-        let id = ServiceKeyOrd::from(ServiceKey::new(v4(port.cluster_ip), port.port, port.protocol.number()));
+        let id = FrontendKey::of_port(port);
         self.batch(|this| {
             if this.names.get(&port.name) == Some(&id) {
                 this.names.remove(&port.name);
@@ -606,7 +659,7 @@ impl<M: LbMaps> ServiceMaps<M> {
 
     /// The addresses NodePort frontends are programmed on from the next
     /// sync of each Service on (a full sync writes them all).
-    pub fn set_node_ips(&mut self, node_ips: Vec<Ipv4Addr>) {
+    pub fn set_node_ips(&mut self, node_ips: Vec<IpAddr>) {
         self.node_ips = node_ips;
     }
 
@@ -614,12 +667,9 @@ impl<M: LbMaps> ServiceMaps<M> {
     /// whatever the maps held at open (or after a failed write) that no
     /// Service port references.
     pub fn retain(&mut self, keep: &[&ServicePort]) -> Result<()> {
-        let keep: BTreeSet<ServiceKeyOrd> = keep
-            .iter()
-            .map(|p| ServiceKey::new(v4(p.cluster_ip), p.port, p.protocol.number()).into())
-            .collect();
+        let keep: BTreeSet<FrontendKey> = keep.iter().map(|p| FrontendKey::of_port(p)).collect();
         self.batch(|this| {
-            let stale: Vec<ServiceKeyOrd> = this.applied.keys().filter(|k| !keep.contains(k)).copied().collect();
+            let stale: Vec<FrontendKey> = this.applied.keys().filter(|k| !keep.contains(k)).copied().collect();
             for id in stale {
                 this.remove_by_key(id)?;
             }
@@ -654,6 +704,10 @@ impl<M: LbMaps> ServiceMaps<M> {
             self.staged.backends.delete(id);
             self.backends.ids().release(id);
         }
+        for id in leftovers.backends6 {
+            self.staged.backends6.delete(id);
+            self.backends.ids().release(id);
+        }
         // An older agent's entry may carry the id of a frontend still
         // programmed: the entry goes, the id stays taken.
         let in_use = self.rev_nat_ids_in_use();
@@ -665,12 +719,12 @@ impl<M: LbMaps> ServiceMaps<M> {
         }
     }
 
-    fn remove_by_key(&mut self, id: ServiceKeyOrd) -> Result<()> {
+    fn remove_by_key(&mut self, id: FrontendKey) -> Result<()> {
         let Some(old) = self.applied.remove(&id) else {
             return Ok(());
         };
-        for (ord, value) in &old.frontends {
-            self.remove_frontend((*ord).into(), value);
+        for (key, value) in &old.frontends {
+            self.remove_frontend(*key, value);
         }
         for range in &old.ranges {
             self.staged.source_ranges.delete((*range).into());
@@ -740,29 +794,33 @@ impl<M: LbMaps> ServiceMaps<M> {
     }
 
     /// Reads one frontend back, as the programs see it.
-    pub fn frontend(&self, addr: Ipv4Addr, port: u16, proto: u8) -> Option<ServiceValue> {
-        snapshot::frontend(&self.maps, addr, port, proto)
+    pub fn frontend(&self, addr: impl Into<IpAddr>, port: u16, proto: u8) -> Option<ServiceValue> {
+        snapshot::frontend(&self.maps, addr.into(), port, proto)
     }
 
-    /// Reads the backends a frontend picks from back, in slot order.
+    /// Reads the backends an IPv4 frontend picks from back, in slot order.
     pub fn backend_set(&self, value: &ServiceValue) -> Result<Vec<Backend>> {
         snapshot::backend_set(&self.maps, value)
     }
 
-    /// The frontends of `svc`: its ClusterIP, every node IP with its node
-    /// port, and its external and load balancer IPs on its port.
-    fn frontends_of(&self, svc: &ServicePort) -> Vec<(ServiceKey, FrontendKind)> {
+    /// Reads the backends a frontend of either family picks from back, in
+    /// slot order, as `(address, port)`.
+    pub fn backend_endpoints(&self, value: &ServiceValue) -> Result<Vec<(IpAddr, u16)>> {
+        snapshot::backend_endpoints(&self.maps, value)
+    }
+
+    /// The frontends of `svc`: its ClusterIP, every node IP of its family
+    /// with its node port, and its external and load balancer IPs on its
+    /// port.
+    fn frontends_of(&self, svc: &ServicePort) -> Vec<(FrontendKey, FrontendKind)> {
         let proto = svc.protocol.number();
-        let mut out = vec![(
-            ServiceKey::new(v4(svc.cluster_ip), svc.port, proto),
-            FrontendKind::ClusterIp,
-        )];
+        let mut out = vec![(FrontendKey::of_port(svc), FrontendKind::ClusterIp)];
         if let Some(node_port) = svc.node_port {
-            out.extend(
-                self.node_ips
-                    .iter()
-                    .map(|ip| (ServiceKey::new(*ip, node_port, proto), FrontendKind::NodePort)),
-            );
+            let same_family = self
+                .node_ips
+                .iter()
+                .filter(|ip| ip.is_ipv4() == svc.cluster_ip.is_ipv4());
+            out.extend(same_family.map(|ip| (FrontendKey::new(*ip, node_port, proto), FrontendKind::NodePort)));
         }
         for ip in svc.external_addresses() {
             // A Service's ClusterIP listed again is not a second frontend.
@@ -771,7 +829,7 @@ impl<M: LbMaps> ServiceMaps<M> {
             }
             let load_balancer = svc.load_balancer_ips.contains(&ip);
             let kind = FrontendKind::ExternalAddr { load_balancer };
-            out.push((ServiceKey::new(v4(ip), svc.port, proto), kind));
+            out.push((FrontendKey::new(ip, svc.port, proto), kind));
         }
         out
     }
@@ -820,7 +878,9 @@ impl<M: LbMaps> ServiceMaps<M> {
     /// it is the same run). `None` for an empty run or one too large for a
     /// table.
     fn maglev_run(&self, svc: &ServicePort, layout: &SlotLayout<'_>) -> Option<(u32, u32)> {
-        let wanted = svc.lb_algorithm.unwrap_or(self.lb_default) == LbAlgorithm::Maglev;
+        // The programs' IPv6 path picks at random (`ipv6_limits`): no
+        // table for a set nothing would read.
+        let wanted = svc.lb_algorithm.unwrap_or(self.lb_default) == LbAlgorithm::Maglev && svc.cluster_ip.is_ipv4();
         let (_, count) = layout.cluster;
         (wanted && proxy_common::maglev::table_size(count).is_some()).then_some(layout.cluster)
     }
@@ -858,8 +918,25 @@ impl<M: LbMaps> ServiceMaps<M> {
         }
     }
 
-    fn remove_frontend(&mut self, key: ServiceKey, value: &ServiceValue) {
-        self.staged.services.delete(key);
+    /// Stages `key`'s entry in its family's map.
+    fn write_frontend(&mut self, key: FrontendKey, value: ServiceValue) {
+        match key.addr {
+            IpAddr::V4(addr) => self
+                .staged
+                .services
+                .write(ServiceKey::new(addr, key.port, key.proto), value),
+            IpAddr::V6(addr) => (self.staged.services6).write(Service6Key::new(addr, key.port, key.proto), value),
+        }
+    }
+
+    fn remove_frontend(&mut self, key: FrontendKey, value: &ServiceValue) {
+        match key.addr {
+            IpAddr::V4(addr) => self.staged.services.delete(ServiceKey::new(addr, key.port, key.proto)),
+            IpAddr::V6(addr) => self
+                .staged
+                .services6
+                .delete(Service6Key::new(addr, key.port, key.proto)),
+        }
         self.rev_nat_ids.release(value.rev_nat_id);
         // Its id may be handed to another frontend: its clients must not
         // follow.
@@ -880,21 +957,40 @@ impl<M: LbMaps> ServiceMaps<M> {
         Ok(())
     }
 
-    fn acquire_backend(&mut self, addr: Ipv4Addr, port: u16, proto: u8, local: bool) -> Result<u32> {
+    fn acquire_backend(&mut self, addr: IpAddr, port: u16, proto: u8, local: bool) -> Result<u32> {
         let acquired = self.backends.acquire((addr, port, proto))?;
         if let Acquired::New(id) = acquired {
-            let backend = Backend {
-                flags: if local { FLAG_LOCAL } else { 0 },
-                ..Backend::new(addr, port, proto)
-            };
-            self.staged.backends.write(id, backend);
+            let flags = if local { FLAG_LOCAL } else { 0 };
+            match addr {
+                IpAddr::V4(addr) => (self.staged.backends).write(
+                    id,
+                    Backend {
+                        flags,
+                        ..Backend::new(addr, port, proto)
+                    },
+                ),
+                IpAddr::V6(addr) => {
+                    (self.staged.backends6).write(
+                        id,
+                        Backend6 {
+                            flags,
+                            ..Backend6::new(addr, port, proto)
+                        },
+                    );
+                }
+            }
         }
         Ok(acquired.id())
     }
 
     fn release_backend(&mut self, id: u32) -> Result<()> {
+        let ipv6 = self.backends.addr_of(id).is_some_and(|(addr, _, _)| addr.is_ipv6());
         if self.backends.release(id)? {
-            self.staged.backends.delete(id);
+            if ipv6 {
+                self.staged.backends6.delete(id);
+            } else {
+                self.staged.backends.delete(id);
+            }
         }
         Ok(())
     }
@@ -940,7 +1036,7 @@ fn service_port_entry(value: &ServiceValue, cluster: (u32, u32), affinity_id: u3
 /// the Maglev map for the set) are all of the table's. `None` otherwise:
 /// a table written halfway is a leftover, and the next sync of the port
 /// writes its set afresh.
-fn adopted_maglev_run(frontends: &[(ServiceKey, ServiceValue)], chunks: Option<u32>) -> Option<(u32, u32)> {
+fn adopted_maglev_run(frontends: &[(FrontendKey, ServiceValue)], chunks: Option<u32>) -> Option<(u32, u32)> {
     let (_, value) = frontends.iter().find(|(_, v)| v.flags & FLAG_MAGLEV != 0)?;
     let size = proxy_common::maglev::table_size(value.backend_count)?;
     (chunks == Some(proxy_common::maglev::chunks(size))).then_some((value.backend_offset, value.backend_count))
@@ -953,10 +1049,9 @@ fn affinity_timeout_s(svc: &ServicePort) -> u32 {
         .map_or(0, |t| u32::try_from(t.as_secs()).unwrap_or(u32::MAX).max(1))
 }
 
-/// `ip` as this IPv4 data path keys it. The reconciler hands the mode
-/// IPv4 ports only (`Dataplane::families`), whose addresses and endpoints
-/// are all IPv4: an IPv6 one cannot arrive here, and would key 0.0.0.0,
-/// which no packet carries.
+/// `ip` as the IPv4 maps key it: for the parts only IPv4 ports reach
+/// (Maglev tables, see `maglev_run`), whose addresses are all IPv4; an
+/// IPv6 one would key 0.0.0.0, which no packet carries.
 pub(super) fn v4(ip: IpAddr) -> Ipv4Addr {
     debug_assert!(ip.is_ipv4(), "IPv6 address {ip} in the IPv4 data path");
     ipv4(ip).unwrap_or(Ipv4Addr::UNSPECIFIED)
@@ -986,7 +1081,7 @@ mod tests {
         let pin = std::path::PathBuf::from(format!("/sys/fs/bpf/xproxy-maps-scale-{}", std::process::id()));
         let result = (|| -> Result<()> {
             let _datapath = super::super::Datapath::load(&pin)?;
-            let mut maps = ServiceMaps::open(&pin, vec![Ipv4Addr::new(192, 0, 2, 1)])?;
+            let mut maps = ServiceMaps::open(&pin, vec![Ipv4Addr::new(192, 0, 2, 1).into()])?;
             let ports: Vec<ServicePort> = (0..10_000u32)
                 .map(|i| ServicePort {
                     name: format!("ns/svc-{i}:http"),
@@ -1031,7 +1126,7 @@ mod tests {
             assert_eq!(maps.writes() - before, (entries(&refs) - entries(half)) as u64);
             assert_eq!(maps.maps().entries(), entries(half));
 
-            let mut restarted = ServiceMaps::open(&pin, vec![Ipv4Addr::new(192, 0, 2, 1)])?;
+            let mut restarted = ServiceMaps::open(&pin, vec![Ipv4Addr::new(192, 0, 2, 1).into()])?;
             assert_eq!(restarted.service_port_count(), half.len());
             assert!(restarted.leftovers.rev_nats.is_empty() && restarted.leftovers.backends.is_empty());
 

@@ -5,13 +5,13 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
-    net::Ipv4Addr,
+    net::IpAddr,
     ops::Range,
 };
 
 use anyhow::{Context, Result};
 use proxy_common::{
-    Backend, BackendSlotKey, ServiceKey, ServiceValue,
+    Backend, BackendSlotKey, Service6Key, ServiceKey, ServiceValue,
     conntrack::{FLAG_REPLY, settled_state},
     service::{FLAG_NODE_PORT, FLAGS_LOCAL},
 };
@@ -40,12 +40,20 @@ pub fn snapshot(maps: &impl LbMaps) -> Result<Snapshot> {
         }
     }
     let mut frontends = Vec::new();
-    for (key, value) in maps.services()? {
+    let v4 = maps
+        .services()?
+        .into_iter()
+        .map(|(k, v)| ((k.addr().into(), k.port(), k.proto), v));
+    let v6 = maps
+        .services6()?
+        .into_iter()
+        .map(|(k, v)| ((k.addr().into(), k.port(), k.proto), v));
+    for ((addr, port, proto), value) in v4.chain(v6) {
         let mut backends = Vec::new();
         for slot in slots_of(&value) {
-            let row = match slot_backend(maps, value.backend_set, slot)? {
-                Some((id, b)) => BackendRow {
-                    addr: Some((b.addr(), b.port())),
+            let row = match slot_endpoint(maps, value.backend_set, slot)? {
+                Some((id, endpoint)) => BackendRow {
+                    addr: Some(endpoint),
                     flows: flows.get(&(value.rev_nat_id, id)).copied().unwrap_or(0),
                 },
                 None => BackendRow { addr: None, flows: 0 },
@@ -53,9 +61,9 @@ pub fn snapshot(maps: &impl LbMaps) -> Result<Snapshot> {
             backends.push(row);
         }
         frontends.push(FrontendRow {
-            proto: key.proto,
-            addr: key.addr(),
-            port: key.port(),
+            proto,
+            addr,
+            port,
             node_port: value.flags & FLAG_NODE_PORT != 0,
             local_only: value.flags & FLAGS_LOCAL != 0,
             backends,
@@ -80,19 +88,47 @@ fn slot_backend(maps: &impl LbMaps, backend_set: u32, slot: u32) -> Result<Optio
     Ok(maps.backend(id)?.map(|b| (id, b)))
 }
 
-/// One frontend, as the programs see it.
-pub fn frontend(maps: &impl LbMaps, addr: Ipv4Addr, port: u16, proto: u8) -> Option<ServiceValue> {
-    maps.service(&ServiceKey::new(addr, port, proto)).ok().flatten()
+/// The backend id in a slot and its endpoint, of either family; `None` if
+/// the slot or the backend is missing.
+fn slot_endpoint(maps: &impl LbMaps, backend_set: u32, slot: u32) -> Result<Option<(u32, (IpAddr, u16))>> {
+    let Some(id) = maps.slot(&BackendSlotKey { backend_set, slot })? else {
+        return Ok(None);
+    };
+    if let Some(b) = maps.backend(id)? {
+        return Ok(Some((id, (b.addr().into(), b.port()))));
+    }
+    Ok(maps.backend6(id)?.map(|b| (id, (b.addr().into(), b.port()))))
 }
 
-/// The backends a frontend picks from, in slot order; an error if one is
-/// missing.
+/// One frontend, as the programs see it.
+pub fn frontend(maps: &impl LbMaps, addr: IpAddr, port: u16, proto: u8) -> Option<ServiceValue> {
+    let found = match addr {
+        IpAddr::V4(addr) => maps.service(&ServiceKey::new(addr, port, proto)),
+        IpAddr::V6(addr) => maps.service6(&Service6Key::new(addr, port, proto)),
+    };
+    found.ok().flatten()
+}
+
+/// The endpoints a frontend of either family picks from, in slot order;
+/// an error if one is missing.
+pub fn backend_endpoints(maps: &impl LbMaps, value: &ServiceValue) -> Result<Vec<(IpAddr, u16)>> {
+    every_slot(value, |slot| slot_endpoint(maps, value.backend_set, slot))
+}
+
+/// The backends an IPv4 frontend picks from, in slot order; an error if
+/// one is missing.
 pub fn backend_set(maps: &impl LbMaps, value: &ServiceValue) -> Result<Vec<Backend>> {
+    every_slot(value, |slot| slot_backend(maps, value.backend_set, slot))
+}
+
+/// What `read` finds in each slot of `value`'s run, in order; an error
+/// naming the first slot it finds nothing in.
+fn every_slot<T>(value: &ServiceValue, read: impl Fn(u32) -> Result<Option<(u32, T)>>) -> Result<Vec<T>> {
     slots_of(value)
         .map(|slot| {
-            let found = slot_backend(maps, value.backend_set, slot)?;
+            let found = read(slot)?;
             found
-                .map(|(_, backend)| backend)
+                .map(|(_, item)| item)
                 .with_context(|| format!("slot {slot} of backend set {} is missing", value.backend_set))
         })
         .collect()

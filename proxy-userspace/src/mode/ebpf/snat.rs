@@ -1,7 +1,8 @@
 //! The kernel half of the SNAT fallback: the programs DNAT and mark flows
 //! that must also be source-NATed (hairpin, NodePort to another node,
-//! masqueradeAll); these constant rules masquerade marked packets. Their
-//! number never grows with the number of Services.
+//! masqueradeAll); these constant rules masquerade marked packets, in
+//! iptables and, the same, in ip6tables. Their number never grows with the
+//! number of Services.
 //!
 //! The masqueraded source ports stay out of the node port range. The
 //! programs see a packet before the kernel's conntrack does: a backend's
@@ -16,7 +17,10 @@ use std::ops::RangeInclusive;
 use anyhow::{Context, Result};
 use tracing::info;
 
-use crate::sys::iptables::{Iptables, Saved, SystemIptables, remove_chains, rule_chain, rule_target};
+use crate::{
+    model::IpFamily,
+    sys::iptables::{Iptables, Saved, SystemIptables, remove_chains, rule_chain, rule_target},
+};
 
 /// Our chain in the nat table, jumped to from POSTROUTING.
 pub const CHAIN: &str = "XPROXY-SNAT";
@@ -98,14 +102,17 @@ pub fn remove(iptables: &mut dyn Iptables) -> Result<bool> {
     Ok(removed > 0)
 }
 
-/// [`remove`] with the system's iptables; nothing to do without iptables.
+/// [`remove`] with the system's iptables and ip6tables; nothing to do
+/// for a family without its tool.
 pub fn cleanup() -> Result<()> {
-    let mut system = SystemIptables::default();
-    if system.check().is_err() {
-        return Ok(());
-    }
-    if remove(&mut system)? {
-        info!(chain = CHAIN, "removed the ebpf mode's SNAT fallback rules");
+    for family in [IpFamily::V4, IpFamily::V6] {
+        let mut system = SystemIptables::for_family(family);
+        if system.check().is_err() {
+            continue;
+        }
+        if remove(&mut system)? {
+            info!(chain = CHAIN, ?family, "removed the ebpf mode's SNAT fallback rules");
+        }
     }
     Ok(())
 }

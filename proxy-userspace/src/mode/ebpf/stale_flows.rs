@@ -10,16 +10,17 @@
 //! keeps sending (DNS) moves to a remaining endpoint; so do we, here: both
 //! entries of every UDP flow whose backend is no longer among its
 //! frontend's backends, or whose frontend is gone (a deleted Service).
+//! Both families: `XP_CT` and `XP_CT6`.
 
 use std::{
     collections::{HashMap as StdHashMap, HashSet},
-    net::Ipv4Addr,
+    net::IpAddr,
     path::Path,
 };
 
 use anyhow::{Context, Result};
 use aya::maps::{HashMap, MapData};
-use proxy_common::{CtKey, CtValue, maps, proto, stats::ct_stat};
+use proxy_common::{CtKey, CtKey6, CtValue, CtValue6, ipv6::ipv6_of, maps, proto, stats::ct_stat};
 
 use super::{
     ServiceMaps,
@@ -27,50 +28,88 @@ use super::{
     pinned_maps::open,
 };
 
-type Endpoint = (Ipv4Addr, u16);
+type Endpoint = (IpAddr, u16);
 
-/// Deletes the stale UDP entries of the conntrack map pinned under
+/// Deletes the stale UDP entries of the conntrack maps pinned under
 /// `pin_path`, judged against what `maps` programs now; returns how many.
 pub fn delete_stale_udp_flows(pin_path: &Path, maps: &ServiceMaps) -> Result<u64> {
-    let mut conntrack: HashMap<MapData, CtKey, CtValue> = open(pin_path, maps::CONNTRACK)?;
-    let entries = read_entries(&conntrack, |key, _| key.proto == proto::UDP)?;
     let mut backends_of: StdHashMap<Endpoint, HashSet<Endpoint>> = StdHashMap::new();
-    let mut stale = Vec::new();
-    for (key, value) in entries {
-        let (frontend, backend) = ends(&key, &value);
-        let backends = backends_of
-            .entry(frontend)
-            .or_insert_with(|| current_backends(maps, frontend));
-        if !backends.contains(&backend) {
-            stale.push(key);
-        }
-    }
-    let deleted = remove_all(&mut conntrack, &stale).context("deleting stale UDP flows")?;
+    let mut conntrack: HashMap<MapData, CtKey, CtValue> = open(pin_path, maps::CONNTRACK)?;
+    let deleted = delete_stale(&mut conntrack, ends, |f, b| is_current(maps, &mut backends_of, f, b))?;
+    let mut conntrack6: HashMap<MapData, CtKey6, CtValue6> = open(pin_path, maps::CONNTRACK6)?;
+    let deleted6 = delete_stale(&mut conntrack6, ends6, |f, b| is_current(maps, &mut backends_of, f, b))?;
+    let deleted = deleted + deleted6;
     CtStats::open(pin_path)?.add(ct_stat::AGENT_REMOVED, deleted)?;
     Ok(deleted)
 }
 
-/// `(frontend, backend)` of a flow, from either of its entries.
-fn ends(key: &CtKey, value: &CtValue) -> (Endpoint, Endpoint) {
+/// Deletes both entries of every UDP flow in `conntrack` whose backend is
+/// not `current` for its frontend; returns how many went.
+fn delete_stale<K, V>(
+    conntrack: &mut HashMap<MapData, K, V>,
+    ends: fn(&K, &V) -> (Endpoint, Endpoint, u8),
+    mut current: impl FnMut(Endpoint, Endpoint) -> bool,
+) -> Result<u64>
+where
+    K: aya::Pod + bytemuck::Pod,
+    V: aya::Pod + bytemuck::Pod,
+{
+    let entries = read_entries(conntrack, |key, value| ends(key, value).2 == proto::UDP)?;
+    let stale: Vec<K> = (entries.into_iter())
+        .filter(|(key, value)| {
+            let (frontend, backend, _) = ends(key, value);
+            !current(frontend, backend)
+        })
+        .map(|(key, _)| key)
+        .collect();
+    remove_all(conntrack, &stale).context("deleting stale UDP flows")
+}
+
+/// `(frontend, backend, protocol)` of an IPv4 flow, from either of its entries.
+fn ends(key: &CtKey, value: &CtValue) -> (Endpoint, Endpoint, u8) {
+    let nat = |(addr, port): (std::net::Ipv4Addr, u16)| (IpAddr::V4(addr), port);
     if value.is_reply() {
-        (value.nat(), (key.saddr(), key.sport()))
+        (nat(value.nat()), nat((key.saddr(), key.sport())), key.proto)
     } else {
-        ((key.daddr(), key.dport()), value.nat())
+        (nat((key.daddr(), key.dport())), nat(value.nat()), key.proto)
     }
 }
 
-/// The backends a UDP frontend picks from now (none if it is gone).
-fn current_backends(maps: &ServiceMaps, (addr, port): Endpoint) -> HashSet<Endpoint> {
-    let Some(value) = maps.frontend(addr, port, proto::UDP) else {
-        return HashSet::new();
-    };
-    maps.backend_set(&value)
-        .map(|set| set.iter().map(|b| (b.addr(), b.port())).collect())
-        .unwrap_or_default()
+/// `(frontend, backend, protocol)` of an IPv6 flow, from either of its entries.
+fn ends6(key: &CtKey6, value: &CtValue6) -> (Endpoint, Endpoint, u8) {
+    let nat = |(addr, port): (std::net::Ipv6Addr, u16)| (IpAddr::V6(addr), port);
+    let (saddr, daddr) = (ipv6_of(key.saddr_be), ipv6_of(key.daddr_be));
+    let (sport, dport) = (u16::from_be(key.sport_be), u16::from_be(key.dport_be));
+    if value.is_reply() {
+        (nat(value.nat()), nat((saddr, sport)), key.proto)
+    } else {
+        (nat((daddr, dport)), nat(value.nat()), key.proto)
+    }
+}
+
+/// Whether `backend` is among the backends the UDP frontend picks from
+/// now (none if it is gone); each frontend's are read once, into `known`.
+fn is_current(
+    maps: &ServiceMaps,
+    known: &mut StdHashMap<Endpoint, HashSet<Endpoint>>,
+    (addr, port): Endpoint,
+    backend: Endpoint,
+) -> bool {
+    let backends = known.entry((addr, port)).or_insert_with(|| {
+        let Some(value) = maps.frontend(addr, port, proto::UDP) else {
+            return HashSet::new();
+        };
+        maps.backend_endpoints(&value)
+            .map(HashSet::from_iter)
+            .unwrap_or_default()
+    });
+    backends.contains(&backend)
 }
 
 #[cfg(test)]
 mod tests {
+    use std::net::{Ipv4Addr, Ipv6Addr};
+
     use proxy_common::conntrack::FLAG_REPLY;
 
     use super::*;
@@ -80,7 +119,7 @@ mod tests {
         let client = (Ipv4Addr::new(10, 0, 0, 1), 40000);
         let frontend = (Ipv4Addr::new(10, 96, 0, 10), 53);
         let backend = (Ipv4Addr::new(10, 244, 0, 2), 5353);
-        let value = |nat: Endpoint, flags| CtValue {
+        let value = |nat: (Ipv4Addr, u16), flags| CtValue {
             flags,
             nat_addr_be: u32::from_ne_bytes(nat.0.octets()),
             nat_port_be: nat.1.to_be(),
@@ -88,7 +127,37 @@ mod tests {
         };
         let forward = CtKey::new(client.0, client.1, frontend.0, frontend.1, proto::UDP);
         let reply = CtKey::new(backend.0, backend.1, client.0, client.1, proto::UDP);
-        assert_eq!(ends(&forward, &value(backend, 0)), (frontend, backend));
-        assert_eq!(ends(&reply, &value(frontend, FLAG_REPLY)), (frontend, backend));
+        let want = (
+            (frontend.0.into(), frontend.1),
+            (backend.0.into(), backend.1),
+            proto::UDP,
+        );
+        assert_eq!(ends(&forward, &value(backend, 0)), want);
+        assert_eq!(ends(&reply, &value(frontend, FLAG_REPLY)), want);
+    }
+
+    #[test]
+    fn both_ipv6_entries_name_the_same_frontend_and_backend() {
+        let ip = |s: &str| s.parse::<Ipv6Addr>().expect("ip");
+        let (client, frontend, backend) = (
+            (ip("fd00::1"), 40000),
+            (ip("fd00:96::a"), 53),
+            (ip("fd00:244::2"), 5353),
+        );
+        let value = |nat: (Ipv6Addr, u16), flags| CtValue6 {
+            flags,
+            nat_addr_be: proxy_common::ipv6::addr6_be(nat.0),
+            nat_port_be: nat.1.to_be(),
+            ..bytemuck::Zeroable::zeroed()
+        };
+        let forward = CtKey6::new(client.0, client.1, frontend.0, frontend.1, proto::UDP);
+        let reply = CtKey6::new(backend.0, backend.1, client.0, client.1, proto::UDP);
+        let want = (
+            (frontend.0.into(), frontend.1),
+            (backend.0.into(), backend.1),
+            proto::UDP,
+        );
+        assert_eq!(ends6(&forward, &value(backend, 0)), want);
+        assert_eq!(ends6(&reply, &value(frontend, FLAG_REPLY)), want);
     }
 }

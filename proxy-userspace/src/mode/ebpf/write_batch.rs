@@ -13,8 +13,8 @@ use std::{
 
 use anyhow::{Context, Result};
 use proxy_common::{
-    Backend, BackendSlotKey, FrontendPort, MaglevChunk, MaglevKey, MemberKey, RevNat, ServiceKey, ServiceValue,
-    SourceRangeKey,
+    Backend, Backend6, BackendSlotKey, FrontendPort, MaglevChunk, MaglevKey, MemberKey, RevNat, Service6Key,
+    ServiceKey, ServiceValue, SourceRangeKey,
 };
 use tracing::info;
 
@@ -24,8 +24,10 @@ use bpf_sys::map::{self as bpf_map, BatchError};
 #[derive(Default)]
 pub struct Staged {
     pub services: Pending<ServiceKey, ServiceValue>,
+    pub services6: Pending<Service6Key, ServiceValue>,
     pub slots: Pending<BackendSlotKey, u32>,
     pub backends: Pending<u32, Backend>,
+    pub backends6: Pending<u32, Backend6>,
     pub rev_nat: Pending<u32, RevNat>,
     pub members: Pending<MemberKey, u32>,
     pub source_ranges: Pending<SourceRangeKey, u8>,
@@ -37,8 +39,10 @@ impl Staged {
     pub fn split(self) -> SplitStaged {
         SplitStaged {
             services: self.services.split(),
+            services6: self.services6.split(),
             slots: self.slots.split(),
             backends: self.backends.split(),
+            backends6: self.backends6.split(),
             rev_nat: self.rev_nat.split(),
             members: self.members.split(),
             source_ranges: self.source_ranges.split(),
@@ -51,8 +55,10 @@ impl Staged {
 /// [`Staged`] as it goes to the kernel.
 pub struct SplitStaged {
     pub services: Split<ServiceKey, ServiceValue>,
+    pub services6: Split<Service6Key, ServiceValue>,
     pub slots: Split<BackendSlotKey, u32>,
     pub backends: Split<u32, Backend>,
+    pub backends6: Split<u32, Backend6>,
     pub rev_nat: Split<u32, RevNat>,
     pub members: Split<MemberKey, u32>,
     pub source_ranges: Split<SourceRangeKey, u8>,
@@ -69,9 +75,11 @@ impl SplitStaged {
     pub fn entries_of(&self, step: Step) -> usize {
         match step.table() {
             Table::Backends => self.backends.entries_of(step),
+            Table::Backends6 => self.backends6.entries_of(step),
             Table::Slots => self.slots.entries_of(step),
             Table::RevNat => self.rev_nat.entries_of(step),
             Table::Services => self.services.entries_of(step),
+            Table::Services6 => self.services6.entries_of(step),
             Table::Members => self.members.entries_of(step),
             Table::SourceRanges => self.source_ranges.entries_of(step),
             Table::ServicePorts => self.service_ports.entries_of(step),
@@ -172,13 +180,16 @@ impl<K: Copy + Eq + Hash, V: Copy> Pending<K, V> {
 /// Members (backend sets with affinity) go with the slots, a frontend's
 /// source ranges and its Service port entry with the frontend. Maglev tables
 /// (of sets whose frontends select Maglev) go with the slots too: they name
-/// backends by id.
+/// backends by id. IPv6 frontends and backends (`Services6`,
+/// `Backends6`) go with their IPv4 twins: slots are shared, one id space.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Table {
     Backends,
+    Backends6,
     Slots,
     RevNat,
     Services,
+    Services6,
     Members,
     SourceRanges,
     ServicePorts,
@@ -208,9 +219,11 @@ impl std::fmt::Display for Step {
         };
         let what = match table {
             Table::Backends => "backends",
+            Table::Backends6 => "IPv6 backends",
             Table::Slots => "backend slots",
             Table::RevNat => "reverse NAT entries",
             Table::Services => "frontends",
+            Table::Services6 => "IPv6 frontends",
             Table::Members => "backend set members",
             Table::SourceRanges => "source ranges",
             Table::ServicePorts => "service port entries",
@@ -235,20 +248,29 @@ impl std::fmt::Display for Step {
 pub(super) const FLUSH_STAGES: [&[Step]; 6] = [
     &[
         Step::Write(Table::Backends),
+        Step::Write(Table::Backends6),
         Step::Write(Table::Slots),
         Step::Write(Table::Members),
         Step::Write(Table::SourceRanges),
         Step::Write(Table::Maglev),
     ],
-    &[Step::Write(Table::Services), Step::Write(Table::ServicePorts)],
-    &[Step::Delete(Table::Services), Step::Delete(Table::ServicePorts)],
+    &[
+        Step::Write(Table::Services),
+        Step::Write(Table::Services6),
+        Step::Write(Table::ServicePorts),
+    ],
+    &[
+        Step::Delete(Table::Services),
+        Step::Delete(Table::Services6),
+        Step::Delete(Table::ServicePorts),
+    ],
     &[Step::Delete(Table::RevNat), Step::Delete(Table::SourceRanges)],
     &[
         Step::Delete(Table::Slots),
         Step::Delete(Table::Members),
         Step::Delete(Table::Maglev),
     ],
-    &[Step::Delete(Table::Backends)],
+    &[Step::Delete(Table::Backends), Step::Delete(Table::Backends6)],
 ];
 
 /// Entries per batch call: enough to make the call's own cost vanish,
@@ -513,28 +535,33 @@ mod tests {
         let before = |a, b| assert!(stage_of(a) < stage_of(b), "{a} must end before {b} starts");
         let pointed_at = [
             Table::Backends,
+            Table::Backends6,
             Table::Slots,
             Table::Members,
             Table::SourceRanges,
             Table::Maglev,
         ];
-        for table in pointed_at {
-            before(Step::Write(table), Step::Write(Table::Services));
+        for frontends in [Table::Services, Table::Services6] {
+            for table in pointed_at {
+                before(Step::Write(table), Step::Write(frontends));
+            }
+            for table in pointed_at.into_iter().chain([Table::RevNat]) {
+                before(Step::Write(frontends), Step::Delete(table));
+                before(Step::Delete(frontends), Step::Delete(table));
+            }
+            before(Step::Write(frontends), Step::Delete(frontends));
         }
-        for table in pointed_at.into_iter().chain([Table::RevNat]) {
-            before(Step::Write(Table::Services), Step::Delete(table));
-            before(Step::Delete(Table::Services), Step::Delete(table));
+        for backends in [Table::Backends, Table::Backends6] {
+            before(Step::Delete(Table::Slots), Step::Delete(backends));
+            before(Step::Delete(Table::Members), Step::Delete(backends));
+            before(Step::Delete(Table::Maglev), Step::Delete(backends));
         }
-        before(Step::Write(Table::Services), Step::Delete(Table::Services));
-        before(Step::Delete(Table::Slots), Step::Delete(Table::Backends));
-        before(Step::Delete(Table::Members), Step::Delete(Table::Backends));
         // A Service port entry points at slots of its own run.
         for table in [Table::Backends, Table::Slots] {
             before(Step::Write(table), Step::Write(Table::ServicePorts));
             before(Step::Delete(Table::ServicePorts), Step::Delete(table));
         }
-        before(Step::Delete(Table::Maglev), Step::Delete(Table::Backends));
-        assert_eq!(FLUSH_STAGES.iter().map(|s| s.len()).sum::<usize>(), 15);
+        assert_eq!(FLUSH_STAGES.iter().map(|s| s.len()).sum::<usize>(), 19);
     }
 
     #[test]

@@ -55,7 +55,7 @@ fn range(a: u8, b: u8, c: u8, d: u8, prefix_len: u8) -> SourceRange {
 }
 
 fn writer(maps: MemoryMaps) -> ServiceMaps<MemoryMaps> {
-    let mut writer = ServiceMaps::on(maps, vec![NODE_IP]).expect("the maps read back");
+    let mut writer = ServiceMaps::on(maps, vec![NODE_IP.into()]).expect("the maps read back");
     writer.set_topology(Some(THIS_NODE.into()), false);
     writer
 }
@@ -406,7 +406,7 @@ fn a_node_port_among_the_masquerade_ports_is_named() {
 }
 
 /// SCTP is translated only where no port changes (its CRC32c covers the
-/// ports); TCP and UDP always.
+/// ports), and over IPv4 only; TCP and UDP always.
 #[test]
 fn sctp_ports_are_translated_only_where_the_port_stays() {
     use crate::model::Protocol;
@@ -417,6 +417,11 @@ fn sctp_ports_are_translated_only_where_the_port_stays() {
         ..lb_port(vec![])
     };
     assert!(super::programs_translate(&same), "every endpoint on 8080");
+    let ipv6 = ServicePort {
+        cluster_ip: "fd00:96::1".parse::<std::net::IpAddr>().expect("ip"),
+        ..same.clone()
+    };
+    assert!(!super::programs_translate(&ipv6), "the IPv6 path parses no SCTP");
     let empty = ServicePort {
         endpoints: vec![],
         ..same.clone()
@@ -442,26 +447,31 @@ fn sctp_ports_are_translated_only_where_the_port_stays() {
 
 #[test]
 fn node_ports_answer_on_every_local_address_or_those_in_node_port_addresses() {
-    let ip = |s: &str| s.parse::<std::net::Ipv4Addr>().expect("ip");
+    let ip = |s: &str| s.parse::<std::net::IpAddr>().expect("ip");
     let local = [
         ip("10.0.0.2"),
         ip("127.0.0.1"),
         ip("10.244.1.1"),
         ip("192.168.5.5"),
         ip("10.0.0.2"),
+        ip("::1"),
+        ip("fe80::1"),
+        ip("fd00:30::2"),
     ];
     assert_eq!(
         super::node_port_ips(local, None),
-        [ip("10.0.0.2"), ip("10.244.1.1"), ip("192.168.5.5")],
-        "every address but loopback, once each"
+        [ip("10.0.0.2"), ip("10.244.1.1"), ip("192.168.5.5"), ip("fd00:30::2")],
+        "every address but loopback and IPv6 link-local, once each"
     );
     let cidrs = [
         "10.0.0.0/24".parse().expect("cidr"),
         "127.0.0.0/8".parse().expect("cidr"),
+        "fe80::/10".parse().expect("cidr"),
+        "fd00:30::/64".parse().expect("cidr"),
     ];
     assert_eq!(
         super::node_port_ips(local, Some(&cidrs)),
-        [ip("10.0.0.2"), ip("127.0.0.1")],
-        "only those inside the CIDRs"
+        [ip("10.0.0.2"), ip("127.0.0.1"), ip("fd00:30::2")],
+        "only those inside the CIDRs, never a link-local one"
     );
 }

@@ -4,9 +4,11 @@
 //! Covered: adopting the maps of an agent before, backend ids shared by
 //! Service ports, the order of a flush (no packet ever finds a frontend
 //! torn), full maps and failed writes (an error, nothing half-visible, the
-//! next sync recovers).
+//! next sync recovers). Every scenario holds an IPv6 Service port beside
+//! the IPv4 ones (the IPv6 half of a dual-stack Service): its frontends and
+//! backends go to the IPv6 maps, sharing slots and ids with the rest.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use anyhow::Result;
 use proxy_common::{Backend, BackendSlotKey, RevNat};
@@ -17,13 +19,34 @@ use crate::{
     model::{Endpoint, EndpointSets, Protocol, ServicePort, TrafficPolicy},
 };
 
-const NODE_IPS: [Ipv4Addr; 2] = [Ipv4Addr::new(192, 0, 2, 1), Ipv4Addr::new(192, 0, 2, 2)];
+const NODE_IPS: [IpAddr; 3] = [
+    IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1)),
+    IpAddr::V4(Ipv4Addr::new(192, 0, 2, 2)),
+    IpAddr::V6(Ipv6Addr::new(0xfd00, 0x192, 0, 0, 0, 0, 0, 1)),
+];
 const THIS_NODE: &str = "node-a";
 
 fn ep(last: u8, node: &str) -> Endpoint {
     Endpoint {
         node_name: Some(node.into()),
         ..Endpoint::ready(Ipv4Addr::new(10, 244, 0, last), 8080)
+    }
+}
+
+/// An IPv6 endpoint: fd00:244::`last`.
+fn ep6(last: u16, node: &str) -> Endpoint {
+    Endpoint {
+        node_name: Some(node.into()),
+        ..Endpoint::ready(Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, last), 8080)
+    }
+}
+
+/// The IPv6 half of a dual-stack Service, ClusterIP fd00:96::`vip`.
+fn port6(name: &str, vip: u16, node_port: Option<u16>, endpoints: Vec<Endpoint>) -> ServicePort {
+    ServicePort {
+        name: format!("default/{name}:http{}", crate::model::IPV6_SUFFIX),
+        cluster_ip: Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, vip).into(),
+        ..port(name, 0, node_port, endpoints)
     }
 }
 
@@ -38,8 +61,9 @@ fn port(name: &str, vip: u8, node_port: Option<u16>, endpoints: Vec<Endpoint>) -
     }
 }
 
-/// Three Service ports: a NodePort one, a ClusterIP one sharing two of its
-/// endpoints, a UDP one with a `Local` external policy.
+/// Four Service ports: a NodePort one, a ClusterIP one sharing two of its
+/// endpoints, a UDP one with a `Local` external policy, and the IPv6 half
+/// of the first.
 fn desired_a() -> Vec<ServicePort> {
     let dns = ServicePort {
         protocol: Protocol::Udp,
@@ -56,17 +80,20 @@ fn desired_a() -> Vec<ServicePort> {
         ),
         port("api", 2, None, vec![ep(2, "node-b"), ep(3, "node-b")]),
         dns,
+        port6("web", 1, Some(30080), vec![ep6(1, THIS_NODE), ep6(2, "node-b")]),
     ]
 }
 
-/// `desired_a` changed every way at once: one port gone, one new, one with
-/// other endpoints, one with a new node port.
+/// `desired_a` changed every way at once: one port gone, one new of each
+/// family, one of each with other endpoints, one with a new node port.
 fn desired_b() -> Vec<ServicePort> {
     let mut ports = desired_a();
     ports.remove(1);
     ports[0].endpoints = vec![ep(3, "node-b"), ep(4, THIS_NODE), ep(5, "node-b"), ep(6, "node-b")];
     ports[1].node_port = Some(30054);
+    ports[2].endpoints = vec![ep6(2, "node-b"), ep6(3, "node-b"), ep6(4, THIS_NODE)];
     ports.push(port("new", 4, Some(30081), vec![ep(7, THIS_NODE), ep(8, "node-b")]));
+    ports.push(port6("new", 4, None, vec![ep6(7, THIS_NODE)]));
     ports
 }
 
@@ -89,7 +116,7 @@ fn rows(endpoints: &[&Endpoint]) -> Vec<BackendRow> {
     endpoints
         .iter()
         .map(|e| BackendRow {
-            addr: Some((super::service_maps::v4(e.addr), e.port)),
+            addr: Some((e.addr, e.port)),
             flows: 0,
         })
         .collect()
@@ -109,14 +136,9 @@ fn frontends_of(desired: &[ServicePort]) -> Vec<FrontendRow> {
             local_only: local && sets.has_any(),
             backends: rows(backends),
         };
-        out.push(row(
-            super::service_maps::v4(p.cluster_ip),
-            p.port,
-            false,
-            p.internal_local(),
-            sets.internal(),
-        ));
-        for ip in p.node_port.map(|_| NODE_IPS).into_iter().flatten() {
+        out.push(row(p.cluster_ip, p.port, false, p.internal_local(), sets.internal()));
+        let node_ips = p.node_port.map(|_| NODE_IPS).into_iter().flatten();
+        for ip in node_ips.filter(|ip| ip.is_ipv4() == p.cluster_ip.is_ipv4()) {
             let node_port = p.node_port.unwrap_or_default();
             out.push(row(ip, node_port, true, p.external_local(), sets.external()));
         }
@@ -273,7 +295,9 @@ fn leftovers_of_an_agent_that_died_go_with_the_next_full_sync() {
     let late = backends.iter().find(|(_, b)| b.addr() == Ipv4Addr::new(10, 244, 0, 40));
     let (id, _) = late.expect("the late port's backend");
     assert!(*id > 900, "an id found in the maps is not handed out again: {id}");
-    let mut rev_nat_ids: Vec<u32> = memory.services().unwrap().iter().map(|(_, v)| v.rev_nat_id).collect();
+    let v6 = memory.services6().unwrap().into_iter().map(|(_, v)| v);
+    let all = memory.services().unwrap().into_iter().map(|(_, v)| v).chain(v6);
+    let mut rev_nat_ids: Vec<u32> = all.map(|v| v.rev_nat_id).collect();
     rev_nat_ids.sort_unstable();
     rev_nat_ids.dedup();
     assert_eq!(

@@ -1,0 +1,126 @@
+//! What the programs' IPv6 path does not do yet (proxy-ebpf's `ipv6`
+//! module doc), said per IPv6 Service port as the field it leaves out and
+//! what happens instead, for the ebpf mode's report of unhonoured fields
+//! (`super::super::unhonoured`). Every case is closed or plainer, never
+//! wrong: a flow that cannot be served as asked is refused or balanced at
+//! random, never sent somewhere it must not go.
+
+use crate::model::{IpFamily, LbAlgorithm, Protocol, ServicePort};
+
+/// `(field, how)` for each IPv6 feature `port` asks for that the programs
+/// leave out; empty for an IPv4 port. `lb_default` is the algorithm of
+/// ports that name none.
+pub fn unhonoured(port: &ServicePort, lb_default: LbAlgorithm) -> Vec<(&'static str, &'static str)> {
+    if port.family() != IpFamily::V6 {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    if port.protocol == Protocol::Sctp {
+        out.push((
+            "spec.ports[].protocol",
+            "SCTP over IPv6 is not translated by the ebpf programs yet: the port is not served",
+        ));
+    }
+    if !port.source_ranges.is_empty() && !port.load_balancer_ips.is_empty() {
+        out.push((
+            "spec.loadBalancerSourceRanges",
+            "not matched for IPv6 yet: the IPv6 load balancer IPs refuse every new flow",
+        ));
+    }
+    if port.affinity.is_some() {
+        out.push((
+            "spec.sessionAffinity",
+            "ClientIP affinity is not kept for IPv6 yet: each new IPv6 flow picks a backend at random",
+        ));
+    }
+    if port.lb_algorithm.unwrap_or(lb_default) == LbAlgorithm::Maglev {
+        out.push((
+            "metadata.annotations[xproxy.io/lb-algorithm]",
+            "Maglev is IPv4's only for now: each new IPv6 flow picks a backend at random",
+        ));
+    }
+    let external = port.node_port.is_some() || !port.external_addresses().is_empty();
+    if external && port.external_local() {
+        out.push((
+            "spec.externalTrafficPolicy",
+            "pods' IPv6 traffic to the Local node port or external IPs reaches this node's endpoints only \
+             (not short-circuited to every endpoint yet)",
+        ));
+    }
+    if external {
+        out.push((
+            "spec.ports[].nodePort",
+            "the node's own IPv6 connections to its node ports and external IPs are not translated yet \
+             (the socket programs are IPv4's); every other client's are",
+        ));
+    }
+    if port.endpoints.is_empty() {
+        out.push((
+            "spec.selector",
+            "an IPv6 Service without endpoints is not rejected yet: new flows pass untranslated and time out",
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{net::Ipv6Addr, time::Duration};
+
+    use super::*;
+    use crate::model::{Endpoint, TrafficPolicy};
+
+    fn port6() -> ServicePort {
+        ServicePort {
+            name: "default/web:http (IPv6)".into(),
+            cluster_ip: Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 1).into(),
+            port: 80,
+            endpoints: vec![Endpoint::ready(Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 1), 8080)],
+            ..ServicePort::default()
+        }
+    }
+
+    fn fields(port: &ServicePort) -> Vec<&'static str> {
+        unhonoured(port, LbAlgorithm::Random)
+            .into_iter()
+            .map(|(f, _)| f)
+            .collect()
+    }
+
+    #[test]
+    fn a_plain_ipv6_cluster_ip_and_any_ipv4_port_lack_nothing() {
+        assert!(fields(&port6()).is_empty());
+        let v4 = ServicePort {
+            affinity: Some(Duration::from_secs(10)),
+            protocol: Protocol::Sctp,
+            ..ServicePort::default()
+        };
+        assert!(fields(&v4).is_empty());
+    }
+
+    #[test]
+    fn each_missing_feature_is_named_once() {
+        let port = ServicePort {
+            node_port: Some(30080),
+            affinity: Some(Duration::from_secs(10)),
+            external_policy: TrafficPolicy::Local,
+            lb_algorithm: Some(LbAlgorithm::Maglev),
+            ..port6()
+        };
+        assert_eq!(
+            fields(&port),
+            [
+                "spec.sessionAffinity",
+                "metadata.annotations[xproxy.io/lb-algorithm]",
+                "spec.externalTrafficPolicy",
+                "spec.ports[].nodePort"
+            ]
+        );
+        let empty = ServicePort {
+            endpoints: Vec::new(),
+            protocol: Protocol::Sctp,
+            ..port6()
+        };
+        assert_eq!(fields(&empty), ["spec.ports[].protocol", "spec.selector"]);
+    }
+}
