@@ -149,7 +149,7 @@ const _: () = assert!(MAX_L4_OFF <= L4_OFF_MASK);
 /// 6.1 when LLVM reloads the value from the stack (6.1's verifier does
 /// not carry it over to the spilled copy).
 #[inline(always)]
-fn alike(ctx: &impl Ctx, off: usize) -> usize {
+pub fn alike(ctx: &impl Ctx, off: usize) -> usize {
     off.wrapping_add(ctx.opaque_word()).wrapping_sub(ctx.opaque_word()) & L4_OFF_MASK
 }
 
