@@ -14,7 +14,7 @@ use anyhow::{Context, Result};
 use proxy_common::maps;
 use proxy_userspace::{
     mode::ebpf::maglev,
-    model::{LbAlgorithm, Protocol, ServicePort, ipv4},
+    model::{LbAlgorithm, Protocol, ServicePort},
 };
 use serde::Serialize;
 use testbed::testrun::{Harness, NODE_IP, service};
@@ -73,15 +73,12 @@ fn services(algorithm: LbAlgorithm) -> Vec<ServicePort> {
 fn build_all(ports: &[ServicePort]) -> usize {
     let mut entries = 0;
     for port in ports {
-        // The fixture's endpoints are IPv4, as the ebpf mode's tables.
         let members: Vec<maglev::Member> = (1..)
             .zip(&port.endpoints)
-            .filter_map(|(id, e)| {
-                Some(maglev::Member {
-                    id,
-                    addr: ipv4(e.addr)?,
-                    port: e.port,
-                })
+            .map(|(id, e)| maglev::Member {
+                id,
+                addr: e.addr,
+                port: e.port,
             })
             .collect();
         entries += maglev::table(&members).map_or(0, |t| t.len());

@@ -175,6 +175,17 @@ impl CtValue6 {
     }
 }
 
+/// Key of `XP_AFFINITY6` (value: [`crate::AffinityValue`]): a Service
+/// port and an IPv6 client, as [`crate::AffinityKey`] is an IPv4 one.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct AffinityKey6 {
+    /// As [`crate::AffinityKey::affinity_id`].
+    pub affinity_id: u32,
+    /// Client IPv6 address, network byte order.
+    pub client_be: Addr6,
+}
+
 /// The key of the flow's other entry, as [`crate::conntrack::partner_key`].
 #[inline(always)]
 pub fn partner_key6(key: &CtKey6, value: &CtValue6) -> CtKey6 {
@@ -203,6 +214,7 @@ const _: () = assert!(core::mem::size_of::<Service6Key>() == 20);
 const _: () = assert!(core::mem::size_of::<Backend6>() == 20);
 const _: () = assert!(core::mem::size_of::<CtKey6>() == 40);
 const _: () = assert!(core::mem::size_of::<CtValue6>() == 40);
+const _: () = assert!(core::mem::size_of::<AffinityKey6>() == 20);
 // The programs OR into `flags` as the lowest byte of an aligned u64, as
 // in `CtValue` (see proxy-ebpf's conntrack).
 const _: () = assert!(core::mem::offset_of!(CtValue6, flags) == core::mem::offset_of!(crate::CtValue, flags));

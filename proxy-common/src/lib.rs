@@ -30,7 +30,7 @@ pub use affinity::{AffinityKey, AffinityValue, MemberKey};
 pub use backend::{Backend, BackendSlotKey};
 pub use conntrack::{CtKey, CtTimeouts, CtValue};
 pub use fragment::{FragKey, FragPorts};
-pub use ipv6::{Backend6, CtKey6, CtValue6, Service6Key};
+pub use ipv6::{AffinityKey6, Backend6, CtKey6, CtValue6, Service6Key};
 pub use maglev::{MaglevChunk, MaglevKey};
 pub use nat::RevNat;
 pub use ports::PortBits;
@@ -84,5 +84,6 @@ impl_aya_pod!(
     Service6Key,
     Backend6,
     CtKey6,
-    CtValue6
+    CtValue6,
+    AffinityKey6
 );

@@ -140,11 +140,41 @@ pub const fn flow_hash(saddr_be: u32, daddr_be: u32, sport_be: u16, dport_be: u1
     finish(h ^ 13)
 }
 
+/// [`flow_hash`] of an IPv6 flow: both addresses' four words (as
+/// `proxy_common::ipv6` holds them), then the ports and the protocol.
+#[inline(always)]
+pub const fn flow_hash6(saddr_be: &[u32; 4], daddr_be: &[u32; 4], sport_be: u16, dport_be: u16, proto: u8) -> u32 {
+    let mut h = 0x5eed_f10e;
+    let mut i = 0;
+    while i < 4 {
+        h = mix(h, saddr_be[i]);
+        i += 1;
+    }
+    let mut i = 0;
+    while i < 4 {
+        h = mix(h, daddr_be[i]);
+        i += 1;
+    }
+    let ports = ((sport_be as u32) << 16) | dport_be as u32;
+    finish(mix(mix(h, ports), proto as u32) ^ 37)
+}
+
 /// One of the two hashes of a backend's identity (its address and port as
 /// the backends map holds them) that place it in a table: `seed` tells
 /// them apart.
 pub const fn backend_hash(addr_be: u32, port_be: u16, seed: u32) -> u32 {
     finish(mix(mix(seed, addr_be), port_be as u32) ^ 6)
+}
+
+/// [`backend_hash`] of an IPv6 backend: its address's four words.
+pub const fn backend_hash6(addr_be: &[u32; 4], port_be: u16, seed: u32) -> u32 {
+    let mut h = seed;
+    let mut i = 0;
+    while i < 4 {
+        h = mix(h, addr_be[i]);
+        i += 1;
+    }
+    finish(mix(h, port_be as u32) ^ 18)
 }
 
 const _: () = assert!(core::mem::size_of::<MaglevKey>() == 8);

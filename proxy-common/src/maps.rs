@@ -76,6 +76,12 @@ pub const BACKENDS6_MAX: u32 = BACKENDS_MAX;
 /// configuration yet (IPv4's is).
 pub const CONNTRACK6_MAX: u32 = CONNTRACK_MAX / 4;
 
+/// IPv6 clients remembered for ClientIP affinity
+/// ([`crate::ipv6::AffinityKey6`] -> [`crate::AffinityValue`]): a quarter of
+/// [`AFFINITY_MAX`], as [`CONNTRACK6_MAX`] (preallocated, LRU).
+pub const AFFINITY6: &str = "XP_AFFINITY6";
+pub const AFFINITY6_MAX: u32 = AFFINITY_MAX / 4;
+
 /// Datagrams in flight whose first fragment's ports are remembered.
 pub const FRAGMENTS_MAX: u32 = 16_384;
 

@@ -2,9 +2,10 @@
 //! last one to the same Service port went to (through any of its
 //! frontends), while that was recent enough and the backend is still in
 //! the frontend's run of slots; else it is balanced anew and remembered
-//! (see `proxy_common::affinity`).
+//! (see `proxy_common::affinity`). IPv4 clients are kept in `XP_AFFINITY`,
+//! IPv6 ones in `XP_AFFINITY6`; the rest is the same code.
 
-use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;
+use aya_ebpf::{helpers::bpf_ktime_get_coarse_ns, maps::LruHashMap};
 use proxy_common::{AffinityKey, AffinityValue, Backend, MemberKey, ServiceValue, affinity::fresh};
 
 use crate::{
@@ -29,16 +30,23 @@ fn now_ns() -> u64 {
     unsafe { bpf_ktime_get_coarse_ns() }
 }
 
-/// The client's remembered backend, if it still serves (see [`remembered`]).
+/// The client's remembered backend, if it still serves (see [`kept_id`]).
 #[inline(always)]
 pub fn kept_backend(flow: &Flow, svc: &ServiceValue, affinity_id: u32) -> Option<(u32, Backend)> {
-    remembered(&key_of(flow, affinity_id), svc, now_ns())
+    let id = kept_id(&AFFINITY, &key_of(flow, affinity_id), svc)?;
+    Some((id, select::backend(id)?))
 }
 
 /// Remembers `backend_id` as the client's backend at the Service port
 /// `affinity_id`, from now on.
 #[inline(always)]
 pub fn remember(flow: &Flow, affinity_id: u32, backend_id: u32) {
+    remember_in(&AFFINITY, &key_of(flow, affinity_id), backend_id);
+}
+
+/// Remembers `backend_id` under `key` in `map` (either family's), from now on.
+#[inline(always)]
+pub fn remember_in<K>(map: &LruHashMap<K, AffinityValue>, key: &K, backend_id: u32) {
     let value = AffinityValue {
         backend_id,
         _pad: 0,
@@ -46,16 +54,18 @@ pub fn remember(flow: &Flow, affinity_id: u32, backend_id: u32) {
     };
     // A full map evicts its least recently used client; a failure only
     // costs this client its affinity.
-    let _ = AFFINITY.insert(key_of(flow, affinity_id), value, 0);
+    let _ = map.insert(key, value, 0);
 }
 
-/// The client's backend, if its entry is fresh and the backend is in the
-/// frontend's slots now (a backend that left the Service, or a `Local`
-/// frontend's backend that is not this node's any more, releases its
-/// clients). Its time is moved on in place.
+/// The backend id remembered under `key` in `map` (either family's), if
+/// its entry is fresh and the backend is in the frontend's slots now (a
+/// backend that left the Service, or a `Local` frontend's backend that is
+/// not this node's any more, releases its clients). Its time is moved on
+/// in place.
 #[inline(always)]
-fn remembered(key: &AffinityKey, svc: &ServiceValue, now: u64) -> Option<(u32, Backend)> {
-    let entry = AFFINITY.get_ptr_mut(key)?;
+pub fn kept_id<K>(map: &LruHashMap<K, AffinityValue>, key: &K, svc: &ServiceValue) -> Option<u32> {
+    let now = now_ns();
+    let entry = map.get_ptr_mut(key)?;
     // SAFETY: a map value pointer stays valid for the program's run (an
     // LRU entry deleted meanwhile is recycled, not freed); a racing
     // update of the same client's entry only changes which backend wins.
@@ -72,8 +82,7 @@ fn remembered(key: &AffinityKey, svc: &ServiceValue, now: u64) -> Option<(u32, B
     if slot.wrapping_sub(svc.backend_offset) >= svc.backend_count {
         return None;
     }
-    let backend = select::backend(remembered.backend_id)?;
     // SAFETY: as above: a valid, aligned pointer to the entry.
     unsafe { (*entry).last_seen_ns = now };
-    Some((remembered.backend_id, backend))
+    Some(remembered.backend_id)
 }

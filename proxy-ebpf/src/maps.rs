@@ -7,14 +7,14 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, Backend6, BackendSlotKey, CtKey, CtKey6, CtTimeouts, CtValue, CtValue6,
-    FragKey, FragPorts, FrontendPort, MaglevChunk, MaglevKey, MemberKey, PortBits, RevNat, Service6Key, ServiceKey,
-    ServiceValue, SourceRangeData, Verdict, VerdictCounter,
+    AffinityKey, AffinityKey6, AffinityValue, Backend, Backend6, BackendSlotKey, CtKey, CtKey6, CtTimeouts, CtValue,
+    CtValue6, FragKey, FragPorts, FrontendPort, MaglevChunk, MaglevKey, MemberKey, PortBits, RevNat, Service6Key,
+    ServiceKey, ServiceValue, SourceRangeData, Verdict, VerdictCounter,
     conntrack::{seconds_to_ns, state_index},
     maps::{
-        AFFINITY_MAX, BACKEND_SLOTS_MAX, BACKENDS_MAX, BACKENDS6_MAX, CONNTRACK_MAX, CONNTRACK6_MAX, FRAGMENTS_MAX,
-        MAGLEV_MAX, MEMBERS_MAX, POD_CIDRS_MAX, REV_NAT_MAX, SERVICE_PORTS_MAX, SERVICES_MAX, SERVICES6_MAX,
-        SOURCE_RANGES_MAX,
+        AFFINITY_MAX, AFFINITY6_MAX, BACKEND_SLOTS_MAX, BACKENDS_MAX, BACKENDS6_MAX, CONNTRACK_MAX, CONNTRACK6_MAX,
+        FRAGMENTS_MAX, MAGLEV_MAX, MEMBERS_MAX, POD_CIDRS_MAX, REV_NAT_MAX, SERVICE_PORTS_MAX, SERVICES_MAX,
+        SERVICES6_MAX, SOURCE_RANGES_MAX,
     },
     ports::PORT_WORDS,
 };
@@ -75,6 +75,9 @@ pub static BACKENDS6: HashMap<u32, Backend6> = HashMap::pinned(BACKENDS6_MAX, BP
 
 #[map(name = "XP_CT6")]
 pub static CONNTRACK6: LruHashMap<CtKey6, CtValue6> = LruHashMap::pinned(CONNTRACK6_MAX, 0);
+
+#[map(name = "XP_AFFINITY6")]
+pub static AFFINITY6: LruHashMap<AffinityKey6, AffinityValue> = LruHashMap::pinned(AFFINITY6_MAX, 0);
 
 /// Room for a new IPv6 flow's conntrack key and value while they are
 /// written: 80 bytes the tc programs' stack has no room for on 6.1 (whose

@@ -19,16 +19,26 @@ use crate::{
 /// is read: the verifier walks what follows once.
 #[inline(always)]
 pub fn new_flow_backend(flow: &Flow, svc: &ServiceValue) -> Option<(u32, Backend)> {
+    let id = new_flow_id(svc, || {
+        flow_hash(flow.saddr_be, flow.daddr_be, flow.sport_be, flow.dport_be, flow.proto)
+    })?;
+    Some((id, backend(id)?))
+}
+
+/// A new flow's backend id, of either family: Maglev's entry for the flow's
+/// hash (`flow_hash`, asked only for a frontend flagged [`FLAG_MAGLEV`]),
+/// else a random slot's.
+#[inline(always)]
+pub fn new_flow_id(svc: &ServiceValue, flow_hash: impl FnOnce() -> u32) -> Option<u32> {
     let maglev = if svc.flags & FLAG_MAGLEV != 0 {
-        maglev_id(flow, svc)
+        maglev_id(flow_hash(), svc)
     } else {
         None
     };
-    let id = match maglev {
-        Some(id) => id,
-        None => random_id(svc)?,
-    };
-    Some((id, backend(id)?))
+    match maglev {
+        Some(id) => Some(id),
+        None => random_id(svc),
+    }
 }
 
 /// Entries of [`SIZES`]: a power of two above `MAX_BACKENDS`, so that an
@@ -50,11 +60,11 @@ static SIZES: [u32; SIZES_LEN] = {
     sizes
 };
 
-/// The backend id in the frontend's table entry `flow_hash % M`: one
-/// lookup, of the chunk holding the entry. The table holds backend ids
-/// (not slots), so a Maglev pick costs what a random one does.
+/// The backend id in the frontend's table entry `hash % M`: one lookup,
+/// of the chunk holding the entry. The table holds backend ids (not
+/// slots), so a Maglev pick costs what a random one does.
 #[inline(always)]
-fn maglev_id(flow: &Flow, svc: &ServiceValue) -> Option<u32> {
+fn maglev_id(hash: u32, svc: &ServiceValue) -> Option<u32> {
     if svc.backend_count > MAX_BACKENDS {
         return None;
     }
@@ -70,7 +80,7 @@ fn maglev_id(flow: &Flow, svc: &ServiceValue) -> Option<u32> {
     if size == 0 {
         return None;
     }
-    let entry = flow_hash(flow.saddr_be, flow.daddr_be, flow.sport_be, flow.dport_be, flow.proto) % size;
+    let entry = hash % size;
     let key = MaglevKey {
         backend_set: svc.backend_set,
         chunk: entry / CHUNK,

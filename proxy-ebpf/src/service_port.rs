@@ -48,6 +48,19 @@ pub fn view(flow: &Flow, svc: &ServiceValue) -> View {
     view
 }
 
+/// The affinity id of a new flow at `svc` without the short-circuit's
+/// view (IPv6's, whose pod networks are not known yet): its Service
+/// port's, found in the port's entry for an external frontend.
+#[inline(always)]
+pub fn affinity_id(svc: &ServiceValue) -> u32 {
+    if svc.flags & FLAGS_EXTERNAL == 0 || svc.flags & FLAG_AFFINITY_CLIENT_IP == 0 {
+        return svc.rev_nat_id;
+    }
+    // SAFETY: as in `view`: valid for the program's run.
+    let port = SERVICE_PORTS.get_ptr(svc.rev_nat_id).map(|p| unsafe { &*p });
+    proxy_common::affinity::affinity_id(svc, port)
+}
+
 /// Whether the packet's source is inside a pod network (`clusterCIDR`).
 // The key by reference: by value the verifier walks some 2,500 more
 // instructions in tc_ingress (measured: 21,206 against 18,653).

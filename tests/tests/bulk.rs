@@ -11,7 +11,7 @@
 //! pod that must serve each row named, and reports every row, a failed one
 //! with how many bytes got through at both ends.
 //!
-//! The one-node test bed (`testbed::topology`), two Services whose bulk
+//! The one-node test bed (`testbed::topology`), Services whose bulk
 //! servers listen on [`BULK_PORT`] in the pods ([`Path`]):
 //! - NodePort from the outside client, the backend on the node;
 //! - NodePort (the node's address) from a pod;
@@ -34,6 +34,17 @@
 //! program at native XDP (`bulk_ebpf_xdp_native`; asserted attached, and
 //! without `--xdp native` asserted not).
 //!
+//! IPv6 ([`Route`]): the Services of the first paths are dual-stack
+//! (`fd00:96::80`, `fd00:96::82`, an IPv6 EndpointSlice of the same pod
+//! beside the IPv4 one) and the agent is given both node addresses; the
+//! same tests run [`IPV6_PATHS`] over IPv6 too, both ways, rows named
+//! `... (IPv6)`: NodePort (`Cluster`, `[fd00:30::2]:30880`, and `Local`)
+//! from the outside client, ClusterIP (`[fd00:96::80]:80`) from a pod and
+//! from the node. The other paths, and the two-node bed, are IPv4 only
+//! (fewer rows of more value: CI time). Every mode whose
+//! [`serves_ipv6_bulk`] is on: all but ebpf, whose agent does not serve
+//! IPv6 yet (switched on with its IPv6 map writer).
+//!
 //! The two-node test bed (`testbed::two_node`), a Service whose only
 //! endpoint runs on node-b ([`RemotePath`]): NodePort on node-a from the
 //! outside client (node-a DNATs and SNATs, the data crosses the segment
@@ -43,7 +54,8 @@
 //!
 //! Where the modes differ: nowhere in what arrives. Every row passes in
 //! every mode, both ways, with either offloads (asserted; IPVS in the 6.1
-//! guest, the others on the 6.18 host and in the guest). How the bytes get
+//! guest, the others on the 6.18 host and in the guest), the IPv6 rows in
+//! every mode but ebpf, where they do not run yet. How the bytes get
 //! there differs (see `modes.rs` and `two_node.rs` for the addresses a
 //! backend sees):
 //!
@@ -58,24 +70,31 @@
 //! | LoadBalancer IP from the client | intact (the uplink's hook, as a NodePort) | intact | intact | intact (the address bound to `kube-ipvs0`) | not run (the mode serves no LB IP)
 //! | external IP from a pod | intact (tc on the pod's veth) | intact | intact | intact | not run (no external IPs)
 //! | ClientIP affinity, ClusterIP from a pod | intact, every transfer to the first pod | intact (`-m recent`) | intact (affinity set) | intact (persistence) | intact (the agent's balancer)
+//! | IPv6: NodePort from the client, backend local | not run yet (`serves_ipv6_bulk`) | intact (`ip6tables`: DNAT + masquerade) | intact (table `ip6 xproxy`) | intact (IPv6 virtual server on `[fd00:30::2]`) | intact (copied; the IPv6 listener)
+//! | IPv6: ClusterIP from a pod | not run yet | intact | intact | intact (`fd00:96::80/128` on `kube-ipvs0`) | intact (copied)
+//! | IPv6: ClusterIP from the node | not run yet | intact | intact | intact | intact (copied; DNAT to `[::1]` from OUTPUT)
+//! | IPv6: `externalTrafficPolicy: Local` NodePort | not run yet | intact | intact | intact | intact (copied)
 //! | two nodes: NodePort to the other node's backend | intact (DNAT and mark at the uplink, the kernel masquerades and forwards it back out of the uplink) | intact | intact | not run | not run
 //! | two nodes: ClusterIP from a pod to the other node's backend | intact | intact | intact | not run | not run
 
 use std::{
     fmt,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     time::Instant,
 };
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use serde_json::{Value, json};
 use testbed::{
     agent_bed::{AgentBed, Mode, READY_WITHIN},
     bulk::{BULK_PORT, Direction, Report},
-    fixtures::{NODE_NAME, PortDef, TrafficPolicy, load_balancer, on_node, service_with, slice_with, yaml_documents},
+    fixtures::{
+        NODE_NAME, PortDef, TrafficPolicy, dual_stack, load_balancer, on_node, service_with, slice_with, slice6_with,
+        yaml_documents,
+    },
     netns::{self, Netns},
     probe::{Checks, Protocol},
-    topology::{BACKENDS, NODE_IP, Offloads, Topology},
+    topology::{BACKENDS, NODE_IP, NODE_IP6, Offloads, Topology, pod_ipv6},
     two_node::{NODE_A, NODE_B, TwoNodes},
     two_node_bed::TwoNodeBed,
 };
@@ -90,22 +109,27 @@ const MANIFEST: &str = "bulk.yaml";
 // The Services.
 
 /// A NodePort Service whose only endpoint is one pod: every Service's
-/// port is 80, to the bulk servers' port.
+/// port is 80, to the bulk servers' port. With `ip6`, dual-stack: that
+/// IPv6 ClusterIP and an IPv6 EndpointSlice of the same pod beside the
+/// IPv4 ones.
 struct OneEndpoint {
     name: &'static str,
     ip: Ipv4Addr,
+    ip6: Option<Ipv6Addr>,
     node_port: u16,
     policy: TrafficPolicy,
 }
 
 const SERVICE_PORT: u16 = 80;
 
-/// One node: pod-1 only. Every path but the `Local` one; pod-1 is also the
-/// hairpin's client.
-const BULK: OneEndpoint = OneEndpoint::new("bulk", Ipv4Addr::new(10, 96, 0, 80), 30880, TrafficPolicy::Cluster);
+/// One node: pod-1 only, dual-stack. Every path but the `Local` one;
+/// pod-1 is also the hairpin's client.
+const BULK: OneEndpoint = OneEndpoint::new("bulk", Ipv4Addr::new(10, 96, 0, 80), 30880, TrafficPolicy::Cluster)
+    .with_ipv6(Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x80));
 const BULK_POD: usize = 0;
-/// One node: pod-2 only, `externalTrafficPolicy: Local`.
-const LOCAL: OneEndpoint = OneEndpoint::new("bulk-local", Ipv4Addr::new(10, 96, 0, 82), 30882, TrafficPolicy::Local);
+/// One node: pod-2 only, `externalTrafficPolicy: Local`, dual-stack.
+const LOCAL: OneEndpoint = OneEndpoint::new("bulk-local", Ipv4Addr::new(10, 96, 0, 82), 30882, TrafficPolicy::Local)
+    .with_ipv6(Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x82));
 const LOCAL_POD: usize = 1;
 /// One node: pod-3 only, a LoadBalancer with [`LB_IP`] and [`EXTERNAL_IP`].
 const LB: OneEndpoint = OneEndpoint::new("bulk-lb", Ipv4Addr::new(10, 96, 0, 83), 30883, TrafficPolicy::Cluster);
@@ -137,18 +161,34 @@ impl OneEndpoint {
         Self {
             name,
             ip,
+            ip6: None,
             node_port,
             policy,
         }
     }
 
-    /// The Service and its EndpointSlice: `pod` on node `node`.
-    fn objects(&self, pod: Ipv4Addr, node: &str) -> [Value; 2] {
+    const fn with_ipv6(self, ip6: Ipv6Addr) -> Self {
+        Self { ip6: Some(ip6), ..self }
+    }
+
+    /// The Service and its EndpointSlices: `pod` on node `node` (and
+    /// [`pod_ipv6`] of it in the IPv6 one, if the Service is dual-stack).
+    fn objects(&self, pod: Ipv4Addr, node: &str) -> Vec<Value> {
         let ports = self.ports();
-        [
-            service_with(self.name, self.ip, &ports, Some(self.policy)),
-            slice_with(&format!("{}-1", self.name), self.name, &ports, &[(pod, node)]),
-        ]
+        let service = service_with(self.name, self.ip, &ports, Some(self.policy));
+        let slice = slice_with(&format!("{}-1", self.name), self.name, &ports, &[(pod, node)]);
+        match self.ip6 {
+            None => vec![service, slice],
+            Some(ip6) => {
+                let slice6 = slice6_with(
+                    &format!("{}-v6-1", self.name),
+                    self.name,
+                    &ports,
+                    &[(pod_ipv6(pod), node)],
+                );
+                vec![dual_stack(service, ip6), slice, slice6]
+            }
+        }
     }
 
     fn ports(&self) -> [PortDef; 1] {
@@ -161,12 +201,20 @@ impl OneEndpoint {
         }]
     }
 
-    fn cluster_ip(&self) -> SocketAddrV4 {
-        SocketAddrV4::new(self.ip, SERVICE_PORT)
+    /// The ClusterIP of `family` (an IPv6 one only if dual-stack).
+    fn cluster_ip(&self, family: Family) -> Result<SocketAddr> {
+        let ip = match family {
+            Family::V4 => IpAddr::from(self.ip),
+            Family::V6 => self
+                .ip6
+                .with_context(|| format!("{} has no IPv6 ClusterIP", self.name))?
+                .into(),
+        };
+        Ok(SocketAddr::new(ip, SERVICE_PORT))
     }
 
-    fn node_port(&self, node: Ipv4Addr) -> SocketAddrV4 {
-        SocketAddrV4::new(node, self.node_port)
+    fn node_port(&self, node: impl Into<IpAddr>) -> SocketAddr {
+        SocketAddr::new(node.into(), self.node_port)
     }
 }
 
@@ -174,10 +222,11 @@ fn one_node_objects() -> Vec<Value> {
     let mut objects = Vec::new();
     objects.extend(BULK.objects(BACKENDS[BULK_POD].1, NODE_NAME));
     objects.extend(LOCAL.objects(BACKENDS[LOCAL_POD].1, NODE_NAME));
-    let [lb, lb_slice] = LB.objects(BACKENDS[LB_POD].1, NODE_NAME);
-    let mut lb = load_balancer(lb, &[(LB_IP, None)]);
-    lb["spec"]["externalIPs"] = json!([EXTERNAL_IP.to_string()]);
-    objects.extend([lb, lb_slice]);
+    // The Service first, then its EndpointSlice.
+    let mut lb = LB.objects(BACKENDS[LB_POD].1, NODE_NAME);
+    lb[0] = load_balancer(lb[0].take(), &[(LB_IP, None)]);
+    lb[0]["spec"]["externalIPs"] = json!([EXTERNAL_IP.to_string()]);
+    objects.extend(lb);
     let mut sticky = service_with(STICKY.name, STICKY.ip, &STICKY.ports(), None);
     sticky["spec"]["sessionAffinity"] = json!("ClientIP");
     let every_pod: Vec<Ipv4Addr> = BACKENDS.iter().map(|(_, ip)| *ip).collect();
@@ -226,34 +275,34 @@ impl Path {
             .collect()
     }
 
-    /// Where the client runs, what it connects to, and the pod that must
-    /// serve (`sticky`: the pod the affinity path's client was given first).
-    fn ends<'a>(self, topo: &'a Topology, sticky: &'a str) -> Ends<'a> {
+    /// Where the client runs, what it connects to in `family`, and the pod
+    /// that must serve (`sticky`: the pod the affinity path's client was
+    /// given first).
+    fn ends<'a>(self, family: Family, topo: &'a Topology, sticky: &'a str) -> Result<Ends<'a>> {
         let bulk = &topo.backends[BULK_POD];
-        let lb = &topo.backends[LB_POD];
+        let lb = topo.backends[LB_POD].name;
+        let node = family.node_ip();
         let (from, to, server) = match self {
-            Path::NodePortFromClient => (&topo.client, BULK.node_port(NODE_IP), bulk),
-            Path::NodePortFromPod => (&topo.client_pod.ns, BULK.node_port(NODE_IP), bulk),
-            Path::ClusterIpFromPod => (&topo.client_pod.ns, BULK.cluster_ip(), bulk),
-            Path::ClusterIpFromNode => (&topo.node, BULK.cluster_ip(), bulk),
-            Path::Hairpin => (&bulk.ns, BULK.cluster_ip(), bulk),
-            Path::LocalNodePortFromClient => (&topo.client, LOCAL.node_port(NODE_IP), &topo.backends[LOCAL_POD]),
-            Path::LbIpFromClient => (&topo.client, SocketAddrV4::new(LB_IP, SERVICE_PORT), lb),
-            Path::ExternalIpFromPod => (&topo.client_pod.ns, SocketAddrV4::new(EXTERNAL_IP, SERVICE_PORT), lb),
-            Path::StickyClusterIpFromPod => {
-                return Ends {
-                    from: &topo.client_pod.ns,
-                    to: STICKY.cluster_ip(),
-                    server: sticky,
-                };
-            }
+            Path::NodePortFromClient => (&topo.client, BULK.node_port(node), bulk.name),
+            Path::NodePortFromPod => (&topo.client_pod.ns, BULK.node_port(node), bulk.name),
+            Path::ClusterIpFromPod => (&topo.client_pod.ns, BULK.cluster_ip(family)?, bulk.name),
+            Path::ClusterIpFromNode => (&topo.node, BULK.cluster_ip(family)?, bulk.name),
+            Path::Hairpin => (&bulk.ns, BULK.cluster_ip(family)?, bulk.name),
+            Path::LocalNodePortFromClient => (&topo.client, LOCAL.node_port(node), topo.backends[LOCAL_POD].name),
+            Path::LbIpFromClient => (&topo.client, ipv4_only(family, LB_IP)?, lb),
+            Path::ExternalIpFromPod => (&topo.client_pod.ns, ipv4_only(family, EXTERNAL_IP)?, lb),
+            Path::StickyClusterIpFromPod => (&topo.client_pod.ns, STICKY.cluster_ip(family)?, sticky),
         };
-        Ends {
-            from,
-            to,
-            server: server.name,
-        }
+        Ok(Ends { from, to, server })
     }
+}
+
+/// `ip` at the Services' port; there is no IPv6 one.
+fn ipv4_only(family: Family, ip: Ipv4Addr) -> Result<SocketAddr> {
+    if family == Family::V6 {
+        bail!("{ip} has no IPv6 counterpart in this test bed");
+    }
+    Ok(SocketAddr::new(ip.into(), SERVICE_PORT))
 }
 
 impl fmt::Display for Path {
@@ -269,6 +318,81 @@ impl fmt::Display for Path {
             Path::ExternalIpFromPod => "external IP from a pod",
             Path::StickyClusterIpFromPod => "ClientIP affinity: ClusterIP from a pod",
         })
+    }
+}
+
+/// Which of its addresses a row's client connects to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    /// The node's address of this family: where its node ports answer.
+    fn node_ip(self) -> IpAddr {
+        match self {
+            Family::V4 => NODE_IP.into(),
+            Family::V6 => NODE_IP6.into(),
+        }
+    }
+}
+
+/// The paths with IPv6 rows as well: NodePort (`Cluster` and `Local`)
+/// from the outside client, ClusterIP from a pod and from the node. The
+/// paths of most value only: each adds 128 MiB (both ways) to every test
+/// of a mode, and the IPVS guest emulates its CPU. The other paths run
+/// over IPv4 only.
+const IPV6_PATHS: [Path; 4] = [
+    Path::NodePortFromClient,
+    Path::ClusterIpFromPod,
+    Path::ClusterIpFromNode,
+    Path::LocalNodePortFromClient,
+];
+
+/// Whether `mode`'s tests run the IPv6 rows ([`IPV6_PATHS`]). Off for
+/// ebpf: its agent does not write the programs' IPv6 maps yet and reports
+/// IPv6 ports as not served. Turn it on with that writer.
+fn serves_ipv6_bulk(mode: Mode) -> bool {
+    match mode {
+        Mode::Ebpf => false,
+        Mode::Iptables | Mode::Nftables | Mode::Ipvs | Mode::Userspace => true,
+    }
+}
+
+/// A [`Path`] in one [`Family`]: a row of the one-node table.
+#[derive(Clone, Copy, Debug)]
+struct Route {
+    path: Path,
+    family: Family,
+}
+
+impl Route {
+    /// Every path `mode` serves over IPv4, then [`IPV6_PATHS`] over IPv6
+    /// where [`serves_ipv6_bulk`].
+    fn of(mode: Mode) -> Vec<Route> {
+        let ipv6 = if serves_ipv6_bulk(mode) { &IPV6_PATHS[..] } else { &[] };
+        let in_family = |family| move |&path| Route { path, family };
+        Path::of(mode)
+            .iter()
+            .map(in_family(Family::V4))
+            .chain(ipv6.iter().map(in_family(Family::V6)))
+            .collect()
+    }
+
+    fn ends<'a>(self, topo: &'a Topology, sticky: &'a str) -> Result<Ends<'a>> {
+        self.path.ends(self.family, topo, sticky)
+    }
+}
+
+/// The path's name, marked ` (IPv6)` over IPv6 (as the agent names an
+/// IPv6 service port).
+impl fmt::Display for Route {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.family {
+            Family::V4 => write!(f, "{}", self.path),
+            Family::V6 => write!(f, "{} (IPv6)", self.path),
+        }
     }
 }
 
@@ -288,7 +412,7 @@ impl RemotePath {
             RemotePath::NodePortOnOtherNode => (&topo.client, REMOTE.node_port(node_a.ip())),
             RemotePath::ClusterIpFromPodOnOtherNode => {
                 let pod = node_a.pod(NODE_A_CLIENT).context("no client pod on node-a")?;
-                (&pod.ns, REMOTE.cluster_ip())
+                (&pod.ns, REMOTE.cluster_ip(Family::V4)?)
             }
         };
         Ok(Ends {
@@ -311,7 +435,7 @@ impl fmt::Display for RemotePath {
 /// Where a transfer starts, what it connects to, and the pod that must serve it.
 struct Ends<'a> {
     from: &'a Netns,
-    to: SocketAddrV4,
+    to: SocketAddr,
     server: &'a str,
 }
 
@@ -485,23 +609,26 @@ fn one_node(mode: Mode, setup: Setup) {
         bed.topo.route_to_node(&EXTERNAL_NETS)?;
         bed.write_manifest(MANIFEST, &yaml_documents(&one_node_objects()))?;
         let mut args = bed.manifest_args();
+        // Beside the IPv4 one the bed passes: the IPv6 rows' node ports.
+        args.extend(["--node-ip".into(), NODE_IP6.to_string()]);
         args.extend(setup.agent_args());
         bed.start_agent_in(mode.name(), &args)?;
         bed.wait_first_sync(READY_WITHIN)?;
         checks.check("the uplink's hook", setup.check_xdp(&bed.topo.node, &bed.topo.uplink));
-        let paths = Path::of(mode);
-        for path in &paths {
-            netns::wait_for(&format!("{READY}: {path}"), READY_WITHIN, || {
+        let routes = Route::of(mode);
+        for route in &routes {
+            netns::wait_for(&format!("{READY}: {route}"), READY_WITHIN, || {
                 bed.agent_alive()?;
-                small_download(&path.ends(&bed.topo, "any pod"))
+                small_download(&route.ends(&bed.topo, "any pod").map_err(|e| format!("{e:#}"))?)
             })?;
         }
-        let sticky = first_server(&Path::StickyClusterIpFromPod.ends(&bed.topo, ""))?;
+        let sticky_ends = |server| Path::StickyClusterIpFromPod.ends(Family::V4, &bed.topo, server);
+        let sticky = first_server(&sticky_ends("")?)?;
         checks.check(
             &format!("ClientIP affinity: {STICKY_PROBES} small downloads, each by {sticky}"),
-            kept_server(&Path::StickyClusterIpFromPod.ends(&bed.topo, &sticky)),
+            kept_server(&sticky_ends(&sticky)?),
         );
-        let rows = rows(&paths, |path| Ok(path.ends(&bed.topo, &sticky)))?;
+        let rows = rows(&routes, |route| route.ends(&bed.topo, &sticky))?;
         run_rows(&label, &rows, checks);
         Ok(())
     });

@@ -1,18 +1,23 @@
-//! The rule-writing modes (iptables, nftables) with a dual-stack seed
-//! Service, through the real agent on the one-node test bed: in one run the
+//! The rule-writing modes (iptables, nftables) and the ebpf mode with a
+//! dual-stack seed Service, through the real agent on the one-node test
+//! bed: in one run the
 //! IPv4 and the IPv6 half both answer, over TCP and UDP, from every
 //! backend, through the NodePort from the outside client (`NODE_IP:30791`,
 //! `[NODE_IP6]:30791`) and through the ClusterIP from a pod
 //! (`10.96.0.88:88`, `[fd00:96::88]:88`); a dual-stack Service without
 //! endpoints is refused in both families (ICMP / ICMPv6 port unreachable);
 //! a UDP flow of the IPv6 half moves off an endpoint that left it (the
-//! agent deletes its entry from the IPv6 conntrack table);
+//! agent deletes its entry from the IPv6 conntrack table); a dual-stack
+//! Service with `sessionAffinity: ClientIP` keeps each client on one
+//! backend over IPv6 as over IPv4, through the ClusterIP and the node port;
 //! the rules are read back from the kernel (`ip6tables-save`, `nft list
-//! table ip6 xproxy`) and `xproxy cleanup` removes both families' rules.
+//! table ip6 xproxy`; for the ebpf mode its IPv6 frontend map and its
+//! ip6tables masquerade chain) and `xproxy cleanup` removes both
+//! families' rules.
 
 use std::{
     io,
-    net::{IpAddr, Ipv6Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     time::{Duration, Instant},
 };
 
@@ -20,27 +25,70 @@ use anyhow::{Context, Result, bail, ensure};
 use testbed::{
     agent_bed::{AgentBed, Mode, READY_WITHIN, seed_node_port},
     fixtures::{
-        EMPTY_CLUSTER_IP, EMPTY_NAME, EMPTY_PORT, SEED_CLUSTER_IP, SEED_CLUSTER_IP6, SEED_NODE_PORT, SEED_PORT,
-        dual_stack, seed_objects_dual_stack, seed_tcp_udp, service, yaml_documents,
+        EMPTY_CLUSTER_IP, EMPTY_NAME, EMPTY_PORT, NODE_NAME, PortDef, SEED_CLUSTER_IP, SEED_CLUSTER_IP6,
+        SEED_NODE_PORT, SEED_PORT, backend_ips, backend_ips6, dual_stack, on_node, seed_objects_dual_stack,
+        seed_tcp_udp, service, service_with, slice_with, slice6_with, yaml_documents,
     },
     netns,
     privileged::require_root,
-    probe::{Checks, PROTOCOLS, Protocol, REJECT_TIMEOUT, expect_all_backends, expect_refused},
+    probe::{self, Checks, PROTOCOLS, Protocol, REJECT_TIMEOUT, expect_all_backends, expect_refused},
     topology::{BACKENDS, NODE_IP, NODE_IP6, TARGET_PORT, Topology, pod_ipv6},
 };
 
 /// The IPv6 ClusterIP of the dual-stack Service without endpoints.
 const EMPTY_CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x89);
 
-/// The dual-stack seed (TCP and UDP) and an endpoint-less dual-stack
-/// Service.
+/// The dual-stack Service with ClientIP affinity: its ClusterIPs, port and
+/// node port.
+const STICKY_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 90);
+const STICKY_CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x90);
+const STICKY_PORT: u16 = 90;
+const STICKY_NODE_PORT: u16 = 30790;
+
+/// The dual-stack seed (TCP and UDP), an endpoint-less dual-stack Service
+/// and a dual-stack Service with ClientIP affinity.
 fn seed_objects() -> Vec<serde_json::Value> {
     let mut objects = seed_objects_dual_stack(&seed_tcp_udp());
     objects.push(dual_stack(
         service(EMPTY_NAME, EMPTY_CLUSTER_IP, EMPTY_PORT, TARGET_PORT, None),
         EMPTY_CLUSTER_IP6,
     ));
+    objects.extend(sticky_objects());
     objects
+}
+
+/// The Service with ClientIP affinity and its slices of both families.
+fn sticky_objects() -> Vec<serde_json::Value> {
+    let ports = [PortDef {
+        name: None,
+        protocol: Protocol::Tcp,
+        port: STICKY_PORT,
+        target_port: TARGET_PORT,
+        node_port: Some(STICKY_NODE_PORT),
+    }];
+    let mut svc = service_with("sticky", STICKY_CLUSTER_IP, &ports, None);
+    svc["spec"]["sessionAffinity"] = "ClientIP".into();
+    let endpoints6: Vec<(Ipv6Addr, &str)> = backend_ips6().into_iter().map(|ip| (ip, NODE_NAME)).collect();
+    vec![
+        dual_stack(svc, STICKY_CLUSTER_IP6),
+        slice_with("sticky-4", "sticky", &ports, &on_node(&backend_ips())),
+        slice6_with("sticky-6", "sticky", &ports, &endpoints6),
+    ]
+}
+
+/// Every request from `from` to `addr` answered by one backend.
+fn sticks(from: &testbed::netns::Netns, addr: SocketAddr) -> Result<String> {
+    let answers = from.run_in(|| -> Result<Vec<String>> {
+        (0..20)
+            .map(|i| {
+                probe::request(Protocol::Tcp, addr, probe::REQUEST_TIMEOUT)
+                    .with_context(|| format!("request {} to {addr}", i + 1))
+            })
+            .collect()
+    })??;
+    let first = &answers[0];
+    ensure!(answers.iter().all(|a| a == first), "answers spread: {answers:?}");
+    Ok(format!("20 of 20 on {first}"))
 }
 
 /// The agent in `mode` with `objects`, told both node addresses.
@@ -85,6 +133,21 @@ fn check_both_families(bed: &AgentBed, checks: &mut Checks) {
             refused(topo, empty),
         );
     }
+    for (sticky, node) in [
+        (IpAddr::from(STICKY_CLUSTER_IP), IpAddr::from(NODE_IP)),
+        (STICKY_CLUSTER_IP6.into(), NODE_IP6.into()),
+    ] {
+        let cluster_ip = SocketAddr::new(sticky, STICKY_PORT);
+        checks.check(
+            &format!("ClientIP affinity: client pod -> {cluster_ip}"),
+            sticks(&topo.client_pod.ns, cluster_ip),
+        );
+        let node_port = SocketAddr::new(node, STICKY_NODE_PORT);
+        checks.check(
+            &format!("ClientIP affinity: client -> {node_port}"),
+            sticks(&topo.client, node_port),
+        );
+    }
 }
 
 /// A TCP connect from the client pod to `addr` fails with ECONNREFUSED
@@ -110,8 +173,29 @@ fn refused(topo: &Topology, addr: SocketAddr) -> Result<String> {
 fn ipv6_rules(bed: &AgentBed, mode: Mode) -> Result<String> {
     match mode {
         Mode::Nftables => bed.topo.node.exec(&["nft", "list", "table", "ip6", "xproxy"]),
+        Mode::Ebpf => ebpf_ipv6_state(bed),
         _ => bed.topo.node.exec(&["ip6tables-save"]),
     }
+}
+
+/// The ebpf mode's IPv6 frontends, read from its pinned `XP_SERVICES6`
+/// (one `[addr]:port/proto` line each), after its ip6tables masquerade
+/// chain (which must be there while the agent runs).
+fn ebpf_ipv6_state(bed: &AgentBed) -> Result<String> {
+    use proxy_common::{Service6Key, ServiceValue, maps};
+    let services6: aya::maps::HashMap<_, Service6Key, ServiceValue> =
+        proxy_userspace::mode::ebpf::open_pinned(bed.pin_path(), maps::SERVICES6)?;
+    let mut out = bed.topo.node.exec(&["ip6tables-save", "-t", "nat"])?;
+    ensure!(out.contains(":XPROXY-SNAT"), "no IPv6 masquerade chain: {out}");
+    for key in services6.keys() {
+        let key = key.context("reading XP_SERVICES6")?;
+        out.push_str(&format!(
+            "{}/{}\n",
+            SocketAddr::new(key.addr().into(), key.port()),
+            key.proto
+        ));
+    }
+    Ok(out)
 }
 
 /// Local ports of the client pod's IPv6 UDP flows (outside the probes'
@@ -227,4 +311,9 @@ fn iptables_dual_stack_seed() {
 #[test]
 fn nftables_dual_stack_seed() {
     dual_stack_seed(Mode::Nftables, "nftables_dual_stack_seed");
+}
+
+#[test]
+fn ebpf_dual_stack_seed() {
+    dual_stack_seed(Mode::Ebpf, "ebpf_dual_stack_seed");
 }

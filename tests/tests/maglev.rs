@@ -3,28 +3,38 @@
 //! requests from fixed source ports. Each new flow must reach the backend
 //! the Maglev table predicts for its 5-tuple (computed here with the
 //! agent's table builder and the programs' flow hash), from a pod to the
-//! ClusterIP (tc) and from outside to the NodePort (the uplink); with the
-//! annotation switched to `random` the picks no longer follow the table.
+//! ClusterIP (tc) and from outside to the NodePort (the uplink), over IPv4
+//! and over IPv6 (the Service is dual-stack: each half has a table of its
+//! family's endpoints); with the annotation switched to `random` the picks
+//! no longer follow the table.
 
 use std::{
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4},
     time::Duration,
 };
 
 use anyhow::{Context, Result, ensure};
-use proxy_common::{maglev::flow_hash, proto};
+use proxy_common::{
+    ipv6::addr6_be,
+    maglev::{flow_hash, flow_hash6},
+    proto,
+};
 use proxy_userspace::mode::ebpf::maglev;
 use serde_json::{Value, json};
 use testbed::{
     agent_bed::{AgentBed, READY_WITHIN, on_own_bed},
-    fixtures::{PortDef, backend_ips, on_node, service_with, slice_with, yaml_documents},
+    fixtures::{
+        NODE_NAME, PortDef, backend_ips, backend_ips6, dual_stack, on_node, service_with, slice_with, slice6_with,
+        yaml_documents,
+    },
     netns::{self, Netns},
     probe::{Protocol, REQUEST_TIMEOUT},
-    topology::{BACKENDS, CLIENT_IP, CLIENT_POD, NODE_IP, TARGET_PORT},
+    topology::{BACKENDS, CLIENT_IP, CLIENT_IP6, CLIENT_POD, NODE_IP, NODE_IP6, TARGET_PORT, pod_ipv6},
 };
 
 const MANIFEST: &str = "maglev.yaml";
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 1, 40);
+const CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 1, 0x40);
 const PORT: u16 = 88;
 const NODE_PORT: u16 = 30840;
 /// Flows per place and phase: were the picks random among 3, all of them
@@ -41,42 +51,52 @@ fn objects(algorithm: &str) -> Vec<Value> {
     }];
     let mut svc = service_with("maglev", CLUSTER_IP, &ports, None);
     svc["metadata"]["annotations"] = json!({"xproxy.io/lb-algorithm": algorithm});
-    vec![svc, slice_with("maglev-1", "maglev", &ports, &on_node(&backend_ips()))]
+    let endpoints6: Vec<(Ipv6Addr, &str)> = backend_ips6().into_iter().map(|ip| (ip, NODE_NAME)).collect();
+    vec![
+        dual_stack(svc, CLUSTER_IP6),
+        slice_with("maglev-1", "maglev", &ports, &on_node(&backend_ips())),
+        slice6_with("maglev-6", "maglev", &ports, &endpoints6),
+    ]
 }
 
-/// The backend (pod name) the table of the bed's three endpoints gives a
-/// UDP flow from `client` to `frontend`.
-fn predicted(client: SocketAddrV4, frontend: SocketAddrV4) -> Result<&'static str> {
+/// The backend (pod name) the table of the bed's three endpoints of the
+/// flow's family gives a UDP flow from `client` to `frontend`.
+fn predicted(client: SocketAddr, frontend: SocketAddr) -> Result<&'static str> {
     let members: Vec<maglev::Member> = (0..)
         .zip(BACKENDS)
         .map(|(id, (_, addr))| maglev::Member {
             id,
-            addr,
+            addr: if client.is_ipv4() {
+                addr.into()
+            } else {
+                pod_ipv6(addr).into()
+            },
             port: TARGET_PORT,
         })
         .collect();
     let table = maglev::table(&members).context("a table for 3 endpoints")?;
-    let be = |ip: &Ipv4Addr| u32::from_ne_bytes(ip.octets());
-    let hash = flow_hash(
-        be(client.ip()),
-        be(frontend.ip()),
-        client.port().to_be(),
-        frontend.port().to_be(),
-        proto::UDP,
-    );
+    let (sport, dport) = (client.port().to_be(), frontend.port().to_be());
+    let hash = match (client.ip(), frontend.ip()) {
+        (IpAddr::V4(c), IpAddr::V4(f)) => {
+            let be = |ip: Ipv4Addr| u32::from_ne_bytes(ip.octets());
+            flow_hash(be(c), be(f), sport, dport, proto::UDP)
+        }
+        (IpAddr::V6(c), IpAddr::V6(f)) => flow_hash6(&addr6_be(c), &addr6_be(f), sport, dport, proto::UDP),
+        _ => anyhow::bail!("{client} and {frontend} are of two families"),
+    };
     let id = table[(hash % table.len() as u32) as usize];
     Ok(BACKENDS[id as usize].0)
 }
 
 /// How many of [`FLOWS`] new flows from `from` (address `source`, ports
 /// from `first_port` on) to `to` reached the predicted backend.
-fn matching_flows(from: &Netns, source: Ipv4Addr, first_port: u16, to: SocketAddrV4) -> Result<u16> {
+fn matching_flows(from: &Netns, source: IpAddr, first_port: u16, to: SocketAddr) -> Result<u16> {
     let mut matching = 0;
     for port in first_port..first_port + FLOWS {
         let answer = from
             .run_in(|| netns::udp_request_from(port, to, REQUEST_TIMEOUT))?
             .with_context(|| format!("a request from {source}:{port} to {to}"))?;
-        if answer == predicted(SocketAddrV4::new(source, port), to)? {
+        if answer == predicted(SocketAddr::new(source, port), to)? {
             matching += 1;
         }
     }
@@ -89,19 +109,33 @@ fn maglev_picks_the_tables_backend_for_every_new_flow() {
         return;
     }
     on_own_bed("maglev_live", |bed, checks| {
-        let node_port = SocketAddrV4::new(NODE_IP, NODE_PORT);
-        let cluster = SocketAddrV4::new(CLUSTER_IP, PORT);
         start(bed, &objects("maglev"))?;
         let pod = &bed.topo.client_pod.ns;
-        let (pod_ip, client) = (CLIENT_POD.1, &bed.topo.client);
-        checks.check(
-            &format!("client pod -> ClusterIP {cluster}: {FLOWS} UDP flows, each on the table's backend"),
-            all_match(matching_flows(pod, pod_ip, 40_000, cluster)),
-        );
-        checks.check(
-            &format!("client -> NodePort {node_port}: {FLOWS} UDP flows, each on the table's backend"),
-            all_match(matching_flows(client, CLIENT_IP, 40_000, node_port)),
-        );
+        let client = &bed.topo.client;
+        let pod_ip = CLIENT_POD.1;
+        let families: [(IpAddr, IpAddr, IpAddr, IpAddr); 2] = [
+            (pod_ip.into(), CLUSTER_IP.into(), CLIENT_IP.into(), NODE_IP.into()),
+            (
+                pod_ipv6(pod_ip).into(),
+                CLUSTER_IP6.into(),
+                CLIENT_IP6.into(),
+                NODE_IP6.into(),
+            ),
+        ];
+        for (pod_source, cluster_ip, client_source, node_ip) in families {
+            let cluster = SocketAddr::new(cluster_ip, PORT);
+            let node_port = SocketAddr::new(node_ip, NODE_PORT);
+            checks.check(
+                &format!("client pod -> ClusterIP {cluster}: {FLOWS} UDP flows, each on the table's backend"),
+                all_match(matching_flows(pod, pod_source, 40_000, cluster)),
+            );
+            checks.check(
+                &format!("client -> NodePort {node_port}: {FLOWS} UDP flows, each on the table's backend"),
+                all_match(matching_flows(client, client_source, 40_000, node_port)),
+            );
+        }
+        let cluster = SocketAddr::new(CLUSTER_IP.into(), PORT);
+        let pod_ip = IpAddr::from(pod_ip);
         bed.write_manifest(MANIFEST, &yaml_documents(&objects("random")))?;
         // Until the agent has synced the change, new flows still follow
         // the table: wait for one that does not, within a few tries.

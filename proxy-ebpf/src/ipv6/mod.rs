@@ -10,26 +10,30 @@
 //! Not yet done for IPv6 (each left untranslated or refused, never
 //! translated wrongly): ICMPv6 errors quoting a translated flow,
 //! fragments (see `parse`), loadBalancerSourceRanges (a frontend flagged
-//! with them drops every new flow), ClientIP affinity and Maglev (new flows
-//! pick a random backend of the frontend's run), pods' short-circuit of
+//! with them drops every new flow), pods' short-circuit of
 //! `Local` external frontends.
 
 mod conntrack;
 mod parse;
 mod reject;
 
-use proxy_common::{Backend6, Service6Key, ServiceValue, Verdict, service::FLAG_SOURCE_RANGES};
+use proxy_common::{
+    AffinityKey6, Backend6, Service6Key, ServiceValue, Verdict,
+    maglev::flow_hash6,
+    service::{FLAG_AFFINITY_CLIENT_IP, FLAG_SOURCE_RANGES},
+};
 
 use self::{
     conntrack::{NewFlow6, Tracked6},
     parse::Flow6,
 };
 use crate::{
+    affinity,
     context::{Addr6, Ctx, L4At},
     headers::Side,
-    maps::{self, BACKENDS6, SERVICES6},
+    maps::{self, AFFINITY6, BACKENDS6, SERVICES6},
     pipeline::{self, Outcome, snat_wanted, translated},
-    ports, select,
+    ports, select, service_port,
 };
 
 /// The IPv6 packet's way, from parsing to the rewrite (see the module doc).
@@ -100,7 +104,7 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow6, svc: &ServiceValue) -> (Verdict, Outco
     if svc.flags & FLAG_SOURCE_RANGES != 0 {
         return (Verdict::DropSourceRange, Outcome::Drop);
     }
-    let Some((backend_id, backend)) = pick_backend(svc) else {
+    let Some((backend_id, backend)) = pick_backend(flow, svc) else {
         return pipeline::no_backend(svc, || reject::reject(ctx, flow));
     };
     let snat = snat_wanted(svc, backend.flags, *flow.saddr() == backend.addr_be);
@@ -121,10 +125,33 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow6, svc: &ServiceValue) -> (Verdict, Outco
     translated(dnat(ctx, flow, (&new.backend.0, new.backend.1)), Verdict::DnatNew)
 }
 
-/// A random backend of the frontend's run, from `XP_BACKENDS6`.
+/// The backend of a new flow, from `XP_BACKENDS6`: the client's of before
+/// under ClientIP affinity (kept per Service port in `XP_AFFINITY6`), else
+/// Maglev's (the IPv6 tuple hashed) or a random one of the frontend's run
+/// (remembered under affinity), as IPv4's.
 #[inline(always)]
-fn pick_backend(svc: &ServiceValue) -> Option<(u32, Backend6)> {
-    let id = select::random_id(svc)?;
+fn pick_backend(flow: &Flow6, svc: &ServiceValue) -> Option<(u32, Backend6)> {
+    let sticky = (svc.flags & FLAG_AFFINITY_CLIENT_IP != 0).then(|| AffinityKey6 {
+        affinity_id: service_port::affinity_id(svc),
+        client_be: *flow.saddr(),
+    });
+    if let Some(key) = &sticky
+        && let Some(kept) = affinity::kept_id(&AFFINITY6, key, svc).and_then(backend6)
+    {
+        return Some(kept);
+    }
+    let id = select::new_flow_id(svc, || {
+        flow_hash6(flow.saddr(), flow.daddr(), flow.sport_be, flow.dport_be, flow.proto)
+    })?;
+    if let Some(key) = &sticky {
+        affinity::remember_in(&AFFINITY6, key, id);
+    }
+    backend6(id)
+}
+
+/// The IPv6 backend `id` with its id, `None` if it is gone.
+#[inline(always)]
+fn backend6(id: u32) -> Option<(u32, Backend6)> {
     // SAFETY: copied out at once, as in `crate::lookup::frontend`.
     let backend = unsafe { BACKENDS6.get(id).copied()? };
     Some((id, backend))

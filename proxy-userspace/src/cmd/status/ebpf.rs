@@ -1,8 +1,10 @@
 //! The ebpf mode read back from its pinned maps: the frontends and
 //! backends the programs use, the flows their own conntrack tracks per
 //! backend, and the flags of each frontend (affinity, source ranges).
+//! The snapshot carries both families (`XP_SERVICES` and `XP_SERVICES6`):
+//! every row is listed; an IPv6 frontend's flows are `XP_CT6`'s.
 
-use std::path::Path;
+use std::{collections::HashMap, path::Path};
 
 use anyhow::Result;
 use proxy_common::service::{FLAG_AFFINITY_CLIENT_IP, FLAG_SOURCE_RANGES};
@@ -10,8 +12,11 @@ use proxy_common::service::{FLAG_AFFINITY_CLIENT_IP, FLAG_SOURCE_RANGES};
 use super::table::{Backend, Frontend, Kind, Table};
 use crate::{
     dump::{self, FrontendRow, Snapshot},
-    mode::ebpf::{ServiceMaps, conntrack::read_conntrack_counts},
-    model::{Protocol, ipv4},
+    mode::ebpf::{
+        ServiceMaps,
+        conntrack::{Flow6, ipv6_flow_counts, read_conntrack_counts},
+    },
+    model::Protocol,
 };
 
 /// Whether an ebpf data path is pinned at `pin_path`.
@@ -24,11 +29,26 @@ pub fn read_back(pin_path: &Path) -> Result<(Table, String)> {
     let maps = ServiceMaps::open(pin_path, Vec::new())?;
     let mut snapshot = maps.snapshot()?;
     snapshot.table = read_conntrack_counts(pin_path)?;
-    let table = table_of(&snapshot, |row| {
+    let mut table = table_of(&snapshot, |row| {
         maps.frontend(row.addr, row.port, row.proto)
             .map(|v| (v.flags, v.affinity_timeout_s))
     });
+    count_ipv6_flows(&mut table, &ipv6_flow_counts(pin_path)?);
     Ok((table, dump::render_totals(&snapshot)))
+}
+
+/// Sets the flows of every IPv6 frontend's backends from `XP_CT6`'s
+/// `counts` (the snapshot's are `XP_CT`'s, IPv4 only).
+fn count_ipv6_flows(table: &mut Table, counts: &HashMap<Flow6, u64>) {
+    for frontend in table.frontends.iter_mut().filter(|f| f.addr.is_ipv6()) {
+        let key = (frontend.addr, frontend.port);
+        for backend in &mut frontend.backends {
+            if let Some(addr) = backend.addr {
+                let flows = counts.get(&(key, frontend.proto.number(), addr));
+                backend.flows = Some(flows.copied().unwrap_or(0));
+            }
+        }
+    }
 }
 
 /// The table of a snapshot; `flags_of` gives a frontend's flags and
@@ -39,9 +59,6 @@ pub fn table_of(snapshot: &Snapshot, flags_of: impl Fn(&FrontendRow) -> Option<(
         .iter()
         .filter_map(|row| {
             let proto = Protocol::from_number(row.proto)?;
-            // The shared table is IPv4's for now (every mode's status
-            // reads IPv4 rules only): IPv6 frontends are `dump`'s rows.
-            let addr = ipv4(row.addr)?;
             let (flags, affinity) = flags_of(row).unwrap_or_default();
             // The maps do not tell an external or load balancer IP from a
             // ClusterIP; a frontend filtering its sources is a load
@@ -53,7 +70,7 @@ pub fn table_of(snapshot: &Snapshot, flags_of: impl Fn(&FrontendRow) -> Option<(
             } else {
                 Kind::ClusterIp
             };
-            let mut frontend = Frontend::new(proto, addr, row.port, kind);
+            let mut frontend = Frontend::new(proto, row.addr, row.port, kind);
             frontend.local_only = row.local_only;
             frontend.source_filtered = flags & FLAG_SOURCE_RANGES != 0;
             frontend.affinity_seconds = (flags & FLAG_AFFINITY_CLIENT_IP != 0).then_some(affinity);
@@ -61,7 +78,7 @@ pub fn table_of(snapshot: &Snapshot, flags_of: impl Fn(&FrontendRow) -> Option<(
                 .backends
                 .iter()
                 .map(|b| Backend {
-                    addr: b.addr.and_then(|(ip, port)| Some((ipv4(ip)?, port))),
+                    addr: b.addr,
                     flows: Some(b.flows),
                     notes: Vec::new(),
                 })
@@ -70,4 +87,91 @@ pub fn table_of(snapshot: &Snapshot, flags_of: impl Fn(&FrontendRow) -> Option<(
         })
         .collect();
     Table::new("ebpf", frontends)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::IpAddr;
+
+    use proxy_common::proto::TCP;
+
+    use super::*;
+    use crate::dump::BackendRow;
+
+    fn ip(text: &str) -> IpAddr {
+        text.parse().expect("an address")
+    }
+
+    fn row(addr: &str, port: u16, node_port: bool, backends: &[(Option<&str>, u64)]) -> FrontendRow {
+        FrontendRow {
+            proto: TCP,
+            addr: ip(addr),
+            port,
+            node_port,
+            local_only: node_port,
+            backends: backends
+                .iter()
+                .map(|&(addr, flows)| BackendRow {
+                    addr: addr.map(|a| (ip(a), 80)),
+                    flows,
+                })
+                .collect(),
+        }
+    }
+
+    /// A dual-stack seed as the pinned maps hold it: the IPv4 ClusterIP
+    /// (`XP_SERVICES`), the IPv6 ClusterIP and NodePort on the node's IPv6
+    /// address (`XP_SERVICES6`), each with its flows per backend.
+    #[test]
+    fn lists_the_ipv6_frontends_beside_the_ipv4_ones() {
+        let snapshot = Snapshot {
+            frontends: vec![
+                row("10.96.0.88", 88, false, &[(Some("10.244.0.11"), 2)]),
+                row(
+                    "fd00:96::88",
+                    88,
+                    false,
+                    &[(Some("fd00:10:244::11"), 0), (Some("fd00:10:244::12"), 0), (None, 0)],
+                ),
+                row("fd00:30::2", 30791, true, &[(Some("fd00:10:244::11"), 0)]),
+            ],
+            forward_flows: 6,
+            reply_flows: 6,
+            flow_states: Vec::new(),
+            table: None,
+            verdicts: Vec::new(),
+        };
+        // Affinity on the IPv4 ClusterIP only (the IPv6 path has none).
+        let mut table = table_of(&snapshot, |row| {
+            row.addr.is_ipv4().then_some((FLAG_AFFINITY_CLIENT_IP, 10800))
+        });
+        // XP_CT6's flows replace the snapshot's (XP_CT's, none for IPv6);
+        // the IPv4 frontend keeps its own.
+        let cluster6 = (ip("fd00:96::88"), 88);
+        count_ipv6_flows(
+            &mut table,
+            &HashMap::from([
+                ((cluster6, TCP, (ip("fd00:10:244::11"), 80)), 1),
+                ((cluster6, TCP, (ip("fd00:10:244::12"), 80)), 3),
+                ((cluster6, proxy_common::proto::UDP, (ip("fd00:10:244::11"), 80)), 5),
+                (((ip("10.96.0.88"), 88), TCP, (ip("10.244.0.11"), 80)), 7),
+            ]),
+        );
+        let expected = "\
+Prot LocalAddress:Port Kind
+  -> RemoteAddress:Port           Flows
+TCP  10.96.0.88:88 ClusterIP [affinity ClientIP 10800s]
+  -> 10.244.0.11:80               2
+TCP  [fd00:30::2]:30791 NodePort (Local: this node's endpoints)
+  -> [fd00:10:244::11]:80         0
+TCP  [fd00:96::88]:88 ClusterIP
+  -> [fd00:10:244::11]:80         1
+  -> [fd00:10:244::12]:80         3
+  -> <missing>                    0
+";
+        assert_eq!(table.render(), expected);
+        let json = table.to_json();
+        assert_eq!(json["frontends"][2]["address"], "fd00:96::88");
+        assert_eq!(json["frontends"][2]["backends"][1]["flows"], 3);
+    }
 }

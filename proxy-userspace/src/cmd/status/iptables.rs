@@ -4,7 +4,8 @@
 //! backends are found by following its jump through `KUBE-FW-*` (source
 //! ranges), `KUBE-EXT-*`, `KUBE-SVC-*`/`KUBE-SVL-*` (affinity: `-m recent
 //! --rcheck --seconds`) to the `KUBE-SEP-*` DNATs. Flow counts come from
-//! the kernel's conntrack table.
+//! the kernel's conntrack table. The IPv6 half of dual-stack Services is
+//! the same layout in `ip6tables-save`, read the same way.
 //!
 //! kube-proxy's rule shapes are read by their parts (`-d`, `--dport`,
 //! `-j`, `--to-destination`, ...), never matched whole: a rule or chain
@@ -13,26 +14,25 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::{IpAddr, SocketAddr},
 };
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 
-use super::table::{Frontends, Kind, Leads, Table};
+use super::{
+    saved_rules, saved_table,
+    table::{Frontends, Kind, Leads, Table, any_address, kernel_flows},
+};
 use crate::{
-    model::Protocol,
-    sys::{
-        conntrack,
-        iptables::{Iptables, Saved, SystemIptables},
-    },
+    model::{IpFamily, Protocol},
+    sys::iptables::Saved,
 };
 
-/// Reads the rules and the conntrack table of the calling thread's network
-/// namespace.
+/// Reads both families' rules and the conntrack tables of the calling
+/// thread's network namespace.
 pub fn read_back() -> Result<Table> {
-    let saved = SystemIptables::default().save().context("running iptables-save")?;
-    let mut table = parse(&saved);
-    table.count_flows(&conntrack::list_entries()?);
+    let mut table = parse_families(&saved_rules(IpFamily::V4)?, &saved_rules(IpFamily::V6)?);
+    table.count_flows(&kernel_flows()?);
     Ok(table)
 }
 
@@ -44,23 +44,33 @@ pub fn in_use(saved: &Saved) -> bool {
         .is_some_and(|nat| nat.chains.iter().any(|c| is_dispatch_chain(c)))
 }
 
-/// The table of the rules in `saved` (`iptables-save` output), flows unknown.
+/// The table of the IPv4 rules in `saved` (`iptables-save` output), flows
+/// unknown.
 pub fn parse(saved: &str) -> Table {
+    parse_families(saved, "")
+}
+
+/// The table of both families' rules (`iptables-save` and
+/// `ip6tables-save` output), flows unknown.
+pub fn parse_families(saved_v4: &str, saved_v6: &str) -> Table {
+    saved_table("iptables", saved_v4, saved_v6, add_saved)
+}
+
+/// The frontends of one family's saved rules.
+fn add_saved(frontends: &mut Frontends, saved: &str, family: IpFamily) {
     let saved = Saved::parse(saved);
     let nat = Chains::of(&saved, "nat");
     let filter = Chains::of(&saved, "filter");
-    let mut frontends = Frontends::default();
     for (chain, kind_of_nodeports) in [("KUBE-SERVICES", false), ("KUBE-NODEPORTS", true)] {
         for rule in nat.rules(chain) {
-            add_dispatch(&mut frontends, &nat, rule, kind_of_nodeports);
+            add_dispatch(frontends, &nat, rule, kind_of_nodeports, family);
         }
     }
     for chain in ["KUBE-SERVICES", "KUBE-EXTERNAL-SERVICES", "KUBE-NODEPORTS"] {
         for rule in filter.rules(chain) {
-            add_refusal(&mut frontends, rule, chain);
+            add_refusal(frontends, rule, chain, family);
         }
     }
-    frontends.into_table("iptables")
 }
 
 /// Per-service chains whose rules lead to endpoints.
@@ -72,14 +82,14 @@ fn is_dispatch_chain(chain: &str) -> bool {
 
 /// A nat rule jumping from a fixed chain into a service's chains: one
 /// frontend, with what those chains lead to.
-fn add_dispatch(frontends: &mut Frontends, nat: &Chains, rule: &Rule, node_ports: bool) {
+fn add_dispatch(frontends: &mut Frontends, nat: &Chains, rule: &Rule, node_ports: bool, family: IpFamily) {
     let (Some(proto), Some(port), Some(target)) = (rule.proto, rule.dport, rule.target.as_deref()) else {
         return;
     };
     if !is_dispatch_chain(target) {
         return;
     }
-    let addr = rule.dst.unwrap_or(Ipv4Addr::UNSPECIFIED);
+    let addr = rule.dst.unwrap_or(any_address(family));
     let kind = if node_ports {
         Kind::NodePort
     } else {
@@ -95,7 +105,7 @@ fn add_dispatch(frontends: &mut Frontends, nat: &Chains, rule: &Rule, node_ports
 
 /// A filter rule refusing a port without endpoints: REJECT (none at all)
 /// or DROP (none on this node, `Local`).
-fn add_refusal(frontends: &mut Frontends, rule: &Rule, chain: &str) {
+fn add_refusal(frontends: &mut Frontends, rule: &Rule, chain: &str, family: IpFamily) {
     let (Some(proto), Some(port), Some(target)) = (rule.proto, rule.dport, rule.target.as_deref()) else {
         return;
     };
@@ -107,7 +117,7 @@ fn add_refusal(frontends: &mut Frontends, rule: &Rule, chain: &str) {
     let (addr, kind) = match (rule.dst, chain) {
         (Some(addr), "KUBE-SERVICES") => (addr, Kind::ClusterIp),
         (Some(addr), _) => (addr, Kind::External),
-        (None, _) if rule.dst_local => (Ipv4Addr::UNSPECIFIED, Kind::NodePort),
+        (None, _) if rule.dst_local => (any_address(family), Kind::NodePort),
         (None, _) => return,
     };
     let frontend = frontends.entry_any_kind(proto, addr, port, kind);
@@ -198,8 +208,8 @@ impl<'a> Chains<'a> {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(super) struct Rule {
     pub proto: Option<Protocol>,
-    /// `-d ADDR/32`.
-    pub dst: Option<Ipv4Addr>,
+    /// `-d ADDR/32` (`ADDR/128`).
+    pub dst: Option<IpAddr>,
     /// `-m addrtype --dst-type LOCAL`.
     pub dst_local: bool,
     /// `-s CIDR` (not negated).
@@ -207,8 +217,8 @@ pub(super) struct Rule {
     pub dport: Option<u16>,
     comment: Option<String>,
     pub target: Option<String>,
-    /// `--to-destination IP:PORT` of a DNAT.
-    pub to_destination: Option<(Ipv4Addr, u16)>,
+    /// `--to-destination IP:PORT` (`[IP]:PORT`) of a DNAT.
+    pub to_destination: Option<(IpAddr, u16)>,
     /// `--to-ports PORT` of a REDIRECT.
     pub to_ports: Option<u16>,
     /// `-m recent --rcheck --seconds N`: ClientIP affinity.
@@ -289,19 +299,21 @@ impl Rule {
     }
 }
 
-/// `A.B.C.D/32` (or a bare address): one host; a wider network is no
-/// frontend.
-fn host(cidr: &str) -> Option<Ipv4Addr> {
-    match cidr.split_once('/') {
-        Some((addr, "32")) => addr.parse().ok(),
-        Some(_) => None,
-        None => cidr.parse().ok(),
-    }
+/// `A.B.C.D/32`, `X::Y/128` (or a bare address): one host; a wider
+/// network is no frontend.
+fn host(cidr: &str) -> Option<IpAddr> {
+    let (addr, bits) = match cidr.split_once('/') {
+        Some((addr, bits)) => (addr.parse::<IpAddr>().ok()?, Some(bits)),
+        None => (cidr.parse().ok()?, None),
+    };
+    let one_host = IpFamily::of(addr).bits().to_string();
+    bits.is_none_or(|b| b == one_host).then_some(addr)
 }
 
-fn socket_addr(text: &str) -> Option<(Ipv4Addr, u16)> {
-    let (ip, port) = text.rsplit_once(':')?;
-    Some((ip.parse().ok()?, port.parse().ok()?))
+/// `A.B.C.D:PORT` or `[X::Y]:PORT`.
+fn socket_addr(text: &str) -> Option<(IpAddr, u16)> {
+    let addr: SocketAddr = text.parse().ok()?;
+    Some((addr.ip(), addr.port()))
 }
 
 /// The words of a saved rule, a double-quoted comment as one word (with

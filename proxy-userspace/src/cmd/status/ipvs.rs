@@ -6,8 +6,7 @@
 //! `KUBE-EXTERNAL-IP`, `KUBE-LOAD-BALANCER`), which ones keep to local
 //! endpoints (`*-LOCAL`) and which load balancer IPs filter sources
 //! (`KUBE-LOAD-BALANCER-SOURCE-CIDR`). A set it does not know is skipped.
-//! The table is IPv4 only (its addresses are, for every mode): IPv6
-//! virtual servers are left out of it; `ipvsadm -Ln` shows them.
+//! An IPv6 virtual server's kind is in the IPv6 sets (`KUBE-6-...`).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -16,10 +15,14 @@ use anyhow::Result;
 use super::table::{Backend, Frontend, Kind, Table};
 use crate::{
     mode::ipvs::{
-        ipset::{NODE_PORT_LOCAL_SCTP, NODE_PORT_SCTP},
+        ipset::{
+            CLUSTER_IP, EXTERNAL_IP, EXTERNAL_IP_LOCAL, LOAD_BALANCER, LOAD_BALANCER_FW, LOAD_BALANCER_LOCAL,
+            LOAD_BALANCER_SOURCE_CIDR, NODE_PORT_LOCAL_SCTP, NODE_PORT_LOCAL_TCP, NODE_PORT_LOCAL_UDP, NODE_PORT_SCTP,
+            NODE_PORT_TCP, NODE_PORT_UDP, name,
+        },
         netlink::{Ipvs, RealCounters, VirtualCounters},
     },
-    model::{Protocol, ipv4},
+    model::{IpFamily, Protocol},
     sys::ipset,
 };
 
@@ -75,59 +78,56 @@ impl Sets {
     }
 }
 
-/// The table of the IPv4 `servers`, their kinds from `sets`.
+/// The table of the `servers` of both families, their kinds from `sets`.
 pub fn table_of(servers: &[VirtualCounters], sets: &Sets) -> Table {
-    Table::new("ipvs", servers.iter().filter_map(|s| frontend(s, sets)).collect())
+    Table::new("ipvs", servers.iter().map(|s| frontend(s, sets)).collect())
 }
 
-/// The frontend of an IPv4 virtual server.
-fn frontend(server: &VirtualCounters, sets: &Sets) -> Option<Frontend> {
+/// The frontend of a virtual server; its kind from the sets of its
+/// family.
+fn frontend(server: &VirtualCounters, sets: &Sets) -> Frontend {
     let key = server.key;
-    let addr = ipv4(key.addr)?;
-    let proto = key.protocol.lowercase();
-    let upper = key.protocol.to_string();
-    let member = format!("{},{proto}:{}", key.addr, key.port);
+    let family = IpFamily::of(key.addr);
+    let set = |set| name(set, family);
+    let member = format!("{},{}:{}", key.addr, key.protocol.lowercase(), key.port);
     let port = key.port.to_string();
     // SCTP's node port sets are hashes of `IP,sctp:PORT`, TCP's and UDP's
     // bitmaps of ports.
     let (node_port_set, local_node_port_set, node_port_member) = match key.protocol {
-        Protocol::Sctp => (NODE_PORT_SCTP.to_owned(), NODE_PORT_LOCAL_SCTP.to_owned(), &member),
-        Protocol::Tcp | Protocol::Udp => (
-            format!("KUBE-NODE-PORT-{upper}"),
-            format!("KUBE-NODE-PORT-LOCAL-{upper}"),
-            &port,
-        ),
+        Protocol::Sctp => (set(NODE_PORT_SCTP), set(NODE_PORT_LOCAL_SCTP), &member),
+        Protocol::Tcp => (set(NODE_PORT_TCP), set(NODE_PORT_LOCAL_TCP), &port),
+        Protocol::Udp => (set(NODE_PORT_UDP), set(NODE_PORT_LOCAL_UDP), &port),
     };
-    let (kind, local_only) = if sets.has("KUBE-CLUSTER-IP", &member) {
+    let (kind, local_only) = if sets.has(set(CLUSTER_IP), &member) {
         (Kind::ClusterIp, false)
-    } else if sets.has(&node_port_set, node_port_member) {
-        (Kind::NodePort, sets.has(&local_node_port_set, node_port_member))
-    } else if sets.has("KUBE-LOAD-BALANCER", &member) {
-        (Kind::LoadBalancer, sets.has("KUBE-LOAD-BALANCER-LOCAL", &member))
-    } else if sets.has("KUBE-EXTERNAL-IP", &member) {
-        (Kind::ExternalIp, sets.has("KUBE-EXTERNAL-IP-LOCAL", &member))
+    } else if sets.has(node_port_set, node_port_member) {
+        (Kind::NodePort, sets.has(local_node_port_set, node_port_member))
+    } else if sets.has(set(LOAD_BALANCER), &member) {
+        (Kind::LoadBalancer, sets.has(set(LOAD_BALANCER_LOCAL), &member))
+    } else if sets.has(set(EXTERNAL_IP), &member) {
+        (Kind::ExternalIp, sets.has(set(EXTERNAL_IP_LOCAL), &member))
     } else {
         (Kind::External, false)
     };
-    let mut frontend = Frontend::new(key.protocol, addr, key.port, kind);
+    let mut frontend = Frontend::new(key.protocol, key.addr, key.port, kind);
     frontend.local_only = local_only;
     frontend.affinity_seconds = server.persistent_seconds;
     let prefix = format!("{member},");
     frontend.source_ranges = sets
-        .starting_with("KUBE-LOAD-BALANCER-SOURCE-CIDR", &prefix)
+        .starting_with(set(LOAD_BALANCER_SOURCE_CIDR), &prefix)
         .map(str::to_owned)
         .collect();
-    frontend.source_filtered = !frontend.source_ranges.is_empty() || sets.has("KUBE-LOAD-BALANCER-FW", &member);
+    frontend.source_filtered = !frontend.source_ranges.is_empty() || sets.has(set(LOAD_BALANCER_FW), &member);
     if !server.scheduler.is_empty() {
         frontend.notes.push(format!("scheduler {}", server.scheduler));
     }
-    frontend.backends = server.reals.iter().filter_map(backend).collect();
-    Some(frontend)
+    frontend.backends = server.reals.iter().map(backend).collect();
+    frontend
 }
 
 /// A real server: its flows are IPVS's connections; a weight of 0 (a
 /// terminating endpoint) takes no new ones.
-fn backend(real: &RealCounters) -> Option<Backend> {
+fn backend(real: &RealCounters) -> Backend {
     let mut notes = vec![format!("active {}, inactive {}", real.active, real.inactive)];
     if real.persistent > 0 {
         notes.push(format!("{} affinity entries", real.persistent));
@@ -135,11 +135,11 @@ fn backend(real: &RealCounters) -> Option<Backend> {
     if real.weight == 0 {
         notes.push("weight 0: no new flows".into());
     }
-    Some(Backend {
-        addr: Some((ipv4(real.addr)?, real.port)),
+    Backend {
+        addr: Some((real.addr, real.port)),
         flows: Some(u64::from(real.active) + u64::from(real.inactive)),
         notes,
-    })
+    }
 }
 
 #[cfg(test)]

@@ -14,11 +14,12 @@ pub mod userspace;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow};
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::{ExitCode, Failure, WithExitCode, is_root};
 use crate::{
     config::Mode,
+    model::IpFamily,
     sys::iptables::{Iptables, Saved, SystemIptables},
 };
 
@@ -44,7 +45,7 @@ pub fn status(options: &Options) -> Result<(), Failure> {
             Failure::new(
                 ExitCode::Error,
                 anyhow!(
-                    "no xproxy data path found: nothing pinned at {}, no table ip xproxy, no KUBE-* \
+                    "no xproxy data path found: nothing pinned at {}, no table ip/ip6 xproxy, no KUBE-* \
                      Service rules, no IPVS virtual server (is the agent running, in this network \
                      namespace, with this --pin-path?)",
                     options.pin_path.display()
@@ -92,18 +93,21 @@ pub fn read_back(mode: Mode, pin_path: &Path) -> Result<Report> {
 }
 
 /// The mode whose state is in the kernel, in the order the modes' own
-/// markers are unmistakable: pinned maps, the nftables table, the
-/// iptables mode's per-service chains, IPVS, the userspace portals.
+/// markers are unmistakable: pinned maps, the nftables tables, the
+/// iptables mode's per-service chains, IPVS, the userspace portals (the
+/// rule modes' in either family: a node may have IPv6 Services only).
 /// Several found (a mode switched without `xproxy cleanup`): the first,
 /// with a warning.
 pub fn detect(pin_path: &Path) -> Result<Option<Mode>> {
-    let saved = Saved::parse(&SystemIptables::default().save().context("running iptables-save")?);
+    let saved = Saved::parse(&saved_rules(IpFamily::V4)?);
+    let saved6 = Saved::parse(&saved_rules(IpFamily::V6)?);
+    let in_either = |in_use: fn(&Saved) -> bool| in_use(&saved) || in_use(&saved6);
     let found: Vec<Mode> = [
         (Mode::Ebpf, ebpf::in_use(pin_path)),
         (Mode::Nftables, nftables::in_use()?),
-        (Mode::Iptables, iptables::in_use(&saved)),
+        (Mode::Iptables, in_either(iptables::in_use)),
         (Mode::Ipvs, ipvs::in_use()),
-        (Mode::Userspace, userspace::in_use(&saved)),
+        (Mode::Userspace, in_either(userspace::in_use)),
     ]
     .into_iter()
     .filter_map(|(mode, used)| used.then_some(mode))
@@ -113,4 +117,33 @@ pub fn detect(pin_path: &Path) -> Result<Option<Mode>> {
         warn!(modes = ?names, "the state of several modes is programmed; showing the first (--mode picks one)");
     }
     Ok(found.first().copied())
+}
+
+/// `iptables-save` or `ip6tables-save` output (the iptables and userspace
+/// modes' read-back). A node without `ip6tables` has no IPv6 rules: empty.
+fn saved_rules(family: IpFamily) -> Result<String> {
+    let mut system = SystemIptables::for_family(family);
+    if family == IpFamily::V6 && system.check().is_err() {
+        debug!("ip6tables is not installed: no IPv6 rules to read");
+        return Ok(String::new());
+    }
+    let tool = match family {
+        IpFamily::V4 => "iptables-save",
+        IpFamily::V6 => "ip6tables-save",
+    };
+    system.save().with_context(|| format!("running {tool}"))
+}
+
+/// The table of both families' saved rules, each family's frontends read
+/// by `add_saved` (the iptables and userspace modes' read-back).
+fn saved_table(
+    mode: &'static str,
+    saved_v4: &str,
+    saved_v6: &str,
+    add_saved: fn(&mut table::Frontends, &str, IpFamily),
+) -> table::Table {
+    let mut frontends = table::Frontends::default();
+    add_saved(&mut frontends, saved_v4, IpFamily::V4);
+    add_saved(&mut frontends, saved_v6, IpFamily::V6);
+    frontends.into_table(mode)
 }

@@ -1,4 +1,5 @@
-//! The nftables mode read back from `nft -j list table ip xproxy`: the
+//! The nftables mode read back from `nft -j list table ip xproxy` (and
+//! `ip6 xproxy`, the IPv6 half of dual-stack Services, read the same way): the
 //! frontends are the elements of its verdict maps keyed by `address .
 //! protocol . port` (ClusterIPs, external and load balancer IPs) or by
 //! `protocol . port` (NodePorts, on every local address); each element's
@@ -11,27 +12,26 @@
 //! The JSON is walked by what it holds, not by a fixed layout: objects
 //! and chains it does not know are skipped.
 
-use std::{
-    collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
-};
+use std::collections::{BTreeMap, BTreeSet};
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
-use super::table::{Frontend, Frontends, Kind, Leads, Table};
+use super::table::{Frontend, Frontends, Kind, Leads, Table, any_address, kernel_flows};
 use crate::{
-    mode::nftables::names::{FAMILY, TABLE},
-    model::Protocol,
-    sys::{conntrack, tool},
+    mode::nftables::names::{TABLE, nft_family},
+    model::{IpFamily, Protocol},
+    sys::tool,
 };
 
 const NFT: &str = "nft";
 const PACKAGE: &str = "the nftables package";
+const FAMILIES: [IpFamily; 2] = [IpFamily::V4, IpFamily::V6];
 
-/// The JSON listing of the mode's table, `None` if there is none.
-fn list_json() -> Result<Option<String>> {
-    let args = ["-j", "list", "table", FAMILY, TABLE];
+/// The JSON listing of the mode's table of `family`, `None` if there is
+/// none.
+fn list_json(family: IpFamily) -> Result<Option<String>> {
+    let args = ["-j", "list", "table", nft_family(family), TABLE];
     let out = tool::run(NFT, &args, PACKAGE)?;
     if !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("No such file or directory") {
         return Ok(None);
@@ -39,22 +39,56 @@ fn list_json() -> Result<Option<String>> {
     tool::stdout_of(NFT, &args, out).map(Some)
 }
 
-/// Whether the mode's table exists.
+/// Whether the mode has a table of either family.
 pub fn in_use() -> Result<bool> {
-    Ok(list_json()?.is_some())
+    for family in FAMILIES {
+        if list_json(family)?.is_some() {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
-/// Reads the table and the conntrack table of the calling thread's network
-/// namespace.
+/// Reads the tables of both families and the conntrack tables of the
+/// calling thread's network namespace.
 pub fn read_back() -> Result<Table> {
-    let json = list_json()?.with_context(|| format!("there is no table {FAMILY} {TABLE}"))?;
-    let mut table = parse(&json)?;
-    table.count_flows(&conntrack::list_entries()?);
+    let mut listed = Vec::new();
+    for family in FAMILIES {
+        if let Some(json) = list_json(family)? {
+            listed.push((family, json));
+        }
+    }
+    if listed.is_empty() {
+        bail!(
+            "there is no table {} {TABLE} nor {} {TABLE}",
+            nft_family(IpFamily::V4),
+            nft_family(IpFamily::V6)
+        );
+    }
+    let tables: Vec<(IpFamily, &str)> = listed.iter().map(|(f, json)| (*f, json.as_str())).collect();
+    let mut table = parse_tables(&tables)?;
+    table.count_flows(&kernel_flows()?);
     Ok(table)
 }
 
-/// The table of an `nft -j list` output, flows unknown.
+/// The table of an `nft -j list table ip xproxy` output, flows unknown.
 pub fn parse(json: &str) -> Result<Table> {
+    parse_tables(&[(IpFamily::V4, json)])
+}
+
+/// The table of the `nft -j list` outputs of each family's table, flows
+/// unknown.
+pub fn parse_tables(tables: &[(IpFamily, &str)]) -> Result<Table> {
+    let mut frontends = Frontends::default();
+    for (family, json) in tables {
+        add_table(&mut frontends, json, *family)
+            .with_context(|| format!("reading the table {} {TABLE}", nft_family(*family)))?;
+    }
+    Ok(frontends.into_table("nftables"))
+}
+
+/// The frontends of one family's table.
+fn add_table(frontends: &mut Frontends, json: &str, family: IpFamily) -> Result<()> {
     let value: Value = serde_json::from_str(json).context("parsing the output of nft -j")?;
     let ruleset = Ruleset::of(&value);
     let mut elements: Vec<(bool, &VerdictMap, &Element, Resolved)> = Vec::new();
@@ -77,11 +111,10 @@ pub fn parse(json: &str) -> Result<Table> {
     // Dispatches first: they give each frontend its kind; refusals and
     // filters join them.
     elements.sort_by_key(|(refusal, ..)| *refusal);
-    let mut frontends = Frontends::default();
     for (_, map, element, found) in elements {
-        add_element(&mut frontends, map, element, found);
+        add_element(frontends, map, element, found, family);
     }
-    Ok(frontends.into_table("nftables"))
+    Ok(())
 }
 
 /// One verdict map element: its key, comment and verdict (a chain, or
@@ -147,14 +180,15 @@ impl Ruleset {
     }
 }
 
-/// A map of verdicts keyed by `[ipv4_addr .] inet_proto . inet_service`.
+/// A map of verdicts keyed by `[ipv4_addr|ipv6_addr .] inet_proto .
+/// inet_service`.
 fn verdict_map(map: &Value) -> Option<VerdictMap> {
     if map.get("map").and_then(Value::as_str) != Some("verdict") {
         return None;
     }
     let types: Vec<&str> = map.get("type")?.as_array()?.iter().filter_map(Value::as_str).collect();
     let with_address = match types.as_slice() {
-        ["ipv4_addr", "inet_proto", "inet_service"] => true,
+        ["ipv4_addr" | "ipv6_addr", "inet_proto", "inet_service"] => true,
         ["inet_proto", "inet_service"] => false,
         _ => return None,
     };
@@ -197,11 +231,11 @@ fn verdict_target(verdict: &Value) -> Option<&str> {
         .find_map(|kind| verdict.get(kind)?.get("target")?.as_str())
 }
 
-fn add_element(frontends: &mut Frontends, map: &VerdictMap, element: &Element, found: Resolved) {
+fn add_element(frontends: &mut Frontends, map: &VerdictMap, element: &Element, found: Resolved, family: IpFamily) {
     let parts: Vec<&Value> = element.key.iter().collect();
     let (addr, proto, port) = match (map.with_address, parts.as_slice()) {
         (true, [addr, proto, port]) => (addr.as_str().and_then(|a| a.parse().ok()), *proto, *port),
-        (false, [proto, port]) => (Some(Ipv4Addr::UNSPECIFIED), *proto, *port),
+        (false, [proto, port]) => (Some(any_address(family)), *proto, *port),
         _ => return,
     };
     let Some(proto) = proto.as_str().and_then(Protocol::from_lowercase) else {

@@ -7,12 +7,16 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
+use anyhow::{Context, Result};
 use serde_json::{Value, json};
 
-use crate::{model::Protocol, sys::conntrack::Entry};
+use crate::{
+    model::{IpFamily, Protocol},
+    sys::conntrack::{self, Entry, Tuple},
+};
 
 /// What kind of address a frontend is. The rule-based modes cannot
 /// always tell an external IP from a load balancer IP: [`Kind::External`].
@@ -43,7 +47,7 @@ impl Kind {
 pub struct Backend {
     /// `None` where the mode's state is out of step (an ebpf slot without
     /// its backend).
-    pub addr: Option<(Ipv4Addr, u16)>,
+    pub addr: Option<(IpAddr, u16)>,
     /// Flows on this backend through this frontend; `None` where the mode
     /// cannot tell.
     pub flows: Option<u64>,
@@ -52,9 +56,9 @@ pub struct Backend {
 }
 
 impl Backend {
-    pub fn new(addr: Ipv4Addr, port: u16) -> Self {
+    pub fn new(addr: impl Into<IpAddr>, port: u16) -> Self {
         Self {
-            addr: Some((addr, port)),
+            addr: Some((addr.into(), port)),
             flows: None,
             notes: Vec::new(),
         }
@@ -62,12 +66,13 @@ impl Backend {
 }
 
 /// One address and port a client can reach a Service port on.
-/// `0.0.0.0` stands for "every local address" (a NodePort the rules match
-/// by `--dst-type LOCAL` / `fib daddr type local`).
+/// `0.0.0.0` (`::` for IPv6) stands for "every local address" of its
+/// family (a NodePort the rules match by `--dst-type LOCAL` / `fib daddr
+/// type local`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Frontend {
     pub proto: Protocol,
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
     pub kind: Kind,
     /// A `Local` traffic policy: only this node's endpoints.
@@ -88,10 +93,10 @@ pub struct Frontend {
 }
 
 impl Frontend {
-    pub fn new(proto: Protocol, addr: Ipv4Addr, port: u16, kind: Kind) -> Self {
+    pub fn new(proto: Protocol, addr: impl Into<IpAddr>, port: u16, kind: Kind) -> Self {
         Self {
             proto,
-            addr,
+            addr: addr.into(),
             port,
             kind,
             local_only: false,
@@ -105,9 +110,10 @@ impl Frontend {
     }
 
     /// Whether a connection to `dst:dport` over `proto` is addressed to
-    /// this frontend (`0.0.0.0` taking any address).
-    fn serves(&self, proto: u8, dst: Ipv4Addr, dport: u16) -> bool {
-        self.proto.number() == proto && self.port == dport && (self.addr == dst || self.addr.is_unspecified())
+    /// this frontend (`0.0.0.0` taking any IPv4 address, `::` any IPv6 one).
+    fn serves(&self, proto: u8, dst: IpAddr, dport: u16) -> bool {
+        let any_of_family = self.addr.is_unspecified() && self.addr.is_ipv4() == dst.is_ipv4();
+        self.proto.number() == proto && self.port == dport && (self.addr == dst || any_of_family)
     }
 }
 
@@ -125,7 +131,8 @@ impl Table {
     }
 
     /// The frontend `(proto, addr, port)`, if listed.
-    pub fn find(&self, proto: Protocol, addr: Ipv4Addr, port: u16) -> Option<&Frontend> {
+    pub fn find(&self, proto: Protocol, addr: impl Into<IpAddr>, port: u16) -> Option<&Frontend> {
+        let addr = addr.into();
         self.frontends
             .iter()
             .find(|f| f.proto == proto && f.addr == addr && f.port == port)
@@ -133,12 +140,13 @@ impl Table {
 
     /// Counts the kernel's DNATed connections per backend: a connection
     /// belongs to the most specific frontend it was addressed to (its own
-    /// address before `0.0.0.0`) and to the backend its replies come from.
-    /// Every backend of every frontend gets a count, 0 if it has none.
-    pub fn count_flows(&mut self, entries: &[Entry]) {
-        let mut counts: BTreeMap<(usize, (Ipv4Addr, u16)), u64> = BTreeMap::new();
+    /// address before `0.0.0.0` or `::`) and to the backend its replies
+    /// come from. Every backend of every frontend gets a count, 0 if it has
+    /// none.
+    pub fn count_flows<A: Copy + Into<IpAddr>>(&mut self, entries: &[Entry<A>]) {
+        let mut counts: BTreeMap<(usize, (IpAddr, u16)), u64> = BTreeMap::new();
         for entry in entries.iter().filter(|e| e.dst_nat) {
-            let (proto, dst, dport) = (entry.orig.proto, entry.orig.dst, entry.orig.dport);
+            let (proto, dst, dport) = (entry.orig.proto, entry.orig.dst.into(), entry.orig.dport);
             let exact = self
                 .frontends
                 .iter()
@@ -146,7 +154,9 @@ impl Table {
             let Some(index) = exact.or_else(|| self.frontends.iter().position(|f| f.serves(proto, dst, dport))) else {
                 continue;
             };
-            *counts.entry((index, (entry.reply.src, entry.reply.sport))).or_default() += 1;
+            *counts
+                .entry((index, (entry.reply.src.into(), entry.reply.sport)))
+                .or_default() += 1;
         }
         for (index, frontend) in self.frontends.iter_mut().enumerate() {
             for backend in &mut frontend.backends {
@@ -167,18 +177,18 @@ impl Table {
         for f in &self.frontends {
             let _ = writeln!(
                 out,
-                "{:<4} {}:{} {}{}{}",
+                "{:<4} {} {}{}{}",
                 f.proto.to_string(),
-                f.addr,
-                f.port,
+                SocketAddr::new(f.addr, f.port),
                 f.kind.name(),
                 empty_note(f),
                 details(f)
             );
             for b in &f.backends {
-                let addr = b
-                    .addr
-                    .map_or_else(|| "<missing>".to_string(), |(ip, port)| format!("{ip}:{port}"));
+                let addr = b.addr.map_or_else(
+                    || "<missing>".to_string(),
+                    |(ip, port)| SocketAddr::new(ip, port).to_string(),
+                );
                 let flows = b.flows.map_or_else(|| "-".to_string(), |n| n.to_string());
                 let notes = if b.notes.is_empty() {
                     String::new()
@@ -263,7 +273,7 @@ fn frontend_json(f: &Frontend) -> Value {
 /// What a frontend's rules lead to, as a mode's chain walk finds it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Leads {
-    pub backends: Vec<(Ipv4Addr, u16)>,
+    pub backends: Vec<(IpAddr, u16)>,
     pub local_only: bool,
     pub affinity_seconds: Option<u32>,
     pub source_ranges: Vec<String>,
@@ -313,11 +323,23 @@ pub fn rows(table: &Table) -> Vec<(String, Vec<String>)> {
             let backends = f
                 .backends
                 .iter()
-                .filter_map(|b| b.addr.map(|(a, p)| format!("{a}:{p}")))
+                .filter_map(|b| b.addr.map(|(a, p)| SocketAddr::new(a, p).to_string()))
                 .collect();
-            (format!("{} {}:{} {}", f.proto, f.addr, f.port, f.kind.name()), backends)
+            (
+                format!("{} {} {}", f.proto, SocketAddr::new(f.addr, f.port), f.kind.name()),
+                backends,
+            )
         })
         .collect()
+}
+
+/// A dual-stack table split by family: the IPv4 frontends, and the IPv6
+/// ones as a table of their own (for tests checking that the IPv4 half is
+/// what an IPv4-only read-back gives).
+#[cfg(test)]
+pub fn split_families(table: &Table) -> (Vec<Frontend>, Table) {
+    let (ipv4, ipv6) = table.frontends.iter().cloned().partition(|f| f.addr.is_ipv4());
+    (ipv4, Table::new(table.mode, ipv6))
 }
 
 /// Frontends gathered from several places of one mode's state (a rule
@@ -325,12 +347,13 @@ pub fn rows(table: &Table) -> Vec<(String, Vec<String>)> {
 /// address, port and kind: later facts add to earlier ones.
 #[derive(Default)]
 pub struct Frontends {
-    by_key: BTreeMap<(u8, Ipv4Addr, u16, Kind), Frontend>,
+    by_key: BTreeMap<(u8, IpAddr, u16, Kind), Frontend>,
 }
 
 impl Frontends {
     /// The frontend of that key, created empty on first use.
-    pub fn entry(&mut self, proto: Protocol, addr: Ipv4Addr, port: u16, kind: Kind) -> &mut Frontend {
+    pub fn entry(&mut self, proto: Protocol, addr: impl Into<IpAddr>, port: u16, kind: Kind) -> &mut Frontend {
+        let addr = addr.into();
         self.by_key
             .entry((proto.number(), addr, port, kind))
             .or_insert_with(|| Frontend::new(proto, addr, port, kind))
@@ -339,7 +362,8 @@ impl Frontends {
     /// The frontend of that address and port whatever its kind (a
     /// refusal found apart from the dispatch rules joins the frontend they
     /// gave a kind), else a new one of `kind`.
-    pub fn entry_any_kind(&mut self, proto: Protocol, addr: Ipv4Addr, port: u16, kind: Kind) -> &mut Frontend {
+    pub fn entry_any_kind(&mut self, proto: Protocol, addr: impl Into<IpAddr>, port: u16, kind: Kind) -> &mut Frontend {
+        let addr = addr.into();
         let known = self
             .by_key
             .keys()
@@ -354,13 +378,41 @@ impl Frontends {
 }
 
 /// Adds `backends` to `frontend`, each once, in order.
-pub fn add_backends(frontend: &mut Frontend, backends: impl IntoIterator<Item = (Ipv4Addr, u16)>) {
-    let mut seen: BTreeSet<(Ipv4Addr, u16)> = frontend.backends.iter().filter_map(|b| b.addr).collect();
+pub fn add_backends<A: Into<IpAddr>>(frontend: &mut Frontend, backends: impl IntoIterator<Item = (A, u16)>) {
+    let mut seen: BTreeSet<(IpAddr, u16)> = frontend.backends.iter().filter_map(|b| b.addr).collect();
     for (ip, port) in backends {
+        let ip = ip.into();
         if seen.insert((ip, port)) {
             frontend.backends.push(Backend::new(ip, port));
         }
     }
+}
+
+/// "Every local address" of `family` in a frontend (`0.0.0.0`, `::`).
+pub fn any_address(family: IpFamily) -> IpAddr {
+    match family {
+        IpFamily::V4 => Ipv4Addr::UNSPECIFIED.into(),
+        IpFamily::V6 => Ipv6Addr::UNSPECIFIED.into(),
+    }
+}
+
+/// The kernel's conntrack entries of both families (the rule-based
+/// modes count their flows from them), addresses widened to [`IpAddr`].
+pub fn kernel_flows() -> Result<Vec<Entry<IpAddr>>> {
+    let v4 = conntrack::list_entries_of::<Ipv4Addr>().context("listing the IPv4 conntrack table")?;
+    let v6 = conntrack::list_entries_of::<Ipv6Addr>().context("listing the IPv6 conntrack table")?;
+    Ok(v4.into_iter().map(widen).chain(v6.into_iter().map(widen)).collect())
+}
+
+pub(super) fn widen<A: Into<IpAddr>>(entry: Entry<A>) -> Entry<IpAddr> {
+    let tuple = |t: Tuple<A>| Tuple {
+        src: t.src.into(),
+        dst: t.dst.into(),
+        proto: t.proto,
+        sport: t.sport,
+        dport: t.dport,
+    };
+    Entry::new(tuple(entry.orig), tuple(entry.reply), entry.dst_nat)
 }
 
 #[cfg(test)]

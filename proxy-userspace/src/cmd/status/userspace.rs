@@ -3,22 +3,22 @@
 //! with that listener as its one backend row (the agent, not the kernel,
 //! picks the endpoint, so the endpoints are not in any kernel state);
 //! its flows are the kernel's conntrack entries redirected to the
-//! listener. Ports without endpoints are the REJECT rules.
+//! listener. Ports without endpoints are the REJECT rules. The IPv6
+//! listeners' portals are the same chains in `ip6tables-save`.
 
-use std::{collections::BTreeMap, net::Ipv4Addr};
+use std::{collections::BTreeMap, net::IpAddr};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 
 use super::{
     iptables::Rule,
-    table::{Backend, Frontends, Kind, Table},
+    saved_rules, saved_table,
+    table::{Backend, Frontends, Kind, Table, any_address, kernel_flows},
 };
 use crate::{
     mode::userspace::rules::{CONTAINER_NODE_PORTS, CONTAINER_PORTALS, HOST_NODE_PORTS, HOST_PORTALS, REJECT},
-    sys::{
-        conntrack::{self, Entry},
-        iptables::{Iptables, Saved, SystemIptables},
-    },
+    model::IpFamily,
+    sys::{conntrack::Entry, iptables::Saved},
 };
 
 /// What the listener row says.
@@ -29,19 +29,31 @@ pub fn in_use(saved: &Saved) -> bool {
     saved.table("nat").is_some_and(|nat| nat.has_chain(CONTAINER_PORTALS))
 }
 
-/// Reads the rules and the conntrack table of the calling thread's network
-/// namespace.
+/// Reads both families' rules and the conntrack tables of the calling
+/// thread's network namespace.
 pub fn read_back() -> Result<Table> {
-    let saved = SystemIptables::default().save().context("running iptables-save")?;
-    let mut table = parse(&saved);
-    count_flows(&mut table, &conntrack::list_entries()?);
+    let mut table = parse_families(&saved_rules(IpFamily::V4)?, &saved_rules(IpFamily::V6)?);
+    count_flows(&mut table, &kernel_flows()?);
     Ok(table)
 }
 
-/// The table of the rules in `saved` (`iptables-save` output), flows unknown.
+/// The table of the IPv4 rules in `saved` (`iptables-save` output), flows
+/// unknown.
 pub fn parse(saved: &str) -> Table {
+    parse_families(saved, "")
+}
+
+/// The table of both families' rules (`iptables-save` and
+/// `ip6tables-save` output), flows unknown.
+pub fn parse_families(saved_v4: &str, saved_v6: &str) -> Table {
+    saved_table("userspace", saved_v4, saved_v6, add_saved)
+}
+
+/// The frontends of one family's saved portal rules; the listener row is
+/// `0.0.0.0:PORT` (`[::]:PORT`).
+fn add_saved(frontends: &mut Frontends, saved: &str, family: IpFamily) {
     let saved = Saved::parse(saved);
-    let mut frontends = Frontends::default();
+    let any = any_address(family);
     let rules = |table: &str| -> Vec<(String, Rule)> {
         let lines = saved.table(table).map(|t| t.rules.as_slice()).unwrap_or_default();
         lines
@@ -63,16 +75,12 @@ pub fn parse(saved: &str) -> Table {
             let Some(addr) = rule.dst else { continue };
             addr
         } else {
-            rule.dst.unwrap_or(Ipv4Addr::UNSPECIFIED)
+            rule.dst.unwrap_or(any)
         };
         let frontend = frontends.entry(proto, addr, port, kind);
         frontend.service = frontend.service.take().or_else(|| rule.service());
-        if !frontend
-            .backends
-            .iter()
-            .any(|b| b.addr == Some((Ipv4Addr::UNSPECIFIED, listener)))
-        {
-            let mut backend = Backend::new(Ipv4Addr::UNSPECIFIED, listener);
+        if !frontend.backends.iter().any(|b| b.addr == Some((any, listener))) {
+            let mut backend = Backend::new(any, listener);
             backend.notes.push(LISTENER_NOTE.into());
             frontend.backends.push(backend);
         }
@@ -83,7 +91,7 @@ pub fn parse(saved: &str) -> Table {
         };
         let (addr, kind) = match rule.dst {
             Some(addr) => (addr, Kind::ClusterIp),
-            None if rule.dst_local => (Ipv4Addr::UNSPECIFIED, Kind::NodePort),
+            None if rule.dst_local => (any, Kind::NodePort),
             None => continue,
         };
         if chain == REJECT {
@@ -91,18 +99,17 @@ pub fn parse(saved: &str) -> Table {
             frontend.service = frontend.service.take().or_else(|| rule.service());
         }
     }
-    frontends.into_table("userspace")
 }
 
 /// Flows per listener row: connections to the frontend that the rules
 /// redirected to that listener (the agent's own connections to the
 /// endpoints are not translated and not counted).
-fn count_flows(table: &mut Table, entries: &[Entry]) {
-    let mut counts: BTreeMap<(u8, Ipv4Addr, u16, u16), u64> = BTreeMap::new();
+fn count_flows<A: Copy + Into<IpAddr>>(table: &mut Table, entries: &[Entry<A>]) {
+    let mut counts: BTreeMap<(u8, IpAddr, u16, u16), u64> = BTreeMap::new();
     for entry in entries.iter().filter(|e| e.dst_nat) {
         let orig = entry.orig;
         *counts
-            .entry((orig.proto, orig.dst, orig.dport, entry.reply.sport))
+            .entry((orig.proto, orig.dst.into(), orig.dport, entry.reply.sport))
             .or_default() += 1;
     }
     for frontend in &mut table.frontends {
@@ -111,10 +118,11 @@ fn count_flows(table: &mut Table, entries: &[Entry]) {
             let flows = counts
                 .iter()
                 .filter(|((proto, dst, dport, to), _)| {
+                    let dst_any = &any_address(IpFamily::of(*dst));
                     *proto == frontend.proto.number()
                         && *dport == frontend.port
                         && *to == listener
-                        && (frontend.addr.is_unspecified() || *dst == frontend.addr)
+                        && (*dst == frontend.addr || *dst_any == frontend.addr)
                 })
                 .map(|(_, n)| n)
                 .sum();
@@ -125,8 +133,14 @@ fn count_flows(table: &mut Table, entries: &[Entry]) {
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
-    use crate::{model::Protocol, sys::conntrack::Tuple};
+    use crate::{
+        cmd::status::table::{split_families, widen},
+        model::Protocol,
+        sys::conntrack::Tuple,
+    };
 
     /// The userspace mode's rules for the seed Service and one without
     /// endpoints (as `mode::userspace::rules` writes them).
@@ -150,8 +164,18 @@ COMMIT
 "#;
 
     fn redirected(dst: &str, dport: u16, listener: u16) -> Entry {
-        let client: Ipv4Addr = "10.244.0.5".parse().expect("an address");
-        let node: Ipv4Addr = "10.244.0.1".parse().expect("an address");
+        redirected_from("10.244.0.5", "10.244.0.1", dst, dport, listener)
+    }
+
+    /// A conntrack entry of `client`'s connection to `dst:dport` that the
+    /// rules redirected to the listener on `listener` (at `node`).
+    fn redirected_from<A>(client: &str, node: &str, dst: &str, dport: u16, listener: u16) -> Entry<A>
+    where
+        A: std::str::FromStr + Copy,
+        A::Err: std::fmt::Debug,
+    {
+        let client: A = client.parse().expect("an address");
+        let node: A = node.parse().expect("an address");
         Entry::new(
             Tuple {
                 src: client,
@@ -197,8 +221,65 @@ TCP  10.96.0.89:89 ClusterIP (no endpoints: reject) [default/empty-service:http]
         assert_eq!(table.render(), expected);
         assert!(
             table
-                .find(Protocol::Tcp, "10.96.0.88".parse().expect("ip"), 88)
+                .find(Protocol::Tcp, "10.96.0.88".parse::<Ipv4Addr>().expect("ip"), 88)
                 .is_some()
         );
+    }
+
+    /// The IPv6 listener's portals, as the mode writes them in ip6tables
+    /// (`[::1]` for the node's own traffic, `::1` never a NodePort).
+    const SAVED6: &str = r#"*nat
+:KUBE-PORTALS-CONTAINER - [0:0]
+:KUBE-PORTALS-HOST - [0:0]
+:KUBE-NODEPORT-CONTAINER - [0:0]
+:KUBE-NODEPORT-HOST - [0:0]
+-A KUBE-PORTALS-CONTAINER -d fd00:96::88/128 -p tcp -m comment --comment "default/nginx-service (IPv6)" -m tcp --dport 88 -j REDIRECT --to-ports 41006
+-A KUBE-PORTALS-HOST -d fd00:96::88/128 -p tcp -m comment --comment "default/nginx-service (IPv6)" -m tcp --dport 88 -j DNAT --to-destination [::1]:41006
+-A KUBE-NODEPORT-CONTAINER -p tcp -m comment --comment "default/nginx-service (IPv6)" -m tcp --dport 30791 -j REDIRECT --to-ports 41006
+-A KUBE-NODEPORT-HOST ! -d ::1/128 -p tcp -m comment --comment "default/nginx-service (IPv6)" -m tcp --dport 30791 -j DNAT --to-destination [::1]:41006
+COMMIT
+*filter
+:KUBE-PORTALS-REJECT - [0:0]
+-A KUBE-PORTALS-REJECT -d fd00:96::89/128 -p tcp -m comment --comment "default/empty-service:http (IPv6) has no endpoints" -m tcp --dport 89 -j REJECT --reject-with icmp6-port-unreachable
+COMMIT
+"#;
+
+    #[test]
+    fn the_ipv6_portals_lead_to_the_agents_ipv6_listener() {
+        let mut table = parse_families(SAVED, SAVED6);
+        let (ipv4, _) = split_families(&table);
+        assert_eq!(
+            ipv4,
+            parse(SAVED).frontends,
+            "the IPv4 half changed:\n{}",
+            table.render()
+        );
+        let v6 =
+            |dst, dport| redirected_from::<std::net::Ipv6Addr>("fd00:10:244::5", "fd00:10:244::1", dst, dport, 41006);
+        let flows: Vec<Entry<IpAddr>> = [
+            v6("fd00:96::88", 88),
+            v6("fd00:30::2", 30791),
+            v6("fd00:30::2", 30791),
+            v6("fd00:30::2", 30791),
+        ]
+        .into_iter()
+        .map(widen)
+        .chain([widen(redirected("10.96.0.88", 88, 41000))])
+        .collect();
+        count_flows(&mut table, &flows);
+        let (_, ipv6) = split_families(&table);
+        let expected = "\
+Prot LocalAddress:Port Kind
+  -> RemoteAddress:Port           Flows
+TCP  [::]:30791 NodePort [default/nginx-service]
+  -> [::]:41006                   3 [the agent's listener: the agent picks the endpoint]
+TCP  [fd00:96::88]:88 ClusterIP [default/nginx-service]
+  -> [::]:41006                   1 [the agent's listener: the agent picks the endpoint]
+TCP  [fd00:96::89]:89 ClusterIP (no endpoints: reject) [default/empty-service:http]
+";
+        assert_eq!(ipv6.render(), expected, "{}", table.render());
+        // The IPv4 NodePort (`0.0.0.0`) counts none of the IPv6 flows.
+        let node_port = table.find(Protocol::Tcp, Ipv4Addr::UNSPECIFIED, 30791).expect("listed");
+        assert_eq!(node_port.backends[0].flows, Some(0));
     }
 }

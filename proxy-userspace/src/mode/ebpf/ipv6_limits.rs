@@ -5,12 +5,11 @@
 //! wrong: a flow that cannot be served as asked is refused or balanced at
 //! random, never sent somewhere it must not go.
 
-use crate::model::{IpFamily, LbAlgorithm, Protocol, ServicePort};
+use crate::model::{IpFamily, Protocol, ServicePort};
 
 /// `(field, how)` for each IPv6 feature `port` asks for that the programs
-/// leave out; empty for an IPv4 port. `lb_default` is the algorithm of
-/// ports that name none.
-pub fn unhonoured(port: &ServicePort, lb_default: LbAlgorithm) -> Vec<(&'static str, &'static str)> {
+/// leave out; empty for an IPv4 port.
+pub fn unhonoured(port: &ServicePort) -> Vec<(&'static str, &'static str)> {
     if port.family() != IpFamily::V6 {
         return Vec::new();
     }
@@ -25,18 +24,6 @@ pub fn unhonoured(port: &ServicePort, lb_default: LbAlgorithm) -> Vec<(&'static 
         out.push((
             "spec.loadBalancerSourceRanges",
             "not matched for IPv6 yet: the IPv6 load balancer IPs refuse every new flow",
-        ));
-    }
-    if port.affinity.is_some() {
-        out.push((
-            "spec.sessionAffinity",
-            "ClientIP affinity is not kept for IPv6 yet: each new IPv6 flow picks a backend at random",
-        ));
-    }
-    if port.lb_algorithm.unwrap_or(lb_default) == LbAlgorithm::Maglev {
-        out.push((
-            "metadata.annotations[xproxy.io/lb-algorithm]",
-            "Maglev is IPv4's only for now: each new IPv6 flow picks a backend at random",
         ));
     }
     let external = port.node_port.is_some() || !port.external_addresses().is_empty();
@@ -62,7 +49,7 @@ mod tests {
     use std::{net::Ipv6Addr, time::Duration};
 
     use super::*;
-    use crate::model::{Endpoint, TrafficPolicy};
+    use crate::model::{Endpoint, LbAlgorithm, TrafficPolicy};
 
     fn port6() -> ServicePort {
         ServicePort {
@@ -75,10 +62,7 @@ mod tests {
     }
 
     fn fields(port: &ServicePort) -> Vec<&'static str> {
-        unhonoured(port, LbAlgorithm::Random)
-            .into_iter()
-            .map(|(f, _)| f)
-            .collect()
+        unhonoured(port).into_iter().map(|(f, _)| f).collect()
     }
 
     #[test]
@@ -101,15 +85,7 @@ mod tests {
             lb_algorithm: Some(LbAlgorithm::Maglev),
             ..port6()
         };
-        assert_eq!(
-            fields(&port),
-            [
-                "spec.sessionAffinity",
-                "metadata.annotations[xproxy.io/lb-algorithm]",
-                "spec.externalTrafficPolicy",
-                "spec.ports[].nodePort"
-            ]
-        );
+        assert_eq!(fields(&port), ["spec.externalTrafficPolicy", "spec.ports[].nodePort"]);
         let sctp = ServicePort {
             protocol: Protocol::Sctp,
             ..port6()

@@ -10,11 +10,12 @@
 //! identity (address, port), not of the slots: the same endpoints give the
 //! same table on every node, whatever order their EndpointSlices arrived in.
 
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use proxy_common::{
     MaglevChunk, MaglevKey,
-    maglev::{CHUNK, backend_hash, table_size},
+    ipv6::addr6_be,
+    maglev::{CHUNK, backend_hash, backend_hash6, table_size},
 };
 
 /// Seeds of the two hashes that place a backend (`offset`, `skip`).
@@ -27,7 +28,7 @@ const SKIP_SEED: u32 = 0x6576_0001;
 pub struct Member {
     /// The backends map's key.
     pub id: u32,
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
 }
 
@@ -36,11 +37,12 @@ impl Member {
     /// entries: `skip` in `1..size`, so (size being prime) the permutation
     /// visits every entry.
     fn permutation(&self, size: u32) -> (u32, u32) {
-        let addr_be = u32::from_ne_bytes(self.addr.octets());
         let port_be = self.port.to_be();
-        let offset = backend_hash(addr_be, port_be, OFFSET_SEED) % size;
-        let skip = backend_hash(addr_be, port_be, SKIP_SEED) % (size - 1) + 1;
-        (offset, skip)
+        let hash = |seed| match self.addr {
+            IpAddr::V4(addr) => backend_hash(u32::from_ne_bytes(addr.octets()), port_be, seed),
+            IpAddr::V6(addr) => backend_hash6(&addr6_be(addr), port_be, seed),
+        };
+        (hash(OFFSET_SEED) % size, hash(SKIP_SEED) % (size - 1) + 1)
     }
 }
 
@@ -112,7 +114,7 @@ pub fn chunks(set: u32, table: &[u32]) -> Vec<(MaglevKey, MaglevChunk)> {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
+    use std::{collections::BTreeMap, net::Ipv4Addr};
 
     use super::*;
 
@@ -120,7 +122,7 @@ mod tests {
         (1..=n)
             .map(|i| Member {
                 id: 100 + i,
-                addr: Ipv4Addr::new(10, 244, (i / 200) as u8, (i % 200) as u8 + 1),
+                addr: Ipv4Addr::new(10, 244, (i / 200) as u8, (i % 200) as u8 + 1).into(),
                 port: 8080,
             })
             .collect()

@@ -2,7 +2,7 @@
 //! are flagged, what the table holds, and that it follows the backend set
 //! (written with a new set, gone with the old, adopted on restart).
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use proxy_common::{
     MaglevKey, ServiceValue,
@@ -15,6 +15,7 @@ use super::{LbMaps, MemoryMaps, ServiceMaps, maglev};
 use crate::model::{Endpoint, LbAlgorithm, ServicePort, TrafficPolicy};
 
 const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
+const NODE_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x192, 0, 0, 0, 0, 0, 1);
 const THIS_NODE: &str = "node-a";
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 1);
 
@@ -46,14 +47,15 @@ fn writer(maps: MemoryMaps) -> ServiceMaps<MemoryMaps> {
     writer
 }
 
-fn frontend(w: &ServiceMaps<MemoryMaps>, addr: Ipv4Addr, port: u16) -> ServiceValue {
+fn frontend(w: &ServiceMaps<MemoryMaps>, addr: impl Into<IpAddr>, port: u16) -> ServiceValue {
+    let addr = addr.into();
     w.frontend(addr, port, proto::TCP)
         .unwrap_or_else(|| panic!("no frontend {addr}:{port}"))
 }
 
 /// The table of `value`'s set read back from the maps, as backend
 /// addresses; `None` if a chunk is missing.
-fn table_read_back(w: &ServiceMaps<MemoryMaps>, value: &ServiceValue) -> Option<Vec<Ipv4Addr>> {
+fn table_read_back(w: &ServiceMaps<MemoryMaps>, value: &ServiceValue) -> Option<Vec<IpAddr>> {
     let size = table_size(value.backend_count)?;
     let mut out = Vec::new();
     for chunk in 0..chunks(size) {
@@ -63,28 +65,26 @@ fn table_read_back(w: &ServiceMaps<MemoryMaps>, value: &ServiceValue) -> Option<
         };
         let ids = w.maps().maglev_chunk(&key).expect("read")?.ids;
         out.extend(ids.iter().take((size - chunk * CHUNK).min(CHUNK) as usize).map(|id| {
-            let backend = w.maps().backend(*id).expect("read").expect("the entry's backend");
-            backend.addr()
+            let v4 = w.maps().backend(*id).expect("read").map(|b| IpAddr::from(b.addr()));
+            let v6 = || w.maps().backend6(*id).expect("read").map(|b| IpAddr::from(b.addr()));
+            v4.or_else(v6).expect("the entry's backend")
         }));
     }
     Some(out)
 }
 
 /// The table `maglev::table` builds for these endpoints, as addresses.
-fn table_of(endpoints: &[Endpoint]) -> Vec<Ipv4Addr> {
+fn table_of(endpoints: &[Endpoint]) -> Vec<IpAddr> {
     let members: Vec<maglev::Member> = (1..)
         .zip(endpoints)
         .map(|(id, e)| maglev::Member {
             id,
-            addr: super::service_maps::v4(e.addr),
+            addr: e.addr,
             port: e.port,
         })
         .collect();
     let table = maglev::table(&members).expect("a table");
-    table
-        .iter()
-        .map(|id| super::service_maps::v4(endpoints[*id as usize - 1].addr))
-        .collect()
+    table.iter().map(|id| endpoints[*id as usize - 1].addr).collect()
 }
 
 /// The annotation flags every frontend of the `Cluster` run and writes
@@ -175,4 +175,28 @@ fn a_half_written_table_is_rewritten() {
     assert_eq!(table_read_back(&w, &value), Some(table_of(&svc.endpoints)));
     let keys = w.maps().maglev_keys().expect("keys");
     assert!(keys.iter().all(|k| k.backend_set == value.backend_set), "{keys:?}");
+}
+
+/// The IPv6 half of a dual-stack Service gets a table of its own IPv6
+/// endpoints, placed by their IPv6 identities, on its IPv6 frontends.
+#[test]
+fn an_ipv6_port_has_a_table_of_its_endpoints() {
+    let ip6 = |last: u16| Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, last);
+    let mut w = ServiceMaps::on(MemoryMaps::new(), vec![NODE_IP.into(), NODE_IP6.into()]).expect("the maps read back");
+    let svc = ServicePort {
+        name: "default/web:http (IPv6)".into(),
+        cluster_ip: Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 1).into(),
+        endpoints: (1..=5).map(|i| Endpoint::ready(ip6(i), 8080)).collect(),
+        ..port(0, Some(LbAlgorithm::Maglev))
+    };
+    w.sync_service(&svc).expect("sync");
+    for (ip, p) in [(svc.cluster_ip, 80), (NODE_IP6.into(), 30080)] {
+        let value = frontend(&w, ip, p);
+        assert_ne!(value.flags & FLAG_MAGLEV, 0, "{ip}:{p}");
+        assert_eq!(table_read_back(&w, &value), Some(table_of(&svc.endpoints)), "{ip}:{p}");
+    }
+    assert!(
+        w.frontend(NODE_IP, 30080, proto::TCP).is_none(),
+        "no IPv4 node port for an IPv6 port"
+    );
 }

@@ -189,8 +189,6 @@ pub struct EbpfMode {
     snat_ports: RangeInclusive<u16>,
     /// What the programs do differently from kube-proxy, reported once a port.
     unhonoured: Unhonoured,
-    /// See [`EbpfOptions::lb_algorithm`].
-    lb_default: LbAlgorithm,
     /// Says when the pod interfaces found at start are attached (see
     /// [`attach_pods_meanwhile`]); taken by the first sync.
     pods_attached: Option<std::sync::mpsc::Receiver<()>>,
@@ -272,7 +270,6 @@ impl EbpfMode {
             pin_path: opts.pin_path.clone(),
             snat_ports: opts.snat_ports.clone(),
             unhonoured: Unhonoured::default(),
-            lb_default: opts.lb_algorithm,
             pods_attached: Some(pods_attached),
             sctp: sctp_fallback::SctpFallback::new(
                 Box::new(crate::sys::nft::SystemNft::default()),
@@ -536,7 +533,7 @@ impl EbpfMode {
             if let Some(how) = node_port_among_snat_ports(port, &self.snat_ports) {
                 self.unhonoured.report(port, "nodePort", &how);
             }
-            for (field, how) in ipv6_limits::unhonoured(port, self.lb_default) {
+            for (field, how) in ipv6_limits::unhonoured(port) {
                 self.unhonoured.report(port, field, how);
             }
             if port.family() == IpFamily::V6 && port.protocol == Protocol::Sctp {

@@ -10,9 +10,9 @@ use std::{
 use anyhow::{Context, Result};
 use aya::maps::{Array, HashMap, IterableMap, LpmTrie, Map, MapData, MapError, PerCpuArray};
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, Backend6, BackendSlotKey, CtKey, CtValue, FrontendPort, MaglevChunk,
-    MaglevKey, MemberKey, PortBits, RevNat, Service6Key, ServiceKey, ServiceValue, SourceRangeData, SourceRangeKey,
-    Verdict, VerdictCounter, maps, ports,
+    AffinityKey, AffinityKey6, AffinityValue, Backend, Backend6, BackendSlotKey, CtKey, CtValue, FrontendPort,
+    MaglevChunk, MaglevKey, MemberKey, PortBits, RevNat, Service6Key, ServiceKey, ServiceValue, SourceRangeData,
+    SourceRangeKey, Verdict, VerdictCounter, maps, ports,
 };
 
 use super::{
@@ -73,6 +73,7 @@ pub struct PinnedMaps {
     source_ranges: LpmTrie<MapData, SourceRangeData, u8>,
     service_ports: HashMap<MapData, u32, FrontendPort>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
+    affinity6: HashMap<MapData, AffinityKey6, AffinityValue>,
     conntrack: HashMap<MapData, CtKey, CtValue>,
     stats: PerCpuArray<MapData, VerdictCounter>,
     ports: Array<MapData, PortBits>,
@@ -96,6 +97,7 @@ impl PinnedMaps {
                 .with_context(|| layout(maps::SOURCE_RANGES))?,
             service_ports: open(pin_path, maps::SERVICE_PORTS)?,
             affinity: open(pin_path, maps::AFFINITY)?,
+            affinity6: open(pin_path, maps::AFFINITY6)?,
             conntrack: open(pin_path, maps::CONNTRACK)?,
             stats: PerCpuArray::try_from(pinned(pin_path, maps::STATS)?).with_context(|| layout(maps::STATS))?,
             ports: Array::try_from(pinned(pin_path, maps::PORTS)?).with_context(|| layout(maps::PORTS))?,
@@ -165,6 +167,26 @@ fn delete_from<K: aya::Pod + bytemuck::Pod, V: aya::Pod>(
 ) -> Result<()> {
     // SAFETY: as in `write_to`: aya checked the key size.
     unsafe { writer.delete(fd_of(map), split) }
+}
+
+/// Deletes the entries of an affinity map (either family's) whose key
+/// `forget` picks; returns how many went.
+fn forget_clients<K: aya::Pod + bytemuck::Pod>(
+    affinity: &HashMap<MapData, K, AffinityValue>,
+    forget: impl Fn(&K) -> bool,
+) -> Result<u64> {
+    let keys: Vec<K> = affinity.keys().filter_map(Result::ok).filter(|k| forget(k)).collect();
+    let mut gone = 0;
+    for key in &keys {
+        // SAFETY: aya opened the map with `K`'s size checked.
+        match unsafe { bpf_sys::map::delete_elem(fd_of(affinity), key) } {
+            Ok(()) => gone += 1,
+            // Evicted meanwhile by the programs' LRU.
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(e).context("deleting an affinity entry"),
+        }
+    }
+    Ok(gone)
 }
 
 impl LbMaps for PinnedMaps {
@@ -244,21 +266,9 @@ impl LbMaps for PinnedMaps {
     }
 
     fn forget_affinity(&self, affinity_ids: &BTreeSet<u32>) -> Result<u64> {
-        let keys: Vec<AffinityKey> = (self.affinity.keys())
-            .filter_map(Result::ok)
-            .filter(|k| affinity_ids.contains(&k.affinity_id))
-            .collect();
-        let mut gone = 0;
-        for key in &keys {
-            // SAFETY: aya opened `affinity` with `AffinityKey`'s size checked.
-            match unsafe { bpf_sys::map::delete_elem(fd_of(&self.affinity), key) } {
-                Ok(()) => gone += 1,
-                // Evicted meanwhile by the programs' LRU.
-                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
-                Err(e) => return Err(e).context("deleting an affinity entry"),
-            }
-        }
-        Ok(gone)
+        let v4 = forget_clients(&self.affinity, |k| affinity_ids.contains(&k.affinity_id))?;
+        let v6 = forget_clients(&self.affinity6, |k| affinity_ids.contains(&k.affinity_id))?;
+        Ok(v4 + v6)
     }
 
     fn write_step(&self, step: Step, staged: &SplitStaged) -> Result<()> {

@@ -41,7 +41,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{IpAddr, Ipv4Addr},
+    net::IpAddr,
     path::Path,
 };
 
@@ -70,7 +70,7 @@ use super::{
 };
 use crate::{
     dump::Snapshot,
-    model::{Endpoint, EndpointSets, LbAlgorithm, ServicePort, ipv4},
+    model::{Endpoint, EndpointSets, LbAlgorithm, ServicePort},
 };
 
 /// What was written for one Service port, to diff the next write against.
@@ -878,9 +878,7 @@ impl<M: LbMaps> ServiceMaps<M> {
     /// it is the same run). `None` for an empty run or one too large for a
     /// table.
     fn maglev_run(&self, svc: &ServicePort, layout: &SlotLayout<'_>) -> Option<(u32, u32)> {
-        // The programs' IPv6 path picks at random (`ipv6_limits`): no
-        // table for a set nothing would read.
-        let wanted = svc.lb_algorithm.unwrap_or(self.lb_default) == LbAlgorithm::Maglev && svc.cluster_ip.is_ipv4();
+        let wanted = svc.lb_algorithm.unwrap_or(self.lb_default) == LbAlgorithm::Maglev;
         let (_, count) = layout.cluster;
         (wanted && proxy_common::maglev::table_size(count).is_some()).then_some(layout.cluster)
     }
@@ -894,7 +892,7 @@ impl<M: LbMaps> ServiceMaps<M> {
         let members: Vec<maglev::Member> = run
             .map(|(ep, id)| maglev::Member {
                 id: *id,
-                addr: v4(ep.addr),
+                addr: ep.addr,
                 port: ep.port,
             })
             .collect();
@@ -1049,16 +1047,10 @@ fn affinity_timeout_s(svc: &ServicePort) -> u32 {
         .map_or(0, |t| u32::try_from(t.as_secs()).unwrap_or(u32::MAX).max(1))
 }
 
-/// `ip` as the IPv4 maps key it: for the parts only IPv4 ports reach
-/// (Maglev tables, see `maglev_run`), whose addresses are all IPv4; an
-/// IPv6 one would key 0.0.0.0, which no packet carries.
-pub(super) fn v4(ip: IpAddr) -> Ipv4Addr {
-    debug_assert!(ip.is_ipv4(), "IPv6 address {ip} in the IPv4 data path");
-    ipv4(ip).unwrap_or(Ipv4Addr::UNSPECIFIED)
-}
-
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
 
     /// CPU time of this process (the flush's threads included), in ms: wall

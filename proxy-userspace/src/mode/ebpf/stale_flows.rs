@@ -76,7 +76,7 @@ fn ends(key: &CtKey, value: &CtValue) -> (Endpoint, Endpoint, u8) {
 }
 
 /// `(frontend, backend, protocol)` of an IPv6 flow, from either of its entries.
-fn ends6(key: &CtKey6, value: &CtValue6) -> (Endpoint, Endpoint, u8) {
+pub(super) fn ends6(key: &CtKey6, value: &CtValue6) -> (Endpoint, Endpoint, u8) {
     let nat = |(addr, port): (std::net::Ipv6Addr, u16)| (IpAddr::V6(addr), port);
     let (saddr, daddr) = (ipv6_of(key.saddr_be), ipv6_of(key.daddr_be));
     let (sport, dport) = (u16::from_be(key.sport_be), u16::from_be(key.dport_be));

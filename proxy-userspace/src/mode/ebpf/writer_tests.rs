@@ -318,9 +318,7 @@ fn a_shared_backend_goes_with_the_last_port_using_it() {
     full_sync(&mut w, &[web.clone(), api.clone()]).expect("sync");
     assert_eq!(memory.entries()[2], 2, "10.244.0.2 once for both ports");
     let backend_of = |w: &ServiceMaps<MemoryMaps>, p: &ServicePort| {
-        let value = w
-            .frontend(super::service_maps::v4(p.cluster_ip), p.port, 6)
-            .expect("frontend");
+        let value = w.frontend(p.cluster_ip, p.port, 6).expect("frontend");
         let slot = BackendSlotKey {
             backend_set: value.backend_set,
             slot: value.backend_count - 1,

@@ -1,8 +1,10 @@
 //! The iptables read-back against the mode's golden `iptables-save` and a
 //! kube-proxy-style save with every Service API feature.
 
+use std::net::Ipv4Addr;
+
 use super::*;
-use crate::cmd::status::table::rows;
+use crate::cmd::status::table::{rows, split_families};
 
 fn ip(text: &str) -> Ipv4Addr {
     text.parse().expect("an address")
@@ -143,4 +145,21 @@ fn words_keep_quoted_comments_whole() {
 fn nothing_to_read_is_an_empty_table() {
     assert!(parse("").frontends.is_empty());
     assert!(parse("*nat\n-A KUBE-SERVICES -j\nCOMMIT\n").frontends.is_empty());
+}
+
+/// The IPv6 half as `ip6tables-save` lists what the mode writes
+/// (`dual-stack.ip6tables-save`): a LoadBalancer Service with an external
+/// IP, source ranges, ClientIP affinity and `externalTrafficPolicy: Local`
+/// (one of its two endpoints on this node), and a UDP Service without
+/// endpoints.
+const SAVED6: &str = include_str!("dual-stack.ip6tables-save");
+
+#[test]
+fn reads_the_ipv6_rules_back_beside_the_ipv4_ones() {
+    let v4 = include_str!("../../../../tests/golden/iptables/cluster.iptables-save");
+    let table = parse_families(v4, SAVED6);
+    let (ipv4, ipv6) = split_families(&table);
+    assert_eq!(ipv4, parse(v4).frontends, "the IPv4 half changed:\n{}", table.render());
+    let expected = include_str!("../dual-stack-ipv6.txt");
+    assert_eq!(ipv6.render(), expected, "{}", table.render());
 }

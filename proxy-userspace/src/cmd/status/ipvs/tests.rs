@@ -75,8 +75,6 @@ fn kinds_policies_and_counts_come_from_ipvs_and_the_sets() {
         server(Protocol::Tcp, "198.51.100.7", 80, &[]),
         server(Protocol::Tcp, "203.0.113.99", 80, &[]),
         lb,
-        // The table is IPv4 only: an IPv6 virtual server is left out.
-        server(Protocol::Tcp, "fd00:96::88", 88, &[("fd00:10:244::11", 80, 1, 0, 0)]),
     ];
     let table = table_of(&servers, &Sets::parse(SETS));
     let expected = "\
@@ -105,4 +103,55 @@ fn without_sets_every_virtual_server_is_still_listed() {
     let table = table_of(&servers, &Sets::parse(""));
     assert_eq!(table.frontends.len(), 1);
     assert_eq!(table.frontends[0].kind, Kind::External);
+}
+
+/// kube-proxy's IPv6 sets, as `ipset save` writes them (no brackets
+/// around the addresses), for a dual-stack Service's IPv6 half and an
+/// IPv6 load balancer IP.
+const SETS6: &str = "\
+create KUBE-6-CLUSTER-IP hash:ip,port family inet6 hashsize 1024 maxelem 65536
+add KUBE-6-CLUSTER-IP fd00:96::88,tcp:88
+create KUBE-6-NODE-PORT-TCP bitmap:port range 0-65535
+add KUBE-6-NODE-PORT-TCP 30791
+add KUBE-6-LOAD-BALANCER 2001:db8::10,tcp:80
+add KUBE-6-LOAD-BALANCER-LOCAL 2001:db8::10,tcp:80
+add KUBE-6-LOAD-BALANCER-FW 2001:db8::10,tcp:80
+add KUBE-6-LOAD-BALANCER-SOURCE-CID 2001:db8::10,tcp:80,2001:db8:1::/64
+";
+
+#[test]
+fn ipv6_virtual_servers_take_their_kinds_from_the_ipv6_sets() {
+    let servers = vec![
+        server(Protocol::Tcp, "10.96.0.88", 88, &[("10.244.0.11", 80, 1, 1, 0)]),
+        server(
+            Protocol::Tcp,
+            "fd00:96::88",
+            88,
+            &[("fd00:10:244::11", 80, 1, 2, 1), ("fd00:10:244::12", 80, 1, 0, 0)],
+        ),
+        server(Protocol::Tcp, "fd00:30::2", 30791, &[("fd00:10:244::11", 80, 1, 0, 0)]),
+        server(Protocol::Tcp, "2001:db8::10", 80, &[("fd00:10:244::11", 80, 1, 0, 0)]),
+        // In no IPv6 set: the IPv4 sets say nothing about it.
+        server(Protocol::Tcp, "2001:db8::99", 88, &[]),
+    ];
+    let sets = Sets::parse(&format!("{SETS}{SETS6}"));
+    let table = table_of(&servers, &sets);
+    let expected = "\
+Prot LocalAddress:Port Kind
+  -> RemoteAddress:Port           Flows
+TCP  10.96.0.88:88 ClusterIP [scheduler rr]
+  -> 10.244.0.11:80               1 [active 1, inactive 0]
+TCP  [2001:db8::10]:80 LoadBalancer (Local: this node's endpoints) [source ranges 2001:db8:1::/64; scheduler rr]
+  -> [fd00:10:244::11]:80         0 [active 0, inactive 0]
+TCP  [2001:db8::99]:88 External (no endpoints: reject) [scheduler rr]
+TCP  [fd00:30::2]:30791 NodePort [scheduler rr]
+  -> [fd00:10:244::11]:80         0 [active 0, inactive 0]
+TCP  [fd00:96::88]:88 ClusterIP [scheduler rr]
+  -> [fd00:10:244::11]:80         3 [active 2, inactive 1]
+  -> [fd00:10:244::12]:80         0 [active 0, inactive 0]
+";
+    assert_eq!(table.render(), expected);
+    let json = table.to_json();
+    assert_eq!(json["frontends"][4]["address"], "fd00:96::88");
+    assert_eq!(json["frontends"][4]["backends"][0]["address"], "fd00:10:244::11");
 }

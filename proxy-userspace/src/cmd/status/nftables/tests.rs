@@ -4,8 +4,10 @@
 //! with every Service API feature and objects no version writes
 //! (`features.json`, from `features.nft`).
 
+use std::net::Ipv4Addr;
+
 use super::*;
-use crate::cmd::status::table::rows;
+use crate::cmd::status::table::{rows, split_families};
 
 fn ip(text: &str) -> Ipv4Addr {
     text.parse().expect("an address")
@@ -90,4 +92,28 @@ fn output_that_is_no_ruleset_is_an_empty_table_or_an_error() {
             .is_empty()
     );
     assert!(parse("not json").is_err());
+}
+
+/// The IPv6 half as `nft -j list table ip6 xproxy` lists what the mode
+/// writes (`dual-stack.json`, from `dual-stack.nft`): a LoadBalancer
+/// Service with an external IP, source ranges, ClientIP affinity and
+/// `externalTrafficPolicy: Local` (one of its two endpoints on this
+/// node), and a UDP Service without endpoints.
+#[test]
+fn reads_the_ipv6_table_back_beside_the_ipv4_one() {
+    let v4 = include_str!("cluster.json");
+    let table = parse_tables(&[(IpFamily::V4, v4), (IpFamily::V6, include_str!("dual-stack.json"))]).expect("parses");
+    let (ipv4, ipv6) = split_families(&table);
+    assert_eq!(
+        ipv4,
+        parse(v4).expect("parses").frontends,
+        "the IPv4 half changed:\n{}",
+        table.render()
+    );
+    // The mode's own elements do not say which external address is
+    // which (as for IPv4): both are External.
+    let expected = include_str!("../dual-stack-ipv6.txt")
+        .replace("ExternalIP (", "External (")
+        .replace("LoadBalancer (", "External (");
+    assert_eq!(ipv6.render(), expected, "{}", table.render());
 }
