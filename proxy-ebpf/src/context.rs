@@ -138,9 +138,11 @@ pub trait Ctx {
     fn pull(&self, len: usize);
     /// Cuts the frame to `len` bytes (shorter than it is).
     fn truncate(&self, len: usize) -> Result<(), ()>;
-    /// Makes 28 bytes of room right after the IPv4 header for an ICMP error:
-    /// the old L4 header moves from `L4_OFF` to `L4_OFF + 28`.
-    fn grow_for_icmp(&self) -> Result<(), ()>;
+    /// Makes `room` bytes of room right after the Ethernet header, for an
+    /// ICMP error around the packet: everything from the IP header on
+    /// moves `room` bytes back. The Ethernet header's bytes are kept on
+    /// tc only: the caller writes it afresh.
+    fn grow_after_eth(&self, room: u32) -> Result<(), ()>;
     /// Sets `mark` bits on the packet for the kernel's masquerade rule.
     /// `false` where there is no skb to mark (XDP).
     fn add_mark(&self, mark: u32) -> bool;
@@ -229,7 +231,13 @@ impl Ctx for Xdp<'_> {
 
     #[inline(always)]
     fn truncate(&self, len: usize) -> Result<(), ()> {
-        let delta = len as i32 - self.frame_len() as i32;
+        // The length through the stack: with a run-time `len`, LLVM
+        // otherwise reorders `len - (data_end - data)` into 32-bit
+        // arithmetic on the packet pointers, which the verifier refuses.
+        let frame_len = self.frame_len();
+        // SAFETY: a local, read right after it is written.
+        let frame_len = unsafe { core::ptr::read_volatile(&frame_len) };
+        let delta = len as i32 - frame_len as i32;
         // SAFETY: the program's own context; the helper checks `delta`, and
         // no packet pointer outlives the call (the verifier sees to that).
         if unsafe { bpf_xdp_adjust_tail(self.0.ctx, delta) } != 0 {
@@ -239,13 +247,14 @@ impl Ctx for Xdp<'_> {
         }
     }
 
-    /// Pushes the Ethernet and IPv4 headers 28 bytes to the front; the
-    /// caller rewrites everything before the old L4 header anyway.
+    /// Moves the frame's start `room` bytes to the front: the old frame
+    /// begins `room` bytes in, its IP header right after the new
+    /// Ethernet header's place when the caller writes that.
     #[inline(always)]
-    fn grow_for_icmp(&self) -> Result<(), ()> {
+    fn grow_after_eth(&self, room: u32) -> Result<(), ()> {
         // SAFETY: as in `truncate`: the context is the program's own, and
         // the helper checks the headroom.
-        if unsafe { bpf_xdp_adjust_head(self.0.ctx, -28) } != 0 {
+        if unsafe { bpf_xdp_adjust_head(self.0.ctx, -(room as i32)) } != 0 {
             Err(())
         } else {
             Ok(())
@@ -419,13 +428,14 @@ impl Ctx for Tc<'_> {
         }
     }
 
-    /// Inserts the room between the IPv4 and the L4 header, so the skb's
-    /// header offsets stay right for the Ethernet and IPv4 headers.
+    /// Inserts the room between the Ethernet and the IP header; the
+    /// kernel keeps the skb's network header offset at the new IP header's
+    /// place (right after the Ethernet header).
     #[inline(always)]
-    fn grow_for_icmp(&self) -> Result<(), ()> {
-        let mode = bpf_adj_room_mode::BPF_ADJ_ROOM_NET;
+    fn grow_after_eth(&self, room: u32) -> Result<(), ()> {
+        let mode = bpf_adj_room_mode::BPF_ADJ_ROOM_MAC;
         // SAFETY: as in `truncate`.
-        if unsafe { bpf_skb_adjust_room(self.skb(), 28, mode, 0) } != 0 {
+        if unsafe { bpf_skb_adjust_room(self.skb(), room as i32, mode, 0) } != 0 {
             Err(())
         } else {
             Ok(())

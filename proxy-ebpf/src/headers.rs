@@ -162,3 +162,9 @@ pub const ICMP_DEST_UNREACH: u8 = 3;
 pub const ICMP_TIME_EXCEEDED: u8 = 11;
 /// The destination unreachable code for a port nothing listens on.
 pub const ICMP_PORT_UNREACH: u8 = 3;
+/// ICMPv6's destination unreachable, and its code for a port nothing
+/// listens on (RFC 4443 3.1).
+pub const ICMPV6_DEST_UNREACH: u8 = 1;
+pub const ICMPV6_PORT_UNREACH: u8 = 4;
+/// The IPv6 minimum link MTU (RFC 8200 5): no ICMPv6 error is longer.
+pub const IPV6_MIN_MTU: usize = 1280;

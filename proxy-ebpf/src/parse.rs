@@ -22,6 +22,7 @@ use crate::{
         INNER_IP_OFF, INNER_L4_OFF, IP_LEN, IP_MF, IP_OFF, IP_OFFSET_MASK, Ipv4Hdr, L4_OFF, SCTP_LEN, SctpHdr, TCP_LEN,
         TcpHdr, UDP_LEN, UdpHdr,
     },
+    reject::Segment,
 };
 
 /// Where a packet stands among its datagram's IPv4 fragments.
@@ -76,6 +77,17 @@ impl Flow {
             fragment: Fragment::None,
             ip_id_be: 0,
             icmp_error: false,
+        }
+    }
+
+    /// The TCP segment's numbers, for a RST answering it.
+    #[inline(always)]
+    pub fn segment(&self) -> Segment {
+        Segment {
+            flags: self.tcp_flags,
+            seq: self.tcp_seq,
+            ack: self.tcp_ack,
+            payload_len: self.payload_len,
         }
     }
 

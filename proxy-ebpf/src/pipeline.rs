@@ -145,20 +145,7 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outcom
     let view = service_port::view(flow, svc);
     let svc = &view.svc;
     let Some((id, backend)) = pick_backend(flow, svc, view.affinity_id) else {
-        if svc.backend_count != 0 {
-            return (Verdict::Error, Outcome::Pass);
-        }
-        // kube-proxy drops what a Local policy leaves without endpoints
-        // (the Service has some elsewhere), and rejects only Services
-        // without any.
-        if svc.flags & FLAGS_LOCAL != 0 {
-            return (Verdict::DropNoLocalBackend, Outcome::Drop);
-        }
-        return match reject::reject(ctx, flow) {
-            Rejection::Answered => (Verdict::RejectNoBackend, Outcome::Reply),
-            Rejection::NotAnswered => (Verdict::RejectNoBackend, Outcome::Pass),
-            Rejection::Failed => (Verdict::Error, Outcome::Drop),
-        };
+        return no_backend(svc, || reject::reject(ctx, flow));
     };
     let snat = needs_snat(flow, svc, &backend);
     // Without an skb (XDP) there is nothing to mark: leave the packet to the
@@ -178,6 +165,26 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outcom
         nat::dnat(ctx, flow, (backend.addr_be, backend.port_be)),
         Verdict::DnatNew,
     )
+}
+
+/// A new flow to a frontend without a backend to pick, for either family
+/// (`answer` rewrites the packet into the family's answer).
+#[inline(always)]
+pub fn no_backend(svc: &ServiceValue, answer: impl FnOnce() -> Rejection) -> (Verdict, Outcome) {
+    if svc.backend_count != 0 {
+        return (Verdict::Error, Outcome::Pass);
+    }
+    // kube-proxy drops what a Local policy leaves without endpoints
+    // (the Service has some elsewhere), and rejects only Services
+    // without any.
+    if svc.flags & FLAGS_LOCAL != 0 {
+        return (Verdict::DropNoLocalBackend, Outcome::Drop);
+    }
+    match answer() {
+        Rejection::Answered => (Verdict::RejectNoBackend, Outcome::Reply),
+        Rejection::NotAnswered => (Verdict::RejectNoBackend, Outcome::Pass),
+        Rejection::Failed => (Verdict::Error, Outcome::Drop),
+    }
 }
 
 /// The backend of a new flow: the client's of before under ClientIP

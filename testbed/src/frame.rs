@@ -16,14 +16,16 @@
 //! - [`expected_rst`] and [`expected_port_unreachable`] build the answers the
 //!   programs must send for a Service without backends.
 //! - [`Frame6`] and [`check6`] do the same for IPv6 frames (extension
-//!   headers included).
+//!   headers included, ICMPv6 checked too), [`expected_rst6`] and
+//!   [`expected_port_unreachable6`] the answers.
 
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddrV4, SocketAddrV6};
 
 use etherparse::{
-    EtherType, Ethernet2Header, IcmpEchoHeader, Icmpv4Header, Icmpv4Slice, Icmpv4Type, IpDscp, IpEcn, IpFragOffset,
-    IpNumber, Ipv4Header, Ipv4HeaderSlice, Ipv4Options, SingleVlanHeader, TcpHeader, UdpHeader, VlanId, VlanPcp,
-    checksum::Sum16BitWords, icmpv4::DestUnreachableHeader,
+    EtherType, Ethernet2Header, IcmpEchoHeader, Icmpv4Header, Icmpv4Slice, Icmpv4Type, Icmpv6Header, Icmpv6Slice,
+    Icmpv6Type, IpDscp, IpEcn, IpFragOffset, IpNumber, Ipv4Header, Ipv4HeaderSlice, Ipv4Options, SingleVlanHeader,
+    TcpHeader, UdpHeader, VlanId, VlanPcp, checksum::Sum16BitWords, icmpv4::DestUnreachableHeader,
+    icmpv6::DestUnreachableCode,
 };
 use proxy_common::sctp;
 
@@ -1144,25 +1146,36 @@ fn swapped_macs(frame: &[u8]) -> ([u8; 6], [u8; 6]) {
 /// The answer frame a no-backend Service must send for a TCP segment (not
 /// RST) `flow` parsed from `frame`: RST from the frontend back to the client.
 pub fn expected_rst(frame: &[u8], flow: &Flow) -> Vec<u8> {
+    let tcp = rst_answering(
+        flow.tcp_flags,
+        flow.seq,
+        flow.ack,
+        flow.payload_len as u32,
+        (flow.dst.port(), flow.src.port()),
+    );
+    answer4(frame, flow, L4::Tcp(tcp), true)
+}
+
+/// The RST answering a segment with `flags`, `seq`, `ack` and
+/// `payload_len` bytes (RFC 793's reset generation), from and to `ports`:
+/// with ACK its sequence number is that ACK, else it acknowledges all the
+/// segment occupied.
+fn rst_answering(flags: u8, seq: u32, ack: u32, payload_len: u32, ports: (u16, u16)) -> Tcp {
     use tcp_flags::*;
-    let (eth_dst, eth_src) = swapped_macs(frame);
-    let (flags, seq, ack) = if flow.tcp_flags & ACK != 0 {
-        (RST, flow.ack, 0)
+    let (flags, seq, ack) = if flags & ACK != 0 {
+        (RST, ack, 0)
     } else {
-        let syn = u32::from(flow.tcp_flags & SYN != 0);
-        let fin = u32::from(flow.tcp_flags & FIN != 0);
+        let syn = u32::from(flags & SYN != 0);
+        let fin = u32::from(flags & FIN != 0);
         (
             RST | ACK,
             0,
-            flow.seq
-                .wrapping_add(flow.payload_len as u32)
-                .wrapping_add(syn)
-                .wrapping_add(fin),
+            seq.wrapping_add(payload_len).wrapping_add(syn).wrapping_add(fin),
         )
     };
-    let tcp = Tcp {
-        sport: flow.dst.port(),
-        dport: flow.src.port(),
+    Tcp {
+        sport: ports.0,
+        dport: ports.1,
         seq,
         ack,
         flags,
@@ -1171,35 +1184,29 @@ pub fn expected_rst(frame: &[u8], flow: &Flow) -> Vec<u8> {
         options: Vec::new(),
         payload: Vec::new(),
         data_offset: None,
-    };
-    let mut ip = Ipv4::new(*flow.dst.ip(), *flow.src.ip(), L4::Tcp(tcp));
-    ip.id = 0;
-    ip.ttl = 64;
-    ip.df = true;
-    Frame {
-        eth_src,
-        eth_dst,
-        vlans: Vec::new(),
-        net: Net::Ipv4(ip),
-        padding: Vec::new(),
     }
-    .build()
 }
 
 /// The answer frame a no-backend Service must send for a UDP datagram
 /// `flow` parsed from `frame`: ICMP port unreachable quoting the original
 /// IPv4 header and the first 8 bytes of the UDP header as received.
 pub fn expected_port_unreachable(frame: &[u8], flow: &Flow) -> Vec<u8> {
-    let (eth_dst, eth_src) = swapped_macs(frame);
     let quoted = frame[ETH_HLEN..flow.l4_offset + 8].to_vec();
     let icmp = Icmp {
         icmp_type: Icmpv4Type::DestinationUnreachable(DestUnreachableHeader::Port),
         payload: quoted,
     };
-    let mut ip = Ipv4::new(*flow.dst.ip(), *flow.src.ip(), L4::Icmp(icmp));
+    answer4(frame, flow, L4::Icmp(icmp), false)
+}
+
+/// The IPv4 answer to `flow` (parsed from `frame`) carrying `l4`: its
+/// addresses swapped, IP id 0, TTL 64, DF as `df`.
+fn answer4(frame: &[u8], flow: &Flow, l4: L4, df: bool) -> Vec<u8> {
+    let (eth_dst, eth_src) = swapped_macs(frame);
+    let mut ip = Ipv4::new(*flow.dst.ip(), *flow.src.ip(), l4);
     ip.id = 0;
     ip.ttl = 64;
-    ip.df = false;
+    ip.df = df;
     Frame {
         eth_src,
         eth_dst,
@@ -1458,6 +1465,47 @@ fn pseudo_header_sum6(src: Ipv6Addr, dst: Ipv6Addr, proto: u8, l4_len: usize) ->
         .add_4bytes([0, 0, 0, proto])
 }
 
+/// The longest ICMPv6 error: one at the IPv6 minimum MTU (RFC 8200 5).
+pub const IPV6_MIN_MTU: usize = 1280;
+
+/// The answer a no-backend Service must send for the IPv6 TCP segment
+/// `request` (not RST): a RST as [`expected_rst`]'s, from the frontend
+/// back to the client, without extension headers, hop limit 64.
+pub fn expected_rst6(request: &Frame6) -> Vec<u8> {
+    let L4::Tcp(tcp) = &request.l4 else {
+        panic!("not TCP: {:?}", request.l4)
+    };
+    let payload_len = tcp.payload.len() as u32;
+    let rst = rst_answering(tcp.flags, tcp.seq, tcp.ack, payload_len, (tcp.dport, tcp.sport));
+    answer6(request, L4::Tcp(rst)).build()
+}
+
+/// The answer a no-backend Service must send for the IPv6 UDP datagram
+/// `request`: ICMPv6 destination unreachable, code 4 (port), quoting the
+/// request from its IPv6 header on, as much as fits in an error of
+/// [`IPV6_MIN_MTU`] bytes (RFC 4443 2.4 (c)); checksum by etherparse.
+pub fn expected_port_unreachable6(request: &Frame6) -> Vec<u8> {
+    let bytes = request.build();
+    let quote_len = (bytes.len() - ETH_HLEN).min(IPV6_MIN_MTU - 40 - 8);
+    let quote = &bytes[ETH_HLEN..ETH_HLEN + quote_len];
+    let icmp_type = Icmpv6Type::DestinationUnreachable(DestUnreachableCode::Port);
+    let header = Icmpv6Header::with_checksum(icmp_type, request.dst.octets(), request.src.octets(), quote)
+        .expect("a quote of at most 1232 bytes");
+    let mut icmp = header.to_bytes().to_vec();
+    icmp.extend_from_slice(quote);
+    answer6(request, L4::Raw { proto: 58, bytes: icmp }).build()
+}
+
+/// An answer to `request` carrying `l4`: its addresses swapped, no
+/// extension headers, a fresh hop limit of 64.
+fn answer6(request: &Frame6, l4: L4) -> Frame6 {
+    Frame6 {
+        eth_src: request.eth_dst,
+        eth_dst: request.eth_src,
+        ..Frame6::new(request.dst, request.src, l4)
+    }
+}
+
 /// What [`check6`] found in an IPv6 frame whose L4 checksum is valid.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Checked6 {
@@ -1470,8 +1518,8 @@ pub struct Checked6 {
 
 /// Parses an untagged Ethernet + IPv6 frame with hop-by-hop, routing,
 /// destination options and (atomic) fragment headers, TCP or UDP after
-/// them, and verifies the L4 checksum over the IPv6 pseudo-header
-/// (etherparse computes it).
+/// them (or ICMPv6, its ports then 0), and verifies the L4 checksum over
+/// the IPv6 pseudo-header (etherparse computes it).
 pub fn check6(frame: &[u8]) -> Result<Checked6, String> {
     let (eth, rest) = Ethernet2Header::from_slice(frame).map_err(|e| format!("Ethernet: {e}"))?;
     if eth.ether_type != EtherType::IPV6 {
@@ -1510,7 +1558,14 @@ pub fn check6(frame: &[u8]) -> Result<Checked6, String> {
             }
             (udp.source_port, udp.destination_port)
         }
-        other => return Err(format!("L4 protocol {other} is neither TCP nor UDP")),
+        58 => {
+            let icmp = Icmpv6Slice::from_slice(l4).map_err(|e| format!("ICMPv6 header: {e}"))?;
+            if !icmp.is_checksum_valid(src, dst) {
+                return Err(format!("ICMPv6 checksum {:#06x} is wrong", icmp.checksum()));
+            }
+            (0, 0)
+        }
+        other => return Err(format!("L4 protocol {other} is neither TCP, UDP nor ICMPv6")),
     };
     Ok(Checked6 {
         src: SocketAddrV6::new(Ipv6Addr::from(src), sport, 0, 0),

@@ -2,19 +2,20 @@
 //! packets with 16-byte addresses, on the IPv6 maps (`XP_SERVICES6`,
 //! `XP_BACKENDS6`, `XP_CT6`; why apart: `proxy_common::ipv6`). parse
 //! (extension headers walked) -> ports (the shared port filter) ->
-//! conntrack -> lookup -> select -> nat, with the verdicts and outcomes
+//! conntrack -> lookup -> select -> nat or reject (a RST or an ICMPv6
+//! port unreachable for a Service without endpoints, as IPv4's; a `Local`
+//! frontend without local endpoints drops), with the verdicts and outcomes
 //! IPv4's use.
 //!
 //! Not yet done for IPv6 (each left untranslated or refused, never
-//! translated wrongly): answers for a Service without endpoints (its new
-//! flows are counted `reject_no_backend` and passed, as the kernel would
-//! see them without a proxy), ICMPv6 errors quoting a translated flow,
+//! translated wrongly): ICMPv6 errors quoting a translated flow,
 //! fragments (see `parse`), loadBalancerSourceRanges (a frontend flagged
 //! with them drops every new flow), pods' short-circuit of
 //! `Local` external frontends.
 
 mod conntrack;
 mod parse;
+mod reject;
 
 use proxy_common::{
     AffinityKey6, Backend6, Service6Key, ServiceValue, Verdict,
@@ -31,7 +32,7 @@ use crate::{
     context::{Addr6, Ctx, L4At},
     headers::Side,
     maps::{self, AFFINITY6, BACKENDS6, SERVICES6},
-    pipeline::{Outcome, snat_wanted, translated},
+    pipeline::{self, Outcome, snat_wanted, translated},
     ports, select, service_port,
 };
 
@@ -104,7 +105,7 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow6, svc: &ServiceValue) -> (Verdict, Outco
         return (Verdict::DropSourceRange, Outcome::Drop);
     }
     let Some((backend_id, backend)) = pick_backend(flow, svc) else {
-        return no_backend(svc);
+        return pipeline::no_backend(svc, || reject::reject(ctx, flow));
     };
     let snat = snat_wanted(svc, backend.flags, *flow.saddr() == backend.addr_be);
     let handed_to_tc = snat && !ctx.add_mark(maps::snat_mark());
@@ -122,19 +123,6 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow6, svc: &ServiceValue) -> (Verdict, Outco
         return (Verdict::PassToTc, Outcome::Pass);
     }
     translated(dnat(ctx, flow, (&new.backend.0, new.backend.1)), Verdict::DnatNew)
-}
-
-/// A new flow to a frontend without a backend to pick: as IPv4's, but not
-/// answered yet (see the module doc).
-#[inline(always)]
-fn no_backend(svc: &ServiceValue) -> (Verdict, Outcome) {
-    if svc.backend_count != 0 {
-        return (Verdict::Error, Outcome::Pass);
-    }
-    if svc.flags & proxy_common::service::FLAGS_LOCAL != 0 {
-        return (Verdict::DropNoLocalBackend, Outcome::Drop);
-    }
-    (Verdict::RejectNoBackend, Outcome::Pass)
 }
 
 /// The backend of a new flow, from `XP_BACKENDS6`: the client's of before

@@ -19,6 +19,7 @@ use crate::{
     context::{Addr6, Ctx, ptr_at, ptr_at_fresh},
     headers::{IP_OFF, IPV6_LEN, Ipv6Hdr, TcpHdr, UdpHdr},
     parse::{tcp_flow, udp_flow},
+    reject::Segment,
 };
 
 /// Extension headers the walk follows before it gives up.
@@ -67,6 +68,8 @@ pub struct Flow6 {
     pub tcp_flags: u8,
     /// Where the TCP or UDP header starts in the frame.
     pub l4_off: usize,
+    /// The TCP segment's numbers, for a RST (`reject`).
+    pub segment: Segment,
 }
 
 /// The addresses by reference: the rewrite and the keys take them so,
@@ -125,6 +128,7 @@ pub fn parse(ctx: &impl Ctx) -> Result<Flow6, Verdict> {
         proto: l4_proto,
         tcp_flags: l4.tcp_flags,
         l4_off,
+        segment: l4.segment(),
     })
 }
 
@@ -145,7 +149,7 @@ const _: () = assert!(MAX_L4_OFF <= L4_OFF_MASK);
 /// 6.1 when LLVM reloads the value from the stack (6.1's verifier does
 /// not carry it over to the spilled copy).
 #[inline(always)]
-fn alike(ctx: &impl Ctx, off: usize) -> usize {
+pub fn alike(ctx: &impl Ctx, off: usize) -> usize {
     off.wrapping_add(ctx.opaque_word()).wrapping_sub(ctx.opaque_word()) & L4_OFF_MASK
 }
 

@@ -3,7 +3,11 @@
 //! etherparse, replies reverse-NATed, conntrack read back from `XP_CT6`,
 //! extension headers walked up to the limit and passed beyond it,
 //! fragments, neighbour discovery and non-Service traffic untouched, and
-//! every truncation of a Service packet passed as malformed.
+//! every truncation of a Service packet passed as malformed. A frontend
+//! without backends answers as IPv4's: a RST, or an ICMPv6 port
+//! unreachable quoting up to the minimum MTU (compared byte for byte with
+//! etherparse's, checksums checked); a `Local` one without local backends
+//! drops.
 //!
 //! The agent does not write IPv6 Service ports yet (`ServiceMaps` is
 //! IPv4's): these tests write the three IPv6 maps and the backend slots
@@ -21,7 +25,10 @@ use proxy_common::{
     maps as map_names,
 };
 use proxy_userspace::mode::ebpf::open_pinned;
-use testbed::frame::{Ext6, Frame6, MAC_CLIENT, MAC_NODE, Strict, check6};
+use testbed::frame::{
+    ETH_HLEN, Ext6, Frame6, IPV6_MIN_MTU, MAC_CLIENT, MAC_NODE, Strict, check6, expected_port_unreachable6,
+    expected_rst6,
+};
 
 use super::*;
 
@@ -29,6 +36,11 @@ const CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0xa)
 const NODE_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x192, 0x168, 0x50, 0, 0, 0, 0x10);
 const CLIENT_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 5);
 const EXTERNAL_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 7);
+/// A ClusterIP without endpoints (port `EMPTY_PORT`; also a NodePort
+/// without endpoints on `EMPTY_NODE_PORT`), and one whose internal
+/// traffic policy is `Local` with no endpoint on this node (`SERVICE_PORT`).
+const EMPTY_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x14);
+const LOCAL_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x15);
 const BACKEND_IPS6: [Ipv6Addr; 3] = [
     Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, 0xb),
     Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, 0xc),
@@ -54,7 +66,7 @@ fn pinned<K: aya::Pod, V: aya::Pod>(h: &Harness, name: &str) -> BpfHashMap<MapDa
 
 /// The seed harness plus an IPv6 seed: ClusterIP [fd00:10:96::a]:88 and
 /// NodePort [fd00:192:168:50::10]:30791, TCP and UDP, to three backends
-/// on port 80.
+/// on port 80; and frontends without backends (`EMPTY_IP6`, `LOCAL_IP6`).
 fn seeded6() -> Harness {
     let h = Harness::seeded();
     let mut slots: BpfHashMap<MapData, BackendSlotKey, u32> = pinned(&h, map_names::BACKEND_SLOTS);
@@ -74,10 +86,18 @@ fn seeded6() -> Harness {
             };
             slots.insert(key, id, 0).expect("slot");
         }
-        for (addr, port, flags) in [(CLUSTER_IP6, SERVICE_PORT, 0), (NODE_IP6, NODE_PORT, FLAG_NODE_PORT)] {
+        // (address, port, flags, backends): the last three without any.
+        let frontends = [
+            (CLUSTER_IP6, SERVICE_PORT, 0, 3),
+            (NODE_IP6, NODE_PORT, FLAG_NODE_PORT, 3),
+            (EMPTY_IP6, EMPTY_PORT, 0, 0),
+            (NODE_IP6, EMPTY_NODE_PORT, FLAG_NODE_PORT, 0),
+            (LOCAL_IP6, SERVICE_PORT, FLAG_INTERNAL_LOCAL, 0),
+        ];
+        for (addr, port, flags, backend_count) in frontends {
             let value = ServiceValue {
                 backend_set: set,
-                backend_count: 3,
+                backend_count,
                 rev_nat_id,
                 flags,
                 affinity_timeout_s: 0,
@@ -350,6 +370,129 @@ fn ipv6_neighbour_discovery_and_other_traffic_pass_untouched() {
     assert!(conntrack6(&h).is_empty(), "{:?}", conntrack6(&h));
 }
 
+/// Runs `request` to a frontend without backends: answered with exactly
+/// `want` (the reject code, checksums valid), counted reject_no_backend.
+fn assert_answered(h: &mut Harness, prog: Prog, request: &Frame6, want: &[u8], what: &str) {
+    let out = run6(h, prog, &request.build(), Verdict::RejectNoBackend, what);
+    let ctx = format!("{what} via {}: output {}", prog.name(), hex(&out.frame));
+    assert_eq!(out.code, prog.reject(), "want the reject code: {ctx}");
+    check6(&out.frame).unwrap_or_else(|e| panic!("{e}: {ctx}"));
+    assert!(
+        out.frame == want,
+        "want {}\ndiffers at {}: {ctx}",
+        hex(want),
+        diff(want, &out.frame)
+    );
+}
+
+#[test]
+fn ipv6_no_backends_answers_rst_and_port_unreachable_or_drops_if_local() {
+    if !require_root("ipv6_no_backends_answers_rst_and_port_unreachable_or_drops_if_local") {
+        return;
+    }
+    let two_ext = [Ext6::HopByHop { units: 1 }, Ext6::DestOpts { units: 2 }];
+    let (empty, empty_np) = (v6(EMPTY_IP6, EMPTY_PORT), v6(NODE_IP6, EMPTY_NODE_PORT));
+    let mut h = seeded6();
+    // Quote lengths (40 + 8 + payload) that take every piece the program
+    // sums the quote in: 1023 has bits 1 to 512, 1231 has 1024; 1232 fits
+    // exactly, 1233 and more are cut to 1232.
+    let quote_lens = [48, 49, 50, 1023, 1231, 1232, 1233, 1500];
+    let mut answered = 0;
+    for prog in Prog::ALL {
+        let mut tcp = vec![
+            (
+                "SYN -> RST|ACK, ack = seq + 1",
+                Frame6::tcp(client6(&mut h), empty, SYN),
+            ),
+            (
+                "SYN behind extension headers -> RST without them",
+                Frame6::tcp(client6(&mut h), empty, SYN).with_ext(&two_ext),
+            ),
+            (
+                "SYN to the empty NodePort -> RST from the node IP",
+                Frame6::tcp(external6(&mut h), empty_np, SYN),
+            ),
+            (
+                "SYN|FIN -> ack = seq + 2",
+                Frame6::tcp(client6(&mut h), empty, SYN | FIN),
+            ),
+            ("no flags -> RST|ACK, ack = seq", Frame6::tcp(client6(&mut h), empty, 0)),
+        ];
+        let mut with_options = Frame6::tcp(client6(&mut h), empty, SYN);
+        let t = with_options.tcp_mut();
+        t.options = SYN_OPTIONS.to_vec();
+        t.payload = b"fast open".to_vec();
+        t.seq = 0xffff_fffe;
+        tcp.push((
+            "SYN with options and payload -> ack = seq + len + 1, wrapped",
+            with_options,
+        ));
+        let mut data = Frame6::tcp(client6(&mut h), empty, PSH | ACK);
+        data.tcp_mut().payload = b"data".to_vec();
+        data.tcp_mut().ack = 0xdead_beef;
+        tcp.push(("ACK with payload -> RST, seq = ack", data));
+        for (what, request) in &tcp {
+            assert_answered(&mut h, prog, request, &expected_rst6(request), what);
+            answered += 1;
+        }
+
+        let mut udp = vec![
+            (
+                "UDP behind extension headers -> quoted with them".to_string(),
+                Frame6::udp(client6(&mut h), empty, b"query").with_ext(&two_ext),
+            ),
+            (
+                "UDP to the empty NodePort -> from the node IP".to_string(),
+                Frame6::udp(external6(&mut h), empty_np, b"q"),
+            ),
+        ];
+        for quote_len in quote_lens {
+            let payload: Vec<u8> = (0..quote_len - 48).map(|i| (i * 13 % 251) as u8).collect();
+            udp.push((
+                format!("UDP, a quote of {quote_len} bytes"),
+                Frame6::udp(client6(&mut h), empty, &payload),
+            ));
+        }
+        for (what, request) in &udp {
+            let want = expected_port_unreachable6(request);
+            assert!(
+                want.len() - ETH_HLEN <= IPV6_MIN_MTU,
+                "{what}: the expected error is too long"
+            );
+            assert_answered(&mut h, prog, request, &want, what);
+            answered += 1;
+        }
+
+        // A `Local` frontend without local backends drops, as IPv4's.
+        let local = v6(LOCAL_IP6, SERVICE_PORT);
+        for (what, request) in [
+            ("TCP SYN to a Local frontend", Frame6::tcp(client6(&mut h), local, SYN)),
+            ("UDP to a Local frontend", Frame6::udp(client6(&mut h), local, b"query")),
+        ] {
+            let frame = request.build();
+            let out = run6(&mut h, prog, &frame, Verdict::DropNoLocalBackend, what);
+            assert_eq!(out.code, prog.drop(), "{what} via {}: want the drop code", prog.name());
+            assert!(out.frame == frame, "{what} via {}: want it untouched", prog.name());
+        }
+        for flags in [RST, RST | ACK] {
+            let rst = Frame6::tcp(client6(&mut h), empty, flags).build();
+            assert_passed(
+                &mut h,
+                prog,
+                &rst,
+                Verdict::RejectNoBackend,
+                "a RST to the empty frontend",
+            );
+        }
+    }
+    println!("{answered} IPv6 packets to frontends without backends answered");
+    let entries = conntrack6(&h);
+    assert!(
+        entries.is_empty(),
+        "rejected and dropped flows are not tracked: {entries:?}"
+    );
+}
+
 #[test]
 fn every_ipv6_truncation_passes_untouched() {
     if !require_root("every_ipv6_truncation_passes_untouched") {
@@ -364,6 +507,15 @@ fn every_ipv6_truncation_passes_untouched() {
             "UDP behind two extension headers",
             Frame6::udp(c, v6(NODE_IP6, NODE_PORT), b"0123456789")
                 .with_ext(&[Ext6::HopByHop { units: 1 }, Ext6::DestOpts { units: 2 }]),
+        ),
+        // Not answered either: only a whole packet is rejected.
+        (
+            "SYN to a frontend without backends",
+            Frame6::tcp(c, v6(EMPTY_IP6, EMPTY_PORT), SYN),
+        ),
+        (
+            "UDP to a frontend without backends",
+            Frame6::udp(c, v6(EMPTY_IP6, EMPTY_PORT), b"0123456789"),
         ),
     ];
     let (mut runs, mut refused) = (0, 0);
