@@ -837,6 +837,7 @@ mod tests {
             names,
             [
                 "XP_AFFINITY",
+                "XP_AFFINITY6",
                 "XP_BACKENDS",
                 "XP_BACKENDS6",
                 "XP_CT",
