@@ -424,6 +424,10 @@ fn api_bed_with_load(test: &str, bed: &mut AgentBed) -> Result<Load> {
     bed.start_api_server()?;
     apply_service_with_slice(bed.api(), DOOMED)?;
     bed.start_agent(&bed.kubeconfig_args())?;
+    // Answering is not enough: the uplink answers once the maps are
+    // written, while the first sync may still wait for pod interfaces,
+    // and the kernel writes metric counts only finished syncs.
+    bed.wait_first_sync(READY_WITHIN)?;
     bed.wait_answering(seed_node_port(), READY_WITHIN)?;
     bed.wait_answering(node_port(DOOMED.2), READY_WITHIN)?;
     let load = Load::start(&bed.topo.client, seed_node_port(), 50, Duration::from_secs(3))?;
