@@ -259,8 +259,22 @@ impl ManifestDir {
         tokio::spawn(async move {
             loop {
                 // Parsing a large directory takes a while: not on a worker
-                // the runtime counts on.
-                match tokio::task::block_in_place(|| self.reload_if_changed()) {
+                // the runtime counts on. A blocking task, not
+                // `block_in_place`: a reload that ends while the runtime
+                // shuts down must not come back to poll this task's timer
+                // (tokio panics: "the context is being shut down").
+                let reloaded = tokio::task::spawn_blocking(move || {
+                    let result = self.reload_if_changed();
+                    (self, result)
+                })
+                .await;
+                let (this, result) = match reloaded {
+                    Ok(done) => done,
+                    Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                    Err(_) => return, // cancelled: the runtime is shutting down
+                };
+                self = this;
+                match result {
                     Ok(Some((services, slices, problems))) => {
                         let node: Vec<Node> = self.node().cloned().into_iter().collect();
                         let sent = async {
