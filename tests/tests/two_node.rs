@@ -47,7 +47,14 @@
 //!    intact, and a datagram to a Service whose b-1 port is closed ends as
 //!    ECONNREFUSED at the client: the port unreachable crossed node-a's
 //!    translation back.
-//! 8. SIGTERM to both agents, `xproxy cleanup` on both nodes: no pins, no
+//! 8. IPv6 ([`check_ipv6`]): `spread` is dual-stack (an IPv6 ClusterIP and
+//!    an IPv6 EndpointSlice of the same four pods): the client through
+//!    either node's IPv6 NodePort, and a-client and b-2 through the IPv6
+//!    ClusterIP, reach every backend of both nodes, TCP and UDP; a remote
+//!    backend is reached through the entry node's IPv6 masquerade
+//!    (ip6tables, `ip6` nftables table; ebpf: the programs' DNAT and the
+//!    ip6tables SNAT rule).
+//! 9. SIGTERM to both agents, `xproxy cleanup` on both nodes: no pins, no
 //!    programs on any interface, no chain or table of xproxy's in either
 //!    node, and every request ends as in the baseline.
 //!
@@ -73,7 +80,7 @@
 
 use std::{
     collections::BTreeMap,
-    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4},
     time::{Duration, Instant},
 };
 
@@ -82,7 +89,7 @@ use aya::programs::{SchedClassifier, TcAttachType};
 use serde_json::Value;
 use testbed::{
     agent_bed::{READY_WITHIN, frontends},
-    fixtures::{PortDef, TrafficPolicy, service_with, slice_with, yaml_documents},
+    fixtures::{PortDef, TrafficPolicy, dual_stack, service_with, slice_with, slice6_with, yaml_documents},
     netns::{self, Netns},
     privileged::require_root,
     probe::{
@@ -150,6 +157,8 @@ const REFUSING_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 1, 89);
 const REFUSING_PORT: u16 = 89;
 const REFUSING_NODE_PORT: u16 = 30889;
 const CLOSED_PORT: u16 = 9999;
+/// `spread`'s IPv6 ClusterIP (it is dual-stack: [`check_ipv6`]).
+const SPREAD_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 1, 0x80);
 /// Datagram sizes: 3 and 41 fragments at MTU 1,500.
 const DATAGRAM_SIZES: [usize; 2] = [4000, 60_000];
 
@@ -205,10 +214,18 @@ fn objects(topo: &TwoNodes) -> Result<Vec<Value>> {
     let refusing = [udp("refusing", REFUSING_PORT, CLOSED_PORT, REFUSING_NODE_PORT)];
     add("refusing-b", REFUSING_IP, &refusing, TrafficPolicy::Cluster, &["b-1"])?;
     for svc in out.iter_mut().filter(|o| o["kind"] == "Service") {
-        if svc["metadata"]["name"].as_str().is_some_and(|n| n.starts_with("itp")) {
-            svc["spec"]["internalTrafficPolicy"] = serde_json::json!("Local");
+        match svc["metadata"]["name"].as_str() {
+            Some(n) if n.starts_with("itp") => svc["spec"]["internalTrafficPolicy"] = serde_json::json!("Local"),
+            Some("spread") => *svc = dual_stack(svc.take(), SPREAD_IP6),
+            _ => {}
         }
     }
+    out.push(slice6_with(
+        "spread-6",
+        "spread",
+        &spread,
+        &endpoints6_of(topo, &BACKENDS)?,
+    ));
     Ok(out)
 }
 
@@ -319,6 +336,17 @@ fn expect_sources(seen: &BTreeMap<String, Ipv4Addr>, expected: impl Fn(&str) -> 
         .collect();
     ensure!(wrong.is_empty(), "{}", wrong.join("; "));
     Ok(format!("{seen:?}"))
+}
+
+/// `(IPv6 address, nodeName)` of each of `pods`.
+fn endpoints6_of(topo: &TwoNodes, pods: &[&str]) -> Result<Vec<(Ipv6Addr, &'static str)>> {
+    pods.iter()
+        .map(|name| {
+            let (node, pod) = topo.find_pod(name).with_context(|| format!("no pod {name}"))?;
+            let ip6 = pod.ip6.with_context(|| format!("pod {name} has no IPv6 address"))?;
+            Ok((ip6, node.name()))
+        })
+        .collect()
 }
 
 /// The node running backend `name`.
@@ -457,6 +485,7 @@ fn scenario_steps(mode: Mode, bed: &mut TwoNodeBed, checks: &mut Checks) -> Resu
     check_external_local(mode, bed, checks);
     check_internal_local(bed, checks);
     check_remote_datagrams(bed, checks)?;
+    check_ipv6(bed, checks);
     if mode == Mode::Ebpf {
         for i in 0..bed.topo.nodes.len() {
             checks.check(
@@ -466,7 +495,7 @@ fn scenario_steps(mode: Mode, bed: &mut TwoNodeBed, checks: &mut Checks) -> Resu
         }
     }
 
-    // 8. Both agents stop; `xproxy cleanup` on both nodes removes everything.
+    // 9. Both agents stop; `xproxy cleanup` on both nodes removes everything.
     bed.stop_agents()?;
     new_flows(&bed.topo, 50_000)?;
     for i in 0..bed.topo.nodes.len() {
@@ -692,6 +721,38 @@ fn check_cluster_ip(bed: &TwoNodeBed, checks: &mut Checks) {
         &format!("a-client -> {to}: every backend sees {} (no SNAT)", client.ip),
         sources_seen(&client.ns, to, &BACKENDS, REQUESTS).and_then(|seen| expect_sources(&seen, |_| client.ip)),
     );
+}
+
+/// Step 8: the dual-stack `spread` over IPv6, NodePort from the client on
+/// both nodes and ClusterIP from pods on both nodes: every backend of both
+/// nodes answers.
+fn check_ipv6(bed: &TwoNodeBed, checks: &mut Checks) {
+    let topo = &bed.topo;
+    for protocol in PROTOCOLS {
+        for node in &topo.nodes {
+            let to = SocketAddr::new(node.ip6().into(), SPREAD_NODE_PORT);
+            checks.check(
+                &format!(
+                    "{} client -> {to} (IPv6 NodePort on {}) reaches {BACKENDS:?}",
+                    proto_name(protocol),
+                    node.name()
+                ),
+                expect_backends(&topo.client, protocol, to, &BACKENDS, REQUESTS),
+            );
+        }
+        for from in ["a-client", "b-2"] {
+            let to = SocketAddr::new(SPREAD_IP6.into(), SPREAD_PORT);
+            let what = format!(
+                "{} {from} -> {to} (IPv6 ClusterIP) reaches {BACKENDS:?}",
+                proto_name(protocol)
+            );
+            let result = match topo.find_pod(from) {
+                Some((_, pod)) => expect_backends(&pod.ns, protocol, to, &BACKENDS, REQUESTS),
+                None => Err(anyhow::anyhow!("no pod {from}")),
+            };
+            checks.check(&what, result);
+        }
+    }
 }
 
 /// Step 7: fragmented datagrams and ICMP errors to a backend on the other
