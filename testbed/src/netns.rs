@@ -14,7 +14,7 @@ use std::{
     ffi::CString,
     fs::File,
     io::{self, Read, Write},
-    net::{Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
     path::{Path, PathBuf},
     process::Command,
@@ -229,16 +229,19 @@ impl Netns {
         Ok(())
     }
 
-    /// Starts an SCTP server on `0.0.0.0:port` inside the namespace that
-    /// answers every association with `reply` (see [`Server::sctp`]); it
-    /// is stopped when the namespace is dropped.
+    /// Starts SCTP servers on `0.0.0.0:port` and `[::]:port` inside the
+    /// namespace that answer every association with `reply` (see
+    /// [`Server::sctp`]); they are stopped when the namespace is dropped.
     pub fn serve_sctp(&self, port: u16, reply: &str) -> Result<()> {
-        self.keep(Server::sctp(self, port, reply)?);
+        for any in [IpAddr::V4(Ipv4Addr::UNSPECIFIED), IpAddr::V6(Ipv6Addr::UNSPECIFIED)] {
+            self.keep(Server::sctp(self, SocketAddr::new(any, port), reply)?);
+        }
         Ok(())
     }
 
     /// [`sctp_request`] from inside this namespace.
-    pub fn sctp_request(&self, addr: SocketAddrV4, timeout: Duration) -> Result<io::Result<String>> {
+    pub fn sctp_request(&self, addr: impl Into<SocketAddr>, timeout: Duration) -> Result<io::Result<String>> {
+        let addr = addr.into();
         self.run_in(|| sctp_request(addr, timeout))
     }
 
@@ -466,13 +469,13 @@ impl Server {
     /// the server's read never returned it), so a client that sends first
     /// may wait for nothing through no fault of the proxy. Returns once the
     /// socket is listening.
-    pub fn sctp(ns: &Netns, port: u16, reply: &str) -> Result<Self> {
+    pub fn sctp(ns: &Netns, local: SocketAddr, reply: &str) -> Result<Self> {
         let line = format!("{reply}\n");
-        let what = format!("sctp server {reply}@{}:{port}", ns.name());
+        let what = format!("sctp server {reply}@{}:{local}", ns.name());
         Self::spawn(
             ns,
             what.clone(),
-            move || listen_sctp(port),
+            move || listen_sctp(local),
             move |listener: &TcpListener| match listener.accept() {
                 Ok((stream, _)) => {
                     let _ = speak_first(stream, line.as_bytes());
@@ -712,15 +715,20 @@ fn any_local(addr: SocketAddr) -> SocketAddr {
     }
 }
 
-/// An SCTP one-to-one listener on `0.0.0.0:port`, held as a
-/// `TcpListener`: accept(2), read(2) and write(2) work on it as on TCP.
-fn listen_sctp(port: u16) -> io::Result<TcpListener> {
-    let fd = stream_socket(libc::IPPROTO_SCTP)?;
+/// An SCTP one-to-one listener on `local`, held as a `TcpListener`:
+/// accept(2), read(2) and write(2) work on it as on TCP. An IPv6 one takes
+/// IPv6 only (its IPv4 twin has the same port).
+fn listen_sctp(local: SocketAddr) -> io::Result<TcpListener> {
+    let fd = stream_socket(local, libc::IPPROTO_SCTP)?;
+    if local.is_ipv6() {
+        let one: libc::c_int = 1;
+        set_option_at(&fd, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, &one)?;
+    }
     quick_sctp_retransmits(&fd)?;
     // SO_REUSEADDR as std sets it for TCP listeners.
     let one: libc::c_int = 1;
     set_socket_option(&fd, libc::SO_REUSEADDR, &one)?;
-    bind_to(&fd, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port))?;
+    bind_to(&fd, local)?;
     // SAFETY: listen(2) on a bound socket we own.
     check_ret(unsafe { libc::listen(fd.as_raw_fd(), 128) })?;
     let listener = TcpListener::from(fd);
@@ -774,31 +782,28 @@ fn quick_sctp_retransmits(fd: &OwnedFd) -> io::Result<()> {
 
 /// Whether the calling thread's namespace can open SCTP sockets.
 pub fn sctp_available() -> bool {
-    stream_socket(libc::IPPROTO_SCTP).is_ok()
+    stream_socket(SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)), libc::IPPROTO_SCTP).is_ok()
 }
 
 /// Connects to `addr` over SCTP (one-to-one style, at most `timeout`) and
 /// reads the answer until the server shuts the association down (the
 /// server speaks first: see [`Server::sctp`]); returns it without
-/// surrounding whitespace. Runs in the
-/// calling thread's namespace. IPv4 only (`InvalidInput` for an IPv6
-/// address).
+/// surrounding whitespace. Runs in the calling thread's namespace.
 ///
 /// Each association gets a local port of its own (see [`next_sctp_port`]).
 pub fn sctp_request(addr: impl Into<SocketAddr>, timeout: Duration) -> io::Result<String> {
-    match addr.into() {
-        SocketAddr::V4(addr) => sctp_request_from_addr(Ipv4Addr::UNSPECIFIED, addr, timeout),
-        SocketAddr::V6(addr) => Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("the SCTP probes are IPv4 only, not {addr}"),
-        )),
-    }
+    let addr = addr.into();
+    sctp_request_bound(any_local(addr).ip(), addr, timeout)
 }
 
 /// [`sctp_request`] from the local address `source`.
 pub fn sctp_request_from_addr(source: Ipv4Addr, addr: SocketAddrV4, timeout: Duration) -> io::Result<String> {
+    sctp_request_bound(source.into(), addr.into(), timeout)
+}
+
+fn sctp_request_bound(source: IpAddr, addr: SocketAddr, timeout: Duration) -> io::Result<String> {
     let deadline = Instant::now() + timeout;
-    let local = SocketAddrV4::new(source, next_sctp_port());
+    let local = SocketAddr::new(source, next_sctp_port());
     let mut stream = stream_connect(libc::IPPROTO_SCTP, local, addr, timeout)?;
     let left = deadline
         .saturating_duration_since(Instant::now())
@@ -862,7 +867,7 @@ pub fn udp_request_from_addr(source: Ipv4Addr, addr: SocketAddrV4, timeout: Dura
 /// socket(2), bind(2) and a blocking connect(2), which Linux gives up after
 /// `SO_SNDTIMEO` (with EINPROGRESS).
 fn tcp_connect_from(source: Ipv4Addr, addr: SocketAddrV4, timeout: Duration) -> io::Result<TcpStream> {
-    stream_connect(libc::IPPROTO_TCP, SocketAddrV4::new(source, 0), addr, timeout)
+    stream_connect(libc::IPPROTO_TCP, SocketAddr::from((source, 0)), addr.into(), timeout)
 }
 
 /// `ret` of a libc call as a `Result` (`errno` on a negative one).
@@ -900,23 +905,18 @@ fn set_option_at<T>(fd: &OwnedFd, level: libc::c_int, name: libc::c_int, value: 
 }
 
 /// bind(2) to `local`.
-fn bind_to(fd: &OwnedFd, local: SocketAddrV4) -> io::Result<()> {
-    let local = sockaddr_in(local);
-    // SAFETY: a valid sockaddr_in of the length given.
-    check_ret(unsafe {
-        libc::bind(
-            fd.as_raw_fd(),
-            (&raw const local).cast(),
-            socklen(std::mem::size_of::<libc::sockaddr_in>()),
-        )
-    })
-    .map(drop)
+fn bind_to(fd: &OwnedFd, local: SocketAddr) -> io::Result<()> {
+    let (local, len) = raw_sockaddr(local);
+    // SAFETY: a valid socket address of the length given.
+    check_ret(unsafe { libc::bind(fd.as_raw_fd(), (&raw const local).cast(), len) }).map(drop)
 }
 
-/// A fresh `SOCK_STREAM` socket of `protocol` (TCP, or SCTP one-to-one).
-fn stream_socket(protocol: libc::c_int) -> io::Result<OwnedFd> {
+/// A fresh `SOCK_STREAM` socket of `protocol` (TCP, or SCTP one-to-one)
+/// of `addr`'s family.
+fn stream_socket(addr: SocketAddr, protocol: libc::c_int) -> io::Result<OwnedFd> {
+    let family = if addr.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
     // SAFETY: plain socket(2); the fd is owned right away.
-    let fd = check_ret(unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, protocol) })?;
+    let fd = check_ret(unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, protocol) })?;
     // SAFETY: fd is a fresh, valid descriptor nobody else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
@@ -926,11 +926,11 @@ fn stream_socket(protocol: libc::c_int) -> io::Result<OwnedFd> {
 /// one is held as a `TcpStream`, which reads and writes it as TCP.
 fn stream_connect(
     protocol: libc::c_int,
-    local: SocketAddrV4,
-    addr: SocketAddrV4,
+    local: SocketAddr,
+    addr: SocketAddr,
     timeout: Duration,
 ) -> io::Result<TcpStream> {
-    let fd = stream_socket(protocol)?;
+    let fd = stream_socket(addr, protocol)?;
     if protocol == libc::IPPROTO_SCTP {
         quick_sctp_retransmits(&fd)?;
     }
@@ -940,15 +940,9 @@ fn stream_connect(
     };
     set_socket_option(&fd, libc::SO_SNDTIMEO, &limit)?;
     bind_to(&fd, local)?;
-    let remote = sockaddr_in(addr);
-    // SAFETY: a valid sockaddr_in of the length given.
-    let connected = check_ret(unsafe {
-        libc::connect(
-            fd.as_raw_fd(),
-            (&raw const remote).cast(),
-            socklen(std::mem::size_of::<libc::sockaddr_in>()),
-        )
-    });
+    let (remote, len) = raw_sockaddr(addr);
+    // SAFETY: a valid socket address of the length given.
+    let connected = check_ret(unsafe { libc::connect(fd.as_raw_fd(), (&raw const remote).cast(), len) });
     match connected {
         Ok(_) => Ok(TcpStream::from(fd)),
         Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => Err(io::Error::new(
@@ -957,6 +951,34 @@ fn stream_connect(
         )),
         Err(e) => Err(e),
     }
+}
+
+/// `addr` as the C socket address of its family, with its length.
+fn raw_sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: all-zero bytes are a valid sockaddr_storage.
+    let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match addr {
+        SocketAddr::V4(v4) => {
+            // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
+            unsafe { std::ptr::write((&raw mut storage).cast(), sockaddr_in(v4)) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(v6) => {
+            let raw = libc::sockaddr_in6 {
+                sin6_family: libc::sa_family_t::try_from(libc::AF_INET6).unwrap_or_default(),
+                sin6_port: v6.port().to_be(),
+                sin6_flowinfo: v6.flowinfo(),
+                sin6_addr: libc::in6_addr {
+                    s6_addr: v6.ip().octets(),
+                },
+                sin6_scope_id: v6.scope_id(),
+            };
+            // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in6.
+            unsafe { std::ptr::write((&raw mut storage).cast(), raw) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (storage, socklen(len))
 }
 
 fn sockaddr_in(addr: SocketAddrV4) -> libc::sockaddr_in {

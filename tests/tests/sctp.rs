@@ -15,13 +15,25 @@
 //! | ebpf | every backend (the programs rewrite the address only) | every backend, through the kernel: a port change needs the CRC32c recomputed, so the programs leave such ports to the mode's `ip xproxy-sctp` nftables table |
 //! | userspace | not served, reported (kube-proxy's userspace mode never relayed SCTP) | not served, reported |
 //!
+//! Both Services are dual-stack (an IPv6 ClusterIP and an IPv6
+//! EndpointSlice of the same pods, the node's IPv6 address as a second
+//! `--node-ip`), and the same three paths are probed over IPv6:
+//!
+//! | mode | over IPv6 |
+//! |---|---|
+//! | iptables | every backend (ip6tables) |
+//! | nftables | every backend (the `ip6` table) |
+//! | ipvs | every backend (IPv6 virtual servers) |
+//! | ebpf | not served, reported: the programs do not translate IPv6 SCTP yet, and the kernel fallback table is IPv4 only |
+//! | userspace | not served, reported |
+//!
 //! The host kernel of this project has no SCTP (no `sctp` module): there
 //! every test says so and skips (with `XPROXY_PRIVILEGED_TESTS=1` too: it
 //! is the kernel, not the privileges). `cargo xtask vm --kernel 6.1
 //! --tests sctp` runs them in the guest, which loads `sctp` and `xt_sctp`.
 
 use std::{
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4},
     time::Duration,
 };
 
@@ -29,14 +41,19 @@ use anyhow::{Result, ensure};
 use serde_json::Value;
 use testbed::{
     agent_bed::{AgentBed, Mode, READY_WITHIN, SKIPPED, on_own_bed},
-    fixtures::{PortDef, backend_ips, on_node, service_with, slice_with, yaml_documents},
+    fixtures::{
+        NODE_NAME, PortDef, backend_ips, backend_ips6, dual_stack, on_node, service_with, slice_with, slice6_with,
+        yaml_documents,
+    },
     netns::{self, Netns},
     probe::{Checks, Outcome, Protocol, REQUEST_TIMEOUT, expect_all_backends},
-    topology::{NODE_IP, TARGET_PORT},
+    topology::{NODE_IP, NODE_IP6, TARGET_PORT},
 };
 
 const SAME_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 3, 10);
 const NODE_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 3, 11);
+const SAME_CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 3, 0x10);
+const NODE_CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 3, 0x11);
 const NODE_SERVICE_PORT: u16 = 88;
 const NODE_PORT: u16 = 30832;
 const MANIFEST: &str = "sctp.yaml";
@@ -55,13 +72,22 @@ const fn sctp_port(port: u16, node_port: Option<u16>) -> PortDef {
 /// The two Services and their EndpointSlices (the bed's three pods).
 fn objects() -> Vec<Value> {
     let endpoints = on_node(&backend_ips());
+    let endpoints6: Vec<(Ipv6Addr, &str)> = backend_ips6().into_iter().map(|ip| (ip, NODE_NAME)).collect();
     let same = [sctp_port(TARGET_PORT, None)];
     let node = [sctp_port(NODE_SERVICE_PORT, Some(NODE_PORT))];
     vec![
-        service_with("sctp-same", SAME_CLUSTER_IP, &same, None),
+        dual_stack(
+            service_with("sctp-same", SAME_CLUSTER_IP, &same, None),
+            SAME_CLUSTER_IP6,
+        ),
         slice_with("sctp-same-1", "sctp-same", &same, &endpoints),
-        service_with("sctp-node", NODE_CLUSTER_IP, &node, None),
+        slice6_with("sctp-same-6", "sctp-same", &same, &endpoints6),
+        dual_stack(
+            service_with("sctp-node", NODE_CLUSTER_IP, &node, None),
+            NODE_CLUSTER_IP6,
+        ),
         slice_with("sctp-node-1", "sctp-node", &node, &endpoints),
+        slice6_with("sctp-node-6", "sctp-node", &node, &endpoints6),
     ]
 }
 
@@ -98,35 +124,62 @@ fn scenario(mode: Mode, bed: &mut AgentBed, checks: &mut Checks) -> Result<()> {
         pod.ns.serve_sctp(TARGET_PORT, pod.name)?;
     }
     bed.write_manifest(MANIFEST, &yaml_documents(&objects()))?;
-    let args = bed.manifest_args();
+    let mut args = bed.manifest_args();
+    // Beside the IPv4 one the bed passes.
+    args.extend(["--node-ip".to_owned(), NODE_IP6.to_string()]);
     bed.start_agent_in(mode.name(), &args)?;
     bed.wait_first_sync(READY_WITHIN)?;
     let same = at(SAME_CLUSTER_IP, TARGET_PORT);
     let node_port = at(NODE_IP, NODE_PORT);
     let node_cluster_ip = at(NODE_CLUSTER_IP, NODE_SERVICE_PORT);
     let (client, pod) = (&bed.topo.client, &bed.topo.client_pod.ns);
+    let paths = |family: &str, same, node_port, node_cluster_ip| {
+        [
+            (format!("same-port ClusterIP from a pod{family}"), pod, same),
+            (format!("NodePort from outside{family}"), client, node_port),
+            (
+                format!("port-changing ClusterIP from a pod{family}"),
+                pod,
+                node_cluster_ip,
+            ),
+        ]
+    };
+    let ipv4 = paths("", same.into(), node_port.into(), node_cluster_ip.into());
+    let ipv6: [(String, &Netns, SocketAddr); 3] = paths(
+        " (IPv6)",
+        SocketAddr::new(SAME_CLUSTER_IP6.into(), TARGET_PORT),
+        SocketAddr::new(NODE_IP6.into(), NODE_PORT),
+        SocketAddr::new(NODE_CLUSTER_IP6.into(), NODE_SERVICE_PORT),
+    );
     match mode {
         Mode::Userspace => {
-            for (from, to) in [(pod, same), (client, node_port), (pod, node_cluster_ip)] {
-                checks.check(&format!("{to}: not served"), expect_no_backend(from, to));
+            for (what, from, to) in ipv4.iter().chain(&ipv6) {
+                checks.check(&format!("{what}: {to} not served"), expect_no_backend(from, *to));
             }
-            checks.check("reported", expect_reported(bed, 2.0));
+            // Two ports, each in two families.
+            checks.check("reported", expect_reported(bed, 4.0));
         }
         Mode::Ebpf | Mode::Iptables | Mode::Nftables | Mode::Ipvs => {
-            wait_answering(pod, same)?;
-            checks.check(
-                "same-port ClusterIP from a pod",
-                expect_all_backends(pod, Protocol::Sctp, same),
-            );
-            checks.check(
-                "NodePort from outside",
-                expect_all_backends(client, Protocol::Sctp, node_port),
-            );
-            checks.check(
-                "port-changing ClusterIP from a pod",
-                expect_all_backends(pod, Protocol::Sctp, node_cluster_ip),
-            );
+            wait_answering(pod, same.into())?;
+            for (what, from, to) in &ipv4 {
+                checks.check(what, expect_all_backends(from, Protocol::Sctp, *to));
+            }
         }
+    }
+    match mode {
+        Mode::Iptables | Mode::Nftables | Mode::Ipvs => {
+            wait_answering(pod, ipv6[0].2)?;
+            for (what, from, to) in &ipv6 {
+                checks.check(what, expect_all_backends(from, Protocol::Sctp, *to));
+            }
+        }
+        Mode::Ebpf => {
+            for (what, from, to) in &ipv6 {
+                checks.check(&format!("{what}: {to} not served"), expect_no_backend(from, *to));
+            }
+            checks.check("IPv6 SCTP ports reported", expect_reported(bed, 2.0));
+        }
+        Mode::Userspace => {}
     }
     if mode == Mode::Ebpf {
         checks.check(
@@ -151,7 +204,7 @@ fn expect_fallback(node: &Netns) -> Result<String> {
 
 /// Waits until an SCTP association to `to` from `from` is answered (the
 /// first sync may be a moment behind the metric).
-fn wait_answering(from: &Netns, to: SocketAddrV4) -> Result<()> {
+fn wait_answering(from: &Netns, to: SocketAddr) -> Result<()> {
     netns::wait_for(&format!("{to} to answer over SCTP"), READY_WITHIN, || {
         match from.sctp_request(to, REQUEST_TIMEOUT) {
             Ok(Ok(_)) => Ok(()),
@@ -163,7 +216,7 @@ fn wait_answering(from: &Netns, to: SocketAddrV4) -> Result<()> {
 
 /// No backend answers `to` (as without a proxy: refused by the node's own
 /// SCTP stack, or nothing at all).
-fn expect_no_backend(from: &Netns, to: SocketAddrV4) -> Result<String> {
+fn expect_no_backend(from: &Netns, to: SocketAddr) -> Result<String> {
     let got = Outcome::of(from.sctp_request(to, Duration::from_secs(2))?);
     ensure!(!matches!(got, Outcome::Answered(_)), "answered: {got:?}");
     Ok(format!("{got:?}"))
