@@ -330,11 +330,7 @@ impl Dataplane for IptablesMode {
             .unwrap_or_default();
         let missing: Vec<rules::Jump> = jumps(&self.opts)
             .into_iter()
-            .filter(|jump| {
-                !saved
-                    .table(jump.table)
-                    .is_some_and(|t| t.rules.iter().any(|r| jump.matches_saved(r)))
-            })
+            .filter(|jump| !saved.holds_rule(jump.table, |r| jump.matches_saved(r)))
             .collect();
         let ours_now = owned_lines(&saved, chains::is_ours);
         let unchanged = self

@@ -53,6 +53,7 @@ use super::chains::{self, PortChains, endpoint_string, sep_chain};
 use crate::{
     mode::options::LocalTraffic,
     model::{Endpoint, EndpointSets, IpFamily, ServicePort},
+    sys::iptables::is_saved_jump,
 };
 
 /// The match for "not from a local pod".
@@ -179,9 +180,7 @@ impl Jump {
     /// Whether the saved rule `-A FROM ...` is this jump (as iptables-save
     /// prints it: same chain, target and comment).
     pub fn matches_saved(&self, saved: &str) -> bool {
-        saved.starts_with(&format!("-A {} ", self.from))
-            && saved.ends_with(&format!(" -j {}", self.to))
-            && (self.comment.is_empty() || saved.contains(self.comment))
+        is_saved_jump(saved, self.from, self.to, self.comment)
     }
 }
 

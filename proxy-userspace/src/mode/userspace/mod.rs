@@ -92,11 +92,7 @@ impl RuleWriter {
         let saved = Saved::parse(&self.iptables.save().context("reading the current rules")?);
         let missing = JUMPS
             .into_iter()
-            .filter(|jump| {
-                !saved
-                    .table(jump.table)
-                    .is_some_and(|t| t.rules.iter().any(|r| jump.matches_saved(r)))
-            })
+            .filter(|jump| !saved.holds_rule(jump.table, |r| jump.matches_saved(r)))
             .collect();
         Ok((saved, missing))
     }

@@ -43,6 +43,7 @@ use crate::{
     config::{self, Cidr, Config},
     mode::options::NodePortScope,
     model::{IpFamily, ServicePort},
+    sys::iptables::is_saved_jump,
 };
 
 /// nat, from PREROUTING: ClusterIP traffic from pods and from outside.
@@ -100,9 +101,7 @@ impl Jump {
 
     /// Whether the saved rule `-A ...` is this jump.
     pub fn matches_saved(&self, saved: &str) -> bool {
-        saved.starts_with(&format!("-A {} ", self.from))
-            && saved.ends_with(&format!(" -j {}", self.to))
-            && saved.contains(self.comment)
+        is_saved_jump(saved, self.from, self.to, self.comment)
     }
 }
 
