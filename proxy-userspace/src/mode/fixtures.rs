@@ -1,8 +1,20 @@
-//! Service ports the modes' unit tests share.
+//! Service ports and configuration the modes' unit tests share.
 
 use std::net::Ipv4Addr;
 
-use crate::model::{Endpoint, ServicePort};
+use crate::{
+    config::{Config, Environment, RunFlags, resolve},
+    model::{Endpoint, ServicePort},
+};
+
+/// kube-proxy's defaults for the node `node`, no node IP known.
+pub fn default_config() -> Config {
+    let env = Environment {
+        kubeconfig: None,
+        hostname: Some("node".into()),
+    };
+    resolve(&RunFlags::default(), None, &env).expect("resolve").config
+}
 
 /// A port of `default/NAME` on 10.96.1.IP:80 with ready endpoints
 /// `(last octet, node)`: 10.244.1.x on node-a, 10.244.2.x on node-b.

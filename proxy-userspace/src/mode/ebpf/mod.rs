@@ -99,7 +99,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 pub use write_batch::{Split, SplitStaged, Step, Table};
 
-use super::{Dataplane, Plan, SyncedChange, unhonoured::Unhonoured};
+use super::{Dataplane, Plan, SyncedChange, options::local_node_port_ips, unhonoured::Unhonoured};
 use crate::{
     config::{Cidr, Config, XdpPolicy},
     model::{IpFamily, LbAlgorithm, Problem, Protocol, ServicePort, ipv4},
@@ -294,21 +294,10 @@ impl EbpfMode {
 /// inside nodePortAddresses, or, without it, every one but loopback
 /// addresses, as kube-proxy's `addrtype LOCAL` (the node's own connections
 /// to 127.0.0.1 are the socket programs'; no packet from outside comes to
-/// it). IPv6 link-local addresses never: one is only an address with its
-/// link's scope, which a frontend key has no room for, and a client off the
-/// link cannot reach it. Sorted, so that two listings compare.
+/// it); never an IPv6 link-local one (see [`local_node_port_ips`]).
 fn node_port_ips(local: impl IntoIterator<Item = IpAddr>, cidrs: Option<&[Cidr]>) -> Vec<IpAddr> {
-    let mut ips: Vec<IpAddr> = local
-        .into_iter()
-        .filter(|ip| !matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local()))
-        .filter(|ip| match cidrs {
-            Some(cidrs) => cidrs.iter().any(|c| c.contains(*ip)),
-            None => !ip.is_loopback(),
-        })
-        .collect();
-    ips.sort_unstable();
-    ips.dedup();
-    ips
+    let usable = local.into_iter().filter(|ip| cidrs.is_some() || !ip.is_loopback());
+    local_node_port_ips(usable, cidrs)
 }
 
 /// Attaches the socket programs that take the node's own connections to

@@ -435,7 +435,11 @@ pub fn rule_options(config: &Config) -> (RuleOptions, Option<NodePortCidrs>) {
 /// addresses up in at every sync.
 fn node_port_destinations(config: &Config, family: IpFamily) -> (NodePortDestinations, Option<NodePortCidrs>) {
     match FamilyNodePorts::from_config(config, family) {
-        FamilyNodePorts::AllLocal { localhost } => (NodePortDestinations::AllLocal { localhost }, None),
+        // IPv6 has no `route_localnet`: `::1` cannot be DNATed away.
+        FamilyNodePorts::AllLocal { localhost } => {
+            let localhost = localhost && family == IpFamily::V4;
+            (NodePortDestinations::AllLocal { localhost }, None)
+        }
         FamilyNodePorts::NodeIps(ips) => (NodePortDestinations::Addresses(ips), None),
         FamilyNodePorts::Cidrs(cidrs) => {
             let cidrs = NodePortCidrs {
