@@ -4,7 +4,7 @@ use std::net::Ipv4Addr;
 
 use crate::{
     config::{Config, Environment, RunFlags, resolve},
-    model::{Endpoint, ServicePort},
+    model::{Endpoint, Protocol, ServicePort},
 };
 
 /// kube-proxy's defaults for the node `node`, no node IP known.
@@ -34,6 +34,20 @@ pub fn policy_port(name: &str, ip: u8, node_port: Option<u16>, endpoints: &[(u8,
                 }
             })
             .collect(),
+        ..ServicePort::default()
+    }
+}
+
+/// The seed Service's port: `default/nginx-service`, TCP
+/// 10.96.0.88:88, NodePort 30791, with `endpoints`.
+pub fn seed_port(endpoints: Vec<Endpoint>) -> ServicePort {
+    ServicePort {
+        name: "default/nginx-service".into(),
+        protocol: Protocol::Tcp,
+        cluster_ip: Ipv4Addr::new(10, 96, 0, 88).into(),
+        port: 88,
+        node_port: Some(30791),
+        endpoints,
         ..ServicePort::default()
     }
 }

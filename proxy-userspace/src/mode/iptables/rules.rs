@@ -926,22 +926,16 @@ mod tests {
 
     use super::*;
     use crate::{
-        mode::fixtures::policy_port,
+        mode::fixtures::{self, policy_port},
         model::{Endpoint, Protocol, SourceRange},
     };
 
     fn seed_port() -> ServicePort {
-        ServicePort {
-            name: "default/nginx-service".into(),
-            protocol: Protocol::Tcp,
-            cluster_ip: Ipv4Addr::new(10, 96, 0, 88).into(),
-            port: 88,
-            node_port: Some(30791),
-            endpoints: (11..=13)
+        fixtures::seed_port(
+            (11..=13)
                 .map(|i| Endpoint::ready(Ipv4Addr::new(10, 244, 0, i), 80))
                 .collect(),
-            ..ServicePort::default()
-        }
+        )
     }
 
     fn state(ports: &[ServicePort]) -> BTreeMap<String, ServicePort> {
