@@ -1,9 +1,9 @@
 //! Service ports and configuration the modes' unit tests share.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use crate::{
-    config::{Config, Environment, RunFlags, resolve},
+    config::{Cidr, Config, Environment, RunFlags, resolve},
     model::{Endpoint, Protocol, ServicePort},
 };
 
@@ -50,4 +50,12 @@ pub fn seed_port(endpoints: Vec<Endpoint>) -> ServicePort {
         endpoints,
         ..ServicePort::default()
     }
+}
+
+pub fn cidr(text: &str) -> Cidr {
+    text.parse().expect("cidr")
+}
+
+pub fn ips(texts: &[&str]) -> Vec<IpAddr> {
+    texts.iter().map(|t| t.parse().expect("an address")).collect()
 }

@@ -143,15 +143,7 @@ pub fn local_node_port_ips(local: impl IntoIterator<Item = IpAddr>, cidrs: Optio
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mode::fixtures::default_config;
-
-    fn cidr(text: &str) -> Cidr {
-        text.parse().expect("cidr")
-    }
-
-    fn ips(texts: &[&str]) -> Vec<IpAddr> {
-        texts.iter().map(|t| t.parse().expect("an address")).collect()
-    }
+    use crate::mode::fixtures::{cidr, default_config, ips};
 
     #[test]
     fn local_traffic_follows_detect_local_mode() {

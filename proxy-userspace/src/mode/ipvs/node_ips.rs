@@ -80,15 +80,10 @@ fn select(local: impl Iterator<Item = IpAddr>, cidrs: Option<&[Cidr]>) -> Vec<Ip
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{config, mode::fixtures::default_config};
-
-    fn cidr(text: &str) -> Cidr {
-        text.parse().expect("cidr")
-    }
-
-    fn ips(texts: &[&str]) -> Vec<IpAddr> {
-        texts.iter().map(|t| t.parse().expect("an address")).collect()
-    }
+    use crate::{
+        config,
+        mode::fixtures::{cidr, default_config, ips},
+    };
 
     /// On top of [`local_node_port_ips`]: never loopback or `::`, even
     /// inside the networks.
