@@ -1,8 +1,20 @@
-//! Service ports the modes' unit tests share.
+//! Service ports and configuration the modes' unit tests share.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
-use crate::model::{Endpoint, ServicePort};
+use crate::{
+    config::{Cidr, Config, Environment, RunFlags, resolve},
+    model::{Endpoint, Protocol, ServicePort},
+};
+
+/// kube-proxy's defaults for the node `node`, no node IP known.
+pub fn default_config() -> Config {
+    let env = Environment {
+        kubeconfig: None,
+        hostname: Some("node".into()),
+    };
+    resolve(&RunFlags::default(), None, &env).expect("resolve").config
+}
 
 /// A port of `default/NAME` on 10.96.1.IP:80 with ready endpoints
 /// `(last octet, node)`: 10.244.1.x on node-a, 10.244.2.x on node-b.
@@ -24,4 +36,26 @@ pub fn policy_port(name: &str, ip: u8, node_port: Option<u16>, endpoints: &[(u8,
             .collect(),
         ..ServicePort::default()
     }
+}
+
+/// The seed Service's port: `default/nginx-service`, TCP
+/// 10.96.0.88:88, NodePort 30791, with `endpoints`.
+pub fn seed_port(endpoints: Vec<Endpoint>) -> ServicePort {
+    ServicePort {
+        name: "default/nginx-service".into(),
+        protocol: Protocol::Tcp,
+        cluster_ip: Ipv4Addr::new(10, 96, 0, 88).into(),
+        port: 88,
+        node_port: Some(30791),
+        endpoints,
+        ..ServicePort::default()
+    }
+}
+
+pub fn cidr(text: &str) -> Cidr {
+    text.parse().expect("cidr")
+}
+
+pub fn ips(texts: &[&str]) -> Vec<IpAddr> {
+    texts.iter().map(|t| t.parse().expect("an address")).collect()
 }

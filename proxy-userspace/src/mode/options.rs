@@ -1,17 +1,16 @@
-//! What the rule-writing modes (iptables, nftables) read from the
-//! configuration in the same way: which traffic comes from this node's pods
+//! What the modes read from the configuration in the same way: which traffic comes from this node's pods
 //! (kube-proxy's `detectLocalMode`, [`LocalTraffic`]) and where NodePorts
-//! answer (`nodePortAddresses`, [`NodePortScope`]). Each mode renders these
-//! in its own language (an iptables match, an nft expression) next to its
-//! rules.
+//! answer (`nodePortAddresses`, [`FamilyNodePorts`], for every mode). Each
+//! mode renders these in its own language (an iptables match, an nft
+//! expression, IPVS virtual servers) next to its rules.
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 
 use tracing::warn;
 
 use crate::{
     config::{Cidr, Config, DetectLocal, NodePortAddresses},
-    model::{IpFamily, ipv4},
+    model::IpFamily,
 };
 
 /// How traffic from this node's pods is recognised (kube-proxy's
@@ -57,39 +56,6 @@ impl LocalTraffic {
     }
 }
 
-/// Where NodePorts answer, as the configuration puts it (kube-proxy's
-/// `nodePortAddresses`, IPv4 only). A mode turns this into its own match:
-/// the iptables mode resolves networks to the local addresses in them at
-/// every sync, the nftables mode lets the kernel check them per packet.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum NodePortScope {
-    /// Every local address; 127.0.0.0/8 too if `localhost` and the mode can
-    /// (`iptables.localhostNodePorts`; false when this stands in for
-    /// `[primary]` without a known node IP).
-    AllLocal { localhost: bool },
-    /// The node's IPv4 addresses (`[primary]`); never empty.
-    NodeIps(Vec<Ipv4Addr>),
-    /// Local addresses inside these IPv4 networks; may be empty (then
-    /// NodePorts answer nowhere).
-    Cidrs(Vec<Cidr>),
-}
-
-impl NodePortScope {
-    /// What `config` asks for, warning about what cannot be honoured.
-    pub fn from_config(config: &Config) -> Self {
-        match FamilyNodePorts::from_config(config, IpFamily::V4) {
-            FamilyNodePorts::AllLocal { localhost } => NodePortScope::AllLocal { localhost },
-            FamilyNodePorts::NodeIps(ips) => NodePortScope::NodeIps(ips.into_iter().filter_map(ipv4).collect()),
-            FamilyNodePorts::Cidrs(v4) => {
-                if v4.is_empty() {
-                    warn!(cidrs = ?config.node_port_addresses, "no IPv4 network in nodePortAddresses: NodePorts answer nowhere");
-                }
-                NodePortScope::Cidrs(v4)
-            }
-        }
-    }
-}
-
 /// The node's configured addresses of `family` (`--node-ip`, or those
 /// found at start).
 pub fn node_ips_of(config: &Config, family: IpFamily) -> Vec<IpAddr> {
@@ -101,16 +67,22 @@ pub fn node_ips_of(config: &Config, family: IpFamily) -> Vec<IpAddr> {
         .collect()
 }
 
-/// [`NodePortScope`] for the rules of one family, as kube-proxy's proxier
-/// of that family reads `nodePortAddresses`: that family's node IPs and
-/// networks; localhost only for IPv4 (IPv6 has no `route_localnet`).
+/// Where the NodePorts of one family answer, as kube-proxy's proxier of
+/// that family reads `nodePortAddresses`: that family's node IPs and
+/// networks. Every mode starts from this and turns it into its own match
+/// (the iptables mode resolves networks to the local addresses in them at
+/// every sync, the nftables mode lets the kernel check them per packet).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FamilyNodePorts {
-    /// Every local address of the family; 127.0.0.0/8 too if `localhost`.
+    /// Every local address of the family; loopback too if `localhost`
+    /// (`iptables.localhostNodePorts`, a mode answering there if it can:
+    /// the iptables mode only for IPv4, which has `route_localnet`; false
+    /// when this stands in for `[primary]` without a node IP).
     AllLocal { localhost: bool },
     /// The node's addresses of the family (`[primary]`); never empty.
     NodeIps(Vec<IpAddr>),
-    /// Local addresses inside these networks of the family; may be empty.
+    /// Local addresses inside these networks of the family; may be empty
+    /// (then the family's NodePorts answer nowhere).
     Cidrs(Vec<Cidr>),
 }
 
@@ -118,10 +90,9 @@ impl FamilyNodePorts {
     /// What `config` asks of the rules of `family`, warning about what
     /// cannot be honoured.
     pub fn from_config(config: &Config, family: IpFamily) -> Self {
-        let of_family = |ip: &IpAddr| IpFamily::of(*ip) == family;
         match &config.node_port_addresses {
             NodePortAddresses::All => FamilyNodePorts::AllLocal {
-                localhost: config.localhost_node_ports && family == IpFamily::V4,
+                localhost: config.localhost_node_ports,
             },
             NodePortAddresses::Primary => {
                 let ips = node_ips_of(config, family);
@@ -136,33 +107,47 @@ impl FamilyNodePorts {
                 }
             }
             NodePortAddresses::Cidrs(cidrs) => {
-                FamilyNodePorts::Cidrs(cidrs.iter().filter(|c| of_family(&c.addr())).copied().collect())
+                let of_family: Vec<Cidr> = cidrs
+                    .iter()
+                    .filter(|c| IpFamily::of(c.addr()) == family)
+                    .copied()
+                    .collect();
+                if of_family.is_empty() {
+                    warn!(
+                        ?cidrs,
+                        "no {family:?} network in nodePortAddresses: its NodePorts answer nowhere"
+                    );
+                }
+                FamilyNodePorts::Cidrs(of_family)
             }
         }
     }
 }
 
+/// The addresses of the node's `local` ones that can take NodePorts,
+/// inside `cidrs` (all of them if `None`): IPv6 link-local ones never (an
+/// `fe80::` address means nothing without its link, which neither a
+/// frontend key nor a virtual server can name, and a client off the link
+/// cannot reach it). Sorted and distinct, so that two listings compare.
+pub fn local_node_port_ips(local: impl IntoIterator<Item = IpAddr>, cidrs: Option<&[Cidr]>) -> Vec<IpAddr> {
+    let mut ips: Vec<IpAddr> = local
+        .into_iter()
+        .filter(|ip| !matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local()))
+        .filter(|ip| cidrs.is_none_or(|cidrs| cidrs.iter().any(|c| c.contains(*ip))))
+        .collect();
+    ips.sort_unstable();
+    ips.dedup();
+    ips
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Environment, RunFlags, resolve};
-
-    /// kube-proxy's defaults, no node IP known.
-    fn defaults() -> Config {
-        let env = Environment {
-            kubeconfig: None,
-            hostname: Some("node".into()),
-        };
-        resolve(&RunFlags::default(), None, &env).expect("resolve").config
-    }
-
-    fn cidr(text: &str) -> Cidr {
-        text.parse().expect("cidr")
-    }
+    use crate::mode::fixtures::{cidr, default_config, ips};
 
     #[test]
     fn local_traffic_follows_detect_local_mode() {
-        let mut config = defaults();
+        let mut config = default_config();
         assert_eq!(LocalTraffic::from_config(&config, "test"), None, "no cluster CIDR");
         config.cluster_cidrs = vec![cidr("fd00:10:244::/56"), cidr("10.244.0.0/16")];
         assert_eq!(
@@ -189,52 +174,41 @@ mod tests {
     }
 
     #[test]
-    fn node_port_scope_follows_node_port_addresses() {
-        let mut config = defaults();
-        assert_eq!(
-            NodePortScope::from_config(&config),
-            NodePortScope::AllLocal { localhost: true }
-        );
+    fn ipv4_node_ports_follow_node_port_addresses() {
+        let v4 = |config: &Config| FamilyNodePorts::from_config(config, IpFamily::V4);
+        let mut config = default_config();
+        assert_eq!(v4(&config), FamilyNodePorts::AllLocal { localhost: true });
         config.localhost_node_ports = false;
-        assert_eq!(
-            NodePortScope::from_config(&config),
-            NodePortScope::AllLocal { localhost: false }
-        );
+        assert_eq!(v4(&config), FamilyNodePorts::AllLocal { localhost: false });
         config.localhost_node_ports = true;
         config.node_port_addresses = NodePortAddresses::Primary;
         assert_eq!(
-            NodePortScope::from_config(&config),
-            NodePortScope::AllLocal { localhost: false },
+            v4(&config),
+            FamilyNodePorts::AllLocal { localhost: false },
             "[primary] without a node IP: every local address but localhost"
         );
-        config.node_ips = vec!["fd00::2".parse().expect("ip"), "172.30.0.2".parse().expect("ip")];
-        assert_eq!(
-            NodePortScope::from_config(&config),
-            NodePortScope::NodeIps(vec![Ipv4Addr::new(172, 30, 0, 2)])
-        );
+        config.node_ips = ips(&["fd00::2", "172.30.0.2"]);
+        assert_eq!(v4(&config), FamilyNodePorts::NodeIps(ips(&["172.30.0.2"])));
         config.node_port_addresses = NodePortAddresses::Cidrs(vec![cidr("fd00::/64"), cidr("172.30.0.0/24")]);
-        assert_eq!(
-            NodePortScope::from_config(&config),
-            NodePortScope::Cidrs(vec![cidr("172.30.0.0/24")])
-        );
+        assert_eq!(v4(&config), FamilyNodePorts::Cidrs(vec![cidr("172.30.0.0/24")]));
         config.node_port_addresses = NodePortAddresses::Cidrs(vec![cidr("fd00::/64")]);
-        assert_eq!(NodePortScope::from_config(&config), NodePortScope::Cidrs(vec![]));
+        assert_eq!(v4(&config), FamilyNodePorts::Cidrs(vec![]));
     }
 
-    /// The IPv6 rules: the IPv6 node IPs and networks, never localhost.
+    /// The IPv6 rules: the IPv6 node IPs and networks. Whether loopback
+    /// answers is the mode's to decide, as for IPv4.
     #[test]
     fn family_node_ports_take_the_familys_addresses() {
-        let mut config = defaults();
+        let mut config = default_config();
         assert_eq!(
             FamilyNodePorts::from_config(&config, IpFamily::V6),
-            FamilyNodePorts::AllLocal { localhost: false },
-            "localhostNodePorts is IPv4 only"
+            FamilyNodePorts::AllLocal { localhost: true }
         );
         config.node_port_addresses = NodePortAddresses::Primary;
-        config.node_ips = vec!["fd00::2".parse().expect("ip"), "172.30.0.2".parse().expect("ip")];
+        config.node_ips = ips(&["fd00::2", "172.30.0.2"]);
         assert_eq!(
             FamilyNodePorts::from_config(&config, IpFamily::V6),
-            FamilyNodePorts::NodeIps(vec!["fd00::2".parse().expect("ip")])
+            FamilyNodePorts::NodeIps(ips(&["fd00::2"]))
         );
         config.node_port_addresses = NodePortAddresses::Cidrs(vec![cidr("fd00::/64"), cidr("172.30.0.0/24")]);
         assert_eq!(
@@ -246,6 +220,43 @@ mod tests {
         assert_eq!(
             LocalTraffic::for_family(&config, "test", IpFamily::V6),
             Some(LocalTraffic::Cidr(cidr("fd00:10:244::/56")))
+        );
+    }
+
+    #[test]
+    fn local_node_port_ips_leave_out_link_local_and_other_networks() {
+        let local = ips(&[
+            "10.0.0.2",
+            "127.0.0.1",
+            "10.244.1.1",
+            "192.168.5.5",
+            "10.0.0.2",
+            "::1",
+            "fe80::1",
+            "fd00:30::2",
+        ]);
+        assert_eq!(
+            local_node_port_ips(local.clone(), None),
+            ips(&[
+                "10.0.0.2",
+                "10.244.1.1",
+                "127.0.0.1",
+                "192.168.5.5",
+                "::1",
+                "fd00:30::2"
+            ]),
+            "every address but IPv6 link-local ones, once each, sorted"
+        );
+        let cidrs = [
+            cidr("10.0.0.0/24"),
+            cidr("127.0.0.0/8"),
+            cidr("fe80::/10"),
+            cidr("fd00:30::/64"),
+        ];
+        assert_eq!(
+            local_node_port_ips(local, Some(&cidrs)),
+            ips(&["10.0.0.2", "127.0.0.1", "fd00:30::2"]),
+            "only those inside the networks, never a link-local one"
         );
     }
 }

@@ -141,6 +141,20 @@ impl Saved {
     pub fn table(&self, name: &str) -> Option<&SavedTable> {
         self.tables.get(name)
     }
+
+    /// Whether some rule of `table` is one `is` recognises.
+    pub fn holds_rule(&self, table: &str, is: impl Fn(&str) -> bool) -> bool {
+        self.table(table).is_some_and(|t| t.rules.iter().any(|r| is(r)))
+    }
+}
+
+/// Whether the saved rule `-A FROM ...` is the jump from `from` to `to`
+/// carrying `comment` (any comment if ""), as iptables-save prints it: the
+/// matches in between may be spelled differently from what was written.
+pub fn is_saved_jump(saved: &str, from: &str, to: &str, comment: &str) -> bool {
+    saved.starts_with(&format!("-A {from} "))
+        && saved.ends_with(&format!(" -j {to}"))
+        && (comment.is_empty() || saved.contains(comment))
 }
 
 /// The chain a saved `-A CHAIN ...` rule is in.

@@ -8,6 +8,8 @@
 pub mod addrs;
 pub mod conntrack;
 #[cfg(test)]
+pub mod fake_iptables;
+#[cfg(test)]
 pub mod fresh_netns;
 pub mod ipset;
 pub mod iptables;

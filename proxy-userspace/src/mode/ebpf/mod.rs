@@ -99,7 +99,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 pub use write_batch::{Split, SplitStaged, Step, Table};
 
-use super::{Dataplane, Plan, SyncedChange, unhonoured::Unhonoured};
+use super::{Dataplane, Plan, SyncedChange, options::local_node_port_ips, unhonoured::Unhonoured};
 use crate::{
     config::{Cidr, Config, XdpPolicy},
     model::{IpFamily, LbAlgorithm, Problem, Protocol, ServicePort, ipv4},
@@ -109,9 +109,11 @@ use crate::{
 #[derive(Clone, Debug)]
 pub struct EbpfOptions {
     pub pin_path: PathBuf,
-    /// The node's IPv4 addresses, which the uplinks carry (NodePorts answer
-    /// on every local address of both families, see [`node_port_ips`]).
-    /// If empty, the uplinks are those named in `interfaces`.
+    /// The node's IPv4 addresses (`--node-ip`): the uplinks are the
+    /// interfaces carrying them unless `interfaces` names others, and the
+    /// first is where the socket programs' replies come from. Not where
+    /// NodePorts answer (local addresses of both families, see
+    /// [`node_port_ips`]). If empty, `interfaces` must name the uplinks.
     pub node_ips: Vec<Ipv4Addr>,
     /// Uplinks by name; if empty, the interfaces carrying `node_ips`.
     pub interfaces: Vec<String>,
@@ -181,7 +183,7 @@ pub struct EbpfMode {
     /// Asks that task to look for pod interfaces without programs.
     rescan_pods: mpsc::Sender<()>,
     /// The addresses NodePorts answer on (see [`node_port_ips`]).
-    node_ips: Vec<IpAddr>,
+    node_port_ips: Vec<IpAddr>,
     /// See [`EbpfOptions::node_port_cidrs`].
     node_port_cidrs: Option<Vec<Cidr>>,
     pin_path: PathBuf,
@@ -265,7 +267,7 @@ impl EbpfMode {
             maps,
             datapath,
             rescan_pods,
-            node_ips,
+            node_port_ips: node_ips,
             node_port_cidrs: opts.node_port_cidrs.clone(),
             pin_path: opts.pin_path.clone(),
             snat_ports: opts.snat_ports.clone(),
@@ -294,21 +296,10 @@ impl EbpfMode {
 /// inside nodePortAddresses, or, without it, every one but loopback
 /// addresses, as kube-proxy's `addrtype LOCAL` (the node's own connections
 /// to 127.0.0.1 are the socket programs'; no packet from outside comes to
-/// it). IPv6 link-local addresses never: one is only an address with its
-/// link's scope, which a frontend key has no room for, and a client off the
-/// link cannot reach it. Sorted, so that two listings compare.
+/// it); never an IPv6 link-local one (see [`local_node_port_ips`]).
 fn node_port_ips(local: impl IntoIterator<Item = IpAddr>, cidrs: Option<&[Cidr]>) -> Vec<IpAddr> {
-    let mut ips: Vec<IpAddr> = local
-        .into_iter()
-        .filter(|ip| !matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local()))
-        .filter(|ip| match cidrs {
-            Some(cidrs) => cidrs.iter().any(|c| c.contains(*ip)),
-            None => !ip.is_loopback(),
-        })
-        .collect();
-    ips.sort_unstable();
-    ips.dedup();
-    ips
+    let usable = local.into_iter().filter(|ip| cidrs.is_some() || !ip.is_loopback());
+    local_node_port_ips(usable, cidrs)
 }
 
 /// Attaches the socket programs that take the node's own connections to
@@ -504,10 +495,10 @@ impl EbpfMode {
             return;
         };
         let node_ips = node_port_ips(local, self.node_port_cidrs.as_deref());
-        if node_ips != self.node_ips {
-            info!(was = ?self.node_ips, now = ?node_ips, "node port addresses changed");
+        if node_ips != self.node_port_ips {
+            info!(was = ?self.node_port_ips, now = ?node_ips, "node port addresses changed");
             self.maps.set_node_ips(node_ips.clone());
-            self.node_ips = node_ips;
+            self.node_port_ips = node_ips;
         }
     }
 
@@ -613,7 +604,7 @@ impl Dataplane for EbpfMode {
         for port in &plan.upsert {
             self.sctp.set(&port.name, Some(port).filter(|p| !programs_translate(p)));
         }
-        self.sctp.sync(&ipv4_only(&self.node_ips))?;
+        self.sctp.sync(&ipv4_only(&self.node_port_ips))?;
         self.note_unhonoured(plan.upsert.iter());
         self.wait_for_pods();
         Ok(())
@@ -636,7 +627,7 @@ impl Dataplane for EbpfMode {
             Ok(())
         })?;
         self.sctp.replace(desired.values().filter(|p| !programs_translate(p)));
-        self.sctp.sync(&ipv4_only(&self.node_ips))?;
+        self.sctp.sync(&ipv4_only(&self.node_port_ips))?;
         self.note_unhonoured(desired.values());
         self.wait_for_pods();
         Ok(())

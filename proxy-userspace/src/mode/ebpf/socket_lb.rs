@@ -44,7 +44,11 @@ use super::{
     loader::{Datapath, open_pinned_link, pin_link},
     pinned_maps::{open, pinned},
 };
-use crate::{config::Config, mode::options::NodePortScope};
+use crate::{
+    config::Config,
+    mode::options::FamilyNodePorts,
+    model::{IpFamily, ipv4},
+};
 
 /// What the socket programs are attached to and which node addresses take
 /// node ports.
@@ -52,8 +56,9 @@ use crate::{config::Config, mode::options::NodePortScope};
 pub struct SocketLbOptions {
     /// The cgroup v2 directory; `None`: the root of the hierarchy.
     pub cgroup: Option<PathBuf>,
-    /// kube-proxy's `nodePortAddresses`.
-    pub scope: NodePortScope,
+    /// kube-proxy's `nodePortAddresses`, for IPv4 (the socket programs'
+    /// family).
+    pub scope: FamilyNodePorts,
     /// `iptables.localhostNodePorts`: node ports answer on `127.0.0.1`
     /// too (kube-proxy's iptables mode, the default, does; its nftables and
     /// IPVS modes do not). Only where `scope` takes loopback addresses.
@@ -64,7 +69,7 @@ impl SocketLbOptions {
     pub fn from_config(config: &Config) -> Self {
         Self {
             cgroup: config.socket_lb_cgroup.clone(),
-            scope: NodePortScope::from_config(config),
+            scope: FamilyNodePorts::from_config(config, IpFamily::V4),
             localhost: config.localhost_node_ports,
         }
     }
@@ -197,13 +202,13 @@ fn netns_cookie() -> Result<u64> {
 pub fn node_port_addresses(opts: &SocketLbOptions, local: &[Ipv4Addr]) -> BTreeSet<Ipv4Addr> {
     let loopback_ok = |ip: &Ipv4Addr| !ip.is_loopback() || opts.localhost;
     match &opts.scope {
-        NodePortScope::AllLocal { localhost } => local
+        FamilyNodePorts::AllLocal { localhost } => local
             .iter()
             .filter(|ip| !ip.is_loopback() || *localhost)
             .copied()
             .collect(),
-        NodePortScope::NodeIps(ips) => ips.iter().copied().collect(),
-        NodePortScope::Cidrs(cidrs) => local
+        FamilyNodePorts::NodeIps(ips) => ips.iter().copied().filter_map(ipv4).collect(),
+        FamilyNodePorts::Cidrs(cidrs) => local
             .iter()
             .filter(|ip| loopback_ok(ip) && cidrs.iter().any(|c| c.contains(IpAddr::V4(**ip))))
             .copied()
@@ -281,7 +286,7 @@ async fn sync_node_addrs(handle: &rtnetlink::Handle, pin_path: &Path, opts: &Soc
 mod tests {
     use super::*;
 
-    fn opts(scope: NodePortScope, localhost: bool) -> SocketLbOptions {
+    fn opts(scope: FamilyNodePorts, localhost: bool) -> SocketLbOptions {
         SocketLbOptions {
             cgroup: None,
             scope,
@@ -296,11 +301,11 @@ mod tests {
     #[test]
     fn node_port_addresses_follow_node_port_addresses_and_localhost_node_ports() {
         let local = [ip("127.0.0.1"), ip("172.30.0.2"), ip("10.1.0.5")];
-        let all = |localhost| node_port_addresses(&opts(NodePortScope::AllLocal { localhost }, true), &local);
+        let all = |localhost| node_port_addresses(&opts(FamilyNodePorts::AllLocal { localhost }, true), &local);
         assert_eq!(all(true), local.into_iter().collect());
         assert_eq!(all(false), [ip("172.30.0.2"), ip("10.1.0.5")].into_iter().collect());
         let cidrs = |localhost| {
-            let scope = NodePortScope::Cidrs(vec![
+            let scope = FamilyNodePorts::Cidrs(vec![
                 "127.0.0.0/8".parse().expect("cidr"),
                 "10.0.0.0/8".parse().expect("cidr"),
             ]);
@@ -308,7 +313,10 @@ mod tests {
         };
         assert_eq!(cidrs(true), [ip("127.0.0.1"), ip("10.1.0.5")].into_iter().collect());
         assert_eq!(cidrs(false), [ip("10.1.0.5")].into_iter().collect());
-        let primary = node_port_addresses(&opts(NodePortScope::NodeIps(vec![ip("172.30.0.2")]), true), &local);
+        let primary = node_port_addresses(
+            &opts(FamilyNodePorts::NodeIps(vec![ip("172.30.0.2").into()]), true),
+            &local,
+        );
         assert_eq!(primary, [ip("172.30.0.2")].into_iter().collect());
     }
 

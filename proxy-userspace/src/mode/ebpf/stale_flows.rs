@@ -67,24 +67,31 @@ where
 
 /// `(frontend, backend, protocol)` of an IPv4 flow, from either of its entries.
 fn ends(key: &CtKey, value: &CtValue) -> (Endpoint, Endpoint, u8) {
-    let nat = |(addr, port): (std::net::Ipv4Addr, u16)| (IpAddr::V4(addr), port);
-    if value.is_reply() {
-        (nat(value.nat()), nat((key.saddr(), key.sport())), key.proto)
-    } else {
-        (nat((key.daddr(), key.dport())), nat(value.nat()), key.proto)
-    }
+    let source = (key.saddr().into(), key.sport());
+    let destination = (key.daddr().into(), key.dport());
+    let (frontend, backend) = frontend_and_backend(source, destination, endpoint(value.nat()), value.is_reply());
+    (frontend, backend, key.proto)
 }
 
 /// `(frontend, backend, protocol)` of an IPv6 flow, from either of its entries.
 pub(super) fn ends6(key: &CtKey6, value: &CtValue6) -> (Endpoint, Endpoint, u8) {
-    let nat = |(addr, port): (std::net::Ipv6Addr, u16)| (IpAddr::V6(addr), port);
-    let (saddr, daddr) = (ipv6_of(key.saddr_be), ipv6_of(key.daddr_be));
-    let (sport, dport) = (u16::from_be(key.sport_be), u16::from_be(key.dport_be));
-    if value.is_reply() {
-        (nat(value.nat()), nat((saddr, sport)), key.proto)
-    } else {
-        (nat((daddr, dport)), nat(value.nat()), key.proto)
-    }
+    let source = (ipv6_of(key.saddr_be).into(), u16::from_be(key.sport_be));
+    let destination = (ipv6_of(key.daddr_be).into(), u16::from_be(key.dport_be));
+    let (frontend, backend) = frontend_and_backend(source, destination, endpoint(value.nat()), value.is_reply());
+    (frontend, backend, key.proto)
+}
+
+/// `(frontend, backend)` of a flow of either family, from one of its
+/// entries, keyed `source -> destination` and translated to `nat`: the
+/// forward entry is keyed client -> frontend and NATs to the backend, the
+/// reply entry is keyed backend -> client and NATs back to the frontend.
+fn frontend_and_backend(source: Endpoint, destination: Endpoint, nat: Endpoint, reply: bool) -> (Endpoint, Endpoint) {
+    if reply { (nat, source) } else { (destination, nat) }
+}
+
+/// An address of either family with its port.
+fn endpoint<A: Into<IpAddr>>((addr, port): (A, u16)) -> Endpoint {
+    (addr.into(), port)
 }
 
 /// Whether `backend` is among the backends the UDP frontend picks from

@@ -330,11 +330,7 @@ impl Dataplane for IptablesMode {
             .unwrap_or_default();
         let missing: Vec<rules::Jump> = jumps(&self.opts)
             .into_iter()
-            .filter(|jump| {
-                !saved
-                    .table(jump.table)
-                    .is_some_and(|t| t.rules.iter().any(|r| jump.matches_saved(r)))
-            })
+            .filter(|jump| !saved.holds_rule(jump.table, |r| jump.matches_saved(r)))
             .collect();
         let ours_now = owned_lines(&saved, chains::is_ours);
         let unchanged = self
@@ -439,7 +435,11 @@ pub fn rule_options(config: &Config) -> (RuleOptions, Option<NodePortCidrs>) {
 /// addresses up in at every sync.
 fn node_port_destinations(config: &Config, family: IpFamily) -> (NodePortDestinations, Option<NodePortCidrs>) {
     match FamilyNodePorts::from_config(config, family) {
-        FamilyNodePorts::AllLocal { localhost } => (NodePortDestinations::AllLocal { localhost }, None),
+        // IPv6 has no `route_localnet`: `::1` cannot be DNATed away.
+        FamilyNodePorts::AllLocal { localhost } => {
+            let localhost = localhost && family == IpFamily::V4;
+            (NodePortDestinations::AllLocal { localhost }, None)
+        }
         FamilyNodePorts::NodeIps(ips) => (NodePortDestinations::Addresses(ips), None),
         FamilyNodePorts::Cidrs(cidrs) => {
             let cidrs = NodePortCidrs {

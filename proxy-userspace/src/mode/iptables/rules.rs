@@ -53,6 +53,7 @@ use super::chains::{self, PortChains, endpoint_string, sep_chain};
 use crate::{
     mode::options::LocalTraffic,
     model::{Endpoint, EndpointSets, IpFamily, ServicePort},
+    sys::iptables::is_saved_jump,
 };
 
 /// The match for "not from a local pod".
@@ -179,9 +180,7 @@ impl Jump {
     /// Whether the saved rule `-A FROM ...` is this jump (as iptables-save
     /// prints it: same chain, target and comment).
     pub fn matches_saved(&self, saved: &str) -> bool {
-        saved.starts_with(&format!("-A {} ", self.from))
-            && saved.ends_with(&format!(" -j {}", self.to))
-            && (self.comment.is_empty() || saved.contains(self.comment))
+        is_saved_jump(saved, self.from, self.to, self.comment)
     }
 }
 
@@ -927,22 +926,16 @@ mod tests {
 
     use super::*;
     use crate::{
-        mode::fixtures::policy_port,
+        mode::fixtures::{self, policy_port},
         model::{Endpoint, Protocol, SourceRange},
     };
 
     fn seed_port() -> ServicePort {
-        ServicePort {
-            name: "default/nginx-service".into(),
-            protocol: Protocol::Tcp,
-            cluster_ip: Ipv4Addr::new(10, 96, 0, 88).into(),
-            port: 88,
-            node_port: Some(30791),
-            endpoints: (11..=13)
+        fixtures::seed_port(
+            (11..=13)
                 .map(|i| Endpoint::ready(Ipv4Addr::new(10, 244, 0, i), 80))
                 .collect(),
-            ..ServicePort::default()
-        }
+        )
     }
 
     fn state(ports: &[ServicePort]) -> BTreeMap<String, ServicePort> {

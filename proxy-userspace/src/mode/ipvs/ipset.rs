@@ -324,18 +324,10 @@ mod tests {
     use std::net::Ipv4Addr;
 
     use super::*;
-    use crate::model::Endpoint;
+    use crate::{mode::fixtures::seed_port, model::Endpoint};
 
     fn seed() -> ServicePort {
-        ServicePort {
-            name: "default/nginx-service".into(),
-            protocol: Protocol::Tcp,
-            cluster_ip: Ipv4Addr::new(10, 96, 0, 88).into(),
-            port: 88,
-            node_port: Some(30791),
-            endpoints: vec![Endpoint::ready(Ipv4Addr::new(10, 244, 0, 11), 80)],
-            ..ServicePort::default()
-        }
+        seed_port(vec![Endpoint::ready(Ipv4Addr::new(10, 244, 0, 11), 80)])
     }
 
     #[test]

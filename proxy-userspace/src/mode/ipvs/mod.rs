@@ -624,7 +624,10 @@ mod tests {
     use std::net::Ipv4Addr;
 
     use super::*;
-    use crate::model::{Endpoint, Protocol, last_octet};
+    use crate::{
+        mode::fixtures::seed_port as seed,
+        model::{Endpoint, Protocol, last_octet},
+    };
 
     fn endpoint(last: u8, ready: bool, serving: bool, terminating: bool) -> Endpoint {
         Endpoint {
@@ -632,18 +635,6 @@ mod tests {
             serving,
             terminating,
             ..Endpoint::ready(Ipv4Addr::new(10, 244, 0, last), 80)
-        }
-    }
-
-    fn seed(endpoints: Vec<Endpoint>) -> ServicePort {
-        ServicePort {
-            name: "default/nginx-service".into(),
-            protocol: Protocol::Tcp,
-            cluster_ip: Ipv4Addr::new(10, 96, 0, 88).into(),
-            port: 88,
-            node_port: Some(30791),
-            endpoints,
-            ..ServicePort::default()
         }
     }
 

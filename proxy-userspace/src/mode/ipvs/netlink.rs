@@ -309,6 +309,16 @@ impl Ipvs {
     }
 
     fn reals(&mut self, key: &VirtualKey) -> Result<BTreeMap<Real, u32>> {
+        self.dump_reals(key, parse_dest)
+    }
+
+    /// The real servers of `key`, each answer read by `parse` (given the
+    /// virtual server's address family); those it cannot read left out.
+    fn dump_reals<T, C: FromIterator<T>>(
+        &mut self,
+        key: &VirtualKey,
+        parse: impl Fn(&[u8], u16) -> Option<T>,
+    ) -> Result<C> {
         let mut message = Message::genl(self.family, IPVS_CMD_GET_DEST, IPVS_VERSION, NLM_F_REQUEST | NLM_F_DUMP);
         message.nested(IPVS_CMD_ATTR_SERVICE, |m| service_key(m, key));
         let answers = self
@@ -316,7 +326,7 @@ impl Ipvs {
             .request(&message)
             .with_context(|| format!("listing the real servers of {key}"))?;
         let af = family_of(key.addr);
-        Ok(answers.iter().filter_map(|a| parse_dest(a, af)).collect())
+        Ok(answers.iter().filter_map(|a| parse(a, af)).collect())
     }
 }
 

@@ -12,8 +12,9 @@ use anyhow::{Context, Result};
 
 use super::dummy::DUMMY;
 use crate::{
-    config::{self, Cidr, Config},
-    mode::options::NodePortScope,
+    config::{Cidr, Config},
+    mode::options::{FamilyNodePorts, local_node_port_ips},
+    model::IpFamily,
 };
 
 /// Where NodePorts answer.
@@ -27,32 +28,27 @@ pub enum NodePortAddresses {
 }
 
 impl NodePortAddresses {
-    /// What `nodePortAddresses` says: unset, every local address (as
-    /// kube-proxy's IPVS mode, whatever `--node-ip` says, and re-read at
-    /// every sync so addresses added later answer too); `[primary]`, the
-    /// node IPs; networks, the local addresses inside them.
-    pub fn from_scope(scope: &NodePortScope) -> Self {
-        match scope {
-            NodePortScope::AllLocal { .. } => Self::Local(None),
-            NodePortScope::NodeIps(ips) => Self::Fixed(ips.iter().copied().map(IpAddr::V4).collect()),
-            NodePortScope::Cidrs(cidrs) => Self::Local(Some(cidrs.iter().filter(|c| c.is_ipv4()).copied().collect())),
-        }
-    }
-
-    /// [`Self::from_scope`] of `config`'s scope, with the IPv6 node IPs
-    /// or networks `config` names added (the shared scope is IPv4 only).
+    /// What `nodePortAddresses` says (see [`FamilyNodePorts`]): unset,
+    /// every local address (as kube-proxy's IPVS mode, whatever
+    /// `--node-ip` says, and re-read at every sync so addresses added
+    /// later answer too); `[primary]`, the node IPs of both families (every
+    /// local address without an IPv4 one); networks, the local addresses
+    /// inside them.
     pub fn from_config(config: &Config) -> Self {
-        let mut out = Self::from_scope(&NodePortScope::from_config(config));
-        match &mut out {
-            Self::Fixed(ips) => ips.extend(config.node_ips.iter().filter(|ip| ip.is_ipv6())),
-            Self::Local(Some(cidrs)) => {
-                if let config::NodePortAddresses::Cidrs(all) = &config.node_port_addresses {
-                    cidrs.extend(all.iter().filter(|c| !c.is_ipv4()));
+        let of = |family| FamilyNodePorts::from_config(config, family);
+        match (of(IpFamily::V4), of(IpFamily::V6)) {
+            (FamilyNodePorts::NodeIps(mut ips), v6) => {
+                if let FamilyNodePorts::NodeIps(v6) = v6 {
+                    ips.extend(v6);
                 }
+                Self::Fixed(ips)
             }
-            Self::Local(None) => {}
+            (FamilyNodePorts::Cidrs(mut cidrs), FamilyNodePorts::Cidrs(v6)) => {
+                cidrs.extend(v6);
+                Self::Local(Some(cidrs))
+            }
+            _ => Self::Local(None),
         }
-        out
     }
 
     /// The addresses now, sorted, each once.
@@ -74,95 +70,51 @@ impl NodePortAddresses {
     }
 }
 
-/// Whether `ip` is an IPv6 link-local address (`fe80::/10`).
-fn is_link_local(ip: IpAddr) -> bool {
-    matches!(ip, IpAddr::V6(v6) if v6.segments()[0] & 0xffc0 == 0xfe80)
-}
-
-/// `local` without loopback and IPv6 link-local addresses, inside `cidrs`
-/// (if any), sorted and distinct.
+/// `local` without loopback addresses, as [`local_node_port_ips`] selects
+/// them.
 fn select(local: impl Iterator<Item = IpAddr>, cidrs: Option<&[Cidr]>) -> Vec<IpAddr> {
-    let mut out: Vec<IpAddr> = local
-        .filter(|ip| !ip.is_loopback() && !is_link_local(*ip) && *ip != IpAddr::V6(Ipv6Addr::UNSPECIFIED))
-        .filter(|ip| cidrs.is_none_or(|cidrs| cidrs.iter().any(|c| c.contains(*ip))))
-        .collect();
-    out.sort_unstable();
-    out.dedup();
-    out
+    let usable = local.filter(|ip| !ip.is_loopback() && *ip != IpAddr::V6(Ipv6Addr::UNSPECIFIED));
+    local_node_port_ips(usable, cidrs)
 }
 
 #[cfg(test)]
 mod tests {
-    use std::net::Ipv4Addr;
-
     use super::*;
+    use crate::{
+        config,
+        mode::fixtures::{cidr, default_config, ips},
+    };
 
-    fn cidr(text: &str) -> Cidr {
-        text.parse().expect("cidr")
-    }
-
+    /// On top of [`local_node_port_ips`]: never loopback or `::`, even
+    /// inside the networks.
     #[test]
-    fn unset_means_every_local_address_primary_the_node_ips_networks_their_addresses() {
-        let node = vec![Ipv4Addr::new(172, 30, 0, 2)];
-        let node_ips: Vec<IpAddr> = node.iter().copied().map(IpAddr::V4).collect();
-        assert_eq!(
-            NodePortAddresses::from_scope(&NodePortScope::Cidrs(vec![cidr("fd00::/64"), cidr("172.30.0.0/24")])),
-            NodePortAddresses::Local(Some(vec![cidr("172.30.0.0/24")]))
-        );
-        assert_eq!(
-            NodePortAddresses::from_scope(&NodePortScope::NodeIps(node)),
-            NodePortAddresses::Fixed(node_ips)
-        );
-        assert_eq!(
-            NodePortAddresses::from_scope(&NodePortScope::AllLocal { localhost: true }),
-            NodePortAddresses::Local(None)
-        );
-    }
-
-    fn ips(texts: &[&str]) -> Vec<IpAddr> {
-        texts.iter().map(|t| t.parse().expect("an address")).collect()
-    }
-
-    #[test]
-    fn local_addresses_leave_out_loopback_link_local_and_other_networks() {
-        let local = ips(&[
-            "172.30.0.2",
-            "127.0.0.1",
-            "10.244.0.1",
-            "10.244.0.1",
-            "192.0.2.7",
-            "::1",
-            "fe80::1",
-            "fd00:30::2",
-        ]);
+    fn local_addresses_leave_out_loopback() {
+        let local = ips(&["172.30.0.2", "127.0.0.1", "::1", "::", "fe80::1", "fd00:30::2"]);
         assert_eq!(
             select(local.clone().into_iter(), None),
-            ips(&["10.244.0.1", "172.30.0.2", "192.0.2.7", "fd00:30::2"])
+            ips(&["172.30.0.2", "fd00:30::2"])
         );
-        let only = [cidr("172.30.0.0/24"), cidr("192.0.2.0/28"), cidr("fd00:30::/64")];
-        assert_eq!(
-            select(local.into_iter(), Some(&only)),
-            ips(&["172.30.0.2", "192.0.2.7", "fd00:30::2"])
-        );
+        let only = [cidr("127.0.0.0/8"), cidr("::/127"), cidr("fd00:30::/64")];
+        assert_eq!(select(local.into_iter(), Some(&only)), ips(&["fd00:30::2"]));
     }
 
-    /// The shared scope is IPv4 only: `from_config` adds the IPv6 node IPs
-    /// (`[primary]`) and IPv6 networks the configuration names.
+    /// Unset: every local address; `[primary]`: the node IPs of both
+    /// families; networks: those of both families.
     #[test]
-    fn from_config_adds_the_ipv6_node_ips_and_networks() {
-        let env = crate::config::Environment {
-            kubeconfig: None,
-            hostname: Some("node".into()),
-        };
-        let mut config = crate::config::resolve(&crate::config::RunFlags::default(), None, &env)
-            .expect("resolve")
-            .config;
+    fn from_config_takes_both_families_node_ips_and_networks() {
+        let mut config = default_config();
         config.node_ips = ips(&["172.30.0.2", "fd00:30::2"]);
         assert_eq!(NodePortAddresses::from_config(&config), NodePortAddresses::Local(None));
         config.node_port_addresses = config::NodePortAddresses::Primary;
         assert_eq!(
             NodePortAddresses::from_config(&config),
             NodePortAddresses::Fixed(ips(&["172.30.0.2", "fd00:30::2"]))
+        );
+        config.node_ips = ips(&["fd00:30::2"]);
+        assert_eq!(
+            NodePortAddresses::from_config(&config),
+            NodePortAddresses::Local(None),
+            "[primary] without an IPv4 node IP"
         );
         config.node_port_addresses =
             config::NodePortAddresses::Cidrs(vec![cidr("fd00:30::/64"), cidr("172.30.0.0/24")]);

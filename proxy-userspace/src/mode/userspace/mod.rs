@@ -51,7 +51,7 @@ use rules::{JUMPS, Jump, PortRules, Target};
 use tokio::runtime::Handle;
 use tracing::{debug, info, warn};
 
-use super::{Dataplane, Plan, options::NodePortScope, unhonoured::Unhonoured};
+use super::{Dataplane, Plan, unhonoured::Unhonoured};
 use crate::{
     config::Config,
     model::{IpFamily, Protocol, ServicePort, usable_endpoints},
@@ -92,11 +92,7 @@ impl RuleWriter {
         let saved = Saved::parse(&self.iptables.save().context("reading the current rules")?);
         let missing = JUMPS
             .into_iter()
-            .filter(|jump| {
-                !saved
-                    .table(jump.table)
-                    .is_some_and(|t| t.rules.iter().any(|r| jump.matches_saved(r)))
-            })
+            .filter(|jump| !saved.holds_rule(jump.table, |r| jump.matches_saved(r)))
             .collect();
         Ok((saved, missing))
     }
@@ -157,13 +153,13 @@ impl UserspaceMode {
                 port_range: config.port_range.clone(),
                 ..ListenOptions::default()
             },
-            node_ports: NodePortAddresses::from_scope(NodePortScope::from_config(config)),
+            node_ports: NodePortAddresses::of_family(config, IpFamily::V4),
         };
         info!(?opts, "userspace mode ready");
         let mode = Self::new(opts, runtime, Box::new(system));
         let ip6tables = SystemIptables::ipv6();
         match ip6tables.check() {
-            Ok(()) => Ok(mode.with_ipv6(Box::new(ip6tables), NodePortAddresses::ipv6_of(config))),
+            Ok(()) => Ok(mode.with_ipv6(Box::new(ip6tables), NodePortAddresses::of_family(config, IpFamily::V6))),
             Err(e) => {
                 warn!(
                     error = format!("{e:#}"),

@@ -40,9 +40,10 @@ use std::{
 };
 
 use crate::{
-    config::{self, Cidr, Config},
-    mode::options::NodePortScope,
+    config::{Cidr, Config},
+    mode::options::FamilyNodePorts,
     model::{IpFamily, ServicePort},
+    sys::iptables::is_saved_jump,
 };
 
 /// nat, from PREROUTING: ClusterIP traffic from pods and from outside.
@@ -100,9 +101,7 @@ impl Jump {
 
     /// Whether the saved rule `-A ...` is this jump.
     pub fn matches_saved(&self, saved: &str) -> bool {
-        saved.starts_with(&format!("-A {} ", self.from))
-            && saved.ends_with(&format!(" -j {}", self.to))
-            && saved.contains(self.comment)
+        is_saved_jump(saved, self.from, self.to, self.comment)
     }
 }
 
@@ -183,40 +182,19 @@ pub enum NodePortAddresses {
 }
 
 impl NodePortAddresses {
-    pub fn from_scope(scope: NodePortScope) -> Self {
-        match scope {
-            NodePortScope::AllLocal { localhost } => NodePortAddresses::AllLocal { localhost },
-            NodePortScope::NodeIps(ips) => {
-                NodePortAddresses::Networks(ips.into_iter().filter_map(|ip| Cidr::new(ip.into(), 32)).collect())
-            }
-            NodePortScope::Cidrs(cidrs) => NodePortAddresses::Networks(cidrs),
-        }
-    }
-
-    /// Where IPv6 NodePorts answer: as [`Self::from_scope`] says for
-    /// IPv4, with `config`'s IPv6 node IPs and networks (the shared scope
-    /// is IPv4 only).
-    pub fn ipv6_of(config: &Config) -> Self {
-        match &config.node_port_addresses {
-            config::NodePortAddresses::All => NodePortAddresses::AllLocal {
-                localhost: config.localhost_node_ports,
-            },
-            config::NodePortAddresses::Primary => {
-                let ips: Vec<Cidr> = config
-                    .node_ips
-                    .iter()
-                    .filter(|ip| ip.is_ipv6())
-                    .filter_map(|ip| Cidr::new(*ip, 128))
-                    .collect();
-                if ips.is_empty() {
-                    NodePortAddresses::AllLocal { localhost: false }
-                } else {
-                    NodePortAddresses::Networks(ips)
-                }
-            }
-            config::NodePortAddresses::Cidrs(cidrs) => {
-                NodePortAddresses::Networks(cidrs.iter().filter(|c| !c.is_ipv4()).copied().collect())
-            }
+    /// Where the NodePorts of `family` answer under `config` (see
+    /// [`FamilyNodePorts`]): node IPs become host networks. Unlike the
+    /// iptables mode, IPv6 answers on `::1` too when localhost is asked
+    /// for: these rules redirect to a local listener, nothing is DNATed.
+    pub fn of_family(config: &Config, family: IpFamily) -> Self {
+        match FamilyNodePorts::from_config(config, family) {
+            FamilyNodePorts::AllLocal { localhost } => NodePortAddresses::AllLocal { localhost },
+            FamilyNodePorts::NodeIps(ips) => NodePortAddresses::Networks(
+                ips.into_iter()
+                    .filter_map(|ip| Cidr::new(ip, IpFamily::of(ip).bits()))
+                    .collect(),
+            ),
+            FamilyNodePorts::Cidrs(cidrs) => NodePortAddresses::Networks(cidrs),
         }
     }
 
@@ -398,7 +376,11 @@ fn quote(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Endpoint, Protocol};
+    use crate::{
+        config,
+        mode::fixtures::default_config,
+        model::{Endpoint, Protocol},
+    };
 
     fn port(name: &str, protocol: Protocol, last: u8, node_port: Option<u16>) -> ServicePort {
         ServicePort {
@@ -507,8 +489,14 @@ COMMIT
             assert!(no_localhost.lines().any(|l| l == line), "no {line} in\n{no_localhost}");
         }
 
-        let scope = NodePortScope::NodeIps(vec![Ipv4Addr::new(172, 30, 0, 2), Ipv4Addr::new(192, 168, 1, 2)]);
-        let node_ips = render(IpFamily::V4, &NodePortAddresses::from_scope(scope), &ports, &[]).text;
+        let mut config = default_config();
+        config.node_port_addresses = config::NodePortAddresses::Primary;
+        config.node_ips = vec![
+            Ipv4Addr::new(172, 30, 0, 2).into(),
+            Ipv4Addr::new(192, 168, 1, 2).into(),
+        ];
+        let primary = NodePortAddresses::of_family(&config, IpFamily::V4);
+        let node_ips = render(IpFamily::V4, &primary, &ports, &[]).text;
         for chain in [CONTAINER_NODE_PORTS, HOST_NODE_PORTS] {
             for ip in ["172.30.0.2", "192.168.1.2"] {
                 let prefix = format!("-A {chain} -d {ip}/32 -p tcp ");
@@ -574,31 +562,31 @@ COMMIT
         assert_eq!(quote("a b"), "\"a b\"");
     }
 
-    /// IPv6 NodePorts: every local address but `::1` from the node unless
+    /// IPv6 NodePorts: every local address, `::1` from the node only if
     /// localhost node ports are on; `[primary]` the IPv6 node IPs; networks
     /// the IPv6 ones.
     #[test]
     fn ipv6_node_port_addresses_come_from_the_config() {
-        let env = crate::config::Environment {
-            kubeconfig: None,
-            hostname: Some("node".into()),
-        };
-        let mut config = crate::config::resolve(&crate::config::RunFlags::default(), None, &env)
-            .expect("resolve")
-            .config;
+        let mut config = default_config();
         config.node_ips = vec!["172.30.0.2".parse().expect("ip"), "fd00:30::2".parse().expect("ip")];
+        let with_localhost = NodePortAddresses::of_family(&config, IpFamily::V6);
+        assert_eq!(
+            with_localhost.destinations(true, IpFamily::V6),
+            [""],
+            "`::1` too: nothing is DNATed"
+        );
         config.localhost_node_ports = false;
-        let all = NodePortAddresses::ipv6_of(&config);
+        let all = NodePortAddresses::of_family(&config, IpFamily::V6);
         assert_eq!(all.destinations(true, IpFamily::V6), ["! -d ::1/128 "]);
         config.node_port_addresses = config::NodePortAddresses::Primary;
-        let primary = NodePortAddresses::ipv6_of(&config);
+        let primary = NodePortAddresses::of_family(&config, IpFamily::V6);
         assert_eq!(primary.destinations(false, IpFamily::V6), ["-d fd00:30::2/128 "]);
         let v4_and_v6 = vec![
             "172.30.0.0/24".parse().expect("cidr"),
             "fd00:30::/64".parse().expect("cidr"),
         ];
         config.node_port_addresses = config::NodePortAddresses::Cidrs(v4_and_v6);
-        let networks = NodePortAddresses::ipv6_of(&config);
+        let networks = NodePortAddresses::of_family(&config, IpFamily::V6);
         assert_eq!(networks.destinations(false, IpFamily::V6), ["-d fd00:30::/64 "]);
         assert!(networks.destinations(false, IpFamily::V4).is_empty());
     }

@@ -5,146 +5,19 @@
 
 use std::{
     net::{Ipv4Addr, SocketAddrV4},
-    sync::{Arc, Mutex},
     time::Duration,
 };
 
-use anyhow::{Result, anyhow, bail};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{TcpListener, TcpStream},
 };
 
 use super::*;
-use crate::model::{Endpoint, Protocol};
-
-/// Tables -> chains in declaration order -> rules (without `-A CHAIN`).
-type Tables = BTreeMap<String, Vec<(String, Vec<String>)>>;
-
-#[derive(Default)]
-struct Kernel {
-    tables: Tables,
-    restores: usize,
-}
-
-#[derive(Clone, Default)]
-struct FakeIptables(Arc<Mutex<Kernel>>);
-
-impl FakeIptables {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Kernel> {
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    fn restores(&self) -> usize {
-        self.lock().restores
-    }
-
-    fn chain(&self, table: &str, chain: &str) -> Option<Vec<String>> {
-        let kernel = self.lock();
-        let chains = kernel.tables.get(table)?;
-        chains.iter().find(|(c, _)| c == chain).map(|(_, rules)| rules.clone())
-    }
-
-    /// Empties one of the chains, as an administrator might.
-    fn flush(&self, table: &str, chain: &str) {
-        let mut kernel = self.lock();
-        if let Some((_, rules)) = kernel
-            .tables
-            .get_mut(table)
-            .and_then(|chains| chains.iter_mut().find(|(c, _)| c == chain))
-        {
-            rules.clear();
-        }
-    }
-}
-
-fn builtin(table: &str) -> Vec<(String, Vec<String>)> {
-    let names: &[&str] = match table {
-        "nat" => &["PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"],
-        _ => &["INPUT", "FORWARD", "OUTPUT"],
-    };
-    names.iter().map(|n| ((*n).to_owned(), Vec::new())).collect()
-}
-
-fn apply_line(chains: &mut Vec<(String, Vec<String>)>, line: &str) -> Result<()> {
-    if let Some(decl) = line.strip_prefix(':') {
-        let name = decl.split_whitespace().next().ok_or(anyhow!("empty chain line"))?;
-        match chains.iter_mut().find(|(c, _)| c == name) {
-            Some((_, rules)) => rules.clear(),
-            None => chains.push((name.to_owned(), Vec::new())),
-        }
-        return Ok(());
-    }
-    let (op, rest) = line.split_at(2);
-    let (chain, spec) = rest.trim_start().split_once(' ').unwrap_or((rest.trim_start(), ""));
-    if op == "-X" {
-        let target = format!("-j {chain}");
-        if chains
-            .iter()
-            .any(|(_, rules)| rules.iter().any(|r| r.ends_with(&target)))
-        {
-            bail!("{chain} is referenced");
-        }
-        chains.retain(|(c, _)| c != chain);
-        return Ok(());
-    }
-    let (_, rules) = chains
-        .iter_mut()
-        .find(|(c, _)| c == chain)
-        .ok_or(anyhow!("no chain {chain}"))?;
-    match op {
-        "-A" => rules.push(spec.to_owned()),
-        "-I" => rules.insert(0, spec.to_owned()),
-        "-D" => {
-            let at = rules.iter().position(|r| r == spec).ok_or(anyhow!("no rule {line}"))?;
-            rules.remove(at);
-        }
-        _ => bail!("unknown line {line}"),
-    }
-    Ok(())
-}
-
-impl Iptables for FakeIptables {
-    fn save(&mut self) -> Result<String> {
-        let kernel = self.lock();
-        let mut out = String::new();
-        for (table, chains) in &kernel.tables {
-            out.push_str(&format!("*{table}\n"));
-            for (chain, _) in chains {
-                out.push_str(&format!(":{chain} -\n"));
-            }
-            for (chain, rules) in chains {
-                for rule in rules {
-                    out.push_str(&format!("-A {chain} {rule}\n"));
-                }
-            }
-            out.push_str("COMMIT\n");
-        }
-        Ok(out)
-    }
-
-    /// All or nothing, like iptables-restore.
-    fn restore(&mut self, input: &str) -> Result<()> {
-        let mut kernel = self.lock();
-        let mut tables = kernel.tables.clone();
-        let mut table = None;
-        for line in input.lines() {
-            if let Some(name) = line.strip_prefix('*') {
-                tables.entry(name.to_owned()).or_insert_with(|| builtin(name));
-                table = Some(name.to_owned());
-            } else if line == "COMMIT" {
-                table = None;
-            } else {
-                let name = table.as_ref().ok_or(anyhow!("{line} outside a table"))?;
-                let chains = tables.get_mut(name).ok_or(anyhow!("no table {name}"))?;
-                apply_line(chains, line)?;
-            }
-        }
-        kernel.tables = tables;
-        kernel.restores += 1;
-        Ok(())
-    }
-}
+use crate::{
+    model::{Endpoint, Protocol},
+    sys::fake_iptables::FakeKernel as FakeIptables,
+};
 
 fn mode(iptables: &FakeIptables) -> UserspaceMode {
     let opts = Options {
@@ -225,9 +98,9 @@ async fn a_full_sync_listens_and_writes_the_rules_once() {
     // 7 jumps, 2 ports x (2 portal + 2 NodePort rules).
     assert_eq!(mode.kernel_writes(), 7 + 8);
 
-    let restores = kernel.restores();
+    let restores = kernel.restores().len();
     sync(|| mode.apply_full(&want)).expect("idle full sync");
-    assert_eq!(kernel.restores(), restores, "nothing changed: nothing written");
+    assert_eq!(kernel.restores().len(), restores, "nothing changed: nothing written");
     assert_eq!(mode.kernel_writes(), 15);
     assert_eq!(mode.listener_port(&tcp.name), Some(tcp_port), "listeners stay");
     assert_eq!(mode.listener_port(&udp.name), Some(udp_port));

@@ -5,13 +5,10 @@
 
 use std::net::IpAddr;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 
-use super::{
-    IPVS_CMD_ATTR_DEST, IPVS_CMD_ATTR_SERVICE, IPVS_CMD_GET_DEST, IPVS_DEST_ATTR_PORT, IPVS_DEST_ATTR_WEIGHT,
-    IPVS_VERSION, Ipvs, VirtualKey, dest_addr, family_of, service_key,
-};
-use crate::sys::netlink::{Message, NLM_F_DUMP, NLM_F_REQUEST, attrs, find, read_u32};
+use super::{IPVS_CMD_ATTR_DEST, IPVS_DEST_ATTR_PORT, IPVS_DEST_ATTR_WEIGHT, Ipvs, VirtualKey, dest_addr};
+use crate::sys::netlink::{attrs, find, read_u32};
 
 // linux/ip_vs.h.
 const IPVS_DEST_ATTR_ACTIVE_CONNS: u16 = 7;
@@ -60,14 +57,7 @@ impl Ipvs {
     }
 
     fn real_counters(&mut self, key: &VirtualKey) -> Result<Vec<RealCounters>> {
-        let mut message = Message::genl(self.family, IPVS_CMD_GET_DEST, IPVS_VERSION, NLM_F_REQUEST | NLM_F_DUMP);
-        message.nested(IPVS_CMD_ATTR_SERVICE, |m| service_key(m, key));
-        let answers = self
-            .socket
-            .request(&message)
-            .with_context(|| format!("listing the real servers of {key}"))?;
-        let af = family_of(key.addr);
-        Ok(answers.iter().filter_map(|a| parse_real(a, af)).collect())
+        self.dump_reals(key, parse_real)
     }
 }
 
@@ -95,8 +85,9 @@ mod tests {
 
     use super::*;
     use crate::{
-        mode::ipvs::netlink::{IPVS_CMD_NEW_DEST, IPVS_DEST_ATTR_ADDR, dest_message},
+        mode::ipvs::netlink::{IPVS_CMD_NEW_DEST, IPVS_DEST_ATTR_ADDR, IPVS_VERSION, dest_message},
         model::Protocol,
+        sys::netlink::Message,
     };
 
     const KEY: VirtualKey = VirtualKey {
