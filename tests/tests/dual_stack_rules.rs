@@ -34,7 +34,7 @@ use std::{
 
 use anyhow::{Context, Result, bail, ensure};
 use testbed::{
-    agent_bed::{AgentBed, Mode, READY_WITHIN, seed_node_port},
+    agent_bed::{AgentBed, DATAPATH_PACKETS, Mode, READY_WITHIN, seed_node_port},
     fixtures::{
         EMPTY_CLUSTER_IP, EMPTY_NAME, EMPTY_PORT, NODE_NAME, PortDef, SEED_CLUSTER_IP, SEED_CLUSTER_IP6,
         SEED_NODE_PORT, SEED_PORT, backend_ips, backend_ips6, dual_stack, on_node, seed_objects_dual_stack,
@@ -430,6 +430,12 @@ fn no_answer(from: &testbed::netns::Netns, addr: SocketAddr) -> Result<String> {
     }
 }
 
+/// The data path's `drop_source_range` packets, from the agent's metrics.
+fn source_range_drops(bed: &AgentBed) -> Result<f64> {
+    let metrics = bed.metrics()?;
+    Ok((metrics.labeled(DATAPATH_PACKETS, "verdict=\"drop_source_range\"")).unwrap_or(0.0))
+}
+
 /// `XP_SRC_RANGES6`'s networks, sorted (each once per LB IP frontend).
 fn ranges6_read_back(bed: &AgentBed) -> Result<Vec<String>> {
     use proxy_common::{SourceRange6Data, SourceRange6Key, maps};
@@ -472,9 +478,14 @@ fn check_source_ranges6(bed: &AgentBed, checks: &mut Checks) {
         expect_all_backends(client, Protocol::Tcp, inside),
     );
     let outside = SocketAddr::new(RANGES_LB_IP6_OUT.into(), RANGES_PORT);
+    let drops_before = source_range_drops(bed);
     checks.check(
-        &format!("{OUTSIDE_SOURCE6} (outside the ranges) -> {outside}: dropped"),
-        no_answer(client, outside),
+        &format!("{OUTSIDE_SOURCE6} (outside the ranges) -> {outside}: dropped, counted as drop_source_range"),
+        no_answer(client, outside).and_then(|answer| {
+            let (before, after) = (drops_before?, source_range_drops(bed)?);
+            ensure!(after > before, "drop_source_range {before} -> {after}");
+            Ok(format!("{answer}; drop_source_range {before} -> {after}"))
+        }),
     );
     let v4 = SocketAddr::new(RANGES_LB_IP.into(), RANGES_PORT);
     checks.check(
