@@ -848,6 +848,7 @@ mod tests {
                 "XP_MEMBERS",
                 "XP_NODE_ADDRS",
                 "XP_POD_CIDRS",
+                "XP_POD_CIDRS6",
                 "XP_PORTS",
                 "XP_REV_NAT",
                 "XP_SERVICES",
@@ -856,6 +857,7 @@ mod tests {
                 "XP_SOCK_CFG",
                 "XP_SOCK_REV",
                 "XP_SRC_RANGES",
+                "XP_SRC_RANGES6",
                 "XP_STATS",
                 "XP_SVC_PORTS"
             ]

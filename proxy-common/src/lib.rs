@@ -36,7 +36,7 @@ pub use nat::RevNat;
 pub use ports::PortBits;
 pub use service::{ServiceKey, ServiceValue};
 pub use service_port::FrontendPort;
-pub use source_range::{SourceRangeData, SourceRangeKey};
+pub use source_range::{SourceRange6Data, SourceRange6Key, SourceRangeData, SourceRangeKey};
 pub use stats::{Verdict, VerdictCounter};
 
 /// IP protocol numbers of the L4 protocols a Service can use.
@@ -76,6 +76,8 @@ impl_aya_pod!(
     MemberKey,
     SourceRangeKey,
     SourceRangeData,
+    SourceRange6Key,
+    SourceRange6Data,
     FrontendPort,
     socket_lb::SockLbConfig,
     socket_lb::SockRevKey,

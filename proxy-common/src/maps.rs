@@ -46,6 +46,10 @@ pub const AFFINITY_MAX: u32 = 65_536;
 pub const MEMBERS_MAX: u32 = BACKEND_SLOTS_MAX;
 /// loadBalancerSourceRanges entries over every load balancer IP.
 pub const SOURCE_RANGES_MAX: u32 = 65_536;
+/// The IPv6 load balancer IPs' source ranges ([`crate::SourceRange6Key`]
+/// -> `u8`), as many as IPv4's (an LPM trie is never preallocated).
+pub const SOURCE_RANGES6: &str = "XP_SRC_RANGES6";
+pub const SOURCE_RANGES6_MAX: u32 = SOURCE_RANGES_MAX;
 
 /// What external frontends share with their Service port (see
 /// [`crate::service_port`]): frontend reverse NAT id -> [`crate::FrontendPort`].
@@ -59,6 +63,10 @@ pub const SERVICE_PORTS_MAX: u32 = SERVICES_MAX;
 pub const POD_CIDRS: &str = "XP_POD_CIDRS";
 /// kube-proxy takes one cluster CIDR per family; room for a few.
 pub const POD_CIDRS_MAX: u32 = 64;
+/// The IPv6 pod networks: as [`POD_CIDRS`], key data the IPv6 address as
+/// [`crate::ipv6::Addr6`].
+pub const POD_CIDRS6: &str = "XP_POD_CIDRS6";
+pub const POD_CIDRS6_MAX: u32 = POD_CIDRS_MAX;
 
 /// The IPv6 maps (see [`crate::ipv6`] for why apart from the IPv4 ones):
 /// frontends ([`crate::Service6Key`] -> [`crate::ServiceValue`]), backends
@@ -72,8 +80,9 @@ pub const SERVICES6_MAX: u32 = SERVICES_MAX;
 pub const BACKENDS6_MAX: u32 = BACKENDS_MAX;
 /// Tracked IPv6 flows, two entries each. Preallocated (LRU) at 128 bytes
 /// an entry with the kernel's own (IPv4's: 88), so a quarter of
-/// [`CONNTRACK_MAX`]: 16 MiB. Not sized from the `conntrack`
-/// configuration yet (IPv4's is).
+/// [`CONNTRACK_MAX`]: 16 MiB. The size the program object declares: the
+/// agent sizes the map from its `conntrack` configuration at load time,
+/// a quarter of IPv4's there too.
 pub const CONNTRACK6_MAX: u32 = CONNTRACK_MAX / 4;
 
 /// IPv6 clients remembered for ClientIP affinity

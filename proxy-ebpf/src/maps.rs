@@ -4,17 +4,17 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, lpm_trie::Key},
 };
 use proxy_common::{
     AffinityKey, AffinityKey6, AffinityValue, Backend, Backend6, BackendSlotKey, CtKey, CtKey6, CtTimeouts, CtValue,
     CtValue6, FragKey, FragPorts, FrontendPort, MaglevChunk, MaglevKey, MemberKey, PortBits, RevNat, Service6Key,
-    ServiceKey, ServiceValue, SourceRangeData, Verdict, VerdictCounter,
+    ServiceKey, ServiceValue, SourceRange6Data, SourceRangeData, Verdict, VerdictCounter,
     conntrack::{seconds_to_ns, state_index},
     maps::{
         AFFINITY_MAX, AFFINITY6_MAX, BACKEND_SLOTS_MAX, BACKENDS_MAX, BACKENDS6_MAX, CONNTRACK_MAX, CONNTRACK6_MAX,
-        FRAGMENTS_MAX, MAGLEV_MAX, MEMBERS_MAX, POD_CIDRS_MAX, REV_NAT_MAX, SERVICE_PORTS_MAX, SERVICES_MAX,
-        SERVICES6_MAX, SOURCE_RANGES_MAX,
+        FRAGMENTS_MAX, MAGLEV_MAX, MEMBERS_MAX, POD_CIDRS_MAX, POD_CIDRS6_MAX, REV_NAT_MAX, SERVICE_PORTS_MAX,
+        SERVICES_MAX, SERVICES6_MAX, SOURCE_RANGES_MAX, SOURCE_RANGES6_MAX,
     },
     ports::PORT_WORDS,
 };
@@ -76,11 +76,19 @@ pub static BACKENDS6: HashMap<u32, Backend6> = HashMap::pinned(BACKENDS6_MAX, BP
 #[map(name = "XP_CT6")]
 pub static CONNTRACK6: LruHashMap<CtKey6, CtValue6> = LruHashMap::pinned(CONNTRACK6_MAX, 0);
 
+// IPv6's source ranges and pod networks, as `SOURCE_RANGES` and
+// `POD_CIDRS` (the key data: `proxy_common::ipv6::Addr6`).
+#[map(name = "XP_SRC_RANGES6")]
+pub static SOURCE_RANGES6: LpmTrie<SourceRange6Data, u8> = LpmTrie::pinned(SOURCE_RANGES6_MAX, 0);
+
+#[map(name = "XP_POD_CIDRS6")]
+pub static POD_CIDRS6: LpmTrie<[u32; 4], u8> = LpmTrie::pinned(POD_CIDRS6_MAX, 0);
+
 #[map(name = "XP_AFFINITY6")]
 pub static AFFINITY6: LruHashMap<AffinityKey6, AffinityValue> = LruHashMap::pinned(AFFINITY6_MAX, 0);
 
 /// Room for a new IPv6 flow's conntrack key and value while they are
-/// written: 80 bytes the tc programs' stack has no room for on 6.1 (whose
+/// written, and for its trie lookup keys (source range, pod network): 124 bytes the tc programs' stack has no room for on 6.1 (whose
 /// verifier counts each helper function a call chain reaches at 32 bytes
 /// more). Per CPU, and not pinned: a scratch pad, not state.
 #[map(name = "XP_SCRATCH6")]
@@ -90,6 +98,8 @@ pub static SCRATCH6: PerCpuArray<Scratch6> = PerCpuArray::with_max_entries(1, 0)
 pub struct Scratch6 {
     pub key: CtKey6,
     pub value: CtValue6,
+    pub range_key: Key<SourceRange6Data>,
+    pub pod_key: Key<[u32; 4]>,
 }
 
 // The first fragment's ports of datagrams in flight.

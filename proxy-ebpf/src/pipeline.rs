@@ -142,7 +142,7 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outcom
     if svc.flags & FLAG_SOURCE_RANGES != 0 && !source_range::allowed(flow, svc) {
         return (Verdict::DropSourceRange, Outcome::Drop);
     }
-    let view = service_port::view(flow, svc);
+    let view = service_port::view(svc, || service_port::from_pod(flow));
     let svc = &view.svc;
     let Some((id, backend)) = pick_backend(flow, svc, view.affinity_id) else {
         return no_backend(svc, || reject::reject(ctx, flow));

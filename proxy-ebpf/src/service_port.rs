@@ -12,7 +12,8 @@ use proxy_common::{
 };
 
 use crate::{
-    maps::{POD_CIDRS, SERVICE_PORTS},
+    context::Addr6,
+    maps::{POD_CIDRS, POD_CIDRS6, SCRATCH6, SERVICE_PORTS},
     parse::Flow,
 };
 
@@ -22,10 +23,11 @@ pub struct View {
     pub affinity_id: u32,
 }
 
-/// The view of `svc` for `flow`: the Cluster run for a pod's flow to a
-/// `Local` external frontend, else the frontend itself.
+/// The view of `svc` for a new flow: the Cluster run for a pod's flow
+/// (`from_pod`, asked only when it matters) to a `Local` external
+/// frontend, else the frontend itself. Either family's.
 #[inline(always)]
-pub fn view(flow: &Flow, svc: &ServiceValue) -> View {
+pub fn view(svc: &ServiceValue, from_pod: impl FnOnce() -> bool) -> View {
     let mut view = View {
         svc: *svc,
         affinity_id: svc.rev_nat_id,
@@ -42,23 +44,10 @@ pub fn view(flow: &Flow, svc: &ServiceValue) -> View {
     if port.affinity_id != 0 {
         view.affinity_id = port.affinity_id;
     }
-    if svc.flags & FLAG_EXTERNAL_LOCAL != 0 && port.short_circuits() && from_pod(flow) {
+    if svc.flags & FLAG_EXTERNAL_LOCAL != 0 && port.short_circuits() && from_pod() {
         view.svc = port.cluster;
     }
     view
-}
-
-/// The affinity id of a new flow at `svc` without the short-circuit's
-/// view (IPv6's, whose pod networks are not known yet): its Service
-/// port's, found in the port's entry for an external frontend.
-#[inline(always)]
-pub fn affinity_id(svc: &ServiceValue) -> u32 {
-    if svc.flags & FLAGS_EXTERNAL == 0 || svc.flags & FLAG_AFFINITY_CLIENT_IP == 0 {
-        return svc.rev_nat_id;
-    }
-    // SAFETY: as in `view`: valid for the program's run.
-    let port = SERVICE_PORTS.get_ptr(svc.rev_nat_id).map(|p| unsafe { &*p });
-    proxy_common::affinity::affinity_id(svc, port)
 }
 
 /// Whether the packet's source is inside a pod network (`clusterCIDR`).
@@ -66,6 +55,23 @@ pub fn affinity_id(svc: &ServiceValue) -> u32 {
 // instructions in tc_ingress (measured: 21,206 against 18,653).
 #[allow(clippy::needless_borrows_for_generic_args)]
 #[inline(always)]
-fn from_pod(flow: &Flow) -> bool {
+pub fn from_pod(flow: &Flow) -> bool {
     POD_CIDRS.get(&Key::new(32, flow.saddr_be)).is_some()
+}
+
+/// Whether the IPv6 source `saddr` is inside a pod network, looked up
+/// with a key in this CPU's scratch slot (as `crate::source_range::allowed6`:
+/// 20 bytes the tc programs' stack has no room for on 6.1).
+#[inline(always)]
+pub fn from_pod6(saddr: &Addr6) -> bool {
+    let Some(scratch) = SCRATCH6.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: this CPU's slot of an array map, never freed; no other run
+    // on this CPU comes between.
+    let key = unsafe { &mut (*scratch).pod_key };
+    key.prefix_len = 128;
+    key.data = *saddr;
+    #[allow(clippy::needless_borrows_for_generic_args)]
+    POD_CIDRS6.get(&*key).is_some()
 }

@@ -223,7 +223,15 @@ impl Harness {
 
     /// A harness with [`seed_services`] programmed on node [`NODE_IP`].
     pub fn seeded() -> Self {
-        let mut h = Self::new(vec![NODE_IP]);
+        Self::seeded_on(Self::new(vec![NODE_IP]))
+    }
+
+    /// [`Self::seeded`] with the data path loaded with `options`.
+    pub fn seeded_with(options: LoadOptions) -> Self {
+        Self::seeded_on(Self::with_options(vec![NODE_IP], options))
+    }
+
+    fn seeded_on(mut h: Self) -> Self {
         for svc in seed_services() {
             h.sync(&svc);
         }

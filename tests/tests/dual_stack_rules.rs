@@ -14,6 +14,17 @@
 //! table ip6 xproxy`; for the ebpf mode its IPv6 frontend map and its
 //! ip6tables masquerade chain) and `xproxy cleanup` removes both
 //! families' rules.
+//!
+//! The ebpf mode's IPv6 load balancer IPs besides
+//! ([`ebpf_ipv6_source_ranges_and_local_short_circuit`]): a dual-stack
+//! LoadBalancer Service with IPv6 `loadBalancerSourceRanges` only answers
+//! an IPv6 client inside them and drops one outside (its ranges read back
+//! from `XP_SRC_RANGES6`), while its IPv4 load balancer IP, with no range
+//! of its family, answers everyone (kube-proxy filters per family); a
+//! dual-stack `externalTrafficPolicy: Local` Service (one endpoint of three
+//! on this node) answers the outside client from the node's endpoint only
+//! over IPv6, and a pod (inside the IPv6 `clusterCIDR`, read back from
+//! `XP_POD_CIDRS6`) from every endpoint.
 
 use std::{
     io,
@@ -23,7 +34,7 @@ use std::{
 
 use anyhow::{Context, Result, bail, ensure};
 use testbed::{
-    agent_bed::{AgentBed, Mode, READY_WITHIN, seed_node_port},
+    agent_bed::{AgentBed, DATAPATH_PACKETS, Mode, READY_WITHIN, seed_node_port},
     fixtures::{
         EMPTY_CLUSTER_IP, EMPTY_NAME, EMPTY_PORT, NODE_NAME, PortDef, SEED_CLUSTER_IP, SEED_CLUSTER_IP6,
         SEED_NODE_PORT, SEED_PORT, backend_ips, backend_ips6, dual_stack, on_node, seed_objects_dual_stack,
@@ -31,8 +42,10 @@ use testbed::{
     },
     netns,
     privileged::require_root,
-    probe::{self, Checks, PROTOCOLS, Protocol, REJECT_TIMEOUT, expect_all_backends, expect_refused},
-    topology::{BACKENDS, NODE_IP, NODE_IP6, TARGET_PORT, Topology, pod_ipv6},
+    probe::{self, Checks, PROTOCOLS, Protocol, REJECT_TIMEOUT, expect_all_backends, expect_backends, expect_refused},
+    topology::{
+        BACKENDS, CLIENT_IP, CLIENT_IP6, NODE_IP, NODE_IP6, POD_CIDR, POD_CIDR6, TARGET_PORT, Topology, pod_ipv6,
+    },
 };
 
 /// The IPv6 ClusterIP of the dual-stack Service without endpoints.
@@ -316,4 +329,231 @@ fn nftables_dual_stack_seed() {
 #[test]
 fn ebpf_dual_stack_seed() {
     dual_stack_seed(Mode::Ebpf, "ebpf_dual_stack_seed");
+}
+
+/// `ranges6`: a dual-stack LoadBalancer Service with IPv6 source ranges
+/// only; its LB IPs, the IPv6 ones each reached from one client source.
+const RANGES_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 91);
+const RANGES_CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x91);
+const RANGES_PORT: u16 = 91;
+const RANGES_LB_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 40);
+/// Reached from the client's own address, inside [`INSIDE_RANGE6`].
+const RANGES_LB_IP6_IN: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x78, 0, 0, 0, 0, 5);
+/// Reached from [`OUTSIDE_SOURCE6`] (a route's `src`).
+const RANGES_LB_IP6_OUT: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x78, 0, 0, 0, 0, 6);
+/// The client link's network (`CLIENT_IP6`'s).
+const INSIDE_RANGE6: &str = "fd00:30::/64";
+const OUTSIDE_SOURCE6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x31, 0, 0, 0, 0, 0, 1);
+
+/// `local6`: a dual-stack LoadBalancer Service with
+/// `externalTrafficPolicy: Local`, pod-1 on this node, the others not.
+const LOCAL_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 92);
+const LOCAL_CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x92);
+const LOCAL_PORT: u16 = 92;
+const LOCAL_LB_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x77, 0, 0, 0, 0, 7);
+const OTHER_NODE: &str = "another-node";
+
+/// A dual-stack LoadBalancer Service `name` on TCP `port` with `ingress`
+/// IPs of both families.
+fn lb_dual_stack(name: &str, ips: (Ipv4Addr, Ipv6Addr), port: u16, ingress: &[IpAddr]) -> serde_json::Value {
+    let ports = [PortDef::tcp(port, TARGET_PORT, None)];
+    let mut svc = dual_stack(service_with(name, ips.0, &ports, None), ips.1);
+    svc["spec"]["type"] = "LoadBalancer".into();
+    let ingress: Vec<serde_json::Value> = ingress
+        .iter()
+        .map(|ip| serde_json::json!({"ip": ip.to_string()}))
+        .collect();
+    svc["status"] = serde_json::json!({"loadBalancer": {"ingress": ingress}});
+    svc
+}
+
+/// `ranges6` and `local6` with their slices of both families.
+fn lb6_objects() -> Vec<serde_json::Value> {
+    let ports = [PortDef::tcp(RANGES_PORT, TARGET_PORT, None)];
+    let mut ranges = lb_dual_stack(
+        "ranges6",
+        (RANGES_CLUSTER_IP, RANGES_CLUSTER_IP6),
+        RANGES_PORT,
+        &[RANGES_LB_IP.into(), RANGES_LB_IP6_IN.into(), RANGES_LB_IP6_OUT.into()],
+    );
+    ranges["spec"]["loadBalancerSourceRanges"] = serde_json::json!([INSIDE_RANGE6]);
+    let endpoints6: Vec<(Ipv6Addr, &str)> = backend_ips6().into_iter().map(|ip| (ip, NODE_NAME)).collect();
+    let local_ports = [PortDef::tcp(LOCAL_PORT, TARGET_PORT, None)];
+    let mut local = lb_dual_stack(
+        "local6",
+        (LOCAL_CLUSTER_IP, LOCAL_CLUSTER_IP6),
+        LOCAL_PORT,
+        &[LOCAL_LB_IP6.into()],
+    );
+    local["spec"]["externalTrafficPolicy"] = "Local".into();
+    let local6: Vec<(Ipv6Addr, &str)> = (backend_ips6().into_iter().enumerate())
+        .map(|(i, ip)| (ip, if i == 0 { NODE_NAME } else { OTHER_NODE }))
+        .collect();
+    vec![
+        ranges,
+        slice_with("ranges6-4", "ranges6", &ports, &on_node(&backend_ips())),
+        slice6_with("ranges6-6", "ranges6", &ports, &endpoints6),
+        local,
+        slice6_with("local6-6", "local6", &local_ports, &local6),
+    ]
+}
+
+/// The client's routes to the load balancer IPs, each IPv6 one with its
+/// source: [`RANGES_LB_IP6_OUT`] from [`OUTSIDE_SOURCE6`], the others
+/// from `CLIENT_IP6` (the node's default route takes the replies back to
+/// the client).
+fn route_lb_ips(topo: &Topology) -> Result<()> {
+    topo.client
+        .add_addr(&topo.client_if, &format!("{OUTSIDE_SOURCE6}/128"))?;
+    topo.route_to_node(&[&format!("{RANGES_LB_IP}/32")])?;
+    let via = NODE_IP6.to_string();
+    for (to, src) in [
+        (RANGES_LB_IP6_IN, CLIENT_IP6),
+        (LOCAL_LB_IP6, CLIENT_IP6),
+        (RANGES_LB_IP6_OUT, OUTSIDE_SOURCE6),
+    ] {
+        let (to, src) = (format!("{to}/128"), src.to_string());
+        topo.client
+            .add_route(&[&to, "via", &via, "dev", &topo.client_if, "src", &src])?;
+    }
+    Ok(())
+}
+
+/// A TCP connect from `from` to `addr` gets no answer at all (dropped).
+fn no_answer(from: &testbed::netns::Netns, addr: SocketAddr) -> Result<String> {
+    let result = from.run_in(|| netns::tcp_connect(addr, Duration::from_secs(2)))?;
+    match result {
+        Err(e) if e.kind() == io::ErrorKind::TimedOut || e.kind() == io::ErrorKind::WouldBlock => {
+            Ok(format!("no answer ({e})"))
+        }
+        other => bail!("expected a timeout, got {other:?}"),
+    }
+}
+
+/// The data path's `drop_source_range` packets, from the agent's metrics.
+fn source_range_drops(bed: &AgentBed) -> Result<f64> {
+    let metrics = bed.metrics()?;
+    Ok((metrics.labeled(DATAPATH_PACKETS, "verdict=\"drop_source_range\"")).unwrap_or(0.0))
+}
+
+/// `XP_SRC_RANGES6`'s networks, sorted (each once per LB IP frontend).
+fn ranges6_read_back(bed: &AgentBed) -> Result<Vec<String>> {
+    use proxy_common::{SourceRange6Data, SourceRange6Key, maps};
+    let map = proxy_userspace::mode::ebpf::pinned(bed.pin_path(), maps::SOURCE_RANGES6)?;
+    let trie: aya::maps::LpmTrie<_, SourceRange6Data, u8> = aya::maps::LpmTrie::try_from(map)?;
+    let mut out = Vec::new();
+    for key in trie.keys() {
+        let key = key.context("reading XP_SRC_RANGES6")?;
+        let data = key.data();
+        let key = SourceRange6Key {
+            prefix_len: key.prefix_len(),
+            rev_nat_id_be: data.rev_nat_id_be,
+            addr_be: data.addr_be,
+        };
+        out.push(format!("{}/{}", key.addr(), key.range_len()));
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// `XP_POD_CIDRS6` as networks, sorted.
+fn pod_cidrs6_read_back(bed: &AgentBed) -> Result<Vec<String>> {
+    use proxy_common::{ipv6::ipv6_of, maps};
+    let map = proxy_userspace::mode::ebpf::pinned(bed.pin_path(), maps::POD_CIDRS6)?;
+    let trie: aya::maps::LpmTrie<_, [u32; 4], u8> = aya::maps::LpmTrie::try_from(map)?;
+    let mut out = Vec::new();
+    for key in trie.keys() {
+        let key = key.context("reading XP_POD_CIDRS6")?;
+        out.push(format!("{}/{}", ipv6_of(key.data()), key.prefix_len()));
+    }
+    out.sort();
+    Ok(out)
+}
+
+fn check_source_ranges6(bed: &AgentBed, checks: &mut Checks) {
+    let client = &bed.topo.client;
+    let inside = SocketAddr::new(RANGES_LB_IP6_IN.into(), RANGES_PORT);
+    checks.check(
+        &format!("client (inside {INSIDE_RANGE6}) -> {inside}: every backend answers"),
+        expect_all_backends(client, Protocol::Tcp, inside),
+    );
+    let outside = SocketAddr::new(RANGES_LB_IP6_OUT.into(), RANGES_PORT);
+    let drops_before = source_range_drops(bed);
+    checks.check(
+        &format!("{OUTSIDE_SOURCE6} (outside the ranges) -> {outside}: dropped, counted as drop_source_range"),
+        no_answer(client, outside).and_then(|answer| {
+            let (before, after) = (drops_before?, source_range_drops(bed)?);
+            ensure!(after > before, "drop_source_range {before} -> {after}");
+            Ok(format!("{answer}; drop_source_range {before} -> {after}"))
+        }),
+    );
+    let v4 = SocketAddr::new(RANGES_LB_IP.into(), RANGES_PORT);
+    checks.check(
+        &format!("{CLIENT_IP} -> {v4} (no IPv4 range): every backend answers"),
+        expect_all_backends(client, Protocol::Tcp, v4),
+    );
+    checks.check(
+        "XP_SRC_RANGES6 holds the range and the IPv6 LB IPs",
+        ranges6_read_back(bed).and_then(|found| {
+            // Under each of the two IPv6 LB IPs' frontend ids.
+            let once = ["2001:db8:78::5/128", "2001:db8:78::6/128", INSIDE_RANGE6];
+            let want: Vec<String> = once.iter().flat_map(|n| [n.to_string(), n.to_string()]).collect();
+            ensure!(found == want, "{found:?}");
+            Ok(found.join(", "))
+        }),
+    );
+}
+
+fn check_local_short_circuit6(bed: &AgentBed, checks: &mut Checks) {
+    let topo = &bed.topo;
+    let lb = SocketAddr::new(LOCAL_LB_IP6.into(), LOCAL_PORT);
+    let local = [BACKENDS[0].0];
+    checks.check(
+        &format!("client -> eTP Local {lb}: only the node's endpoint"),
+        expect_backends(&topo.client, Protocol::Tcp, lb, &local, probe::REQUESTS / 3),
+    );
+    checks.check(
+        &format!("client pod -> eTP Local {lb}: every endpoint (short-circuited)"),
+        expect_all_backends(&topo.client_pod.ns, Protocol::Tcp, lb),
+    );
+    checks.check(
+        "XP_POD_CIDRS6 holds the IPv6 clusterCIDR",
+        pod_cidrs6_read_back(bed).and_then(|found| {
+            ensure!(found == [POD_CIDR6], "{found:?}");
+            Ok(found.join(", "))
+        }),
+    );
+}
+
+#[test]
+fn ebpf_ipv6_source_ranges_and_local_short_circuit() {
+    let test = "ebpf_ipv6_source_ranges_and_local_short_circuit";
+    if !require_root(test) || !Mode::Ebpf.available(test) {
+        return;
+    }
+    let mut bed = AgentBed::new(test).expect("building the test bed");
+    let mut checks = Checks::new(test);
+    let mut objects = seed_objects_dual_stack(&seed_tcp_udp());
+    objects.extend(lb6_objects());
+    let started = route_lb_ips(&bed.topo).and_then(|()| {
+        bed.write_manifest("seed.yaml", &yaml_documents(&objects))?;
+        let mut args = bed.manifest_args();
+        let cidrs = format!("{POD_CIDR},{POD_CIDR6}");
+        args.extend([
+            "--node-ip".to_owned(),
+            NODE_IP6.to_string(),
+            "--cluster-cidr".to_owned(),
+            cidrs,
+        ]);
+        bed.start_agent_in(Mode::Ebpf.name(), &args)?;
+        bed.wait_first_sync(READY_WITHIN)?;
+        bed.wait_answering(seed_node_port(), READY_WITHIN)
+    });
+    checks.check("the agent starts", started.map(|_| "ready".to_owned()));
+    check_source_ranges6(&bed, &mut checks);
+    check_local_short_circuit6(&bed, &mut checks);
+    if !checks.passed() {
+        eprintln!("{}", bed.log());
+    }
+    checks.finish();
 }

@@ -423,6 +423,7 @@ fn harness() -> Harness {
                 seconds: [CT_TIMEOUT_S; state::COUNT],
             },
             entries: CT_ENTRIES,
+            entries6: CT_ENTRIES,
         },
         ..LoadOptions::default()
     };

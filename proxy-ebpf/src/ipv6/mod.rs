@@ -9,9 +9,7 @@
 //!
 //! Not yet done for IPv6 (each left untranslated or refused, never
 //! translated wrongly): ICMPv6 errors quoting a translated flow,
-//! fragments (see `parse`), loadBalancerSourceRanges (a frontend flagged
-//! with them drops every new flow), pods' short-circuit of
-//! `Local` external frontends.
+//! fragments (see `parse`).
 
 mod conntrack;
 mod parse;
@@ -33,7 +31,7 @@ use crate::{
     headers::Side,
     maps::{self, AFFINITY6, BACKENDS6, SERVICES6},
     pipeline::{self, Outcome, snat_wanted, translated},
-    ports, select, service_port,
+    ports, select, service_port, source_range,
 };
 
 /// The IPv6 packet's way, from parsing to the rewrite (see the module doc).
@@ -99,12 +97,13 @@ fn reverse(ctx: &impl Ctx, flow: &Flow6, tracked: &Tracked6) -> (Verdict, Outcom
 
 #[inline(always)]
 fn new_flow(ctx: &impl Ctx, flow: &Flow6, svc: &ServiceValue) -> (Verdict, Outcome) {
-    // Source ranges of IPv6 load balancer IPs are not matched yet: closed
-    // rather than open to everyone.
-    if svc.flags & FLAG_SOURCE_RANGES != 0 {
+    // Only new flows are filtered, as IPv4's (`crate::pipeline::new_flow`).
+    if svc.flags & FLAG_SOURCE_RANGES != 0 && !source_range::allowed6(flow.saddr(), svc) {
         return (Verdict::DropSourceRange, Outcome::Drop);
     }
-    let Some((backend_id, backend)) = pick_backend(flow, svc) else {
+    let view = service_port::view(svc, || service_port::from_pod6(flow.saddr()));
+    let svc = &view.svc;
+    let Some((backend_id, backend)) = pick_backend(flow, svc, view.affinity_id) else {
         return pipeline::no_backend(svc, || reject::reject(ctx, flow));
     };
     let snat = snat_wanted(svc, backend.flags, *flow.saddr() == backend.addr_be);
@@ -130,9 +129,9 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow6, svc: &ServiceValue) -> (Verdict, Outco
 /// Maglev's (the IPv6 tuple hashed) or a random one of the frontend's run
 /// (remembered under affinity), as IPv4's.
 #[inline(always)]
-fn pick_backend(flow: &Flow6, svc: &ServiceValue) -> Option<(u32, Backend6)> {
+fn pick_backend(flow: &Flow6, svc: &ServiceValue, affinity_id: u32) -> Option<(u32, Backend6)> {
     let sticky = (svc.flags & FLAG_AFFINITY_CLIENT_IP != 0).then(|| AffinityKey6 {
-        affinity_id: service_port::affinity_id(svc),
+        affinity_id,
         client_be: *flow.saddr(),
     });
     if let Some(key) = &sticky

@@ -68,7 +68,11 @@ fn pinned<K: aya::Pod, V: aya::Pod>(h: &Harness, name: &str) -> BpfHashMap<MapDa
 /// NodePort [fd00:192:168:50::10]:30791, TCP and UDP, to three backends
 /// on port 80; and frontends without backends (`EMPTY_IP6`, `LOCAL_IP6`).
 fn seeded6() -> Harness {
-    let h = Harness::seeded();
+    seeded6_on(Harness::seeded())
+}
+
+/// [`seeded6`]'s IPv6 frontends added to `h`.
+fn seeded6_on(h: Harness) -> Harness {
     let mut slots: BpfHashMap<MapData, BackendSlotKey, u32> = pinned(&h, map_names::BACKEND_SLOTS);
     let mut backends: BpfHashMap<MapData, u32, Backend6> = pinned(&h, map_names::BACKENDS6);
     let mut services: BpfHashMap<MapData, Service6Key, ServiceValue> = pinned(&h, map_names::SERVICES6);
@@ -573,4 +577,42 @@ fn ipv6_builder_frames_are_valid() {
         }
     }
     assert_eq!(ipv6_of(addr6_be(CLUSTER_IP6)), CLUSTER_IP6);
+}
+
+/// `XP_CT6` is sized from the conntrack settings (a quarter of `XP_CT`'s
+/// entries) and the agent's sweep deletes its flows idle past their
+/// timeout, counting them with `XP_CT`'s; a live flow stays.
+#[test]
+fn the_sweep_deletes_expired_ipv6_flows_and_xp_ct6_is_sized_by_the_settings() {
+    if !require_root("the_sweep_deletes_expired_ipv6_flows_and_xp_ct6_is_sized_by_the_settings") {
+        return;
+    }
+    let options = short_timeouts(2);
+    let mut h = seeded6_on(Harness::seeded_with(options));
+    let table = h.pin_dir().join(map_names::CONNTRACK6);
+    let size = aya::maps::MapInfo::from_pin(&table)
+        .expect("XP_CT6's info")
+        .max_entries();
+    assert_eq!(size, options.conntrack.entries6);
+    assert_eq!(size, options.conntrack.entries / 4);
+    let cluster = v6(CLUSTER_IP6, SERVICE_PORT);
+    for _ in 0..3 {
+        let first = Frame6::udp(client6(&mut h), cluster, b"query");
+        assert_dnat(&mut h, Prog::TcIngress, &first, "UDP to the ClusterIP");
+    }
+    let sweep = conntrack::sweep(h.pin_dir(), &options.conntrack.timeouts).expect("sweep");
+    assert_eq!((sweep.entries, sweep.expired), (6, 0), "nothing is idle yet");
+    std::thread::sleep(std::time::Duration::from_millis(3100));
+    let live = Frame6::udp(client6(&mut h), cluster, b"query");
+    assert_dnat(&mut h, Prog::TcIngress, &live, "a live UDP flow");
+    let sweep = conntrack::sweep(h.pin_dir(), &options.conntrack.timeouts).expect("sweep");
+    assert_eq!((sweep.entries, sweep.expired), (8, 6));
+    let left = conntrack6(&h);
+    assert_eq!(left.len(), 2, "the live flow's entries stay: {left:?}");
+    assert!(left.iter().any(|(k, _)| k.sport_be == live.src().port().to_be()));
+    let counts = proxy_userspace::server::metrics::read_conntrack_counts(h.pin_dir())
+        .expect("counters")
+        .expect("the data path has conntrack counters");
+    assert_eq!(counts.get(ct_stat::EXPIRED), 6);
+    assert_eq!(counts.get(ct_stat::LIVE), 2);
 }

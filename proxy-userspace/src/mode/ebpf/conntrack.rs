@@ -1,7 +1,9 @@
-//! The programs' conntrack table as the agent keeps it: sized and timed
-//! from the `conntrack` configuration at load, read in batches, swept of
-//! flows idle past their timeout, its counters kept in the pinned
-//! `XP_CT_STATS` for `/metrics` and `xproxy status`.
+//! The programs' conntrack tables as the agent keeps them (`XP_CT`, and
+//! `XP_CT6` for IPv6 flows): sized and timed from the `conntrack`
+//! configuration at load, read in batches, swept of flows idle past their
+//! timeout, their counters (shared: both tables' programs count into one
+//! set) kept in the pinned `XP_CT_STATS` for `/metrics` and `xproxy
+//! status`.
 //!
 //! What the states and timeouts mean is `proxy_common::conntrack`'s: the
 //! programs decide per packet whether a flow is over; the sweep here only
@@ -10,13 +12,14 @@
 //! takes an idle long-lived connection's backend with it) stays the last
 //! resort.
 
-use std::{collections::HashMap as StdHashMap, net::IpAddr, path::Path, time::Duration};
+use std::{collections::HashMap as StdHashMap, hash::Hash, net::IpAddr, path::Path, time::Duration};
 
 use anyhow::{Context, Result};
 use aya::maps::{HashMap, MapData, MapError, PerCpuArray, PerCpuValues};
 use proxy_common::{
     CtKey, CtKey6, CtTimeouts, CtValue, CtValue6,
     conntrack::{partner_key, settled_state, state},
+    ipv6::partner_key6,
     maps,
     stats::ct_stat,
 };
@@ -33,8 +36,12 @@ const READ_BATCH: usize = 4096;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CtSettings {
     pub timeouts: CtTimeouts,
-    /// Map entries: two a flow.
+    /// Map entries of `XP_CT`: two a flow.
     pub entries: u32,
+    /// Map entries of `XP_CT6`: a quarter of `entries`, the ratio of the
+    /// programs' built-in sizes (an IPv6 entry takes 128 bytes of the
+    /// preallocated map, an IPv4 one 88; see `proxy_common::maps`).
+    pub entries6: u32,
 }
 
 impl Default for CtSettings {
@@ -69,7 +76,17 @@ impl CtSettings {
             let flows = flows.max(u64::from(config.min));
             u32::try_from(flows * 2).unwrap_or(u32::MAX)
         };
-        Self { timeouts, entries }
+        let entries6 = if config.max_per_core == 0 {
+            maps::CONNTRACK6_MAX
+        } else {
+            // Even, as `entries`: two entries a flow.
+            (entries / 4).max(2) & !1
+        };
+        Self {
+            timeouts,
+            entries,
+            entries6,
+        }
     }
 
     /// How often the sweep runs: half the shortest timeout, between 1 s
@@ -151,16 +168,45 @@ pub fn read_entries<K: aya::Pod + bytemuck::Pod, V: aya::Pod + bytemuck::Pod>(
     }
 }
 
+/// What the sweep reads of a conntrack value, of either table.
+pub trait CtEntry {
+    type Key: Copy + Eq + Hash;
+    /// The key of the flow's other entry.
+    fn partner(&self, key: &Self::Key) -> Self::Key;
+    fn last_seen_ns(&self) -> u64;
+    /// The state the flow's timeout is chosen by.
+    fn settled_state(&self) -> u8;
+}
+
+/// [`CtEntry`] for a table's value type: the fields are the same in both.
+macro_rules! impl_ct_entry {
+    ($value:ty, $key:ty, $partner:path) => {
+        impl CtEntry for $value {
+            type Key = $key;
+            fn partner(&self, key: &$key) -> $key {
+                $partner(key, self)
+            }
+            fn last_seen_ns(&self) -> u64 {
+                self.last_seen_ns
+            }
+            fn settled_state(&self) -> u8 {
+                settled_state(self.state, self.flags)
+            }
+        }
+    };
+}
+impl_ct_entry!(CtValue, CtKey, partner_key);
+impl_ct_entry!(CtValue6, CtKey6, partner_key6);
+
 /// The keys of the entries whose flow is idle past its state's timeout at
 /// `now` both ways (an entry whose partner is gone: its own way).
-pub fn expired(entries: &[(CtKey, CtValue)], timeouts: &CtTimeouts, now: u64) -> Vec<CtKey> {
-    let last_seen: std::collections::HashMap<CtKey, u64> = entries.iter().map(|(k, v)| (*k, v.last_seen_ns)).collect();
+pub fn expired<V: CtEntry>(entries: &[(V::Key, V)], timeouts: &CtTimeouts, now: u64) -> Vec<V::Key> {
+    let last_seen: StdHashMap<V::Key, u64> = entries.iter().map(|(k, v)| (*k, v.last_seen_ns())).collect();
     entries
         .iter()
         .filter(|(key, value)| {
-            let state = settled_state(value.state, value.flags);
-            let idle = |seen| timeouts.idle_past(state, seen, now);
-            idle(value.last_seen_ns) && last_seen.get(&partner_key(key, value)).is_none_or(|seen| idle(*seen))
+            let idle = |seen| timeouts.idle_past(value.settled_state(), seen, now);
+            idle(value.last_seen_ns()) && last_seen.get(&value.partner(key)).is_none_or(|seen| idle(*seen))
         })
         .map(|(key, _)| *key)
         .collect()
@@ -175,17 +221,20 @@ pub struct Sweep {
     pub expired: u64,
 }
 
-/// Deletes the expired flows of the table pinned under `pin_path` and
-/// updates its counters.
+/// Deletes the expired flows of both tables pinned under `pin_path` (no
+/// `XP_CT6` where an older agent pinned none) and updates their counters.
 pub fn sweep(pin_path: &Path, timeouts: &CtTimeouts) -> Result<Sweep> {
-    let mut conntrack: HashMap<MapData, CtKey, CtValue> = open(pin_path, maps::CONNTRACK)?;
-    let entries = read_entries(&conntrack, |_, _| true)?;
-    let expired_keys = expired(&entries, timeouts, now_ns());
-    let deleted = remove_all(&mut conntrack, &expired_keys)?;
+    let v4 = sweep_table::<CtValue>(pin_path, maps::CONNTRACK, timeouts)?;
+    let v6 = if pin_path.join(maps::CONNTRACK6).exists() {
+        sweep_table::<CtValue6>(pin_path, maps::CONNTRACK6, timeouts)?
+    } else {
+        Sweep::default()
+    };
+    let (entries, deleted) = (v4.entries + v6.entries, v4.expired + v6.expired);
     let mut stats = CtStats::open(pin_path)?;
     stats.add(ct_stat::AGENT_REMOVED, deleted)?;
     stats.add(ct_stat::EXPIRED, deleted)?;
-    let live = entries.len() as u64 - deleted;
+    let live = entries - deleted;
     stats.set(ct_stat::LIVE, live)?;
     let evicted = stats
         .get(ct_stat::INSERTED)?
@@ -193,6 +242,22 @@ pub fn sweep(pin_path: &Path, timeouts: &CtTimeouts) -> Result<Sweep> {
         .saturating_sub(stats.get(ct_stat::AGENT_REMOVED)?)
         .saturating_sub(live);
     stats.set(ct_stat::EVICTED, evicted)?;
+    Ok(Sweep {
+        entries,
+        expired: deleted,
+    })
+}
+
+/// Deletes the expired flows of the table `name`.
+fn sweep_table<V>(pin_path: &Path, name: &str, timeouts: &CtTimeouts) -> Result<Sweep>
+where
+    V: CtEntry + aya::Pod + bytemuck::Pod,
+    V::Key: aya::Pod + bytemuck::Pod,
+{
+    let mut conntrack: HashMap<MapData, V::Key, V> = open(pin_path, name)?;
+    let entries = read_entries(&conntrack, |_, _| true)?;
+    let expired_keys = expired(&entries, timeouts, now_ns());
+    let deleted = remove_all(&mut conntrack, &expired_keys)?;
     Ok(Sweep {
         entries: entries.len() as u64,
         expired: deleted,
@@ -273,10 +338,15 @@ pub fn read_conntrack_counts(pin_path: &Path) -> Result<Option<ConntrackCounts>>
     for (index, slot) in (0..).zip(counts.counters.iter_mut()) {
         *slot = stats.get(index)?;
     }
-    let table = pin_path.join(maps::CONNTRACK);
-    counts.max_entries = aya::maps::MapInfo::from_pin(&table)
-        .with_context(|| format!("reading {}", table.display()))?
-        .max_entries();
+    // Both tables' room: the counters are both tables' too.
+    for name in [maps::CONNTRACK, maps::CONNTRACK6] {
+        let table = pin_path.join(name);
+        if name == maps::CONNTRACK6 && !table.exists() {
+            continue;
+        }
+        let info = aya::maps::MapInfo::from_pin(&table).with_context(|| format!("reading {}", table.display()))?;
+        counts.max_entries = counts.max_entries.saturating_add(info.max_entries());
+    }
     Ok(Some(counts))
 }
 
@@ -327,6 +397,40 @@ mod tests {
         assert_eq!(expired(&busy_replies[..1], &t, now), vec![busy_replies[0].0]);
     }
 
+    /// `XP_CT6`'s entries by the same rules, partners found by their
+    /// 16-byte addresses.
+    #[test]
+    fn ipv6_flows_expire_when_idle_both_ways() {
+        let t = CtTimeouts::KERNEL;
+        let now = 1000 * S;
+        let ip = |s: &str| -> std::net::Ipv6Addr { s.parse().expect("address") };
+        let (client, frontend, backend) = (ip("fd00:30::1"), ip("fd00:96::10"), ip("fd00:244::2"));
+        let pair = |port: u16, forward_seen: u64, reply_seen: u64| {
+            let value = |nat: std::net::Ipv6Addr, nat_port: u16, flags, seen| CtValue6 {
+                flags,
+                state: state::UDP_REPLIED,
+                last_seen_ns: seen,
+                nat_addr_be: proxy_common::ipv6::addr6_be(nat),
+                nat_port_be: nat_port.to_be(),
+                ..bytemuck::Zeroable::zeroed()
+            };
+            [
+                (
+                    CtKey6::new(client, port, frontend, 53, proto::UDP),
+                    value(backend, 5353, 0, forward_seen),
+                ),
+                (
+                    CtKey6::new(backend, 5353, client, port, proto::UDP),
+                    value(frontend, 53, FLAG_REPLY, reply_seen),
+                ),
+            ]
+        };
+        let idle = pair(1, now - 121 * S, now - 130 * S);
+        let busy_replies = pair(2, now - 500 * S, now - 5 * S);
+        let entries: Vec<_> = [idle, busy_replies].concat();
+        assert_eq!(expired(&entries, &t, now), vec![idle[0].0, idle[1].0]);
+    }
+
     #[test]
     fn closed_flows_expire_sooner() {
         let t = CtTimeouts::KERNEL;
@@ -349,6 +453,7 @@ mod tests {
         };
         let s = CtSettings::from_config(&config, 2);
         assert_eq!(s.entries, 10_000, "min 5,000 flows, two entries each");
+        assert_eq!(s.entries6, 2_500, "a quarter for IPv6");
         assert_eq!(CtSettings::from_config(&config, 8).entries, 16_000);
         assert_eq!(s.timeouts.seconds[state::TCP_ESTABLISHED as usize], 3600);
         assert_eq!(s.timeouts.seconds[state::NONE as usize], 3600);
@@ -361,6 +466,18 @@ mod tests {
         assert_eq!(s.sweep_interval(), Duration::from_secs(1));
         let defaults = CtSettings::default();
         assert_eq!(defaults.entries, 2 * 128 * 1024, "kube-proxy's min wins on one CPU");
+        assert_eq!(defaults.entries6, 2 * 32 * 1024);
+        let builtin = CtSettings::from_config(
+            &ConntrackConfig {
+                max_per_core: 0,
+                ..ConntrackConfig::default()
+            },
+            4,
+        );
+        assert_eq!(
+            (builtin.entries, builtin.entries6),
+            (maps::CONNTRACK_MAX, maps::CONNTRACK6_MAX)
+        );
         assert_eq!(defaults.timeouts.seconds[state::TCP_ESTABLISHED as usize], 24 * 3600);
         assert_eq!(defaults.sweep_interval(), Duration::from_secs(5));
     }

@@ -20,20 +20,7 @@ pub fn unhonoured(port: &ServicePort) -> Vec<(&'static str, &'static str)> {
             "SCTP over IPv6 is not translated by the ebpf programs yet: the port is not served",
         ));
     }
-    if !port.source_ranges.is_empty() && !port.load_balancer_ips.is_empty() {
-        out.push((
-            "spec.loadBalancerSourceRanges",
-            "not matched for IPv6 yet: the IPv6 load balancer IPs refuse every new flow",
-        ));
-    }
     let external = port.node_port.is_some() || !port.external_addresses().is_empty();
-    if external && port.external_local() {
-        out.push((
-            "spec.externalTrafficPolicy",
-            "pods' IPv6 traffic to the Local node port or external IPs reaches this node's endpoints only \
-             (not short-circuited to every endpoint yet)",
-        ));
-    }
     if external {
         out.push((
             "spec.ports[].nodePort",
@@ -49,7 +36,7 @@ mod tests {
     use std::{net::Ipv6Addr, time::Duration};
 
     use super::*;
-    use crate::model::{Endpoint, LbAlgorithm, TrafficPolicy};
+    use crate::model::{Endpoint, LbAlgorithm, SourceRange, TrafficPolicy};
 
     fn port6() -> ServicePort {
         ServicePort {
@@ -80,12 +67,16 @@ mod tests {
     fn each_missing_feature_is_named_once() {
         let port = ServicePort {
             node_port: Some(30080),
+            load_balancer_ips: vec![Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 5).into()],
+            source_ranges: vec![
+                SourceRange::new(Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 0).into(), 48).expect("range"),
+            ],
             affinity: Some(Duration::from_secs(10)),
             external_policy: TrafficPolicy::Local,
             lb_algorithm: Some(LbAlgorithm::Maglev),
             ..port6()
         };
-        assert_eq!(fields(&port), ["spec.externalTrafficPolicy", "spec.ports[].nodePort"]);
+        assert_eq!(fields(&port), ["spec.ports[].nodePort"]);
         let sctp = ServicePort {
             protocol: Protocol::Sctp,
             ..port6()

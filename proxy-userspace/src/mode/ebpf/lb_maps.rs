@@ -13,15 +13,17 @@ use std::collections::BTreeSet;
 
 use anyhow::Result;
 use proxy_common::{
-    Backend, Backend6, BackendSlotKey, CtKey, CtValue, FrontendPort, MaglevChunk, MaglevKey, MemberKey, PortBits,
-    Service6Key, ServiceKey, ServiceValue, SourceRangeKey, Verdict, VerdictCounter,
+    Backend, Backend6, BackendSlotKey, CtKey, CtKey6, CtValue, CtValue6, FrontendPort, MaglevChunk, MaglevKey,
+    MemberKey, PortBits, Service6Key, ServiceKey, ServiceValue, SourceRange6Key, SourceRangeKey, Verdict,
+    VerdictCounter,
 };
 
 use super::write_batch::{SplitStaged, Step};
 
 /// The Service maps (`XP_SERVICES`, `XP_SERVICES6`, `XP_SLOTS`,
 /// `XP_BACKENDS`, `XP_BACKENDS6`,
-/// `XP_REV_NAT`, `XP_MEMBERS`, `XP_SRC_RANGES`, `XP_SVC_PORTS`, `XP_MAGLEV`),
+/// `XP_REV_NAT`, `XP_MEMBERS`, `XP_SRC_RANGES`, `XP_SRC_RANGES6`, `XP_SVC_PORTS`,
+/// `XP_MAGLEV`),
 /// the port filter
 /// (`XP_PORTS`), what the programs write that a snapshot shows (`XP_CT`,
 /// `XP_STATS`) and the affinity map the programs fill (`XP_AFFINITY`).
@@ -56,6 +58,8 @@ pub trait LbMaps: Sync {
     fn maglev_chunk(&self, key: &MaglevKey) -> Result<Option<MaglevChunk>>;
     /// Every source range entry: `XP_SRC_RANGES`.
     fn source_range_keys(&self) -> Result<Vec<SourceRangeKey>>;
+    /// Every IPv6 source range entry: `XP_SRC_RANGES6`.
+    fn source_range6_keys(&self) -> Result<Vec<SourceRange6Key>>;
     /// Every external frontend's Service port entry by its reverse NAT
     /// id: `XP_SVC_PORTS`.
     fn service_ports(&self) -> Result<Vec<(u32, FrontendPort)>>;
@@ -77,6 +81,8 @@ pub trait LbMaps: Sync {
 
     /// Tracked flows, forward and reply entries alike.
     fn conntrack_entries(&self) -> Result<Vec<(CtKey, CtValue)>>;
+    /// Tracked IPv6 flows (`XP_CT6`), forward and reply entries alike.
+    fn conntrack6_entries(&self) -> Result<Vec<(CtKey6, CtValue6)>>;
     /// The verdict counters summed over CPUs, every verdict listed.
     fn verdicts(&self) -> Result<Vec<(Verdict, VerdictCounter)>>;
 }

@@ -78,6 +78,7 @@ impl Datapath {
             .override_global(maps::GLOBAL_SNAT_MARK, &options.snat_mark, true)
             .override_global(maps::GLOBAL_CT_TIMEOUTS, &options.conntrack.timeouts, true)
             .map_max_entries(maps::CONNTRACK, options.conntrack.entries)
+            .map_max_entries(maps::CONNTRACK6, options.conntrack.entries6)
             .load(object_bytes()?)
             .context("loading the eBPF object (are you root, and is the kernel 6.1 or newer?)")?;
         let maps_ready = started.elapsed();
@@ -88,7 +89,8 @@ impl Datapath {
             programs_ms = (started.elapsed() - maps_ready).as_secs_f64() * 1e3,
             "programs loaded"
         );
-        warn_on_adopted_conntrack_size(pin_path, options.conntrack.entries);
+        warn_on_adopted_conntrack_size(pin_path, maps::CONNTRACK, options.conntrack.entries);
+        warn_on_adopted_conntrack_size(pin_path, maps::CONNTRACK6, options.conntrack.entries6);
         Ok(Self {
             ebpf,
             pin_path: pin_path.to_owned(),
@@ -445,12 +447,13 @@ fn is_bpffs(path: &Path) -> Result<bool> {
     Ok(st.f_type == BPF_FS_MAGIC)
 }
 
-/// Says so when the pinned conntrack map (adopted from an earlier agent)
-/// is not `wanted` entries large.
-fn warn_on_adopted_conntrack_size(pin_path: &Path, wanted: u32) {
-    let path = pin_path.join(maps::CONNTRACK);
+/// Says so when the pinned conntrack map `name` (adopted from an earlier
+/// agent) is not `wanted` entries large.
+fn warn_on_adopted_conntrack_size(pin_path: &Path, name: &str, wanted: u32) {
+    let path = pin_path.join(name);
     match aya::maps::MapInfo::from_pin(&path) {
         Ok(info) if info.max_entries() != wanted => warn!(
+            map = name,
             entries = info.max_entries(),
             configured = wanted,
             "the conntrack map pinned by an earlier agent keeps its size (its flows with it); \

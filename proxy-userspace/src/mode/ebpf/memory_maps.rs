@@ -20,9 +20,9 @@ use std::{
 
 use anyhow::{Result, bail};
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, Backend6, BackendSlotKey, CtKey, CtValue, FrontendPort, MaglevChunk,
-    MaglevKey, MemberKey, PortBits, RevNat, Service6Key, ServiceKey, ServiceValue, SourceRangeKey, Verdict,
-    VerdictCounter, maps, ports,
+    AffinityKey, AffinityValue, Backend, Backend6, BackendSlotKey, CtKey, CtKey6, CtValue, CtValue6, FrontendPort,
+    MaglevChunk, MaglevKey, MemberKey, PortBits, RevNat, Service6Key, ServiceKey, ServiceValue, SourceRange6Key,
+    SourceRangeKey, Verdict, VerdictCounter, maps, ports,
 };
 
 use super::{
@@ -113,9 +113,11 @@ struct State {
     members: MemTable<MemberKey, u32>,
     maglev: MemTable<MaglevKey, MaglevChunk>,
     source_ranges: MemTable<SourceRangeKey, u8>,
+    source_ranges6: MemTable<SourceRange6Key, u8>,
     service_ports: MemTable<u32, FrontendPort>,
     ports: Vec<PortBits>,
     conntrack: Vec<(CtKey, CtValue)>,
+    conntrack6: Vec<(CtKey6, CtValue6)>,
     affinity: Vec<(AffinityKey, AffinityValue)>,
     /// Frontends a packet would have found torn after some step.
     torn: Vec<String>,
@@ -134,6 +136,7 @@ impl State {
             Step::Write(Table::Members) => self.members.write(&staged.members)?,
             Step::Write(Table::Maglev) => self.maglev.write(&staged.maglev)?,
             Step::Write(Table::SourceRanges) => self.source_ranges.write(&staged.source_ranges)?,
+            Step::Write(Table::SourceRanges6) => self.source_ranges6.write(&staged.source_ranges6)?,
             Step::Write(Table::ServicePorts) => self.service_ports.write(&staged.service_ports)?,
             Step::Delete(Table::Backends) => self.backends.delete(&staged.backends),
             Step::Delete(Table::Backends6) => self.backends6.delete(&staged.backends6),
@@ -144,6 +147,7 @@ impl State {
             Step::Delete(Table::Members) => self.members.delete(&staged.members),
             Step::Delete(Table::Maglev) => self.maglev.delete(&staged.maglev),
             Step::Delete(Table::SourceRanges) => self.source_ranges.delete(&staged.source_ranges),
+            Step::Delete(Table::SourceRanges6) => self.source_ranges6.delete(&staged.source_ranges6),
             Step::Delete(Table::ServicePorts) => self.service_ports.delete(&staged.service_ports),
         })
     }
@@ -187,6 +191,7 @@ impl State {
             Table::Members => &mut self.members.max_entries,
             Table::Maglev => &mut self.maglev.max_entries,
             Table::SourceRanges => &mut self.source_ranges.max_entries,
+            Table::SourceRanges6 => &mut self.source_ranges6.max_entries,
             Table::ServicePorts => &mut self.service_ports.max_entries,
         }
     }
@@ -205,9 +210,11 @@ impl MemoryMaps {
             members: MemTable::new(maps::MEMBERS_MAX),
             maglev: MemTable::new(maps::MAGLEV_MAX),
             source_ranges: MemTable::new(maps::SOURCE_RANGES_MAX),
+            source_ranges6: MemTable::new(maps::SOURCE_RANGES6_MAX),
             service_ports: MemTable::new(maps::SERVICE_PORTS_MAX),
             ports: vec![PortBits::default(); ports::PORT_WORDS as usize],
             conntrack: Vec::new(),
+            conntrack6: Vec::new(),
             affinity: Vec::new(),
             torn: Vec::new(),
         };
@@ -262,6 +269,11 @@ impl MemoryMaps {
     /// Adds tracked flows, as the programs would.
     pub fn track(&self, entries: &[(CtKey, CtValue)]) {
         self.state().conntrack.extend(entries.iter().copied());
+    }
+
+    /// Adds tracked IPv6 flows, as the programs would.
+    pub fn track6(&self, entries: &[(CtKey6, CtValue6)]) {
+        self.state().conntrack6.extend(entries.iter().copied());
     }
 
     /// Adds affinity entries, as the programs would.
@@ -348,6 +360,10 @@ impl LbMaps for MemoryMaps {
         Ok(self.state().source_ranges.keys())
     }
 
+    fn source_range6_keys(&self) -> Result<Vec<SourceRange6Key>> {
+        Ok(self.state().source_ranges6.keys())
+    }
+
     fn service_ports(&self) -> Result<Vec<(u32, FrontendPort)>> {
         Ok(self.state().service_ports.all())
     }
@@ -385,6 +401,10 @@ impl LbMaps for MemoryMaps {
 
     fn conntrack_entries(&self) -> Result<Vec<(CtKey, CtValue)>> {
         Ok(self.state().conntrack.clone())
+    }
+
+    fn conntrack6_entries(&self) -> Result<Vec<(CtKey6, CtValue6)>> {
+        Ok(self.state().conntrack6.clone())
     }
 
     fn verdicts(&self) -> Result<Vec<(Verdict, VerdictCounter)>> {
@@ -503,6 +523,10 @@ impl LbMaps for FaultyMaps {
         self.inner.source_range_keys()
     }
 
+    fn source_range6_keys(&self) -> Result<Vec<SourceRange6Key>> {
+        self.inner.source_range6_keys()
+    }
+
     fn service_ports(&self) -> Result<Vec<(u32, FrontendPort)>> {
         self.inner.service_ports()
     }
@@ -531,6 +555,10 @@ impl LbMaps for FaultyMaps {
 
     fn conntrack_entries(&self) -> Result<Vec<(CtKey, CtValue)>> {
         self.inner.conntrack_entries()
+    }
+
+    fn conntrack6_entries(&self) -> Result<Vec<(CtKey6, CtValue6)>> {
+        self.inner.conntrack6_entries()
     }
 
     fn verdicts(&self) -> Result<Vec<(Verdict, VerdictCounter)>> {

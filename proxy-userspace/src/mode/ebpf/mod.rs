@@ -140,7 +140,7 @@ pub struct EbpfOptions {
     /// The node's own traffic to its node ports (socket programs).
     pub socket_lb: socket_lb::SocketLbOptions,
     /// The pod networks (see `pod_cidrs`), as trie entries.
-    pub pod_cidrs: Vec<(u32, u8)>,
+    pub pod_cidrs: pod_cidrs::PodNetworks,
 }
 
 impl EbpfOptions {

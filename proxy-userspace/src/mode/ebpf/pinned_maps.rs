@@ -10,9 +10,9 @@ use std::{
 use anyhow::{Context, Result};
 use aya::maps::{Array, HashMap, IterableMap, LpmTrie, Map, MapData, MapError, PerCpuArray};
 use proxy_common::{
-    AffinityKey, AffinityKey6, AffinityValue, Backend, Backend6, BackendSlotKey, CtKey, CtValue, FrontendPort,
-    MaglevChunk, MaglevKey, MemberKey, PortBits, RevNat, Service6Key, ServiceKey, ServiceValue, SourceRangeData,
-    SourceRangeKey, Verdict, VerdictCounter, maps, ports,
+    AffinityKey, AffinityKey6, AffinityValue, Backend, Backend6, BackendSlotKey, CtKey, CtKey6, CtValue, CtValue6,
+    FrontendPort, MaglevChunk, MaglevKey, MemberKey, PortBits, RevNat, Service6Key, ServiceKey, ServiceValue,
+    SourceRange6Data, SourceRange6Key, SourceRangeData, SourceRangeKey, Verdict, VerdictCounter, maps, ports,
 };
 
 use super::{
@@ -35,6 +35,12 @@ pub fn open<K: aya::Pod, V: aya::Pod>(pin_path: &Path, name: &str) -> Result<Has
 /// The descriptor of a map, for the `bpf_sys` commands aya lacks.
 pub(super) fn fd_of<K: aya::Pod, V>(map: &impl IterableMap<K, V>) -> BorrowedFd<'_> {
     map.map().fd().as_fd()
+}
+
+/// Every key of an LPM trie, as `(prefix length, data)` made into `K`.
+fn trie_keys<D: aya::Pod, K>(trie: &LpmTrie<MapData, D, u8>, key: impl Fn(u32, D) -> K) -> Result<Vec<K>> {
+    let keys = trie.keys().collect::<Result<Vec<_>, _>>()?;
+    Ok(keys.into_iter().map(|k| key(k.prefix_len(), k.data())).collect())
 }
 
 /// The per-CPU verdict counters of `stats`, summed, every verdict listed
@@ -71,10 +77,12 @@ pub struct PinnedMaps {
     members: HashMap<MapData, MemberKey, u32>,
     maglev: HashMap<MapData, MaglevKey, MaglevChunk>,
     source_ranges: LpmTrie<MapData, SourceRangeData, u8>,
+    source_ranges6: LpmTrie<MapData, SourceRange6Data, u8>,
     service_ports: HashMap<MapData, u32, FrontendPort>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     affinity6: HashMap<MapData, AffinityKey6, AffinityValue>,
     conntrack: HashMap<MapData, CtKey, CtValue>,
+    conntrack6: HashMap<MapData, CtKey6, CtValue6>,
     stats: PerCpuArray<MapData, VerdictCounter>,
     ports: Array<MapData, PortBits>,
     writer: Writer,
@@ -95,10 +103,13 @@ impl PinnedMaps {
             maglev: open(pin_path, maps::MAGLEV)?,
             source_ranges: LpmTrie::try_from(pinned(pin_path, maps::SOURCE_RANGES)?)
                 .with_context(|| layout(maps::SOURCE_RANGES))?,
+            source_ranges6: LpmTrie::try_from(pinned(pin_path, maps::SOURCE_RANGES6)?)
+                .with_context(|| layout(maps::SOURCE_RANGES6))?,
             service_ports: open(pin_path, maps::SERVICE_PORTS)?,
             affinity: open(pin_path, maps::AFFINITY)?,
             affinity6: open(pin_path, maps::AFFINITY6)?,
             conntrack: open(pin_path, maps::CONNTRACK)?,
+            conntrack6: open(pin_path, maps::CONNTRACK6)?,
             stats: PerCpuArray::try_from(pinned(pin_path, maps::STATS)?).with_context(|| layout(maps::STATS))?,
             ports: Array::try_from(pinned(pin_path, maps::PORTS)?).with_context(|| layout(maps::PORTS))?,
             writer: Writer::default(),
@@ -124,6 +135,7 @@ impl PinnedMaps {
             + self.members.keys().count()
             + self.maglev.keys().count()
             + self.source_ranges.keys().count()
+            + self.source_ranges6.keys().count()
             + self.service_ports.keys().count()
     }
 
@@ -137,6 +149,10 @@ impl PinnedMaps {
 const _: () = assert!(
     size_of::<SourceRangeKey>() == size_of::<aya::maps::lpm_trie::Key<SourceRangeData>>(),
     "the source range key is the trie's key"
+);
+const _: () = assert!(
+    size_of::<SourceRange6Key>() == size_of::<aya::maps::lpm_trie::Key<SourceRange6Data>>(),
+    "the IPv6 source range key is the trie's key"
 );
 
 /// One entry of `map`; `None` if it is not there.
@@ -247,18 +263,19 @@ impl LbMaps for PinnedMaps {
     }
 
     fn source_range_keys(&self) -> Result<Vec<SourceRangeKey>> {
-        let keys = self.source_ranges.keys().collect::<Result<Vec<_>, _>>()?;
-        Ok(keys
-            .into_iter()
-            .map(|k| {
-                let data = k.data();
-                SourceRangeKey {
-                    prefix_len: k.prefix_len(),
-                    rev_nat_id_be: data.rev_nat_id_be,
-                    addr_be: data.addr_be,
-                }
-            })
-            .collect())
+        trie_keys(&self.source_ranges, |prefix_len, d| SourceRangeKey {
+            prefix_len,
+            rev_nat_id_be: d.rev_nat_id_be,
+            addr_be: d.addr_be,
+        })
+    }
+
+    fn source_range6_keys(&self) -> Result<Vec<SourceRange6Key>> {
+        trie_keys(&self.source_ranges6, |prefix_len, d| SourceRange6Key {
+            prefix_len,
+            rev_nat_id_be: d.rev_nat_id_be,
+            addr_be: d.addr_be,
+        })
     }
 
     fn service_ports(&self) -> Result<Vec<(u32, FrontendPort)>> {
@@ -274,6 +291,7 @@ impl LbMaps for PinnedMaps {
     fn write_step(&self, step: Step, staged: &SplitStaged) -> Result<()> {
         let w = &self.writer;
         let ranges = self.source_ranges_fd();
+        let ranges6 = fd_of(&self.source_ranges6);
         match step {
             Step::Write(Table::Backends) => write_to(w, &self.backends, &staged.backends),
             Step::Write(Table::Backends6) => write_to(w, &self.backends6, &staged.backends6),
@@ -287,6 +305,8 @@ impl LbMaps for PinnedMaps {
             // SAFETY: the trie's key is a `SourceRangeKey` (asserted above)
             // and its value a `u8` (aya checked both sizes at open).
             Step::Write(Table::SourceRanges) => unsafe { w.write(ranges, &staged.source_ranges) },
+            // SAFETY: as IPv4's: the key is a `SourceRange6Key` (asserted above).
+            Step::Write(Table::SourceRanges6) => unsafe { w.write(ranges6, &staged.source_ranges6) },
             Step::Delete(Table::Backends) => delete_from(w, &self.backends, &staged.backends),
             Step::Delete(Table::Backends6) => delete_from(w, &self.backends6, &staged.backends6),
             Step::Delete(Table::Slots) => delete_from(w, &self.slots, &staged.slots),
@@ -298,6 +318,8 @@ impl LbMaps for PinnedMaps {
             Step::Delete(Table::Maglev) => delete_from(w, &self.maglev, &staged.maglev),
             // SAFETY: as for the writes.
             Step::Delete(Table::SourceRanges) => unsafe { w.delete(ranges, &staged.source_ranges) },
+            // SAFETY: as for the writes.
+            Step::Delete(Table::SourceRanges6) => unsafe { w.delete(ranges6, &staged.source_ranges6) },
         }
     }
 
@@ -320,6 +342,10 @@ impl LbMaps for PinnedMaps {
 
     fn conntrack_entries(&self) -> Result<Vec<(CtKey, CtValue)>> {
         Ok(self.conntrack.iter().collect::<Result<_, _>>()?)
+    }
+
+    fn conntrack6_entries(&self) -> Result<Vec<(CtKey6, CtValue6)>> {
+        Ok(self.conntrack6.iter().collect::<Result<_, _>>()?)
     }
 
     fn verdicts(&self) -> Result<Vec<(Verdict, VerdictCounter)>> {

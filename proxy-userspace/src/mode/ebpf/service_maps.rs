@@ -48,7 +48,7 @@ use std::{
 use anyhow::{Context, Result};
 use proxy_common::{
     Backend, Backend6, BackendSlotKey, CtKey, CtValue, FrontendPort, MaglevKey, MemberKey, Service6Key, ServiceKey,
-    ServiceValue, SourceRangeKey, Verdict, VerdictCounter,
+    ServiceValue, Verdict, VerdictCounter,
     backend::FLAG_LOCAL,
     service::{
         FLAG_AFFINITY_CLIENT_IP, FLAG_EXTERNAL_ADDR, FLAG_EXTERNAL_LOCAL, FLAG_INTERNAL_LOCAL, FLAG_MAGLEV,
@@ -195,7 +195,8 @@ struct Leftovers {
     backends6: Vec<u32>,
     rev_nats: Vec<u32>,
     members: Vec<MemberKey>,
-    source_ranges: Vec<SourceRangeKey>,
+    /// Both families' source range entries.
+    source_ranges: Vec<RangeKeyOrd>,
     /// Service port entries by their frontend's reverse NAT id.
     service_ports: Vec<u32>,
     maglev: Vec<MaglevKey>,
@@ -259,7 +260,7 @@ impl<M: LbMaps> ServiceMaps<M> {
     /// backend set they share. A group whose slots or backends are missing
     /// is adopted without a set, so the next sync writes it afresh.
     fn adopt(&mut self) -> Result<()> {
-        let ranges_found = self.maps.source_range_keys()?;
+        let ranges_found = source_ranges::found(&self.maps)?;
         let ports_found: BTreeMap<u32, FrontendPort> = self.maps.service_ports()?.into_iter().collect();
         let mut member_counts: BTreeMap<u32, usize> = BTreeMap::new();
         for key in self.maps.member_keys()? {
@@ -305,7 +306,7 @@ impl<M: LbMaps> ServiceMaps<M> {
             let ids: BTreeSet<u32> = members.iter().map(|(_, v)| v.rev_nat_id).collect();
             let ranges = (ranges_found.iter())
                 .filter(|k| ids.contains(&k.rev_nat_id()))
-                .map(|k| RangeKeyOrd::from(*k))
+                .copied()
                 .collect();
             let service_ports = (ports_found.iter())
                 .filter(|(id, _)| ids.contains(id))
@@ -408,7 +409,7 @@ impl<M: LbMaps> ServiceMaps<M> {
         }
         found.members = self.maps.member_keys()?;
         found.maglev = self.maps.maglev_keys()?;
-        found.source_ranges = self.maps.source_range_keys()?;
+        found.source_ranges = source_ranges::found(&self.maps)?;
         Ok(found)
     }
 
@@ -430,7 +431,7 @@ impl<M: LbMaps> ServiceMaps<M> {
             .collect();
         found.maglev.retain(|k| !maglev_sets.contains(&k.backend_set));
         let ranges: BTreeSet<RangeKeyOrd> = self.applied.values().flat_map(|a| a.ranges.iter().copied()).collect();
-        found.source_ranges.retain(|k| !ranges.contains(&RangeKeyOrd::from(*k)));
+        found.source_ranges.retain(|k| !ranges.contains(k));
         let in_use = self.rev_nat_ids_in_use();
         found.service_ports.retain(|id| !in_use.contains(id));
         found
@@ -525,9 +526,7 @@ impl<M: LbMaps> ServiceMaps<M> {
             if maglev == Some((backend_offset, backend_count)) {
                 flags |= FLAG_MAGLEV;
             }
-            // IPv6 frontends have no range map: the programs' IPv6 path
-            // drops their new flows (closed, see `ipv6_limits`).
-            if flags & FLAG_SOURCE_RANGES != 0 && key.addr.is_ipv4() {
+            if flags & FLAG_SOURCE_RANGES != 0 {
                 ranges.extend(source_ranges::entries(svc, rev_nat_id));
             }
             let value = ServiceValue {
@@ -559,7 +558,7 @@ impl<M: LbMaps> ServiceMaps<M> {
         }
 
         for range in ranges.difference(&old.ranges) {
-            self.staged.source_ranges.write((*range).into(), 1);
+            range.stage_write(&mut self.staged);
         }
 
         // Everything below removes what the new state no longer references.
@@ -569,7 +568,7 @@ impl<M: LbMaps> ServiceMaps<M> {
             }
         }
         for range in old.ranges.difference(&ranges) {
-            self.staged.source_ranges.delete((*range).into());
+            range.stage_delete(&mut self.staged);
         }
         for id in old.service_ports.keys() {
             if !service_ports.contains_key(id) {
@@ -694,7 +693,7 @@ impl<M: LbMaps> ServiceMaps<M> {
             self.staged.maglev.delete(key);
         }
         for key in leftovers.source_ranges {
-            self.staged.source_ranges.delete(key);
+            key.stage_delete(&mut self.staged);
         }
         for id in leftovers.service_ports {
             self.staged.service_ports.delete(id);
@@ -727,7 +726,7 @@ impl<M: LbMaps> ServiceMaps<M> {
             self.remove_frontend(*key, value);
         }
         for range in &old.ranges {
-            self.staged.source_ranges.delete((*range).into());
+            range.stage_delete(&mut self.staged);
         }
         for id in old.service_ports.keys() {
             self.staged.service_ports.delete(*id);

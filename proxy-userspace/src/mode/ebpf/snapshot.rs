@@ -30,13 +30,16 @@ pub fn snapshot(maps: &impl LbMaps) -> Result<Snapshot> {
     let mut flows: HashMap<(u32, u32), u64> = HashMap::new();
     let mut states: BTreeMap<u8, u64> = BTreeMap::new();
     let (mut forward, mut reply) = (0, 0);
-    for (_, ct) in maps.conntrack_entries()? {
-        if ct.flags & FLAG_REPLY != 0 {
+    // Both tables' flows: an IPv6 entry's fields are an IPv4 one's.
+    let v4 = (maps.conntrack_entries()?.into_iter()).map(|(_, ct)| (ct.flags, ct.state, ct.rev_nat_id, ct.backend_id));
+    let v6 = (maps.conntrack6_entries()?.into_iter()).map(|(_, ct)| (ct.flags, ct.state, ct.rev_nat_id, ct.backend_id));
+    for (flags, state, rev_nat_id, backend_id) in v4.chain(v6) {
+        if flags & FLAG_REPLY != 0 {
             reply += 1;
         } else {
             forward += 1;
-            *flows.entry((ct.rev_nat_id, ct.backend_id)).or_default() += 1;
-            *states.entry(settled_state(ct.state, ct.flags)).or_default() += 1;
+            *flows.entry((rev_nat_id, backend_id)).or_default() += 1;
+            *states.entry(settled_state(state, flags)).or_default() += 1;
         }
     }
     let mut frontends = Vec::new();

@@ -14,7 +14,7 @@ use std::{
 use anyhow::{Context, Result};
 use proxy_common::{
     Backend, Backend6, BackendSlotKey, FrontendPort, MaglevChunk, MaglevKey, MemberKey, RevNat, Service6Key,
-    ServiceKey, ServiceValue, SourceRangeKey,
+    ServiceKey, ServiceValue, SourceRange6Key, SourceRangeKey,
 };
 use tracing::info;
 
@@ -31,6 +31,7 @@ pub struct Staged {
     pub rev_nat: Pending<u32, RevNat>,
     pub members: Pending<MemberKey, u32>,
     pub source_ranges: Pending<SourceRangeKey, u8>,
+    pub source_ranges6: Pending<SourceRange6Key, u8>,
     pub service_ports: Pending<u32, FrontendPort>,
     pub maglev: Pending<MaglevKey, MaglevChunk>,
 }
@@ -46,6 +47,7 @@ impl Staged {
             rev_nat: self.rev_nat.split(),
             members: self.members.split(),
             source_ranges: self.source_ranges.split(),
+            source_ranges6: self.source_ranges6.split(),
             service_ports: self.service_ports.split(),
             maglev: self.maglev.split(),
         }
@@ -62,6 +64,7 @@ pub struct SplitStaged {
     pub rev_nat: Split<u32, RevNat>,
     pub members: Split<MemberKey, u32>,
     pub source_ranges: Split<SourceRangeKey, u8>,
+    pub source_ranges6: Split<SourceRange6Key, u8>,
     pub service_ports: Split<u32, FrontendPort>,
     pub maglev: Split<MaglevKey, MaglevChunk>,
 }
@@ -82,6 +85,7 @@ impl SplitStaged {
             Table::Services6 => self.services6.entries_of(step),
             Table::Members => self.members.entries_of(step),
             Table::SourceRanges => self.source_ranges.entries_of(step),
+            Table::SourceRanges6 => self.source_ranges6.entries_of(step),
             Table::ServicePorts => self.service_ports.entries_of(step),
             Table::Maglev => self.maglev.entries_of(step),
         }
@@ -181,7 +185,8 @@ impl<K: Copy + Eq + Hash, V: Copy> Pending<K, V> {
 /// source ranges and its Service port entry with the frontend. Maglev tables
 /// (of sets whose frontends select Maglev) go with the slots too: they name
 /// backends by id. IPv6 frontends and backends (`Services6`,
-/// `Backends6`) go with their IPv4 twins: slots are shared, one id space.
+/// `Backends6`, `SourceRanges6`) go with their IPv4 twins: slots are
+/// shared, one id space.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Table {
     Backends,
@@ -192,6 +197,7 @@ pub enum Table {
     Services6,
     Members,
     SourceRanges,
+    SourceRanges6,
     ServicePorts,
     Maglev,
 }
@@ -226,6 +232,7 @@ impl std::fmt::Display for Step {
             Table::Services6 => "IPv6 frontends",
             Table::Members => "backend set members",
             Table::SourceRanges => "source ranges",
+            Table::SourceRanges6 => "IPv6 source ranges",
             Table::ServicePorts => "service port entries",
             Table::Maglev => "Maglev tables",
         };
@@ -252,6 +259,7 @@ pub(super) const FLUSH_STAGES: [&[Step]; 6] = [
         Step::Write(Table::Slots),
         Step::Write(Table::Members),
         Step::Write(Table::SourceRanges),
+        Step::Write(Table::SourceRanges6),
         Step::Write(Table::Maglev),
     ],
     &[
@@ -264,7 +272,11 @@ pub(super) const FLUSH_STAGES: [&[Step]; 6] = [
         Step::Delete(Table::Services6),
         Step::Delete(Table::ServicePorts),
     ],
-    &[Step::Delete(Table::RevNat), Step::Delete(Table::SourceRanges)],
+    &[
+        Step::Delete(Table::RevNat),
+        Step::Delete(Table::SourceRanges),
+        Step::Delete(Table::SourceRanges6),
+    ],
     &[
         Step::Delete(Table::Slots),
         Step::Delete(Table::Members),
@@ -539,6 +551,7 @@ mod tests {
             Table::Slots,
             Table::Members,
             Table::SourceRanges,
+            Table::SourceRanges6,
             Table::Maglev,
         ];
         for frontends in [Table::Services, Table::Services6] {
@@ -561,7 +574,7 @@ mod tests {
             before(Step::Write(table), Step::Write(Table::ServicePorts));
             before(Step::Delete(Table::ServicePorts), Step::Delete(table));
         }
-        assert_eq!(FLUSH_STAGES.iter().map(|s| s.len()).sum::<usize>(), 19);
+        assert_eq!(FLUSH_STAGES.iter().map(|s| s.len()).sum::<usize>(), 21);
     }
 
     #[test]

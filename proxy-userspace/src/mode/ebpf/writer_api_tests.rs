@@ -6,7 +6,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::{Ipv4Addr, Ipv6Addr},
     time::Duration,
 };
 
@@ -186,6 +186,73 @@ fn source_ranges_restrict_the_load_balancer_ips_only() {
     assert_eq!(range_entries(&w).len(), 2);
     w.retain(&[]).expect("retain nothing");
     assert!(range_entries(&w).is_empty());
+}
+
+/// The IPv6 source range entries in the maps, as (frontend id, network).
+fn range6_entries(w: &ServiceMaps<MemoryMaps>) -> BTreeSet<(u32, String)> {
+    let keys = w.maps().source_range6_keys().expect("IPv6 source ranges");
+    keys.iter()
+        .map(|k| (k.rev_nat_id(), format!("{}/{}", k.addr(), k.range_len())))
+        .collect()
+}
+
+fn range6(text: &str) -> SourceRange {
+    let (addr, len) = text.split_once('/').expect("a CIDR");
+    SourceRange::new(addr.parse().expect("an address"), len.parse().expect("a length")).expect("a range")
+}
+
+/// The IPv6 half of [`lb_port`]: its ranges go to the IPv6 trie, under
+/// its own LB frontend's id, and leave the IPv4 trie alone; a port
+/// without ranges of its family is not filtered (the model keeps a
+/// port's own family's ranges only, as kube-proxy).
+#[test]
+fn ipv6_source_ranges_go_to_the_ipv6_trie() {
+    let lb6: Ipv6Addr = "2001:db8:78::5".parse().expect("address");
+    let mut w = writer(MemoryMaps::new());
+    let v4 = lb_port(vec![range(203, 0, 113, 0, 24)]);
+    let mut v6 = ServicePort {
+        name: "default/lb:http (IPv6)".into(),
+        cluster_ip: Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 1).into(),
+        endpoints: vec![Endpoint::ready(Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 1), 8080)],
+        external_ips: Vec::new(),
+        load_balancer_ips: vec![lb6.into()],
+        source_ranges: vec![range6("2001:db8:79::/64")],
+        ..lb_port(Vec::new())
+    };
+    sync(&mut w, &v4);
+    sync(&mut w, &v6);
+    let lb = w.frontend(lb6, 80, proto::TCP).expect("the IPv6 LB frontend");
+    assert_ne!(lb.flags & FLAG_SOURCE_RANGES, 0);
+    let id = lb.rev_nat_id;
+    assert_eq!(
+        range6_entries(&w),
+        set_of(&[(id, "2001:db8:79::/64"), (id, "2001:db8:78::5/128")])
+    );
+    let v4_id = frontend(&w, LB_IP, 80).rev_nat_id;
+    assert_eq!(
+        range_entries(&w),
+        set_of(&[(v4_id, "203.0.113.0/24"), (v4_id, "198.51.100.2/32")])
+    );
+
+    // Adopted by a restarted agent as they are; gone with the list.
+    let mut w = writer(w.maps().clone());
+    let before = w.writes();
+    sync(&mut w, &v4);
+    sync(&mut w, &v6);
+    assert_eq!(w.writes(), before, "adopted as they are");
+    v6.source_ranges.clear();
+    sync(&mut w, &v6);
+    let lb = w.frontend(lb6, 80, proto::TCP).expect("the IPv6 LB frontend");
+    assert_eq!(lb.flags & FLAG_SOURCE_RANGES, 0, "no range of its family: open");
+    assert!(range6_entries(&w).is_empty());
+    assert_eq!(range_entries(&w).len(), 2, "IPv4's stay");
+
+    // Adopted again, then gone with the Services.
+    v6.source_ranges = vec![range6("2001:db8:79::/64")];
+    sync(&mut w, &v6);
+    let mut w = writer(w.maps().clone());
+    w.retain(&[]).expect("retain nothing");
+    assert!(range6_entries(&w).is_empty() && range_entries(&w).is_empty());
 }
 
 /// A frontend's members, as (backend address, slot).

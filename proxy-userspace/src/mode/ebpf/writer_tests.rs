@@ -384,3 +384,50 @@ fn whichever_write_fails_the_next_sync_recovers() {
         assert_no_torn_views(w.maps().memory());
     }
 }
+
+/// The snapshot (`xproxy status`) counts `XP_CT6`'s flows with `XP_CT`'s:
+/// in the totals, and per backend of the IPv6 frontend they went through.
+#[test]
+fn the_snapshot_counts_ipv6_flows_too() {
+    use proxy_common::{CtKey6, CtValue6, conntrack::FLAG_REPLY, proto};
+    let maps = MemoryMaps::new();
+    let mut w = writer(maps.clone());
+    let svc = port6("web", 1, None, vec![ep6(1, THIS_NODE)]);
+    w.sync_service(&svc).expect("sync");
+    let frontend = w.frontend(svc.cluster_ip, 80, proto::TCP).expect("the IPv6 frontend");
+    let slot = BackendSlotKey {
+        backend_set: frontend.backend_set,
+        slot: frontend.backend_offset,
+    };
+    let backend = maps.slot(&slot).expect("read").expect("the frontend's slot");
+    let client: Ipv6Addr = "fd00:30::1".parse().expect("address");
+    let value = |flags| CtValue6 {
+        backend_id: backend,
+        rev_nat_id: frontend.rev_nat_id,
+        flags,
+        ..bytemuck::Zeroable::zeroed()
+    };
+    let backend_ip = Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 1);
+    maps.track6(&[
+        (
+            CtKey6::new(
+                client,
+                40000,
+                Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 1),
+                80,
+                proto::TCP,
+            ),
+            value(0),
+        ),
+        (
+            CtKey6::new(backend_ip, 8080, client, 40000, proto::TCP),
+            value(FLAG_REPLY),
+        ),
+    ]);
+    let snapshot = w.snapshot().expect("snapshot");
+    assert_eq!((snapshot.forward_flows, snapshot.reply_flows), (1, 1));
+    let row = (snapshot.frontends.iter())
+        .find(|f| f.addr == svc.cluster_ip)
+        .expect("the IPv6 frontend's row");
+    assert_eq!(row.backends[0].flows, 1);
+}
