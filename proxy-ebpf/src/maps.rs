@@ -8,8 +8,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AffinityKey, AffinityKey6, AffinityValue, Backend, Backend6, BackendSlotKey, CtKey, CtKey6, CtTimeouts, CtValue,
-    CtValue6, FragKey, FragPorts, FrontendPort, MaglevChunk, MaglevKey, MemberKey, PortBits, RevNat, Service6Key,
-    ServiceKey, ServiceValue, SourceRangeData, Verdict, VerdictCounter,
+    CtValue6, Frag6Key, FragKey, FragPorts, FrontendPort, MaglevChunk, MaglevKey, MemberKey, PortBits, RevNat,
+    Service6Key, ServiceKey, ServiceValue, SourceRangeData, Verdict, VerdictCounter,
     conntrack::{seconds_to_ns, state_index},
     maps::{
         AFFINITY_MAX, AFFINITY6_MAX, BACKEND_SLOTS_MAX, BACKENDS_MAX, BACKENDS6_MAX, CONNTRACK_MAX, CONNTRACK6_MAX,
@@ -90,11 +90,16 @@ pub static SCRATCH6: PerCpuArray<Scratch6> = PerCpuArray::with_max_entries(1, 0)
 pub struct Scratch6 {
     pub key: CtKey6,
     pub value: CtValue6,
+    /// An IPv6 fragment's key (`ipv6::fragments`), for the same reason.
+    pub frag_key: Frag6Key,
 }
 
 // The first fragment's ports of datagrams in flight.
 #[map(name = "XP_FRAGS")]
 pub static FRAGMENTS: LruHashMap<FragKey, FragPorts> = LruHashMap::pinned(FRAGMENTS_MAX, 0);
+
+#[map(name = "XP_FRAGS6")]
+pub static FRAGMENTS6: LruHashMap<Frag6Key, FragPorts> = LruHashMap::pinned(FRAGMENTS_MAX, 0);
 
 // Set by user space for every frontend and backend port.
 #[map(name = "XP_PORTS")]
