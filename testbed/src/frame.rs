@@ -1470,6 +1470,17 @@ impl Frame6 {
         frame
     }
 
+    /// An ICMPv6 error from `src` to `dst` quoting `quote` (an IPv6 packet
+    /// from its header on, cut where the sender cut it); checksum by
+    /// etherparse.
+    pub fn icmp6_error(src: Ipv6Addr, dst: Ipv6Addr, icmp_type: Icmpv6Type, quote: &[u8]) -> Self {
+        let header =
+            Icmpv6Header::with_checksum(icmp_type, src.octets(), dst.octets(), quote).expect("a quote that fits");
+        let mut icmp = header.to_bytes().to_vec();
+        icmp.extend_from_slice(quote);
+        Self::new(src, dst, L4::Raw { proto: 58, bytes: icmp })
+    }
+
     pub fn with_ext(mut self, ext: &[Ext6]) -> Self {
         self.ext = ext.to_vec();
         self

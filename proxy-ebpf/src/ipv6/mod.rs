@@ -8,16 +8,17 @@
 //! IPv4's use.
 //!
 //! Fragments as IPv4's (`fragments`: a later one is translated as its
-//! first's flow, addresses only).
+//! first's flow, addresses only), and ICMPv6 errors quoting a translated
+//! flow (`icmp_error`).
 //!
 //! Not yet done for IPv6 (each left untranslated or refused, never
-//! translated wrongly): ICMPv6 errors quoting a translated flow,
-//! loadBalancerSourceRanges (a frontend flagged
+//! translated wrongly): loadBalancerSourceRanges (a frontend flagged
 //! with them drops every new flow), pods' short-circuit of
 //! `Local` external frontends.
 
 mod conntrack;
 mod fragments;
+mod icmp_error;
 mod parse;
 mod reject;
 
@@ -54,6 +55,9 @@ pub fn process(ctx: &impl Ctx) -> (Verdict, Outcome) {
     if !ports::may_be_service(flow.sport_be, flow.dport_be) {
         return (Verdict::PassNotService, Outcome::Pass);
     }
+    if flow.icmp_error {
+        return related(ctx, &flow);
+    }
     fragments::remember(&flow);
     match conntrack::lookup(&flow) {
         Some(tracked) if tracked.reply => reverse(ctx, &flow, &tracked),
@@ -77,6 +81,27 @@ fn frontend(flow: &Flow6) -> Option<ServiceValue> {
     };
     // SAFETY: copied out at once, as in `crate::lookup::frontend`.
     unsafe { SERVICES6.get(key).copied() }
+}
+
+/// An ICMPv6 error about a packet of a tracked flow, translated as the
+/// flow's packets going its way (see `icmp_error`); one about anything
+/// else is not ours.
+#[inline(always)]
+fn related(ctx: &impl Ctx, flow: &Flow6) -> (Verdict, Outcome) {
+    let Some(tracked) = conntrack::lookup_related(flow) else {
+        return (Verdict::PassNotService, Outcome::Pass);
+    };
+    let (quoted, outer, old, outcome) = if tracked.reply {
+        let backend = (flow.saddr(), flow.sport_be);
+        (Side::Destination, Side::Source, backend, Outcome::ReverseTranslated)
+    } else {
+        let frontend = (flow.daddr(), flow.dport_be);
+        (Side::Source, Side::Destination, frontend, Outcome::Translated)
+    };
+    match icmp_error::translate(ctx, flow, quoted, outer, old, tracked.nat()) {
+        Ok(()) => (Verdict::IcmpError, outcome),
+        Err(()) => (Verdict::Error, Outcome::Drop),
+    }
 }
 
 /// A packet of a tracked flow, client -> frontend (see

@@ -13,7 +13,8 @@
 //! with ports 0; only a fragment header right before TCP or UDP counts
 //! (any other, e.g. destination options in the fragmentable part, passes
 //! untouched). An atomic fragment (offset 0, no more) is a whole datagram.
-//! ICMPv6 (neighbour discovery included), ESP, AH and anything else are
+//! An ICMPv6 error quoting TCP or UDP is handed to `icmp_error`; the rest
+//! of ICMPv6 (neighbour discovery, echo), ESP, AH and anything else is
 //! not Service traffic.
 
 use proxy_common::{Verdict, proto};
@@ -77,6 +78,10 @@ pub struct Flow6 {
     pub fragment: Fragment,
     /// The fragment header's id, network byte order (0 if none).
     pub frag_id_be: u32,
+    /// An ICMPv6 error quoting a TCP/UDP packet: the tuple above is the
+    /// quoted packet's, reversed, `l4_off` the ICMPv6 header's (see
+    /// `icmp_error`).
+    pub icmp_error: bool,
 }
 
 /// The addresses by reference: the rewrite and the keys take them so,
@@ -98,7 +103,7 @@ impl Flow6 {
 pub fn parse(ctx: &impl Ctx) -> Result<Flow6, Verdict> {
     let ip: *const Ipv6Hdr = ptr_at(ctx, IP_OFF).ok_or(Verdict::PassMalformed)?;
     // SAFETY: the header is inside the packet (ptr_at).
-    let (version, payload_len, next, saddr_be, daddr_be) = unsafe {
+    let (version, payload_len, next, mut saddr_be, mut daddr_be) = unsafe {
         (
             u32::from_be((*ip).vtc_flow_be) >> 28,
             u16::from_be((*ip).payload_len_be) as usize,
@@ -118,7 +123,12 @@ pub fn parse(ctx: &impl Ctx) -> Result<Flow6, Verdict> {
         return Err(Verdict::PassMalformed);
     }
     let l4_len = end - l4_off;
-    let l4 = if found.fragment == Fragment::Later {
+    let icmp_error = l4_proto == proto::ICMPV6;
+    // One `Flow6` built below for every kind: a second one (an ICMPv6
+    // error's) would be stack the programs do not have.
+    let l4 = if icmp_error {
+        super::icmp_error::quoted(ctx, l4_off, end, &mut saddr_be, &mut daddr_be)?
+    } else if found.fragment == Fragment::Later {
         crate::parse::Flow::empty(l4_proto)
     } else if l4_proto == proto::TCP {
         let tcp: *const TcpHdr = header_at(ctx, l4_off)?;
@@ -134,12 +144,13 @@ pub fn parse(ctx: &impl Ctx) -> Result<Flow6, Verdict> {
         daddr_be,
         sport_be: l4.sport_be,
         dport_be: l4.dport_be,
-        proto: l4_proto,
+        proto: l4.proto,
         tcp_flags: l4.tcp_flags,
         l4_off,
         segment: l4.segment(),
         fragment: found.fragment,
         frag_id_be: found.frag_id_be,
+        icmp_error,
     })
 }
 
@@ -186,7 +197,7 @@ fn l4_header(ctx: &impl Ctx, mut next: u8) -> Result<Found, Verdict> {
     };
     for _ in 0..MAX_EXT_HEADERS {
         match next {
-            proto::TCP | proto::UDP => {
+            proto::TCP | proto::UDP | proto::ICMPV6 => {
                 found.proto = next;
                 return Ok(found);
             }
@@ -250,7 +261,7 @@ fn fragment_of(frag_off: u16, following: u8) -> Result<Fragment, Verdict> {
 /// `data_end - data`, LLVM took such a test for the bounds check and left
 /// out `ptr_at`'s, which the verifier needs to see.
 #[inline(always)]
-fn header_at<T>(ctx: &impl Ctx, off: usize) -> Result<*const T, Verdict> {
+pub(super) fn header_at<T>(ctx: &impl Ctx, off: usize) -> Result<*const T, Verdict> {
     make_linear::<T>(ctx, off);
     ptr_at_fresh::<T>(ctx, off)
         .map(|p| p as *const T)
