@@ -844,6 +844,7 @@ mod tests {
                 "XP_CT6",
                 "XP_CT_STATS",
                 "XP_FRAGS",
+                "XP_FRAGS6",
                 "XP_MAGLEV",
                 "XP_MEMBERS",
                 "XP_NODE_ADDRS",

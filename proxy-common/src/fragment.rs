@@ -4,6 +4,9 @@
 //! translate the later fragments as the flow those ports name. An LRU
 //! hash: a datagram's entry is needed for a few milliseconds, and the next
 //! datagram with the same id (65,536 datagrams later) overwrites it.
+//!
+//! IPv6 fragments likewise, in a map of their own ([`Frag6Key`]): the
+//! fragment header's 32-bit id with the 16-byte addresses (RFC 8200 4.5).
 
 use bytemuck::{Pod, Zeroable};
 
@@ -30,5 +33,21 @@ pub struct FragPorts {
     pub dport_be: u16,
 }
 
+/// Key of the IPv6 fragments map (value: [`FragPorts`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct Frag6Key {
+    /// Source IPv6 address, network byte order.
+    pub saddr_be: [u32; 4],
+    /// Destination IPv6 address, network byte order.
+    pub daddr_be: [u32; 4],
+    /// The fragment header's identification, network byte order.
+    pub id_be: u32,
+    /// The upper-layer protocol (the fragment header's next header).
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+
 const _: () = assert!(core::mem::size_of::<FragKey>() == 12);
+const _: () = assert!(core::mem::size_of::<Frag6Key>() == 40);
 const _: () = assert!(core::mem::size_of::<FragPorts>() == 4);

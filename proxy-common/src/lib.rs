@@ -29,7 +29,7 @@ pub mod stats;
 pub use affinity::{AffinityKey, AffinityValue, MemberKey};
 pub use backend::{Backend, BackendSlotKey};
 pub use conntrack::{CtKey, CtTimeouts, CtValue};
-pub use fragment::{FragKey, FragPorts};
+pub use fragment::{Frag6Key, FragKey, FragPorts};
 pub use ipv6::{AffinityKey6, Backend6, CtKey6, CtValue6, Service6Key};
 pub use maglev::{MaglevChunk, MaglevKey};
 pub use nat::RevNat;
@@ -67,6 +67,7 @@ impl_aya_pod!(
     CtValue,
     CtTimeouts,
     FragKey,
+    Frag6Key,
     FragPorts,
     RevNat,
     PortBits,

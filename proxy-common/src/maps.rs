@@ -93,6 +93,8 @@ pub const AFFINITY6_MAX: u32 = AFFINITY_MAX / 4;
 
 /// Datagrams in flight whose first fragment's ports are remembered.
 pub const FRAGMENTS_MAX: u32 = 16_384;
+/// The IPv6 ones ([`crate::Frag6Key`] -> [`crate::FragPorts`]), as many.
+pub const FRAGMENTS6: &str = "XP_FRAGS6";
 
 /// Program names (the entry points in `proxy-ebpf`).
 pub const PROG_XDP_UPLINK: &str = "xdp_uplink";

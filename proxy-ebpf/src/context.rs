@@ -132,6 +132,11 @@ pub trait Ctx {
     /// both addresses through the pseudo-header). `old`'s address may be
     /// the packet's own, read before it is written.
     fn rewrite6(&self, l4: L4At, side: Side, old: (&Addr6, u16), new: (&Addr6, u16)) -> Result<(), ()>;
+    /// Tells the skb that the packet's bytes now sum `diff` more (a
+    /// [`csum::diff128`]), for a rewrite no checksum field balances (an
+    /// IPv6 later fragment's address): a CHECKSUM_COMPLETE skb's `csum`
+    /// must follow. Nothing to tell on XDP, which has no skb yet.
+    fn packet_sum_moved(&self, diff: u16);
     /// Pulls the first `len` bytes (or the whole frame, if shorter) into
     /// the linear part: IPv6's extension headers may reach past what
     /// [`Tc::pull_headers`] pulled. Invalidates every packet pointer.
@@ -224,6 +229,9 @@ impl Ctx for Xdp<'_> {
         }
         Ok(())
     }
+
+    #[inline(always)]
+    fn packet_sum_moved(&self, _diff: u16) {}
 
     /// An XDP frame is linear.
     #[inline(always)]
@@ -402,6 +410,12 @@ impl Ctx for Tc<'_> {
         // in one's complement.
         unsafe { bpf_csum_update(skb, !(diff as u32)) };
         Ok(())
+    }
+
+    #[inline(always)]
+    fn packet_sum_moved(&self, diff: u16) {
+        // SAFETY: the skb is the program's context; no pointer argument.
+        unsafe { bpf_csum_update(self.skb(), u32::from(diff)) };
     }
 
     /// Called only where a header is not in the linear part: no test of

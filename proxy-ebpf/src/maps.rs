@@ -8,8 +8,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AffinityKey, AffinityKey6, AffinityValue, Backend, Backend6, BackendSlotKey, CtKey, CtKey6, CtTimeouts, CtValue,
-    CtValue6, FragKey, FragPorts, FrontendPort, MaglevChunk, MaglevKey, MemberKey, PortBits, RevNat, Service6Key,
-    ServiceKey, ServiceValue, SourceRange6Data, SourceRangeData, Verdict, VerdictCounter,
+    CtValue6, Frag6Key, FragKey, FragPorts, FrontendPort, MaglevChunk, MaglevKey, MemberKey, PortBits, RevNat,
+    Service6Key, ServiceKey, ServiceValue, SourceRange6Data, SourceRangeData, Verdict, VerdictCounter,
     conntrack::{seconds_to_ns, state_index},
     maps::{
         AFFINITY_MAX, AFFINITY6_MAX, BACKEND_SLOTS_MAX, BACKENDS_MAX, BACKENDS6_MAX, CONNTRACK_MAX, CONNTRACK6_MAX,
@@ -88,9 +88,10 @@ pub static POD_CIDRS6: LpmTrie<[u32; 4], u8> = LpmTrie::pinned(POD_CIDRS6_MAX, 0
 pub static AFFINITY6: LruHashMap<AffinityKey6, AffinityValue> = LruHashMap::pinned(AFFINITY6_MAX, 0);
 
 /// Room for a new IPv6 flow's conntrack key and value while they are
-/// written, and for its trie lookup keys (source range, pod network): 124 bytes the tc programs' stack has no room for on 6.1 (whose
-/// verifier counts each helper function a call chain reaches at 32 bytes
-/// more). Per CPU, and not pinned: a scratch pad, not state.
+/// written, its trie lookup keys (source range, pod network) and a
+/// fragment's key: bytes the tc programs' stack has no room for on 6.1
+/// (whose verifier counts each helper function a call chain reaches at 32
+/// bytes more). Per CPU, and not pinned: a scratch pad, not state.
 #[map(name = "XP_SCRATCH6")]
 pub static SCRATCH6: PerCpuArray<Scratch6> = PerCpuArray::with_max_entries(1, 0);
 
@@ -100,11 +101,16 @@ pub struct Scratch6 {
     pub value: CtValue6,
     pub range_key: Key<SourceRange6Data>,
     pub pod_key: Key<[u32; 4]>,
+    /// An IPv6 fragment's key (`ipv6::fragments`), for the same reason.
+    pub frag_key: Frag6Key,
 }
 
 // The first fragment's ports of datagrams in flight.
 #[map(name = "XP_FRAGS")]
 pub static FRAGMENTS: LruHashMap<FragKey, FragPorts> = LruHashMap::pinned(FRAGMENTS_MAX, 0);
+
+#[map(name = "XP_FRAGS6")]
+pub static FRAGMENTS6: LruHashMap<Frag6Key, FragPorts> = LruHashMap::pinned(FRAGMENTS_MAX, 0);
 
 // Set by user space for every frontend and backend port.
 #[map(name = "XP_PORTS")]

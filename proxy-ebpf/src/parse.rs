@@ -63,7 +63,7 @@ impl Flow {
     /// A flow of `proto` whose every other field is zero, for a parser to
     /// fill in.
     #[inline(always)]
-    fn empty(proto: u8) -> Flow {
+    pub fn empty(proto: u8) -> Flow {
         Flow {
             saddr_be: 0,
             daddr_be: 0,

@@ -647,7 +647,10 @@ pub enum Strict {
     /// A fully parsed IPv6 TCP or UDP packet (at most
     /// [`IPV6_EXT_HEADERS_WALKED`] extension headers before it).
     Ipv6Flow(Flow6),
-    /// An IPv6 fragment (not an atomic one): passed untranslated.
+    /// A later IPv6 fragment, or any fragment (not an atomic one) whose
+    /// fragment header is not right before TCP or UDP: no L4 header to
+    /// read. (A first fragment right before TCP or UDP is an
+    /// [`Strict::Ipv6Flow`], its UDP length reaching past it.)
     Ipv6Fragment,
 }
 
@@ -676,7 +679,7 @@ fn strict_ipv6(rest: &[u8]) -> Strict {
     if ip[0] >> 4 != 6 || payload_len == 0 || 40 + payload_len > rest.len() {
         return Strict::Malformed("IPv6 version or payload length");
     }
-    let (mut next, mut off) = (ip[6], 40);
+    let (mut next, mut off, mut first_fragment) = (ip[6], 40, false);
     for _ in 0..IPV6_EXT_HEADERS_WALKED {
         match next {
             6 | 17 => break,
@@ -690,8 +693,12 @@ fn strict_ipv6(rest: &[u8]) -> Strict {
                 let Some(head) = rest.get(off..off + 8) else {
                     return Strict::Malformed("truncated fragment header");
                 };
-                if u16::from_be_bytes([head[2], head[3]]) & 0xfff9 != 0 {
-                    return Strict::Ipv6Fragment;
+                let frag_off = u16::from_be_bytes([head[2], head[3]]);
+                if frag_off & 0xfff9 != 0 {
+                    if frag_off & 0xfff8 != 0 || !matches!(head[0], 6 | 17) {
+                        return Strict::Ipv6Fragment;
+                    }
+                    first_fragment = true;
                 }
                 (next, off) = (head[0], off + 8);
             }
@@ -719,7 +726,8 @@ fn strict_ipv6(rest: &[u8]) -> Strict {
             return Strict::Malformed("truncated UDP header");
         };
         let udp_len = usize::from(u16::from_be_bytes([udp[4], udp[5]]));
-        if udp_len < 8 || udp_len > l4_len {
+        let fits = udp_len <= l4_len || (first_fragment && l4_len >= 8);
+        if udp_len < 8 || !fits {
             return Strict::Malformed("UDP length");
         }
         [udp[0], udp[1], udp[2], udp[3]]
@@ -1024,6 +1032,112 @@ fn icmp_error(ip: &Ipv4Header, packet: &[u8]) -> Strict {
     })
 }
 
+/// Splits an IPv6 frame into fragments of at most `chunk` payload bytes
+/// (a multiple of 8) after its extension headers, as a sender does: a
+/// fragment header with `id` in each, more fragments in all but the last.
+pub fn fragments6(frame: &Frame6, chunk: usize, id: u32) -> Vec<Frame6> {
+    assert!(
+        chunk.is_multiple_of(8) && chunk > 0,
+        "fragment payloads are multiples of 8 bytes"
+    );
+    let bytes = frame.build();
+    let ext_len: usize = frame.ext.iter().map(|e| e.bytes(0).len()).sum();
+    let proto = match &frame.l4 {
+        L4::Tcp(_) => IpNumber::TCP.0,
+        L4::Udp(_) => IpNumber::UDP.0,
+        l4 => panic!("fragments of TCP or UDP only: {l4:?}"),
+    };
+    let payload = &bytes[ETH_HLEN + 40 + ext_len..];
+    let pieces = payload.len().div_ceil(chunk);
+    (0..pieces)
+        .map(|i| {
+            let part = &payload[i * chunk..((i + 1) * chunk).min(payload.len())];
+            let mut ext = frame.ext.clone();
+            ext.push(Ext6::Fragment {
+                offset: u16::try_from(i * chunk / 8).expect("offset fits"),
+                more: i + 1 < pieces,
+                id,
+            });
+            Frame6 {
+                ext,
+                l4: L4::Raw {
+                    proto,
+                    bytes: part.to_vec(),
+                },
+                ..frame.clone()
+            }
+        })
+        .collect()
+}
+
+/// One IPv6 fragment's addresses, id, offset in bytes, more flag and
+/// payload (after its fragment header, the last extension header).
+type Piece6 = (Ipv6Addr, Ipv6Addr, u32, usize, bool, Vec<u8>);
+
+fn piece6(frame: &[u8]) -> Result<Piece6, String> {
+    let ip = frame.get(ETH_HLEN..ETH_HLEN + 40).ok_or("truncated IPv6 header")?;
+    let end = ETH_HLEN + 40 + usize::from(u16::from_be_bytes([ip[4], ip[5]]));
+    let addr = |at: usize| Ipv6Addr::from(<[u8; 16]>::try_from(&ip[at..at + 16]).expect("16 bytes"));
+    let (mut next, mut off) = (ip[6], ETH_HLEN + 40);
+    while next != 44 {
+        let head = frame.get(off..off + 2).ok_or("no fragment header")?;
+        (next, off) = (head[0], off + (usize::from(head[1]) + 1) * 8);
+    }
+    let head = frame.get(off..off + 8).ok_or("truncated fragment header")?;
+    let field = u16::from_be_bytes([head[2], head[3]]);
+    let id = u32::from_be_bytes([head[4], head[5], head[6], head[7]]);
+    let payload = frame.get(off + 8..end).ok_or("payload past the frame")?.to_vec();
+    Ok((
+        addr(8),
+        addr(24),
+        id,
+        usize::from(field >> 3) * 8,
+        field & 1 != 0,
+        payload,
+    ))
+}
+
+/// Reassembles IPv6 fragments of a UDP datagram (whole frames, any order)
+/// as a receiver would: one id and pair of addresses, no gaps, the UDP
+/// length and checksum right over the addresses in the headers. Returns
+/// the datagram's source and destination.
+pub fn reassemble_udp6(frames: &[Vec<u8>]) -> Result<(SocketAddrV6, SocketAddrV6), String> {
+    let mut pieces = frames.iter().map(|f| piece6(f)).collect::<Result<Vec<_>, _>>()?;
+    let (src, dst, id) = pieces.first().map(|p| (p.0, p.1, p.2)).ok_or("no fragments")?;
+    if let Some(p) = pieces.iter().find(|p| (p.0, p.1, p.2) != (src, dst, id)) {
+        return Err(format!(
+            "fragments of different datagrams: {src} {dst} {id:#x} and {} {} {:#x}",
+            p.0, p.1, p.2
+        ));
+    }
+    pieces.sort_by_key(|p| p.3);
+    let mut datagram = Vec::new();
+    for piece in &pieces {
+        if piece.3 != datagram.len() {
+            return Err(format!(
+                "a gap or overlap at {} (have {} bytes)",
+                piece.3,
+                datagram.len()
+            ));
+        }
+        datagram.extend_from_slice(&piece.5);
+    }
+    if pieces.last().is_none_or(|p| p.4) {
+        return Err("no last fragment (more fragments clear)".into());
+    }
+    let (udp, payload) = udp_of(&datagram)?;
+    let want = udp
+        .calc_checksum_ipv6_raw(src.octets(), dst.octets(), payload)
+        .map_err(|e| e.to_string())?;
+    if udp.checksum != want {
+        return Err(format!("UDP checksum {:#06x}, should be {want:#06x}", udp.checksum));
+    }
+    Ok((
+        SocketAddrV6::new(src, udp.source_port, 0, 0),
+        SocketAddrV6::new(dst, udp.destination_port, 0, 0),
+    ))
+}
+
 /// Splits an untagged IPv4 frame without options into fragments of at
 /// most `chunk` payload bytes (a multiple of 8), as a sender's IP layer
 /// does: the same id in each, MF in all but the last, DF clear.
@@ -1088,14 +1202,7 @@ pub fn reassemble_udp(frames: &[Vec<u8>]) -> Result<(SocketAddrV4, SocketAddrV4)
         return Err("no last fragment (MF clear)".into());
     }
     let ip = first.ok_or("no fragments")?;
-    let (udp, payload) = UdpHeader::from_slice(&datagram).map_err(|e| format!("UDP header: {e}"))?;
-    if usize::from(udp.length) != datagram.len() {
-        return Err(format!(
-            "UDP length {} for a {}-byte datagram",
-            udp.length,
-            datagram.len()
-        ));
-    }
+    let (udp, payload) = udp_of(&datagram)?;
     let want = udp.calc_checksum_ipv4(&ip, payload).map_err(|e| e.to_string())?;
     if udp.checksum != want {
         return Err(format!("UDP checksum {:#06x}, should be {want:#06x}", udp.checksum));
@@ -1104,6 +1211,20 @@ pub fn reassemble_udp(frames: &[Vec<u8>]) -> Result<(SocketAddrV4, SocketAddrV4)
         SocketAddrV4::new(ip.source.into(), udp.source_port),
         SocketAddrV4::new(ip.destination.into(), udp.destination_port),
     ))
+}
+
+/// A reassembled datagram's UDP header, its length that of the datagram,
+/// and its payload.
+fn udp_of(datagram: &[u8]) -> Result<(UdpHeader, &[u8]), String> {
+    let (udp, payload) = UdpHeader::from_slice(datagram).map_err(|e| format!("UDP header: {e}"))?;
+    if usize::from(udp.length) != datagram.len() {
+        return Err(format!(
+            "UDP length {} for a {}-byte datagram",
+            udp.length,
+            datagram.len()
+        ));
+    }
+    Ok((udp, payload))
 }
 
 /// The IPv4 header of an untagged frame, its checksum verified.
@@ -1228,9 +1349,10 @@ pub enum Ext6 {
     /// A routing header (experimental type 253) with no segments left, so
     /// the destination is the final one; `units` x 8 bytes (1..=32).
     Routing { units: u8 },
-    /// A fragment header: offset in 8-byte units, more fragments. Offset 0
-    /// without more fragments is an atomic fragment (a whole datagram).
-    Fragment { offset: u16, more: bool },
+    /// A fragment header: offset in 8-byte units, more fragments, the
+    /// datagram's id. Offset 0 without more fragments is an atomic
+    /// fragment (a whole datagram).
+    Fragment { offset: u16, more: bool, id: u32 },
 }
 
 impl Ext6 {
@@ -1261,11 +1383,11 @@ impl Ext6 {
             }
             // Routing type 253, segments left 0.
             Ext6::Routing { units } => padded(units, [253, 0]),
-            Ext6::Fragment { offset, more } => {
+            Ext6::Fragment { offset, more, id } => {
                 let field = (offset << 3) | u16::from(more);
                 let mut out = vec![next, 0];
                 out.extend_from_slice(&field.to_be_bytes());
-                out.extend_from_slice(&0x0bad_cafe_u32.to_be_bytes());
+                out.extend_from_slice(&id.to_be_bytes());
                 out
             }
         }
@@ -1346,6 +1468,17 @@ impl Frame6 {
         frame.hop_limit = 255;
         frame.eth_dst = [0x33, 0x33, 0xff, t[13], t[14], t[15]];
         frame
+    }
+
+    /// An ICMPv6 error from `src` to `dst` quoting `quote` (an IPv6 packet
+    /// from its header on, cut where the sender cut it); checksum by
+    /// etherparse.
+    pub fn icmp6_error(src: Ipv6Addr, dst: Ipv6Addr, icmp_type: Icmpv6Type, quote: &[u8]) -> Self {
+        let header =
+            Icmpv6Header::with_checksum(icmp_type, src.octets(), dst.octets(), quote).expect("a quote that fits");
+        let mut icmp = header.to_bytes().to_vec();
+        icmp.extend_from_slice(quote);
+        Self::new(src, dst, L4::Raw { proto: 58, bytes: icmp })
     }
 
     pub fn with_ext(mut self, ext: &[Ext6]) -> Self {

@@ -1035,8 +1035,9 @@ pub fn udp_request_from(source_port: u16, addr: impl Into<SocketAddr>, timeout: 
 /// server, and waits at most `timeout` for them to come back; anything
 /// but the same bytes is an error. Above the MTU the datagram leaves in
 /// fragments, and the echo comes back in fragments too.
-pub fn udp_echo_roundtrip(to: SocketAddrV4, len: usize, timeout: Duration) -> io::Result<()> {
-    let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+pub fn udp_echo_roundtrip(to: impl Into<SocketAddr>, len: usize, timeout: Duration) -> io::Result<()> {
+    let to = to.into();
+    let socket = UdpSocket::bind(any_local(to))?;
     socket.connect(to)?;
     socket.set_read_timeout(Some(timeout))?;
     let sent: Vec<u8> = (0..len).map(|i| (i * 31 % 253) as u8).collect();

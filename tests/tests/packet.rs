@@ -2502,6 +2502,20 @@ fn run_fragments(h: &mut Harness, prog: Prog, frames: &[Vec<u8>], first: Verdict
         .collect()
 }
 
+/// Runs a new flow's first fragment twice (a duplicate is translated
+/// alike), then the later ones; returns the outputs, the first's once.
+fn first_twice_then_the_rest(h: &mut Harness, prog: Prog, frames: &[Vec<u8>]) -> Vec<Vec<u8>> {
+    let first = run_counted(h, prog, &frames[0], Verdict::DnatNew, "the first");
+    let again = run_counted(h, prog, &frames[0], Verdict::DnatEstablished, "the first again");
+    assert_eq!(first.frame, again.frame, "a duplicate is translated alike");
+    let mut out = vec![first.frame];
+    for (i, later) in frames[1..].iter().enumerate() {
+        let what = format!("fragment {} after the first", i + 1);
+        out.push(run_counted(h, prog, later, Verdict::DnatEstablished, &what).frame);
+    }
+    out
+}
+
 /// A 4,000-byte datagram to the ClusterIP and a 3,000-byte answer, each in
 /// fragments, through every program: both arrive whole and translated
 /// (checked by reassembling them and verifying the UDP checksum over the
@@ -2566,14 +2580,7 @@ fn fragments_in_any_order_are_never_taken_for_port_0() {
             );
             assert_eq!((out.code, &out.frame), (prog.pass(), later), "untouched");
         }
-        let first = run_counted(&mut h, prog, &frames[0], Verdict::DnatNew, "the first");
-        let again = run_counted(&mut h, prog, &frames[0], Verdict::DnatEstablished, "the first again");
-        assert_eq!(first.frame, again.frame, "a duplicate is translated alike");
-        let mut out = vec![first.frame];
-        for (i, later) in frames[1..].iter().enumerate() {
-            let what = format!("fragment {} after the first", i + 1);
-            out.push(run_counted(&mut h, prog, later, Verdict::DnatEstablished, &what).frame);
-        }
+        let out = first_twice_then_the_rest(&mut h, prog, &frames);
         reassemble_udp(&out).unwrap_or_else(|e| panic!("via {}: {e}", prog.name()));
 
         let other = client(&mut h);

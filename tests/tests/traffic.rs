@@ -28,13 +28,19 @@
 //!   far ── r2 ══(MTU 1,400)══ r1 ── node ── pods
 //! ```
 //!
+//! - IPv6 (ebpf, tc and native XDP; iptables; nftables): the fragments
+//!   and port unreachable rows above over IPv6, from the client pod to
+//!   the dual-stack Services' IPv6 ClusterIPs and from the outside client
+//!   to the node's IPv6 NodePort (ebpf: `ipv6::fragments`,
+//!   `ipv6::icmp_error`).
+//!
 //! The modes do not differ here: the kernel modes' conntrack reassembles
 //! fragments before NAT and translates ICMP errors of NATed flows; the ebpf
 //! mode translates each fragment (`fragments`) and the errors (`icmp_error`).
 
 use std::{
     io,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6},
     time::Duration,
 };
 
@@ -43,10 +49,13 @@ use serde_json::{Value, json};
 use testbed::{
     agent_bed::{AgentBed, READY_WITHIN},
     bulk::{self, Direction},
-    fixtures::{backend_ips, load_balancer, service, slice, yaml_documents},
+    fixtures::{
+        NODE_NAME, PortDef, backend_ips, backend_ips6, dual_stack, load_balancer, on_node, service, service_with,
+        slice, slice_with, slice6_with, yaml_documents,
+    },
     netns::{self, Netns, Server},
     privileged::{require_ipvs, require_root},
-    topology::NODE_IP,
+    topology::{NODE_IP, NODE_IP6},
 };
 
 const ECHO_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 70);
@@ -87,12 +96,12 @@ fn service_of(
 }
 
 /// One `len`-byte datagram to the echo servers behind `to`, echoed intact.
-fn echo_once(to: SocketAddrV4, len: usize) -> io::Result<()> {
+fn echo_once(to: impl Into<SocketAddr>, len: usize) -> io::Result<()> {
     netns::udp_echo_roundtrip(to, len, TIMEOUT)
 }
 
 /// What a connected socket's request to `to` ends with.
-fn refusal(to: SocketAddrV4) -> io::Result<String> {
+fn refusal(to: impl Into<SocketAddr>) -> io::Result<String> {
     netns::udp_request(to, TIMEOUT)
 }
 
@@ -107,11 +116,16 @@ fn available(label: &str, mode: &str) -> bool {
 }
 
 fn traffic(label: &str, mode: &str, extra: &[&str]) {
+    on_a_bed(label, mode, extra, run);
+}
+
+/// `rows` on a fresh bed with the agent in `mode` (and `extra` arguments).
+fn on_a_bed(label: &str, mode: &str, extra: &[&str], rows: fn(&mut AgentBed, &str, &[&str]) -> Result<()>) {
     if !available(label, mode) {
         return;
     }
     let mut bed = AgentBed::new(label).unwrap_or_else(|e| panic!("{label}: test bed: {e:#}"));
-    if let Err(e) = run(&mut bed, mode, extra) {
+    if let Err(e) = rows(&mut bed, mode, extra) {
         panic!("{label}: {e:#}\nagent log:\n{}", bed.log());
     }
 }
@@ -181,29 +195,135 @@ fn run(bed: &mut AgentBed, mode: &str, extra: &[&str]) -> Result<()> {
     ];
     for (path, ns, ip, port, refusing_ip, refusing_port) in paths {
         let to = SocketAddrV4::new(ip, port);
-        for len in SIZES {
-            netns::wait_for(&format!("{path}: a {len}-byte datagram echoed"), READY_WITHIN, || {
-                ns.run_in(|| echo_once(to, len))
-                    .map_err(|e| format!("{e:#}"))?
-                    .map_err(|e| e.to_string())
-            })
-            .with_context(|| format!("{path}, {len} bytes"))?;
-            // Once programmed, every datagram makes it.
-            for _ in 0..5 {
-                ns.run_in(|| echo_once(to, len))?
-                    .with_context(|| format!("{path}: a {len}-byte datagram"))?;
-            }
-        }
         let refusing = SocketAddrV4::new(refusing_ip, refusing_port);
-        for _ in 0..3 {
-            match ns.run_in(|| refusal(refusing))? {
-                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {}
-                other => bail!("{path}: UDP to {refusing}, whose backends do not listen: {other:?}, not ECONNREFUSED"),
-            }
-        }
+        echoed_and_refused(path, ns, to.into(), refusing.into())?;
     }
     ensure!(bed.agent_alive().is_ok(), "the agent died");
     Ok(())
+}
+
+/// Datagrams of every size in [`SIZES`] from `ns` to `to` echoed intact,
+/// and a request to `refusing` (whose backends do not listen) refused.
+fn echoed_and_refused(path: &str, ns: &Netns, to: SocketAddr, refusing: SocketAddr) -> Result<()> {
+    for len in SIZES {
+        netns::wait_for(&format!("{path}: a {len}-byte datagram echoed"), READY_WITHIN, || {
+            ns.run_in(|| echo_once(to, len))
+                .map_err(|e| format!("{e:#}"))?
+                .map_err(|e| e.to_string())
+        })
+        .with_context(|| format!("{path}, {len} bytes"))?;
+        // Once programmed, every datagram makes it.
+        for _ in 0..5 {
+            ns.run_in(|| echo_once(to, len))?
+                .with_context(|| format!("{path}: a {len}-byte datagram"))?;
+        }
+    }
+    for _ in 0..3 {
+        match ns.run_in(|| refusal(refusing))? {
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {}
+            other => bail!("{path}: UDP to {refusing}, whose backends do not listen: {other:?}, not ECONNREFUSED"),
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// IPv6.
+
+const ECHO_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x70);
+const REFUSING_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x71);
+
+/// A dual-stack UDP Service to `target_port` on every backend pod, and its
+/// slices of both families.
+fn dual_stack_service_of(
+    name: &str,
+    (ip, ip6): (Ipv4Addr, Ipv6Addr),
+    port: u16,
+    target_port: u16,
+    node_port: u16,
+) -> [Value; 3] {
+    let ports = [PortDef {
+        name: None,
+        protocol: testbed::probe::Protocol::Udp,
+        port,
+        target_port,
+        node_port: Some(node_port),
+    }];
+    let endpoints6: Vec<(Ipv6Addr, &str)> = backend_ips6().into_iter().map(|ip| (ip, NODE_NAME)).collect();
+    [
+        dual_stack(service_with(name, ip, &ports, None), ip6),
+        slice_with(&format!("{name}-4"), name, &ports, &on_node(&backend_ips())),
+        slice6_with(&format!("{name}-6"), name, &ports, &endpoints6),
+    ]
+}
+
+fn traffic6(label: &str, mode: &str, extra: &[&str]) {
+    on_a_bed(label, mode, extra, run6);
+}
+
+fn run6(bed: &mut AgentBed, mode: &str, extra: &[&str]) -> Result<()> {
+    let _echoes: Vec<Server> = bed
+        .topo
+        .backends
+        .iter()
+        .map(|pod| Server::udp_echo(&pod.ns, ECHO_PORT))
+        .collect::<Result<_>>()?;
+    let mut objects =
+        dual_stack_service_of("dgram", (ECHO_IP, ECHO_IP6), ECHO_PORT, ECHO_PORT, ECHO_NODE_PORT).to_vec();
+    objects.extend(dual_stack_service_of(
+        "refusing",
+        (REFUSING_IP, REFUSING_IP6),
+        REFUSING_PORT,
+        CLOSED_PORT,
+        REFUSING_NODE_PORT,
+    ));
+    bed.write_manifest("traffic6.yaml", &yaml_documents(&objects))?;
+    let mut args = bed.manifest_args();
+    // Beside the IPv4 one the bed passes.
+    args.extend(["--node-ip".to_owned(), NODE_IP6.to_string()]);
+    args.extend(extra.iter().map(|a| (*a).to_owned()));
+    bed.start_agent_in(mode, &args)?;
+    bed.wait_first_sync(READY_WITHIN)?;
+    let v6 = |ip, port| SocketAddr::from(SocketAddrV6::new(ip, port, 0, 0));
+    let paths = [
+        (
+            "client pod -> IPv6 ClusterIP",
+            &bed.topo.client_pod.ns,
+            v6(ECHO_IP6, ECHO_PORT),
+            v6(REFUSING_IP6, REFUSING_PORT),
+        ),
+        (
+            "client -> IPv6 NodePort",
+            &bed.topo.client,
+            v6(NODE_IP6, ECHO_NODE_PORT),
+            v6(NODE_IP6, REFUSING_NODE_PORT),
+        ),
+    ];
+    for (path, ns, to, refusing) in paths {
+        echoed_and_refused(path, ns, to, refusing)?;
+    }
+    ensure!(bed.agent_alive().is_ok(), "the agent died");
+    Ok(())
+}
+
+#[test]
+fn traffic6_ebpf() {
+    traffic6("traffic6_ebpf", "ebpf", &[]);
+}
+
+#[test]
+fn traffic6_ebpf_native_xdp() {
+    traffic6("traffic6_ebpf_native_xdp", "ebpf", &["--xdp", "native"]);
+}
+
+#[test]
+fn traffic6_iptables() {
+    traffic6("traffic6_iptables", "iptables", &[]);
+}
+
+#[test]
+fn traffic6_nftables() {
+    traffic6("traffic6_nftables", "nftables", &[]);
 }
 
 // ---------------------------------------------------------------------------

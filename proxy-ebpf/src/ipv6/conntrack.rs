@@ -71,6 +71,21 @@ pub fn lookup(flow: &Flow6) -> Option<Tracked6> {
     })
 }
 
+/// The tracked flow an ICMPv6 error's flow (see `icmp_error`) belongs
+/// to, as it is: an error moves no state on.
+#[inline(always)]
+pub fn lookup_related(flow: &Flow6) -> Option<Tracked6> {
+    let entry = CONNTRACK6.get_ptr_mut(key_of(flow))?;
+    // SAFETY: a map value pointer stays valid for the program's run.
+    let flags = unsafe { (*entry).flags };
+    Some(Tracked6 {
+        reply: flags & FLAG_REPLY != 0,
+        snat: flags & FLAG_SNAT != 0,
+        handed_to_tc: flags & FLAG_HANDED_TO_TC != 0,
+        entry,
+    })
+}
+
 #[inline(always)]
 fn is_over(key: &CtKey6, value: &CtValue6, now: u64) -> bool {
     match age(value.state, value.flags, value.last_seen_ns, now) {

@@ -7,11 +7,17 @@
 //! frontend without local endpoints drops), with the verdicts and outcomes
 //! IPv4's use.
 //!
+//! Fragments as IPv4's (`fragments`: a later one is translated as its
+//! first's flow, addresses only), and ICMPv6 errors quoting a translated
+//! flow (`icmp_error`).
+//!
 //! Not yet done for IPv6 (each left untranslated or refused, never
-//! translated wrongly): ICMPv6 errors quoting a translated flow,
-//! fragments (see `parse`).
+//! translated wrongly): SCTP (the agent gives the programs no IPv6 SCTP
+//! port).
 
 mod conntrack;
+mod fragments;
+mod icmp_error;
 mod parse;
 mod reject;
 
@@ -30,6 +36,7 @@ use crate::{
     context::{Addr6, Ctx, L4At},
     headers::Side,
     maps::{self, AFFINITY6, BACKENDS6, SERVICES6},
+    parse::Fragment,
     pipeline::{self, Outcome, snat_wanted, translated},
     ports, select, service_port, source_range,
 };
@@ -37,16 +44,25 @@ use crate::{
 /// The IPv6 packet's way, from parsing to the rewrite (see the module doc).
 #[inline(always)]
 pub fn process(ctx: &impl Ctx) -> (Verdict, Outcome) {
-    let flow = match parse::parse(ctx) {
+    let mut flow = match parse::parse(ctx) {
         Ok(flow) => flow,
         Err(verdict) => return (verdict, Outcome::Pass),
     };
+    if !fragments::fill_ports(&mut flow) {
+        return (Verdict::PassFragmentUntracked, Outcome::Pass);
+    }
     if !ports::may_be_service(flow.sport_be, flow.dport_be) {
         return (Verdict::PassNotService, Outcome::Pass);
     }
+    if flow.icmp_error {
+        return related(ctx, &flow);
+    }
+    fragments::remember(&flow);
     match conntrack::lookup(&flow) {
         Some(tracked) if tracked.reply => reverse(ctx, &flow, &tracked),
         Some(tracked) => established(ctx, &flow, &tracked),
+        // Only a packet with an L4 header opens a flow.
+        None if flow.fragment == Fragment::Later => (Verdict::PassFragmentUntracked, Outcome::Pass),
         None => match frontend(&flow) {
             Some(svc) => new_flow(ctx, &flow, &svc),
             None => (Verdict::PassNotService, Outcome::Pass),
@@ -64,6 +80,27 @@ fn frontend(flow: &Flow6) -> Option<ServiceValue> {
     };
     // SAFETY: copied out at once, as in `crate::lookup::frontend`.
     unsafe { SERVICES6.get(key).copied() }
+}
+
+/// An ICMPv6 error about a packet of a tracked flow, translated as the
+/// flow's packets going its way (see `icmp_error`); one about anything
+/// else is not ours.
+#[inline(always)]
+fn related(ctx: &impl Ctx, flow: &Flow6) -> (Verdict, Outcome) {
+    let Some(tracked) = conntrack::lookup_related(flow) else {
+        return (Verdict::PassNotService, Outcome::Pass);
+    };
+    let (quoted, outer, old, outcome) = if tracked.reply {
+        let backend = (flow.saddr(), flow.sport_be);
+        (Side::Destination, Side::Source, backend, Outcome::ReverseTranslated)
+    } else {
+        let frontend = (flow.daddr(), flow.dport_be);
+        (Side::Source, Side::Destination, frontend, Outcome::Translated)
+    };
+    match icmp_error::translate(ctx, flow, quoted, outer, old, tracked.nat()) {
+        Ok(()) => (Verdict::IcmpError, outcome),
+        Err(()) => (Verdict::Error, Outcome::Drop),
+    }
 }
 
 /// A packet of a tracked flow, client -> frontend (see
@@ -85,11 +122,7 @@ fn established(ctx: &impl Ctx, flow: &Flow6, tracked: &Tracked6) -> (Verdict, Ou
 /// A backend's reply of a tracked flow: its source back to the frontend.
 #[inline(always)]
 fn reverse(ctx: &impl Ctx, flow: &Flow6, tracked: &Tracked6) -> (Verdict, Outcome) {
-    let l4 = L4At {
-        off: flow.l4_off,
-        proto: flow.proto,
-    };
-    match ctx.rewrite6(l4, Side::Source, (flow.saddr(), flow.sport_be), tracked.nat()) {
+    match rewrite(ctx, flow, Side::Source, (flow.saddr(), flow.sport_be), tracked.nat()) {
         Ok(()) => (Verdict::RevNat, Outcome::ReverseTranslated),
         Err(()) => (Verdict::Error, Outcome::Drop),
     }
@@ -159,9 +192,19 @@ fn backend6(id: u32) -> Option<(u32, Backend6)> {
 /// client -> frontend becomes client -> backend.
 #[inline(always)]
 fn dnat(ctx: &impl Ctx, flow: &Flow6, backend: (&Addr6, u16)) -> Result<(), ()> {
+    rewrite(ctx, flow, Side::Destination, (flow.daddr(), flow.dport_be), backend)
+}
+
+/// One end's address and port from `old` to `new`; the address alone in
+/// a later fragment, which has no L4 header.
+#[inline(always)]
+fn rewrite(ctx: &impl Ctx, flow: &Flow6, side: Side, old: (&Addr6, u16), new: (&Addr6, u16)) -> Result<(), ()> {
+    if flow.fragment == Fragment::Later {
+        return fragments::rewrite_addr(ctx, side, old.0, new.0);
+    }
     let l4 = L4At {
         off: flow.l4_off,
         proto: flow.proto,
     };
-    ctx.rewrite6(l4, Side::Destination, (flow.daddr(), flow.dport_be), backend)
+    ctx.rewrite6(l4, side, old, new)
 }

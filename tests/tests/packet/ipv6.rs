@@ -2,7 +2,8 @@
 //! ClusterIP and NodePort DNAT of TCP and UDP with checksums checked by
 //! etherparse, replies reverse-NATed, conntrack read back from `XP_CT6`,
 //! extension headers walked up to the limit and passed beyond it,
-//! fragments, neighbour discovery and non-Service traffic untouched, and
+//! fragments translated whole (`ipv6_fragments`), neighbour discovery and
+//! non-Service traffic untouched, and
 //! every truncation of a Service packet passed as malformed. A frontend
 //! without backends answers as IPv4's: a RST, or an ICMPv6 port
 //! unreachable quoting up to the minimum MTU (compared byte for byte with
@@ -31,6 +32,9 @@ use testbed::frame::{
 };
 
 use super::*;
+
+mod ipv6_fragments;
+mod ipv6_icmp_errors;
 
 const CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0xa);
 const NODE_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x192, 0x168, 0x50, 0, 0, 0, 0x10);
@@ -265,12 +269,22 @@ fn ipv6_extension_headers_are_walked_up_to_the_limit() {
     }
     let mut h = seeded6();
     let cluster = v6(CLUSTER_IP6, SERVICE_PORT);
-    let atomic = Ext6::Fragment { offset: 0, more: false };
-    let translated: [(&str, Vec<Ext6>); 5] = [
+    let atomic = Ext6::Fragment {
+        offset: 0,
+        more: false,
+        id: 1,
+    };
+    let first = Ext6::Fragment {
+        offset: 0,
+        more: true,
+        id: 2,
+    };
+    let translated: [(&str, Vec<Ext6>); 6] = [
         ("hop-by-hop", vec![Ext6::HopByHop { units: 1 }]),
         ("a long destination options header", vec![Ext6::DestOpts { units: 32 }]),
         ("routing, no segments left", vec![Ext6::Routing { units: 3 }]),
         ("an atomic fragment", vec![atomic]),
+        ("a first fragment (see `fragments` for the rest)", vec![first]),
         (
             "four headers, the limit",
             vec![
@@ -309,16 +323,24 @@ fn ipv6_extension_headers_are_walked_up_to_the_limit() {
                 Verdict::PassMalformed,
             ),
             (
-                "a first fragment",
-                Frame6::udp(client6(&mut h), cluster, b"q").with_ext(&[Ext6::Fragment { offset: 0, more: true }]),
-                Verdict::PassFragmentUntracked,
-            ),
-            (
-                "a later fragment",
+                "a later fragment, its first unseen",
                 Frame6::udp(client6(&mut h), cluster, b"q").with_ext(&[Ext6::Fragment {
                     offset: 185,
                     more: false,
+                    id: 3,
                 }]),
+                Verdict::PassFragmentUntracked,
+            ),
+            (
+                "a first fragment before destination options",
+                Frame6::udp(client6(&mut h), cluster, b"q").with_ext(&[
+                    Ext6::Fragment {
+                        offset: 0,
+                        more: true,
+                        id: 4,
+                    },
+                    Ext6::DestOpts { units: 1 },
+                ]),
                 Verdict::PassFragmentUntracked,
             ),
         ];
