@@ -314,10 +314,21 @@ pub unsafe fn udp_flow(udp: *const UdpHdr, l4_len: usize, first_fragment: bool) 
 #[inline(always)]
 fn parse_sctp(ctx: &impl Ctx, l4_len: usize) -> Result<Flow, Verdict> {
     let sctp: *const SctpHdr = ptr_at(ctx, L4_OFF).ok_or(Verdict::PassMalformed)?;
+    // SAFETY: the header is inside the packet (ptr_at).
+    unsafe { sctp_flow(sctp, l4_len) }
+}
+
+/// The flow of the SCTP common header at `sctp`, `l4_len` bytes from it
+/// to the end of the IP payload (see [`parse_sctp`]).
+///
+/// # Safety
+/// `sctp` points at a whole `SctpHdr` inside the packet.
+#[inline(always)]
+pub unsafe fn sctp_flow(sctp: *const SctpHdr, l4_len: usize) -> Result<Flow, Verdict> {
     if l4_len < SCTP_LEN {
         return Err(Verdict::PassMalformed);
     }
-    // SAFETY: the header is inside the packet (ptr_at).
+    // SAFETY: the caller's promise.
     let (sport_be, dport_be) = unsafe { ((*sctp).sport_be, (*sctp).dport_be) };
     check_ports(sport_be, dport_be)?;
     Ok(Flow {

@@ -644,7 +644,7 @@ pub enum Strict {
     /// An ICMP destination unreachable or time exceeded quoting a TCP or
     /// UDP packet.
     IcmpError(IcmpError),
-    /// A fully parsed IPv6 TCP or UDP packet (at most
+    /// A fully parsed IPv6 TCP, UDP or SCTP packet (at most
     /// [`IPV6_EXT_HEADERS_WALKED`] extension headers before it).
     Ipv6Flow(Flow6),
     /// A later IPv6 fragment, or any fragment (not an atomic one) whose
@@ -657,7 +657,7 @@ pub enum Strict {
 /// The extension headers the programs walk before they give up on a packet.
 pub const IPV6_EXT_HEADERS_WALKED: usize = 4;
 
-/// A fully parsed IPv6 TCP or UDP packet.
+/// A fully parsed IPv6 TCP, UDP or SCTP packet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Flow6 {
     pub proto: u8,
@@ -682,7 +682,7 @@ fn strict_ipv6(rest: &[u8]) -> Strict {
     let (mut next, mut off, mut first_fragment) = (ip[6], 40, false);
     for _ in 0..IPV6_EXT_HEADERS_WALKED {
         match next {
-            6 | 17 => break,
+            6 | 17 | 132 => break,
             0 | 43 | 60 => {
                 let Some(head) = rest.get(off..off + 2) else {
                     return Strict::Malformed("truncated extension header");
@@ -705,7 +705,7 @@ fn strict_ipv6(rest: &[u8]) -> Strict {
             _ => return Strict::NotIpv4OrL4("IPv6 next header"),
         }
     }
-    if !matches!(next, 6 | 17) {
+    if !matches!(next, 6 | 17 | 132) {
         return Strict::Malformed("too many extension headers");
     }
     if off >= 40 + payload_len {
@@ -721,6 +721,14 @@ fn strict_ipv6(rest: &[u8]) -> Strict {
             return Strict::Malformed("TCP data offset");
         }
         [tcp[0], tcp[1], tcp[2], tcp[3]]
+    } else if next == 132 {
+        let Some(common) = rest.get(off..off + sctp::COMMON_HEADER_LEN) else {
+            return Strict::Malformed("truncated SCTP common header");
+        };
+        if l4_len < sctp::COMMON_HEADER_LEN {
+            return Strict::Malformed("payload length below the SCTP common header");
+        }
+        [common[0], common[1], common[2], common[3]]
     } else {
         let Some(udp) = rest.get(off..off + 8) else {
             return Strict::Malformed("truncated UDP header");
@@ -1443,6 +1451,14 @@ impl Frame6 {
         Self::new(*src.ip(), *dst.ip(), ip.l4)
     }
 
+    /// An SCTP packet carrying `chunks` (see [`SCTP_INIT_CHUNK`]).
+    pub fn sctp(src: SocketAddrV6, dst: SocketAddrV6, vtag: u32, chunks: &[u8]) -> Self {
+        let Net::Ipv4(ip) = Frame::sctp(v4_stand_in(src.port()), v4_stand_in(dst.port()), vtag, chunks).net else {
+            unreachable!("Frame::sctp builds IPv4")
+        };
+        Self::new(*src.ip(), *dst.ip(), ip.l4)
+    }
+
     /// A neighbour solicitation for `target` from `src` (to the target's
     /// solicited-node multicast address), checksum included.
     pub fn neighbour_solicitation(src: Ipv6Addr, target: Ipv6Addr) -> Self {
@@ -1691,6 +1707,18 @@ pub fn check6(frame: &[u8]) -> Result<Checked6, String> {
             }
             (udp.source_port, udp.destination_port)
         }
+        132 => {
+            let ports = l4
+                .get(..sctp::COMMON_HEADER_LEN)
+                .ok_or("truncated SCTP common header")?;
+            if !sctp::checksum_ok(l4) {
+                return Err(format!("SCTP CRC32c wrong in {}", hex(l4)));
+            }
+            (
+                u16::from_be_bytes([ports[0], ports[1]]),
+                u16::from_be_bytes([ports[2], ports[3]]),
+            )
+        }
         58 => {
             let icmp = Icmpv6Slice::from_slice(l4).map_err(|e| format!("ICMPv6 header: {e}"))?;
             if !icmp.is_checksum_valid(src, dst) {
@@ -1698,7 +1726,7 @@ pub fn check6(frame: &[u8]) -> Result<Checked6, String> {
             }
             (0, 0)
         }
-        other => return Err(format!("L4 protocol {other} is neither TCP, UDP nor ICMPv6")),
+        other => return Err(format!("L4 protocol {other} is neither TCP, UDP, SCTP nor ICMPv6")),
     };
     Ok(Checked6 {
         src: SocketAddrV6::new(Ipv6Addr::from(src), sport, 0, 0),

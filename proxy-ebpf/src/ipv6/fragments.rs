@@ -68,9 +68,10 @@ pub fn fill_ports(flow: &mut Flow6) -> bool {
     true
 }
 
-/// Rewrites a later fragment's `side` address from `old` to `new`: no
-/// checksum in the packet covers it (see the module doc), only an skb's
-/// sum of the packet's bytes.
+/// Rewrites the `side` address of a later fragment or of an SCTP packet
+/// from `old` to `new`: no checksum in the packet covers it (see the
+/// module doc; SCTP's CRC32c has no pseudo-header), only an skb's sum of
+/// the packet's bytes.
 #[inline(always)]
 pub fn rewrite_addr(ctx: &impl Ctx, side: Side, old: &Addr6, new: &Addr6) -> Result<(), ()> {
     let addr: *mut Addr6 = ptr_at_fresh(ctx, IP_OFF + addr_in_ipv6(side)).ok_or(())?;

@@ -11,9 +11,8 @@
 //! first's flow, addresses only), and ICMPv6 errors quoting a translated
 //! flow (`icmp_error`).
 //!
-//! Not yet done for IPv6 (each left untranslated or refused, never
-//! translated wrongly): SCTP (the agent gives the programs no IPv6 SCTP
-//! port).
+//! SCTP as IPv4's: the address rewritten where the port stays (the agent
+//! gives the programs no other SCTP port).
 
 mod conntrack;
 mod fragments;
@@ -24,6 +23,7 @@ mod reject;
 use proxy_common::{
     AffinityKey6, Backend6, Service6Key, ServiceValue, Verdict,
     maglev::flow_hash6,
+    proto,
     service::{FLAG_AFFINITY_CLIENT_IP, FLAG_SOURCE_RANGES},
 };
 
@@ -196,10 +196,15 @@ fn dnat(ctx: &impl Ctx, flow: &Flow6, backend: (&Addr6, u16)) -> Result<(), ()> 
 }
 
 /// One end's address and port from `old` to `new`; the address alone in
-/// a later fragment, which has no L4 header.
+/// a later fragment, which has no L4 header, and in SCTP, whose CRC32c
+/// covers no address (a port change, which would need the CRC recomputed,
+/// is refused, as IPv4's: see `crate::nat`).
 #[inline(always)]
 fn rewrite(ctx: &impl Ctx, flow: &Flow6, side: Side, old: (&Addr6, u16), new: (&Addr6, u16)) -> Result<(), ()> {
-    if flow.fragment == Fragment::Later {
+    if flow.proto == proto::SCTP && old.1 != new.1 {
+        return Err(());
+    }
+    if flow.fragment == Fragment::Later || flow.proto == proto::SCTP {
         return fragments::rewrite_addr(ctx, side, old.0, new.0);
     }
     let l4 = L4At {

@@ -13,7 +13,9 @@
 //! with ports 0; only a fragment header right before TCP or UDP counts
 //! (any other, e.g. destination options in the fragmentable part, passes
 //! untouched). An atomic fragment (offset 0, no more) is a whole datagram.
-//! An ICMPv6 error quoting TCP or UDP is handed to `icmp_error`; the rest
+//! SCTP's common header gives its ports as IPv4's (SCTP fragments pass
+//! untouched, as any fragment not right before TCP or UDP). An ICMPv6
+//! error quoting TCP or UDP is handed to `icmp_error`; the rest
 //! of ICMPv6 (neighbour discovery, echo), ESP, AH and anything else is
 //! not Service traffic.
 
@@ -21,8 +23,8 @@ use proxy_common::{Verdict, proto};
 
 use crate::{
     context::{Addr6, Ctx, ptr_at, ptr_at_fresh},
-    headers::{IP_OFF, IPV6_LEN, Ipv6Hdr, TcpHdr, UdpHdr},
-    parse::{Fragment, tcp_flow, udp_flow},
+    headers::{IP_OFF, IPV6_LEN, Ipv6Hdr, SctpHdr, TcpHdr, UdpHdr},
+    parse::{Fragment, sctp_flow, tcp_flow, udp_flow},
     reject::Segment,
 };
 
@@ -71,7 +73,7 @@ pub struct Flow6 {
     pub proto: u8,
     /// TCP flags (0 for UDP).
     pub tcp_flags: u8,
-    /// Where the TCP or UDP header starts in the frame.
+    /// Where the TCP, UDP or SCTP header starts in the frame.
     pub l4_off: usize,
     /// The TCP segment's numbers, for a RST (`reject`).
     pub segment: Segment,
@@ -97,7 +99,7 @@ impl Flow6 {
     }
 }
 
-/// Parses the IPv6 header, its extension headers and TCP/UDP, or says
+/// Parses the IPv6 header, its extension headers and TCP/UDP/SCTP, or says
 /// why the packet is not ours. The caller checked the ether type.
 #[inline(always)]
 pub fn parse(ctx: &impl Ctx) -> Result<Flow6, Verdict> {
@@ -134,6 +136,10 @@ pub fn parse(ctx: &impl Ctx) -> Result<Flow6, Verdict> {
         let tcp: *const TcpHdr = header_at(ctx, l4_off)?;
         // SAFETY: the header is inside the packet (header_at).
         unsafe { tcp_flow(tcp, l4_len)? }
+    } else if l4_proto == proto::SCTP {
+        let sctp: *const SctpHdr = header_at(ctx, l4_off)?;
+        // SAFETY: the header is inside the packet (header_at).
+        unsafe { sctp_flow(sctp, l4_len)? }
     } else {
         let udp: *const UdpHdr = header_at(ctx, l4_off)?;
         // SAFETY: the header is inside the packet (header_at).
@@ -197,7 +203,7 @@ fn l4_header(ctx: &impl Ctx, mut next: u8) -> Result<Found, Verdict> {
     };
     for _ in 0..MAX_EXT_HEADERS {
         match next {
-            proto::TCP | proto::UDP | proto::ICMPV6 => {
+            proto::TCP | proto::UDP | proto::SCTP | proto::ICMPV6 => {
                 found.proto = next;
                 return Ok(found);
             }
@@ -227,7 +233,7 @@ fn l4_header(ctx: &impl Ctx, mut next: u8) -> Result<Found, Verdict> {
     }
     // Deeper than the walk goes: passed untouched (see the module doc).
     match next {
-        proto::TCP | proto::UDP => {
+        proto::TCP | proto::UDP | proto::SCTP => {
             found.proto = next;
             Ok(found)
         }

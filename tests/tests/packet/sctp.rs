@@ -4,8 +4,10 @@
 //! like UDP, rejected with a port unreachable without endpoints, and a
 //! port change the maps should never hold refused rather than half done.
 
+use std::net::{Ipv6Addr, SocketAddrV6};
+
 use proxy_common::sctp::chunk;
-use testbed::frame::SCTP_INIT_CHUNK;
+use testbed::frame::{Frame6, MAC_CLIENT, MAC_NODE, SCTP_INIT_CHUNK, check6};
 
 use super::*;
 
@@ -13,6 +15,15 @@ use super::*;
 const SCTP_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 1, 32);
 /// One whose endpoints listen on another port.
 const REWRITE_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 1, 33);
+/// The same two over IPv6, with IPv6 endpoints and clients.
+const SCTP_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 1, 0x32);
+const REWRITE_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 1, 0x33);
+const BACKEND_IPS6: [Ipv6Addr; 3] = [
+    Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 1, 0xb),
+    Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 1, 0xc),
+    Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 1, 0xd),
+];
+const CLIENT_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 1, 5);
 /// The Diameter port, a common SCTP Service.
 const SCTP_PORT: u16 = 3868;
 /// The verification tag of an association under way.
@@ -195,5 +206,73 @@ fn sctp_of_other_services_and_short_headers_pass_untouched() {
         for case in &cases {
             run_case(&mut h, prog, case);
         }
+    }
+}
+
+fn sctp_service6(name: &str, ip: Ipv6Addr, endpoint_port: u16) -> ServicePort {
+    ServicePort {
+        name: name.into(),
+        protocol: Protocol::Sctp,
+        cluster_ip: ip.into(),
+        port: SCTP_PORT,
+        endpoints: BACKEND_IPS6
+            .iter()
+            .map(|ip| Endpoint::ready(*ip, endpoint_port))
+            .collect(),
+        ..ServicePort::default()
+    }
+}
+
+/// The same over IPv6: the IPv6 path parses SCTP's common header and
+/// rewrites the address only (no pseudo-header in the CRC32c, which
+/// `check6` checks), both ways, on every program; a port change the maps
+/// should never hold is dropped untouched.
+#[test]
+fn ipv6_sctp_on_the_services_port_is_translated_and_a_port_change_refused() {
+    if !require_root("ipv6_sctp_on_the_services_port_is_translated_and_a_port_change_refused") {
+        return;
+    }
+    let mut h = Harness::new(vec![NODE_IP]);
+    h.sync(&sctp_service6("default/diameter:sctp (IPv6)", SCTP_IP6, SCTP_PORT));
+    h.sync(&sctp_service6(
+        "default/rewrite:sctp (IPv6)",
+        REWRITE_IP6,
+        SCTP_PORT + 1,
+    ));
+    let v6 = |ip: Ipv6Addr, port| SocketAddrV6::new(ip, port, 0, 0);
+    let backends: Vec<SocketAddrV6> = BACKEND_IPS6.iter().map(|ip| v6(*ip, SCTP_PORT)).collect();
+    let svc = v6(SCTP_IP6, SCTP_PORT);
+    for prog in Prog::ALL {
+        let what = format!("IPv6 INIT via {}", prog.name());
+        let cli = v6(CLIENT_IP6, h.next_port());
+        let init = Frame6::sctp(cli, svc, 0, &SCTP_INIT_CHUNK);
+        let out = run_counted(&mut h, prog, &init.build(), Verdict::DnatNew, &what);
+        assert!(prog.dnat_code_ok(out.code), "{what}: code {}", out.code);
+        let backend = check6(&out.frame).unwrap_or_else(|e| panic!("{what}: {e}")).dst;
+        assert!(backends.contains(&backend), "{what}: {backend} is no backend");
+        let want = init.clone().with_dst(backend).build();
+        assert!(out.frame == want, "{what}: differs at {}", diff(&want, &out.frame));
+
+        let what = format!("IPv6 INIT ACK via {}", Prog::TcIngress.name());
+        let init_ack = Frame6 {
+            eth_src: MAC_NODE,
+            eth_dst: MAC_CLIENT,
+            ..Frame6::sctp(backend, cli, VTAG, &INIT_ACK_CHUNK)
+        };
+        let out = run_counted(&mut h, Prog::TcIngress, &init_ack.build(), Verdict::RevNat, &what);
+        assert_eq!(out.code, Prog::TcIngress.pass(), "{what}");
+        check6(&out.frame).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let want = init_ack.clone().with_src(svc).build();
+        assert!(out.frame == want, "{what}: differs at {}", diff(&want, &out.frame));
+
+        let what = format!("IPv6 INIT to 3868 -> 3869 via {}", prog.name());
+        let init = Frame6::sctp(
+            v6(CLIENT_IP6, h.next_port()),
+            v6(REWRITE_IP6, SCTP_PORT),
+            0,
+            &SCTP_INIT_CHUNK,
+        );
+        let out = run_counted(&mut h, prog, &init.build(), Verdict::Error, &what);
+        assert_eq!(out.code, prog.drop(), "{what}");
     }
 }

@@ -5,7 +5,7 @@
 //! wrong: a flow that cannot be served as asked is refused or balanced at
 //! random, never sent somewhere it must not go.
 
-use crate::model::{IpFamily, Protocol, ServicePort};
+use crate::model::{IpFamily, ServicePort};
 
 /// `(field, how)` for each IPv6 feature `port` asks for that the programs
 /// leave out; empty for an IPv4 port.
@@ -14,12 +14,6 @@ pub fn unhonoured(port: &ServicePort) -> Vec<(&'static str, &'static str)> {
         return Vec::new();
     }
     let mut out = Vec::new();
-    if port.protocol == Protocol::Sctp {
-        out.push((
-            "spec.ports[].protocol",
-            "SCTP over IPv6 is not translated by the ebpf programs yet: the port is not served",
-        ));
-    }
     let external = port.node_port.is_some() || !port.external_addresses().is_empty();
     if external {
         out.push((
@@ -36,7 +30,7 @@ mod tests {
     use std::{net::Ipv6Addr, time::Duration};
 
     use super::*;
-    use crate::model::{Endpoint, LbAlgorithm, SourceRange, TrafficPolicy};
+    use crate::model::{Endpoint, LbAlgorithm, Protocol, SourceRange, TrafficPolicy};
 
     fn port6() -> ServicePort {
         ServicePort {
@@ -77,11 +71,13 @@ mod tests {
             ..port6()
         };
         assert_eq!(fields(&port), ["spec.ports[].nodePort"]);
+        // As IPv4's: by the programs, or reported by the mode (its SCTP
+        // fallback).
         let sctp = ServicePort {
             protocol: Protocol::Sctp,
             ..port6()
         };
-        assert_eq!(fields(&sctp), ["spec.ports[].protocol"]);
+        assert!(fields(&sctp).is_empty());
         // Without endpoints it is rejected as an IPv4 port is: nothing left out.
         let empty = ServicePort {
             endpoints: Vec::new(),

@@ -527,9 +527,7 @@ impl EbpfMode {
             for (field, how) in ipv6_limits::unhonoured(port) {
                 self.unhonoured.report(port, field, how);
             }
-            if port.family() == IpFamily::V6 && port.protocol == Protocol::Sctp {
-                // Said by `ipv6_limits`.
-            } else if !programs_translate(port) && !sctp_fallback::serves(port) {
+            if !programs_translate(port) && !sctp_fallback::serves(port) {
                 self.unhonoured
                     .report(port, "spec.ports[].protocol", sctp_fallback::NOT_SERVED_IPV6);
             } else if !programs_translate(port) && sctp_fallback::leaves_out(port) {
@@ -540,15 +538,15 @@ impl EbpfMode {
     }
 }
 
-/// Whether the programs translate `port`: every TCP and UDP port; an IPv4
-/// SCTP port only where no frontend's port changes on the way to an
-/// endpoint (no node port, every endpoint on the Service's port), since
-/// SCTP's CRC32c covers the ports but not the addresses (see proxy-ebpf's
-/// `nat`). The others are the kernel's ([`sctp_fallback`]), or, for IPv6
-/// SCTP (which the programs' IPv6 path does not parse), nobody's yet.
+/// Whether the programs translate `port`: every TCP and UDP port; an SCTP
+/// port of either family only where no frontend's port changes on the way
+/// to an endpoint (no node port, every endpoint on the Service's port),
+/// since SCTP's CRC32c covers the ports but not the addresses (see
+/// proxy-ebpf's `nat`). The others are the kernel's ([`sctp_fallback`]),
+/// or, for IPv6 (the fallback table is IPv4's), nobody's yet.
 fn programs_translate(port: &ServicePort) -> bool {
     let same_port = port.node_port.is_none() && port.endpoints.iter().all(|e| e.port == port.port);
-    port.protocol != Protocol::Sctp || (port.family() == IpFamily::V4 && same_port)
+    port.protocol != Protocol::Sctp || same_port
 }
 
 /// The IPv4 ones of `ips` (the SCTP fallback's table is IPv4's).

@@ -473,7 +473,7 @@ fn a_node_port_among_the_masquerade_ports_is_named() {
 }
 
 /// SCTP is translated only where no port changes (its CRC32c covers the
-/// ports), and over IPv4 only; TCP and UDP always.
+/// ports), in either family; TCP and UDP always.
 #[test]
 fn sctp_ports_are_translated_only_where_the_port_stays() {
     use crate::model::Protocol;
@@ -488,7 +488,10 @@ fn sctp_ports_are_translated_only_where_the_port_stays() {
         cluster_ip: "fd00:96::1".parse::<std::net::IpAddr>().expect("ip"),
         ..same.clone()
     };
-    assert!(!super::programs_translate(&ipv6), "the IPv6 path parses no SCTP");
+    assert!(
+        super::programs_translate(&ipv6),
+        "the IPv6 path rewrites the address as IPv4's"
+    );
     let empty = ServicePort {
         endpoints: vec![],
         ..same.clone()
