@@ -459,7 +459,7 @@ impl Server {
         )
     }
 
-    /// An SCTP server on `0.0.0.0:port` in `ns` (a one-to-one style
+    /// An SCTP server on `local` in `ns` (a one-to-one style
     /// socket, which accepts and writes as a TCP one does). The server
     /// speaks first: for every association it writes `reply` and a newline
     /// and shuts down, without waiting for a request. Why: Linux 6.1 now
