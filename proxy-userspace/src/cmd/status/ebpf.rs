@@ -2,9 +2,10 @@
 //! backends the programs use, the flows their own conntrack tracks per
 //! backend, and the flags of each frontend (affinity, source ranges).
 //! The snapshot carries both families (`XP_SERVICES` and `XP_SERVICES6`):
-//! every row is listed; an IPv6 frontend's flows are `XP_CT6`'s.
+//! every row is listed, with its flows from its family's conntrack table
+//! (`XP_CT` or `XP_CT6`).
 
-use std::{collections::HashMap, path::Path};
+use std::path::Path;
 
 use anyhow::Result;
 use proxy_common::service::{FLAG_AFFINITY_CLIENT_IP, FLAG_SOURCE_RANGES};
@@ -12,10 +13,7 @@ use proxy_common::service::{FLAG_AFFINITY_CLIENT_IP, FLAG_SOURCE_RANGES};
 use super::table::{Backend, Frontend, Kind, Table};
 use crate::{
     dump::{self, FrontendRow, Snapshot},
-    mode::ebpf::{
-        ServiceMaps,
-        conntrack::{Flow6, ipv6_flow_counts, read_conntrack_counts},
-    },
+    mode::ebpf::{ServiceMaps, conntrack::read_conntrack_counts},
     model::Protocol,
 };
 
@@ -29,26 +27,11 @@ pub fn read_back(pin_path: &Path) -> Result<(Table, String)> {
     let maps = ServiceMaps::open(pin_path, Vec::new())?;
     let mut snapshot = maps.snapshot()?;
     snapshot.table = read_conntrack_counts(pin_path)?;
-    let mut table = table_of(&snapshot, |row| {
+    let table = table_of(&snapshot, |row| {
         maps.frontend(row.addr, row.port, row.proto)
             .map(|v| (v.flags, v.affinity_timeout_s))
     });
-    count_ipv6_flows(&mut table, &ipv6_flow_counts(pin_path)?);
     Ok((table, dump::render_totals(&snapshot)))
-}
-
-/// Sets the flows of every IPv6 frontend's backends from `XP_CT6`'s
-/// `counts` (the snapshot's are `XP_CT`'s, IPv4 only).
-fn count_ipv6_flows(table: &mut Table, counts: &HashMap<Flow6, u64>) {
-    for frontend in table.frontends.iter_mut().filter(|f| f.addr.is_ipv6()) {
-        let key = (frontend.addr, frontend.port);
-        for backend in &mut frontend.backends {
-            if let Some(addr) = backend.addr {
-                let flows = counts.get(&(key, frontend.proto.number(), addr));
-                backend.flows = Some(flows.copied().unwrap_or(0));
-            }
-        }
-    }
 }
 
 /// The table of a snapshot; `flags_of` gives a frontend's flags and
@@ -131,7 +114,7 @@ mod tests {
                     "fd00:96::88",
                     88,
                     false,
-                    &[(Some("fd00:10:244::11"), 0), (Some("fd00:10:244::12"), 0), (None, 0)],
+                    &[(Some("fd00:10:244::11"), 1), (Some("fd00:10:244::12"), 3), (None, 0)],
                 ),
                 row("fd00:30::2", 30791, true, &[(Some("fd00:10:244::11"), 0)]),
             ],
@@ -142,21 +125,9 @@ mod tests {
             verdicts: Vec::new(),
         };
         // Affinity on the IPv4 ClusterIP only (the IPv6 path has none).
-        let mut table = table_of(&snapshot, |row| {
+        let table = table_of(&snapshot, |row| {
             row.addr.is_ipv4().then_some((FLAG_AFFINITY_CLIENT_IP, 10800))
         });
-        // XP_CT6's flows replace the snapshot's (XP_CT's, none for IPv6);
-        // the IPv4 frontend keeps its own.
-        let cluster6 = (ip("fd00:96::88"), 88);
-        count_ipv6_flows(
-            &mut table,
-            &HashMap::from([
-                ((cluster6, TCP, (ip("fd00:10:244::11"), 80)), 1),
-                ((cluster6, TCP, (ip("fd00:10:244::12"), 80)), 3),
-                ((cluster6, proxy_common::proto::UDP, (ip("fd00:10:244::11"), 80)), 5),
-                (((ip("10.96.0.88"), 88), TCP, (ip("10.244.0.11"), 80)), 7),
-            ]),
-        );
         let expected = "\
 Prot LocalAddress:Port Kind
   -> RemoteAddress:Port           Flows

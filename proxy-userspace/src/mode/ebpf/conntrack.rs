@@ -12,7 +12,7 @@
 //! takes an idle long-lived connection's backend with it) stays the last
 //! resort.
 
-use std::{collections::HashMap as StdHashMap, hash::Hash, net::IpAddr, path::Path, time::Duration};
+use std::{collections::HashMap as StdHashMap, hash::Hash, path::Path, time::Duration};
 
 use anyhow::{Context, Result};
 use aya::maps::{HashMap, MapData, MapError, PerCpuArray, PerCpuValues};
@@ -104,26 +104,6 @@ pub fn now_ns() -> u64 {
     // SAFETY: a valid clock id and a pointer to a timespec we own.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
     (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
-}
-
-/// An IPv6 flow as `xproxy status` counts it: its frontend `(address,
-/// port)`, protocol and backend `(address, port)`.
-pub type Flow6 = ((IpAddr, u16), u8, (IpAddr, u16));
-
-/// The tracked IPv6 flows of the `XP_CT6` pinned under `pin_path`, by
-/// their forward entries (the snapshot counts `XP_CT`'s); none where an
-/// older agent pinned no `XP_CT6`.
-pub fn ipv6_flow_counts(pin_path: &Path) -> Result<StdHashMap<Flow6, u64>> {
-    let mut counts = StdHashMap::new();
-    if !pin_path.join(maps::CONNTRACK6).exists() {
-        return Ok(counts);
-    }
-    let conntrack: HashMap<MapData, CtKey6, CtValue6> = open(pin_path, maps::CONNTRACK6)?;
-    for (key, value) in read_entries(&conntrack, |_, value| !value.is_reply())? {
-        let (frontend, backend, proto) = super::stale_flows::ends6(&key, &value);
-        *counts.entry((frontend, proto, backend)).or_default() += 1;
-    }
-    Ok(counts)
 }
 
 /// The entries of a conntrack map (`XP_CT` or `XP_CT6`) that `keep`
