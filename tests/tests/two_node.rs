@@ -46,7 +46,9 @@
 //!    from a-client through the ClusterIP come back from b-1's echo server
 //!    intact, and a datagram to a Service whose b-1 port is closed ends as
 //!    ECONNREFUSED at the client: the port unreachable crossed node-a's
-//!    translation back.
+//!    translation back. The same over IPv6 (both Services are dual-stack):
+//!    through node-a's IPv6 NodePort and the IPv6 ClusterIPs, fragment
+//!    headers and ICMPv6 errors crossing node-a.
 //! 8. IPv6 ([`check_ipv6`]): `spread` is dual-stack (an IPv6 ClusterIP and
 //!    an IPv6 EndpointSlice of the same four pods): the client through
 //!    either node's IPv6 NodePort, and a-client and b-2 through the IPv6
@@ -159,6 +161,10 @@ const REFUSING_NODE_PORT: u16 = 30889;
 const CLOSED_PORT: u16 = 9999;
 /// `spread`'s IPv6 ClusterIP (it is dual-stack: [`check_ipv6`]).
 const SPREAD_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 1, 0x80);
+/// `echo-b`'s and `refusing-b`'s IPv6 ClusterIPs (both dual-stack:
+/// [`check_remote_datagrams`]).
+const ECHO_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 1, 0x88);
+const REFUSING_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 1, 0x89);
 /// Datagram sizes: 3 and 41 fragments at MTU 1,500.
 const DATAGRAM_SIZES: [usize; 2] = [4000, 60_000];
 
@@ -217,6 +223,8 @@ fn objects(topo: &TwoNodes) -> Result<Vec<Value>> {
         match svc["metadata"]["name"].as_str() {
             Some(n) if n.starts_with("itp") => svc["spec"]["internalTrafficPolicy"] = serde_json::json!("Local"),
             Some("spread") => *svc = dual_stack(svc.take(), SPREAD_IP6),
+            Some("echo-b") => *svc = dual_stack(svc.take(), ECHO_IP6),
+            Some("refusing-b") => *svc = dual_stack(svc.take(), REFUSING_IP6),
             _ => {}
         }
     }
@@ -226,6 +234,14 @@ fn objects(topo: &TwoNodes) -> Result<Vec<Value>> {
         &spread,
         &endpoints6_of(topo, &BACKENDS)?,
     ));
+    for (name, ports) in [("echo-b", &echo), ("refusing-b", &refusing)] {
+        out.push(slice6_with(
+            &format!("{name}-6"),
+            name,
+            ports,
+            &endpoints6_of(topo, &["b-1"])?,
+        ));
+    }
     Ok(out)
 }
 
@@ -756,25 +772,39 @@ fn check_ipv6(bed: &TwoNodeBed, checks: &mut Checks) {
 }
 
 /// Step 7: fragmented datagrams and ICMP errors to a backend on the other
-/// node, through node-a's NodePort (masqueraded) and the ClusterIP.
+/// node, through node-a's NodePort (masqueraded) and the ClusterIP, over
+/// both families.
 fn check_remote_datagrams(bed: &TwoNodeBed, checks: &mut Checks) -> Result<()> {
     let topo = &bed.topo;
     let (_, b1) = topo.find_pod("b-1").context("no pod b-1")?;
     let _echo = netns::Server::udp_echo(&b1.ns, ECHO_PORT)?;
     let (_, client_pod) = topo.find_pod("a-client").context("no pod a-client")?;
     let node_a = topo.node_a();
-    let paths = [
+    let v6 = |ip: Ipv6Addr, port| SocketAddr::new(ip.into(), port);
+    let paths: [(&str, &Netns, SocketAddr, SocketAddr); 4] = [
         (
             "client -> node-a's NodePort",
             &topo.client,
-            node_port(node_a, ECHO_NODE_PORT),
-            node_port(node_a, REFUSING_NODE_PORT),
+            node_port(node_a, ECHO_NODE_PORT).into(),
+            node_port(node_a, REFUSING_NODE_PORT).into(),
         ),
         (
             "a-client -> ClusterIP",
             &client_pod.ns,
-            addr(ECHO_IP, ECHO_SERVICE_PORT),
-            addr(REFUSING_IP, REFUSING_PORT),
+            addr(ECHO_IP, ECHO_SERVICE_PORT).into(),
+            addr(REFUSING_IP, REFUSING_PORT).into(),
+        ),
+        (
+            "client -> node-a's IPv6 NodePort",
+            &topo.client,
+            v6(node_a.ip6(), ECHO_NODE_PORT),
+            v6(node_a.ip6(), REFUSING_NODE_PORT),
+        ),
+        (
+            "a-client -> IPv6 ClusterIP",
+            &client_pod.ns,
+            v6(ECHO_IP6, ECHO_SERVICE_PORT),
+            v6(REFUSING_IP6, REFUSING_PORT),
         ),
     ];
     for (path, from, echo, refusing) in paths {
@@ -794,7 +824,7 @@ fn check_remote_datagrams(bed: &TwoNodeBed, checks: &mut Checks) -> Result<()> {
 
 /// Five `len`-byte datagrams from `from` to the echo servers behind `to`,
 /// each echoed intact (the first may wait for b-1's server to bind).
-fn echoed(from: &Netns, to: SocketAddrV4, len: usize) -> Result<String> {
+fn echoed(from: &Netns, to: SocketAddr, len: usize) -> Result<String> {
     netns::wait_for(&format!("a {len}-byte echo via {to}"), READY_WITHIN, || {
         from.run_in(|| netns::udp_echo_roundtrip(to, len, REQUEST_TIMEOUT))
             .map_err(|e| format!("{e:#}"))?
@@ -809,7 +839,7 @@ fn echoed(from: &Netns, to: SocketAddrV4, len: usize) -> Result<String> {
 
 /// Three datagrams from `from` to `to`, whose backend does not listen:
 /// each must end as ECONNREFUSED (the port unreachable translated back).
-fn refused(from: &Netns, to: SocketAddrV4) -> Result<String> {
+fn refused(from: &Netns, to: SocketAddr) -> Result<String> {
     for n in 1..=3 {
         match from.udp_request(to, REQUEST_TIMEOUT)? {
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
