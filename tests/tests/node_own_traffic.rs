@@ -302,13 +302,23 @@ fn check_lifecycle(bed: &mut AgentBed, checks: &mut Checks) -> Result<()> {
                 Ok(format!("{names:?}"))
             }),
     );
+    check_cleanup(bed, checks, &[node_port.into()])
+}
+
+/// The agent stopped and `xproxy cleanup` run: the node's node ports at
+/// `node_ports` are refused again (the socket programs are detached) and
+/// no pin is left.
+fn check_cleanup(bed: &mut AgentBed, checks: &mut Checks, node_ports: &[SocketAddr]) -> Result<()> {
     bed.stop_agent(libc::SIGTERM)?;
     let output = bed.cleanup()?;
     eprintln!("xproxy cleanup:\n{output}");
-    for protocol in PROTOCOLS {
+    for (protocol, node_port) in PROTOCOLS
+        .into_iter()
+        .flat_map(|p| node_ports.iter().map(move |a| (p, *a)))
+    {
         checks.check(
             &format!(
-                "{} after xproxy cleanup the node's node port is refused again",
+                "{} after xproxy cleanup the node's {node_port} is refused again",
                 proto_name(protocol)
             ),
             expect_outcome(&bed.topo.node, protocol, node_port, &Outcome::Refused),
@@ -549,7 +559,8 @@ fn node_reaches_its_ipv6_node_ports_and_external_ips_in_ebpf_mode() {
             check_from_node6(&bed.topo.node, checks);
             check_untouched_from_node6(&bed.topo.node, checks);
             check_maps6(bed, checks);
-            check_other_namespace6(checks)
+            check_other_namespace6(checks)?;
+            check_cleanup(bed, checks, &[node_port6(), node_port_mapped()])
         },
     );
 }
