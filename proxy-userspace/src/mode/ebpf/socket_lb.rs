@@ -227,6 +227,7 @@ fn netns_cookie() -> Result<u64> {
 pub fn node_port_addresses(opts: &SocketLbOptions, local: &[Ipv4Addr]) -> BTreeSet<Ipv4Addr> {
     let local: Vec<IpAddr> = local.iter().copied().map(IpAddr::V4).collect();
     of_family(&opts.scope, opts.localhost, &local)
+        .into_iter()
         .filter_map(ipv4)
         .collect()
 }
@@ -242,31 +243,28 @@ pub fn node_port_addresses6(opts: &SocketLbOptions, local: &[Ipv6Addr]) -> BTree
         .copied()
         .map(IpAddr::V6)
         .collect();
-    of_family(&opts.scope6, false, &local).filter_map(ipv6).collect()
+    of_family(&opts.scope6, false, &local)
+        .into_iter()
+        .filter_map(ipv6)
+        .collect()
 }
 
 /// The addresses of `local` (of one family) that `scope` takes; loopback
 /// ones only if `localhost` allows them.
-fn of_family<'a>(
-    scope: &'a FamilyNodePorts,
-    localhost: bool,
-    local: &'a [IpAddr],
-) -> Box<dyn Iterator<Item = IpAddr> + 'a> {
-    let loopback_ok = move |ip: &IpAddr| !ip.is_loopback() || localhost;
+fn of_family(scope: &FamilyNodePorts, localhost: bool, local: &[IpAddr]) -> Vec<IpAddr> {
+    let loopback_ok = |ip: &IpAddr| !ip.is_loopback() || localhost;
     match scope {
-        FamilyNodePorts::AllLocal { localhost: all } => Box::new(
-            local
-                .iter()
-                .copied()
-                .filter(move |ip| !ip.is_loopback() || (*all && localhost)),
-        ),
-        FamilyNodePorts::NodeIps(ips) => Box::new(ips.iter().copied()),
-        FamilyNodePorts::Cidrs(cidrs) => Box::new(
-            local
-                .iter()
-                .copied()
-                .filter(move |ip| loopback_ok(ip) && cidrs.iter().any(|c| c.contains(*ip))),
-        ),
+        FamilyNodePorts::AllLocal { localhost: all } => local
+            .iter()
+            .copied()
+            .filter(|ip| !ip.is_loopback() || (*all && localhost))
+            .collect(),
+        FamilyNodePorts::NodeIps(ips) => ips.clone(),
+        FamilyNodePorts::Cidrs(cidrs) => local
+            .iter()
+            .copied()
+            .filter(|ip| loopback_ok(ip) && cidrs.iter().any(|c| c.contains(*ip)))
+            .collect(),
     }
 }
 
