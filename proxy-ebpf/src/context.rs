@@ -132,6 +132,23 @@ pub trait Ctx {
     /// both addresses through the pseudo-header). `old`'s address may be
     /// the packet's own, read before it is written.
     fn rewrite6(&self, l4: L4At, side: Side, old: (&Addr6, u16), new: (&Addr6, u16)) -> Result<(), ()>;
+    /// The IPv6 form of [`Ctx::rewrite_addr`], for a later fragment or an
+    /// SCTP packet: no checksum in the packet covers the address (IPv6
+    /// has no header checksum; a later fragment no L4 header; SCTP's
+    /// CRC32c no pseudo-header), only an skb's sum of the packet's bytes.
+    #[inline(always)]
+    fn rewrite_addr6(&self, side: Side, old: &Addr6, new: &Addr6) -> Result<(), ()>
+    where
+        Self: Sized,
+    {
+        let addr: *mut Addr6 = ptr_at_fresh(self, addr6_off(side)).ok_or(())?;
+        // Before the write: `old` may be the packet's own address.
+        let diff = csum::diff128(old, new);
+        // SAFETY: the address is inside the packet (ptr_at_fresh).
+        unsafe { *addr = *new };
+        self.packet_sum_moved(diff);
+        Ok(())
+    }
     /// Tells the skb that the packet's bytes now sum `diff` more (a
     /// [`csum::diff128`]), for a rewrite no checksum field balances (an
     /// IPv6 later fragment's address): a CHECKSUM_COMPLETE skb's `csum`

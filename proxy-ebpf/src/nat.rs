@@ -27,14 +27,31 @@ pub fn rev_nat(ctx: &impl Ctx, flow: &Flow, frontend: (u32, u16)) -> Result<(), 
 /// One end of the packet from `old` to `new`, as its protocol allows.
 #[inline(always)]
 fn rewrite(ctx: &impl Ctx, flow: &Flow, side: Side, old: (u32, u16), new: (u32, u16)) -> Result<(), ()> {
-    if flow.is_later_fragment() {
-        return ctx.rewrite_addr(side, old.0, new.0);
+    match what_changes(flow.proto, flow.is_later_fragment(), old.1, new.1)? {
+        Change::Address => ctx.rewrite_addr(side, old.0, new.0),
+        Change::AddressAndPort => ctx.rewrite(flow.proto, side, old, new),
     }
-    if flow.proto == proto::SCTP {
-        if old.1 != new.1 {
-            return Err(());
-        }
-        return ctx.rewrite_addr(side, old.0, new.0);
+}
+
+/// What a rewrite of one end may change, for both families.
+pub enum Change {
+    /// The address alone: a later fragment has no L4 header, and SCTP's
+    /// CRC32c covers no address.
+    Address,
+    /// The address, the port and the L4 checksum.
+    AddressAndPort,
+}
+
+/// What a rewrite of one end from port `old_port` to `new_port` changes
+/// in a packet of `proto`; `Err` for an SCTP port change (see the module
+/// doc).
+#[inline(always)]
+pub fn what_changes(proto: u8, later_fragment: bool, old_port: u16, new_port: u16) -> Result<Change, ()> {
+    if proto == proto::SCTP && old_port != new_port {
+        return Err(());
     }
-    ctx.rewrite(flow.proto, side, old, new)
+    if later_fragment || proto == proto::SCTP {
+        return Ok(Change::Address);
+    }
+    Ok(Change::AddressAndPort)
 }

@@ -730,7 +730,8 @@ impl AgentBed {
 
     /// Waits until `addr` answers a TCP request from the client with a
     /// backend's name (e.g. a freshly started agent programmed the seed).
-    pub fn wait_answering(&mut self, addr: SocketAddrV4, timeout: Duration) -> Result<Duration> {
+    pub fn wait_answering(&mut self, addr: impl Into<SocketAddr>, timeout: Duration) -> Result<Duration> {
+        let addr = addr.into();
         let started = Instant::now();
         netns::wait_for(&format!("{addr} to answer from the client"), timeout, || {
             self.agent_alive()?;

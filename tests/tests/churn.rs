@@ -13,25 +13,29 @@
 //!
 //! Each mode runs on a bed of its own (ebpf, iptables, nftables), with
 //! `minSyncPeriod: 100ms` so that a change is programmed well within the
-//! second the check allows. The kernel modes' conntrack gives a SYN in
+//! second the check allows, once over IPv4 and once over IPv6 (`churn6_*`:
+//! the Service is dual-stack, the client connects to the node's IPv6
+//! NodePort; the ebpf mode's flows are in `XP_CT6`). The kernel modes' conntrack gives a SYN in
 //! TIME_WAIT a new connection and a new NAT decision; the ebpf mode's does
 //! the same (`proxy_common::conntrack`).
 
 use std::{
-    net::Ipv4Addr,
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
     time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result, ensure};
 use testbed::{
     agent_bed::{AgentBed, READY_WITHIN, seed_node_port},
-    fixtures::{service, slice, yaml_documents},
+    fixtures::{NODE_NAME, PortDef, dual_stack, service, slice, slice6_with, yaml_documents},
     privileged::require_root,
-    topology::BACKENDS,
+    probe::Protocol,
+    topology::{BACKENDS, NODE_IP6, pod_ipv6},
 };
 
 const SEED_FILE: &str = "seed.yaml";
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 88);
+const CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x88);
 const NODE_PORT: u16 = 30791;
 const CHURN: Duration = Duration::from_secs(10);
 const CHANGE_EVERY: Duration = Duration::from_millis(50);
@@ -65,11 +69,44 @@ struct Answer {
     pod: String,
 }
 
-fn manifest(pods: &[usize]) -> String {
+/// Which family the load connects over.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    /// The NodePort the load connects to.
+    fn node_port(self) -> SocketAddr {
+        match self {
+            Family::V4 => seed_node_port().into(),
+            Family::V6 => SocketAddr::new(NODE_IP6.into(), NODE_PORT),
+        }
+    }
+}
+
+/// The Service with `pods` as its endpoints: IPv4 only, or dual-stack with
+/// an IPv6 slice of the same pods.
+fn manifest(family: Family, pods: &[usize]) -> String {
     let ips: Vec<Ipv4Addr> = pods.iter().map(|i| BACKENDS[*i].1).collect();
+    let service = service("nginx-service", CLUSTER_IP, 88, 80, Some(NODE_PORT));
+    let slice = slice("nginx-service-1", "nginx-service", 80, &ips);
+    if family == Family::V4 {
+        return yaml_documents(&[service, slice]);
+    }
+    let ports = [PortDef {
+        name: None,
+        protocol: Protocol::Tcp,
+        port: 88,
+        target_port: 80,
+        node_port: Some(NODE_PORT),
+    }];
+    let endpoints6: Vec<(Ipv6Addr, &str)> = ips.iter().map(|ip| (pod_ipv6(*ip), NODE_NAME)).collect();
     yaml_documents(&[
-        service("nginx-service", CLUSTER_IP, 88, 80, Some(NODE_PORT)),
-        slice("nginx-service-1", "nginx-service", 80, &ips),
+        dual_stack(service, CLUSTER_IP6),
+        slice,
+        slice6_with("nginx-service-v6-1", "nginx-service", &ports, &endpoints6),
     ])
 }
 
@@ -81,24 +118,28 @@ fn config(bed: &AgentBed) -> Result<Vec<String>> {
     Ok(vec!["--config".into(), path.display().to_string()])
 }
 
-fn churn(mode: &str) {
-    let label = format!("churn_{mode}");
-    if !require_root(&label) {
+fn churn(label: &str, mode: &str, family: Family) {
+    if !require_root(label) {
         return;
     }
-    let mut bed = AgentBed::new(&label).unwrap_or_else(|e| panic!("{label}: test bed: {e:#}"));
-    if let Err(e) = run(&mut bed, mode) {
+    let mut bed = AgentBed::new(label).unwrap_or_else(|e| panic!("{label}: test bed: {e:#}"));
+    if let Err(e) = run(&mut bed, label, mode, family) {
         panic!("{label}: {e:#}\nagent log:\n{}", bed.log());
     }
 }
 
-fn run(bed: &mut AgentBed, mode: &str) -> Result<()> {
-    bed.write_manifest(SEED_FILE, &manifest(&[0, 1, 2]))?;
+fn run(bed: &mut AgentBed, label: &str, mode: &str, family: Family) -> Result<()> {
+    bed.write_manifest(SEED_FILE, &manifest(family, &[0, 1, 2]))?;
     let mut args = bed.manifest_args();
     args.extend(config(bed)?);
+    if family == Family::V6 {
+        // Beside the IPv4 one the bed passes.
+        args.extend(["--node-ip".to_owned(), NODE_IP6.to_string()]);
+    }
     bed.start_agent_in(mode, &args)?;
     bed.wait_first_sync(READY_WITHIN)?;
-    bed.wait_answering(seed_node_port(), READY_WITHIN)?;
+    let target = family.node_port();
+    bed.wait_answering(target, READY_WITHIN)?;
     let client = &bed.topo.client;
     // The client half-closes first, so its ports go through TIME_WAIT:
     // reusing them after a second (with timestamps) keeps the load going.
@@ -108,8 +149,8 @@ fn run(bed: &mut AgentBed, mode: &str) -> Result<()> {
     let (changes, answers) = std::thread::scope(|scope| -> Result<_> {
         // The seed's three pods are in place from before the first connection.
         let started = Instant::now();
-        let load = scope.spawn(|| client.run_in(|| connect_until(Instant::now() + CHURN)));
-        let changes = change_endpoints(bed, started, started + CHURN);
+        let load = scope.spawn(|| client.run_in(|| connect_until(target, Instant::now() + CHURN)));
+        let changes = change_endpoints(bed, family, started, started + CHURN);
         let answers = load.join().map_err(|_| anyhow::anyhow!("the load thread panicked"))??;
         Ok((changes?, answers))
     })?;
@@ -131,7 +172,7 @@ fn run(bed: &mut AgentBed, mode: &str) -> Result<()> {
         &late[..late.len().min(10)]
     );
     eprintln!(
-        "[churn_{mode}] {} connections, {} changes, none late",
+        "[{label}] {} connections, {} changes, none late",
         answers.len(),
         changes.len()
     );
@@ -139,7 +180,7 @@ fn run(bed: &mut AgentBed, mode: &str) -> Result<()> {
     // The final set alone, once the agent had a moment to program it.
     let last = changes.last().context("no change made")?;
     std::thread::sleep(GRACE);
-    let probes = client.run_in(|| connect_until_count(FINAL_PROBES))??;
+    let probes = client.run_in(|| connect_until_count(target, FINAL_PROBES))??;
     let strays: Vec<&String> = probes.iter().filter(|pod| !last.pods.contains(&pod.as_str())).collect();
     ensure!(
         strays.is_empty(),
@@ -151,7 +192,7 @@ fn run(bed: &mut AgentBed, mode: &str) -> Result<()> {
 
 /// Rewrites the EndpointSlice every [`CHANGE_EVERY`] until `until`; the
 /// first change in the list is the set in place since `started`.
-fn change_endpoints(bed: &AgentBed, started: Instant, until: Instant) -> Result<Vec<Change>> {
+fn change_endpoints(bed: &AgentBed, family: Family, started: Instant, until: Instant) -> Result<Vec<Change>> {
     let mut changes = vec![Change {
         at: started,
         pods: BACKENDS.iter().map(|(name, _)| *name).collect(),
@@ -164,7 +205,7 @@ fn change_endpoints(bed: &AgentBed, started: Instant, until: Instant) -> Result<
         }
         let phase = ((now - start).as_millis() / PHASE.as_millis()) as usize;
         let set = set_of(phase, i);
-        let at = bed.write_manifest(SEED_FILE, &manifest(&set))?;
+        let at = bed.write_manifest(SEED_FILE, &manifest(family, &set))?;
         changes.push(Change {
             at,
             pods: set.iter().map(|i| BACKENDS[*i].0).collect(),
@@ -184,39 +225,51 @@ fn allowed(changes: &[Change], answer: &Answer) -> bool {
     })
 }
 
-/// Connections to the NodePort, one after another, until `until`.
+/// Connections to `target`, one after another, until `until`.
 /// Failures (a connection that found no backend) are not answers.
-fn connect_until(until: Instant) -> Vec<Answer> {
+fn connect_until(target: SocketAddr, until: Instant) -> Vec<Answer> {
     let mut answers = Vec::new();
     while Instant::now() < until {
         let at = Instant::now();
-        if let Ok(pod) = testbed::netns::tcp_request(seed_node_port(), Duration::from_secs(1)) {
+        if let Ok(pod) = testbed::netns::tcp_request(target, Duration::from_secs(1)) {
             answers.push(Answer { at, pod });
         }
     }
     answers
 }
 
-fn connect_until_count(count: usize) -> Result<Vec<String>> {
+fn connect_until_count(target: SocketAddr, count: usize) -> Result<Vec<String>> {
     (0..count)
-        .map(|_| {
-            testbed::netns::tcp_request(seed_node_port(), Duration::from_secs(2))
-                .context("a connection after the churn")
-        })
+        .map(|_| testbed::netns::tcp_request(target, Duration::from_secs(2)).context("a connection after the churn"))
         .collect()
 }
 
 #[test]
 fn churn_ebpf() {
-    churn("ebpf");
+    churn("churn_ebpf", "ebpf", Family::V4);
+}
+
+#[test]
+fn churn6_ebpf() {
+    churn("churn6_ebpf", "ebpf", Family::V6);
 }
 
 #[test]
 fn churn_iptables() {
-    churn("iptables");
+    churn("churn_iptables", "iptables", Family::V4);
+}
+
+#[test]
+fn churn6_iptables() {
+    churn("churn6_iptables", "iptables", Family::V6);
 }
 
 #[test]
 fn churn_nftables() {
-    churn("nftables");
+    churn("churn_nftables", "nftables", Family::V4);
+}
+
+#[test]
+fn churn6_nftables() {
+    churn("churn6_nftables", "nftables", Family::V6);
 }

@@ -32,7 +32,9 @@
 //!   and port unreachable rows above over IPv6, from the client pod to
 //!   the dual-stack Services' IPv6 ClusterIPs and from the outside client
 //!   to the node's IPv6 NodePort (ebpf: `ipv6::fragments`,
-//!   `ipv6::icmp_error`).
+//!   `ipv6::icmp_error`); and path MTU discovery over IPv6 in every mode
+//!   (`pmtud6_*`: the routers' packet too big, ICMPv6, to the node's IPv6
+//!   address and the IPv6 ClusterIP, must reach the backend).
 //!
 //! The modes do not differ here: the kernel modes' conntrack reassembles
 //! fragments before NAT and translates ICMP errors of NATed flows; the ebpf
@@ -55,6 +57,7 @@ use testbed::{
     },
     netns::{self, Netns, Server},
     privileged::{require_ipvs, require_root},
+    probe::Protocol,
     topology::{NODE_IP, NODE_IP6},
 };
 
@@ -233,18 +236,18 @@ fn echoed_and_refused(path: &str, ns: &Netns, to: SocketAddr, refusing: SocketAd
 const ECHO_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x70);
 const REFUSING_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x71);
 
-/// A dual-stack UDP Service to `target_port` on every backend pod, and its
-/// slices of both families.
+/// A dual-stack Service of `protocol` to `target_port` on every backend
+/// pod, and its slices of both families.
 fn dual_stack_service_of(
+    protocol: Protocol,
     name: &str,
     (ip, ip6): (Ipv4Addr, Ipv6Addr),
-    port: u16,
-    target_port: u16,
+    (port, target_port): (u16, u16),
     node_port: u16,
 ) -> [Value; 3] {
     let ports = [PortDef {
         name: None,
-        protocol: testbed::probe::Protocol::Udp,
+        protocol,
         port,
         target_port,
         node_port: Some(node_port),
@@ -268,13 +271,19 @@ fn run6(bed: &mut AgentBed, mode: &str, extra: &[&str]) -> Result<()> {
         .iter()
         .map(|pod| Server::udp_echo(&pod.ns, ECHO_PORT))
         .collect::<Result<_>>()?;
-    let mut objects =
-        dual_stack_service_of("dgram", (ECHO_IP, ECHO_IP6), ECHO_PORT, ECHO_PORT, ECHO_NODE_PORT).to_vec();
+    let mut objects = dual_stack_service_of(
+        Protocol::Udp,
+        "dgram",
+        (ECHO_IP, ECHO_IP6),
+        (ECHO_PORT, ECHO_PORT),
+        ECHO_NODE_PORT,
+    )
+    .to_vec();
     objects.extend(dual_stack_service_of(
+        Protocol::Udp,
         "refusing",
         (REFUSING_IP, REFUSING_IP6),
-        REFUSING_PORT,
-        CLOSED_PORT,
+        (REFUSING_PORT, CLOSED_PORT),
         REFUSING_NODE_PORT,
     ));
     bed.write_manifest("traffic6.yaml", &yaml_documents(&objects))?;
@@ -333,16 +342,17 @@ const BULK_NODE_PORT: u16 = 30799;
 const BULK_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 72);
 const BULK_BYTES: u64 = 16 << 20;
 const NARROW_MTU: &str = "1400";
-/// The far client and its routers' networks.
-const FAR_IP: Ipv4Addr = Ipv4Addr::new(172, 29, 3, 2);
+const BULK_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x72);
 
 /// Two routers between the node and a far client, the link between them
-/// narrow. Dropped in reverse order of creation (namespaces go with their
+/// narrow, both families (IPv6's minimum MTU, 1,280, is below the hop's).
+/// Dropped in reverse order of creation (namespaces go with their
 /// links).
 struct FarClient {
     far: Netns,
     _r2: Netns,
-    _r1: Netns,
+    /// The router before the narrow hop: it sends the "too big" errors.
+    r1: Netns,
 }
 
 impl FarClient {
@@ -357,34 +367,58 @@ impl FarClient {
         }
         for ns in [&r1, &r2] {
             ns.sysctl("net.ipv4.ip_forward", "1")?;
+            ns.sysctl("net.ipv6.conf.all.forwarding", "1")?;
             testbed::topology::limit_no_icmp(ns)?;
         }
-        node.add_addr(&node_if, "172.29.1.2/24")?;
-        r1.add_addr("rw0", "172.29.1.1/24")?;
-        r1.add_addr("re0", "172.29.2.1/24")?;
-        r2.add_addr("rw0", "172.29.2.2/24")?;
-        r2.add_addr("re0", "172.29.3.1/24")?;
-        far.add_addr("eth0", &format!("{FAR_IP}/24"))?;
+        for (ns, dev, ipv4, ipv6) in [
+            (node, node_if.as_str(), "172.29.1.2/24", "fd00:29:1::2/64"),
+            (&r1, "rw0", "172.29.1.1/24", "fd00:29:1::1/64"),
+            (&r1, "re0", "172.29.2.1/24", "fd00:29:2::1/64"),
+            (&r2, "rw0", "172.29.2.2/24", "fd00:29:2::2/64"),
+            (&r2, "re0", "172.29.3.1/24", "fd00:29:3::1/64"),
+            (&far, "eth0", "172.29.3.2/24", "fd00:29:3::2/64"),
+        ] {
+            ns.add_addr(dev, ipv4)?;
+            ns.add_addr(dev, ipv6)?;
+        }
         node.add_route(&["172.29.3.0/24", "via", "172.29.1.1", "dev", &node_if])?;
-        r1.add_route(&["172.29.3.0/24", "via", "172.29.2.2"])?;
-        r1.add_route(&["default", "via", "172.29.1.2"])?;
-        r2.add_route(&["default", "via", "172.29.2.1"])?;
-        far.add_route(&["default", "via", "172.29.3.1"])?;
-        Ok(Self { far, _r2: r2, _r1: r1 })
+        node.add_route(&["fd00:29:3::/64", "via", "fd00:29:1::1", "dev", &node_if])?;
+        for (route, via) in [("172.29.3.0/24", "172.29.2.2"), ("fd00:29:3::/64", "fd00:29:2::2")] {
+            r1.add_route(&[route, "via", via])?;
+        }
+        for (ns, via) in [
+            (&r1, ["172.29.1.2", "fd00:29:1::2"]),
+            (&r2, ["172.29.2.1", "fd00:29:2::1"]),
+            (&far, ["172.29.3.1", "fd00:29:3::1"]),
+        ] {
+            for gateway in via {
+                ns.add_route(&["default", "via", gateway])?;
+            }
+        }
+        Ok(Self { far, _r2: r2, r1 })
     }
 }
 
-fn pmtud(label: &str, mode: &str) {
+/// Which family a path MTU test runs over.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Family {
+    V4,
+    /// The dual-stack Service's IPv6 ClusterIP and the node's IPv6
+    /// NodePort: the hop's packet too big (ICMPv6) must reach the backend.
+    V6,
+}
+
+fn pmtud(label: &str, mode: &str, family: Family) {
     if !available(label, mode) {
         return;
     }
     let mut bed = AgentBed::new(label).unwrap_or_else(|e| panic!("{label}: test bed: {e:#}"));
-    if let Err(e) = run_pmtud(&mut bed, mode) {
+    if let Err(e) = run_pmtud(&mut bed, mode, family) {
         panic!("{label}: {e:#}\nagent log:\n{}", bed.log());
     }
 }
 
-fn run_pmtud(bed: &mut AgentBed, mode: &str) -> Result<()> {
+fn run_pmtud(bed: &mut AgentBed, mode: &str, family: Family) -> Result<()> {
     let _servers: Vec<Server> = bed
         .topo
         .backends
@@ -392,20 +426,45 @@ fn run_pmtud(bed: &mut AgentBed, mode: &str) -> Result<()> {
         .map(|pod| bulk::server(&pod.ns, bulk::BULK_PORT, pod.name))
         .collect::<Result<_>>()?;
     let far = FarClient::build(&bed.topo.node)?;
-    let objects = service_of(
-        "TCP",
-        "bulk",
-        (BULK_IP, bulk::BULK_PORT, bulk::BULK_PORT),
-        BULK_NODE_PORT,
-        (Ipv4Addr::new(203, 0, 113, 72), Ipv4Addr::new(198, 51, 100, 72)),
-    );
+    let mut args = bed.manifest_args();
+    let (objects, paths): (Vec<Value>, [(&str, SocketAddr); 2]) = match family {
+        Family::V4 => (
+            service_of(
+                "TCP",
+                "bulk",
+                (BULK_IP, bulk::BULK_PORT, bulk::BULK_PORT),
+                BULK_NODE_PORT,
+                (Ipv4Addr::new(203, 0, 113, 72), Ipv4Addr::new(198, 51, 100, 72)),
+            )
+            .to_vec(),
+            [
+                ("NodePort", SocketAddrV4::new(NODE_IP, BULK_NODE_PORT).into()),
+                ("ClusterIP", SocketAddrV4::new(BULK_IP, bulk::BULK_PORT).into()),
+            ],
+        ),
+        Family::V6 => {
+            // Beside the IPv4 one the bed passes.
+            args.extend(["--node-ip".to_owned(), NODE_IP6.to_string()]);
+            let objects = dual_stack_service_of(
+                Protocol::Tcp,
+                "bulk",
+                (BULK_IP, BULK_IP6),
+                (bulk::BULK_PORT, bulk::BULK_PORT),
+                BULK_NODE_PORT,
+            );
+            (
+                objects.to_vec(),
+                [
+                    ("IPv6 NodePort", SocketAddr::new(NODE_IP6.into(), BULK_NODE_PORT)),
+                    ("IPv6 ClusterIP", SocketAddr::new(BULK_IP6.into(), bulk::BULK_PORT)),
+                ],
+            )
+        }
+    };
     bed.write_manifest("bulk.yaml", &yaml_documents(&objects))?;
-    bed.start_agent_in(mode, &bed.manifest_args())?;
+    bed.start_agent_in(mode, &args)?;
     bed.wait_first_sync(READY_WITHIN)?;
-    for (path, to) in [
-        ("NodePort", SocketAddrV4::new(NODE_IP, BULK_NODE_PORT)),
-        ("ClusterIP", SocketAddrV4::new(BULK_IP, bulk::BULK_PORT)),
-    ] {
+    for (path, to) in paths {
         // Fresh connections: each backend learns the path MTU once (three
         // pods, so the first downloads find them all still ignorant).
         for round in 0..4 {
@@ -416,27 +475,77 @@ fn run_pmtud(bed: &mut AgentBed, mode: &str) -> Result<()> {
             }
         }
     }
+    // Else the transfers proved nothing about the errors' translation.
+    let sent = too_big_sent(&far.r1, family)?;
+    ensure!(sent > 0, "the narrow hop's router sent no \"too big\" error");
     Ok(())
+}
+
+/// How many "too big" errors `router` sent: ICMPv6 packet too big, or (no
+/// finer IPv4 counter) ICMP destination unreachable, frag-needed among them.
+fn too_big_sent(router: &Netns, family: Family) -> Result<u64> {
+    let (file, counter) = match family {
+        Family::V4 => ("/proc/net/snmp", "OutDestUnreachs"),
+        Family::V6 => ("/proc/net/snmp6", "Icmp6OutPktTooBigs"),
+    };
+    // `cat` in the namespace: a thread's /proc/net is its process's.
+    let text = router.exec(&["cat", file])?;
+    snmp_counter(&text, counter).with_context(|| format!("no {counter} in {file}"))
+}
+
+/// `counter` from /proc/net/snmp6 (`name value` lines) or /proc/net/snmp
+/// (a line of names, then one of values, both led by `Icmp:`).
+fn snmp_counter(text: &str, counter: &str) -> Option<u64> {
+    let lines: Vec<Vec<&str>> = text.lines().map(|l| l.split_whitespace().collect()).collect();
+    if let Some(line) = lines.iter().find(|l| l.first() == Some(&counter)) {
+        return line.get(1)?.parse().ok();
+    }
+    let (names, values) = lines.windows(2).find_map(|pair| {
+        let named = pair[0].first() == Some(&"Icmp:") && pair[1].first() == Some(&"Icmp:");
+        named.then(|| (&pair[0], &pair[1]))
+    })?;
+    let at = names.iter().position(|name| *name == counter)?;
+    values.get(at)?.parse().ok()
 }
 
 #[test]
 fn pmtud_ebpf() {
-    pmtud("pmtud_ebpf", "ebpf");
+    pmtud("pmtud_ebpf", "ebpf", Family::V4);
+}
+
+#[test]
+fn pmtud6_ebpf() {
+    pmtud("pmtud6_ebpf", "ebpf", Family::V6);
 }
 
 #[test]
 fn pmtud_iptables() {
-    pmtud("pmtud_iptables", "iptables");
+    pmtud("pmtud_iptables", "iptables", Family::V4);
+}
+
+#[test]
+fn pmtud6_iptables() {
+    pmtud("pmtud6_iptables", "iptables", Family::V6);
 }
 
 #[test]
 fn pmtud_nftables() {
-    pmtud("pmtud_nftables", "nftables");
+    pmtud("pmtud_nftables", "nftables", Family::V4);
+}
+
+#[test]
+fn pmtud6_nftables() {
+    pmtud("pmtud6_nftables", "nftables", Family::V6);
 }
 
 #[test]
 fn pmtud_ipvs() {
-    pmtud("pmtud_ipvs", "ipvs");
+    pmtud("pmtud_ipvs", "ipvs", Family::V4);
+}
+
+#[test]
+fn pmtud6_ipvs() {
+    pmtud("pmtud6_ipvs", "ipvs", Family::V6);
 }
 
 #[test]

@@ -11,9 +11,6 @@ use proxy_common::{Frag6Key, FragPorts};
 
 use super::parse::Flow6;
 use crate::{
-    context::{Addr6, Ctx, ptr_at_fresh},
-    csum,
-    headers::{IP_OFF, Side, addr_in_ipv6},
     maps::{FRAGMENTS6, SCRATCH6},
     parse::Fragment,
 };
@@ -66,19 +63,4 @@ pub fn fill_ports(flow: &mut Flow6) -> bool {
     flow.sport_be = ports.sport_be;
     flow.dport_be = ports.dport_be;
     true
-}
-
-/// Rewrites the `side` address of a later fragment or of an SCTP packet
-/// from `old` to `new`: no checksum in the packet covers it (see the
-/// module doc; SCTP's CRC32c has no pseudo-header), only an skb's sum of
-/// the packet's bytes.
-#[inline(always)]
-pub fn rewrite_addr(ctx: &impl Ctx, side: Side, old: &Addr6, new: &Addr6) -> Result<(), ()> {
-    let addr: *mut Addr6 = ptr_at_fresh(ctx, IP_OFF + addr_in_ipv6(side)).ok_or(())?;
-    // Before the write: `old` may be the packet's own address.
-    let diff = csum::diff128(old, new);
-    // SAFETY: the address is inside the packet (ptr_at_fresh).
-    unsafe { *addr = *new };
-    ctx.packet_sum_moved(diff);
-    Ok(())
 }

@@ -23,7 +23,6 @@ mod reject;
 use proxy_common::{
     AffinityKey6, Backend6, Service6Key, ServiceValue, Verdict,
     maglev::flow_hash6,
-    proto,
     service::{FLAG_AFFINITY_CLIENT_IP, FLAG_SOURCE_RANGES},
 };
 
@@ -36,6 +35,7 @@ use crate::{
     context::{Addr6, Ctx, L4At},
     headers::Side,
     maps::{self, AFFINITY6, BACKENDS6, SERVICES6},
+    nat::{self, Change},
     parse::Fragment,
     pipeline::{self, Outcome, snat_wanted, translated},
     ports, select, service_port, source_range,
@@ -195,21 +195,19 @@ fn dnat(ctx: &impl Ctx, flow: &Flow6, backend: (&Addr6, u16)) -> Result<(), ()> 
     rewrite(ctx, flow, Side::Destination, (flow.daddr(), flow.dport_be), backend)
 }
 
-/// One end's address and port from `old` to `new`; the address alone in
-/// a later fragment, which has no L4 header, and in SCTP, whose CRC32c
-/// covers no address (a port change, which would need the CRC recomputed,
-/// is refused, as IPv4's: see `crate::nat`).
+/// One end's address and port from `old` to `new`, as the protocol
+/// allows (decided as IPv4's: see `crate::nat`).
 #[inline(always)]
 fn rewrite(ctx: &impl Ctx, flow: &Flow6, side: Side, old: (&Addr6, u16), new: (&Addr6, u16)) -> Result<(), ()> {
-    if flow.proto == proto::SCTP && old.1 != new.1 {
-        return Err(());
+    let later_fragment = flow.fragment == Fragment::Later;
+    match nat::what_changes(flow.proto, later_fragment, old.1, new.1)? {
+        Change::Address => ctx.rewrite_addr6(side, old.0, new.0),
+        Change::AddressAndPort => {
+            let l4 = L4At {
+                off: flow.l4_off,
+                proto: flow.proto,
+            };
+            ctx.rewrite6(l4, side, old, new)
+        }
     }
-    if flow.fragment == Fragment::Later || flow.proto == proto::SCTP {
-        return fragments::rewrite_addr(ctx, side, old.0, new.0);
-    }
-    let l4 = L4At {
-        off: flow.l4_off,
-        proto: flow.proto,
-    };
-    ctx.rewrite6(l4, side, old, new)
 }

@@ -101,7 +101,7 @@ pub use write_batch::{Split, SplitStaged, Step, Table};
 use super::{Dataplane, Plan, SyncedChange, options::local_node_port_ips, unhonoured::Unhonoured};
 use crate::{
     config::{Cidr, Config, XdpPolicy},
-    model::{IpFamily, LbAlgorithm, Problem, Protocol, ServicePort, ipv4, ipv6},
+    model::{IpFamily, LbAlgorithm, Problem, Protocol, ServicePort, ipv6},
 };
 
 /// Where the ebpf mode attaches and what it programs NodePorts on.
@@ -528,10 +528,7 @@ impl EbpfMode {
             if let Some(how) = node_port_among_snat_ports(port, &self.snat_ports) {
                 self.unhonoured.report(port, "nodePort", &how);
             }
-            if !programs_translate(port) && !sctp_fallback::serves(port) {
-                self.unhonoured
-                    .report(port, "spec.ports[].protocol", sctp_fallback::NOT_SERVED_IPV6);
-            } else if !programs_translate(port) && sctp_fallback::leaves_out(port) {
+            if !programs_translate(port) && sctp_fallback::leaves_out(port) {
                 self.unhonoured
                     .report(port, "spec.ports[].protocol", sctp_fallback::NOT_APPLIED);
             }
@@ -543,16 +540,10 @@ impl EbpfMode {
 /// port of either family only where no frontend's port changes on the way
 /// to an endpoint (no node port, every endpoint on the Service's port),
 /// since SCTP's CRC32c covers the ports but not the addresses (see
-/// proxy-ebpf's `nat`). The others are the kernel's ([`sctp_fallback`]),
-/// or, for IPv6 (the fallback table is IPv4's), nobody's yet.
+/// proxy-ebpf's `nat`). The others are the kernel's ([`sctp_fallback`]).
 fn programs_translate(port: &ServicePort) -> bool {
     let same_port = port.node_port.is_none() && port.endpoints.iter().all(|e| e.port == port.port);
     port.protocol != Protocol::Sctp || same_port
-}
-
-/// The IPv4 ones of `ips` (the SCTP fallback's table is IPv4's).
-fn ipv4_only(ips: &[IpAddr]) -> Vec<Ipv4Addr> {
-    ips.iter().filter_map(|ip| ipv4(*ip)).collect()
 }
 
 /// Why `port`'s node port is at risk, if it is among the ports flows to
@@ -603,7 +594,7 @@ impl Dataplane for EbpfMode {
         for port in &plan.upsert {
             self.sctp.set(&port.name, Some(port).filter(|p| !programs_translate(p)));
         }
-        self.sctp.sync(&ipv4_only(&self.node_port_ips))?;
+        self.sctp.sync(&self.node_port_ips)?;
         self.note_unhonoured(plan.upsert.iter());
         self.wait_for_pods();
         Ok(())
@@ -626,7 +617,7 @@ impl Dataplane for EbpfMode {
             Ok(())
         })?;
         self.sctp.replace(desired.values().filter(|p| !programs_translate(p)));
-        self.sctp.sync(&ipv4_only(&self.node_port_ips))?;
+        self.sctp.sync(&self.node_port_ips)?;
         self.note_unhonoured(desired.values());
         self.wait_for_pods();
         Ok(())

@@ -3,7 +3,8 @@
 //! port, a `targetPort` other than the port). SCTP's CRC32c covers the
 //! ports, and recomputing it over the whole packet is the kernel's NAT's
 //! job, not the programs': such ports are DNATed by a small nftables table
-//! of the ebpf mode's own, `ip xproxy-sctp`. The programs pass their
+//! of the ebpf mode's own, `inet xproxy-sctp` (one table for both families:
+//! each rule matches its port's family). The programs pass their
 //! packets untouched (no map holds them), both ways; the kernel's conntrack
 //! turns the replies back.
 //!
@@ -12,7 +13,7 @@
 //! to a random usable endpoint. Traffic to the node port, external and
 //! load balancer IPs, hairpin traffic and (with `masqueradeAll`) all of it
 //! gets the SNAT mark, which the ebpf mode's `XPROXY-SNAT` rules
-//! masquerade. Not applied here, and reported: the `Local` traffic
+//! and `ip6tables` twin masquerade. Not applied here, and reported: the `Local` traffic
 //! policies, ClientIP affinity, `loadBalancerSourceRanges`, topology; a
 //! port without endpoints is left out (not rejected).
 //!
@@ -20,21 +21,24 @@
 //! whole (one `nft -f -` transaction) when it changes, and never touched on
 //! a node that has none.
 
-use std::{collections::BTreeMap, fmt::Write as _, net::Ipv4Addr};
+use std::{collections::BTreeMap, fmt::Write as _, net::IpAddr};
 
 use anyhow::{Context, Result};
 use tracing::{debug, info};
 
 use crate::{
-    model::{IpFamily, ServicePort, usable_endpoints},
+    model::{ServicePort, usable_endpoints},
     sys::nft::{self, Nft},
 };
 
-pub const FAMILY: &str = "ip";
+pub const FAMILY: &str = "inet";
 pub const TABLE: &str = "xproxy-sctp";
+/// The family of the table before it served IPv6 too: an agent of that
+/// time leaves `ip xproxy-sctp`, which would DNAT beside the new table.
+const EARLIER_FAMILY: &str = "ip";
 
 /// What the fallback leaves out of a port it serves, for the mode's report.
-pub const NOT_APPLIED: &str = "SCTP through the ebpf mode's kernel fallback (ip xproxy-sctp): \
+pub const NOT_APPLIED: &str = "SCTP through the ebpf mode's kernel fallback (inet xproxy-sctp): \
      the Local traffic policies, ClientIP affinity, loadBalancerSourceRanges and topology are not applied";
 
 /// The ports the table serves and what was last written.
@@ -62,36 +66,34 @@ impl SctpFallback {
 
     /// Takes `port` in (or keeps it out, if it is `None`: the programs serve
     /// it, or it went).
-    /// Only IPv4 ports are taken: the table is `ip` ([`serves`]).
     pub fn set(&mut self, name: &str, port: Option<&ServicePort>) {
-        match port.filter(|p| serves(p)) {
+        match port {
             Some(port) => self.ports.insert(name.to_owned(), port.clone()),
             None => self.ports.remove(name),
         };
     }
 
-    /// Serves exactly those of `ports` it can ([`serves`]).
+    /// Serves exactly `ports`.
     pub fn replace<'a>(&mut self, ports: impl IntoIterator<Item = &'a ServicePort>) {
-        self.ports = ports
-            .into_iter()
-            .filter(|p| serves(p))
-            .map(|p| (p.name.clone(), p.clone()))
-            .collect();
+        self.ports = ports.into_iter().map(|p| (p.name.clone(), p.clone())).collect();
     }
 
-    /// Writes the table for the ports taken in, node ports on `node_ips`,
-    /// if it differs from what was written last. Before anything was ever
-    /// written and with no port to serve, only an earlier agent's table is
-    /// removed (nft is not needed on a node without such ports).
-    pub fn sync(&mut self, node_ips: &[Ipv4Addr]) -> Result<()> {
+    /// Writes the table for the ports taken in, node ports on `node_ips`
+    /// (of either family), if it differs from what was written last. The
+    /// first sync removes an earlier agent's tables; with no port to serve
+    /// it does nothing else (nft is not needed on a node without such
+    /// ports).
+    pub fn sync(&mut self, node_ips: &[IpAddr]) -> Result<()> {
         let script = render(self.ports.values(), node_ips, self.mark, self.masquerade_all);
         if self.written.as_deref() == Some(script.as_str()) {
             return Ok(());
         }
-        if self.written.is_none() && self.ports.is_empty() {
-            self.remove_leftover()?;
-            self.written = Some(script);
-            return Ok(());
+        if self.written.is_none() {
+            self.remove_leftovers()?;
+            if self.ports.is_empty() {
+                self.written = Some(script);
+                return Ok(());
+            }
         }
         self.nft
             .run(&script)
@@ -103,13 +105,22 @@ impl SctpFallback {
 }
 
 impl SctpFallback {
-    /// Removes an earlier agent's table, if there is one. A node without
-    /// nft (or nf_tables) has none: that is no error.
-    fn remove_leftover(&mut self) -> Result<()> {
-        match self.nft.list_table(FAMILY, TABLE) {
+    /// Removes an earlier agent's tables, of this layout and the IPv4-only
+    /// one before it, if there are any.
+    fn remove_leftovers(&mut self) -> Result<()> {
+        for family in [FAMILY, EARLIER_FAMILY] {
+            self.remove_leftover(family)?;
+        }
+        Ok(())
+    }
+
+    /// Removes `family`'s table, if there is one. A node without nft (or
+    /// nf_tables) has none: that is no error.
+    fn remove_leftover(&mut self, family: &str) -> Result<()> {
+        match self.nft.list_table(family, TABLE) {
             Ok(Some(_)) => {
-                nft::delete_table(self.nft.as_mut(), FAMILY, TABLE)?;
-                info!(table = TABLE, "removed an earlier agent's SCTP fallback table");
+                nft::delete_table(self.nft.as_mut(), family, TABLE)?;
+                info!(family, table = TABLE, "removed an earlier agent's SCTP fallback table");
             }
             Ok(None) => {}
             Err(e) => debug!(
@@ -125,7 +136,7 @@ impl SctpFallback {
 /// only removes it, for none).
 pub fn render<'a>(
     ports: impl IntoIterator<Item = &'a ServicePort>,
-    node_ips: &[Ipv4Addr],
+    node_ips: &[IpAddr],
     mark: u32,
     masquerade_all: bool,
 ) -> String {
@@ -169,25 +180,48 @@ fn hook_chain(hook: &str) -> String {
 }
 
 /// The frontends of port `i`: its ClusterIP to its service chain, its
-/// external and load balancer IPs and its node port to its external chain.
-fn frontend_rules(i: usize, port: &ServicePort, node_ips: &[Ipv4Addr]) -> Vec<String> {
+/// external and load balancer IPs and its node port (on the node's
+/// addresses of the port's family) to its external chain.
+fn frontend_rules(i: usize, port: &ServicePort, node_ips: &[IpAddr]) -> Vec<String> {
     let mut rules = vec![format!(
-        "ip daddr {} sctp dport {} goto service-{i}",
-        port.cluster_ip, port.port
+        "{} daddr {} sctp dport {} goto service-{i}",
+        family_of(port.cluster_ip),
+        port.cluster_ip,
+        port.port
     )];
     for ip in port.external_ips.iter().chain(&port.load_balancer_ips) {
-        rules.push(format!("ip daddr {ip} sctp dport {} goto external-{i}", port.port));
-    }
-    if let Some(node_port) = port.node_port
-        && !node_ips.is_empty()
-    {
-        let ips: Vec<String> = node_ips.iter().map(ToString::to_string).collect();
         rules.push(format!(
-            "ip daddr {{ {} }} sctp dport {node_port} goto external-{i}",
+            "{} daddr {ip} sctp dport {} goto external-{i}",
+            family_of(*ip),
+            port.port
+        ));
+    }
+    let own_family = |ip: &&IpAddr| ip.is_ipv4() == port.cluster_ip.is_ipv4();
+    let ips: Vec<String> = node_ips.iter().filter(own_family).map(ToString::to_string).collect();
+    if let Some(node_port) = port.node_port
+        && !ips.is_empty()
+    {
+        rules.push(format!(
+            "{} daddr {{ {} }} sctp dport {node_port} goto external-{i}",
+            family_of(port.cluster_ip),
             ips.join(", ")
         ));
     }
     rules
+}
+
+/// The nft keyword of `ip`'s family, for matches and NAT in an `inet`
+/// table.
+fn family_of(ip: IpAddr) -> &'static str {
+    if ip.is_ipv4() { "ip" } else { "ip6" }
+}
+
+/// `ip` and `port` as a NAT target (an IPv6 address in brackets).
+fn nat_target(ip: IpAddr, port: u16) -> String {
+    match ip {
+        IpAddr::V4(ip) => format!("{ip}:{port}"),
+        IpAddr::V6(ip) => format!("[{ip}]:{port}"),
+    }
 }
 
 /// Port `i`'s chains: external (marked for masquerading), service (a
@@ -217,12 +251,18 @@ fn port_chains(i: usize, port: &ServicePort, mark: u32, masquerade_all: bool) ->
     for (j, endpoint) in endpoints.iter().enumerate() {
         let _ = writeln!(out, "\tchain endpoint-{i}-{j} {{");
         if marks {
-            let _ = writeln!(out, "\t\tip saddr {} {set_mark}", endpoint.addr);
+            let _ = writeln!(
+                out,
+                "\t\t{} saddr {} {set_mark}",
+                family_of(endpoint.addr),
+                endpoint.addr
+            );
         }
         let _ = writeln!(
             out,
-            "\t\tmeta l4proto sctp dnat to {}:{}\n\t}}",
-            endpoint.addr, endpoint.port
+            "\t\tmeta l4proto sctp dnat {} to {}\n\t}}",
+            family_of(endpoint.addr),
+            nat_target(endpoint.addr, endpoint.port)
         );
     }
     out
@@ -235,18 +275,8 @@ pub fn cleanup() -> Result<()> {
     if system.check().is_err() {
         return Ok(());
     }
-    SctpFallback::new(Box::new(system), 0, false).remove_leftover()
+    SctpFallback::new(Box::new(system), 0, false).remove_leftovers()
 }
-
-/// Whether the fallback can serve `port`: an IPv4 one (the table is of
-/// the `ip` family; IPv6 SCTP ports whose port changes are not served yet).
-pub fn serves(port: &ServicePort) -> bool {
-    port.family() == IpFamily::V4
-}
-
-/// What the ebpf mode reports for an IPv6 SCTP port whose port changes.
-pub const NOT_SERVED_IPV6: &str = "SCTP over IPv6 with a nodePort or a targetPort other than the port \
-     is not served by the ebpf mode yet (its kernel fallback table is IPv4 only)";
 
 /// Whether `port` needs more than the fallback does, for the report.
 pub fn leaves_out(port: &ServicePort) -> bool {
