@@ -24,7 +24,8 @@
 //! interface the kernel would forward the packet out of, or back where it
 //! came from. The entry points below only map the outcome to each hook's
 //! return codes. Beside the packet path, `socket_lb` translates the node's
-//! own connections to its node ports at the socket (cgroup hooks).
+//! own connections to its node ports at the socket (cgroup hooks), and
+//! `socket_lb6` the node's IPv6 ones.
 #![no_std]
 #![no_main]
 // One atomic OR on a map value (conntrack's FIN flags): see conntrack.rs.
@@ -50,6 +51,7 @@ mod route;
 mod select;
 mod service_port;
 mod socket_lb;
+mod socket_lb6;
 mod source_range;
 mod stats;
 

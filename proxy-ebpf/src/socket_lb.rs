@@ -53,7 +53,7 @@ static SOCK_REV_NAT: LruHashMap<SockRevKey, RevNat> = LruHashMap::pinned(SOCK_RE
 
 /// A cgroup `sock_addr` program lets the call go on with 1 (0 fails it
 /// with EPERM, which these programs never do).
-const PROCEED: i32 = 1;
+pub const PROCEED: i32 = 1;
 
 #[cgroup_sock_addr(connect4)]
 pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
@@ -81,84 +81,110 @@ pub fn sock_getpeer4(ctx: SockAddrContext) -> i32 {
     PROCEED
 }
 
+/// The socket call's protocol as the services maps key it: TCP or UDP,
+/// `None` for others.
+#[inline(always)]
+pub fn protocol(ctx: &SockAddrContext) -> Option<u8> {
+    // SAFETY: the kernel passes a valid `bpf_sock_addr`; a 4-byte load.
+    match unsafe { (*ctx.sock_addr).protocol } {
+        p if p == u32::from(proto::TCP) => Some(proto::TCP),
+        p if p == u32::from(proto::UDP) => Some(proto::UDP),
+        _ => None,
+    }
+}
+
+/// The port the socket call names, network byte order.
+#[inline(always)]
+pub fn port_be(ctx: &SockAddrContext) -> u16 {
+    // SAFETY: as in `protocol`. The port is in network byte order in the
+    // low 16 bits.
+    unsafe { (*ctx.sock_addr).user_port as u16 }
+}
+
 /// The destination and protocol a socket call names, as the services map
 /// keys them. `None` for other protocols.
 #[inline(always)]
 fn destination(ctx: &SockAddrContext) -> Option<ServiceKey> {
-    // SAFETY: the kernel passes a valid `bpf_sock_addr`; these reads are
-    // the 4-byte context loads the verifier allows.
-    let (addr_be, port, protocol) = unsafe {
-        let sa = &*ctx.sock_addr;
-        (sa.user_ip4, sa.user_port, sa.protocol)
-    };
-    let proto = match protocol {
-        p if p == u32::from(proto::TCP) => proto::TCP,
-        p if p == u32::from(proto::UDP) => proto::UDP,
-        _ => return None,
-    };
+    let proto = protocol(ctx)?;
     Some(ServiceKey {
-        addr_be,
-        // The port is in network byte order in the low 16 bits.
-        port_be: port as u16,
+        // SAFETY: as in `protocol`.
+        addr_be: unsafe { (*ctx.sock_addr).user_ip4 },
+        port_be: port_be(ctx),
         proto,
         _pad: 0,
     })
 }
 
-/// Whether the socket lives in the node's network namespace.
+/// Whether the socket lives in the node's network namespace (the cookie
+/// in IPv4's config map serves both families).
 #[inline(always)]
-fn in_node_netns(ctx: &SockAddrContext) -> Option<SockLbConfig> {
+pub fn in_node_netns(ctx: &SockAddrContext) -> Option<SockLbConfig> {
     let config = *SOCK_CONFIG.get(0)?;
     // SAFETY: the helper only reads the program's own context.
     let cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     (config.netns_cookie != 0 && cookie == config.netns_cookie).then_some(config)
 }
 
-/// Rewrites a destination that is a node port on a node address, or an
-/// external or load balancer frontend, to a backend, and remembers the
-/// frontend for [`translate_back`].
+/// The socket's cookie, which keys the reverse translation maps.
+#[inline(always)]
+pub fn socket_cookie(ctx: &SockAddrContext) -> u64 {
+    // SAFETY: the helper only reads the program's own context.
+    unsafe { bpf_get_socket_cookie(ctx.as_ptr()) }
+}
+
 #[inline(always)]
 fn translate(ctx: &SockAddrContext) -> Option<()> {
-    let dest = destination(ctx)?;
+    let (addr_be, port_be) = translate4(ctx, &destination(ctx)?)?;
+    set_address(ctx, addr_be, port_be);
+    Some(())
+}
+
+#[inline(always)]
+fn translate_back(ctx: &SockAddrContext) -> Option<()> {
+    let frontend = translate_back4(ctx, &destination(ctx)?)?;
+    set_address(ctx, frontend.addr_be, frontend.port_be);
+    Some(())
+}
+
+/// The backend a destination that is a node port on a node address, or an
+/// external or load balancer frontend, is rewritten to, with the frontend
+/// remembered for [`translate_back4`]. Also IPv6's for IPv4-mapped
+/// addresses (`socket_lb6`).
+#[inline(always)]
+pub fn translate4(ctx: &SockAddrContext, dest: &ServiceKey) -> Option<(u32, u16)> {
     let config = in_node_netns(ctx)?;
-    let svc = frontend(&dest, &config)?;
+    let svc = frontend(dest, &config)?;
     let (_, backend) = random_backend(&node_run(&svc))?;
     let frontend = RevNat {
         addr_be: dest.addr_be,
         port_be: dest.port_be,
         _pad: 0,
     };
+    let key = SockRevKey {
+        cookie: socket_cookie(ctx),
+        addr_be: backend.addr_be,
+        port_be: backend.port_be,
+        _pad: 0,
+    };
     // Without its reverse entry a UDP reply would come from an address the
     // process never addressed: better not translate at all.
-    SOCK_REV_NAT
-        .insert(rev_key(ctx, backend.addr_be, backend.port_be), frontend, 0)
-        .ok()?;
-    set_address(ctx, backend.addr_be, backend.port_be);
-    Some(())
+    SOCK_REV_NAT.insert(key, frontend, 0).ok()?;
+    Some((backend.addr_be, backend.port_be))
 }
 
-/// Rewrites a peer address this socket was translated to back to the
-/// frontend it addressed.
+/// The frontend this socket addressed, if `peer` is the backend it was
+/// translated to.
 #[inline(always)]
-fn translate_back(ctx: &SockAddrContext) -> Option<()> {
-    let peer = destination(ctx)?;
+pub fn translate_back4(ctx: &SockAddrContext, peer: &ServiceKey) -> Option<RevNat> {
     in_node_netns(ctx)?;
-    // SAFETY: copied out at once, as in `lookup::frontend`.
-    let frontend = unsafe { *SOCK_REV_NAT.get(rev_key(ctx, peer.addr_be, peer.port_be))? };
-    set_address(ctx, frontend.addr_be, frontend.port_be);
-    Some(())
-}
-
-/// The reverse translation key of this socket and a backend.
-#[inline(always)]
-fn rev_key(ctx: &SockAddrContext, addr_be: u32, port_be: u16) -> SockRevKey {
-    SockRevKey {
-        // SAFETY: the helper only reads the program's own context.
-        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
-        addr_be,
-        port_be,
+    let key = SockRevKey {
+        cookie: socket_cookie(ctx),
+        addr_be: peer.addr_be,
+        port_be: peer.port_be,
         _pad: 0,
-    }
+    };
+    // SAFETY: copied out at once, as in `lookup::frontend`.
+    unsafe { SOCK_REV_NAT.get(key).copied() }
 }
 
 /// Rewrites the address the socket call names (destination or peer).
@@ -173,27 +199,43 @@ fn set_address(ctx: &SockAddrContext, addr_be: u32, port_be: u16) {
 }
 
 /// The frontend the node's socket addresses, if it is one this hook
-/// translates: any frontend on a node address (its own, e.g. an external
-/// IP the node holds, or else the node port on the anchor node IP), and
-/// an external frontend (node port, external IP, load balancer IP)
-/// elsewhere. ClusterIPs and frontends with source ranges stay with the
-/// tc path.
+/// translates (see [`translated_frontend`]).
 #[inline(always)]
 fn frontend(dest: &ServiceKey, config: &SockLbConfig) -> Option<ServiceValue> {
     // SAFETY: copied out at once, as in `lookup::frontend`.
     let on_node_addr = unsafe { NODE_ADDRS.get(dest.addr_be).is_some() };
     // SAFETY: as above.
     let own = unsafe { SERVICES.get(dest).copied() };
+    translated_frontend(own, on_node_addr, || {
+        if config.anchor_be == 0 {
+            return None;
+        }
+        let anchored = ServiceKey {
+            addr_be: config.anchor_be,
+            ..*dest
+        };
+        // SAFETY: as above.
+        unsafe { SERVICES.get(anchored).copied() }
+    })
+}
+
+/// Of either family: the frontend (`own`, the destination's own, if any)
+/// that the socket programs translate: any frontend on a node address (its
+/// own, e.g. an external IP the node holds, or else the node port on the
+/// anchor node IP, from `anchored`), and an external frontend (node port,
+/// external IP, load balancer IP) elsewhere. ClusterIPs and frontends with
+/// source ranges stay with the tc path.
+#[inline(always)]
+pub fn translated_frontend(
+    own: Option<ServiceValue>,
+    on_node_addr: bool,
+    anchored: impl FnOnce() -> Option<ServiceValue>,
+) -> Option<ServiceValue> {
     let svc = match own {
         Some(svc) if on_node_addr || svc.flags & (FLAGS_EXTERNAL | FLAG_EXTERNAL_LOCAL) != 0 => svc,
         Some(_) => return None,
-        None if on_node_addr && config.anchor_be != 0 => {
-            let anchored = ServiceKey {
-                addr_be: config.anchor_be,
-                ..*dest
-            };
-            // SAFETY: as above.
-            let svc = unsafe { SERVICES.get(anchored).copied()? };
+        None if on_node_addr => {
+            let svc = anchored()?;
             if svc.flags & FLAG_NODE_PORT == 0 {
                 return None;
             }
@@ -209,7 +251,7 @@ fn frontend(dest: &ServiceKey, config: &SockLbConfig) -> Option<ServiceValue> {
 /// Local` frontend to every endpoint (its cluster chain): here the whole
 /// backend set, whose size the frontend does not carry.
 #[inline(always)]
-fn node_run(svc: &ServiceValue) -> ServiceValue {
+pub fn node_run(svc: &ServiceValue) -> ServiceValue {
     if svc.flags & FLAG_EXTERNAL_LOCAL == 0 {
         return *svc;
     }

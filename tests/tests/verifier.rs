@@ -35,6 +35,9 @@ fn every_program_loads_and_pins_its_maps() {
         socket_lb::SOCK_CONFIG,
         socket_lb::NODE_ADDRS,
         socket_lb::SOCK_REV_NAT,
+        socket_lb::SOCK_CONFIG6,
+        socket_lb::NODE_ADDRS6,
+        socket_lb::SOCK_REV_NAT6,
     ] {
         assert!(pins.path().join(name).exists(), "map {name} is not pinned");
     }
@@ -52,6 +55,14 @@ fn print_verified_instructions(datapath: &mut Datapath) {
     );
     for name in [maps::PROG_TC_INGRESS, maps::PROG_TC_EGRESS] {
         let info = datapath.tc(name).expect(name).info().expect("tc program's info");
+        eprintln!("verified instructions: {name} {:?}", info.verified_instruction_count());
+    }
+    for name in socket_lb::PROGRAMS {
+        let info = datapath
+            .socket_program(name)
+            .expect(name)
+            .info()
+            .expect("socket program's info");
         eprintln!("verified instructions: {name} {:?}", info.verified_instruction_count());
     }
 }

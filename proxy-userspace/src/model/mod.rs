@@ -154,6 +154,14 @@ pub fn ipv4(ip: IpAddr) -> Option<Ipv4Addr> {
     }
 }
 
+/// The IPv6 address `ip` is, if it is one.
+pub fn ipv6(ip: IpAddr) -> Option<std::net::Ipv6Addr> {
+    match ip {
+        IpAddr::V6(ip) => Some(ip),
+        IpAddr::V4(_) => None,
+    }
+}
+
 /// The last byte of `ip` (tests name their pods by it).
 #[cfg(test)]
 pub fn last_octet(ip: IpAddr) -> u8 {

@@ -26,14 +26,13 @@
 //! passes untranslated if the Service is gone.
 //!
 //! Both families: IPv6 Service ports go to the programs' IPv6 maps (see
-//! `service_maps`), node ports answer on the node's IPv6 addresses too, and
-//! the kernel masquerades marked IPv6 flows (ip6tables). What the IPv6 path
-//! leaves out is reported per port (`ipv6_limits`).
+//! `service_maps`), node ports answer on the node's IPv6 addresses too,
+//! the kernel masquerades marked IPv6 flows (ip6tables), and the socket
+//! programs take the node's own IPv6 connections (`socket_lb`).
 
 pub mod conntrack;
 mod ids;
 mod interfaces;
-mod ipv6_limits;
 mod lb_maps;
 pub mod legacy_ct;
 mod loader;
@@ -102,7 +101,7 @@ pub use write_batch::{Split, SplitStaged, Step, Table};
 use super::{Dataplane, Plan, SyncedChange, options::local_node_port_ips, unhonoured::Unhonoured};
 use crate::{
     config::{Cidr, Config, XdpPolicy},
-    model::{IpFamily, LbAlgorithm, Problem, Protocol, ServicePort},
+    model::{IpFamily, LbAlgorithm, Problem, Protocol, ServicePort, ipv6},
 };
 
 /// Where the ebpf mode attaches and what it programs NodePorts on.
@@ -239,7 +238,12 @@ impl EbpfMode {
             attach_uplink(&mut datapath, &uplink.name, hook, opts.xdp)?;
         }
         let pods = interfaces::pod_interfaces(&all, &uplinks);
-        start_socket_lb(&mut datapath, &opts.socket_lb, primary).await;
+        let anchors = socket_lb::Anchors {
+            v4: primary,
+            // Any IPv6 node port address has every node port's frontend.
+            v6: node_ips.iter().copied().find_map(ipv6),
+        };
+        start_socket_lb(&mut datapath, &opts.socket_lb, anchors).await;
         // Without them the pods' traffic is treated as the outside's: a
         // difference from kube-proxy, not a reason to stop.
         ok_or_warn(
@@ -306,8 +310,8 @@ fn node_port_ips(local: impl IntoIterator<Item = IpAddr>, cidrs: Option<&[Cidr]>
 /// its node ports, external and load balancer IPs (see `socket_lb`), and
 /// keeps their node addresses current. Without them the data path still
 /// serves every other client: a failure is warned about, not fatal.
-async fn start_socket_lb(datapath: &mut Datapath, opts: &socket_lb::SocketLbOptions, anchor: Option<Ipv4Addr>) {
-    let started = match socket_lb::attach(datapath, opts, anchor) {
+async fn start_socket_lb(datapath: &mut Datapath, opts: &socket_lb::SocketLbOptions, anchors: socket_lb::Anchors) {
+    let started = match socket_lb::attach(datapath, opts, anchors) {
         Ok(()) => socket_lb::keep_node_addrs(datapath.pin_path().to_owned(), opts.clone()).await,
         Err(e) => Err(e),
     };
@@ -523,9 +527,6 @@ impl EbpfMode {
         for port in ports {
             if let Some(how) = node_port_among_snat_ports(port, &self.snat_ports) {
                 self.unhonoured.report(port, "nodePort", &how);
-            }
-            for (field, how) in ipv6_limits::unhonoured(port) {
-                self.unhonoured.report(port, field, how);
             }
             if !programs_translate(port) && sctp_fallback::leaves_out(port) {
                 self.unhonoured

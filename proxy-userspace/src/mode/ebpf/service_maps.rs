@@ -36,8 +36,7 @@
 //! backends are of its ClusterIP's family and land in that family's maps
 //! (`XP_SERVICES`/`XP_BACKENDS` or `XP_SERVICES6`/`XP_BACKENDS6`, see
 //! `proxy_common::ipv6` for why apart); backend sets, slots, ids and the
-//! port filter are shared. What the programs' IPv6 path does not do yet is
-//! reported per port by `ipv6_limits`.
+//! port filter are shared.
 
 use std::{
     collections::{BTreeMap, BTreeSet},

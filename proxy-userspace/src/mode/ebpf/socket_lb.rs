@@ -20,11 +20,16 @@
 //! each other's sockets alone. The links are pinned beside the tc links
 //! (`links/<program>/cgroup`), so they outlive the agent like the rest of
 //! the data path and `xproxy cleanup` detaches them with the others.
+//!
+//! IPv6 sockets have programs and maps of their own (`socket_lb6` in
+//! proxy-ebpf), fed the same way: the node's IPv6 addresses that take node
+//! ports (never `::1`: kube-proxy's `localhostNodePorts` is IPv4's, and
+//! never a link-local one) and an IPv6 anchor.
 
 use std::{
     collections::BTreeSet,
     fs::File,
-    net::{IpAddr, Ipv4Addr, UdpSocket},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddrV6, UdpSocket},
     os::fd::AsRawFd,
     path::{Path, PathBuf},
 };
@@ -35,19 +40,21 @@ use aya::{
     programs::{CgroupAttachMode, links::FdLink},
 };
 use futures_util::StreamExt;
-use proxy_common::socket_lb::{self, NODE_ADDR_PRESENT, SockLbConfig};
+use proxy_common::{
+    ipv6::{Addr6, addr6_be, ipv6_of},
+    socket_lb::{self, NODE_ADDR_PRESENT, SockLbConfig, SockLbConfig6, SockRev6Key, SockRev6Value},
+};
 use rtnetlink::{MulticastGroup, packet_core::NetlinkPayload, packet_route::RouteNetlinkMessage};
 use tracing::{debug, info, warn};
 
 use super::{
-    interfaces,
     loader::{Datapath, open_pinned_link, pin_link},
     pinned_maps::{open, pinned},
 };
 use crate::{
     config::Config,
     mode::options::FamilyNodePorts,
-    model::{IpFamily, ipv4},
+    model::{IpFamily, ipv4, ipv6},
 };
 
 /// What the socket programs are attached to and which node addresses take
@@ -56,9 +63,10 @@ use crate::{
 pub struct SocketLbOptions {
     /// The cgroup v2 directory; `None`: the root of the hierarchy.
     pub cgroup: Option<PathBuf>,
-    /// kube-proxy's `nodePortAddresses`, for IPv4 (the socket programs'
-    /// family).
+    /// kube-proxy's `nodePortAddresses`, for IPv4.
     pub scope: FamilyNodePorts,
+    /// kube-proxy's `nodePortAddresses`, for IPv6.
+    pub scope6: FamilyNodePorts,
     /// `iptables.localhostNodePorts`: node ports answer on `127.0.0.1`
     /// too (kube-proxy's iptables mode, the default, does; its nftables and
     /// IPVS modes do not). Only where `scope` takes loopback addresses.
@@ -70,6 +78,7 @@ impl SocketLbOptions {
         Self {
             cgroup: config.socket_lb_cgroup.clone(),
             scope: FamilyNodePorts::from_config(config, IpFamily::V4),
+            scope6: FamilyNodePorts::from_config(config, IpFamily::V6),
             localhost: config.localhost_node_ports,
         }
     }
@@ -77,19 +86,35 @@ impl SocketLbOptions {
 
 /// Attaches the socket programs to the cgroup of `opts`, pinned, replacing
 /// (without a gap) the links an earlier agent pinned; then points them at
-/// this network namespace with `anchor` as the node IP whose node port
-/// frontends serve every node address.
-pub fn attach(datapath: &mut Datapath, opts: &SocketLbOptions, anchor: Option<Ipv4Addr>) -> Result<()> {
+/// this network namespace with `anchors` (IPv4, IPv6) as the node IPs
+/// whose node port frontends serve every node address of their family.
+pub fn attach(datapath: &mut Datapath, opts: &SocketLbOptions, anchors: Anchors) -> Result<()> {
     let cgroup = open_cgroup(opts.cgroup.as_deref())?;
     for name in socket_lb::PROGRAMS {
         attach_one(datapath, &cgroup, name).with_context(|| format!("attaching {name} to the cgroup"))?;
     }
-    let config = SockLbConfig::new(netns_cookie()?, anchor);
-    let mut map: Array<MapData, SockLbConfig> = Array::try_from(pinned(datapath.pin_path(), socket_lb::SOCK_CONFIG)?)
-        .context("the socket config map has an unexpected layout")?;
-    map.set(0, config, 0).context("writing the socket config map")?;
-    info!(netns_cookie = config.netns_cookie, ?anchor, "socket programs attached");
+    // IPv6's anchor first: the cookie turns the programs on.
+    let config6 = SockLbConfig6::new(anchors.v6);
+    write_config(datapath.pin_path(), socket_lb::SOCK_CONFIG6, config6)?;
+    let config = SockLbConfig::new(netns_cookie()?, anchors.v4);
+    write_config(datapath.pin_path(), socket_lb::SOCK_CONFIG, config)?;
+    info!(netns_cookie = config.netns_cookie, ?anchors, "socket programs attached");
     Ok(())
+}
+
+/// The node IPs whose node port frontends serve node ports on every node
+/// address of their family (see [`attach`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Anchors {
+    pub v4: Option<Ipv4Addr>,
+    pub v6: Option<Ipv6Addr>,
+}
+
+/// Writes the only element of the config map `name`.
+fn write_config<T: aya::Pod>(pin_path: &Path, name: &str, config: T) -> Result<()> {
+    let mut map: Array<MapData, T> =
+        Array::try_from(pinned(pin_path, name)?).with_context(|| format!("{name} has an unexpected layout"))?;
+    map.set(0, config, 0).with_context(|| format!("writing {name}"))
 }
 
 /// A new link first, then the old one detached: for a moment both run,
@@ -200,57 +225,107 @@ fn netns_cookie() -> Result<u64> {
 /// The local addresses that take node ports under `opts`, out of every
 /// local IPv4 address `local`.
 pub fn node_port_addresses(opts: &SocketLbOptions, local: &[Ipv4Addr]) -> BTreeSet<Ipv4Addr> {
-    let loopback_ok = |ip: &Ipv4Addr| !ip.is_loopback() || opts.localhost;
-    match &opts.scope {
-        FamilyNodePorts::AllLocal { localhost } => local
+    let local: Vec<IpAddr> = local.iter().copied().map(IpAddr::V4).collect();
+    of_family(&opts.scope, opts.localhost, &local)
+        .into_iter()
+        .filter_map(ipv4)
+        .collect()
+}
+
+/// The local IPv6 addresses that take node ports under `opts`, out of
+/// every local IPv6 address `local`: never loopback (kube-proxy's
+/// `localhostNodePorts` is IPv4's) nor link-local (see
+/// `crate::mode::options::local_node_port_ips`).
+pub fn node_port_addresses6(opts: &SocketLbOptions, local: &[Ipv6Addr]) -> BTreeSet<Ipv6Addr> {
+    let local: Vec<IpAddr> = local
+        .iter()
+        .filter(|ip| !ip.is_unicast_link_local())
+        .copied()
+        .map(IpAddr::V6)
+        .collect();
+    of_family(&opts.scope6, false, &local)
+        .into_iter()
+        .filter_map(ipv6)
+        .collect()
+}
+
+/// The addresses of `local` (of one family) that `scope` takes; loopback
+/// ones only if `localhost` allows them.
+fn of_family(scope: &FamilyNodePorts, localhost: bool, local: &[IpAddr]) -> Vec<IpAddr> {
+    let loopback_ok = |ip: &IpAddr| !ip.is_loopback() || localhost;
+    match scope {
+        FamilyNodePorts::AllLocal { localhost: all } => local
             .iter()
-            .filter(|ip| !ip.is_loopback() || *localhost)
             .copied()
+            .filter(|ip| !ip.is_loopback() || (*all && localhost))
             .collect(),
-        FamilyNodePorts::NodeIps(ips) => ips.iter().copied().filter_map(ipv4).collect(),
+        FamilyNodePorts::NodeIps(ips) => ips.clone(),
         FamilyNodePorts::Cidrs(cidrs) => local
             .iter()
-            .filter(|ip| loopback_ok(ip) && cidrs.iter().any(|c| c.contains(IpAddr::V4(**ip))))
             .copied()
+            .filter(|ip| loopback_ok(ip) && cidrs.iter().any(|c| c.contains(*ip)))
             .collect(),
     }
 }
 
-/// Makes the node address map hold exactly `wanted`.
-fn write_node_addrs(pin_path: &Path, wanted: &BTreeSet<Ipv4Addr>) -> Result<()> {
-    let mut map: HashMap<MapData, u32, u32> = open(pin_path, socket_lb::NODE_ADDRS)?;
-    let key = |ip: &Ipv4Addr| u32::from_ne_bytes(ip.octets());
-    let present: Vec<u32> = map.keys().collect::<Result<_, _>>().context("listing node addresses")?;
-    for old in present {
-        if !wanted.iter().any(|ip| key(ip) == old) {
-            map.remove(&old).context("removing a node address")?;
-        }
+/// Makes the node address map `name` hold exactly `wanted`.
+fn write_node_addrs<K: aya::Pod + PartialEq>(pin_path: &Path, name: &str, wanted: &[K]) -> Result<()> {
+    let mut map: HashMap<MapData, K, u32> = open(pin_path, name)?;
+    let present: Vec<K> = map.keys().collect::<Result<_, _>>().context("listing node addresses")?;
+    for old in present.iter().filter(|old| !wanted.contains(old)) {
+        map.remove(old).context("removing a node address")?;
     }
-    for ip in wanted {
-        map.insert(key(ip), NODE_ADDR_PRESENT, 0)
-            .with_context(|| format!("adding node address {ip}"))?;
+    for key in wanted {
+        map.insert(key, NODE_ADDR_PRESENT, 0).context("adding a node address")?;
     }
     Ok(())
 }
 
-/// The node addresses the socket programs take node ports on, read back.
+/// The keys of the node address map `name`.
+fn node_addr_keys<K: aya::Pod>(pin_path: &Path, name: &str) -> Result<Vec<K>> {
+    let map: HashMap<MapData, K, u32> = open(pin_path, name)?;
+    map.keys().map(|k| k.context("listing node addresses")).collect()
+}
+
+/// The node IPv4 addresses the socket programs take node ports on, read back.
 pub fn read_node_addrs(pin_path: &Path) -> Result<BTreeSet<Ipv4Addr>> {
-    let map: HashMap<MapData, u32, u32> = open(pin_path, socket_lb::NODE_ADDRS)?;
-    map.keys()
-        .map(|k| Ok(Ipv4Addr::from(k.context("listing node addresses")?.to_ne_bytes())))
+    let keys: Vec<u32> = node_addr_keys(pin_path, socket_lb::NODE_ADDRS)?;
+    Ok(keys.into_iter().map(|k| Ipv4Addr::from(k.to_ne_bytes())).collect())
+}
+
+/// The node IPv6 addresses the socket programs take node ports on, read back.
+pub fn read_node_addrs6(pin_path: &Path) -> Result<BTreeSet<Ipv6Addr>> {
+    let keys: Vec<Addr6> = node_addr_keys(pin_path, socket_lb::NODE_ADDRS6)?;
+    Ok(keys.into_iter().map(ipv6_of).collect())
+}
+
+/// The IPv6 reverse translations the socket programs remember:
+/// (socket cookie, backend, frontend the socket addressed).
+pub fn read_sock_rev6(pin_path: &Path) -> Result<Vec<(u64, SocketAddrV6, SocketAddrV6)>> {
+    // aya's HashMap opens an LRU hash map too.
+    let map: HashMap<MapData, SockRev6Key, SockRev6Value> = open(pin_path, socket_lb::SOCK_REV_NAT6)?;
+    let at = |addr_be, port_be| SocketAddrV6::new(ipv6_of(addr_be), u16::from_be(port_be), 0, 0);
+    map.iter()
+        .map(|entry| {
+            let (key, value) = entry.context("listing the IPv6 socket reverse map")?;
+            Ok((
+                key.cookie,
+                at(key.addr_be, key.port_be),
+                at(value.addr_be, value.port_be),
+            ))
+        })
         .collect()
 }
 
-/// Writes the node addresses now and again whenever an IPv4 address is
-/// added or removed in this network namespace.
+/// Writes the node addresses now and again whenever an address is added
+/// or removed in this network namespace.
 pub async fn keep_node_addrs(pin_path: PathBuf, opts: SocketLbOptions) -> Result<()> {
     // Subscribed before the first listing, so no change slips between.
     let (conn, _, mut events) =
-        rtnetlink::new_multicast_connection(&[MulticastGroup::Ipv4Ifaddr]).context("subscribing to address events")?;
+        rtnetlink::new_multicast_connection(&[MulticastGroup::Ipv4Ifaddr, MulticastGroup::Ipv6Ifaddr])
+            .context("subscribing to address events")?;
     tokio::spawn(conn);
-    let (conn, handle, _) = rtnetlink::new_connection().context("opening rtnetlink")?;
-    tokio::spawn(conn);
-    sync_node_addrs(&handle, &pin_path, &opts).await?;
+    sync_node_addrs(&pin_path, &opts)?;
     tokio::spawn(async move {
         while let Some((msg, _)) = events.next().await {
             if !matches!(
@@ -259,7 +334,7 @@ pub async fn keep_node_addrs(pin_path: PathBuf, opts: SocketLbOptions) -> Result
             ) {
                 continue;
             }
-            if let Err(e) = sync_node_addrs(&handle, &pin_path, &opts).await {
+            if let Err(e) = sync_node_addrs(&pin_path, &opts) {
                 warn!(
                     error = format!("{e:#}"),
                     "updating the node addresses of the socket programs"
@@ -270,16 +345,24 @@ pub async fn keep_node_addrs(pin_path: PathBuf, opts: SocketLbOptions) -> Result
     Ok(())
 }
 
-async fn sync_node_addrs(handle: &rtnetlink::Handle, pin_path: &Path, opts: &SocketLbOptions) -> Result<()> {
-    let local: Vec<Ipv4Addr> = interfaces::list(handle)
-        .await?
-        .into_iter()
-        .flat_map(|i| i.ipv4)
-        .collect();
-    let wanted = node_port_addresses(opts, &local);
-    write_node_addrs(pin_path, &wanted)?;
-    debug!(?wanted, "node addresses of the socket programs");
+fn sync_node_addrs(pin_path: &Path, opts: &SocketLbOptions) -> Result<()> {
+    let local = crate::sys::addrs::local_ips().context("listing the node's addresses")?;
+    let (local4, local6): (Vec<IpAddr>, Vec<IpAddr>) = local.into_iter().partition(IpAddr::is_ipv4);
+    let local4: Vec<Ipv4Addr> = local4.into_iter().filter_map(ipv4).collect();
+    let local6: Vec<Ipv6Addr> = local6.into_iter().filter_map(ipv6).collect();
+    let wanted = node_port_addresses(opts, &local4);
+    let wanted6 = node_port_addresses6(opts, &local6);
+    write_node_addresses(pin_path, &wanted, &wanted6)?;
+    debug!(?wanted, ?wanted6, "node addresses of the socket programs");
     Ok(())
+}
+
+/// Makes the node address maps of both families hold exactly `v4` and `v6`.
+pub fn write_node_addresses(pin_path: &Path, v4: &BTreeSet<Ipv4Addr>, v6: &BTreeSet<Ipv6Addr>) -> Result<()> {
+    let keys: Vec<u32> = v4.iter().map(|ip| u32::from_ne_bytes(ip.octets())).collect();
+    write_node_addrs(pin_path, socket_lb::NODE_ADDRS, &keys)?;
+    let keys6: Vec<Addr6> = v6.iter().copied().map(addr6_be).collect();
+    write_node_addrs(pin_path, socket_lb::NODE_ADDRS6, &keys6)
 }
 
 #[cfg(test)]
@@ -289,6 +372,7 @@ mod tests {
     fn opts(scope: FamilyNodePorts, localhost: bool) -> SocketLbOptions {
         SocketLbOptions {
             cgroup: None,
+            scope6: scope.clone(),
             scope,
             localhost,
         }
@@ -318,6 +402,25 @@ mod tests {
             &local,
         );
         assert_eq!(primary, [ip("172.30.0.2")].into_iter().collect());
+    }
+
+    fn ip6(text: &str) -> Ipv6Addr {
+        text.parse().expect("ip")
+    }
+
+    #[test]
+    fn ipv6_node_port_addresses_leave_out_loopback_and_link_local() {
+        let local = [ip6("::1"), ip6("fe80::1"), ip6("fd00:30::2"), ip6("2001:db8::5")];
+        let set = |ips: &[&str]| ips.iter().map(|i| ip6(i)).collect::<BTreeSet<_>>();
+        let all = node_port_addresses6(&opts(FamilyNodePorts::AllLocal { localhost: true }, true), &local);
+        assert_eq!(all, set(&["fd00:30::2", "2001:db8::5"]));
+        let scope = FamilyNodePorts::Cidrs(vec![
+            "::1/128".parse().expect("cidr"),
+            "fd00::/16".parse().expect("cidr"),
+        ]);
+        assert_eq!(node_port_addresses6(&opts(scope, true), &local), set(&["fd00:30::2"]));
+        let primary = FamilyNodePorts::NodeIps(vec![ip6("fd00:30::2").into(), ip("172.30.0.2").into()]);
+        assert_eq!(node_port_addresses6(&opts(primary, true), &local), set(&["fd00:30::2"]));
     }
 
     #[test]
