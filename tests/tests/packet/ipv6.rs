@@ -33,6 +33,7 @@ use testbed::frame::{
 
 use super::*;
 
+mod ipv6_api;
 mod ipv6_fragments;
 mod ipv6_icmp_errors;
 
