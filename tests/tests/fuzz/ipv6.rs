@@ -5,8 +5,9 @@
 //! also on a NodePort of the node's IPv6 address; SCTP where the port
 //! stays), a ClusterIP and NodePort without endpoints (reject paths), a
 //! load balancer IP with loadBalancerSourceRanges (`XP_SRC_RANGES6`) and
-//! an external IP with `externalTrafficPolicy: Local`, where only pods
-//! (`XP_POD_CIDRS6`) reach other nodes' endpoints.
+//! two external IPs with `externalTrafficPolicy: Local`, where only pods
+//! (`XP_POD_CIDRS6`) reach other nodes' endpoints (one with an endpoint on
+//! this node, one without: the outside is dropped there).
 //!
 //! The oracle's flow model (`conntrack`) is family-blind: it keys tuples
 //! of `SocketAddrV4`. IPv6 addresses enter it through [`Fake4`], a
@@ -33,6 +34,10 @@ const LOCAL_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x28);
 /// `Local` Service.
 const LB_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x100, 0, 0, 0, 0, 0x20);
 const LOCAL_EXTERNAL_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x100, 0, 0, 0, 0, 0x10);
+/// A `Local` Service with no endpoint on this node: its ClusterIP and
+/// external IP.
+const ELSEWHERE_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x32);
+const ELSEWHERE_EXTERNAL_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x100, 0, 0, 0, 0, 0x30);
 pub const BACKEND_IPS6: [Ipv6Addr; 3] = [
     Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, 0xb),
     Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, 0xc),
@@ -109,17 +114,27 @@ pub fn seed6_services() -> Vec<ServicePort> {
         }],
         ..port6("ranged:http", Protocol::Tcp, RANGED_IP6, SERVICE_PORT, everywhere())
     });
-    out.push(ServicePort {
-        external_ips: vec![LOCAL_EXTERNAL_IP6.into()],
-        external_policy: TrafficPolicy::Local,
-        ..port6(
+    for (name, cluster_ip, external_ip, nodes) in [
+        (
             "local:http",
-            Protocol::Tcp,
             LOCAL_IP6,
-            SERVICE_PORT,
-            endpoints6([OTHER_NODE, THIS_NODE, OTHER_NODE], BACKEND_PORT),
-        )
-    });
+            LOCAL_EXTERNAL_IP6,
+            [OTHER_NODE, THIS_NODE, OTHER_NODE],
+        ),
+        ("elsewhere:http", ELSEWHERE_IP6, ELSEWHERE_EXTERNAL_IP6, [OTHER_NODE; 3]),
+    ] {
+        out.push(ServicePort {
+            external_ips: vec![external_ip.into()],
+            external_policy: TrafficPolicy::Local,
+            ..port6(
+                name,
+                Protocol::Tcp,
+                cluster_ip,
+                SERVICE_PORT,
+                endpoints6(nodes, BACKEND_PORT),
+            )
+        });
+    }
     out
 }
 
