@@ -647,11 +647,17 @@ pub enum Strict {
     /// A fully parsed IPv6 TCP, UDP or SCTP packet (at most
     /// [`IPV6_EXT_HEADERS_WALKED`] extension headers before it).
     Ipv6Flow(Flow6),
-    /// A later IPv6 fragment, or any fragment (not an atomic one) whose
-    /// fragment header is not right before TCP or UDP: no L4 header to
-    /// read. (A first fragment right before TCP or UDP is an
-    /// [`Strict::Ipv6Flow`], its UDP length reaching past it.)
+    /// A fragment (not an atomic one) whose fragment header is not right
+    /// before TCP or UDP: not looked up. (A first fragment right before
+    /// TCP or UDP is an [`Strict::Ipv6Flow`], its UDP length reaching past
+    /// it.)
     Ipv6Fragment,
+    /// A later IPv6 fragment right before TCP or UDP: no L4 header, its
+    /// ports are its first fragment's.
+    Ipv6LaterFragment(LaterFragment6),
+    /// An ICMPv6 error (types 1 to 4) quoting an IPv6 header right before
+    /// TCP or UDP, both ports (not 0) inside the payload length.
+    Icmp6Error(IcmpError6),
 }
 
 /// The extension headers the programs walk before they give up on a packet.
@@ -665,6 +671,134 @@ pub struct Flow6 {
     pub dst: SocketAddrV6,
     /// Offset of the L4 header in the frame.
     pub l4_offset: usize,
+    /// Where the packet ends in the frame (by its payload length).
+    pub end: usize,
+    /// TCP only: flags, sequence and acknowledgment numbers.
+    pub tcp_flags: u8,
+    pub seq: u32,
+    pub ack: u32,
+    /// Payload bytes after the L4 header: in this packet (TCP, SCTP), or
+    /// as the UDP length field says (which a first fragment may not hold).
+    pub payload_len: usize,
+    /// A datagram's first fragment (right before TCP or UDP), and its
+    /// fragment header's identification.
+    pub first_fragment: bool,
+    pub frag_id: u32,
+}
+
+impl Flow6 {
+    /// Offset of the L4 checksum field in the frame (none in SCTP's
+    /// common header that covers the addresses).
+    pub fn l4_checksum_offset(&self) -> Option<usize> {
+        match self.proto {
+            6 => Some(self.l4_offset + 16),
+            17 => Some(self.l4_offset + 6),
+            _ => None,
+        }
+    }
+}
+
+/// A later IPv6 fragment of a TCP or UDP datagram.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaterFragment6 {
+    pub proto: u8,
+    pub src: Ipv6Addr,
+    pub dst: Ipv6Addr,
+    /// The fragment header's identification: with the addresses and the
+    /// protocol, the datagram's.
+    pub id: u32,
+}
+
+/// An ICMPv6 error quoting an IPv6 TCP or UDP packet (see
+/// [`Strict::Icmp6Error`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IcmpError6 {
+    /// The outer header's addresses.
+    pub src: Ipv6Addr,
+    pub dst: Ipv6Addr,
+    pub icmp_type: u8,
+    /// The quoted packet's protocol, source and destination, as quoted.
+    pub quoted_proto: u8,
+    pub quoted_src: SocketAddrV6,
+    pub quoted_dst: SocketAddrV6,
+    /// The quoted IPv6 header's payload length (as its sender wrote it).
+    pub quoted_payload_len: usize,
+    /// Offsets in the frame: the ICMPv6 header, and where the outer
+    /// packet ends (by its payload length).
+    pub icmp_offset: usize,
+    pub end: usize,
+}
+
+impl IcmpError6 {
+    /// The quoted IPv6 header's offset in the frame.
+    pub fn inner_ip(&self) -> usize {
+        self.icmp_offset + 8
+    }
+
+    /// The quoted L4 header's offset in the frame.
+    pub fn inner_l4(&self) -> usize {
+        self.icmp_offset + 8 + 40
+    }
+}
+
+fn ipv6_addr_at(bytes: &[u8], at: usize) -> Ipv6Addr {
+    let octets: [u8; 16] = bytes[at..at + 16].try_into().expect("16 bytes of an IPv6 header");
+    Ipv6Addr::from(octets)
+}
+
+fn u16_at(bytes: &[u8], at: usize) -> u16 {
+    u16::from_be_bytes([bytes[at], bytes[at + 1]])
+}
+
+/// Where the extension header walk ended: the next header, its offset
+/// after the IPv6 header's start, and whether a first fragment's header
+/// came before it; or the frame's class.
+fn walk_ipv6_ext_headers(rest: &[u8], payload_end: usize) -> Result<(u8, usize, Option<u32>), Strict> {
+    let (mut next, mut off, mut first_fragment) = (rest[6], 40, None);
+    for _ in 0..IPV6_EXT_HEADERS_WALKED {
+        match next {
+            6 | 17 | 132 | 58 => return Ok((next, off, first_fragment)),
+            0 | 43 | 60 => {
+                let Some(head) = rest.get(off..off + 2) else {
+                    return Err(Strict::Malformed("truncated extension header"));
+                };
+                (next, off) = (head[0], off + (usize::from(head[1]) + 1) * 8);
+            }
+            44 => {
+                let Some(head) = rest.get(off..off + 8) else {
+                    return Err(Strict::Malformed("truncated fragment header"));
+                };
+                let frag_off = u16::from_be_bytes([head[2], head[3]]);
+                let id = u32::from_be_bytes([head[4], head[5], head[6], head[7]]);
+                (next, off) = (head[0], off + 8);
+                if frag_off & 0xfff9 != 0 {
+                    if !matches!(next, 6 | 17) {
+                        return Err(Strict::Ipv6Fragment);
+                    }
+                    if frag_off & 0xfff8 != 0 {
+                        // A later fragment: its payload must start inside the packet.
+                        return Err(if off >= payload_end {
+                            Strict::Malformed("fragment payload past the payload")
+                        } else {
+                            Strict::Ipv6LaterFragment(LaterFragment6 {
+                                proto: next,
+                                src: ipv6_addr_at(rest, 8),
+                                dst: ipv6_addr_at(rest, 24),
+                                id,
+                            })
+                        });
+                    }
+                    first_fragment = Some(id);
+                }
+            }
+            _ => return Err(Strict::NotIpv4OrL4("IPv6 next header")),
+        }
+    }
+    if matches!(next, 6 | 17 | 132) {
+        Ok((next, off, first_fragment))
+    } else {
+        Err(Strict::Malformed("too many extension headers"))
+    }
 }
 
 /// [`parse_strict`] after an IPv6 ether type: the programs' IPv6 policy.
@@ -679,83 +813,108 @@ fn strict_ipv6(rest: &[u8]) -> Strict {
     if ip[0] >> 4 != 6 || payload_len == 0 || 40 + payload_len > rest.len() {
         return Strict::Malformed("IPv6 version or payload length");
     }
-    let (mut next, mut off, mut first_fragment) = (ip[6], 40, false);
-    for _ in 0..IPV6_EXT_HEADERS_WALKED {
-        match next {
-            6 | 17 | 132 => break,
-            0 | 43 | 60 => {
-                let Some(head) = rest.get(off..off + 2) else {
-                    return Strict::Malformed("truncated extension header");
-                };
-                (next, off) = (head[0], off + (usize::from(head[1]) + 1) * 8);
-            }
-            44 => {
-                let Some(head) = rest.get(off..off + 8) else {
-                    return Strict::Malformed("truncated fragment header");
-                };
-                let frag_off = u16::from_be_bytes([head[2], head[3]]);
-                if frag_off & 0xfff9 != 0 {
-                    if frag_off & 0xfff8 != 0 || !matches!(head[0], 6 | 17) {
-                        return Strict::Ipv6Fragment;
-                    }
-                    first_fragment = true;
-                }
-                (next, off) = (head[0], off + 8);
-            }
-            _ => return Strict::NotIpv4OrL4("IPv6 next header"),
-        }
-    }
-    if !matches!(next, 6 | 17 | 132) {
-        return Strict::Malformed("too many extension headers");
-    }
-    if off >= 40 + payload_len {
+    let end = 40 + payload_len;
+    let (next, off, first_fragment_id) = match walk_ipv6_ext_headers(rest, end) {
+        Ok(found) => found,
+        Err(strict) => return strict,
+    };
+    if off >= end {
         return Strict::Malformed("L4 header past the payload");
     }
-    let l4_len = 40 + payload_len - off;
-    let ports = if next == 6 {
-        let Some(tcp) = rest.get(off..off + 20) else {
-            return Strict::Malformed("truncated TCP header");
-        };
-        let header_len = usize::from(tcp[12] >> 4) * 4;
-        if header_len < 20 || header_len > l4_len {
-            return Strict::Malformed("TCP data offset");
-        }
-        [tcp[0], tcp[1], tcp[2], tcp[3]]
-    } else if next == 132 {
-        let Some(common) = rest.get(off..off + sctp::COMMON_HEADER_LEN) else {
-            return Strict::Malformed("truncated SCTP common header");
-        };
-        if l4_len < sctp::COMMON_HEADER_LEN {
-            return Strict::Malformed("payload length below the SCTP common header");
-        }
-        [common[0], common[1], common[2], common[3]]
-    } else {
-        let Some(udp) = rest.get(off..off + 8) else {
-            return Strict::Malformed("truncated UDP header");
-        };
-        let udp_len = usize::from(u16::from_be_bytes([udp[4], udp[5]]));
-        let fits = udp_len <= l4_len || (first_fragment && l4_len >= 8);
-        if udp_len < 8 || !fits {
-            return Strict::Malformed("UDP length");
-        }
-        [udp[0], udp[1], udp[2], udp[3]]
+    if next == 58 {
+        return strict_icmp6(rest, off, end);
+    }
+    let mut flow = Flow6 {
+        proto: next,
+        src: SocketAddrV6::new(ipv6_addr_at(ip, 8), 0, 0, 0),
+        dst: SocketAddrV6::new(ipv6_addr_at(ip, 24), 0, 0, 0),
+        l4_offset: ETH_HLEN + off,
+        end: ETH_HLEN + end,
+        tcp_flags: 0,
+        seq: 0,
+        ack: 0,
+        payload_len: 0,
+        first_fragment: first_fragment_id.is_some(),
+        frag_id: first_fragment_id.unwrap_or(0),
     };
-    let (sport, dport) = (
-        u16::from_be_bytes([ports[0], ports[1]]),
-        u16::from_be_bytes([ports[2], ports[3]]),
-    );
-    if sport == 0 || dport == 0 {
+    if let Err(why) = strict_l4_6(&rest[off..end], rest.get(off..).unwrap_or_default(), &mut flow) {
+        return Strict::Malformed(why);
+    }
+    if flow.src.port() == 0 || flow.dst.port() == 0 {
         return Strict::Malformed("port 0");
     }
-    let addr = |at: usize| {
-        let bytes: [u8; 16] = ip[at..at + 16].try_into().expect("16 bytes of a 40-byte header");
-        Ipv6Addr::from(bytes)
+    Strict::Ipv6Flow(flow)
+}
+
+/// The L4 header of an IPv6 packet: `l4` up to the payload's end, `seen`
+/// up to the frame's (the programs read a header where the frame has it;
+/// its lengths must fit the payload).
+fn strict_l4_6(l4: &[u8], seen: &[u8], flow: &mut Flow6) -> Result<(), &'static str> {
+    match flow.proto {
+        6 => {
+            let tcp = seen.get(..20).ok_or("truncated TCP header")?;
+            let header_len = usize::from(tcp[12] >> 4) * 4;
+            if header_len < 20 || header_len > l4.len() {
+                return Err("TCP data offset");
+            }
+            flow.tcp_flags = tcp[13];
+            flow.seq = u32::from_be_bytes([tcp[4], tcp[5], tcp[6], tcp[7]]);
+            flow.ack = u32::from_be_bytes([tcp[8], tcp[9], tcp[10], tcp[11]]);
+            flow.payload_len = l4.len() - header_len;
+        }
+        132 => {
+            seen.get(..sctp::COMMON_HEADER_LEN)
+                .ok_or("truncated SCTP common header")?;
+            if l4.len() < sctp::COMMON_HEADER_LEN {
+                return Err("payload length below the SCTP common header");
+            }
+            flow.payload_len = l4.len() - sctp::COMMON_HEADER_LEN;
+        }
+        _ => {
+            let udp = seen.get(..8).ok_or("truncated UDP header")?;
+            let udp_len = usize::from(u16_at(udp, 4));
+            let fits = udp_len <= l4.len() || (flow.first_fragment && l4.len() >= 8);
+            if udp_len < 8 || !fits {
+                return Err("UDP length");
+            }
+            flow.payload_len = udp_len - 8;
+        }
+    }
+    flow.src.set_port(u16_at(seen, 0));
+    flow.dst.set_port(u16_at(seen, 2));
+    Ok(())
+}
+
+/// An ICMPv6 message at `off` (its packet ending at `end`), as the
+/// programs' `ipv6::icmp_error` reads it: an error quoting TCP or UDP
+/// with its ports, or not ours.
+fn strict_icmp6(rest: &[u8], off: usize, end: usize) -> Strict {
+    let not_ours = Strict::NotIpv4OrL4;
+    let Some(type_code) = rest.get(off..off + 2) else {
+        return not_ours("ICMPv6 type and code");
     };
-    Strict::Ipv6Flow(Flow6 {
-        proto: next,
-        src: SocketAddrV6::new(addr(8), sport, 0, 0),
-        dst: SocketAddrV6::new(addr(24), dport, 0, 0),
-        l4_offset: ETH_HLEN + off,
+    if !(1..=4).contains(&type_code[0]) {
+        return not_ours("ICMPv6: not an error");
+    }
+    let (inner, inner_l4) = (off + 8, off + 8 + 40);
+    if inner_l4 + 4 > end {
+        return not_ours("ICMPv6 error: no quoted ports");
+    }
+    let quoted_proto = rest[inner + 6];
+    let (sport, dport) = (u16_at(rest, inner_l4), u16_at(rest, inner_l4 + 2));
+    if rest[inner] >> 4 != 6 || !matches!(quoted_proto, 6 | 17) || sport == 0 || dport == 0 {
+        return not_ours("ICMPv6 error: quotes no IPv6 TCP/UDP header with ports");
+    }
+    Strict::Icmp6Error(IcmpError6 {
+        src: ipv6_addr_at(rest, 8),
+        dst: ipv6_addr_at(rest, 24),
+        icmp_type: type_code[0],
+        quoted_proto,
+        quoted_src: SocketAddrV6::new(ipv6_addr_at(rest, inner + 8), sport, 0, 0),
+        quoted_dst: SocketAddrV6::new(ipv6_addr_at(rest, inner + 24), dport, 0, 0),
+        quoted_payload_len: usize::from(u16_at(rest, inner + 4)),
+        icmp_offset: ETH_HLEN + off,
+        end: ETH_HLEN + end,
     })
 }
 
@@ -1629,20 +1788,57 @@ pub fn expected_rst6(request: &Frame6) -> Vec<u8> {
     answer6(request, L4::Tcp(rst)).build()
 }
 
+/// [`expected_rst6`] for the segment `flow` parsed from `frame` (any
+/// frame [`parse_strict`] takes, extension headers and all).
+pub fn expected_rst6_of(frame: &[u8], flow: &Flow6) -> Vec<u8> {
+    let rst = rst_answering(
+        flow.tcp_flags,
+        flow.seq,
+        flow.ack,
+        flow.payload_len as u32,
+        (flow.dst.port(), flow.src.port()),
+    );
+    answer6_of(frame, flow, L4::Tcp(rst))
+}
+
 /// The answer a no-backend Service must send for the IPv6 UDP datagram
 /// `request`: ICMPv6 destination unreachable, code 4 (port), quoting the
 /// request from its IPv6 header on, as much as fits in an error of
 /// [`IPV6_MIN_MTU`] bytes (RFC 4443 2.4 (c)); checksum by etherparse.
 pub fn expected_port_unreachable6(request: &Frame6) -> Vec<u8> {
     let bytes = request.build();
-    let quote_len = (bytes.len() - ETH_HLEN).min(IPV6_MIN_MTU - 40 - 8);
-    let quote = &bytes[ETH_HLEN..ETH_HLEN + quote_len];
+    let icmp = port_unreachable6(request.dst, request.src, &bytes[ETH_HLEN..]);
+    answer6(request, icmp).build()
+}
+
+/// [`expected_port_unreachable6`] for the datagram `flow` parsed from
+/// `frame`: the quote is the packet up to its payload length.
+pub fn expected_port_unreachable6_of(frame: &[u8], flow: &Flow6) -> Vec<u8> {
+    let icmp = port_unreachable6(*flow.dst.ip(), *flow.src.ip(), &frame[ETH_HLEN..flow.end]);
+    answer6_of(frame, flow, icmp)
+}
+
+/// An ICMPv6 port unreachable from `src` to `dst` quoting as much of
+/// `packet` as fits in [`IPV6_MIN_MTU`].
+fn port_unreachable6(src: Ipv6Addr, dst: Ipv6Addr, packet: &[u8]) -> L4 {
+    let quote = &packet[..packet.len().min(IPV6_MIN_MTU - 40 - 8)];
     let icmp_type = Icmpv6Type::DestinationUnreachable(DestUnreachableCode::Port);
-    let header = Icmpv6Header::with_checksum(icmp_type, request.dst.octets(), request.src.octets(), quote)
+    let header = Icmpv6Header::with_checksum(icmp_type, src.octets(), dst.octets(), quote)
         .expect("a quote of at most 1232 bytes");
     let mut icmp = header.to_bytes().to_vec();
     icmp.extend_from_slice(quote);
-    answer6(request, L4::Raw { proto: 58, bytes: icmp }).build()
+    L4::Raw { proto: 58, bytes: icmp }
+}
+
+/// An answer to `flow` (parsed from `frame`) carrying `l4`, as [`answer6`].
+fn answer6_of(frame: &[u8], flow: &Flow6, l4: L4) -> Vec<u8> {
+    let (eth_dst, eth_src) = swapped_macs(frame);
+    Frame6 {
+        eth_src,
+        eth_dst,
+        ..Frame6::new(*flow.dst.ip(), *flow.src.ip(), l4)
+    }
+    .build()
 }
 
 /// An answer to `request` carrying `l4`: its addresses swapped, no

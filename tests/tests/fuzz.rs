@@ -3,7 +3,8 @@
 //! For each of xdp_uplink, tc_ingress and tc_egress: one data path with the
 //! seed Services, loaded with conntrack timeouts far longer than a run and
 //! a table no run fills, then frames until 1,000,000 of them were mutated
-//! (about 1,390,000 in all). The frames (`generator`): valid frames of every
+//! (about 1,430,000 in all: 820,000 IPv4, 500,000 IPv6, 110,000 of
+//! other ether types, the report says). The frames (`generator`): valid frames of every
 //! class, datagrams in fragments in any order, later fragments alone, ICMP
 //! errors about translated packets and random ones, mutated 4 times in 5.
 //! Fixed seeds fix the stream of random choices; reply and ICMP frames are
@@ -35,6 +36,21 @@
 //! - for a frontend without backends: exactly the RST / ICMP answer (a TCP
 //!   RST passes untouched).
 //!
+//! IPv6 (`ipv6`, `generator6`): a third of the seeds are IPv6 frames to
+//! IPv6 Services the agent's writer programs beside the IPv4 seed
+//! (ClusterIP, NodePort, SCTP, no endpoints, a load balancer IP with
+//! source ranges, a `Local` external IP with the pod network), behind
+//! extension headers, in fragments, ICMPv6 errors about them, neighbour
+//! discovery and echo, mutated at IPv6 offsets too. The strict parser
+//! classifies them as the programs' IPv6 policy says, and the same rules
+//! hold: the oracle's records key IPv6 addresses by one-to-one fakes, its
+//! first fragments' memory is `XP_FRAGS6`'s own; a new flow outside the
+//! source ranges, or from outside the pod network to the `Local` frontend
+//! with no local backend, is dropped untouched; translations change only
+//! addresses, ports and checksums, consistently (no header checksum; SCTP
+//! the address alone); a rejected one gets exactly the RST or ICMPv6 port
+//! unreachable.
+//!
 //! Frames the kernel refuses for tc before the program runs (see
 //! `testrun::kernel_may_refuse`) are counted and skipped. At the end the
 //! verdict counters must add up to the oracle's counts; every deviation kind
@@ -43,7 +59,8 @@
 //!
 //! Environment: `XPROXY_FUZZ_FRAMES` (mutated frames per program, default
 //! 1000000), `XPROXY_FUZZ_SEED`. About 75 s for all
-//! three in a debug build on 2 cores, 10 s with `--release`.
+//! three in a debug build on 2 cores (as before the IPv6 share: the frame
+//! budget is the same), 10 s with `--release`.
 
 // The fuzz's own modules, beside this file (a test target's root looks
 // for modules next to itself, not in a directory of its name).
@@ -55,15 +72,19 @@ mod conntrack;
 mod fragments;
 #[path = "fuzz/generator.rs"]
 mod generator;
+#[path = "fuzz/generator6.rs"]
+mod generator6;
+#[path = "fuzz/ipv6.rs"]
+mod ipv6;
 #[path = "fuzz/oracle.rs"]
 mod oracle;
 
 use std::{collections::BTreeMap, net::SocketAddrV4, time::Instant};
 
 use proxy_common::{CtTimeouts, Verdict, conntrack::state};
-use proxy_userspace::mode::ebpf::{LoadOptions, conntrack::CtSettings};
+use proxy_userspace::mode::ebpf::{LoadOptions, conntrack::CtSettings, pod_cidrs};
 use testbed::{
-    frame::{Flow, IcmpError, diff, hex},
+    frame::{Flow, Flow6, IcmpError, diff, hex},
     privileged::require_root,
     testrun::*,
 };
@@ -72,6 +93,7 @@ use crate::{
     check::{IcmpRewrite, Side},
     fragments::{FragKey, possible_cpus},
     generator::Generator,
+    ipv6::{NODE_IP6, POD_CIDR6, THIS_NODE, seed6_services},
     oracle::{Expect, Oracle, Packet, Prediction},
 };
 
@@ -143,6 +165,8 @@ struct Tally {
     findings: Findings,
     /// Frames by expected outcome.
     classes: BTreeMap<String, u64>,
+    /// Frames by ether type (IPv4, IPv6, other), as they went in.
+    families: [u64; 3],
     counts: Counts,
 }
 
@@ -208,6 +232,18 @@ impl Run<'_> {
         }
     }
 
+    /// Checks "dropped untouched".
+    fn dropped(&self, findings: &mut Findings, what: &str) {
+        if self.out.code != self.prog.drop() {
+            findings.add(format!("{what}: code {} instead of drop", self.out.code), || {
+                self.example()
+            });
+        }
+        if self.out.frame != self.input {
+            findings.add(format!("{what}: frame changed"), || self.with_diff());
+        }
+    }
+
     /// Checks the code of a translated packet: pass, or for tc_egress's
     /// forward translations a redirect to the backend's interface.
     fn translated_code(&self, findings: &mut Findings, what: &str, forward: bool) {
@@ -226,6 +262,7 @@ impl Run<'_> {
 fn run_one(h: &mut Harness, prog: Prog, oracle: &mut Oracle, input: &[u8], tally: &mut Tally) {
     let Prediction { expect, effects } = oracle.expect(prog, input);
     *tally.classes.entry(expect.class()).or_default() += 1;
+    tally.families[family(input)] += 1;
     let out = match h.try_run(prog, input) {
         Ok(out) => out,
         Err(e) if matches!(expect, Expect::Refused) && errno(&e) == Some(libc::EINVAL) => return,
@@ -237,7 +274,7 @@ fn run_one(h: &mut Harness, prog: Prog, oracle: &mut Oracle, input: &[u8], tally
     let run = Run { prog, input, out: &out };
     let seen = judge(&run, &expect, oracle, &mut tally.findings);
     if let Some(key) = seen.evicted {
-        oracle.fragments.evicted(&key);
+        oracle.fragments_of_mut(&key).evicted(&key);
     }
     oracle.ran(&effects, seen.looked_up);
     if let Some((flow, backend)) = seen.new_flow {
@@ -270,12 +307,24 @@ fn judge(run: &Run, expect: &Expect, oracle: &Oracle, findings: &mut Findings) -
             judge_reject(run, want, findings);
             Seen::verdict(Verdict::RejectNoBackend)
         }
+        Expect::Drop(v, why) => {
+            run.dropped(findings, &format!("{} ({why})", v.name()));
+            Seen::verdict(*v)
+        }
         Expect::New {
             flow,
             backends,
             colliding,
+            six,
             ..
-        } => judge_new(run, flow, backends, colliding, findings),
+        } => judge_new(run, (flow, six.as_ref()), (backends, colliding), oracle, findings),
+        Expect::Icmp6Error { error, reply, nat } => {
+            run.translated_code(findings, "IPv6 icmp_error", !*reply);
+            if let Err(e) = check::icmp6(run.input, &run.out.frame, error, *reply, *nat) {
+                findings.add(format!("IPv6 icmp_error: {e}"), || run.with_diff());
+            }
+            Seen::verdict(Verdict::IcmpError)
+        }
         Expect::Tracked { packet, reply, nat } => judge_tracked(run, packet, *reply, *nat, oracle, findings),
         Expect::IcmpError { error, reply, nat } => {
             let rewrite = if *reply {
@@ -310,7 +359,13 @@ fn judge_icmp_error(run: &Run, error: &IcmpError, rewrite: &IcmpRewrite, finding
 }
 
 fn judge_reject(run: &Run, want: &[u8], findings: &mut Findings) {
-    let what = if want.len() == 54 { "reject TCP" } else { "reject UDP" };
+    let ipv6 = want[12..14] == [0x86, 0xdd];
+    let what = match (ipv6, want.len()) {
+        (false, 54) => "reject TCP",
+        (false, _) => "reject UDP",
+        (true, 74) => "reject IPv6 TCP",
+        (true, _) => "reject IPv6 UDP",
+    };
     if run.out.code != run.prog.reject() {
         findings.add(
             format!("{what}: code {} instead of {}", run.out.code, run.prog.reject()),
@@ -329,11 +384,13 @@ fn judge_reject(run: &Run, want: &[u8], findings: &mut Findings) {
     }
 }
 
+/// A new flow (`six`: an IPv6 one, `flow` its faked form) must be
+/// DNATed to one of `backends`, unless to one of `colliding`.
 fn judge_new(
     run: &Run,
-    flow: &Flow,
-    backends: &[SocketAddrV4],
-    colliding: &[SocketAddrV4],
+    (flow, six): (&Flow, Option<&Flow6>),
+    (backends, colliding): (&[SocketAddrV4], &[SocketAddrV4]),
+    oracle: &Oracle,
     findings: &mut Findings,
 ) -> Seen {
     if !colliding.is_empty() && run.untouched() {
@@ -342,7 +399,11 @@ fn judge_new(
     }
     run.translated_code(findings, "dnat_new", true);
     let seen = Seen::verdict(Verdict::DnatNew);
-    match check::full(run.input, &run.out.frame, flow, Side::Destination) {
+    let dst = match six {
+        Some(f6) => check::full6(run.input, &run.out.frame, f6, Side::Destination).map(|a| oracle.fake.addr(a)),
+        None => check::full(run.input, &run.out.frame, flow, Side::Destination),
+    };
+    match dst {
         Err(e) => findings.add(format!("dnat_new: {e}"), || run.with_diff()),
         Ok(dst) if !backends.contains(&dst) => findings
             .add("dnat_new: destination is not a backend of the Service".into(), || {
@@ -376,7 +437,7 @@ fn judge_tracked(
         (Verdict::DnatEstablished, Side::Destination)
     };
     let what = verdict.name();
-    if let Packet::Later(key) = packet
+    if let Packet::Later(key) | Packet::Later6(key) = packet
         && run.untouched()
     {
         return judge_forgotten(run, key, oracle, findings);
@@ -384,7 +445,9 @@ fn judge_tracked(
     run.translated_code(findings, what, !reply);
     let result = match packet {
         Packet::Full(flow) => check::full(run.input, &run.out.frame, flow, side).map(|a| a == nat),
+        Packet::Full6(flow) => check::full6(run.input, &run.out.frame, flow, side).map(|a| oracle.fake.addr(a) == nat),
         Packet::Later(_) => check::later(run.input, &run.out.frame, side).map(|a| a == *nat.ip()),
+        Packet::Later6(_) => check::later6(run.input, &run.out.frame, side).map(|a| oracle.fake.ip(a) == *nat.ip()),
     };
     match result {
         Err(e) => findings.add(format!("{what}: {e}"), || run.with_diff()),
@@ -397,8 +460,9 @@ fn judge_tracked(
 /// A later fragment of a tracked flow passed untouched: the program had
 /// lost its first's ports, which the kernel's LRU may have evicted.
 fn judge_forgotten(run: &Run, key: &FragKey, oracle: &Oracle, findings: &mut Findings) -> Seen {
-    if !oracle.fragments.may_be_evicted(key) {
-        let younger = oracle.fragments.younger(key);
+    let fragments = oracle.fragments_of(key);
+    if !fragments.may_be_evicted(key) {
+        let younger = fragments.younger(key);
         findings.add(
             "later fragment untranslated though its first's ports cannot have been evicted".into(),
             || format!("{}\n{younger} keys remembered after its own", run.example()),
@@ -408,6 +472,16 @@ fn judge_forgotten(run: &Run, key: &FragKey, oracle: &Oracle, findings: &mut Fin
         looked_up: false,
         evicted: Some(*key),
         ..Seen::verdict(Verdict::PassFragmentUntracked)
+    }
+}
+
+/// 0 for an IPv4 frame, 1 for IPv6, 2 for anything else (VLAN tags,
+/// ARP, truncated Ethernet), by its ether type.
+fn family(frame: &[u8]) -> usize {
+    match frame.get(12..14) {
+        Some([0x08, 0x00]) => 0,
+        Some([0x86, 0xdd]) => 1,
+        _ => 2,
     }
 }
 
@@ -428,9 +502,13 @@ fn harness() -> Harness {
         ..LoadOptions::default()
     };
     let mut h = Harness::with_options(vec![NODE_IP], options);
-    for svc in seed_services() {
+    h.maps.set_node_ips(vec![NODE_IP.into(), NODE_IP6.into()]);
+    h.maps.set_topology(Some(THIS_NODE.into()), false);
+    for svc in seed_services().into_iter().chain(seed6_services()) {
         h.sync(&svc);
     }
+    let pods = format!("{}/{}", POD_CIDR6.0, POD_CIDR6.1).parse().expect("a CIDR");
+    pod_cidrs::write(h.pin_dir(), &pod_cidrs::trie_entries(&[pods])).expect("the pod networks written");
     h
 }
 
@@ -443,6 +521,7 @@ fn fuzz(prog: Prog) {
     let mut tally = Tally {
         findings: Findings::default(),
         classes: BTreeMap::new(),
+        families: [0; 3],
         counts: Counts::new(),
     };
     let (mut frames, mut mutated) = (0u64, 0u64);
@@ -465,19 +544,26 @@ fn fuzz(prog: Prog) {
 
 /// Prints what ran and panics with every deviation, counters included.
 fn report(h: &Harness, oracle: &Oracle, tally: Tally, prog: Prog) {
+    let [v4, v6, other] = tally.families;
+    println!("  frames by ether type: IPv4 {v4}, IPv6 {v6}, other {other}");
     println!("  frames by expected outcome:");
     for (class, n) in &tally.classes {
         println!("    {n:>9}  {class}");
     }
-    let f = &oracle.fragments;
     println!(
-        "  conntrack entries: {} ({} state changes kept from an entry of another flow); first fragments' keys remembered: {}, seen evicted: {} (the youngest with {} keys after it)",
+        "  conntrack entries: {} ({} state changes kept from an entry of another flow, {} IPv6 flows)",
         oracle.conntrack.len(),
         oracle.conntrack.one_way_partners,
-        f.len(),
-        f.evictions,
-        f.youngest_evicted.map_or("no".into(), |y| y.to_string()),
+        oracle.flow_list6.len(),
     );
+    for (family, f) in [("IPv4", &oracle.fragments), ("IPv6", &oracle.fragments6)] {
+        println!(
+            "  {family} first fragments' keys remembered: {}, seen evicted: {} (the youngest with {} keys after it)",
+            f.len(),
+            f.evictions,
+            f.youngest_evicted.map_or("no".into(), |y| y.to_string()),
+        );
+    }
     let Tally {
         mut findings, counts, ..
     } = tally;

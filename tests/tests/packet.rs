@@ -1830,8 +1830,12 @@ const LOCAL_UDP: &str = "default/local:dns";
 
 /// The seed backends, `BACKEND_IPS[i]` on `nodes[i]`.
 fn backends_on(nodes: [&str; 3]) -> Vec<Endpoint> {
-    BACKEND_IPS
-        .iter()
+    endpoints_on(&BACKEND_IPS, nodes)
+}
+
+/// Endpoints `ips[i]`:[`BACKEND_PORT`] on `nodes[i]` (either family).
+fn endpoints_on<A: Copy + Into<std::net::IpAddr>>(ips: &[A; 3], nodes: [&str; 3]) -> Vec<Endpoint> {
+    ips.iter()
         .zip(nodes)
         .map(|(ip, node)| Endpoint {
             node_name: Some(node.into()),

@@ -3,11 +3,13 @@
 //! every checksum kept its ones' complement residual (an incremental
 //! update, right even when the input's checksum was wrong).
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddrV4, SocketAddrV6};
 
 use etherparse::checksum::Sum16BitWords;
 use proxy_common::proto;
-use testbed::frame::{ETH_HLEN, Flow, IcmpError, Strict, icmp_offsets::*, parse_strict, residuals, same_checksum};
+use testbed::frame::{
+    ETH_HLEN, Flow, Flow6, IcmpError, IcmpError6, Strict, icmp_offsets::*, parse_strict, residuals, same_checksum,
+};
 
 /// Which end of the packet a translation rewrites.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -234,5 +236,143 @@ fn icmp_residuals(
     };
     let udp = before.quoted_proto == proto::UDP;
     let residual = (quoted_l4(input, before), quoted_l4(out, after));
+    check_l4_checksum("quoted L4", udp, (field(input, c), field(out, c)), residual)
+}
+
+/// Offset of an IPv6 header's `side` address, the header at `ip_header`.
+fn addr6_offset(ip_header: usize, side: Side) -> usize {
+    ip_header + if side == Side::Source { 8 } else { 24 }
+}
+
+/// The ones' complement sum of an IPv6 L4 segment's bytes `l4..end` of
+/// `frame` with its pseudo header (`l4_len` as the header says it): what
+/// a consistent checksum update keeps.
+fn residual6(
+    frame: &[u8],
+    (src, dst): (Ipv6Addr, Ipv6Addr),
+    proto: u8,
+    l4_len: usize,
+    (l4, end): (usize, usize),
+) -> u16 {
+    Sum16BitWords::new()
+        .add_16bytes(src.octets())
+        .add_16bytes(dst.octets())
+        .add_4bytes((l4_len as u32).to_be_bytes())
+        .add_4bytes([0, 0, 0, proto])
+        .add_slice(&frame[l4..end])
+        .ones_complement()
+}
+
+/// An IPv6 whole datagram or first fragment, translated on `side`: the
+/// address, the port (not SCTP's: it stays) and the TCP/UDP checksum
+/// (SCTP's CRC32c covers no address); returns the new address and port.
+pub fn full6(input: &[u8], out: &[u8], flow: &Flow6, side: Side) -> Result<SocketAddrV6, String> {
+    let addr = addr6_offset(ETH_HLEN, side);
+    let mut allowed: Vec<usize> = (addr..addr + 16).collect();
+    if flow.proto != proto::SCTP {
+        let port = port_offset(flow.l4_offset, side);
+        allowed.extend([port, port + 1]);
+    }
+    let c = flow.l4_checksum_offset();
+    allowed.extend(c.iter().flat_map(|&c| [c, c + 1]));
+    changed_outside(input, out, &allowed)?;
+    let Strict::Ipv6Flow(after) = parse_strict(out) else {
+        return Err("output no longer parses".into());
+    };
+    if let Some(c) = c {
+        let span = (flow.l4_offset, flow.end);
+        let l4_len = flow.end - flow.l4_offset;
+        let before = residual6(input, (*flow.src.ip(), *flow.dst.ip()), flow.proto, l4_len, span);
+        let now = residual6(out, (*after.src.ip(), *after.dst.ip()), flow.proto, l4_len, span);
+        let udp = flow.proto == proto::UDP;
+        check_l4_checksum("L4", udp, (field(input, c), field(out, c)), (before, now))?;
+    }
+    Ok(if side == Side::Destination {
+        after.dst
+    } else {
+        after.src
+    })
+}
+
+/// A later IPv6 fragment, translated on `side`: the address alone (no
+/// L4 header, and IPv6 has no header checksum); returns the new address.
+pub fn later6(input: &[u8], out: &[u8], side: Side) -> Result<Ipv6Addr, String> {
+    let addr = addr6_offset(ETH_HLEN, side);
+    changed_outside(input, out, &(addr..addr + 16).collect::<Vec<_>>())?;
+    let Strict::Ipv6LaterFragment(after) = parse_strict(out) else {
+        return Err("output no longer parses as a later fragment".into());
+    };
+    Ok(if side == Side::Destination {
+        after.dst
+    } else {
+        after.src
+    })
+}
+
+/// An ICMPv6 error, translated as the entry it names says: towards the
+/// client (`reply`) the quote's destination from the backend to `nat`
+/// (the frontend) and an outer source that was the backend; else the
+/// quote's source from the frontend to `nat` (the backend) and an outer
+/// destination that was the frontend. The ICMPv6 checksum and the quoted
+/// L4 one (if quoted) keep their residuals.
+pub fn icmp6(input: &[u8], out: &[u8], error: &IcmpError6, reply: bool, nat: SocketAddrV6) -> Result<(), String> {
+    let (quoted, outer) = if reply {
+        (Side::Destination, Side::Source)
+    } else {
+        (Side::Source, Side::Destination)
+    };
+    let old = if reply { error.quoted_dst } else { error.quoted_src };
+    let outer_addr = if outer == Side::Source { error.src } else { error.dst };
+    let outer_rewritten = outer_addr == *old.ip();
+    let inner_addr = addr6_offset(error.inner_ip(), quoted);
+    let inner_port = port_offset(error.inner_l4(), quoted);
+    let checksum = error.inner_l4() + if error.quoted_proto == proto::TCP { 16 } else { 6 };
+    let checksum = Some(checksum).filter(|c| c + 2 <= error.end);
+    let mut allowed: Vec<usize> = (inner_addr..inner_addr + 16).collect();
+    allowed.extend([inner_port, inner_port + 1, error.icmp_offset + 2, error.icmp_offset + 3]);
+    allowed.extend(checksum.iter().flat_map(|&c| [c, c + 1]));
+    if outer_rewritten {
+        let at = addr6_offset(ETH_HLEN, outer);
+        allowed.extend(at..at + 16);
+    }
+    changed_outside(input, out, &allowed)?;
+    let Strict::Icmp6Error(after) = parse_strict(out) else {
+        return Err("output no longer parses as an ICMPv6 error".into());
+    };
+    let mut want = *error;
+    if reply {
+        want.quoted_dst = nat;
+        if outer_rewritten {
+            want.src = *nat.ip();
+        }
+    } else {
+        want.quoted_src = nat;
+        if outer_rewritten {
+            want.dst = *nat.ip();
+        }
+    }
+    if after != want {
+        return Err(format!("translated to {after:?}, want {want:?}"));
+    }
+    let icmp = |frame: &[u8], e: &IcmpError6| {
+        let span = (e.icmp_offset, e.end);
+        residual6(frame, (e.src, e.dst), 58, e.end - e.icmp_offset, span)
+    };
+    check_residual("ICMPv6", icmp(input, error), icmp(out, &after))?;
+    let Some(c) = checksum else {
+        return Ok(());
+    };
+    let quoted_l4 = |frame: &[u8], e: &IcmpError6| {
+        let addrs = (*e.quoted_src.ip(), *e.quoted_dst.ip());
+        residual6(
+            frame,
+            addrs,
+            e.quoted_proto,
+            e.quoted_payload_len,
+            (e.inner_l4(), e.end),
+        )
+    };
+    let udp = error.quoted_proto == proto::UDP;
+    let residual = (quoted_l4(input, error), quoted_l4(out, &after));
     check_l4_checksum("quoted L4", udp, (field(input, c), field(out, c)), residual)
 }

@@ -35,8 +35,11 @@ use std::{collections::HashMap, net::Ipv4Addr};
 
 use proxy_common::maps::FRAGMENTS_MAX;
 
-/// (source, destination, IP id, protocol) of a datagram.
-pub type FragKey = (Ipv4Addr, Ipv4Addr, u16, u8);
+/// (source, destination, IP id, protocol) of a datagram. An IPv6 one's:
+/// its addresses' fakes (see `ipv6::Fake4`) and the fragment header's
+/// 32-bit id; kept in a memory of its own, as the programs keep them in a
+/// map of their own (`XP_FRAGS6`) of the same size.
+pub type FragKey = (Ipv4Addr, Ipv4Addr, u32, u8);
 
 /// The kernel's `LOCAL_FREE_TARGET`: the most free nodes a CPU's local
 /// list holds, and the most an eviction takes at once.

@@ -12,7 +12,9 @@
 //! flips, byte sets, truncation, extension, address and port swaps, header
 //! fields set to edge values, VLAN tags, the quote of an ICMP error).
 //! Reply and ICMP seeds are built from the flows the program translated,
-//! so their bytes depend on its random picks.
+//! so their bytes depend on its random picks. One seed in
+//! [`IPV6_SHARE`] is IPv6's (`generator6`), mutated at IPv6 offsets or
+//! as IPv4's.
 
 use std::{
     collections::VecDeque,
@@ -30,7 +32,14 @@ use testbed::{
     testrun::*,
 };
 
-use crate::oracle::Oracle;
+use crate::{
+    generator6::{Generator6, is_ipv6, mutate6},
+    oracle::Oracle,
+};
+
+/// The share of seeds that are IPv6 frames (of the same frame budget:
+/// the run time stays IPv4's alone).
+const IPV6_SHARE: f64 = 1.0 / 3.0;
 
 /// Addresses and ports seeds and mutations draw from.
 struct Dict {
@@ -106,6 +115,7 @@ pub struct Generator {
     queue: VecDeque<(Vec<u8>, bool)>,
     /// One later fragment of every datagram sent in fragments, oldest first.
     later_fragments: Vec<Vec<u8>>,
+    v6: Generator6,
 }
 
 impl Generator {
@@ -115,6 +125,7 @@ impl Generator {
             dict: Dict::new(oracle),
             queue: VecDeque::new(),
             later_fragments: Vec::new(),
+            v6: Generator6::new(oracle),
         }
     }
 
@@ -126,7 +137,11 @@ impl Generator {
             for (i, mut frame) in frames.into_iter().enumerate() {
                 if mutated == Some(i) {
                     for _ in 0..self.rng.gen_range(1..=3) {
-                        mutate(&mut self.rng, &self.dict, &mut frame);
+                        if is_ipv6(&frame) && self.rng.gen_bool(0.5) {
+                            mutate6(&mut self.rng, &self.v6.dict, &mut frame);
+                        } else {
+                            mutate(&mut self.rng, &self.dict, &mut frame);
+                        }
                     }
                 }
                 self.queue.push_back((frame, mutated == Some(i)));
@@ -137,6 +152,9 @@ impl Generator {
 
     /// A seed: one frame, or a sequence (fragments).
     fn seed(&mut self, oracle: &Oracle) -> Vec<Vec<u8>> {
+        if self.rng.gen_bool(IPV6_SHARE) {
+            return self.v6.seed(&mut self.rng, oracle);
+        }
         match self.rng.gen_range(0..100) {
             0..38 => vec![self.for_a_frontend()],
             38..58 => vec![self.reply(oracle)],
@@ -342,7 +360,7 @@ fn l4_len(frame: &[u8]) -> usize {
     usize::from(u16::from_be_bytes([frame[ETH_HLEN + 2], frame[ETH_HLEN + 3]])) - 20
 }
 
-fn random_bytes(rng: &mut StdRng, len: usize) -> Vec<u8> {
+pub fn random_bytes(rng: &mut StdRng, len: usize) -> Vec<u8> {
     let mut b = vec![0; len];
     rng.fill(&mut b[..]);
     b
@@ -360,20 +378,7 @@ fn l4_frame(
     let n = rng.gen_range(payload);
     let payload = random_bytes(rng, n);
     let mut f = if proto == proto::TCP {
-        let flags = *[
-            SYN,
-            ACK,
-            PSH | ACK,
-            FIN | ACK,
-            RST,
-            RST | ACK,
-            SYN | ACK,
-            0,
-            FIN,
-            URG | ACK,
-        ]
-        .choose(rng)
-        .expect("flags");
+        let flags = tcp_flags(rng);
         Frame::tcp(src, dst, flags).with_tcp(|t| {
             t.seq = rng.r#gen();
             t.ack = rng.r#gen();
@@ -398,6 +403,24 @@ fn l4_frame(
         f = f.with_padding(&pad);
     }
     f
+}
+
+/// TCP flags of every kind a segment may carry.
+pub fn tcp_flags(rng: &mut StdRng) -> u8 {
+    *[
+        SYN,
+        ACK,
+        PSH | ACK,
+        FIN | ACK,
+        RST,
+        RST | ACK,
+        SYN | ACK,
+        0,
+        FIN,
+        URG | ACK,
+    ]
+    .choose(rng)
+    .expect("flags")
 }
 
 const INTERESTING: [u8; 14] = [0, 1, 0x45, 0x46, 0x40, 0x20, 0x3f, 6, 17, 1, 0x50, 0x60, 0x80, 0xff];

@@ -138,12 +138,25 @@ fn external_local_applies_to_load_balancer_and_external_ips() {
 }
 
 /// The pod network [`CLIENT_IP`] is in, as `clusterCIDR` gives it.
-const POD_CIDR: &str = "10.244.0.0/16";
+pub(crate) const POD_CIDR: &str = "10.244.0.0/16";
 
 /// Writes the pod networks the agent writes from `clusterCIDR`.
-fn set_pod_cidrs(h: &Harness, cidrs: &[&str]) {
+pub(crate) fn set_pod_cidrs(h: &Harness, cidrs: &[&str]) {
     let cidrs: Vec<_> = cidrs.iter().map(|c| c.parse().expect("a CIDR")).collect();
     pod_cidrs::write(h.pin_dir(), &pod_cidrs::trie_entries(&cidrs)).expect("the pod networks written");
+}
+
+/// A data path with the SNAT fallback on, on node [`THIS_NODE`], with
+/// `svc` programmed as `externalTrafficPolicy: Local`; returns that too.
+pub(crate) fn external_local_on_this_node(svc: ServicePort) -> (Harness, ServicePort) {
+    let mut h = Harness::with_snat_mark(vec![NODE_IP], 0x4000);
+    h.maps.set_topology(Some(THIS_NODE.into()), false);
+    let svc = ServicePort {
+        external_policy: TrafficPolicy::Local,
+        ..svc
+    };
+    h.sync(&svc);
+    (h, svc)
 }
 
 /// How flows from `client_ip` to `to` end: the backends reached (30 new
@@ -160,13 +173,7 @@ fn pods_reach_every_endpoint_of_a_local_external_frontend() {
     if !require_root("pods_reach_every_endpoint_of_a_local_external_frontend") {
         return;
     }
-    let mut h = Harness::with_snat_mark(vec![NODE_IP], 0x4000);
-    h.maps.set_topology(Some(THIS_NODE.into()), false);
-    let svc = ServicePort {
-        external_policy: TrafficPolicy::Local,
-        ..lb_service(backends_on([OTHER_NODE, THIS_NODE, OTHER_NODE]))
-    };
-    h.sync(&svc);
+    let (mut h, svc) = external_local_on_this_node(lb_service(backends_on([OTHER_NODE, THIS_NODE, OTHER_NODE])));
     let local: BTreeSet<SocketAddrV4> = [addr(BACKEND_IPS[1], BACKEND_PORT)].into();
     let every: BTreeSet<SocketAddrV4> = seed_backends().into_iter().collect();
     let frontends = [

@@ -37,6 +37,9 @@ mod ipv6_conntrack;
 mod ipv6_fragments;
 mod ipv6_icmp_errors;
 
+/// Source ranges and the pod networks, through the agent's writer.
+mod ipv6_api;
+
 const CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0xa);
 const NODE_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x192, 0x168, 0x50, 0, 0, 0, 0x10);
 const CLIENT_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 5);
