@@ -241,6 +241,21 @@ impl BenchAgent {
     pub fn log_text(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// Waits (up to `patience`) until the agent says it returned the
+    /// memory a full list freed, which it does right after the sync that
+    /// took the list in: its resident set is settled from then on. False
+    /// if it did not say so in time.
+    pub fn wait_memory_settled(&self, patience: Duration) -> bool {
+        let started = Instant::now();
+        while parse_log(&self.log_text()).memory_returned == 0 {
+            if started.elapsed() > patience {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        true
+    }
 }
 
 impl Drop for BenchAgent {
@@ -295,6 +310,9 @@ pub struct LogFacts {
     /// Syncs that failed, and the error of the last one.
     pub sync_failures: usize,
     pub last_sync_failure: Option<String>,
+    /// How often the agent returned freed memory to the kernel (after a
+    /// sync that took in a full list): its RSS has settled after the first.
+    pub memory_returned: usize,
 }
 
 impl LogFacts {
@@ -335,6 +353,8 @@ pub fn parse_log(text: &str) -> LogFacts {
                 .push(("manifests".to_owned(), SystemTime::from(at), services));
             let took_ms = field(fields, "took_ms").and_then(|n| n.parse::<f64>().ok());
             facts.manifests_read_s = facts.manifests_read_s.or(took_ms.map(|ms| ms / 1e3));
+        } else if message.starts_with("freed memory returned") {
+            facts.memory_returned += 1;
         } else if message.starts_with("sync failed") {
             let error = message.split_once("error=").map_or(message, |(_, e)| e);
             facts.sync_failures += 1;
@@ -367,6 +387,7 @@ mod tests {
 2026-12-02T15:11:23.750000Z  INFO xproxy::source::kube: listed kind=\"EndpointSlice\" objects=101
 2026-12-02T15:11:23.760000Z  INFO xproxy::agent: synced mode=\"ebpf\" full=true services=0 changed=0 kernel_writes=0 took_ms=0.1
 2026-12-02T15:11:23.900000Z  INFO xproxy::agent: synced mode=\"ebpf\" full=true services=101 changed=101 kernel_writes=900 took_ms=123.5
+2026-12-02T15:11:23.950000Z  INFO xproxy::cmd::run: freed memory returned to the kernel took_ms=2.5
 2026-12-02T15:11:24.000000Z  WARN xproxy::agent: sync failed; retrying with a full sync error=\"writing a backend: E2BIG\"
 ";
 
@@ -383,6 +404,7 @@ mod tests {
         assert_eq!(facts.first_sync_with(101), Some(0.1235));
         assert_eq!(facts.first_sync_with(102), None);
         assert_eq!(facts.last_sync_failure.as_deref(), Some("writing a backend: E2BIG"));
+        assert_eq!(facts.memory_returned, 1);
     }
 
     #[test]

@@ -554,6 +554,13 @@ impl<'a> Runner<'a> {
             fmt_s(programming.sync_s),
             read.map_or(String::new(), |s| format!(", reading the manifests {}", fmt_s(Some(s))))
         ));
+        // The resident set once the agent has handed back what the lists
+        // freed (a few milliseconds after its first full sync).
+        if !agent.wait_memory_settled(MEMORY_SETTLE_PATIENCE) {
+            self.say(&format!(
+                "{label}: the agent did not return freed memory in time; RSS read anyway"
+            ));
+        }
         let pid = agent.pid().context("the agent's pid")?;
         let memory = memory::measure(pid, agent.pin_path())?;
         let timed_out = programming.timed_out_after_s.is_some();
@@ -574,6 +581,10 @@ impl<'a> Runner<'a> {
         })
     }
 }
+
+/// How long a scale run waits for the agent to return the memory its
+/// first full list freed before reading its RSS.
+const MEMORY_SETTLE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The latency targets in IPv4: ClusterIP first, last, direct; NodePort
 /// first, last, direct.
