@@ -244,17 +244,14 @@ impl BenchAgent {
 
     /// Waits (up to `patience`) until the agent says it returned the
     /// memory a full list freed, which it does right after the sync that
-    /// took the list in: its resident set is settled from then on. False
-    /// if it did not say so in time.
-    pub fn wait_memory_settled(&self, patience: Duration) -> bool {
-        let started = Instant::now();
-        while parse_log(&self.log_text()).memory_returned == 0 {
-            if started.elapsed() > patience {
-                return false;
+    /// took the list in: its resident set is settled from then on.
+    pub fn wait_memory_settled(&self, patience: Duration) -> Result<()> {
+        testbed::netns::wait_for("the agent to return freed memory", patience, || {
+            match parse_log(&self.log_text()).memory_returned {
+                0 => Err("not in its log yet".to_owned()),
+                _ => Ok(()),
             }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        true
+        })
     }
 }
 

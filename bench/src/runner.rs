@@ -556,10 +556,8 @@ impl<'a> Runner<'a> {
         ));
         // The resident set once the agent has handed back what the lists
         // freed (a few milliseconds after its first full sync).
-        if !agent.wait_memory_settled(MEMORY_SETTLE_PATIENCE) {
-            self.say(&format!(
-                "{label}: the agent did not return freed memory in time; RSS read anyway"
-            ));
+        if let Err(e) = agent.wait_memory_settled(MEMORY_SETTLE_PATIENCE) {
+            self.say(&format!("{label}: {e:#}; RSS read anyway"));
         }
         let pid = agent.pid().context("the agent's pid")?;
         let memory = memory::measure(pid, agent.pin_path())?;
