@@ -96,13 +96,15 @@ pub struct Bed {
 impl Bed {
     /// Loads `object` into a fresh pin directory the way the agent does
     /// (maps pinned by name, `snat_mark` patched in) and programs the seed
-    /// Services (and the seed's IPv6 twin), with NodePorts on `node_ips`.
-    pub fn load(object: &Object, snat_mark: u32, node_ips: Vec<IpAddr>) -> Result<Self> {
+    /// Services (and the seed's IPv6 twin), with NodePorts on `node_ips`;
+    /// the IPv4 conntrack holds `conntrack_entries`.
+    pub fn load(object: &Object, snat_mark: u32, node_ips: Vec<IpAddr>, conntrack_entries: u32) -> Result<Self> {
         let pin = PinDir::new();
         std::fs::create_dir_all(pin.path()).with_context(|| format!("creating {}", pin.path().display()))?;
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(pin.path())
             .override_global(maps::GLOBAL_SNAT_MARK, &snat_mark, true)
+            .map_max_entries(maps::CONNTRACK, conntrack_entries)
             .load(object.bytes())
             .with_context(|| format!("loading the eBPF object ({})", object.source))?;
         let xdp: &mut Xdp = program(&mut ebpf, maps::PROG_XDP_UPLINK)?.try_into()?;
