@@ -3,6 +3,7 @@
 use crate::{
     latency::Latency,
     memory::{MapMemory, Memory},
+    program_time::{ProgramShare, TargetProgramTime},
     programming::{EndpointChange, Programming},
     results::{
         Baseline, Ipv6Latency, Machine, ModeResult, ModeStatus, Parameters, PartTiming, Results, Run, RunLatency,
@@ -109,6 +110,16 @@ pub fn results() -> Results {
         max_ms: 2.0,
         samples_ms: vec![0.5, 1.0, 2.0],
     });
+    ebpf_1000.program_time = Some(vec![TargetProgramTime {
+        target: "ClusterIP, last".into(),
+        requests: 1000,
+        us_per_request: 1.25,
+        programs: vec![ProgramShare {
+            program: "tc_ingress".into(),
+            runs_per_request: 5.0,
+            ns_per_run: 250.0,
+        }],
+    }]);
     Results {
         schema: crate::results::SCHEMA,
         machine: Machine {

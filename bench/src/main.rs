@@ -21,6 +21,7 @@ mod memory;
 mod packet_cost;
 mod perpacket;
 mod plan;
+mod program_time;
 mod programming;
 mod progress;
 mod report;

@@ -763,6 +763,7 @@ fn tables(out: &mut String, r: &Results) {
     latency_table(out, r, "Request latency (connect, a line out, the answer back)", |l| {
         (&l.request_p50_us, &l.request_p99_us)
     });
+    program_time_table(out, r);
 
     let _ = writeln!(out, "### Programming time\n");
     let _ = writeln!(
@@ -847,6 +848,49 @@ fn tables(out: &mut String, r: &Results) {
             }
         }
     }
+}
+
+/// The programs' share of a request (issue 15 item 3: where a connection's
+/// microseconds go), for the modes that have programs.
+fn program_time_table(out: &mut String, r: &Results) {
+    let mut rows = Vec::new();
+    for m in r.modes.iter().filter(|m| m.status == ModeStatus::Ran) {
+        for run in &m.runs {
+            for t in run.program_time.iter().flatten() {
+                let programs = t
+                    .programs
+                    .iter()
+                    .map(|p| format!("{} {:.1} × {:.0} ns", p.program, p.runs_per_request, p.ns_per_run))
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                rows.push(vec![
+                    m.mode.clone(),
+                    run.services.to_string(),
+                    t.target.clone(),
+                    format!("{:.2}", t.us_per_request),
+                    programs,
+                ]);
+            }
+        }
+    }
+    if rows.is_empty() {
+        return;
+    }
+    let _ = writeln!(out, "### The programs' time per request (BPF run-time statistics)\n");
+    let _ = writeln!(
+        out,
+        "One more round of requests per target after the timed ones, with the kernel's BPF \
+         statistics on (`BPF_ENABLE_STATS`; they add two clock reads per run, so this round is \
+         not timed): every run of the agent's programs over the round, per request (connect, a \
+         line each way, close), as runs per request × ns per run. Set against the request \
+         latency's distance from the no-proxy baseline, it says how much of that the programs \
+         themselves are.\n"
+    );
+    table(
+        out,
+        &["Mode", "Services", "Target", "µs per request", "runs × ns per run"],
+        &rows,
+    );
 }
 
 fn throughput_table(out: &mut String, r: &Results) {
@@ -1201,5 +1245,9 @@ pub mod tests {
         assert!(text.contains("30.0k"));
         assert!(text.contains("widest spread"));
         assert!(text.contains("### One endpoint change"));
+        assert!(
+            text.contains("| ebpf | 1000 | ClusterIP, last | 1.25 | tc_ingress 5.0 × 250 ns |"),
+            "{text}"
+        );
     }
 }

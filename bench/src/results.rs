@@ -9,8 +9,8 @@ use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    latency::Latency, memory::Memory, programming::EndpointChange, programming::Programming, throughput::Throughput,
-    throughput::WrkOptions,
+    latency::Latency, memory::Memory, program_time::TargetProgramTime, programming::EndpointChange,
+    programming::Programming, throughput::Throughput, throughput::WrkOptions,
 };
 
 /// Bumped when a field changes meaning.
@@ -116,6 +116,10 @@ pub struct Run {
     pub throughput: Option<RunThroughput>,
     pub memory: Option<Memory>,
     pub endpoint_change: Option<EndpointChange>,
+    /// The agent's programs' time per request, from the kernel's BPF
+    /// statistics (modes without programs: `None`).
+    #[serde(default)]
+    pub program_time: Option<Vec<TargetProgramTime>>,
     /// What went wrong, if something did (the fields above stop there).
     pub error: Option<String>,
     /// Why this run measured nothing although nothing went wrong (the
@@ -136,6 +140,7 @@ impl Run {
             throughput: None,
             memory: None,
             endpoint_change: None,
+            program_time: None,
             error: None,
             note: None,
             seconds: 0.0,

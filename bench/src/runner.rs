@@ -26,6 +26,7 @@ use crate::{
     latency::{self, Latency, Target},
     memory, packet_cost,
     plan::{Plan, ScalePoint},
+    program_time,
     programming::{self, EndpointPod},
     progress::Progress,
     results::{
@@ -423,6 +424,8 @@ impl<'a> Runner<'a> {
             run_latency(found)
         })?);
         agent.alive()?;
+        self.measure_program_time(topo, (cluster(last), node_port(last)?, direct), label, run);
+        agent.alive()?;
 
         if self.wrk {
             let wrk = &self.plan.wrk;
@@ -473,6 +476,35 @@ impl<'a> Runner<'a> {
         let pid = agent.pid().context("the agent's pid")?;
         run.memory = Some(memory::measure(pid, agent.pin_path())?);
         Ok(())
+    }
+
+    /// The programs' share of a request to the last Service (ClusterIP from
+    /// the client pod, NodePort from the client) and of one straight to a
+    /// pod: an extra round with the kernel's BPF statistics on. Like the
+    /// throughput, a failure costs this figure and a note, not the run.
+    fn measure_program_time(
+        &self,
+        topo: &BenchTopology,
+        (cluster_ip, node_port, direct): (SocketAddrV4, SocketAddrV4, SocketAddrV4),
+        label: &str,
+        run: &mut Run,
+    ) {
+        let targets = [
+            ("ClusterIP, last", &topo.client_pod.ns, cluster_ip.into()),
+            ("NodePort, last", &topo.client, node_port.into()),
+            ("direct, from the client pod", &topo.client_pod.ns, direct.into()),
+        ];
+        let requests = self.plan.connections.min(PROGRAM_TIME_REQUESTS);
+        let measured = self.progress.part(&format!("{label}: programs' time per request"), || {
+            program_time::measure(&targets, requests)
+        });
+        match measured {
+            Ok(found) => run.program_time = found,
+            Err(e) => {
+                self.say(&format!("{label}: programs' time not measured: {e:#}"));
+                run.note = Some(format!("programs' time not measured: {e:#}"));
+            }
+        }
     }
 
     // -----------------------------------------------------------------------
@@ -587,6 +619,9 @@ const MEMORY_SETTLE_PATIENCE: std::time::Duration = std::time::Duration::from_se
 /// The latency targets in IPv4: ClusterIP first, last, direct; NodePort
 /// first, last, direct.
 const IPV4_TARGETS: usize = 6;
+/// Requests per target of the round that reads the programs' statistics:
+/// enough that a program's time per request settles.
+const PROGRAM_TIME_REQUESTS: usize = 1000;
 
 /// How long the last Service's IPv6 half may take to answer once its IPv4
 /// half does (the same sync programs both): a mode that does not serve it
