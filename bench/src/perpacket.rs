@@ -741,6 +741,7 @@ mod tests {
             ("xdp_uplink", Kind::NewFlow, Frontend::MaglevClusterIp),
             ("tc_ingress", Kind::EstablishedWorkingSet, Frontend::ClusterIp),
             ("tc_ingress", Kind::MissWorkingSet, Frontend::None),
+            ("tc_ingress", Kind::BackendPortMiss, Frontend::None),
             ("tc_egress", Kind::ReplyWorkingSet, Frontend::ClusterIp),
         ];
         let of = |family| move |&(p, k, f): &(&'static str, Kind, Frontend)| (p, k, f, family);

@@ -81,6 +81,11 @@ fn service_traffic(ctx: &impl Ctx, flow: &Flow) -> (Verdict, Outcome) {
         Some(tracked) if tracked.reply => reverse(ctx, flow, &tracked),
         Some(tracked) => established(ctx, flow, &tracked),
         None if flow.is_later_fragment() => (Verdict::PassFragmentUntracked, Outcome::Pass),
+        // It passed the filter on its source port (a backend's), but no
+        // frontend has its destination port: pod-to-pod traffic on a port
+        // Services also target, which would otherwise pay a second, mostly
+        // cold, hash lookup on every packet.
+        None if !ports::to_frontend(flow.dport_be) => (Verdict::PassNotService, Outcome::Pass),
         None => match lookup::frontend(flow) {
             Some(svc) => new_flow(ctx, flow, &svc),
             None => (Verdict::PassNotService, Outcome::Pass),

@@ -12,6 +12,13 @@ pub fn may_be_service(sport_be: u16, dport_be: u16) -> bool {
     has(u16::from_be(dport_be), |b| b.frontend) || has(u16::from_be(sport_be), |b| b.backend)
 }
 
+/// Whether the destination port is some frontend's: a packet of no
+/// tracked flow can open one only then.
+#[inline(always)]
+pub fn to_frontend(dport_be: u16) -> bool {
+    has(u16::from_be(dport_be), |b| b.frontend)
+}
+
 #[inline(always)]
 fn has(port: u16, bits: impl Fn(&ports::PortBits) -> u64) -> bool {
     let (index, bit) = ports::slot(port);

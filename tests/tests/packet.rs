@@ -657,6 +657,44 @@ fn replies_are_reverse_nated() {
     }
 }
 
+/// The port filter lets a backend port's packets through to conntrack (they
+/// may be replies); one of no flow looks a frontend up only if its
+/// destination port is a frontend's. So a backend's answer to a client it
+/// has no Service flow with passes untouched, and a backend that connects
+/// to a Service from its target port still opens a flow like any client.
+#[test]
+fn a_backend_ports_packets_of_no_flow_open_flows_only_to_frontends() {
+    if !require_root("a_backend_ports_packets_of_no_flow_open_flows_only_to_frontends") {
+        return;
+    }
+    let mut h = Harness::seeded();
+    let backends = seed_backends();
+    // A backend of its own per program: each opens a flow of its own.
+    for (prog, from_target_port) in Prog::ALL.into_iter().zip(backends.iter().copied()) {
+        let peer = client(&mut h);
+        run_case(
+            &mut h,
+            prog,
+            &Case::pass(
+                "a backend's answer to a pod it has no Service flow with",
+                &Frame::tcp(from_target_port, peer, ACK),
+                Verdict::PassNotService,
+            ),
+        );
+        run_case(
+            &mut h,
+            prog,
+            &Case::dnat(
+                "a backend's connection from its target port to the Service",
+                Frame::tcp(from_target_port, cluster_ip(), SYN),
+                &backends,
+                Verdict::DnatNew,
+            ),
+        );
+    }
+    assert_eq!(Prog::ALL.len(), backends.len(), "a backend per program");
+}
+
 /// A TCP flow keeps its backend while the Service's backend set is
 /// replaced, also when its backend left the set: its conntrack entries hold
 /// the backend's address (kube-proxy's conntrack entries outlive its rules

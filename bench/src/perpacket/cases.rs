@@ -43,6 +43,11 @@ pub enum Kind {
     /// Such packets of many different flows (the conntrack lookup every
     /// packet that is no Service's gets, in case it is a reply, cold).
     MissWorkingSet,
+    /// A pod answering from a Service's backend port to clients it has no
+    /// Service flow with (pod-to-pod traffic on a target port), many of
+    /// them: its source port passes the port filter, so it costs a
+    /// conntrack lookup, cold.
+    BackendPortMiss,
     /// A new flow of a client a ClientIP affinity Service remembers: its
     /// backend of before, the entry's time moved on.
     AffinityHit,
@@ -58,7 +63,7 @@ impl Kind {
             Kind::NewFlow | Kind::AffinityHit | Kind::AffinityMiss => Verdict::DnatNew,
             Kind::Established | Kind::EstablishedWorkingSet => Verdict::DnatEstablished,
             Kind::Reply | Kind::ReplyWorkingSet => Verdict::RevNat,
-            Kind::Miss | Kind::MissWorkingSet => Verdict::PassNotService,
+            Kind::Miss | Kind::MissWorkingSet | Kind::BackendPortMiss => Verdict::PassNotService,
         }
     }
 
@@ -71,7 +76,7 @@ impl Kind {
             Kind::NewFlow | Kind::AffinityHit | Kind::AffinityMiss => Some(150.0),
             Kind::Established | Kind::Reply => Some(40.0),
             Kind::EstablishedWorkingSet | Kind::ReplyWorkingSet => Some(200.0),
-            Kind::Miss | Kind::MissWorkingSet => Some(10.0),
+            Kind::Miss | Kind::MissWorkingSet | Kind::BackendPortMiss => Some(10.0),
         }
     }
 
@@ -84,6 +89,10 @@ impl Kind {
             Kind::ReplyWorkingSet => format!("reply (rev-NAT), {} flows", thousands(working_set)),
             Kind::Miss => "miss (no Service)".into(),
             Kind::MissWorkingSet => format!("miss (no Service), {} flows", thousands(working_set)),
+            Kind::BackendPortMiss => format!(
+                "miss from a backend port (no Service), {} flows",
+                thousands(working_set)
+            ),
             Kind::AffinityHit => "new flow, affinity hit".into(),
             Kind::AffinityMiss => "new flow, affinity miss".into(),
         }
@@ -616,6 +625,7 @@ fn working_sets(
     cases.extend(flow_cases(&beds[1], PODS, pods, cip, working_set, working_set)?);
     let pod = other_pod(pods.family);
     cases.push(miss_case(PODS.0, working_set, pods, pod, working_set));
+    cases.push(backend_port_miss_case(working_set, pods));
     Ok(cases)
 }
 
@@ -723,6 +733,22 @@ fn miss_case(prog: Prog, working_set: usize, clients: &mut Clients, dst: SocketA
         .collect();
     let kind = if flows == 1 { Kind::Miss } else { Kind::MissWorkingSet };
     Case::new(clients.family, prog, kind, Frontend::None, working_set, cycle()).cycled(packets)
+}
+
+/// A backend pod answering, from the Service's target port, `working_set`
+/// clients that reached it directly (no Service flow): what its veth's
+/// ingress sees of pod-to-pod traffic on a port Services also target.
+fn backend_port_miss_case(working_set: usize, clients: &mut Clients) -> Case {
+    let backend = clients.family.backends()[0];
+    let mut peers = clients.block();
+    let packets = (0..working_set)
+        .map(|_| Packet {
+            frame: tcp_frame(backend, peers.next(), tcp_flags::ACK),
+            expect: Expect::Untouched,
+        })
+        .collect();
+    let kind = Kind::BackendPortMiss;
+    Case::new(clients.family, PODS.0, kind, Frontend::None, working_set, cycle()).cycled(packets)
 }
 
 /// The node talking to a pod on its way out to the pod: no Service's.

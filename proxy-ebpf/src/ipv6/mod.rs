@@ -63,6 +63,9 @@ pub fn process(ctx: &impl Ctx) -> (Verdict, Outcome) {
         Some(tracked) => established(ctx, &flow, &tracked),
         // Only a packet with an L4 header opens a flow.
         None if flow.fragment == Fragment::Later => (Verdict::PassFragmentUntracked, Outcome::Pass),
+        // A backend port's packet of no flow: no frontend has its
+        // destination port (see `crate::pipeline`).
+        None if !ports::to_frontend(flow.dport_be) => (Verdict::PassNotService, Outcome::Pass),
         None => match frontend(&flow) {
             Some(svc) => new_flow(ctx, &flow, &svc),
             None => (Verdict::PassNotService, Outcome::Pass),

@@ -391,6 +391,11 @@ fn ipv6_neighbour_discovery_and_other_traffic_pass_untouched() {
             Frame6::tcp(c, v6(BACKEND_IPS6[0], BACKEND_PORT), ACK),
             Verdict::PassNotService,
         ),
+        (
+            "a backend port's answer to a client with no flow",
+            Frame6::tcp(v6(BACKEND_IPS6[0], BACKEND_PORT), c, ACK),
+            Verdict::PassNotService,
+        ),
     ];
     for prog in Prog::ALL {
         for (what, frame, verdict) in &cases {
