@@ -5,10 +5,11 @@
 //! (see `proxy_common::affinity`). IPv4 clients are kept in `XP_AFFINITY`,
 //! IPv6 ones in `XP_AFFINITY6`; the rest is the same code.
 
-use aya_ebpf::{helpers::bpf_ktime_get_coarse_ns, maps::LruHashMap};
+use aya_ebpf::maps::LruHashMap;
 use proxy_common::{AffinityKey, AffinityValue, Backend, MemberKey, ServiceValue, affinity::fresh};
 
 use crate::{
+    clock,
     maps::{AFFINITY, MEMBERS},
     parse::Flow,
     select,
@@ -26,8 +27,7 @@ fn key_of(flow: &Flow, affinity_id: u32) -> AffinityKey {
 
 #[inline(always)]
 fn now_ns() -> u64 {
-    // SAFETY: a helper without arguments.
-    unsafe { bpf_ktime_get_coarse_ns() }
+    clock::now_ns()
 }
 
 /// The client's remembered backend, if it still serves (see [`kept_id`]).

@@ -9,7 +9,7 @@ use core::{
     ptr::addr_of_mut,
 };
 
-use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns};
+use aya_ebpf::bindings::BPF_NOEXIST;
 use proxy_common::{
     Backend, CtKey, CtValue,
     conntrack::{
@@ -21,6 +21,7 @@ use proxy_common::{
 };
 
 use crate::{
+    clock,
     maps::{CONNTRACK, ct_timeout_ns},
     parse::Flow,
     stats::count_ct,
@@ -40,11 +41,11 @@ fn key_of(flow: &Flow) -> CtKey {
 }
 
 /// The clock of `CtValue::last_seen_ns`: CLOCK_MONOTONIC_COARSE, a read
-/// of the last tick's time (no clock source access, unlike ktime_get_ns).
+/// of the last tick's time (no clock source access, unlike ktime_get_ns),
+/// read once a tick per CPU (see `clock`).
 #[inline(always)]
 pub fn now_ns() -> u64 {
-    // SAFETY: a helper without arguments.
-    unsafe { bpf_ktime_get_coarse_ns() }
+    clock::now_ns()
 }
 
 /// The entry of a tracked flow the packet belongs to.

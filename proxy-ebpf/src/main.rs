@@ -33,6 +33,7 @@
 #![allow(internal_features)]
 
 mod affinity;
+mod clock;
 mod conntrack;
 mod context;
 mod csum;

@@ -95,6 +95,17 @@ pub static AFFINITY6: LruHashMap<AffinityKey6, AffinityValue> = LruHashMap::pinn
 #[map(name = "XP_SCRATCH6")]
 pub static SCRATCH6: PerCpuArray<Scratch6> = PerCpuArray::with_max_entries(1, 0);
 
+/// Each CPU's last reading of the programs' clock and the jiffies it was
+/// taken at (see `clock`). Not pinned: a cache, not state.
+#[map(name = "XP_CLOCK")]
+pub static CLOCK: PerCpuArray<ClockCache> = PerCpuArray::with_max_entries(1, 0);
+
+#[repr(C)]
+pub struct ClockCache {
+    pub jiffies: u64,
+    pub now_ns: u64,
+}
+
 #[repr(C)]
 pub struct Scratch6 {
     pub key: CtKey6,
