@@ -570,7 +570,7 @@ pub fn targets(r: &Results) -> Vec<TargetCheck> {
                     worst(&["new_flow", "affinity_hit", "affinity_miss"]),
                     worst(&["established", "reply"]),
                     worst(&["established_working_set", "reply_working_set"]),
-                    worst(&["miss", "miss_working_set"]),
+                    worst(&["miss", "miss_working_set", "backend_port_miss"]),
                 ),
                 missed.is_empty(),
                 || missed.join("; "),

@@ -3,7 +3,8 @@
 //! with its own reading of the same clock).
 //!
 //! `bpf_ktime_get_coarse_ns()` is a helper call that reads the timekeeper
-//! under its sequence count, some 10 ns per packet here. The coarse clock
+//! under its sequence count: 3-10 ns a packet on this project's machines
+//! (bench/notes/perpacket-findings.md). The coarse clock
 //! only moves when the tick updates the timekeeper, and the tick moves
 //! `jiffies` in the same step; the verifier inlines `bpf_jiffies64()` into
 //! one load. So each CPU keeps the last reading with the jiffies it was
