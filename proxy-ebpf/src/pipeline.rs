@@ -83,8 +83,7 @@ fn service_traffic(ctx: &impl Ctx, flow: &Flow) -> (Verdict, Outcome) {
         None if flow.is_later_fragment() => (Verdict::PassFragmentUntracked, Outcome::Pass),
         // It passed the filter on its source port (a backend's), but no
         // frontend has its destination port: pod-to-pod traffic on a port
-        // Services also target, which would otherwise pay a second, mostly
-        // cold, hash lookup on every packet.
+        // Services also target, spared a frontend lookup that cannot match.
         None if !ports::to_frontend(flow.dport_be) => (Verdict::PassNotService, Outcome::Pass),
         None => match lookup::frontend(flow) {
             Some(svc) => new_flow(ctx, flow, &svc),

@@ -9,7 +9,7 @@ use crate::maps::PORTS;
 /// frontend's (a request) or its source port a backend's (a reply).
 #[inline(always)]
 pub fn may_be_service(sport_be: u16, dport_be: u16) -> bool {
-    has(u16::from_be(dport_be), |b| b.frontend) || has(u16::from_be(sport_be), |b| b.backend)
+    to_frontend(dport_be) || has(u16::from_be(sport_be), |b| b.backend)
 }
 
 /// Whether the destination port is some frontend's: a packet of no
