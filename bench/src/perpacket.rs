@@ -848,8 +848,8 @@ mod tests {
             [
                 "XP_AFFINITY",
                 "XP_AFFINITY6",
-                "XP_BACKENDS",
                 "XP_BACKENDS6",
+                "XP_BACKENDS_ARR",
                 "XP_CT",
                 "XP_CT6",
                 "XP_CT_STATS",

@@ -22,9 +22,11 @@ pub mod test_run;
 
 /// bpf(2) command numbers (`enum bpf_cmd`).
 mod cmd {
+    pub const MAP_CREATE: libc::c_long = 0;
     pub const MAP_UPDATE_ELEM: libc::c_long = 2;
     pub const MAP_DELETE_ELEM: libc::c_long = 3;
     pub const PROG_LOAD: libc::c_long = 5;
+    pub const OBJ_PIN: libc::c_long = 6;
     pub const OBJ_GET: libc::c_long = 7;
     pub const PROG_TEST_RUN: libc::c_long = 10;
     pub const MAP_LOOKUP_BATCH: libc::c_long = 24;

@@ -1,5 +1,6 @@
-//! Pinned objects, links and programs: BPF_OBJ_GET, BPF_LINK_DETACH,
-//! BPF_LINK_CREATE (XDP) and BPF_PROG_LOAD of raw instructions.
+//! Pinned objects, maps, links and programs: BPF_OBJ_GET, BPF_OBJ_PIN,
+//! BPF_MAP_CREATE, BPF_LINK_DETACH, BPF_LINK_CREATE (XDP) and
+//! BPF_PROG_LOAD of raw instructions.
 
 use std::{
     ffi::{CStr, CString},
@@ -19,7 +20,8 @@ pub const ATTACH_XDP: u32 = 37;
 /// `XDP_FLAGS_DRV_MODE`: native XDP, in the driver.
 pub const XDP_FLAGS_DRV_MODE: u32 = 1 << 2;
 
-/// `union bpf_attr` for BPF_OBJ_GET (the kernel takes a prefix).
+/// `union bpf_attr` for BPF_OBJ_GET and BPF_OBJ_PIN (the kernel takes a
+/// prefix).
 #[repr(C)]
 struct ObjGet {
     pathname: u64,
@@ -30,6 +32,69 @@ struct ObjGet {
 // SAFETY: the kernel's layout; `pathname` points at a NUL-terminated string
 // the caller keeps alive for the call.
 unsafe impl Attr for ObjGet {}
+
+/// `union bpf_attr` for BPF_MAP_CREATE, up to `map_name`.
+#[repr(C)]
+#[derive(Default)]
+struct MapCreate {
+    map_type: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+    map_flags: u32,
+    inner_map_fd: u32,
+    numa_node: u32,
+    map_name: [u8; 16],
+}
+
+// SAFETY: the kernel's layout; no addresses.
+unsafe impl Attr for MapCreate {}
+
+/// `BPF_MAP_TYPE_HASH`.
+pub const MAP_TYPE_HASH: u32 = 1;
+/// `BPF_F_NO_PREALLOC`.
+pub const MAP_F_NO_PREALLOC: u32 = 1;
+
+/// What [`map_create`] creates.
+#[derive(Clone, Copy, Debug)]
+pub struct MapSpec<'a> {
+    pub map_type: u32,
+    pub key_size: u32,
+    pub value_size: u32,
+    pub max_entries: u32,
+    pub flags: u32,
+    /// At most 15 bytes (longer names are cut).
+    pub name: &'a str,
+}
+
+/// Creates a map (BPF_MAP_CREATE) without BTF, as a program object's maps
+/// are not: for tests standing in for maps another program version made.
+pub fn map_create(spec: &MapSpec<'_>) -> io::Result<OwnedFd> {
+    let mut attr = MapCreate {
+        map_type: spec.map_type,
+        key_size: spec.key_size,
+        value_size: spec.value_size,
+        max_entries: spec.max_entries,
+        map_flags: spec.flags,
+        ..MapCreate::default()
+    };
+    let name = spec.name.as_bytes();
+    let len = name.len().min(attr.map_name.len() - 1);
+    attr.map_name[..len].copy_from_slice(&name[..len]);
+    owned_fd(call(cmd::MAP_CREATE, &mut attr)?)
+}
+
+/// Pins the object `fd` at `path` in bpffs (BPF_OBJ_PIN).
+pub fn obj_pin(fd: BorrowedFd<'_>, path: &Path) -> io::Result<()> {
+    let path = CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let mut attr = ObjGet {
+        pathname: path.as_ptr() as u64,
+        bpf_fd: fd_field(fd)?,
+        file_flags: 0,
+    };
+    call(cmd::OBJ_PIN, &mut attr).map(drop)
+}
 
 /// `union bpf_attr` for BPF_LINK_DETACH.
 #[repr(C)]

@@ -1,7 +1,8 @@
 //! Backend slots and backends.
 //!
-//! `(backend set, slot) -> backend id -> (ip, port)`: the indirection lets a
-//! connection keep pointing at its backend by id while sets around it change.
+//! `(backend set, slot) -> backend id -> (ip, port)`: an endpoint shared by
+//! several Service ports is one backend entry, and affinity entries and
+//! Maglev tables name backends by a 4-byte id.
 
 use core::net::Ipv4Addr;
 
@@ -17,7 +18,8 @@ pub struct BackendSlotKey {
     pub slot: u32,
 }
 
-/// Value of the backends map (key: backend id, `u32`, never 0).
+/// Value of the backends array (index: backend id, `u32`, never 0); an
+/// entry of protocol 0 is no backend (an array has every index).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct Backend {
@@ -45,6 +47,11 @@ impl Backend {
     }
     pub fn port(&self) -> u16 {
         u16::from_be(self.port_be)
+    }
+    /// Whether the entry holds a backend (an array's unwritten or cleared
+    /// entry is all zeros).
+    pub fn is_present(&self) -> bool {
+        self.proto != 0
     }
 }
 

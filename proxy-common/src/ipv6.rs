@@ -79,7 +79,7 @@ impl Service6Key {
 }
 
 /// Value of `XP_BACKENDS6` (key: backend id, `u32`, never 0, from the
-/// same id space as `XP_BACKENDS`'): an IPv6 endpoint, as
+/// same id space as `XP_BACKENDS_ARR`'s): an IPv6 endpoint, as
 /// [`crate::Backend`] is an IPv4 one (the same `FLAG_*` bits).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Pod, Zeroable)]

@@ -124,9 +124,9 @@ pub fn random_id(svc: &ServiceValue) -> Option<u32> {
     Some(unsafe { *BACKEND_SLOTS.get(key)? })
 }
 
-/// The backend with id `id`, `None` if it is gone.
+/// The backend with id `id`, `None` if it is gone (an array entry of
+/// protocol 0) or `id` is past the array.
 #[inline(always)]
 pub fn backend(id: u32) -> Option<Backend> {
-    // SAFETY: copied out at once, as in `lookup::frontend`.
-    unsafe { BACKENDS.get(id).copied() }
+    BACKENDS.get(id).copied().filter(Backend::is_present)
 }

@@ -1115,6 +1115,95 @@ fn an_older_agents_conntrack_entries_are_migrated() {
     );
 }
 
+/// An older agent kept the backends in a hash map (`XP_BACKENDS`) under
+/// ids that only grew. At start they are carried over into today's array
+/// (`old_backends`) before the programs are attached, so the backend sets
+/// the older agent wrote serve new flows before the first sync; an id the
+/// array cannot hold is left out, and the old map is unpinned.
+#[test]
+fn an_older_agents_backends_are_carried_over() {
+    use aya::maps::{Array, Map, MapData};
+    use bpf_sys::obj::{MAP_F_NO_PREALLOC, MAP_TYPE_HASH, MapSpec, map_create, obj_pin};
+    use proxy_common::{Backend, maps};
+    use proxy_userspace::mode::ebpf::old_backends::{CarriedOver, carry_over};
+
+    if !require_root("an_older_agents_backends_are_carried_over") {
+        return;
+    }
+    let mut h = Harness::seeded();
+    let array_pin = MapData::from_pin(h.pin_dir().join(maps::BACKENDS)).expect("pinned backends");
+    let mut array: Array<MapData, Backend> =
+        Array::try_from(Map::from_map_data(array_pin).expect("a map")).expect("an array");
+    // The seed's few backends have the lowest ids.
+    let held: Vec<(u32, Backend)> = (1..64)
+        .filter_map(|id| Some((id, array.get(&id, 0).ok().filter(Backend::is_present)?)))
+        .collect();
+    assert!(!held.is_empty(), "the seed has backends");
+    let old = map_create(&MapSpec {
+        map_type: MAP_TYPE_HASH,
+        key_size: 4,
+        value_size: 8,
+        max_entries: 1024,
+        flags: MAP_F_NO_PREALLOC,
+        name: maps::OLD_BACKENDS,
+    })
+    .expect("an old-style backends map");
+    let past_the_array = maps::BACKENDS_MAX + 5;
+    let stray = [(
+        past_the_array,
+        Backend::new(Ipv4Addr::new(10, 244, 9, 9), 80, proto::TCP),
+    )];
+    for (id, backend) in held.iter().chain(&stray) {
+        // SAFETY: the map was created with these key and value sizes.
+        unsafe { bpf_sys::map::update_elem(std::os::fd::AsFd::as_fd(&old), id, backend) }.expect("old entry");
+        if *id < maps::BACKENDS_MAX {
+            array
+                .set(
+                    *id,
+                    Backend {
+                        addr_be: 0,
+                        port_be: 0,
+                        proto: 0,
+                        flags: 0,
+                    },
+                    0,
+                )
+                .expect("cleared");
+        }
+    }
+    let old_pin = h.pin_dir().join(maps::OLD_BACKENDS);
+    obj_pin(std::os::fd::AsFd::as_fd(&old), &old_pin).expect("pinned as the older agent did");
+    let syn = |h: &mut Harness| Frame::tcp(client(h), cluster_ip(), SYN);
+    let counts = h.counts();
+    let frame = syn(&mut h);
+    h.try_run(Prog::TcIngress, &frame.build()).expect("test run");
+    let gained = verdicts_gained(&counts, &h.counts());
+    assert!(
+        gained.iter().all(|(v, ..)| *v != Verdict::DnatNew),
+        "without its backends no new flow is translated: {gained:?}"
+    );
+
+    let done = carry_over(h.pin_dir()).expect("carried over");
+    assert_eq!(
+        done,
+        Some(CarriedOver {
+            copied: held.len() as u64,
+            left_out: 1
+        })
+    );
+    assert!(!old_pin.exists(), "the old map is unpinned");
+    for (id, backend) in &held {
+        assert_eq!(array.get(id, 0).expect("entry"), *backend, "backend {id} is back");
+    }
+    let frame = syn(&mut h);
+    run_case(
+        &mut h,
+        Prog::TcIngress,
+        &Case::dnat("SYN after the carry-over", frame, &seed_backends(), Verdict::DnatNew),
+    );
+    assert_eq!(carry_over(h.pin_dir()).expect("nothing to do"), None);
+}
+
 /// A removed backend's id must not send its flows to whatever backend later
 /// gets the same id (here: another Service's): a TCP flow goes on to its
 /// own backend, whose address its conntrack entry holds.

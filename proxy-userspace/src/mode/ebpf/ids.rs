@@ -1,6 +1,7 @@
 //! The ids the Service maps are keyed by, handed out and taken back:
 //! backend ids (shared by every Service port with the same endpoint,
-//! counted by reference), backend set ids and reverse NAT ids.
+//! counted by reference; dense, as they index an array), backend set ids
+//! and reverse NAT ids.
 //!
 //! Nothing here touches a map: the writer (`service_maps`) stages the
 //! writes an id's first use and last release call for.
@@ -8,8 +9,9 @@
 use std::{collections::BTreeSet, net::IpAddr};
 
 use anyhow::{Result, bail};
+use proxy_common::maps::BACKENDS_MAX;
 
-/// Hands out map ids (backends, backend sets, reverse NAT entries).
+/// Hands out map ids (backend sets, reverse NAT entries).
 ///
 /// Ids move forward and wrap only after 2^32 - 1 of them: a freed id is not
 /// handed out again soon, because conntrack entries of old flows may still
@@ -53,6 +55,115 @@ impl IdAllocator {
     }
 }
 
+/// Hands out backend ids densely, the lowest free one first, below
+/// `limit` (they index the backends array, `proxy_common::maps::BACKENDS`).
+///
+/// A released id is handed out again only after [`Self::reuse_released`],
+/// which the writer calls once the flush that deleted its entry is done:
+/// by then no frontend leads to it, so a program that read it from an old
+/// slot a moment ago is long finished. Conntrack entries name backends by
+/// address, so a reused id moves no flow; they keep the id only for the
+/// per-backend counts of `xproxy status`.
+#[derive(Clone, Debug)]
+pub(super) struct DenseIds {
+    limit: u32,
+    /// Bit `id` set: the id is taken (held, or released and cooling). Bit
+    /// 0 is always set: 0 is never an id.
+    taken: Vec<u64>,
+    /// Released since the last [`Self::reuse_released`]: still taken.
+    cooling: Vec<u32>,
+    /// No word before this one has a free bit.
+    first_free_word: usize,
+}
+
+impl Default for DenseIds {
+    fn default() -> Self {
+        Self::with_limit(BACKENDS_MAX)
+    }
+}
+
+impl DenseIds {
+    pub fn with_limit(limit: u32) -> Self {
+        Self {
+            limit,
+            taken: vec![1],
+            cooling: Vec::new(),
+            first_free_word: 0,
+        }
+    }
+
+    /// Marks an id found in the maps as taken (one at or past the limit,
+    /// left by an older agent, can never be handed out anyway).
+    pub fn reserve(&mut self, id: u32) {
+        if id < self.limit {
+            self.set(id, true);
+        }
+    }
+
+    pub fn allocate(&mut self) -> Result<u32> {
+        let mut word = self.first_free_word;
+        loop {
+            if word == self.taken.len() {
+                self.taken.push(0);
+            }
+            let free = !self.taken[word];
+            if free != 0 {
+                let id = word as u64 * 64 + u64::from(free.trailing_zeros());
+                let Ok(id) = u32::try_from(id) else { break };
+                if id >= self.limit {
+                    break;
+                }
+                self.set(id, true);
+                self.first_free_word = word;
+                return Ok(id);
+            }
+            word += 1;
+        }
+        bail!(
+            "backend ids exhausted: {} distinct endpoints are programmed, the most the backends map holds",
+            self.limit - 1
+        )
+    }
+
+    /// Takes `id` back; it is handed out again after the next
+    /// [`Self::reuse_released`].
+    pub fn release(&mut self, id: u32) {
+        if id < self.limit {
+            self.cooling.push(id);
+        }
+    }
+
+    /// Makes the ids released so far available again (see the type's doc).
+    pub fn reuse_released(&mut self) {
+        for id in std::mem::take(&mut self.cooling) {
+            self.set(id, false);
+        }
+    }
+
+    /// Forgets which ids are taken (before reading the maps back), except
+    /// the cooling ones: they stay out of reach until their time.
+    pub fn forget_used(&mut self) {
+        self.taken = vec![1];
+        self.first_free_word = 0;
+        for id in self.cooling.clone() {
+            self.set(id, true);
+        }
+    }
+
+    fn set(&mut self, id: u32, taken: bool) {
+        let (word, bit) = ((id / 64) as usize, id % 64);
+        if word >= self.taken.len() {
+            self.taken.resize(word + 1, 0);
+        }
+        if taken {
+            self.taken[word] |= 1 << bit;
+        } else if id != 0 {
+            self.taken[word] &= !(1 << bit);
+            self.first_free_word = self.first_free_word.min(word);
+        }
+    }
+}
+
 /// A backend as the maps key it for sharing: `(ip, port, protocol)`.
 pub(super) type BackendAddr = (IpAddr, u16, u8);
 
@@ -85,7 +196,7 @@ pub(super) struct BackendRefs {
     by_addr: foldhash::HashMap<BackendAddr, (u32, u32)>,
     /// backend id -> address, the reverse of `by_addr`.
     by_id: foldhash::HashMap<u32, BackendAddr>,
-    ids: IdAllocator,
+    ids: DenseIds,
 }
 
 impl BackendRefs {
@@ -144,7 +255,7 @@ impl BackendRefs {
     }
 
     /// The allocator, to reserve ids found in the maps or free leftovers.
-    pub fn ids(&mut self) -> &mut IdAllocator {
+    pub fn ids(&mut self) -> &mut DenseIds {
         &mut self.ids
     }
 
@@ -210,7 +321,53 @@ mod tests {
         assert!(!refs.holds(first.id()));
         assert!(refs.release(first.id()).is_err(), "released but not held");
         let again = refs.acquire(A).unwrap();
-        assert_ne!(again.id(), first.id(), "a freed backend id is not reused at once");
+        assert_ne!(
+            again.id(),
+            first.id(),
+            "a freed backend id is not reused before a flush"
+        );
+        assert!(refs.release(again.id()).unwrap());
+        refs.ids().reuse_released();
+        assert_eq!(
+            refs.acquire(B).unwrap(),
+            Acquired::New(first.id()),
+            "the lowest free id"
+        );
+    }
+
+    #[test]
+    fn backend_ids_are_dense_and_cool_off_before_reuse() {
+        let mut ids = DenseIds::with_limit(200);
+        let first: Vec<u32> = (0..130).map(|_| ids.allocate().unwrap()).collect();
+        assert_eq!(first, (1..=130).collect::<Vec<_>>(), "lowest first, never 0");
+        ids.release(5);
+        ids.release(70);
+        assert_eq!(ids.allocate().unwrap(), 131, "released ids cool off");
+        ids.forget_used();
+        ids.reserve(1);
+        assert_eq!(ids.allocate().unwrap(), 2, "forgotten, but not the cooling ones");
+        ids.reserve(3);
+        ids.reserve(4);
+        assert_eq!(ids.allocate().unwrap(), 6, "5 is still cooling");
+        ids.reuse_released();
+        assert_eq!(ids.allocate().unwrap(), 5);
+        ids.reserve(5_000);
+        ids.release(5_000);
+        ids.reuse_released();
+        assert_eq!(ids.allocate().unwrap(), 7, "ids past the limit are never handed out");
+    }
+
+    #[test]
+    fn backend_ids_stop_at_the_limit() {
+        let mut ids = DenseIds::with_limit(65);
+        for want in 1..65 {
+            assert_eq!(ids.allocate().unwrap(), want);
+        }
+        let error = ids.allocate().unwrap_err().to_string();
+        assert!(error.contains("64 distinct endpoints"), "{error}");
+        ids.release(9);
+        ids.reuse_released();
+        assert_eq!(ids.allocate().unwrap(), 9);
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //!
 //! Before one key space held both directions, a key's 13th byte (now
 //! padding) was 1 for reply entries, and values held only ids: the backend
-//! (`XP_BACKENDS`) and the frontend's reverse NAT id (which its entry in
+//! (`XP_BACKENDS`, today an array) and the frontend's reverse NAT id (which its entry in
 //! `XP_SERVICES` carries; older agents also kept it in `XP_REV_NAT`, which
 //! today's agent empties when it adopts the maps). Today's programs look
 //! up keys with that byte 0 and translate with the address and port in the
@@ -22,20 +22,25 @@
 use std::{collections::HashMap as StdHashMap, path::Path};
 
 use anyhow::{Context, Result};
-use aya::maps::{HashMap, MapData};
+use aya::maps::{Array, HashMap, MapData};
 use proxy_common::{
     Backend, CtKey, CtValue, ServiceKey, ServiceValue,
     conntrack::{FLAG_STATEFUL, state},
     maps, proto,
 };
 
-use super::{conntrack::now_ns, pinned_maps::open};
+use super::{
+    conntrack::now_ns,
+    pinned_maps::{open, pinned},
+};
 
 /// Migrates the old entries of the maps pinned under `pin_path`; returns
 /// how many were rewritten (entries whose ids are gone are deleted).
 pub fn migrate(pin_path: &Path) -> Result<u64> {
     let mut conntrack: HashMap<MapData, CtKey, CtValue> = open(pin_path, maps::CONNTRACK)?;
-    let backends: HashMap<MapData, u32, Backend> = open(pin_path, maps::BACKENDS)?;
+    // Carried over from an older agent's hash map (`old_backends`).
+    let backends: Array<MapData, Backend> =
+        Array::try_from(pinned(pin_path, maps::BACKENDS)?).context("the backends array has an unexpected layout")?;
     let services: HashMap<MapData, ServiceKey, ServiceValue> = open(pin_path, maps::SERVICES)?;
     let old: Vec<(CtKey, CtValue)> = conntrack
         .iter()
@@ -57,7 +62,9 @@ pub fn migrate(pin_path: &Path) -> Result<u64> {
         } else if value.is_reply() {
             frontends.get(&value.rev_nat_id).copied()
         } else {
-            backends.get(&value.backend_id, 0).ok().map(|b| (b.addr_be, b.port_be))
+            (backends.get(&value.backend_id, 0).ok())
+                .filter(Backend::is_present)
+                .map(|b| (b.addr_be, b.port_be))
         };
         // Not atomic, but today's programs cannot use the entry as it is.
         let _ = conntrack.remove(&key);

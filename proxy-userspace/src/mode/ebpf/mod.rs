@@ -39,6 +39,7 @@ mod loader;
 pub mod maglev;
 mod memory_maps;
 mod object;
+pub mod old_backends;
 mod pinned_maps;
 pub mod pod_cidrs;
 mod port_filter;
@@ -210,6 +211,19 @@ impl EbpfMode {
             conntrack: opts.conntrack,
         };
         let mut datapath = Datapath::load_with(&opts.pin_path, &load)?;
+        // Before today's programs replace an older agent's on the uplinks.
+        match old_backends::carry_over(&opts.pin_path) {
+            Ok(None) => {}
+            Ok(Some(done)) => info!(
+                copied = done.copied,
+                left_out = done.left_out,
+                "an older agent's backends carried over into the backends array"
+            ),
+            Err(e) => warn!(
+                error = format!("{e:#}"),
+                "an older agent's backends not carried over: its Services serve new flows after the first sync"
+            ),
+        }
         let (conn, handle, _) = rtnetlink::new_connection().context("opening rtnetlink")?;
         tokio::spawn(conn);
         let all = interfaces::list(&handle).await?;

@@ -15,6 +15,8 @@ use proxy_common::{
     SourceRange6Data, SourceRange6Key, SourceRangeData, SourceRangeKey, Verdict, VerdictCounter, maps, ports,
 };
 
+use bpf_sys::map::{self as bpf_map, BatchCursor};
+
 use super::{
     lb_maps::LbMaps,
     write_batch::{Split, SplitStaged, Step, Table, Writer},
@@ -71,7 +73,7 @@ pub struct PinnedMaps {
     services: HashMap<MapData, ServiceKey, ServiceValue>,
     services6: HashMap<MapData, Service6Key, ServiceValue>,
     slots: HashMap<MapData, BackendSlotKey, u32>,
-    backends: HashMap<MapData, u32, Backend>,
+    backends: Array<MapData, Backend>,
     backends6: HashMap<MapData, u32, Backend6>,
     rev_nat: HashMap<MapData, u32, RevNat>,
     members: HashMap<MapData, MemberKey, u32>,
@@ -96,7 +98,7 @@ impl PinnedMaps {
             services: open(pin_path, maps::SERVICES)?,
             services6: open(pin_path, maps::SERVICES6)?,
             slots: open(pin_path, maps::BACKEND_SLOTS)?,
-            backends: open(pin_path, maps::BACKENDS)?,
+            backends: Array::try_from(pinned(pin_path, maps::BACKENDS)?).with_context(|| layout(maps::BACKENDS))?,
             backends6: open(pin_path, maps::BACKENDS6)?,
             rev_nat: open(pin_path, maps::REV_NAT)?,
             members: open(pin_path, maps::MEMBERS)?,
@@ -131,7 +133,7 @@ impl PinnedMaps {
             + self.backends6.keys().count()
             + self.rev_nat.keys().count()
             + self.slots.keys().count()
-            + self.backends.keys().count()
+            + read_backends(&self.backends).map_or(0, |b| b.len())
             + self.members.keys().count()
             + self.maglev.keys().count()
             + self.source_ranges.keys().count()
@@ -162,6 +164,39 @@ pub fn get<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>, key: &K) -> R
         Err(MapError::KeyNotFound) => Ok(None),
         Err(e) => Err(e).context("reading a map entry"),
     }
+}
+
+/// Every backend in the backends array, by id: read in batches (8 MiB at
+/// 1M entries), the empty entries left out.
+fn read_backends(backends: &Array<MapData, Backend>) -> Result<Vec<(u32, Backend)>> {
+    const ROOM: usize = 65_536;
+    let mut found = Vec::new();
+    let mut cursor = BatchCursor::default();
+    let (mut ids, mut values): (Vec<u32>, Vec<Backend>) = (Vec::with_capacity(ROOM), Vec::with_capacity(ROOM));
+    loop {
+        // SAFETY: aya opened the array with `Backend`'s size checked; its
+        // keys are `u32` indices.
+        match unsafe { bpf_map::lookup_batch(fd_of(backends), &mut cursor, &mut ids, &mut values) } {
+            Ok(complete) => {
+                let batch = ids.drain(..).zip(values.drain(..));
+                found.extend(batch.filter(|(_, b)| b.is_present()));
+                if complete {
+                    return Ok(found);
+                }
+            }
+            Err(e) if e.unsupported() && !cursor.started() => break,
+            Err(e) => return Err(e).context("reading the backends"),
+        }
+    }
+    // Before Linux 5.6: one entry at a time.
+    let mut found = Vec::new();
+    for id in 0..backends.len() {
+        let backend = backends.get(&id, 0).context("reading a backend")?;
+        if backend.is_present() {
+            found.push((id, backend));
+        }
+    }
+    Ok(found)
 }
 
 /// Writes the entries of `split` into `map`.
@@ -231,11 +266,15 @@ impl LbMaps for PinnedMaps {
     }
 
     fn backends(&self) -> Result<Vec<(u32, Backend)>> {
-        Ok(self.backends.iter().collect::<Result<_, _>>()?)
+        read_backends(&self.backends)
     }
 
     fn backend(&self, id: u32) -> Result<Option<Backend>> {
-        get(&self.backends, &id)
+        match self.backends.get(&id, 0) {
+            Ok(backend) => Ok(Some(backend).filter(Backend::is_present)),
+            Err(MapError::OutOfBounds { .. }) => Ok(None),
+            Err(e) => Err(e).context("reading a backend"),
+        }
     }
 
     fn backends6(&self) -> Result<Vec<(u32, Backend6)>> {
@@ -293,7 +332,8 @@ impl LbMaps for PinnedMaps {
         let ranges = self.source_ranges_fd();
         let ranges6 = fd_of(&self.source_ranges6);
         match step {
-            Step::Write(Table::Backends) => write_to(w, &self.backends, &staged.backends),
+            // SAFETY: aya opened the array with `Backend`'s size checked.
+            Step::Write(Table::Backends) => unsafe { w.write(fd_of(&self.backends), &staged.backends) },
             Step::Write(Table::Backends6) => write_to(w, &self.backends6, &staged.backends6),
             Step::Write(Table::Slots) => write_to(w, &self.slots, &staged.slots),
             Step::Write(Table::RevNat) => write_to(w, &self.rev_nat, &staged.rev_nat),
@@ -307,7 +347,8 @@ impl LbMaps for PinnedMaps {
             Step::Write(Table::SourceRanges) => unsafe { w.write(ranges, &staged.source_ranges) },
             // SAFETY: as IPv4's: the key is a `SourceRange6Key` (asserted above).
             Step::Write(Table::SourceRanges6) => unsafe { w.write(ranges6, &staged.source_ranges6) },
-            Step::Delete(Table::Backends) => delete_from(w, &self.backends, &staged.backends),
+            // SAFETY: as above.
+            Step::Delete(Table::Backends) => unsafe { w.clear(fd_of(&self.backends), &staged.backends) },
             Step::Delete(Table::Backends6) => delete_from(w, &self.backends6, &staged.backends6),
             Step::Delete(Table::Slots) => delete_from(w, &self.slots, &staged.slots),
             Step::Delete(Table::RevNat) => delete_from(w, &self.rev_nat, &staged.rev_nat),

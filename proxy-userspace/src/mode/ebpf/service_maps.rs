@@ -755,6 +755,8 @@ impl<M: LbMaps> ServiceMaps<M> {
                 .collect();
             run_stage(jobs, staged.entries(stage) >= SPREAD_FROM)?;
         }
+        // The entries of the backends released in this batch are gone.
+        self.backends.ids().reuse_released();
         Ok(())
     }
 

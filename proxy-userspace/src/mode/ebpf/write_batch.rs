@@ -417,6 +417,27 @@ impl Writer {
         Ok(())
     }
 
+    /// Deletes the keys of `split` from an array `map`, whose entries
+    /// cannot go: each is written back to zeros, which the programs read
+    /// as no entry.
+    ///
+    /// # Safety
+    ///
+    /// As [`Self::write`].
+    pub unsafe fn clear<K: bytemuck::Pod, V: bytemuck::Pod>(
+        &self,
+        map: BorrowedFd<'_>,
+        split: &Split<K, V>,
+    ) -> Result<()> {
+        let cleared = Split {
+            keys: split.deletes.clone(),
+            values: vec![V::zeroed(); split.deletes.len()],
+            deletes: Vec::new(),
+        };
+        // SAFETY: the caller's contract.
+        unsafe { self.write(map, &cleared) }
+    }
+
     fn batches_unsupported(&self, error: &BatchError) {
         if !self.no_batches.swap(true, Ordering::Relaxed) {
             info!(error = %error.error, "no batch map operations in this kernel: writing entries one at a time");
