@@ -865,7 +865,7 @@ mod tests {
                 "XP_REV_NAT",
                 "XP_SERVICES",
                 "XP_SERVICES6",
-                "XP_SLOTS",
+                "XP_SLOT_CHUNKS",
                 "XP_SOCK_CFG",
                 "XP_SOCK_CFG6",
                 "XP_SOCK_REV",

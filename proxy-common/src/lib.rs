@@ -27,7 +27,7 @@ pub mod source_range;
 pub mod stats;
 
 pub use affinity::{AffinityKey, AffinityValue, MemberKey};
-pub use backend::{Backend, BackendSlotKey};
+pub use backend::{Backend, BackendSlotKey, SlotChunk, SlotChunkKey};
 pub use conntrack::{CtKey, CtTimeouts, CtValue};
 pub use fragment::{Frag6Key, FragKey, FragPorts};
 pub use ipv6::{AffinityKey6, Backend6, CtKey6, CtValue6, Service6Key};
@@ -62,6 +62,8 @@ impl_aya_pod!(
     ServiceKey,
     ServiceValue,
     BackendSlotKey,
+    SlotChunkKey,
+    SlotChunk,
     Backend,
     CtKey,
     CtValue,

@@ -4,7 +4,12 @@
 //! file names under the pin directory.
 
 pub const SERVICES: &str = "XP_SERVICES";
-pub const BACKEND_SLOTS: &str = "XP_SLOTS";
+/// Backend sets' slots, 16 to an entry ([`crate::SlotChunk`]).
+pub const BACKEND_SLOTS: &str = "XP_SLOT_CHUNKS";
+/// What older agents kept slots in: one backend id per entry, keyed by
+/// [`crate::BackendSlotKey`]. Carried over into [`BACKEND_SLOTS`] and
+/// unpinned at start.
+pub const OLD_BACKEND_SLOTS: &str = "XP_SLOTS";
 /// Backends by id, an array: ids are dense (`1..BACKENDS_MAX`, handed out
 /// lowest first), so an update takes no lock and allocates nothing (a sync
 /// of 100,000 backends: 10 ms, where a hash map took 90), and the programs'
@@ -35,6 +40,10 @@ pub const MAGLEV_MAX: u32 = 262_144;
 pub const SERVICES_MAX: u32 = 262_144;
 /// Backend slots over all sets; a swap briefly holds old and new set.
 pub const BACKEND_SLOTS_MAX: u32 = 1_048_576;
+/// Entries of [`BACKEND_SLOTS`]: a set takes one per 16 slots, at least
+/// one, so 100,000 Service ports of up to 16 endpoints fit with a swap of
+/// every one of them. Not preallocated: 64 bytes of ids an entry in use.
+pub const BACKEND_SLOT_CHUNKS_MAX: u32 = 262_144;
 /// Distinct endpoints (address, port, protocol), both families, one id
 /// space: 100,000 Services of a few endpoints each fit. [`BACKENDS`] is an
 /// array of this many 8-byte entries (8 MiB); [`BACKENDS6`] is a hash map,

@@ -7,14 +7,14 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, lpm_trie::Key},
 };
 use proxy_common::{
-    AffinityKey, AffinityKey6, AffinityValue, Backend, Backend6, BackendSlotKey, CtKey, CtKey6, CtTimeouts, CtValue,
-    CtValue6, Frag6Key, FragKey, FragPorts, FrontendPort, MaglevChunk, MaglevKey, MemberKey, PortBits, RevNat,
-    Service6Key, ServiceKey, ServiceValue, SourceRange6Data, SourceRangeData, Verdict, VerdictCounter,
+    AffinityKey, AffinityKey6, AffinityValue, Backend, Backend6, CtKey, CtKey6, CtTimeouts, CtValue, CtValue6,
+    Frag6Key, FragKey, FragPorts, FrontendPort, MaglevChunk, MaglevKey, MemberKey, PortBits, RevNat, Service6Key,
+    ServiceKey, ServiceValue, SlotChunk, SlotChunkKey, SourceRange6Data, SourceRangeData, Verdict, VerdictCounter,
     conntrack::{seconds_to_ns, state_index},
     maps::{
-        AFFINITY_MAX, AFFINITY6_MAX, BACKEND_SLOTS_MAX, BACKENDS_MAX, BACKENDS6_MAX, CONNTRACK_MAX, CONNTRACK6_MAX,
-        FRAGMENTS_MAX, MAGLEV_MAX, MEMBERS_MAX, POD_CIDRS_MAX, POD_CIDRS6_MAX, REV_NAT_MAX, SERVICE_PORTS_MAX,
-        SERVICES_MAX, SERVICES6_MAX, SOURCE_RANGES_MAX, SOURCE_RANGES6_MAX,
+        AFFINITY_MAX, AFFINITY6_MAX, BACKEND_SLOT_CHUNKS_MAX, BACKENDS_MAX, BACKENDS6_MAX, CONNTRACK_MAX,
+        CONNTRACK6_MAX, FRAGMENTS_MAX, MAGLEV_MAX, MEMBERS_MAX, POD_CIDRS_MAX, POD_CIDRS6_MAX, REV_NAT_MAX,
+        SERVICE_PORTS_MAX, SERVICES_MAX, SERVICES6_MAX, SOURCE_RANGES_MAX, SOURCE_RANGES6_MAX,
     },
     ports::PORT_WORDS,
 };
@@ -24,8 +24,9 @@ use proxy_common::{
 #[map(name = "XP_SERVICES")]
 pub static SERVICES: HashMap<ServiceKey, ServiceValue> = HashMap::pinned(SERVICES_MAX, BPF_F_NO_PREALLOC);
 
-#[map(name = "XP_SLOTS")]
-pub static BACKEND_SLOTS: HashMap<BackendSlotKey, u32> = HashMap::pinned(BACKEND_SLOTS_MAX, BPF_F_NO_PREALLOC);
+#[map(name = "XP_SLOT_CHUNKS")]
+pub static BACKEND_SLOTS: HashMap<SlotChunkKey, SlotChunk> =
+    HashMap::pinned(BACKEND_SLOT_CHUNKS_MAX, BPF_F_NO_PREALLOC);
 
 // An array (see `proxy_common::maps::BACKENDS`): 8 MiB preallocated, half
 // what a hash map's bucket array of this size is charged.

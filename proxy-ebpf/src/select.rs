@@ -116,12 +116,21 @@ pub fn random_id(svc: &ServiceValue) -> Option<u32> {
     let slot = svc
         .backend_offset
         .wrapping_add(unsafe { bpf_get_prandom_u32() } % svc.backend_count);
-    let key = BackendSlotKey {
+    slot_id(&BackendSlotKey {
         backend_set: svc.backend_set,
         slot,
-    };
-    // SAFETY: copied out at once, as in `lookup::frontend`.
-    Some(unsafe { *BACKEND_SLOTS.get(key)? })
+    })
+}
+
+/// The backend id in slot `key`: one lookup, of the chunk holding it;
+/// `None` if the chunk is missing or the slot is past the set's end (0).
+#[inline(always)]
+pub fn slot_id(key: &BackendSlotKey) -> Option<u32> {
+    let chunk = BACKEND_SLOTS.get_ptr(key.chunk_key())?;
+    // SAFETY: a map value pointer is valid for the program's run; one id
+    // is copied out at once, at an index masked into the chunk.
+    let id = unsafe { (*chunk).ids[key.index_in_chunk()] };
+    (id != 0).then_some(id)
 }
 
 /// The backend with id `id`, `None` if it is gone (an array entry of

@@ -36,8 +36,8 @@ use proxy_common::{
 };
 
 use crate::{
-    maps::{BACKEND_SLOTS, SERVICES},
-    select::random_backend,
+    maps::SERVICES,
+    select::{random_backend, slot_id},
 };
 
 #[map(name = "XP_SOCK_CFG")]
@@ -264,7 +264,8 @@ pub fn node_run(svc: &ServiceValue) -> ServiceValue {
 
 /// How many slots the frontend's backend set has: slots are numbered
 /// `0..n` without gaps (user space writes a set whole under a fresh id), so
-/// a binary search over the slots map finds `n` in at most 21 lookups.
+/// a binary search over the slots map finds `n` in at most 21 lookups (of
+/// the chunk holding each slot probed).
 #[inline(always)]
 fn set_size(svc: &ServiceValue) -> u32 {
     // Every slot of the frontend's own run exists.
@@ -279,8 +280,7 @@ fn set_size(svc: &ServiceValue) -> u32 {
             backend_set: svc.backend_set,
             slot: mid - 1,
         };
-        // SAFETY: only tested for presence.
-        if unsafe { BACKEND_SLOTS.get(key).is_some() } {
+        if slot_id(&key).is_some() {
             low = mid;
         } else {
             high = mid - 1;

@@ -1116,21 +1116,54 @@ fn an_older_agents_conntrack_entries_are_migrated() {
 }
 
 /// An older agent kept the backends in a hash map (`XP_BACKENDS`) under
-/// ids that only grew. At start they are carried over into today's array
-/// (`old_backends`) before the programs are attached, so the backend sets
-/// the older agent wrote serve new flows before the first sync; an id the
-/// array cannot hold is left out, and the old map is unpinned.
+/// ids that only grew, and one slot per entry (`XP_SLOTS`). At start both
+/// are carried over into today's maps (`old_maps`) before the programs are
+/// attached, so the backend sets the older agent wrote serve new flows
+/// before the first sync; a backend id the array cannot hold is left out,
+/// and the old maps are unpinned.
 #[test]
-fn an_older_agents_backends_are_carried_over() {
-    use aya::maps::{Array, Map, MapData};
+fn an_older_agents_backends_and_slots_are_carried_over() {
+    use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData};
     use bpf_sys::obj::{MAP_F_NO_PREALLOC, MAP_TYPE_HASH, MapSpec, map_create, obj_pin};
-    use proxy_common::{Backend, maps};
-    use proxy_userspace::mode::ebpf::old_backends::{CarriedOver, carry_over};
+    use proxy_common::{Backend, BackendSlotKey, SlotChunk, SlotChunkKey, maps};
+    use proxy_userspace::mode::ebpf::old_maps::{CarriedOver, carry_over};
 
-    if !require_root("an_older_agents_backends_are_carried_over") {
+    if !require_root("an_older_agents_backends_and_slots_are_carried_over") {
         return;
     }
     let mut h = Harness::seeded();
+    let old_map = |name: &str, key_size: u32, value_size: u32| {
+        let fd = map_create(&MapSpec {
+            map_type: MAP_TYPE_HASH,
+            key_size,
+            value_size,
+            max_entries: 1024,
+            flags: MAP_F_NO_PREALLOC,
+            name,
+        })
+        .expect("an old-style map");
+        obj_pin(std::os::fd::AsFd::as_fd(&fd), &h.pin_dir().join(name)).expect("pinned as the older agent did");
+        fd
+    };
+    // The seed's slots, one per entry in the old map, none in today's.
+    let chunks_pin = MapData::from_pin(h.pin_dir().join(maps::BACKEND_SLOTS)).expect("pinned slots");
+    let mut chunks: BpfHashMap<MapData, SlotChunkKey, SlotChunk> =
+        BpfHashMap::try_from(Map::from_map_data(chunks_pin).expect("a map")).expect("a hash map");
+    let seeded: Vec<(SlotChunkKey, SlotChunk)> = chunks.iter().map(|e| e.expect("a chunk")).collect();
+    let old_slots = old_map(maps::OLD_BACKEND_SLOTS, 8, 4);
+    let mut slots = 0;
+    for (key, chunk) in &seeded {
+        for (index, id) in (0u32..).zip(chunk.ids).filter(|(_, id)| *id != 0) {
+            let slot = BackendSlotKey {
+                backend_set: key.backend_set,
+                slot: key.chunk * 16 + index,
+            };
+            // SAFETY: the map was created with these key and value sizes.
+            unsafe { bpf_sys::map::update_elem(std::os::fd::AsFd::as_fd(&old_slots), &slot, &id) }.expect("old slot");
+            slots += 1;
+        }
+        chunks.remove(key).expect("today's chunk gone");
+    }
     let array_pin = MapData::from_pin(h.pin_dir().join(maps::BACKENDS)).expect("pinned backends");
     let mut array: Array<MapData, Backend> =
         Array::try_from(Map::from_map_data(array_pin).expect("a map")).expect("an array");
@@ -1139,15 +1172,7 @@ fn an_older_agents_backends_are_carried_over() {
         .filter_map(|id| Some((id, array.get(&id, 0).ok().filter(Backend::is_present)?)))
         .collect();
     assert!(!held.is_empty(), "the seed has backends");
-    let old = map_create(&MapSpec {
-        map_type: MAP_TYPE_HASH,
-        key_size: 4,
-        value_size: 8,
-        max_entries: 1024,
-        flags: MAP_F_NO_PREALLOC,
-        name: maps::OLD_BACKENDS,
-    })
-    .expect("an old-style backends map");
+    let old = old_map(maps::OLD_BACKENDS, 4, 8);
     let past_the_array = maps::BACKENDS_MAX + 5;
     let stray = [(
         past_the_array,
@@ -1171,8 +1196,6 @@ fn an_older_agents_backends_are_carried_over() {
                 .expect("cleared");
         }
     }
-    let old_pin = h.pin_dir().join(maps::OLD_BACKENDS);
-    obj_pin(std::os::fd::AsFd::as_fd(&old), &old_pin).expect("pinned as the older agent did");
     let syn = |h: &mut Harness| Frame::tcp(client(h), cluster_ip(), SYN);
     let counts = h.counts();
     let frame = syn(&mut h);
@@ -1187,13 +1210,24 @@ fn an_older_agents_backends_are_carried_over() {
     assert_eq!(
         done,
         Some(CarriedOver {
-            copied: held.len() as u64,
-            left_out: 1
+            backends: held.len() as u64,
+            left_out: 1,
+            slots,
         })
     );
-    assert!(!old_pin.exists(), "the old map is unpinned");
+    for name in [maps::OLD_BACKENDS, maps::OLD_BACKEND_SLOTS] {
+        assert!(!h.pin_dir().join(name).exists(), "{name} is unpinned");
+    }
     for (id, backend) in &held {
         assert_eq!(array.get(id, 0).expect("entry"), *backend, "backend {id} is back");
+    }
+    for (key, chunk) in &seeded {
+        assert_eq!(
+            chunks.get(key, 0).expect("chunk"),
+            *chunk,
+            "slots of set {} are back",
+            key.backend_set
+        );
     }
     let frame = syn(&mut h);
     run_case(

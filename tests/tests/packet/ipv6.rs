@@ -21,7 +21,7 @@ use std::net::{Ipv6Addr, SocketAddrV6};
 
 use aya::maps::{HashMap as BpfHashMap, MapData};
 use proxy_common::{
-    Backend6, BackendSlotKey, CtKey6, CtValue6, Service6Key, ServiceValue,
+    Backend6, CtKey6, CtValue6, Service6Key, ServiceValue, SlotChunk, SlotChunkKey,
     ipv6::{addr6_be, ipv6_of},
     maps as map_names,
 };
@@ -81,23 +81,25 @@ fn seeded6() -> Harness {
 
 /// [`seeded6`]'s IPv6 frontends added to `h`.
 fn seeded6_on(h: Harness) -> Harness {
-    let mut slots: BpfHashMap<MapData, BackendSlotKey, u32> = pinned(&h, map_names::BACKEND_SLOTS);
+    let mut slots: BpfHashMap<MapData, SlotChunkKey, SlotChunk> = pinned(&h, map_names::BACKEND_SLOTS);
     let mut backends: BpfHashMap<MapData, u32, Backend6> = pinned(&h, map_names::BACKENDS6);
     let mut services: BpfHashMap<MapData, Service6Key, ServiceValue> = pinned(&h, map_names::SERVICES6);
     let mut rev_nat_id = FIRST_REV_NAT_ID;
     for (proto_index, proto) in [proto::TCP, proto::UDP].into_iter().enumerate() {
         let set = SET + proto_index as u32;
+        let mut chunk = SlotChunk { ids: [0; 16] };
         for (slot, ip) in BACKEND_IPS6.iter().enumerate() {
             let id = FIRST_BACKEND_ID + (proto_index * 3 + slot) as u32;
             backends
                 .insert(id, Backend6::new(*ip, BACKEND_PORT, proto), 0)
                 .expect("backend");
-            let key = BackendSlotKey {
-                backend_set: set,
-                slot: slot as u32,
-            };
-            slots.insert(key, id, 0).expect("slot");
+            chunk.ids[slot] = id;
         }
+        let key = SlotChunkKey {
+            backend_set: set,
+            chunk: 0,
+        };
+        slots.insert(key, chunk, 0).expect("slots");
         // (address, port, flags, backends): the last three without any.
         let frontends = [
             (CLUSTER_IP6, SERVICE_PORT, 0, 3),

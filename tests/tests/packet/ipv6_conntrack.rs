@@ -23,20 +23,22 @@ fn flow_states6(h: &Harness, client: SocketAddrV6) -> Vec<u8> {
 /// The IPv6 ClusterIP's TCP frontend now with `backends` only (slots
 /// rewritten, as the agent rewrites a set when endpoints leave).
 fn keep_tcp_backends(h: &Harness, backends: &[SocketAddrV6]) {
-    let mut slots: BpfHashMap<MapData, BackendSlotKey, u32> = pinned(h, map_names::BACKEND_SLOTS);
+    let mut slots: BpfHashMap<MapData, SlotChunkKey, SlotChunk> = pinned(h, map_names::BACKEND_SLOTS);
     let mut services: BpfHashMap<MapData, Service6Key, ServiceValue> = pinned(h, map_names::SERVICES6);
+    let mut chunk = SlotChunk { ids: [0; 16] };
     for (slot, backend) in backends.iter().enumerate() {
         let index = BACKEND_IPS6
             .iter()
             .position(|ip| ip == backend.ip())
             .expect("a seeded backend");
         // The TCP set's ids are the first three (see `seeded6_on`).
-        let key = BackendSlotKey {
-            backend_set: SET,
-            slot: slot as u32,
-        };
-        slots.insert(key, FIRST_BACKEND_ID + index as u32, 0).expect("slot");
+        chunk.ids[slot] = FIRST_BACKEND_ID + index as u32;
     }
+    let key = SlotChunkKey {
+        backend_set: SET,
+        chunk: 0,
+    };
+    slots.insert(key, chunk, 0).expect("slots");
     let key = Service6Key::new(CLUSTER_IP6, SERVICE_PORT, proto::TCP);
     let mut value = services.get(&key, 0).expect("the ClusterIP's TCP frontend");
     value.backend_count = backends.len() as u32;

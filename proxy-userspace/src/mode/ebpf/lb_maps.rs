@@ -14,14 +14,14 @@ use std::collections::BTreeSet;
 use anyhow::Result;
 use proxy_common::{
     Backend, Backend6, BackendSlotKey, CtKey, CtKey6, CtValue, CtValue6, FrontendPort, MaglevChunk, MaglevKey,
-    MemberKey, PortBits, Service6Key, ServiceKey, ServiceValue, SourceRange6Key, SourceRangeKey, Verdict,
-    VerdictCounter,
+    MemberKey, PortBits, Service6Key, ServiceKey, ServiceValue, SlotChunk, SlotChunkKey, SourceRange6Key,
+    SourceRangeKey, Verdict, VerdictCounter,
 };
 
 use super::write_batch::{SplitStaged, Step};
 
-/// The Service maps (`XP_SERVICES`, `XP_SERVICES6`, `XP_SLOTS`,
-/// `XP_BACKENDS`, `XP_BACKENDS6`,
+/// The Service maps (`XP_SERVICES`, `XP_SERVICES6`, `XP_SLOT_CHUNKS`,
+/// `XP_BACKENDS_ARR`, `XP_BACKENDS6`,
 /// `XP_REV_NAT`, `XP_MEMBERS`, `XP_SRC_RANGES`, `XP_SRC_RANGES6`, `XP_SVC_PORTS`,
 /// `XP_MAGLEV`),
 /// the port filter
@@ -36,11 +36,16 @@ pub trait LbMaps: Sync {
     fn services6(&self) -> Result<Vec<(Service6Key, ServiceValue)>>;
     /// One IPv6 frontend, `None` if it is not there.
     fn service6(&self, key: &Service6Key) -> Result<Option<ServiceValue>>;
-    /// Every backend slot's key: `XP_SLOTS`.
-    fn slot_keys(&self) -> Result<Vec<BackendSlotKey>>;
+    /// Every key of the slots map (16 slots to an entry): `XP_SLOT_CHUNKS`.
+    fn slot_chunk_keys(&self) -> Result<Vec<SlotChunkKey>>;
+    /// One entry of the slots map, `None` if it is not there.
+    fn slot_chunk(&self, key: &SlotChunkKey) -> Result<Option<SlotChunk>>;
     /// The backend id in one slot, `None` if the slot is not there.
-    fn slot(&self, key: &BackendSlotKey) -> Result<Option<u32>>;
-    /// Every backend by id: `XP_BACKENDS`.
+    fn slot(&self, key: &BackendSlotKey) -> Result<Option<u32>> {
+        let chunk = self.slot_chunk(&key.chunk_key())?;
+        Ok(chunk.map(|c| c.ids[key.index_in_chunk()]).filter(|id| *id != 0))
+    }
+    /// Every backend by id: `XP_BACKENDS_ARR`.
     fn backends(&self) -> Result<Vec<(u32, Backend)>>;
     /// One backend, `None` if it is not there.
     fn backend(&self, id: u32) -> Result<Option<Backend>>;

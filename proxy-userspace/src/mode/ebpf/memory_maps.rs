@@ -21,8 +21,8 @@ use std::{
 use anyhow::{Result, bail};
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, Backend6, BackendSlotKey, CtKey, CtKey6, CtValue, CtValue6, FrontendPort,
-    MaglevChunk, MaglevKey, MemberKey, PortBits, RevNat, Service6Key, ServiceKey, ServiceValue, SourceRange6Key,
-    SourceRangeKey, Verdict, VerdictCounter, maps, ports,
+    MaglevChunk, MaglevKey, MemberKey, PortBits, RevNat, Service6Key, ServiceKey, ServiceValue, SlotChunk,
+    SlotChunkKey, SourceRange6Key, SourceRangeKey, Verdict, VerdictCounter, maps, ports,
 };
 
 use super::{
@@ -106,7 +106,7 @@ impl<K: Copy + Eq + Hash, V: Copy> MemTable<K, V> {
 struct State {
     services: MemTable<ServiceKey, ServiceValue>,
     services6: MemTable<Service6Key, ServiceValue>,
-    slots: MemTable<BackendSlotKey, u32>,
+    slots: MemTable<SlotChunkKey, SlotChunk>,
     backends: MemTable<u32, Backend>,
     backends6: MemTable<u32, Backend6>,
     rev_nat: MemTable<u32, RevNat>,
@@ -169,8 +169,8 @@ impl State {
                     backend_set: value.backend_set,
                     slot,
                 };
-                self.slots
-                    .get(&slot)
+                (self.slots.get(&slot.chunk_key()))
+                    .map(|chunk| chunk.ids[slot.index_in_chunk()])
                     .is_some_and(|id| self.backends.get(&id).is_some() || self.backends6.get(&id).is_some())
             });
             if !whole {
@@ -203,7 +203,7 @@ impl MemoryMaps {
         let state = State {
             services: MemTable::new(maps::SERVICES_MAX),
             services6: MemTable::new(maps::SERVICES6_MAX),
-            slots: MemTable::new(maps::BACKEND_SLOTS_MAX),
+            slots: MemTable::new(maps::BACKEND_SLOT_CHUNKS_MAX),
             backends: MemTable::new(maps::BACKENDS_MAX),
             backends6: MemTable::new(maps::BACKENDS6_MAX),
             rev_nat: MemTable::new(maps::REV_NAT_MAX),
@@ -240,8 +240,8 @@ impl MemoryMaps {
         self.state().torn.clone()
     }
 
-    /// Entries in each Service map: services, slots, backends, reverse NAT
-    /// (each family's frontends and backends counted together).
+    /// Entries in each Service map: services, slot chunks, backends,
+    /// reverse NAT (each family's frontends and backends counted together).
     pub fn entries(&self) -> [usize; 4] {
         let state = self.state();
         [
@@ -256,7 +256,14 @@ impl MemoryMaps {
     /// through a sync may have left them.
     pub fn leave(&self, slots: &[(BackendSlotKey, u32)], backends: &[(u32, Backend)], rev_nats: &[(u32, RevNat)]) {
         let mut state = self.state();
-        state.slots.entries.extend(slots.iter().copied());
+        for (slot, id) in slots {
+            let chunk = state
+                .slots
+                .entries
+                .entry(slot.chunk_key())
+                .or_insert_with(bytemuck::Zeroable::zeroed);
+            chunk.ids[slot.index_in_chunk()] = *id;
+        }
         state.backends.entries.extend(backends.iter().copied());
         state.rev_nat.entries.extend(rev_nats.iter().copied());
     }
@@ -316,11 +323,11 @@ impl LbMaps for MemoryMaps {
         Ok(self.state().services6.get(key))
     }
 
-    fn slot_keys(&self) -> Result<Vec<BackendSlotKey>> {
+    fn slot_chunk_keys(&self) -> Result<Vec<SlotChunkKey>> {
         Ok(self.state().slots.keys())
     }
 
-    fn slot(&self, key: &BackendSlotKey) -> Result<Option<u32>> {
+    fn slot_chunk(&self, key: &SlotChunkKey) -> Result<Option<SlotChunk>> {
         Ok(self.state().slots.get(key))
     }
 
@@ -479,12 +486,12 @@ impl LbMaps for FaultyMaps {
         self.inner.service6(key)
     }
 
-    fn slot_keys(&self) -> Result<Vec<BackendSlotKey>> {
-        self.inner.slot_keys()
+    fn slot_chunk_keys(&self) -> Result<Vec<SlotChunkKey>> {
+        self.inner.slot_chunk_keys()
     }
 
-    fn slot(&self, key: &BackendSlotKey) -> Result<Option<u32>> {
-        self.inner.slot(key)
+    fn slot_chunk(&self, key: &SlotChunkKey) -> Result<Option<SlotChunk>> {
+        self.inner.slot_chunk(key)
     }
 
     fn backends(&self) -> Result<Vec<(u32, Backend)>> {

@@ -39,7 +39,7 @@ mod loader;
 pub mod maglev;
 mod memory_maps;
 mod object;
-pub mod old_backends;
+pub mod old_maps;
 mod pinned_maps;
 pub mod pod_cidrs;
 mod port_filter;
@@ -212,16 +212,17 @@ impl EbpfMode {
         };
         let mut datapath = Datapath::load_with(&opts.pin_path, &load)?;
         // Before today's programs replace an older agent's on the uplinks.
-        match old_backends::carry_over(&opts.pin_path) {
+        match old_maps::carry_over(&opts.pin_path) {
             Ok(None) => {}
             Ok(Some(done)) => info!(
-                copied = done.copied,
+                backends = done.backends,
                 left_out = done.left_out,
-                "an older agent's backends carried over into the backends array"
+                slots = done.slots,
+                "an older agent's backends and slots carried over into today's maps"
             ),
             Err(e) => warn!(
                 error = format!("{e:#}"),
-                "an older agent's backends not carried over: its Services serve new flows after the first sync"
+                "an older agent's maps not carried over: its Services serve new flows after the first sync"
             ),
         }
         let (conn, handle, _) = rtnetlink::new_connection().context("opening rtnetlink")?;

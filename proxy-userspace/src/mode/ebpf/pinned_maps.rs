@@ -10,9 +10,10 @@ use std::{
 use anyhow::{Context, Result};
 use aya::maps::{Array, HashMap, IterableMap, LpmTrie, Map, MapData, MapError, PerCpuArray};
 use proxy_common::{
-    AffinityKey, AffinityKey6, AffinityValue, Backend, Backend6, BackendSlotKey, CtKey, CtKey6, CtValue, CtValue6,
-    FrontendPort, MaglevChunk, MaglevKey, MemberKey, PortBits, RevNat, Service6Key, ServiceKey, ServiceValue,
-    SourceRange6Data, SourceRange6Key, SourceRangeData, SourceRangeKey, Verdict, VerdictCounter, maps, ports,
+    AffinityKey, AffinityKey6, AffinityValue, Backend, Backend6, CtKey, CtKey6, CtValue, CtValue6, FrontendPort,
+    MaglevChunk, MaglevKey, MemberKey, PortBits, RevNat, Service6Key, ServiceKey, ServiceValue, SlotChunk,
+    SlotChunkKey, SourceRange6Data, SourceRange6Key, SourceRangeData, SourceRangeKey, Verdict, VerdictCounter, maps,
+    ports,
 };
 
 use bpf_sys::map::{self as bpf_map, BatchCursor};
@@ -72,7 +73,7 @@ pub fn sum_verdicts(stats: &PerCpuArray<MapData, VerdictCounter>) -> Result<Vec<
 pub struct PinnedMaps {
     services: HashMap<MapData, ServiceKey, ServiceValue>,
     services6: HashMap<MapData, Service6Key, ServiceValue>,
-    slots: HashMap<MapData, BackendSlotKey, u32>,
+    slots: HashMap<MapData, SlotChunkKey, SlotChunk>,
     backends: Array<MapData, Backend>,
     backends6: HashMap<MapData, u32, Backend6>,
     rev_nat: HashMap<MapData, u32, RevNat>,
@@ -257,11 +258,11 @@ impl LbMaps for PinnedMaps {
         get(&self.services6, key)
     }
 
-    fn slot_keys(&self) -> Result<Vec<BackendSlotKey>> {
+    fn slot_chunk_keys(&self) -> Result<Vec<SlotChunkKey>> {
         Ok(self.slots.keys().collect::<Result<_, _>>()?)
     }
 
-    fn slot(&self, key: &BackendSlotKey) -> Result<Option<u32>> {
+    fn slot_chunk(&self, key: &SlotChunkKey) -> Result<Option<SlotChunk>> {
         get(&self.slots, key)
     }
 

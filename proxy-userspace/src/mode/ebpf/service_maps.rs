@@ -5,8 +5,9 @@
 //! batches ([`ServiceMaps::batch`]; every public write method is one batch
 //! of its own unless called inside one), ordered so that a packet never
 //! sees a half-programmed Service (`write_batch`'s `FLUSH_STAGES`):
-//! - backends before the slots that name them, slots before the service
-//!   entry that points at them (a whole new set under a fresh id);
+//! - backends before the slots that name them, slots (16 to a map entry,
+//!   `proxy_common::SlotChunk`) before the service entry that points at
+//!   them (a whole new set under a fresh id);
 //! - the service entry is swapped in one update (atomic for readers);
 //! - removed service entries, then old slots, then unreferenced backends,
 //!   are deleted last.
@@ -34,7 +35,7 @@
 //!
 //! Both families go through the same code: a Service port's frontends and
 //! backends are of its ClusterIP's family and land in that family's maps
-//! (`XP_SERVICES`/`XP_BACKENDS` or `XP_SERVICES6`/`XP_BACKENDS6`, see
+//! (`XP_SERVICES`/`XP_BACKENDS_ARR` or `XP_SERVICES6`/`XP_BACKENDS6`, see
 //! `proxy_common::ipv6` for why apart); backend sets, slots, ids and the
 //! port filter are shared.
 
@@ -46,8 +47,8 @@ use std::{
 
 use anyhow::{Context, Result};
 use proxy_common::{
-    Backend, Backend6, BackendSlotKey, CtKey, CtValue, FrontendPort, MaglevKey, MemberKey, Service6Key, ServiceKey,
-    ServiceValue, Verdict, VerdictCounter,
+    Backend, Backend6, CtKey, CtValue, FrontendPort, MaglevKey, MemberKey, Service6Key, ServiceKey, ServiceValue,
+    SlotChunk, SlotChunkKey, Verdict, VerdictCounter,
     backend::FLAG_LOCAL,
     service::{
         FLAG_AFFINITY_CLIENT_IP, FLAG_EXTERNAL_ADDR, FLAG_EXTERNAL_LOCAL, FLAG_INTERNAL_LOCAL, FLAG_MAGLEV,
@@ -189,7 +190,7 @@ pub struct ServiceMaps<M = PinnedMaps> {
 /// Keys found in the maps, by map.
 #[derive(Debug, Default)]
 struct Leftovers {
-    slots: Vec<BackendSlotKey>,
+    slots: Vec<SlotChunkKey>,
     backends: Vec<u32>,
     backends6: Vec<u32>,
     rev_nats: Vec<u32>,
@@ -335,9 +336,20 @@ impl<M: LbMaps> ServiceMaps<M> {
     /// The backend ids in a set in the maps, taking a reference on each;
     /// `None` (and no reference taken) if the set is incomplete.
     fn adopt_backend_set(&mut self, set: u32, count: u32) -> Option<Vec<u32>> {
-        let mut members = Vec::new();
-        for slot in 0..count {
-            let id = self.maps.slot(&BackendSlotKey { backend_set: set, slot }).ok()??;
+        let mut ids = Vec::with_capacity(count as usize);
+        for chunk in 0..SlotChunk::count(count as usize) {
+            let key = SlotChunkKey {
+                backend_set: set,
+                chunk,
+            };
+            ids.extend(self.maps.slot_chunk(&key).ok()??.ids);
+        }
+        ids.truncate(count as usize);
+        let mut members = Vec::with_capacity(ids.len());
+        for id in ids {
+            if id == 0 {
+                return None;
+            }
             members.push((id, self.backend_in_maps(id)?));
         }
         // The same address under two ids: let the next sync rewrite it.
@@ -396,7 +408,7 @@ impl<M: LbMaps> ServiceMaps<M> {
             self.rev_nat_ids.reserve(id);
             found.rev_nats.push(id);
         }
-        for key in self.maps.slot_keys()? {
+        for key in self.maps.slot_chunk_keys()? {
             self.set_ids.reserve(key.backend_set);
             found.slots.push(key);
         }
@@ -837,8 +849,14 @@ impl<M: LbMaps> ServiceMaps<M> {
     /// Stages a new backend set (and its members, for affinity); returns its id.
     fn write_backend_set(&mut self, backends: &[u32], members: bool) -> Result<u32> {
         let set = self.set_ids.allocate()?;
-        for (slot, id) in (0u32..).zip(backends) {
-            self.staged.slots.write(BackendSlotKey { backend_set: set, slot }, *id);
+        for (chunk, ids) in SlotChunk::of_set(backends) {
+            self.staged.slots.write(
+                SlotChunkKey {
+                    backend_set: set,
+                    chunk,
+                },
+                ids,
+            );
         }
         if members {
             // A backend in two slots keeps its first: slots hold distinct
@@ -858,8 +876,11 @@ impl<M: LbMaps> ServiceMaps<M> {
     }
 
     fn delete_backend_set(&mut self, set: u32, backends: &[u32], members: bool) {
-        for slot in (0u32..).take(backends.len()) {
-            self.staged.slots.delete(BackendSlotKey { backend_set: set, slot });
+        for chunk in 0..SlotChunk::count(backends.len()) {
+            self.staged.slots.delete(SlotChunkKey {
+                backend_set: set,
+                chunk,
+            });
         }
         if members {
             for id in backends.iter().collect::<BTreeSet<_>>() {
@@ -1130,7 +1151,7 @@ mod tests {
             restarted.batch(|m| m.retain(&[]))?;
             assert_eq!(restarted.maps().entries(), 0);
             restarted.sync_service(refs[0])?;
-            assert_eq!(restarted.maps().slot_keys()?.len(), 10);
+            assert_eq!(restarted.maps().slot_chunk_keys()?.len(), 1, "10 slots, one chunk");
             Ok(())
         })();
         let _ = std::fs::remove_dir_all(&pin);

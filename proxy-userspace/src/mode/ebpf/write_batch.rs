@@ -13,8 +13,8 @@ use std::{
 
 use anyhow::{Context, Result};
 use proxy_common::{
-    Backend, Backend6, BackendSlotKey, FrontendPort, MaglevChunk, MaglevKey, MemberKey, RevNat, Service6Key,
-    ServiceKey, ServiceValue, SourceRange6Key, SourceRangeKey,
+    Backend, Backend6, FrontendPort, MaglevChunk, MaglevKey, MemberKey, RevNat, Service6Key, ServiceKey, ServiceValue,
+    SlotChunk, SlotChunkKey, SourceRange6Key, SourceRangeKey,
 };
 use tracing::info;
 
@@ -25,7 +25,7 @@ use bpf_sys::map::{self as bpf_map, BatchError};
 pub struct Staged {
     pub services: Pending<ServiceKey, ServiceValue>,
     pub services6: Pending<Service6Key, ServiceValue>,
-    pub slots: Pending<BackendSlotKey, u32>,
+    pub slots: Pending<SlotChunkKey, SlotChunk>,
     pub backends: Pending<u32, Backend>,
     pub backends6: Pending<u32, Backend6>,
     pub rev_nat: Pending<u32, RevNat>,
@@ -58,7 +58,7 @@ impl Staged {
 pub struct SplitStaged {
     pub services: Split<ServiceKey, ServiceValue>,
     pub services6: Split<Service6Key, ServiceValue>,
-    pub slots: Split<BackendSlotKey, u32>,
+    pub slots: Split<SlotChunkKey, SlotChunk>,
     pub backends: Split<u32, Backend>,
     pub backends6: Split<u32, Backend6>,
     pub rev_nat: Split<u32, RevNat>,

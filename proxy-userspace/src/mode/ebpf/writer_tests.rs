@@ -169,7 +169,7 @@ fn assert_maps_hold<M: LbMaps>(writer: &ServiceMaps<M>, desired: &[ServicePort])
     assert_eq!(render(seen), render(frontends_of(desired)));
 }
 
-/// Entries `desired` needs in each map (services, slots, backends,
+/// Entries `desired` needs in each map (services, slot chunks, backends,
 /// reverse NAT: none, nothing reads them): no more, so nothing was left
 /// behind.
 fn entries_for(desired: &[ServicePort]) -> [usize; 4] {
@@ -177,6 +177,7 @@ fn entries_for(desired: &[ServicePort]) -> [usize; 4] {
     let slots = desired
         .iter()
         .map(|p| super::slot_layout::SlotLayout::of(&EndpointSets::of(p, Some(THIS_NODE))).map_or(0, |l| l.slots.len()))
+        .map(|slots| proxy_common::SlotChunk::count(slots) as usize)
         .sum();
     let mut backends: Vec<_> = (desired.iter())
         .flat_map(|p| p.endpoints.iter().map(|e| (e.addr, e.port, p.protocol)))
