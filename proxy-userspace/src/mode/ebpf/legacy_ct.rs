@@ -22,7 +22,7 @@
 use std::{collections::HashMap as StdHashMap, path::Path};
 
 use anyhow::{Context, Result};
-use aya::maps::{Array, HashMap, MapData};
+use aya::maps::{HashMap, MapData};
 use proxy_common::{
     Backend, CtKey, CtValue, ServiceKey, ServiceValue,
     conntrack::{FLAG_STATEFUL, state},
@@ -31,16 +31,15 @@ use proxy_common::{
 
 use super::{
     conntrack::now_ns,
-    pinned_maps::{open, pinned},
+    pinned_maps::{open, open_backends},
 };
 
 /// Migrates the old entries of the maps pinned under `pin_path`; returns
 /// how many were rewritten (entries whose ids are gone are deleted).
 pub fn migrate(pin_path: &Path) -> Result<u64> {
     let mut conntrack: HashMap<MapData, CtKey, CtValue> = open(pin_path, maps::CONNTRACK)?;
-    // Carried over from an older agent's hash map (`old_backends`).
-    let backends: Array<MapData, Backend> =
-        Array::try_from(pinned(pin_path, maps::BACKENDS)?).context("the backends array has an unexpected layout")?;
+    // Carried over from an older agent's hash map (`old_maps`).
+    let backends = open_backends(pin_path)?;
     let services: HashMap<MapData, ServiceKey, ServiceValue> = open(pin_path, maps::SERVICES)?;
     let old: Vec<(CtKey, CtValue)> = conntrack
         .iter()

@@ -16,11 +16,11 @@
 use std::{collections::BTreeMap, fs, path::Path};
 
 use anyhow::{Context, Result};
-use aya::maps::{Array, HashMap, MapData};
+use aya::maps::{HashMap, MapData};
 use bytemuck::Zeroable;
 use proxy_common::{Backend, BackendSlotKey, SlotChunk, SlotChunkKey, maps};
 
-use super::pinned_maps::{open, pinned};
+use super::pinned_maps::{open, open_backends};
 
 /// What [`carry_over`] did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -48,8 +48,7 @@ fn carry_over_backends(pin_path: &Path, done: &mut CarriedOver) -> Result<bool> 
         return Ok(false);
     }
     let old: HashMap<MapData, u32, Backend> = open(pin_path, maps::OLD_BACKENDS)?;
-    let mut array: Array<MapData, Backend> = Array::try_from(pinned(pin_path, maps::BACKENDS)?)
-        .with_context(|| format!("map {} has an unexpected layout", maps::BACKENDS))?;
+    let mut array = open_backends(pin_path)?;
     for entry in &old {
         let (id, backend) = entry.context("reading the old backends")?;
         if id >= array.len() || !backend.is_present() {

@@ -35,6 +35,12 @@ pub fn open<K: aya::Pod, V: aya::Pod>(pin_path: &Path, name: &str) -> Result<Has
     HashMap::try_from(pinned(pin_path, name)?).with_context(|| format!("map {name} has an unexpected layout"))
 }
 
+/// The backends array pinned under `pin_path` (`maps::BACKENDS`).
+pub fn open_backends(pin_path: &Path) -> Result<Array<MapData, Backend>> {
+    Array::try_from(pinned(pin_path, maps::BACKENDS)?)
+        .with_context(|| format!("map {} has an unexpected layout", maps::BACKENDS))
+}
+
 /// The descriptor of a map, for the `bpf_sys` commands aya lacks.
 pub(super) fn fd_of<K: aya::Pod, V>(map: &impl IterableMap<K, V>) -> BorrowedFd<'_> {
     map.map().fd().as_fd()
@@ -99,7 +105,7 @@ impl PinnedMaps {
             services: open(pin_path, maps::SERVICES)?,
             services6: open(pin_path, maps::SERVICES6)?,
             slots: open(pin_path, maps::BACKEND_SLOTS)?,
-            backends: Array::try_from(pinned(pin_path, maps::BACKENDS)?).with_context(|| layout(maps::BACKENDS))?,
+            backends: open_backends(pin_path)?,
             backends6: open(pin_path, maps::BACKENDS6)?,
             rev_nat: open(pin_path, maps::REV_NAT)?,
             members: open(pin_path, maps::MEMBERS)?,
