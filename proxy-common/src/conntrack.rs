@@ -149,6 +149,12 @@ pub const FLAG_FIN_REPLY: u8 = 1 << 4;
 /// an entry without it is an older agent's, whose `state` byte held TCP
 /// flags and whose `last_seen_ns` another clock (the agent migrates them).
 pub const FLAG_STATEFUL: u8 = 1 << 5;
+/// Forward entry only: the flow's packets carry the notrack mark, which
+/// keeps the kernel's conntrack off them (see the agent's `notrack`): a
+/// flow between pods that no one source-NATs, whose replies the programs
+/// reverse-NAT and redirect past the kernel's hooks. The kernel would see
+/// only its forward half and call the client's ACK invalid.
+pub const FLAG_NOTRACK: u8 = 1 << 6;
 /// The flag bits that are the flow's, not the entry's: kept equal in both.
 pub const FLOW_FLAGS: u8 = FLAG_FIN_FORWARD | FLAG_FIN_REPLY;
 
@@ -197,6 +203,13 @@ pub mod tcp_flags {
     pub const SYN: u8 = 0x02;
     pub const RST: u8 = 0x04;
     pub const ACK: u8 = 0x10;
+}
+
+/// The flags of a new flow's forward entry (both families').
+#[inline(always)]
+pub fn forward_flags(snat: bool, handed_to_tc: bool, notrack: bool) -> u8 {
+    let bit = |set: bool, flag: u8| if set { flag } else { 0 };
+    FLAG_STATEFUL | bit(snat, FLAG_SNAT) | bit(handed_to_tc, FLAG_HANDED_TO_TC) | bit(notrack, FLAG_NOTRACK)
 }
 
 /// The state a flow starts in with its first packet.

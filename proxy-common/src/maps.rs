@@ -127,6 +127,11 @@ pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/xproxy";
 /// masqueradeBit as a mask); 0 disables the SNAT fallback.
 pub const GLOBAL_SNAT_MARK: &str = "SNAT_MARK";
 
+/// Name of the program constant holding the skb mark bit that keeps the
+/// kernel's conntrack off a packet (a raw-table rule of the agent's
+/// matches it); 0: no packet is marked.
+pub const GLOBAL_NOTRACK_MARK: &str = "NOTRACK_MARK";
+
 /// Name of the program constant holding the conntrack timeouts
 /// ([`crate::CtTimeouts`]), from the agent's `conntrack` configuration.
 pub const GLOBAL_CT_TIMEOUTS: &str = "CT_TIMEOUTS";

@@ -13,8 +13,8 @@ use aya_ebpf::bindings::BPF_NOEXIST;
 use proxy_common::{
     Backend, CtKey, CtValue,
     conntrack::{
-        FLAG_HANDED_TO_TC, FLAG_REPLY, FLAG_SNAT, FLAG_STATEFUL, FLOW_FLAGS, LAST_SEEN_GRANULARITY_NS, idle_past,
-        initial_state, is_closed, next_state, opens_flow, partner_key, settled_state, tcp_flags,
+        FLAG_HANDED_TO_TC, FLAG_NOTRACK, FLAG_REPLY, FLAG_SNAT, FLAG_STATEFUL, FLOW_FLAGS, LAST_SEEN_GRANULARITY_NS,
+        idle_past, initial_state, is_closed, next_state, opens_flow, partner_key, settled_state, tcp_flags,
     },
     proto,
     stats::ct_stat,
@@ -60,6 +60,9 @@ pub struct Tracked {
     /// Forward only: XDP picked the backend and left the packet to tc (see
     /// [`FLAG_HANDED_TO_TC`]).
     pub handed_to_tc: bool,
+    /// Forward only: the kernel's conntrack is kept off the flow (see
+    /// [`FLAG_NOTRACK`]).
+    pub notrack: bool,
     /// The entry itself, so [`taken_over`] needs no second lookup. Only
     /// this module makes a `Tracked`, always from a `CONNTRACK` lookup of
     /// the same run: every `SAFETY` comment on `entry` rests on that.
@@ -100,6 +103,7 @@ fn tracked(entry: *mut CtValue) -> Tracked {
         nat: (value.nat_addr_be, value.nat_port_be),
         snat: value.flags & FLAG_SNAT != 0,
         handed_to_tc: value.flags & FLAG_HANDED_TO_TC != 0,
+        notrack: value.flags & FLAG_NOTRACK != 0,
         entry,
     }
 }
@@ -273,15 +277,9 @@ pub fn taken_over(tracked: &Tracked) {
 /// forward entry exists, later packets are DNATed and their replies must
 /// already be recognised. Neither insert overwrites another flow's entry;
 /// `Err` means the flow is not tracked (and must not be translated).
+/// `forward_flags`: the forward entry's (`conntrack::forward_flags`).
 #[inline(always)]
-pub fn create(
-    flow: &Flow,
-    backend_id: u32,
-    backend: &Backend,
-    rev_nat_id: u32,
-    snat: bool,
-    handed_to_tc: bool,
-) -> Result<(), ()> {
+pub fn create(flow: &Flow, backend_id: u32, backend: &Backend, rev_nat_id: u32, forward_flags: u8) -> Result<(), ()> {
     let reply_key = CtKey {
         saddr_be: backend.addr_be,
         daddr_be: flow.saddr_be,
@@ -301,7 +299,7 @@ pub fn create(
     };
     insert_reply(&reply_key, &reply)?;
     let forward = CtValue {
-        flags: FLAG_STATEFUL | if snat { FLAG_SNAT } else { 0 } | if handed_to_tc { FLAG_HANDED_TO_TC } else { 0 },
+        flags: forward_flags,
         nat_port_be: backend.port_be,
         nat_addr_be: backend.addr_be,
         ..reply

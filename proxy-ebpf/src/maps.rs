@@ -149,6 +149,18 @@ pub fn snat_mark() -> u32 {
     unsafe { core::ptr::read_volatile(&SNAT_MARK) }
 }
 
+/// The skb mark bit that keeps the kernel's conntrack off a packet (see
+/// `notrack`); 0: no flow is kept off. A read-only global, as `SNAT_MARK`.
+#[unsafe(no_mangle)]
+static NOTRACK_MARK: u32 = 0;
+
+#[inline(always)]
+pub fn notrack_mark() -> u32 {
+    // Volatile, as `snat_mark`: patched into .rodata after compilation.
+    // SAFETY: a reference to a static: valid, aligned and initialised.
+    unsafe { core::ptr::read_volatile(&NOTRACK_MARK) }
+}
+
 /// How long a flow may idle in each state; the agent sets it at load time
 /// from its `conntrack` configuration. A read-only global.
 #[unsafe(no_mangle)]

@@ -10,6 +10,7 @@
 use proxy_common::{
     Backend, ServiceValue, Verdict,
     backend::FLAG_LOCAL,
+    conntrack::forward_flags,
     service::{
         FLAG_AFFINITY_CLIENT_IP, FLAG_EXTERNAL_LOCAL, FLAG_NEEDS_SNAT, FLAG_SOURCE_RANGES, FLAGS_EXTERNAL, FLAGS_LOCAL,
     },
@@ -21,9 +22,9 @@ use crate::{
     context::Ctx,
     fragments,
     headers::Side,
-    icmp_error, ipv6, lookup, maps, nat,
+    icmp_error, ipv6, lookup, maps, nat, notrack,
     parse::{self, Flow},
-    ports,
+    pod_network, ports,
     reject::{self, Rejection},
     select, service_port, source_range, stats,
 };
@@ -107,6 +108,9 @@ fn icmp_error(ctx: &impl Ctx, flow: &Flow) -> (Verdict, Outcome) {
         let frontend = (flow.daddr_be, flow.dport_be);
         (Side::Source, Side::Destination, frontend, Outcome::Translated)
     };
+    if tracked.notrack {
+        notrack::mark(ctx);
+    }
     match icmp_error::translate(ctx, flow.proto, quoted, outer, old, tracked.nat) {
         Ok(()) => (Verdict::IcmpError, outcome),
         Err(()) => (Verdict::Error, Outcome::Drop),
@@ -120,6 +124,9 @@ fn icmp_error(ctx: &impl Ctx, flow: &Flow) -> (Verdict, Outcome) {
 fn established(ctx: &impl Ctx, flow: &Flow, tracked: &Tracked) -> (Verdict, Outcome) {
     if tracked.snat && !ctx.add_mark(maps::snat_mark()) {
         return (Verdict::PassToTc, Outcome::Pass);
+    }
+    if tracked.notrack {
+        notrack::mark(ctx);
     }
     if tracked.handed_to_tc {
         // The first packet of a flow XDP picked a backend for: new.
@@ -146,7 +153,7 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outcom
     if svc.flags & FLAG_SOURCE_RANGES != 0 && !source_range::allowed(flow, svc) {
         return (Verdict::DropSourceRange, Outcome::Drop);
     }
-    let view = service_port::view(svc, || service_port::from_pod(flow));
+    let view = service_port::view(svc, || pod_network::contains(flow.saddr_be));
     let svc = &view.svc;
     let Some((id, backend)) = pick_backend(flow, svc, view.affinity_id) else {
         return no_backend(svc, || reject::reject(ctx, flow));
@@ -158,12 +165,17 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outcom
     // every pick that needs SNAT (a backend on another node) and so favour
     // local backends, 3:1 with half the backends remote.
     let handed_to_tc = snat && !ctx.add_mark(maps::snat_mark());
+    let notrack = notrack::wanted(snat, || pod_network::contains(backend.addr_be));
+    let flags = forward_flags(snat, handed_to_tc, notrack);
     // Untracked, the flow's replies would not be recognised: pass it as is.
-    if conntrack::create(flow, id, &backend, svc.rev_nat_id, snat, handed_to_tc).is_err() {
+    if conntrack::create(flow, id, &backend, svc.rev_nat_id, flags).is_err() {
         return (Verdict::Error, Outcome::Pass);
     }
     if handed_to_tc {
         return (Verdict::PassToTc, Outcome::Pass);
+    }
+    if notrack {
+        notrack::mark(ctx);
     }
     translated(
         nat::dnat(ctx, flow, (backend.addr_be, backend.port_be)),

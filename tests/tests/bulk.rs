@@ -34,6 +34,17 @@
 //! program at native XDP (`bulk_ebpf_xdp_native`; asserted attached, and
 //! without `--xdp native` asserted not).
 //!
+//! The nodes are configured as real ones are: the agent knows the pod
+//! networks (`--cluster-cidr`, both families), and the node's firewall
+//! drops forwarded packets its conntrack finds invalid (Calico's rules,
+//! many host firewalls and kube-proxy's iptables mode do), which loses any
+//! flow the kernel tracks only half of. In ebpf mode the programs keep the
+//! kernel's conntrack off flows to pods that need no SNAT (`notrack`); the
+//! one-node tests then read the node's conntrack table back: no entry of
+//! the client pod's transfers, the hairpin's (masqueraded) present. Not
+//! under native XDP: XDP has no skb to mark, the kernel tracks half of
+//! the flows it translates, and such a firewall would drop them.
+//!
 //! IPv6 ([`Route`]): the Services of the first paths are dual-stack
 //! (`fd00:96::80`, `fd00:96::82`, an IPv6 EndpointSlice of the same pod
 //! beside the IPv4 one) and the agent is given both node addresses; the
@@ -92,7 +103,7 @@ use testbed::{
     },
     netns::{self, Netns},
     probe::{Checks, Protocol},
-    topology::{BACKENDS, NODE_IP, NODE_IP6, Offloads, Topology, pod_ipv6},
+    topology::{BACKENDS, CLIENT_POD, NODE_IP, NODE_IP6, Offloads, POD_CIDR, POD_CIDR6, Topology, pod_ipv6},
     two_node::{NODE_A, NODE_B, TwoNodes},
     two_node_bed::TwoNodeBed,
 };
@@ -470,13 +481,70 @@ impl Setup {
         Ok(format!("XDP on {uplink}: {xdp}"))
     }
 
-    fn agent_args(self) -> Vec<String> {
-        if self.xdp_native {
-            vec!["--xdp".into(), "native".into()]
-        } else {
-            Vec::new()
-        }
+    /// Whether the node drops forwarded packets its conntrack finds
+    /// invalid ([`drop_invalid_forwarding`]): not under native XDP, where
+    /// the kernel still tracks half of the flows XDP translates (no skb to
+    /// mark there) and such a firewall drops them.
+    fn strict_firewall(self) -> bool {
+        !self.xdp_native
     }
+
+    /// The pod networks, as a real node's configuration names them (so
+    /// the ebpf mode tells flows between pods apart, see `notrack`), and
+    /// `--xdp native` where asked.
+    fn agent_args(self) -> Vec<String> {
+        let mut args = vec!["--cluster-cidr".into(), format!("{POD_CIDR},{POD_CIDR6}")];
+        if self.xdp_native {
+            args.extend(["--xdp".into(), "native".into()]);
+        }
+        args
+    }
+}
+
+/// Gives the node a firewall that drops forwarded packets the kernel's
+/// conntrack finds invalid, in both families, as Calico's rules, many host
+/// firewalls and kube-proxy's own iptables mode do: a mode that lets the
+/// kernel track half a flow (the ebpf mode's replies pass its hooks by)
+/// loses that flow's packets to it.
+fn drop_invalid_forwarding(node: &Netns) -> Result<()> {
+    for tool in ["iptables", "ip6tables"] {
+        node.exec(&[
+            tool,
+            "-A",
+            "FORWARD",
+            "-m",
+            "conntrack",
+            "--ctstate",
+            "INVALID",
+            "-j",
+            "DROP",
+        ])
+        .with_context(|| format!("{tool}: the INVALID drop rule"))?;
+    }
+    Ok(())
+}
+
+/// The ebpf mode keeps the kernel's conntrack off flows between pods that
+/// no one source-NATs (`notrack`): after the rows, the node's conntrack
+/// table holds no entry of the client pod's transfers, while the hairpin
+/// (which the kernel masquerades) has its entries, which shows the table
+/// was read while the transfers' entries would still be there.
+fn check_kernel_conntrack(topo: &Topology) -> Result<String> {
+    let table = topo.node.exec(&["cat", "/proc/net/nf_conntrack"])?;
+    let of = |client: Ipv4Addr| {
+        let src = format!(" src={client} ");
+        let dport = format!(" dport={BULK_PORT} ");
+        table.lines().filter(|l| l.contains(&src) && l.contains(&dport)).count()
+    };
+    let (pod_flows, hairpin) = (of(CLIENT_POD.1), of(BACKENDS[BULK_POD].1));
+    ensure!(
+        pod_flows == 0 && hairpin > 0,
+        "kernel conntrack: {pod_flows} entries of the client pod's transfers (want 0), \
+         {hairpin} of the hairpin's (want some):\n{table}"
+    );
+    Ok(format!(
+        "none of the client pod's transfers, {hairpin} of the hairpin's"
+    ))
 }
 
 // ---------------------------------------------------------------------------
@@ -592,6 +660,9 @@ fn one_node(mode: Mode, setup: Setup) {
         for pod in &bed.topo.backends {
             pod.ns.serve_bulk(BULK_PORT, pod.name)?;
         }
+        if setup.strict_firewall() {
+            drop_invalid_forwarding(&bed.topo.node)?;
+        }
         bed.topo.route_to_node(&EXTERNAL_NETS)?;
         bed.write_manifest(MANIFEST, &yaml_documents(&one_node_objects()))?;
         let mut args = bed.manifest_args();
@@ -616,6 +687,9 @@ fn one_node(mode: Mode, setup: Setup) {
         );
         let rows = rows(&routes, |route| route.ends(&bed.topo, &sticky))?;
         run_rows(&label, &rows, checks);
+        if mode == Mode::Ebpf && setup.strict_firewall() {
+            checks.check("the kernel's conntrack", check_kernel_conntrack(&bed.topo));
+        }
         Ok(())
     });
 }
@@ -631,6 +705,9 @@ fn two_node(mode: Mode, setup: Setup) {
     checked(&label, |checks| {
         for pod in bed.topo.backends() {
             pod.ns.serve_bulk(BULK_PORT, pod.name)?;
+        }
+        for node in bed.topo.nodes.iter().filter(|_| setup.strict_firewall()) {
+            drop_invalid_forwarding(&node.ns)?;
         }
         let objects = REMOTE.objects(REMOTE_POD.1, NODE_B.name);
         bed.write_manifest(MANIFEST, &yaml_documents(&objects))?;

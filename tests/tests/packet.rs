@@ -45,6 +45,8 @@ mod maglev;
 #[path = "packet/ipv6.rs"]
 mod ipv6;
 // Issue 13's SCTP, beside it.
+#[path = "packet/notrack.rs"]
+mod notrack;
 #[path = "packet/sctp.rs"]
 mod sctp;
 

@@ -8,8 +8,8 @@ use aya_ebpf::bindings::BPF_NOEXIST;
 use proxy_common::{
     CtKey6, CtValue6,
     conntrack::{
-        FLAG_HANDED_TO_TC, FLAG_REPLY, FLAG_SNAT, FLAG_STATEFUL, FLOW_FLAGS, LAST_SEEN_GRANULARITY_NS, idle_past,
-        initial_state, next_state,
+        FLAG_HANDED_TO_TC, FLAG_NOTRACK, FLAG_REPLY, FLAG_SNAT, FLAG_STATEFUL, FLOW_FLAGS, LAST_SEEN_GRANULARITY_NS,
+        idle_past, initial_state, next_state,
     },
     ipv6::partner_key6,
     stats::ct_stat,
@@ -41,6 +41,7 @@ pub struct Tracked6 {
     pub reply: bool,
     pub snat: bool,
     pub handed_to_tc: bool,
+    pub notrack: bool,
     /// A `CONNTRACK6` value pointer of this run, as `Tracked::entry`.
     entry: *mut CtValue6,
 }
@@ -67,6 +68,7 @@ pub fn lookup(flow: &Flow6) -> Option<Tracked6> {
         reply,
         snat: value.flags & FLAG_SNAT != 0,
         handed_to_tc: value.flags & FLAG_HANDED_TO_TC != 0,
+        notrack: value.flags & FLAG_NOTRACK != 0,
         entry,
     })
 }
@@ -82,6 +84,7 @@ pub fn lookup_related(flow: &Flow6) -> Option<Tracked6> {
         reply: flags & FLAG_REPLY != 0,
         snat: flags & FLAG_SNAT != 0,
         handed_to_tc: flags & FLAG_HANDED_TO_TC != 0,
+        notrack: flags & FLAG_NOTRACK != 0,
         entry,
     })
 }
@@ -171,8 +174,8 @@ pub struct NewFlow6 {
     pub backend_id: u32,
     pub backend: (Addr6, u16),
     pub rev_nat_id: u32,
-    pub snat: bool,
-    pub handed_to_tc: bool,
+    /// The forward entry's flags (`conntrack::forward_flags`).
+    pub forward_flags: u8,
 }
 
 /// Records a new flow in both directions, the reply entry first (see
@@ -199,9 +202,7 @@ pub fn create(flow: &Flow6, new: &NewFlow6) -> Result<(), ()> {
         nat_addr_be: *flow.daddr(),
     };
     insert_reply(key, value)?;
-    let snat = if new.snat { FLAG_SNAT } else { 0 };
-    let handed = if new.handed_to_tc { FLAG_HANDED_TO_TC } else { 0 };
-    value.flags = FLAG_STATEFUL | snat | handed;
+    value.flags = new.forward_flags;
     value.nat_port_be = new.backend.1;
     value.nat_addr_be = new.backend.0;
     *key = key_of(flow);

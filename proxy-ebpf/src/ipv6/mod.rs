@@ -22,6 +22,7 @@ mod reject;
 
 use proxy_common::{
     AffinityKey6, Backend6, Service6Key, ServiceValue, Verdict,
+    conntrack::forward_flags,
     maglev::flow_hash6,
     service::{FLAG_AFFINITY_CLIENT_IP, FLAG_SOURCE_RANGES},
 };
@@ -36,9 +37,10 @@ use crate::{
     headers::Side,
     maps::{self, AFFINITY6, BACKENDS6, SERVICES6},
     nat::{self, Change},
+    notrack,
     parse::Fragment,
     pipeline::{self, Outcome, snat_wanted, translated},
-    ports, select, service_port, source_range,
+    pod_network, ports, select, service_port, source_range,
 };
 
 /// The IPv6 packet's way, from parsing to the rewrite (see the module doc).
@@ -100,6 +102,9 @@ fn related(ctx: &impl Ctx, flow: &Flow6) -> (Verdict, Outcome) {
         let frontend = (flow.daddr(), flow.dport_be);
         (Side::Source, Side::Destination, frontend, Outcome::Translated)
     };
+    if tracked.notrack {
+        notrack::mark(ctx);
+    }
     match icmp_error::translate(ctx, flow, quoted, outer, old, tracked.nat()) {
         Ok(()) => (Verdict::IcmpError, outcome),
         Err(()) => (Verdict::Error, Outcome::Drop),
@@ -112,6 +117,9 @@ fn related(ctx: &impl Ctx, flow: &Flow6) -> (Verdict, Outcome) {
 fn established(ctx: &impl Ctx, flow: &Flow6, tracked: &Tracked6) -> (Verdict, Outcome) {
     if tracked.snat && !ctx.add_mark(maps::snat_mark()) {
         return (Verdict::PassToTc, Outcome::Pass);
+    }
+    if tracked.notrack {
+        notrack::mark(ctx);
     }
     let verdict = if tracked.handed_to_tc {
         conntrack::taken_over(tracked);
@@ -137,25 +145,28 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow6, svc: &ServiceValue) -> (Verdict, Outco
     if svc.flags & FLAG_SOURCE_RANGES != 0 && !source_range::allowed6(flow.saddr(), svc) {
         return (Verdict::DropSourceRange, Outcome::Drop);
     }
-    let view = service_port::view(svc, || service_port::from_pod6(flow.saddr()));
+    let view = service_port::view(svc, || pod_network::contains6(flow.saddr()));
     let svc = &view.svc;
     let Some((backend_id, backend)) = pick_backend(flow, svc, view.affinity_id) else {
         return pipeline::no_backend(svc, || reject::reject(ctx, flow));
     };
     let snat = snat_wanted(svc, backend.flags, *flow.saddr() == backend.addr_be);
     let handed_to_tc = snat && !ctx.add_mark(maps::snat_mark());
+    let notrack = notrack::wanted(snat, || pod_network::contains6(&backend.addr_be));
     let new = NewFlow6 {
         backend_id,
         backend: (backend.addr_be, backend.port_be),
         rev_nat_id: svc.rev_nat_id,
-        snat,
-        handed_to_tc,
+        forward_flags: forward_flags(snat, handed_to_tc, notrack),
     };
     if conntrack::create(flow, &new).is_err() {
         return (Verdict::Error, Outcome::Pass);
     }
     if handed_to_tc {
         return (Verdict::PassToTc, Outcome::Pass);
+    }
+    if notrack {
+        notrack::mark(ctx);
     }
     translated(dnat(ctx, flow, (&new.backend.0, new.backend.1)), Verdict::DnatNew)
 }

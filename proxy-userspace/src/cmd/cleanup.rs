@@ -58,8 +58,8 @@ pub fn cleanup(pin_path: &Path, scope: Scope) -> Result<(), Failure> {
     Ok(())
 }
 
-/// The ebpf mode: links, pins, pre-6.6 tc filters, the SNAT fallback chain,
-/// the SCTP fallback table.
+/// The ebpf mode: links, pins, pre-6.6 tc filters, the notrack and SNAT
+/// fallback chains, the SCTP fallback table.
 fn remove_ebpf(pin_path: &Path) -> anyhow::Result<()> {
     if pin_path.exists() {
         let detached = crate::mode::ebpf::detach_pinned_links(pin_path)?;
@@ -74,5 +74,6 @@ fn remove_ebpf(pin_path: &Path) -> anyhow::Result<()> {
         info!(filters, "deleted the tc filters of the eBPF programs");
     }
     crate::mode::ebpf::sctp_fallback::cleanup()?;
+    crate::mode::ebpf::notrack::cleanup()?;
     crate::mode::ebpf::snat::cleanup()
 }

@@ -31,6 +31,7 @@ pub fn builtin(table: &str) -> &'static [&'static str] {
     match table {
         "filter" => &["INPUT", "FORWARD", "OUTPUT"],
         "nat" => &["PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"],
+        "raw" => &["PREROUTING", "OUTPUT"],
         _ => &[],
     }
 }

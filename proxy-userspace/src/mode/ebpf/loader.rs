@@ -44,6 +44,8 @@ pub enum Hook {
 pub struct LoadOptions {
     /// The skb mark bit that asks the kernel to masquerade a flow (0: never).
     pub snat_mark: u32,
+    /// The skb mark bit that keeps the kernel's conntrack off a flow (0: never).
+    pub notrack_mark: u32,
     /// Conntrack timeouts and size.
     pub conntrack: CtSettings,
 }
@@ -76,6 +78,7 @@ impl Datapath {
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(pin_path)
             .override_global(maps::GLOBAL_SNAT_MARK, &options.snat_mark, true)
+            .override_global(maps::GLOBAL_NOTRACK_MARK, &options.notrack_mark, true)
             .override_global(maps::GLOBAL_CT_TIMEOUTS, &options.conntrack.timeouts, true)
             .map_max_entries(maps::CONNTRACK, options.conntrack.entries)
             .map_max_entries(maps::CONNTRACK6, options.conntrack.entries6)

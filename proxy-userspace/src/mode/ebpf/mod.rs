@@ -25,6 +25,10 @@
 //! (`stale_flows`), so their next datagram picks a current backend, or
 //! passes untranslated if the Service is gone.
 //!
+//! The kernel's own conntrack is kept off flows between pods that the
+//! programs translate alone (`notrack`): it would see only their forward
+//! half. Flows the kernel source-NATs stay in it.
+//!
 //! Both families: IPv6 Service ports go to the programs' IPv6 maps (see
 //! `service_maps`), node ports answer on the node's IPv6 addresses too,
 //! the kernel masquerades marked IPv6 flows (ip6tables), and the socket
@@ -38,6 +42,8 @@ pub mod legacy_ct;
 mod loader;
 pub mod maglev;
 mod memory_maps;
+mod node_chain;
+pub mod notrack;
 mod object;
 pub mod old_maps;
 mod pinned_maps;
@@ -127,6 +133,9 @@ pub struct EbpfOptions {
     /// The source ports the kernel masquerades to: outside the node port
     /// range (see `snat`).
     pub snat_ports: RangeInclusive<u16>,
+    /// The skb mark bit that keeps the kernel's conntrack off a flow between
+    /// pods (see `notrack`); 0, or no pod networks: every flow is tracked.
+    pub notrack_mark: u32,
     /// This node's name: endpoints naming another node are remote backends.
     pub node_name: Option<String>,
     /// kube-proxy's masqueradeAll.
@@ -153,6 +162,7 @@ impl EbpfOptions {
             node_port_cidrs: config.node_port_addresses.cidrs().map(<[Cidr]>::to_vec),
             snat_mark: 1 << config.masquerade.bit,
             snat_ports: snat::ports_outside(&config.node_port_range),
+            notrack_mark: notrack::mark_for(config.masquerade.bit),
             node_name: Some(config.node_name.clone()),
             masquerade_all: config.masquerade.all,
             xdp: config.xdp,
@@ -208,6 +218,7 @@ impl EbpfMode {
         install_snat6_rules(snat_mark, &opts.snat_ports);
         let load = LoadOptions {
             snat_mark,
+            notrack_mark: install_notrack_rules(opts.notrack_mark, &opts.pod_cidrs),
             conntrack: opts.conntrack,
         };
         let mut datapath = Datapath::load_with(&opts.pin_path, &load)?;
@@ -377,6 +388,31 @@ fn install_snat6_rules(mark: u32, ports: &RangeInclusive<u16>) {
         installed,
         "no IPv6 SNAT fallback: IPv6 hairpin, masqueradeAll and NodePorts to other nodes will not work",
     );
+}
+
+/// Installs the rules that keep the kernel's conntrack off packets with
+/// `mark`, in both families; returns the mark the programs may use: 0
+/// without pod networks (no flow can be told to be between pods) or if
+/// neither family's rule is there. A family without its rule tracks its
+/// marked flows as before.
+fn install_notrack_rules(mark: u32, pod_networks: &pod_cidrs::PodNetworks) -> u32 {
+    if mark == 0 || (pod_networks.v4.is_empty() && pod_networks.v6.is_empty()) {
+        return 0;
+    }
+    let mut installed = false;
+    for family in [IpFamily::V4, IpFamily::V6] {
+        let mut iptables = crate::sys::iptables::SystemIptables::for_family(family);
+        match iptables.check().and_then(|()| notrack::install(&mut iptables, mark)) {
+            Ok(()) => installed = true,
+            Err(e) => warn!(
+                error = format!("{e:#}"),
+                ?family,
+                "no notrack rule: the kernel's conntrack sees half of each flow between pods \
+                 (rules dropping its invalid packets drop them)"
+            ),
+        }
+    }
+    if installed { mark } else { 0 }
 }
 
 /// Deletes expired flows from the conntrack table every

@@ -1,8 +1,7 @@
 //! The kernel half of the SNAT fallback: the programs DNAT and mark flows
 //! that must also be source-NATed (hairpin, NodePort to another node,
 //! masqueradeAll); these constant rules masquerade marked packets, in
-//! iptables and, the same, in ip6tables. Their number never grows with the
-//! number of Services.
+//! iptables and, the same, in ip6tables (see `node_chain`).
 //!
 //! The masqueraded source ports stay out of the node port range. The
 //! programs see a packet before the kernel's conntrack does: a backend's
@@ -15,16 +14,18 @@
 use std::ops::RangeInclusive;
 
 use anyhow::{Context, Result};
-use tracing::info;
 
-use crate::{
-    model::IpFamily,
-    sys::iptables::{Iptables, Saved, SystemIptables, remove_chains, rule_chain, rule_target},
-};
+use super::node_chain::NodeChain;
+use crate::sys::iptables::Iptables;
 
 /// Our chain in the nat table, jumped to from POSTROUTING.
 pub const CHAIN: &str = "XPROXY-SNAT";
-const JUMP_COMMENT: &str = "xproxy: masquerade flows the ebpf programs marked";
+const NAT_CHAIN: NodeChain = NodeChain {
+    table: "nat",
+    chain: CHAIN,
+    from: "POSTROUTING",
+    comment: "xproxy: masquerade flows the ebpf programs marked",
+};
 
 /// The lowest port masquerading may pick: below are the privileged ones.
 const FIRST_UNPRIVILEGED_PORT: u16 = 1024;
@@ -46,75 +47,39 @@ pub fn ports_outside(node_ports: &RangeInclusive<u16>) -> RangeInclusive<u16> {
 /// Protocols whose ports masquerading picks (`--to-ports` needs one named).
 const PORTED_PROTOCOLS: [&str; 3] = ["tcp", "udp", "sctp"];
 
-/// The rules, for `iptables-restore --noflush` (declaring the chain
-/// flushes it, so installing again replaces them).
-fn rules(mark: u32, ports: &RangeInclusive<u16>, with_jump: bool) -> String {
-    let mut input = format!(
-        "*nat\n:{CHAIN} - [0:0]\n\
-         -A {CHAIN} -m mark ! --mark {mark:#x}/{mark:#x} -j RETURN\n\
+/// The chain's rules.
+fn rules(mark: u32, ports: &RangeInclusive<u16>) -> String {
+    let mut rules = format!(
+        "-A {CHAIN} -m mark ! --mark {mark:#x}/{mark:#x} -j RETURN\n\
          -A {CHAIN} -j MARK --xor-mark {mark:#x}\n"
     );
     let (first, last) = (ports.start(), ports.end());
     for protocol in PORTED_PROTOCOLS {
-        input.push_str(&format!(
+        rules.push_str(&format!(
             "-A {CHAIN} -p {protocol} -j MASQUERADE --to-ports {first}-{last} --random-fully\n"
         ));
     }
     // Other protocols (ICMP echo): nothing the programs take for a node port.
-    input.push_str(&format!("-A {CHAIN} -j MASQUERADE --random-fully\n"));
-    if with_jump {
-        input.push_str(&format!(
-            "-A POSTROUTING -m comment --comment \"{JUMP_COMMENT}\" -j {CHAIN}\n"
-        ));
-    }
-    input.push_str("COMMIT\n");
-    input
-}
-
-fn jumps(saved: &Saved) -> Vec<String> {
-    saved
-        .tables
-        .get("nat")
-        .map(|nat| {
-            nat.rules
-                .iter()
-                .filter(|r| rule_chain(r) != Some(CHAIN) && rule_target(r) == Some(CHAIN))
-                .cloned()
-                .collect()
-        })
-        .unwrap_or_default()
+    rules.push_str(&format!("-A {CHAIN} -j MASQUERADE --random-fully\n"));
+    rules
 }
 
 /// Installs the rules for `mark`, masquerading to `ports` (idempotent: one
 /// jump, whatever was there).
 pub fn install(iptables: &mut dyn Iptables, mark: u32, ports: &RangeInclusive<u16>) -> Result<()> {
-    let saved = Saved::parse(&iptables.save().context("reading the current rules")?);
-    let with_jump = jumps(&saved).is_empty();
-    iptables
-        .restore(&rules(mark, ports, with_jump))
+    NAT_CHAIN
+        .install(iptables, &rules(mark, ports))
         .context("installing the SNAT fallback rules")
 }
 
 /// Removes the chain and every jump to it; false if there was none.
 pub fn remove(iptables: &mut dyn Iptables) -> Result<bool> {
-    let removed = remove_chains(iptables, |table, chain| table == "nat" && chain == CHAIN)
-        .context("removing the SNAT fallback rules")?;
-    Ok(removed > 0)
+    NAT_CHAIN.remove(iptables).context("removing the SNAT fallback rules")
 }
 
-/// [`remove`] with the system's iptables and ip6tables; nothing to do
-/// for a family without its tool.
+/// [`remove`] with the system's iptables and ip6tables.
 pub fn cleanup() -> Result<()> {
-    for family in [IpFamily::V4, IpFamily::V6] {
-        let mut system = SystemIptables::for_family(family);
-        if system.check().is_err() {
-            continue;
-        }
-        if remove(&mut system)? {
-            info!(chain = CHAIN, ?family, "removed the ebpf mode's SNAT fallback rules");
-        }
-    }
-    Ok(())
+    NAT_CHAIN.cleanup()
 }
 
 #[cfg(test)]
