@@ -32,11 +32,14 @@ const START_GRACE: Duration = Duration::from_millis(1500);
 
 /// The agent's configuration for the bench: a change is programmed at once
 /// (kube-proxy treats a zero `minSyncPeriod` as "the default", 1 s, so the
-/// smallest non-zero one), and no periodic full resync runs in the middle
-/// of a measurement.
+/// smallest non-zero one), no periodic full resync runs in the middle of a
+/// measurement, and the pod networks are named, as a real node's
+/// configuration names them (every pod and endpoint address of the bench's
+/// cluster is in 10.0.0.0/8 or `fd00:244::/64`, see `topology`).
 pub const CONFIG: &str = "\
 apiVersion: kubeproxy.config.k8s.io/v1alpha1
 kind: KubeProxyConfiguration
+clusterCIDR: 10.0.0.0/8,fd00:244::/64
 iptables:
   minSyncPeriod: 1ms
   syncPeriod: 1h
