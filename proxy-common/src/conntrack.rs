@@ -149,7 +149,7 @@ pub const FLAG_FIN_REPLY: u8 = 1 << 4;
 /// an entry without it is an older agent's, whose `state` byte held TCP
 /// flags and whose `last_seen_ns` another clock (the agent migrates them).
 pub const FLAG_STATEFUL: u8 = 1 << 5;
-/// Forward entry only: the flow's packets carry the notrack mark, which
+/// Both entries: the flow's packets carry the notrack mark, which
 /// keeps the kernel's conntrack off them (see the agent's `notrack`): a
 /// flow between pods that no one source-NATs, whose replies the programs
 /// reverse-NAT and redirect past the kernel's hooks. The kernel would see

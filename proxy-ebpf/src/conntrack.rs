@@ -60,7 +60,7 @@ pub struct Tracked {
     /// Forward only: XDP picked the backend and left the packet to tc (see
     /// [`FLAG_HANDED_TO_TC`]).
     pub handed_to_tc: bool,
-    /// Forward only: the kernel's conntrack is kept off the flow (see
+    /// Either way: the kernel's conntrack is kept off the flow (see
     /// [`FLAG_NOTRACK`]).
     pub notrack: bool,
     /// The entry itself, so [`taken_over`] needs no second lookup. Only
@@ -292,7 +292,7 @@ pub fn create(flow: &Flow, backend_id: u32, backend: &Backend, rev_nat_id: u32, 
         backend_id,
         rev_nat_id,
         last_seen_ns: now_ns(),
-        flags: FLAG_REPLY | FLAG_STATEFUL,
+        flags: FLAG_REPLY | FLAG_STATEFUL | (forward_flags & FLAG_NOTRACK),
         state: initial_state(flow.proto),
         nat_port_be: flow.dport_be,
         nat_addr_be: flow.daddr_be,

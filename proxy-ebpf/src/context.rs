@@ -5,7 +5,7 @@ use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, bpf_adj_room_mode},
     helpers::{
         bpf_csum_update, bpf_l4_csum_replace, bpf_skb_adjust_room, bpf_skb_change_tail, bpf_skb_pull_data,
-        bpf_xdp_adjust_head, bpf_xdp_adjust_tail,
+        bpf_xdp_adjust_head, bpf_xdp_adjust_meta, bpf_xdp_adjust_tail,
     },
     programs::{TcContext, XdpContext},
 };
@@ -168,6 +168,47 @@ pub trait Ctx {
     /// Sets `mark` bits on the packet for the kernel's masquerade rule.
     /// `false` where there is no skb to mark (XDP).
     fn add_mark(&self, mark: u32) -> bool;
+    /// Sets `mark` bits on the packet's skb, on XDP through the tc hook
+    /// behind it (see [`XdpMark`]); `false` if the driver keeps no
+    /// metadata. Invalidates every packet pointer.
+    fn add_mark_via_tc(&self, mark: u32) -> bool;
+    /// Whether the hook runs before the kernel's netfilter hooks see the
+    /// packet (XDP, tc ingress), not after (tc egress, where the kernel
+    /// has seen the untranslated packet already).
+    fn before_netfilter(&self) -> bool;
+}
+
+/// What XDP leaves in the metadata in front of a packet it passes, for
+/// tc ingress on the same interface to copy into the skb's mark: XDP runs
+/// before there is an skb to mark. The magic tells ours from anything
+/// else's.
+#[repr(C)]
+pub struct XdpMark {
+    magic: u32,
+    mark: u32,
+}
+
+const XDP_MARK_MAGIC: u32 = 0x7870_6d6b;
+const XDP_MARK_LEN: usize = core::mem::size_of::<XdpMark>();
+
+/// On tc ingress: ORs the mark XDP left in the metadata into the skb's.
+/// Read before anything pulls or moves the packet.
+#[inline(always)]
+pub fn apply_xdp_mark(ctx: &TcContext) {
+    let skb = ctx.skb.skb;
+    // SAFETY: the program's own skb, valid for its run; a tc program may
+    // read `data_meta` and `data`, and the metadata between them.
+    unsafe {
+        let meta = (*skb).data_meta as usize;
+        let data = (*skb).data as usize;
+        if meta + XDP_MARK_LEN > data {
+            return;
+        }
+        let left = &*(meta as *const XdpMark);
+        if left.magic == XDP_MARK_MAGIC {
+            (*skb).mark |= left.mark;
+        }
+    }
 }
 
 pub struct Xdp<'a>(pub &'a XdpContext);
@@ -290,9 +331,48 @@ impl Ctx for Xdp<'_> {
     fn add_mark(&self, _mark: u32) -> bool {
         false
     }
+
+    #[inline(always)]
+    fn add_mark_via_tc(&self, mark: u32) -> bool {
+        let md = self.0.ctx;
+        // SAFETY: the program's own context; the helper checks the room.
+        if unsafe { bpf_xdp_adjust_meta(md.cast(), -(XDP_MARK_LEN as i32)) } != 0 {
+            return false;
+        }
+        // SAFETY: as above; the fields are read after the helper moved them.
+        let (meta, data) = unsafe {
+            (
+                core::ptr::read_volatile(&(*md).data_meta) as usize,
+                core::ptr::read_volatile(&(*md).data) as usize,
+            )
+        };
+        if meta + XDP_MARK_LEN > data {
+            return false;
+        }
+        // SAFETY: the metadata area, inside the frame's buffer (checked).
+        unsafe {
+            *(meta as *mut XdpMark) = XdpMark {
+                magic: XDP_MARK_MAGIC,
+                mark,
+            }
+        };
+        true
+    }
+
+    #[inline(always)]
+    fn before_netfilter(&self) -> bool {
+        true
+    }
 }
 
-pub struct Tc<'a>(pub &'a TcContext);
+/// Which tc hook a program runs at.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum TcHook {
+    Ingress,
+    Egress,
+}
+
+pub struct Tc<'a>(pub &'a TcContext, pub TcHook);
 
 impl Tc<'_> {
     #[inline(always)]
@@ -479,5 +559,15 @@ impl Ctx for Tc<'_> {
         // run; a tc program may write `mark` (the verifier checks the field).
         unsafe { (*self.skb()).mark |= mark };
         true
+    }
+
+    #[inline(always)]
+    fn add_mark_via_tc(&self, mark: u32) -> bool {
+        self.add_mark(mark)
+    }
+
+    #[inline(always)]
+    fn before_netfilter(&self) -> bool {
+        self.1 == TcHook::Ingress
     }
 }

@@ -65,7 +65,7 @@ use aya_ebpf::{
 };
 
 use crate::{
-    context::{Tc, Xdp},
+    context::{Tc, TcHook, Xdp},
     pipeline::{Outcome, process},
 };
 
@@ -91,7 +91,9 @@ pub fn xdp_uplink(ctx: XdpContext) -> u32 {
 // Inlined: see `xdp_uplink`.
 #[inline(always)]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
-    let tc = Tc(&ctx);
+    // First: pulling headers may move the packet away from its metadata.
+    context::apply_xdp_mark(&ctx);
+    let tc = Tc(&ctx, TcHook::Ingress);
     tc.pull_headers();
     match process(&tc) {
         Outcome::Pass | Outcome::Translated => TC_ACT_OK,
@@ -116,7 +118,7 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
 // Inlined: see `xdp_uplink`.
 #[inline(always)]
 pub fn tc_egress(ctx: TcContext) -> i32 {
-    let tc = Tc(&ctx);
+    let tc = Tc(&ctx, TcHook::Egress);
     tc.pull_headers();
     match process(&tc) {
         Outcome::Pass | Outcome::ReverseTranslated => TC_ACT_OK,

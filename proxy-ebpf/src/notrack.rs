@@ -5,8 +5,8 @@
 //! packets alone: it would call the client's ACK invalid (no SYN-ACK
 //! seen), and any `--ctstate INVALID -j DROP` rule (Calico's, many host
 //! firewalls') would drop it; and it would cost every connection an entry.
-//! So such a flow's forward packets carry the notrack mark, which the
-//! agent's raw-table rule turns into `CT --notrack` before conntrack runs.
+//! So such a flow's packets carry the notrack mark, which the agent's
+//! raw-table rule turns into `CT --notrack` before conntrack runs.
 //! Flows the kernel source-NATs stay tracked (its SNAT is conntrack), as do
 //! flows to addresses outside the pod networks (a node's, or outside the
 //! cluster), whose replies may pass the kernel's hooks or need another
@@ -14,17 +14,22 @@
 
 use crate::{context::Ctx, maps};
 
-/// Whether a new flow is kept out of the kernel's conntrack: not
-/// source-NATed, to a backend that is a pod (`backend_is_pod`, asked only
-/// when it matters).
+/// Whether a new flow is kept out of the kernel's conntrack: translated
+/// before the kernel's hooks see it (XDP, tc ingress; at tc egress the
+/// kernel has tracked the untranslated packet already), not source-NATed,
+/// to a backend that is a pod (`backend_is_pod`, asked only when it
+/// matters).
 #[inline(always)]
-pub fn wanted(snat: bool, backend_is_pod: impl FnOnce() -> bool) -> bool {
-    maps::notrack_mark() != 0 && !snat && backend_is_pod()
+pub fn wanted(ctx: &impl Ctx, snat: bool, backend_is_pod: impl FnOnce() -> bool) -> bool {
+    maps::notrack_mark() != 0 && !snat && ctx.before_netfilter() && backend_is_pod()
 }
 
-/// Marks a forward packet of an untracked flow. XDP has no skb to mark:
-/// there the kernel tracks the packets as before.
+/// Marks a packet of a flow kept off the kernel's conntrack, either way:
+/// on tc the skb; on XDP through the metadata tc ingress copies into the
+/// skb (a reply XDP reverse-NATs goes up the stack, where the kernel would
+/// take it for an invalid packet of an unknown flow). A driver without
+/// metadata leaves the packet unmarked: tracked, as before.
 #[inline(always)]
 pub fn mark(ctx: &impl Ctx) {
-    ctx.add_mark(maps::notrack_mark());
+    ctx.add_mark_via_tc(maps::notrack_mark());
 }

@@ -139,6 +139,9 @@ fn established(ctx: &impl Ctx, flow: &Flow, tracked: &Tracked) -> (Verdict, Outc
 /// A backend's reply of a tracked flow: its source back to the frontend.
 #[inline(always)]
 fn reverse(ctx: &impl Ctx, flow: &Flow, tracked: &Tracked) -> (Verdict, Outcome) {
+    if tracked.notrack {
+        notrack::mark(ctx);
+    }
     match nat::rev_nat(ctx, flow, tracked.nat) {
         Ok(()) => (Verdict::RevNat, Outcome::ReverseTranslated),
         Err(()) => (Verdict::Error, Outcome::Drop),
@@ -165,7 +168,7 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outcom
     // every pick that needs SNAT (a backend on another node) and so favour
     // local backends, 3:1 with half the backends remote.
     let handed_to_tc = snat && !ctx.add_mark(maps::snat_mark());
-    let notrack = notrack::wanted(snat, || pod_network::contains(backend.addr_be));
+    let notrack = notrack::wanted(ctx, snat, || pod_network::contains(backend.addr_be));
     let flags = forward_flags(snat, handed_to_tc, notrack);
     // Untracked, the flow's replies would not be recognised: pass it as is.
     if conntrack::create(flow, id, &backend, svc.rev_nat_id, flags).is_err() {

@@ -9,7 +9,7 @@ use aya_ebpf::{
 };
 
 use crate::{
-    context::{Tc, ptr_at},
+    context::{Tc, TcHook, ptr_at},
     headers::{IP_OFF, Ipv4Hdr, Ipv6Hdr},
     parse,
 };
@@ -45,7 +45,8 @@ pub fn redirect_back(ctx: &TcContext, flags: u64) -> i32 {
 /// from a node IP). `None` if it is not forwarded (e.g. it is for this node).
 #[inline(always)]
 fn ifindex(ctx: &TcContext) -> Option<u32> {
-    let mut params = if parse::is_ipv6(&Tc(ctx)) {
+    // Reading only: which hook the view says it is does not matter here.
+    let mut params = if parse::is_ipv6(&Tc(ctx, TcHook::Egress)) {
         ipv6_params(ctx)?
     } else {
         ipv4_params(ctx)?
@@ -66,7 +67,7 @@ fn ifindex(ctx: &TcContext) -> Option<u32> {
 /// interface it is on (no length, as for IPv4).
 #[inline(always)]
 fn ipv6_params(ctx: &TcContext) -> Option<bpf_fib_lookup> {
-    let ip: *const Ipv6Hdr = ptr_at(&Tc(ctx), IP_OFF)?;
+    let ip: *const Ipv6Hdr = ptr_at(&Tc(ctx, TcHook::Egress), IP_OFF)?;
     // SAFETY: as in `ipv4_params`.
     let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
     // SAFETY: as in `ipv4_params`. The L4 protocol stays 0: after
@@ -84,7 +85,7 @@ fn ipv6_params(ctx: &TcContext) -> Option<bpf_fib_lookup> {
 /// The FIB lookup's input for an IPv4 packet.
 #[inline(always)]
 fn ipv4_params(ctx: &TcContext) -> Option<bpf_fib_lookup> {
-    let ip: *const Ipv4Hdr = ptr_at(&Tc(ctx), IP_OFF)?;
+    let ip: *const Ipv4Hdr = ptr_at(&Tc(ctx, TcHook::Egress), IP_OFF)?;
     // SAFETY: a C struct of integers and unions of integers: all zeros is
     // a valid value (and the helper's "no input" for every unset field).
     let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };

@@ -41,9 +41,8 @@
 //! flow the kernel tracks only half of. In ebpf mode the programs keep the
 //! kernel's conntrack off flows to pods that need no SNAT (`notrack`); the
 //! one-node tests then read the node's conntrack table back: no entry of
-//! the client pod's transfers, the hairpin's (masqueraded) present. Not
-//! under native XDP: XDP has no skb to mark, the kernel tracks half of
-//! the flows it translates, and such a firewall would drop them.
+//! the client pod's transfers, the hairpin's (masqueraded) present. Under
+//! native XDP too: XDP leaves the mark in the packet's metadata for tc.
 //!
 //! IPv6 ([`Route`]): the Services of the first paths are dual-stack
 //! (`fd00:96::80`, `fd00:96::82`, an IPv6 EndpointSlice of the same pod
@@ -103,7 +102,7 @@ use testbed::{
     },
     netns::{self, Netns},
     probe::{Checks, Protocol},
-    topology::{BACKENDS, CLIENT_POD, NODE_IP, NODE_IP6, Offloads, POD_CIDR, POD_CIDR6, Topology, pod_ipv6},
+    topology::{BACKENDS, CLIENT_IP, CLIENT_POD, NODE_IP, NODE_IP6, Offloads, POD_CIDR, POD_CIDR6, Topology, pod_ipv6},
     two_node::{NODE_A, NODE_B, TwoNodes},
     two_node_bed::TwoNodeBed,
 };
@@ -481,14 +480,6 @@ impl Setup {
         Ok(format!("XDP on {uplink}: {xdp}"))
     }
 
-    /// Whether the node drops forwarded packets its conntrack finds
-    /// invalid ([`drop_invalid_forwarding`]): not under native XDP, where
-    /// the kernel still tracks half of the flows XDP translates (no skb to
-    /// mark there) and such a firewall drops them.
-    fn strict_firewall(self) -> bool {
-        !self.xdp_native
-    }
-
     /// The pod networks, as a real node's configuration names them (so
     /// the ebpf mode tells flows between pods apart, see `notrack`), and
     /// `--xdp native` where asked.
@@ -524,11 +515,13 @@ fn drop_invalid_forwarding(node: &Netns) -> Result<()> {
     Ok(())
 }
 
-/// The ebpf mode keeps the kernel's conntrack off flows between pods that
-/// no one source-NATs (`notrack`): after the rows, the node's conntrack
-/// table holds no entry of the client pod's transfers, while the hairpin
-/// (which the kernel masquerades) has its entries, which shows the table
-/// was read while the transfers' entries would still be there.
+/// The ebpf mode keeps the kernel's conntrack off flows to pods that no
+/// one source-NATs (`notrack`): after the rows, the node's conntrack table
+/// holds no entry of the client pod's or the outside client's transfers
+/// (translated at tc on the pod's veth, at the uplink's tc or XDP hook),
+/// while the hairpin (which the kernel masquerades) has its entries, which
+/// shows the table was read while the transfers' entries would still be
+/// there.
 fn check_kernel_conntrack(topo: &Topology) -> Result<String> {
     let table = topo.node.exec(&["cat", "/proc/net/nf_conntrack"])?;
     let of = |client: Ipv4Addr| {
@@ -536,14 +529,14 @@ fn check_kernel_conntrack(topo: &Topology) -> Result<String> {
         let dport = format!(" dport={BULK_PORT} ");
         table.lines().filter(|l| l.contains(&src) && l.contains(&dport)).count()
     };
-    let (pod_flows, hairpin) = (of(CLIENT_POD.1), of(BACKENDS[BULK_POD].1));
+    let (pod, outside, hairpin) = (of(CLIENT_POD.1), of(CLIENT_IP), of(BACKENDS[BULK_POD].1));
     ensure!(
-        pod_flows == 0 && hairpin > 0,
-        "kernel conntrack: {pod_flows} entries of the client pod's transfers (want 0), \
-         {hairpin} of the hairpin's (want some):\n{table}"
+        pod == 0 && outside == 0 && hairpin > 0,
+        "kernel conntrack: {pod} entries of the client pod's transfers, {outside} of the outside \
+         client's (want none), {hairpin} of the hairpin's (want some):\n{table}"
     );
     Ok(format!(
-        "none of the client pod's transfers, {hairpin} of the hairpin's"
+        "none of the client pod's or the outside client's transfers, {hairpin} of the hairpin's"
     ))
 }
 
@@ -660,9 +653,7 @@ fn one_node(mode: Mode, setup: Setup) {
         for pod in &bed.topo.backends {
             pod.ns.serve_bulk(BULK_PORT, pod.name)?;
         }
-        if setup.strict_firewall() {
-            drop_invalid_forwarding(&bed.topo.node)?;
-        }
+        drop_invalid_forwarding(&bed.topo.node)?;
         bed.topo.route_to_node(&EXTERNAL_NETS)?;
         bed.write_manifest(MANIFEST, &yaml_documents(&one_node_objects()))?;
         let mut args = bed.manifest_args();
@@ -687,7 +678,7 @@ fn one_node(mode: Mode, setup: Setup) {
         );
         let rows = rows(&routes, |route| route.ends(&bed.topo, &sticky))?;
         run_rows(&label, &rows, checks);
-        if mode == Mode::Ebpf && setup.strict_firewall() {
+        if mode == Mode::Ebpf {
             checks.check("the kernel's conntrack", check_kernel_conntrack(&bed.topo));
         }
         Ok(())
@@ -706,7 +697,7 @@ fn two_node(mode: Mode, setup: Setup) {
         for pod in bed.topo.backends() {
             pod.ns.serve_bulk(BULK_PORT, pod.name)?;
         }
-        for node in bed.topo.nodes.iter().filter(|_| setup.strict_firewall()) {
+        for node in &bed.topo.nodes {
             drop_invalid_forwarding(&node.ns)?;
         }
         let objects = REMOTE.objects(REMOTE_POD.1, NODE_B.name);

@@ -195,7 +195,7 @@ pub fn create(flow: &Flow6, new: &NewFlow6) -> Result<(), ()> {
         backend_id: new.backend_id,
         rev_nat_id: new.rev_nat_id,
         last_seen_ns: now_ns(),
-        flags: FLAG_REPLY | FLAG_STATEFUL,
+        flags: FLAG_REPLY | FLAG_STATEFUL | (new.forward_flags & FLAG_NOTRACK),
         state: initial_state(flow.proto),
         nat_port_be: flow.dport_be,
         _pad: 0,

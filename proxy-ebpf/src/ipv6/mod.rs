@@ -133,6 +133,9 @@ fn established(ctx: &impl Ctx, flow: &Flow6, tracked: &Tracked6) -> (Verdict, Ou
 /// A backend's reply of a tracked flow: its source back to the frontend.
 #[inline(always)]
 fn reverse(ctx: &impl Ctx, flow: &Flow6, tracked: &Tracked6) -> (Verdict, Outcome) {
+    if tracked.notrack {
+        notrack::mark(ctx);
+    }
     match rewrite(ctx, flow, Side::Source, (flow.saddr(), flow.sport_be), tracked.nat()) {
         Ok(()) => (Verdict::RevNat, Outcome::ReverseTranslated),
         Err(()) => (Verdict::Error, Outcome::Drop),
@@ -152,7 +155,7 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow6, svc: &ServiceValue) -> (Verdict, Outco
     };
     let snat = snat_wanted(svc, backend.flags, *flow.saddr() == backend.addr_be);
     let handed_to_tc = snat && !ctx.add_mark(maps::snat_mark());
-    let notrack = notrack::wanted(snat, || pod_network::contains6(&backend.addr_be));
+    let notrack = notrack::wanted(ctx, snat, || pod_network::contains6(&backend.addr_be));
     let new = NewFlow6 {
         backend_id,
         backend: (backend.addr_be, backend.port_be),

@@ -5,8 +5,8 @@
 //!   once, since unpinning alone detaches them only a moment later; on
 //!   kernels before 6.6 the tc programs are filters on the interfaces'
 //!   clsact qdiscs, deleted from every interface), its `XPROXY-SNAT`
-//!   chain and `inet xproxy-sctp` table (and an older agent's `ip` one), and the nftables mode's `ip xproxy`
-//!   table.
+//!   and `XPROXY-NOTRACK` chains and `inet xproxy-sctp` table (and an
+//!   older agent's `ip` one), and the nftables mode's `ip xproxy` table.
 //! - `kube-proxy`: what carries kube-proxy's names. The iptables, IPVS
 //!   and userspace modes lay their rules out as kube-proxy does (KUBE-*
 //!   chains and ipsets, `kube-ipvs0`), and the IPVS table has no owner

@@ -103,3 +103,54 @@ fn backends_outside_the_pod_networks_get_no_mark() {
     assert!(BACKEND_IPS.contains(dnat_dst(&out).ip()));
     assert_eq!(forward_flags(&h, from) & FLAG_NOTRACK, 0);
 }
+
+/// What XDP leaves in front of a packet for tc ingress: the magic, then
+/// the mark (`context::XdpMark`); `None` if the output has none.
+fn xdp_mark(out: &Output) -> Option<u32> {
+    let word = |at: usize| u32::from_ne_bytes(out.frame[at..at + 4].try_into().expect("4 bytes"));
+    (out.frame.len() >= 8 && word(0) == 0x7870_6d6b).then(|| word(4))
+}
+
+/// The output without the metadata XDP left in front of it.
+fn without_meta(out: &Output) -> Output {
+    Output {
+        code: out.code,
+        frame: out.frame[8..].to_vec(),
+    }
+}
+
+#[test]
+fn xdp_passes_the_notrack_mark_to_tc_both_ways() {
+    if !require_root("xdp_passes_the_notrack_mark_to_tc_both_ways") {
+        return;
+    }
+    let mut h = harness(&[POD_CIDR]);
+    let from = external(&mut h);
+    let out = h.run(Prog::XdpUplink, &Frame::tcp(from, node_port(), SYN).build());
+    assert_eq!((out.code, xdp_mark(&out)), (XDP_PASS, Some(NOTRACK_MARK)));
+    let backend = dnat_dst(&without_meta(&out));
+    assert!(BACKEND_IPS.contains(backend.ip()), "DNATed by XDP: {backend}");
+    // The backend's reply, reverse-NATed by XDP (a backend on another
+    // node answers through the uplink), goes up the stack: marked too.
+    let out = h.run(Prog::XdpUplink, &Frame::tcp(backend, from, SYN | ACK).build());
+    assert_eq!((out.code, xdp_mark(&out)), (XDP_PASS, Some(NOTRACK_MARK)));
+    match parse_strict(&without_meta(&out).frame) {
+        Strict::Flow(f) => assert_eq!(f.src, node_port(), "reverse-NATed"),
+        other => panic!("the reply does not parse: {other:?}"),
+    }
+}
+
+#[test]
+fn flows_translated_at_tc_egress_stay_tracked() {
+    if !require_root("flows_translated_at_tc_egress_stay_tracked") {
+        return;
+    }
+    // The node's own connection: the kernel tracked it untranslated in
+    // OUTPUT, and must see its replies to keep that entry right.
+    let mut h = harness(&[POD_CIDR]);
+    let from = addr(NODE_IP, h.next_port());
+    let (out, mark) = h.run_tc_marked(Prog::TcEgress, &Frame::tcp(from, cluster_ip(), SYN).build());
+    assert!(BACKEND_IPS.contains(dnat_dst(&out).ip()), "DNATed at egress");
+    assert_eq!(mark, 0);
+    assert_eq!(forward_flags(&h, from) & FLAG_NOTRACK, 0);
+}
