@@ -27,9 +27,10 @@ pub fn wanted(ctx: &impl Ctx, snat: bool, backend_is_pod: impl FnOnce() -> bool)
 /// Marks a packet of a flow kept off the kernel's conntrack, either way:
 /// on tc the skb; on XDP through the metadata tc ingress copies into the
 /// skb (a reply XDP reverse-NATs goes up the stack, where the kernel would
-/// take it for an invalid packet of an unknown flow). A driver without
-/// metadata leaves the packet unmarked: tracked, as before.
+/// take it for an invalid packet of an unknown flow). `false` on XDP over
+/// a driver that keeps no metadata: the caller leaves the packet to tc,
+/// as flows that need SNAT are.
 #[inline(always)]
-pub fn mark(ctx: &impl Ctx) {
-    ctx.add_mark_via_tc(maps::notrack_mark());
+pub fn mark(ctx: &impl Ctx) -> bool {
+    ctx.add_mark_via_tc(maps::notrack_mark())
 }

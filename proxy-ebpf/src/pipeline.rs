@@ -108,8 +108,8 @@ fn icmp_error(ctx: &impl Ctx, flow: &Flow) -> (Verdict, Outcome) {
         let frontend = (flow.daddr_be, flow.dport_be);
         (Side::Source, Side::Destination, frontend, Outcome::Translated)
     };
-    if tracked.notrack {
-        notrack::mark(ctx);
+    if tracked.notrack && !notrack::mark(ctx) {
+        return (Verdict::PassToTc, Outcome::Pass);
     }
     match icmp_error::translate(ctx, flow.proto, quoted, outer, old, tracked.nat) {
         Ok(()) => (Verdict::IcmpError, outcome),
@@ -125,8 +125,8 @@ fn established(ctx: &impl Ctx, flow: &Flow, tracked: &Tracked) -> (Verdict, Outc
     if tracked.snat && !ctx.add_mark(maps::snat_mark()) {
         return (Verdict::PassToTc, Outcome::Pass);
     }
-    if tracked.notrack {
-        notrack::mark(ctx);
+    if tracked.notrack && !notrack::mark(ctx) {
+        return (Verdict::PassToTc, Outcome::Pass);
     }
     if tracked.handed_to_tc {
         // The first packet of a flow XDP picked a backend for: new.
@@ -139,8 +139,8 @@ fn established(ctx: &impl Ctx, flow: &Flow, tracked: &Tracked) -> (Verdict, Outc
 /// A backend's reply of a tracked flow: its source back to the frontend.
 #[inline(always)]
 fn reverse(ctx: &impl Ctx, flow: &Flow, tracked: &Tracked) -> (Verdict, Outcome) {
-    if tracked.notrack {
-        notrack::mark(ctx);
+    if tracked.notrack && !notrack::mark(ctx) {
+        return (Verdict::PassToTc, Outcome::Pass);
     }
     match nat::rev_nat(ctx, flow, tracked.nat) {
         Ok(()) => (Verdict::RevNat, Outcome::ReverseTranslated),
@@ -166,9 +166,14 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outcom
     // tc hook behind, which finds the flow tracked, marks and DNATs it. The
     // backend picked here must be kept: picking again in tc would re-roll
     // every pick that needs SNAT (a backend on another node) and so favour
-    // local backends, 3:1 with half the backends remote.
-    let handed_to_tc = snat && !ctx.add_mark(maps::snat_mark());
+    // local backends, 3:1 with half the backends remote. The same for the
+    // notrack mark where XDP cannot leave it to tc (no metadata).
     let notrack = notrack::wanted(ctx, snat, || pod_network::contains(backend.addr_be));
+    let handed_to_tc = if snat {
+        !ctx.add_mark(maps::snat_mark())
+    } else {
+        notrack && !notrack::mark(ctx)
+    };
     let flags = forward_flags(snat, handed_to_tc, notrack);
     // Untracked, the flow's replies would not be recognised: pass it as is.
     if conntrack::create(flow, id, &backend, svc.rev_nat_id, flags).is_err() {
@@ -176,9 +181,6 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outcom
     }
     if handed_to_tc {
         return (Verdict::PassToTc, Outcome::Pass);
-    }
-    if notrack {
-        notrack::mark(ctx);
     }
     translated(
         nat::dnat(ctx, flow, (backend.addr_be, backend.port_be)),

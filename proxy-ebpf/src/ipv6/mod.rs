@@ -102,8 +102,8 @@ fn related(ctx: &impl Ctx, flow: &Flow6) -> (Verdict, Outcome) {
         let frontend = (flow.daddr(), flow.dport_be);
         (Side::Source, Side::Destination, frontend, Outcome::Translated)
     };
-    if tracked.notrack {
-        notrack::mark(ctx);
+    if tracked.notrack && !notrack::mark(ctx) {
+        return (Verdict::PassToTc, Outcome::Pass);
     }
     match icmp_error::translate(ctx, flow, quoted, outer, old, tracked.nat()) {
         Ok(()) => (Verdict::IcmpError, outcome),
@@ -118,8 +118,8 @@ fn established(ctx: &impl Ctx, flow: &Flow6, tracked: &Tracked6) -> (Verdict, Ou
     if tracked.snat && !ctx.add_mark(maps::snat_mark()) {
         return (Verdict::PassToTc, Outcome::Pass);
     }
-    if tracked.notrack {
-        notrack::mark(ctx);
+    if tracked.notrack && !notrack::mark(ctx) {
+        return (Verdict::PassToTc, Outcome::Pass);
     }
     let verdict = if tracked.handed_to_tc {
         conntrack::taken_over(tracked);
@@ -133,8 +133,8 @@ fn established(ctx: &impl Ctx, flow: &Flow6, tracked: &Tracked6) -> (Verdict, Ou
 /// A backend's reply of a tracked flow: its source back to the frontend.
 #[inline(always)]
 fn reverse(ctx: &impl Ctx, flow: &Flow6, tracked: &Tracked6) -> (Verdict, Outcome) {
-    if tracked.notrack {
-        notrack::mark(ctx);
+    if tracked.notrack && !notrack::mark(ctx) {
+        return (Verdict::PassToTc, Outcome::Pass);
     }
     match rewrite(ctx, flow, Side::Source, (flow.saddr(), flow.sport_be), tracked.nat()) {
         Ok(()) => (Verdict::RevNat, Outcome::ReverseTranslated),
@@ -154,8 +154,13 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow6, svc: &ServiceValue) -> (Verdict, Outco
         return pipeline::no_backend(svc, || reject::reject(ctx, flow));
     };
     let snat = snat_wanted(svc, backend.flags, *flow.saddr() == backend.addr_be);
-    let handed_to_tc = snat && !ctx.add_mark(maps::snat_mark());
+    // Left to tc where XDP cannot mark, as IPv4's (`crate::pipeline::new_flow`).
     let notrack = notrack::wanted(ctx, snat, || pod_network::contains6(&backend.addr_be));
+    let handed_to_tc = if snat {
+        !ctx.add_mark(maps::snat_mark())
+    } else {
+        notrack && !notrack::mark(ctx)
+    };
     let new = NewFlow6 {
         backend_id,
         backend: (backend.addr_be, backend.port_be),
@@ -167,9 +172,6 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow6, svc: &ServiceValue) -> (Verdict, Outco
     }
     if handed_to_tc {
         return (Verdict::PassToTc, Outcome::Pass);
-    }
-    if notrack {
-        notrack::mark(ctx);
     }
     translated(dnat(ctx, flow, (&new.backend.0, new.backend.1)), Verdict::DnatNew)
 }

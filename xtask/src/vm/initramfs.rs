@@ -80,6 +80,8 @@ const MODULES: &[&str] = &[
     "xt_mark",
     "xt_conntrack",
     "xt_MASQUERADE",
+    // The ebpf mode's notrack rule (`-j CT --notrack` in the raw table).
+    "xt_CT",
     // The other modes, for `modes:switching` (the agent in every mode on
     // one test bed): the iptables and userspace modes' matches and
     // targets, the nftables mode's expressions, conntrack over netlink.
