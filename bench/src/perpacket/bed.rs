@@ -14,7 +14,10 @@ use aya::{
     programs::{SchedClassifier, Xdp},
 };
 use proxy_common::{CtKey, CtKey6, CtValue, CtValue6, Verdict, maps};
-use proxy_userspace::mode::ebpf::{ServiceMaps, object_bytes};
+use proxy_userspace::{
+    config::Cidr,
+    mode::ebpf::{ServiceMaps, object_bytes, pod_cidrs},
+};
 use serde::Serialize;
 use testbed::privileged::PinDir;
 use testbed::testrun::{Prog, seed_services};
@@ -93,17 +96,28 @@ pub struct Bed {
     _pin: PinDir,
 }
 
+/// The pod networks the bed's backends and pod clients are in, as a node
+/// whose configuration names `clusterCIDR`: new flows to them are kept off
+/// the kernel's conntrack (the notrack mark), the path real nodes run.
+const POD_NETWORKS: [&str; 2] = ["10.244.0.0/16", "fd00:10:244::/48"];
+/// The agent's notrack mark for kube-proxy's default masquerade bit.
+const NOTRACK_MARK: u32 = 1 << 13;
+
 impl Bed {
     /// Loads `object` into a fresh pin directory the way the agent does
-    /// (maps pinned by name, `snat_mark` patched in) and programs the seed
-    /// Services (and the seed's IPv6 twin), with NodePorts on `node_ips`;
-    /// the IPv4 conntrack holds `conntrack_entries`.
+    /// (maps pinned by name, `snat_mark` and the notrack mark patched in,
+    /// the pod networks written) and programs the seed Services (and the
+    /// seed's IPv6 twin), with NodePorts on `node_ips`; the IPv4 conntrack
+    /// holds `conntrack_entries`.
     pub fn load(object: &Object, snat_mark: u32, node_ips: Vec<IpAddr>, conntrack_entries: u32) -> Result<Self> {
         let pin = PinDir::new();
         std::fs::create_dir_all(pin.path()).with_context(|| format!("creating {}", pin.path().display()))?;
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(pin.path())
             .override_global(maps::GLOBAL_SNAT_MARK, &snat_mark, true)
+            // Not required: objects from before it (compared side by side)
+            // have no such constant.
+            .override_global(maps::GLOBAL_NOTRACK_MARK, &NOTRACK_MARK, false)
             .map_max_entries(maps::CONNTRACK, conntrack_entries)
             .load(object.bytes())
             .with_context(|| format!("loading the eBPF object ({})", object.source))?;
@@ -113,6 +127,8 @@ impl Bed {
             let tc: &mut SchedClassifier = program(&mut ebpf, name)?.try_into()?;
             tc.load().with_context(|| format!("verifier rejected {name}"))?;
         }
+        let networks: Vec<Cidr> = POD_NETWORKS.iter().map(|c| c.parse()).collect::<Result<_, _>>()?;
+        pod_cidrs::write(pin.path(), &pod_cidrs::trie_entries(&networks))?;
         let mut maps = ServiceMaps::open(pin.path(), node_ips)?;
         let services = seed_services().into_iter().chain(super::cases::api_services());
         for svc in services.chain([seed_service6()]) {

@@ -436,7 +436,7 @@ impl Case {
                 self.label,
                 self.code
             );
-            let out = &out[..run.out_len.min(out.len())];
+            let out = frame_of(&out[..run.out_len.min(out.len())]);
             check_output(&packet.frame, out, packet.expect)
                 .with_context(|| format!("{} on a {} packet", self.prog.name(), self.label))?;
             if matches!(self.kind, Kind::NewFlow | Kind::AffinityHit | Kind::AffinityMiss) {
@@ -453,6 +453,18 @@ impl Case {
 
 /// Large enough for any frame here.
 const OUT_BUF_LEN: usize = 2048;
+
+/// What XDP leaves in front of a packet for tc, the mark for the
+/// kernel (`context::XdpMark` in the programs): a magic, then the mark.
+const XDP_MARK_MAGIC: u32 = 0x7870_6d6b;
+const XDP_MARK_LEN: usize = 8;
+
+/// A test run's output frame without the metadata XDP may have left in
+/// front of it (the test run returns it with the frame).
+fn frame_of(out: &[u8]) -> &[u8] {
+    let marked = out.len() > XDP_MARK_LEN && out[..4] == XDP_MARK_MAGIC.to_ne_bytes();
+    if marked { &out[XDP_MARK_LEN..] } else { out }
+}
 
 fn check_output(input: &[u8], out: &[u8], expect: Expect) -> Result<()> {
     if expect == Expect::Untouched {
@@ -496,7 +508,7 @@ fn open_flow(bed: &Bed, prog: Prog, client: SocketAddr, frontend: SocketAddr) ->
     let run = raw::test_run(bed.fd(prog)?, &syn_ack, &mut out)
         .with_context(|| format!("answering a flow through {}", prog.name()))?;
     ensure!(run.code != prog.drop(), "{} dropped a SYN-ACK", prog.name());
-    check_output(&syn_ack, &out[..run.out_len], Expect::SourceIs(frontend))?;
+    check_output(&syn_ack, frame_of(&out[..run.out_len]), Expect::SourceIs(frontend))?;
     Ok(backend)
 }
 
@@ -512,8 +524,9 @@ fn send_syn(bed: &Bed, prog: Prog, client: SocketAddr, frontend: SocketAddr) -> 
         prog.name(),
         run.code
     );
-    check_output(&frame, &out[..run.out_len], Expect::DnatToAny)?;
-    let (_, backend) = checked_ends(&out[..run.out_len])?;
+    let translated = frame_of(&out[..run.out_len]);
+    check_output(&frame, translated, Expect::DnatToAny)?;
+    let (_, backend) = checked_ends(translated)?;
     Ok(backend)
 }
 
