@@ -1,10 +1,12 @@
 //! Keeping the kernel's conntrack off flows it would see only half of.
 //! The replies of a flow to a pod backend that no one source-NATs are
-//! reverse-NATed by the programs and redirected to the client's interface,
-//! past the kernel's hooks. The kernel's conntrack would see the forward
-//! packets alone: it would call the client's ACK invalid (no SYN-ACK
-//! seen), and any `--ctstate INVALID -j DROP` rule (Calico's, many host
-//! firewalls') would drop it; and it would cost every connection an entry.
+//! reverse-NATed by the programs: tc redirects them to the client's
+//! interface, past the kernel's hooks; XDP passes them up the stack
+//! already rewritten, a tuple the kernel never saw. Its conntrack would
+//! see the forward packets alone: it would call the client's ACK invalid
+//! (no SYN-ACK seen), and any `--ctstate INVALID -j DROP` rule (Calico's,
+//! many host firewalls') would drop it; and it would cost every
+//! connection an entry.
 //! So such a flow's packets carry the notrack mark, which the agent's
 //! raw-table rule turns into `CT --notrack` before conntrack runs.
 //! Flows the kernel source-NATs stay tracked (its SNAT is conntrack), as do

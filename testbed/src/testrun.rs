@@ -166,10 +166,10 @@ impl Prog {
     }
 }
 
-/// What a program returned and the frame it left.
 /// The size of the uapi `struct __sk_buff` (192 bytes since Linux 5.16).
 const SK_BUFF_LEN: usize = 192;
 
+/// What a program returned and the frame it left.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Output {
     pub code: u32,

@@ -25,9 +25,9 @@
 //! (`stale_flows`), so their next datagram picks a current backend, or
 //! passes untranslated if the Service is gone.
 //!
-//! The kernel's own conntrack is kept off flows between pods that the
-//! programs translate alone (`notrack`): it would see only their forward
-//! half. Flows the kernel source-NATs stay in it.
+//! The kernel's own conntrack is kept off flows to pods that the programs
+//! translate alone (`notrack`): it would see only their forward half.
+//! Flows the kernel source-NATs stay in it.
 //!
 //! Both families: IPv6 Service ports go to the programs' IPv6 maps (see
 //! `service_maps`), node ports answer on the node's IPv6 addresses too,
@@ -133,8 +133,8 @@ pub struct EbpfOptions {
     /// The source ports the kernel masquerades to: outside the node port
     /// range (see `snat`).
     pub snat_ports: RangeInclusive<u16>,
-    /// The skb mark bit that keeps the kernel's conntrack off a flow between
-    /// pods (see `notrack`); 0, or no pod networks: every flow is tracked.
+    /// The skb mark bit that keeps the kernel's conntrack off a flow to a
+    /// pod (see `notrack`); 0, or no pod networks: every flow is tracked.
     pub notrack_mark: u32,
     /// This node's name: endpoints naming another node are remote backends.
     pub node_name: Option<String>,
@@ -392,7 +392,7 @@ fn install_snat6_rules(mark: u32, ports: &RangeInclusive<u16>) {
 
 /// Installs the rules that keep the kernel's conntrack off packets with
 /// `mark`, in both families; returns the mark the programs may use: 0
-/// without pod networks (no flow can be told to be between pods) or if
+/// without pod networks (no backend can be told to be a pod) or if
 /// neither family's rule is there. A family without its rule tracks its
 /// marked flows as before.
 fn install_notrack_rules(mark: u32, pod_networks: &pod_cidrs::PodNetworks) -> u32 {
@@ -407,7 +407,7 @@ fn install_notrack_rules(mark: u32, pod_networks: &pod_cidrs::PodNetworks) -> u3
             Err(e) => warn!(
                 error = format!("{e:#}"),
                 ?family,
-                "no notrack rule: the kernel's conntrack sees half of each flow between pods \
+                "no notrack rule: the kernel's conntrack sees half of each Service flow to a pod \
                  (rules dropping its invalid packets drop them)"
             ),
         }

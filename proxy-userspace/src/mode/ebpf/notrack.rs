@@ -1,8 +1,9 @@
-//! The kernel half of keeping the kernel's conntrack off flows between
-//! pods (the programs' `notrack`): the programs mark the forward packets of
-//! such flows, and this raw-table rule untracks marked packets before
-//! conntrack sees them (the raw table's PREROUTING runs first, right after
-//! tc ingress set the mark).
+//! The kernel half of keeping the kernel's conntrack off flows to pods
+//! (the programs' `notrack`): the programs mark the packets of such flows
+//! (XDP through the packet's metadata, which tc ingress copies into the
+//! skb), and this raw-table rule untracks marked packets before conntrack
+//! sees them (the raw table's PREROUTING runs first, right after tc
+//! ingress).
 //!
 //! Why: the programs reverse-NAT such a flow's replies and redirect them to
 //! the client's interface, past the kernel's hooks. Tracked, its forward
