@@ -25,6 +25,7 @@ pub mod service_port;
 pub mod socket_lb;
 pub mod source_range;
 pub mod stats;
+pub mod xdp_mark;
 
 pub use affinity::{AffinityKey, AffinityValue, MemberKey};
 pub use backend::{Backend, BackendSlotKey, SlotChunk, SlotChunkKey};

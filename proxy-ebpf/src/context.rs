@@ -9,7 +9,10 @@ use aya_ebpf::{
     },
     programs::{TcContext, XdpContext},
 };
-use proxy_common::proto;
+use proxy_common::{
+    proto,
+    xdp_mark::{self, XdpMark},
+};
 
 use crate::{
     csum,
@@ -169,7 +172,7 @@ pub trait Ctx {
     /// `false` where there is no skb to mark (XDP).
     fn add_mark(&self, mark: u32) -> bool;
     /// Sets `mark` bits on the packet's skb, on XDP through the tc hook
-    /// behind it (see [`XdpMark`]); `false` if the driver keeps no
+    /// behind it (see `proxy_common::xdp_mark`); `false` if the driver keeps no
     /// metadata. Invalidates every packet pointer.
     fn add_mark_via_tc(&self, mark: u32) -> bool;
     /// Whether the hook runs before the kernel's netfilter hooks see the
@@ -177,19 +180,6 @@ pub trait Ctx {
     /// has seen the untranslated packet already).
     fn before_netfilter(&self) -> bool;
 }
-
-/// What XDP leaves in the metadata in front of a packet it passes, for
-/// tc ingress on the same interface to copy into the skb's mark: XDP runs
-/// before there is an skb to mark. The magic tells ours from anything
-/// else's.
-#[repr(C)]
-pub struct XdpMark {
-    magic: u32,
-    mark: u32,
-}
-
-const XDP_MARK_MAGIC: u32 = 0x7870_6d6b;
-const XDP_MARK_LEN: usize = core::mem::size_of::<XdpMark>();
 
 /// On tc ingress: ORs the mark XDP left in the metadata into the skb's.
 /// Read before anything pulls or moves the packet.
@@ -201,11 +191,11 @@ pub fn apply_xdp_mark(ctx: &TcContext) {
     unsafe {
         let meta = (*skb).data_meta as usize;
         let data = (*skb).data as usize;
-        if meta + XDP_MARK_LEN > data {
+        if meta + xdp_mark::LEN > data {
             return;
         }
         let left = &*(meta as *const XdpMark);
-        if left.magic == XDP_MARK_MAGIC {
+        if left.magic == xdp_mark::MAGIC {
             (*skb).mark |= left.mark;
         }
     }
@@ -336,7 +326,7 @@ impl Ctx for Xdp<'_> {
     fn add_mark_via_tc(&self, mark: u32) -> bool {
         let md = self.0.ctx;
         // SAFETY: the program's own context; the helper checks the room.
-        if unsafe { bpf_xdp_adjust_meta(md.cast(), -(XDP_MARK_LEN as i32)) } != 0 {
+        if unsafe { bpf_xdp_adjust_meta(md.cast(), -(xdp_mark::LEN as i32)) } != 0 {
             return false;
         }
         // SAFETY: as above; the fields are read after the helper moved them.
@@ -346,16 +336,11 @@ impl Ctx for Xdp<'_> {
                 core::ptr::read_volatile(&(*md).data) as usize,
             )
         };
-        if meta + XDP_MARK_LEN > data {
+        if meta + xdp_mark::LEN > data {
             return false;
         }
         // SAFETY: the metadata area, inside the frame's buffer (checked).
-        unsafe {
-            *(meta as *mut XdpMark) = XdpMark {
-                magic: XDP_MARK_MAGIC,
-                mark,
-            }
-        };
+        unsafe { *(meta as *mut XdpMark) = XdpMark::new(mark) };
         true
     }
 

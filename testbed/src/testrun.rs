@@ -260,9 +260,28 @@ impl Harness {
 
     /// Runs `frame` through `prog` once.
     pub fn try_run(&mut self, prog: Prog, frame: &[u8]) -> Result<Output, ProgramError> {
+        self.test_run(prog, frame, None)
+    }
+
+    /// Runs `frame` through a tc program once and returns, beside its
+    /// output, the mark it left on the skb (the kernel writes the skb's
+    /// fields back into `struct __sk_buff`, whose `mark` is at byte 8).
+    pub fn run_tc_marked(&mut self, prog: Prog, frame: &[u8]) -> (Output, u32) {
+        assert!(prog != Prog::XdpUplink, "XDP has no skb to mark");
+        let mut skb = [0u8; SK_BUFF_LEN];
+        let out = self
+            .test_run(prog, frame, Some(&mut skb))
+            .unwrap_or_else(|e| panic!("test_run of {}: {e:#?}", prog.name()));
+        (out, u32::from_ne_bytes([skb[8], skb[9], skb[10], skb[11]]))
+    }
+
+    /// One test run of `frame` through `prog`; the program's context is
+    /// written back into `ctx_out` if given.
+    fn test_run(&mut self, prog: Prog, frame: &[u8], ctx_out: Option<&mut [u8]>) -> Result<Output, ProgramError> {
         let opts = TestRunOptions {
             data_in: Some(frame),
             data_out: Some(&mut self.out_buf),
+            ctx_out,
             ..TestRunOptions::default()
         };
         let result = match prog {
@@ -283,31 +302,6 @@ impl Harness {
             code: result.return_value,
             frame: self.out_buf[..len].to_vec(),
         })
-    }
-
-    /// Runs `frame` through a tc program once and returns, beside its
-    /// output, the mark it left on the skb (the kernel writes the skb's
-    /// fields back into `struct __sk_buff`, whose `mark` is at byte 8).
-    pub fn run_tc_marked(&mut self, prog: Prog, frame: &[u8]) -> (Output, u32) {
-        assert!(prog != Prog::XdpUplink, "XDP has no skb to mark");
-        let mut skb = [0u8; SK_BUFF_LEN];
-        let opts = TestRunOptions {
-            data_in: Some(frame),
-            data_out: Some(&mut self.out_buf),
-            ctx_out: Some(&mut skb),
-            ..TestRunOptions::default()
-        };
-        let result = self
-            .datapath
-            .tc(prog.name())
-            .expect("tc program is loaded")
-            .test_run(opts)
-            .unwrap_or_else(|e| panic!("test_run of {}: {e:#?}", prog.name()));
-        let out = Output {
-            code: result.return_value,
-            frame: self.out_buf[..result.data_size_out as usize].to_vec(),
-        };
-        (out, u32::from_ne_bytes([skb[8], skb[9], skb[10], skb[11]]))
     }
 
     /// Runs `frame` through `prog` once; panics if the kernel refuses it.

@@ -16,7 +16,7 @@ use aya::{
 use proxy_common::{CtKey, CtKey6, CtValue, CtValue6, Verdict, maps};
 use proxy_userspace::{
     config::Cidr,
-    mode::ebpf::{ServiceMaps, object_bytes, pod_cidrs},
+    mode::ebpf::{ServiceMaps, notrack, object_bytes, pod_cidrs},
 };
 use serde::Serialize;
 use testbed::privileged::PinDir;
@@ -100,8 +100,6 @@ pub struct Bed {
 /// whose configuration names `clusterCIDR`: new flows to them are kept off
 /// the kernel's conntrack (the notrack mark), the path real nodes run.
 const POD_NETWORKS: [&str; 2] = ["10.244.0.0/16", "fd00:10:244::/48"];
-/// The agent's notrack mark for kube-proxy's default masquerade bit.
-const NOTRACK_MARK: u32 = 1 << 13;
 
 impl Bed {
     /// Loads `object` into a fresh pin directory the way the agent does
@@ -112,12 +110,14 @@ impl Bed {
     pub fn load(object: &Object, snat_mark: u32, node_ips: Vec<IpAddr>, conntrack_entries: u32) -> Result<Self> {
         let pin = PinDir::new();
         std::fs::create_dir_all(pin.path()).with_context(|| format!("creating {}", pin.path().display()))?;
+        // The agent's, for kube-proxy's default masquerade bit.
+        let notrack_mark = notrack::mark_for(14);
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(pin.path())
             .override_global(maps::GLOBAL_SNAT_MARK, &snat_mark, true)
             // Not required: objects from before it (compared side by side)
             // have no such constant.
-            .override_global(maps::GLOBAL_NOTRACK_MARK, &NOTRACK_MARK, false)
+            .override_global(maps::GLOBAL_NOTRACK_MARK, &notrack_mark, false)
             .map_max_entries(maps::CONNTRACK, conntrack_entries)
             .load(object.bytes())
             .with_context(|| format!("loading the eBPF object ({})", object.source))?;

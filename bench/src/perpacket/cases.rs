@@ -8,7 +8,7 @@ use std::{
 };
 
 use anyhow::{Context, Result, ensure};
-use proxy_common::Verdict;
+use proxy_common::{Verdict, xdp_mark::XdpMark};
 use proxy_userspace::model::{ServicePort, SourceRange};
 use rand::{SeedableRng, rngs::StdRng, seq::SliceRandom};
 use serde::Serialize;
@@ -454,16 +454,10 @@ impl Case {
 /// Large enough for any frame here.
 const OUT_BUF_LEN: usize = 2048;
 
-/// What XDP leaves in front of a packet for tc, the mark for the
-/// kernel (`context::XdpMark` in the programs): a magic, then the mark.
-const XDP_MARK_MAGIC: u32 = 0x7870_6d6b;
-const XDP_MARK_LEN: usize = 8;
-
 /// A test run's output frame without the metadata XDP may have left in
 /// front of it (the test run returns it with the frame).
 fn frame_of(out: &[u8]) -> &[u8] {
-    let marked = out.len() > XDP_MARK_LEN && out[..4] == XDP_MARK_MAGIC.to_ne_bytes();
-    if marked { &out[XDP_MARK_LEN..] } else { out }
+    XdpMark::split(out).1
 }
 
 fn check_output(input: &[u8], out: &[u8], expect: Expect) -> Result<()> {

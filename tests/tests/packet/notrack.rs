@@ -7,7 +7,7 @@
 //! real traffic under a node firewall that drops invalid packets is
 //! `bulk.rs`'s.
 
-use proxy_common::conntrack::FLAG_NOTRACK;
+use proxy_common::{conntrack::FLAG_NOTRACK, xdp_mark::XdpMark};
 
 use super::*;
 use crate::api::{POD_CIDR, set_pod_cidrs};
@@ -104,18 +104,16 @@ fn backends_outside_the_pod_networks_get_no_mark() {
     assert_eq!(forward_flags(&h, from) & FLAG_NOTRACK, 0);
 }
 
-/// What XDP leaves in front of a packet for tc ingress: the magic, then
-/// the mark (`context::XdpMark`); `None` if the output has none.
+/// The mark XDP left in front of the output frame for tc ingress, if any.
 fn xdp_mark(out: &Output) -> Option<u32> {
-    let word = |at: usize| u32::from_ne_bytes(out.frame[at..at + 4].try_into().expect("4 bytes"));
-    (out.frame.len() >= 8 && word(0) == 0x7870_6d6b).then(|| word(4))
+    XdpMark::split(&out.frame).0
 }
 
 /// The output without the metadata XDP left in front of it.
 fn without_meta(out: &Output) -> Output {
     Output {
         code: out.code,
-        frame: out.frame[8..].to_vec(),
+        frame: XdpMark::split(&out.frame).1.to_vec(),
     }
 }
 
