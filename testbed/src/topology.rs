@@ -22,7 +22,7 @@
 
 use std::net::{Ipv4Addr, Ipv6Addr};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 
 use crate::{
     netns::{self, Netns},
@@ -275,4 +275,27 @@ impl Pod {
         self.ip6 = Some(ip6);
         Ok(())
     }
+}
+
+/// Gives `node` a firewall that drops forwarded packets the kernel's
+/// conntrack finds invalid, in both families, as Calico's rules, many host
+/// firewalls and kube-proxy's own iptables mode do: a mode that lets the
+/// kernel track half a flow (replies passing its hooks by) loses that
+/// flow's packets to it.
+pub fn drop_invalid_forwarding(node: &Netns) -> Result<()> {
+    for tool in ["iptables", "ip6tables"] {
+        node.exec(&[
+            tool,
+            "-A",
+            "FORWARD",
+            "-m",
+            "conntrack",
+            "--ctstate",
+            "INVALID",
+            "-j",
+            "DROP",
+        ])
+        .with_context(|| format!("{tool}: the INVALID drop rule"))?;
+    }
+    Ok(())
 }

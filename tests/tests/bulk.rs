@@ -102,7 +102,10 @@ use testbed::{
     },
     netns::{self, Netns},
     probe::{Checks, Protocol},
-    topology::{BACKENDS, CLIENT_IP, CLIENT_POD, NODE_IP, NODE_IP6, Offloads, POD_CIDR, POD_CIDR6, Topology, pod_ipv6},
+    topology::{
+        BACKENDS, CLIENT_IP, CLIENT_POD, NODE_IP, NODE_IP6, Offloads, POD_CIDR, POD_CIDR6, Topology,
+        drop_invalid_forwarding, pod_ipv6,
+    },
     two_node::{NODE_A, NODE_B, TwoNodes},
     two_node_bed::TwoNodeBed,
 };
@@ -490,29 +493,6 @@ impl Setup {
         }
         args
     }
-}
-
-/// Gives the node a firewall that drops forwarded packets the kernel's
-/// conntrack finds invalid, in both families, as Calico's rules, many host
-/// firewalls and kube-proxy's own iptables mode do: a mode that lets the
-/// kernel track half a flow (the ebpf mode's replies pass its hooks by)
-/// loses that flow's packets to it.
-fn drop_invalid_forwarding(node: &Netns) -> Result<()> {
-    for tool in ["iptables", "ip6tables"] {
-        node.exec(&[
-            tool,
-            "-A",
-            "FORWARD",
-            "-m",
-            "conntrack",
-            "--ctstate",
-            "INVALID",
-            "-j",
-            "DROP",
-        ])
-        .with_context(|| format!("{tool}: the INVALID drop rule"))?;
-    }
-    Ok(())
 }
 
 /// The ebpf mode keeps the kernel's conntrack off flows to pods that no

@@ -58,7 +58,7 @@ use testbed::{
     netns::{self, Netns, Server},
     privileged::{require_ipvs, require_root},
     probe::Protocol,
-    topology::{NODE_IP, NODE_IP6},
+    topology::{NODE_IP, NODE_IP6, POD_CIDR, POD_CIDR6, drop_invalid_forwarding},
 };
 
 const ECHO_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 70);
@@ -159,6 +159,8 @@ fn run(bed: &mut AgentBed, mode: &str, extra: &[&str]) -> Result<()> {
     bed.write_manifest("traffic.yaml", &yaml_documents(&objects))?;
     let mut args = bed.manifest_args();
     args.extend(extra.iter().map(|a| (*a).to_owned()));
+    args.extend(pod_networks());
+    drop_invalid_forwarding(&bed.topo.node)?;
     bed.start_agent_in(mode, &args)?;
     bed.wait_first_sync(READY_WITHIN)?;
 
@@ -230,6 +232,15 @@ fn echoed_and_refused(path: &str, ns: &Netns, to: SocketAddr, refusing: SocketAd
     Ok(())
 }
 
+/// The pod networks, as a real node's configuration names them: Service
+/// flows to pods then take the ebpf mode's notrack path (fragments and
+/// ICMP errors included), the path real nodes run. Every test here also
+/// gives the node a firewall that drops invalid forwarded packets
+/// (`drop_invalid_forwarding`), which loses any half-tracked flow.
+fn pod_networks() -> [String; 2] {
+    ["--cluster-cidr".to_owned(), format!("{POD_CIDR},{POD_CIDR6}")]
+}
+
 // ---------------------------------------------------------------------------
 // IPv6.
 
@@ -291,6 +302,8 @@ fn run6(bed: &mut AgentBed, mode: &str, extra: &[&str]) -> Result<()> {
     // Beside the IPv4 one the bed passes.
     args.extend(["--node-ip".to_owned(), NODE_IP6.to_string()]);
     args.extend(extra.iter().map(|a| (*a).to_owned()));
+    args.extend(pod_networks());
+    drop_invalid_forwarding(&bed.topo.node)?;
     bed.start_agent_in(mode, &args)?;
     bed.wait_first_sync(READY_WITHIN)?;
     let v6 = |ip, port| SocketAddr::from(SocketAddrV6::new(ip, port, 0, 0));
@@ -462,6 +475,8 @@ fn run_pmtud(bed: &mut AgentBed, mode: &str, family: Family) -> Result<()> {
         }
     };
     bed.write_manifest("bulk.yaml", &yaml_documents(&objects))?;
+    args.extend(pod_networks());
+    drop_invalid_forwarding(&bed.topo.node)?;
     bed.start_agent_in(mode, &args)?;
     bed.wait_first_sync(READY_WITHIN)?;
     for (path, to) in paths {
