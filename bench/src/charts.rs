@@ -116,7 +116,7 @@ fn baseline_line(results: &Results) -> Option<Line> {
     let values: Vec<f64> = results
         .modes
         .iter()
-        .filter_map(|m| Some(m.baseline.as_ref()?.clusterip_path.connect_p50_us.median))
+        .filter_map(|m| Some(m.baseline.as_ref()?.bare.clusterip_path.connect_p50_us.median))
         .collect();
     let value = crate::stats::median(&values)?;
     let counts: Vec<f64> = results

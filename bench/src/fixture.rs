@@ -6,8 +6,8 @@ use crate::{
     program_time::{ProgramShare, TargetProgramTime},
     programming::{EndpointChange, Programming},
     results::{
-        Baseline, Ipv6Latency, Machine, ModeResult, ModeStatus, Parameters, PartTiming, Results, Run, RunLatency,
-        RunThroughput,
+        Baseline, BaselinePaths, Ipv6Latency, Machine, ModeResult, ModeStatus, Parameters, PartTiming, Results, Run,
+        RunLatency, RunThroughput,
     },
     stats::Summary,
     throughput::{Throughput, WrkOptions},
@@ -97,8 +97,14 @@ fn timed_out(services: usize) -> Run {
 
 pub fn results() -> Results {
     let baseline = Baseline {
-        clusterip_path: latency(15.0),
-        nodeport_path: latency(18.0),
+        bare: BaselinePaths {
+            clusterip_path: latency(15.0),
+            nodeport_path: latency(18.0),
+        },
+        cni_masquerade: Some(BaselinePaths {
+            clusterip_path: latency(18.5),
+            nodeport_path: latency(19.0),
+        }),
     };
     let mut ebpf_1000 = run(1000, 20.0, 20.0, 30_000.0, 0.01);
     ebpf_1000.endpoint_change = Some(EndpointChange {

@@ -97,8 +97,20 @@ pub enum ModeStatus {
     Skipped { reason: String },
 }
 
+/// Connects straight to a pod, no proxy running: on the bare node, and
+/// (since 2026-12-05) with a CNI's masquerade rule in the node's nat table,
+/// which is what a node with flannel, Calico (natOutgoing) or kindnet looks
+/// like: that rule alone turns the kernel's conntrack on for every flow.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Baseline {
+    #[serde(flatten)]
+    pub bare: BaselinePaths,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cni_masquerade: Option<BaselinePaths>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BaselinePaths {
     /// Client pod -> a backend pod's address.
     pub clusterip_path: Latency,
     /// Outside client -> a backend pod's address, routed by the node.
@@ -386,5 +398,19 @@ mod tests {
         machine.date = "2026-12-02T15:11:23Z".into();
         machine.host = "bench box.local".into();
         assert_eq!(machine.file_stem(), "2026-12-02-bench_box_local");
+    }
+
+    /// The committed reference runs stay readable (`xproxy-bench report`):
+    /// those before the CNI baseline have the bare baseline only.
+    #[test]
+    fn committed_results_still_parse() {
+        let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("results/2026-12-05-vm.json");
+        let results = Results::read(&file).expect("the 2026-12-05 reference run");
+        let ebpf = results.mode("ebpf").expect("an ebpf mode");
+        let baseline = ebpf.baseline.as_ref().expect("a baseline");
+        assert!(baseline.bare.clusterip_path.connect_p50_us.median > 0.0);
+        assert_eq!(baseline.cni_masquerade, None);
+        let again: Results = serde_json::from_str(&serde_json::to_string(&results).expect("written")).expect("read");
+        assert_eq!(again, results);
     }
 }

@@ -30,12 +30,12 @@ use crate::{
     programming::{self, EndpointPod},
     progress::Progress,
     results::{
-        Baseline, Ipv6Latency, MANIFEST_FILE_SERVICES, ModeResult, ModeStatus, Parameters, Run, RunLatency,
-        RunThroughput, ScaleRun, ScaleSource,
+        Baseline, BaselinePaths, Ipv6Latency, MANIFEST_FILE_SERVICES, ModeResult, ModeStatus, Parameters, Run,
+        RunLatency, RunThroughput, ScaleRun, ScaleSource,
     },
     services::{self, CHANGE_CLUSTER_IP, PORT, ServiceSet},
     throughput,
-    topology::{self, BenchTopology, pod_ip, pod_name},
+    topology::{self, BenchTopology, CniMasquerade, pod_ip, pod_name},
 };
 
 /// What [`run`] produced, besides the parts' timings.
@@ -241,21 +241,46 @@ impl<'a> Runner<'a> {
         }
     }
 
+    /// Straight to pod-1's address from both clients, on the bare node and
+    /// with a CNI's masquerade rule, the two alternating round by round.
     fn baseline(&self, topo: &BenchTopology) -> Result<Baseline> {
-        // Straight to pod-1's address, from both clients.
         let pod = SocketAddr::from((pod_ip(1), services::TARGET_PORT));
-        let mut from_pod = Target::new(pod, 0, 2);
-        let mut from_client = Target::new(pod, 1, 2);
-        let mut targets = [(&topo.client_pod.ns, &mut from_pod), (&topo.client, &mut from_client)];
-        let rounds = self.plan.rounds;
-        let mut found = latency::interleaved(&mut targets, rounds, self.plan.connections, &|m| {
-            self.progress.message(m);
-        })?;
-        let nodeport_path = found.pop().context("two results")?;
-        let clusterip_path = found.pop().context("two results")?;
+        // Own local ports for each of the four: a CNI round's kernel
+        // conntrack entries must not meet a later round's connections.
+        let mut targets: Vec<Target> = (0..4).map(|slot| Target::new(pod, slot, 4)).collect();
+        let needed = self.plan.rounds * self.plan.connections;
+        if needed > targets[0].capacity() {
+            bail!("{needed} baseline connections per path would reuse local ports: fewer rounds or connections");
+        }
+        let clients = [&topo.client_pod.ns, &topo.client];
+        let mut rounds: [Vec<latency::Round>; 4] = Default::default();
+        let mut one_round = |i: usize, r: usize, setting: &str| -> Result<()> {
+            let target = &mut targets[i];
+            self.progress.message(&format!(
+                "baseline round {r}/{}: {}, {setting}",
+                self.plan.rounds, target.addr
+            ));
+            rounds[i].push(latency::round(clients[i % 2], target, self.plan.connections)?);
+            Ok(())
+        };
+        for r in 1..=self.plan.rounds {
+            one_round(0, r, "bare node")?;
+            one_round(1, r, "bare node")?;
+            let cni = CniMasquerade::install(&topo.node)?;
+            one_round(2, r, "CNI masquerade")?;
+            one_round(3, r, "CNI masquerade")?;
+            cni.remove()?;
+        }
+        let [pod_bare, client_bare, pod_cni, client_cni] = rounds.map(|r| Latency::of(&r));
         Ok(Baseline {
-            clusterip_path,
-            nodeport_path,
+            bare: BaselinePaths {
+                clusterip_path: pod_bare?,
+                nodeport_path: client_bare?,
+            },
+            cni_masquerade: Some(BaselinePaths {
+                clusterip_path: pod_cni?,
+                nodeport_path: client_cni?,
+            }),
         })
     }
 

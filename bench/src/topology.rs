@@ -97,3 +97,78 @@ impl BenchTopology {
         })
     }
 }
+
+/// The pod network a CNI's masquerade rule keeps its hands off.
+const POD_NETWORK: &str = "10.244.0.0/16";
+/// The nftables table holding [`CniMasquerade`]'s rule.
+const CNI_TABLE: &str = "bench-cni-masquerade";
+
+/// A CNI's masquerade rule in the node's nat table (flannel, Calico's
+/// natOutgoing and kindnet install one: pods' traffic leaving the pod
+/// network is masqueraded), for as long as the value lives.
+///
+/// The flows the baseline measures stay inside the pod network or come from
+/// outside, so the rule rewrites none of them; what it changes is that a nat
+/// chain makes the kernel track every flow. It is an nftables table of its
+/// own rather than an iptables rule because deleting the table turns the
+/// kernel's conntrack off again (an emptied iptables nat table stays
+/// registered), so rounds with and without it can alternate on one node.
+pub struct CniMasquerade<'a> {
+    node: &'a Netns,
+    removed: bool,
+}
+
+impl<'a> CniMasquerade<'a> {
+    pub fn install(node: &'a Netns) -> Result<Self> {
+        node.exec(&["nft", "add", "table", "ip", CNI_TABLE])
+            .context("the CNI masquerade table")?;
+        let rule = Self { node, removed: false };
+        node.exec(&[
+            "nft",
+            "add",
+            "chain",
+            "ip",
+            CNI_TABLE,
+            "postrouting",
+            "{ type nat hook postrouting priority srcnat; }",
+        ])
+        .context("the CNI masquerade chain")?;
+        node.exec(&[
+            "nft",
+            "add",
+            "rule",
+            "ip",
+            CNI_TABLE,
+            "postrouting",
+            "ip",
+            "saddr",
+            POD_NETWORK,
+            "ip",
+            "daddr",
+            "!=",
+            POD_NETWORK,
+            "masquerade",
+        ])
+        .context("the CNI masquerade rule")?;
+        Ok(rule)
+    }
+
+    /// Deletes the table; an error here means the next rounds would not be
+    /// on a bare node.
+    pub fn remove(mut self) -> Result<()> {
+        self.removed = true;
+        self.node
+            .exec(&["nft", "delete", "table", "ip", CNI_TABLE])
+            .map(drop)
+            .context("removing the CNI masquerade table")
+    }
+}
+
+impl Drop for CniMasquerade<'_> {
+    /// On an error path only (the node namespace goes soon after anyway).
+    fn drop(&mut self) {
+        if !self.removed {
+            let _ = self.node.exec(&["nft", "delete", "table", "ip", CNI_TABLE]);
+        }
+    }
+}
