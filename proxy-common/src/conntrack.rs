@@ -138,8 +138,8 @@ pub const FLAG_REPLY: u8 = 1 << 0;
 /// The flow's packets carry the SNAT mark: the kernel masquerades them.
 pub const FLAG_SNAT: u8 = 1 << 1;
 /// Forward entry only: the XDP hook picked the backend but could not mark
-/// the packet (no skb) and left it to the tc hook, which translates it,
-/// counts the flow as new and clears the flag.
+/// the packet (a driver without metadata) and left it to the tc hook, which
+/// translates it, counts the flow as new and clears the flag.
 pub const FLAG_HANDED_TO_TC: u8 = 1 << 2;
 /// The client sent a FIN (both entries).
 pub const FLAG_FIN_FORWARD: u8 = 1 << 3;

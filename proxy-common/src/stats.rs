@@ -27,8 +27,9 @@ pub enum Verdict {
     /// The maps disagreed (slot or backend missing) or a kernel helper
     /// failed: passed untouched if nothing was rewritten yet, else dropped.
     Error = 7,
-    /// The flow must also be source-NATed, which needs an skb (a mark for
-    /// the kernel's masquerade rule): XDP passed it on to the tc hook.
+    /// The flow's packets need a mark for the agent's rules in the kernel
+    /// (masquerade, notrack) and XDP could not leave it in the packet's
+    /// metadata (a driver that keeps none): XDP passed it on to the tc hook.
     PassToTc = 8,
     /// A frontend with a `Local` traffic policy and no endpoint on this
     /// node (while the Service has some elsewhere): dropped, like

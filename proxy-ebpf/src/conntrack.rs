@@ -57,8 +57,8 @@ pub struct Tracked {
     pub nat: (u32, u16),
     /// Forward only: the flow is source-NATed by the kernel (see [`FLAG_SNAT`]).
     pub snat: bool,
-    /// Forward only: XDP picked the backend and left the packet to tc (see
-    /// [`FLAG_HANDED_TO_TC`]).
+    /// Forward only: XDP picked the backend and left the packet to tc, which
+    /// marks it (see [`FLAG_HANDED_TO_TC`]).
     pub handed_to_tc: bool,
     /// Either way: the kernel's conntrack is kept off the flow (see
     /// [`FLAG_NOTRACK`]).

@@ -168,13 +168,11 @@ pub trait Ctx {
     /// moves `room` bytes back. The Ethernet header's bytes are kept on
     /// tc only: the caller writes it afresh.
     fn grow_after_eth(&self, room: u32) -> Result<(), ()>;
-    /// Sets `mark` bits on the packet for the kernel's masquerade rule.
-    /// `false` where there is no skb to mark (XDP).
+    /// Sets `mark` bits on the packet's skb, for the agent's rules in the
+    /// kernel (masquerade, notrack); on XDP, which has no skb yet, through
+    /// the tc hook behind it (see `proxy_common::xdp_mark`). `false` if the
+    /// driver keeps no metadata. Invalidates every packet pointer.
     fn add_mark(&self, mark: u32) -> bool;
-    /// Sets `mark` bits on the packet's skb, on XDP through the tc hook
-    /// behind it (see `proxy_common::xdp_mark`); `false` if the driver keeps no
-    /// metadata. Invalidates every packet pointer.
-    fn add_mark_via_tc(&self, mark: u32) -> bool;
     /// Whether the hook runs before the kernel's netfilter hooks see the
     /// packet (XDP, tc ingress), not after (tc egress, where the kernel
     /// has seen the untranslated packet already).
@@ -318,12 +316,7 @@ impl Ctx for Xdp<'_> {
     }
 
     #[inline(always)]
-    fn add_mark(&self, _mark: u32) -> bool {
-        false
-    }
-
-    #[inline(always)]
-    fn add_mark_via_tc(&self, mark: u32) -> bool {
+    fn add_mark(&self, mark: u32) -> bool {
         let md = self.0.ctx;
         // SAFETY: the program's own context; the helper checks the room.
         if unsafe { bpf_xdp_adjust_meta(md.cast(), -(xdp_mark::LEN as i32)) } != 0 {
@@ -544,11 +537,6 @@ impl Ctx for Tc<'_> {
         // run; a tc program may write `mark` (the verifier checks the field).
         unsafe { (*self.skb()).mark |= mark };
         true
-    }
-
-    #[inline(always)]
-    fn add_mark_via_tc(&self, mark: u32) -> bool {
-        self.add_mark(mark)
     }
 
     #[inline(always)]

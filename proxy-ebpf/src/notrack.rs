@@ -26,13 +26,11 @@ pub fn wanted(ctx: &impl Ctx, snat: bool, backend_is_pod: impl FnOnce() -> bool)
     maps::notrack_mark() != 0 && !snat && ctx.before_netfilter() && backend_is_pod()
 }
 
-/// Marks a packet of a flow kept off the kernel's conntrack, either way:
-/// on tc the skb; on XDP through the metadata tc ingress copies into the
-/// skb (a reply XDP reverse-NATs goes up the stack, where the kernel would
+/// Marks a packet of a flow kept off the kernel's conntrack, either way
+/// (a reply XDP reverse-NATs goes up the stack, where the kernel would
 /// take it for an invalid packet of an unknown flow). `false` on XDP over
-/// a driver that keeps no metadata: the caller leaves the packet to tc,
-/// as flows that need SNAT are.
+/// a driver that keeps no metadata: the caller leaves the packet to tc.
 #[inline(always)]
 pub fn mark(ctx: &impl Ctx) -> bool {
-    ctx.add_mark_via_tc(maps::notrack_mark())
+    ctx.add_mark(maps::notrack_mark())
 }

@@ -162,18 +162,13 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outcom
         return no_backend(svc, || reject::reject(ctx, flow));
     };
     let snat = needs_snat(flow, svc, &backend);
-    // Without an skb (XDP) there is nothing to mark: leave the packet to the
-    // tc hook behind, which finds the flow tracked, marks and DNATs it. The
-    // backend picked here must be kept: picking again in tc would re-roll
-    // every pick that needs SNAT (a backend on another node) and so favour
-    // local backends, 3:1 with half the backends remote. The same for the
-    // notrack mark where XDP cannot leave it to tc (no metadata).
     let notrack = notrack::wanted(ctx, snat, || pod_network::contains(backend.addr_be));
-    let handed_to_tc = if snat {
-        !ctx.add_mark(maps::snat_mark())
-    } else {
-        notrack && !notrack::mark(ctx)
-    };
+    // Where XDP cannot mark the packet (a driver without metadata), the tc
+    // hook behind finds the flow tracked, marks and DNATs it. The backend
+    // picked here must be kept: picking again in tc would re-roll every
+    // pick that needs SNAT (a backend on another node) and so favour local
+    // backends, 3:1 with half the backends remote.
+    let handed_to_tc = !marked(ctx, snat, notrack);
     let flags = forward_flags(snat, handed_to_tc, notrack);
     // Untracked, the flow's replies would not be recognised: pass it as is.
     if conntrack::create(flow, id, &backend, svc.rev_nat_id, flags).is_err() {
@@ -186,6 +181,19 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outcom
         nat::dnat(ctx, flow, (backend.addr_be, backend.port_be)),
         Verdict::DnatNew,
     )
+}
+
+/// Gives a new flow's packet the mark its flow needs (SNAT's, notrack's
+/// or none); `false` if it needs one XDP cannot give it.
+#[inline(always)]
+pub fn marked(ctx: &impl Ctx, snat: bool, notrack: bool) -> bool {
+    if snat {
+        ctx.add_mark(maps::snat_mark())
+    } else if notrack {
+        notrack::mark(ctx)
+    } else {
+        true
+    }
 }
 
 /// A new flow to a frontend without a backend to pick, for either family

@@ -8,7 +8,7 @@
 use std::net::{Ipv4Addr, SocketAddrV4};
 
 use aya::programs::{ProgramError, TestRun, TestRunOptions};
-use proxy_common::{CtKey, CtValue, Verdict, VerdictCounter, maps};
+use proxy_common::{CtKey, CtValue, Verdict, VerdictCounter, maps, xdp_mark::XdpMark};
 use proxy_userspace::{
     mode::ebpf::{Datapath, LoadOptions, ServiceMaps},
     model::{Protocol, ServicePort},
@@ -176,6 +176,22 @@ pub struct Output {
     pub frame: Vec<u8>,
 }
 
+impl Output {
+    /// The mark an XDP run left in the metadata in front of the frame, for
+    /// tc ingress to copy into the skb; `None` if it left none.
+    pub fn xdp_mark(&self) -> Option<u32> {
+        XdpMark::split(&self.frame).0
+    }
+
+    /// The output without the metadata XDP left in front of its frame.
+    pub fn without_meta(&self) -> Output {
+        Output {
+            code: self.code,
+            frame: XdpMark::split(&self.frame).1.to_vec(),
+        }
+    }
+}
+
 /// A loaded data path in its own pin directory, with its maps opened.
 /// Fields drop in order: maps and programs before the pin directory.
 pub struct Harness {
@@ -197,7 +213,7 @@ impl Harness {
     }
 
     /// [`Self::new`] with the SNAT fallback on: flows that need it are
-    /// marked with `snat_mark` (tc) or left to tc (XDP).
+    /// marked with `snat_mark` (on the skb; XDP leaves it in the metadata).
     pub fn with_snat_mark(node_ips: Vec<Ipv4Addr>, snat_mark: u32) -> Self {
         Self::with_options(
             node_ips,

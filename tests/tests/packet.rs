@@ -13,7 +13,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 
 use proxy_common::{
     CtKey, CtTimeouts, Verdict, VerdictCounter,
-    conntrack::{FLAG_FIN_FORWARD, FLAG_FIN_REPLY, FLAG_SNAT, FLAG_STATEFUL, state},
+    conntrack::{FLAG_FIN_FORWARD, FLAG_FIN_REPLY, FLAG_HANDED_TO_TC, FLAG_SNAT, FLAG_STATEFUL, state},
     proto,
     service::{FLAG_EXTERNAL_LOCAL, FLAG_INTERNAL_LOCAL, FLAG_NEEDS_SNAT, FLAG_NODE_PORT},
     stats::ct_stat,
@@ -1878,17 +1878,19 @@ fn builder_frames_are_valid() {
     ));
 }
 
-/// The SNAT fallback: flows whose replies would not come back through this
-/// node (NodePort to a backend on another node, a pod reaching itself) are
-/// left untouched by XDP, which cannot mark them (it only tracks them with
-/// the backend it picked), and DNATed by tc, which marks them for the
-/// kernel's masquerade rule.
+/// The SNAT fallback at XDP: flows whose replies would not come back
+/// through this node (NodePort to a backend on another node, a pod
+/// reaching itself) are DNATed by XDP itself, which leaves the SNAT mark in
+/// the packet's metadata for tc ingress to copy into the skb, where the
+/// kernel's masquerade rule finds it; tc ingress then passes the packet
+/// as it is.
 #[test]
-fn flows_needing_snat_go_from_xdp_to_tc() {
-    if !require_root("flows_needing_snat_go_from_xdp_to_tc") {
+fn xdp_translates_flows_needing_snat_and_leaves_the_mark_to_tc() {
+    if !require_root("xdp_translates_flows_needing_snat_and_leaves_the_mark_to_tc") {
         return;
     }
-    let mut h = Harness::with_snat_mark(vec![NODE_IP], 0x4000);
+    const SNAT_MARK: u32 = 0x4000;
+    let mut h = Harness::with_snat_mark(vec![NODE_IP], SNAT_MARK);
     h.maps.set_topology(Some("this-node".into()), false);
     let remote: Vec<Endpoint> = BACKEND_IPS
         .iter()
@@ -1906,81 +1908,64 @@ fn flows_needing_snat_go_from_xdp_to_tc() {
         endpoints: remote,
         ..ServicePort::default()
     });
+    // (new, established) translations counted since `before`.
+    let dnats = |h: &Harness, before: &[VerdictCounter]| {
+        let grew = |v: Verdict| h.counts()[v as usize].packets - before[v as usize].packets;
+        (
+            grew(Verdict::DnatNew),
+            grew(Verdict::DnatEstablished),
+            grew(Verdict::PassToTc),
+        )
+    };
 
     let to_node_port = Frame::tcp(external(&mut h), node_port(), SYN).build();
     let before = h.counts();
     let out = h.run(Prog::XdpUplink, &to_node_port);
-    assert_eq!(
-        (out.code, &out.frame),
-        (XDP_PASS, &to_node_port),
-        "XDP must leave it untouched"
-    );
-    assert_eq!(
-        h.counts()[Verdict::PassToTc as usize].packets,
-        before[Verdict::PassToTc as usize].packets + 1
-    );
-    // XDP tracks the flow with the backend it picked, marked for SNAT, so
-    // that tc DNATs it there instead of picking again (which would favour
-    // backends that need no SNAT).
-    let tracked = h.conntrack();
-    let forward = tracked.iter().find(|(_, v)| !v.is_reply());
-    assert!(
-        forward.is_some_and(|(_, v)| v.flags & FLAG_SNAT != 0),
-        "XDP must track the flow it leaves to tc, marked for SNAT: {tracked:?}"
-    );
-    let picked = tracked
-        .iter()
-        .find(|(_, v)| v.is_reply())
-        .map(|(k, _)| k.saddr())
-        .expect("a reply entry names the backend XDP picked");
-
-    let before = h.counts();
-    let out = h.run(Prog::TcIngress, &to_node_port);
-    assert_eq!(out.code, TC_ACT_OK);
-    assert_eq!(dnat_dst(&out).ip(), &picked, "tc DNATs it to the backend XDP picked");
+    assert_eq!((out.code, out.xdp_mark()), (XDP_PASS, Some(SNAT_MARK)));
+    let out = out.without_meta();
+    let picked = *dnat_dst(&out).ip();
+    assert!(BACKEND_IPS.contains(&picked), "DNATed by XDP: {picked}");
     check(&out.frame).expect("valid checksums after DNAT");
-    // (new, established) translations counted since `before`.
-    let dnats = |h: &Harness, before: &[VerdictCounter]| {
-        let grew = |v: Verdict| h.counts()[v as usize].packets - before[v as usize].packets;
-        (grew(Verdict::DnatNew), grew(Verdict::DnatEstablished))
-    };
+    assert_eq!(dnats(&h, &before), (1, 0, 0), "a new flow, not left to tc");
+    let tracked = h.conntrack();
+    let forward = tracked.iter().find(|(_, v)| !v.is_reply()).map(|(_, v)| v.flags);
     assert_eq!(
-        dnats(&h, &before),
-        (1, 0),
-        "the flow's first translation counts as a new flow"
+        forward.map(|f| (f & FLAG_SNAT, f & FLAG_HANDED_TO_TC)),
+        Some((FLAG_SNAT, 0)),
+        "tracked for SNAT, by XDP: {tracked:?}"
     );
-    // Later packets of the flow are marked too: XDP still leaves them to tc,
-    // which translates them as an established flow's.
-    let out = h.run(Prog::XdpUplink, &to_node_port);
-    assert_eq!((out.code, &out.frame), (XDP_PASS, &to_node_port));
-    let before = h.counts();
-    let out = h.run(Prog::TcIngress, &to_node_port);
-    assert_eq!(dnat_dst(&out).ip(), &picked);
-    assert_eq!(dnats(&h, &before), (0, 1));
+    // tc ingress behind it sees the translated packet, which is no
+    // frontend's: untouched, with the mark XDP left (the skb's mark is
+    // copied from the metadata; a test run carries none in).
+    let (behind, mark) = h.run_tc_marked(Prog::TcIngress, &out.frame);
+    assert_eq!((behind.code, &behind.frame, mark), (TC_ACT_OK, &out.frame, 0));
 
-    // ClusterIP traffic to a remote backend needs no SNAT: XDP handles it.
+    // Later packets of the flow: marked and DNATed by XDP, as established.
+    let before = h.counts();
+    let out = h.run(Prog::XdpUplink, &to_node_port);
+    assert_eq!(out.xdp_mark(), Some(SNAT_MARK));
+    assert_eq!(dnat_dst(&out.without_meta()).ip(), &picked);
+    assert_eq!(dnats(&h, &before), (0, 1, 0));
+
+    // ClusterIP traffic to a remote backend needs no SNAT: no mark.
     let to_cluster_ip = Frame::tcp(external(&mut h), cluster_ip(), SYN).build();
     let out = h.run(Prog::XdpUplink, &to_cluster_ip);
-    assert!(
-        BACKEND_IPS.contains(dnat_dst(&out).ip()),
-        "XDP DNATs ClusterIP traffic itself"
-    );
+    assert_eq!(out.xdp_mark(), None);
+    assert!(BACKEND_IPS.contains(dnat_dst(&out).ip()), "XDP DNATs ClusterIP traffic");
 
-    // Hairpin: a backend reaching its own Service, whichever backend is
-    // chosen for the ones that are not itself; only the self-directed flows
-    // must be left to tc, so send until one is.
+    // Hairpin: a backend reaching its own Service is marked whichever
+    // backend it gets; send until one flow is self-directed.
     let own = BACKEND_IPS[0];
-    let mut left_to_tc = 0;
+    let mut to_itself = 0;
     for _ in 0..64 {
         let frame = Frame::tcp(SocketAddrV4::new(own, h.next_port()), cluster_ip(), SYN).build();
         let out = h.run(Prog::XdpUplink, &frame);
-        if out.frame == frame {
-            left_to_tc += 1;
-        } else {
-            assert_ne!(dnat_dst(&out).ip(), &own, "XDP must never DNAT a pod to itself");
+        if dnat_dst(&out.without_meta()).ip() == &own {
+            assert_eq!(out.xdp_mark(), Some(SNAT_MARK), "a hairpin must be masqueraded");
+            to_itself += 1;
         }
     }
-    assert!(left_to_tc > 0, "no hairpin flow was left to tc in 64 tries");
+    assert!(to_itself > 0, "no hairpin flow in 64 tries");
 }
 
 // ---------------------------------------------------------------------------

@@ -301,8 +301,8 @@ fn tc_scenario(bed: &mut AgentBed) -> Result<()> {
 
 /// With native XDP on the uplink, a trace on the uplink runs the XDP
 /// program. The seed's backends are on another node, so the NodePort flow
-/// needs the kernel's masquerade, which needs an skb: XDP picks the
-/// backend and passes the packet on untouched for tc to mark and DNAT.
+/// needs the kernel's masquerade: XDP DNATs it and leaves the SNAT mark in
+/// the metadata for tc ingress, and the report shows that mark.
 #[test]
 fn trace_runs_the_xdp_program_of_an_uplink() {
     run("trace_runs_the_xdp_program_of_an_uplink", |bed| {
@@ -313,14 +313,20 @@ fn trace_runs_the_xdp_program_of_an_uplink() {
         let client = CLIENT_IP.to_string();
         let report = trace_json(bed, &client, &node_port, &["--iface", &uplink, "--syn"])?;
         ensure!(
-            report["program"] == "xdp_uplink" && report["hook"] == "xdp" && report["mark"].is_null(),
+            report["program"] == "xdp_uplink" && report["hook"] == "xdp",
             "not the XDP program:\n{report:#}"
         );
+        let backend = seed_backend(&report)?;
         ensure!(
-            report["verdict"] == "pass_to_tc" && report["action"] == "XDP_PASS" && report["after"] == report["before"],
-            "not left to tc untouched:\n{report:#}"
+            report["verdict"] == "dnat_new"
+                && report["action"] == "XDP_PASS"
+                && report["after"]["dst"] == backend.ip().to_string(),
+            "not DNATed by XDP:\n{report:#}"
         );
-        seed_backend(&report)?;
+        ensure!(
+            report["mark"].as_u64().is_some_and(|m| m != 0) && report["mark_for"] == "the kernel masquerades the flow",
+            "no SNAT mark left for tc:\n{report:#}"
+        );
         let after = state(bed)?;
         ensure!(
             after == before,

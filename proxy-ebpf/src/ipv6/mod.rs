@@ -154,13 +154,9 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow6, svc: &ServiceValue) -> (Verdict, Outco
         return pipeline::no_backend(svc, || reject::reject(ctx, flow));
     };
     let snat = snat_wanted(svc, backend.flags, *flow.saddr() == backend.addr_be);
-    // Left to tc where XDP cannot mark, as IPv4's (`crate::pipeline::new_flow`).
     let notrack = notrack::wanted(ctx, snat, || pod_network::contains6(&backend.addr_be));
-    let handed_to_tc = if snat {
-        !ctx.add_mark(maps::snat_mark())
-    } else {
-        notrack && !notrack::mark(ctx)
-    };
+    // Left to tc where XDP cannot mark, as IPv4's (`crate::pipeline::new_flow`).
+    let handed_to_tc = !pipeline::marked(ctx, snat, notrack);
     let new = NewFlow6 {
         backend_id,
         backend: (backend.addr_be, backend.port_be),

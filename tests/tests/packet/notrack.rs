@@ -7,7 +7,7 @@
 //! real traffic under a node firewall that drops invalid packets is
 //! `bulk.rs`'s.
 
-use proxy_common::{conntrack::FLAG_NOTRACK, xdp_mark::XdpMark};
+use proxy_common::conntrack::FLAG_NOTRACK;
 
 use super::*;
 use crate::api::{POD_CIDR, set_pod_cidrs};
@@ -104,19 +104,6 @@ fn backends_outside_the_pod_networks_get_no_mark() {
     assert_eq!(forward_flags(&h, from) & FLAG_NOTRACK, 0);
 }
 
-/// The mark XDP left in front of the output frame for tc ingress, if any.
-fn xdp_mark(out: &Output) -> Option<u32> {
-    XdpMark::split(&out.frame).0
-}
-
-/// The output without the metadata XDP left in front of it.
-fn without_meta(out: &Output) -> Output {
-    Output {
-        code: out.code,
-        frame: XdpMark::split(&out.frame).1.to_vec(),
-    }
-}
-
 #[test]
 fn xdp_passes_the_notrack_mark_to_tc_both_ways() {
     if !require_root("xdp_passes_the_notrack_mark_to_tc_both_ways") {
@@ -125,14 +112,14 @@ fn xdp_passes_the_notrack_mark_to_tc_both_ways() {
     let mut h = harness(&[POD_CIDR]);
     let from = external(&mut h);
     let out = h.run(Prog::XdpUplink, &Frame::tcp(from, node_port(), SYN).build());
-    assert_eq!((out.code, xdp_mark(&out)), (XDP_PASS, Some(NOTRACK_MARK)));
-    let backend = dnat_dst(&without_meta(&out));
+    assert_eq!((out.code, out.xdp_mark()), (XDP_PASS, Some(NOTRACK_MARK)));
+    let backend = dnat_dst(&out.without_meta());
     assert!(BACKEND_IPS.contains(backend.ip()), "DNATed by XDP: {backend}");
     // The backend's reply, reverse-NATed by XDP (a backend on another
     // node answers through the uplink), goes up the stack: marked too.
     let out = h.run(Prog::XdpUplink, &Frame::tcp(backend, from, SYN | ACK).build());
-    assert_eq!((out.code, xdp_mark(&out)), (XDP_PASS, Some(NOTRACK_MARK)));
-    match parse_strict(&without_meta(&out).frame) {
+    assert_eq!((out.code, out.xdp_mark()), (XDP_PASS, Some(NOTRACK_MARK)));
+    match parse_strict(&out.without_meta().frame) {
         Strict::Flow(f) => assert_eq!(f.src, node_port(), "reverse-NATed"),
         other => panic!("the reply does not parse: {other:?}"),
     }

@@ -28,7 +28,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 use bpf_sys::test_run::{self, skb_ctx};
-use proxy_common::{CtKey, ServiceKey, ServiceValue, Verdict, maps};
+use proxy_common::{CtKey, ServiceKey, ServiceValue, Verdict, maps, xdp_mark::XdpMark};
 
 pub use self::program::HookArg;
 use self::{
@@ -182,6 +182,7 @@ fn report_of(live: LiveProgram, before: frame::Headers, syn: bool, ran: Ran) -> 
         before,
         after: frame::headers(&out),
         mark,
+        mark_for: report::mark_purpose(mark, effect.entry.as_ref()),
         undone: Undone {
             conntrack_entries: effect.conntrack_undone,
             affinity_entry: effect.affinity_undone,
@@ -195,8 +196,9 @@ struct Ran {
     code: u32,
     /// The frame as the program left it.
     frame: Vec<u8>,
-    /// The skb's mark after a tc program's run.
-    mark: Option<u32>,
+    /// The skb's mark after a tc program's run; the one XDP left in the
+    /// metadata for tc ingress to copy into the skb.
+    mark: u32,
     effect: Effect,
 }
 
@@ -217,10 +219,18 @@ fn run_undone(live: &LiveProgram, maps: &mut Maps, tuple: &Tuple, frame: &[u8]) 
         .context("undoing the trace's changes")?;
     let run = run.with_context(|| format!("BPF_PROG_TEST_RUN of program {} ({})", live.id, live.hook.program()))?;
     out.truncate(run.out_len.min(OUT_LEN));
+    let (mark, frame) = match ctx {
+        Some(ctx) => (skb_ctx::get(&ctx, skb_ctx::MARK), out),
+        // XDP's output starts with the metadata, if it left a mark there.
+        None => {
+            let (mark, frame) = XdpMark::split(&out);
+            (mark.unwrap_or(0), frame.to_vec())
+        }
+    };
     Ok(Ran {
         code: run.code,
-        frame: out,
-        mark: ctx.map(|ctx| skb_ctx::get(&ctx, skb_ctx::MARK)),
+        frame,
+        mark,
         effect,
     })
 }

@@ -4,7 +4,10 @@
 
 use std::{fmt::Write as _, net::SocketAddrV4};
 
-use proxy_common::Verdict;
+use proxy_common::{
+    CtValue, Verdict,
+    conntrack::{FLAG_NOTRACK, FLAG_SNAT},
+};
 use serde::Serialize;
 
 use super::{frame::Headers, program::HookArg};
@@ -35,9 +38,12 @@ pub struct Report {
     pub before: Headers,
     /// The frame as the program left it (`None` if it left no IPv4 frame).
     pub after: Option<Headers>,
-    /// The skb's mark after a tc program's run: the programs set only the
-    /// bit that asks the kernel to masquerade the flow.
-    pub mark: Option<u32>,
+    /// The mark the packet goes on with, for the agent's rules in the
+    /// kernel: the skb's after a tc program's run; after XDP's, the one it
+    /// left in the metadata for tc ingress to copy into the skb. 0: none.
+    pub mark: u32,
+    /// What the mark asks of the kernel, by the flow's conntrack entry.
+    pub mark_for: Option<&'static str>,
     pub undone: Undone,
 }
 
@@ -48,6 +54,22 @@ pub struct Undone {
     pub affinity_entry: bool,
     /// The verdict counter was moved back (false only if none moved).
     pub counters: bool,
+}
+
+/// What a packet's `mark` asks of the kernel, told by its flow's `entry`:
+/// the masquerade rule's bit on a flow the kernel source-NATs, the notrack
+/// rule's on one kept off the kernel's conntrack.
+pub fn mark_purpose(mark: u32, entry: Option<&CtValue>) -> Option<&'static str> {
+    let flags = entry.map_or(0, |e| e.flags);
+    if mark == 0 {
+        None
+    } else if flags & FLAG_NOTRACK != 0 {
+        Some("the kernel's conntrack leaves the flow alone")
+    } else if flags & FLAG_SNAT != 0 {
+        Some("the kernel masquerades the flow")
+    } else {
+        None
+    }
 }
 
 /// The name of return code `code` of an XDP or a tc program.
@@ -86,7 +108,9 @@ pub fn meaning(verdict: Option<Verdict>) -> &'static str {
         Verdict::RevNat => "a backend's reply: source rewritten back to the frontend",
         Verdict::RejectNoBackend => "a Service without endpoints: rejected (TCP RST / ICMP port unreachable)",
         Verdict::Error => "the maps disagreed or a kernel helper failed",
-        Verdict::PassToTc => "needs source NAT: backend picked, left to the tc hook to mark and DNAT",
+        Verdict::PassToTc => {
+            "needs a mark XDP could not leave (no metadata): backend picked, left to the tc hook to mark and DNAT"
+        }
         Verdict::DropNoLocalBackend => "Local traffic policy without an endpoint on this node: dropped",
         Verdict::PassFragmentUntracked => "a later fragment of an untracked datagram: passed untouched",
         Verdict::IcmpError => "an ICMP error of a tracked flow: translated",
@@ -138,14 +162,16 @@ impl Report {
                 let _ = writeln!(out, "headers:      the program left no IPv4 frame");
             }
         }
-        match self.mark {
-            Some(0) => {
+        match (self.mark, self.mark_for) {
+            (0, _) => {
                 let _ = writeln!(out, "mark:         none");
             }
-            Some(mark) => {
-                let _ = writeln!(out, "mark:         {mark:#x}: the kernel masquerades the flow");
+            (mark, Some(purpose)) => {
+                let _ = writeln!(out, "mark:         {mark:#x}: {purpose}");
             }
-            None => {}
+            (mark, None) => {
+                let _ = writeln!(out, "mark:         {mark:#x}");
+            }
         }
         let _ = writeln!(
             out,
@@ -206,7 +232,8 @@ mod tests {
             frontend: None,
             before: headers(CLIENT, CLUSTER_IP),
             after: Some(headers(CLIENT, BACKEND)),
-            mark: Some(0),
+            mark: 0,
+            mark_for: None,
             undone: Undone {
                 conntrack_entries: 2,
                 affinity_entry: false,
@@ -288,16 +315,28 @@ undone:       2 conntrack entries, affinity untouched, counters restored
     }
 
     #[test]
-    fn text_says_when_the_kernel_masquerades() {
+    fn text_says_what_the_mark_asks_of_the_kernel() {
+        let entry = |flags: u8| CtValue {
+            flags,
+            ..bytemuck::Zeroable::zeroed()
+        };
         let mut report = dnat_report();
-        report.mark = Some(0x4000);
+        report.mark = 0x4000;
+        report.mark_for = mark_purpose(0x4000, Some(&entry(FLAG_SNAT)));
         assert!(
             report
                 .text()
                 .contains("mark:         0x4000: the kernel masquerades the flow\n")
         );
-        report.mark = None;
-        assert!(!report.text().contains("mark:"), "XDP has no mark");
+        report.mark = 0x2000;
+        report.mark_for = mark_purpose(0x2000, Some(&entry(FLAG_NOTRACK)));
+        assert!(
+            report
+                .text()
+                .contains("mark:         0x2000: the kernel's conntrack leaves the flow alone\n")
+        );
+        assert_eq!(mark_purpose(0, Some(&entry(FLAG_SNAT))), None);
+        assert_eq!(mark_purpose(0x4000, None), None);
     }
 
     #[test]
