@@ -13,12 +13,12 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use testbed::netns::Netns;
 
 use crate::{
-    sock,
+    placement, sock,
     stats::{Summary, percentile},
 };
 
@@ -75,9 +75,11 @@ pub struct Round {
     pub first_failure: Option<String>,
 }
 
-/// `count` sequential connections from `ns` to `target`.
+/// `count` sequential connections from `ns` to `target`, from the
+/// client's CPU (see `placement`).
 pub fn round(ns: &Netns, target: &mut Target, count: usize) -> Result<Round> {
-    ns.run_in(|| {
+    ns.run_in(|| -> Result<Round> {
+        placement::pin_client().context("pinning the latency client to its CPU")?;
         let mut round = Round {
             connect_us: Vec::with_capacity(count),
             request_us: Vec::with_capacity(count),
@@ -98,8 +100,8 @@ pub fn round(ns: &Netns, target: &mut Target, count: usize) -> Result<Round> {
                 }
             }
         }
-        round
-    })
+        Ok(round)
+    })?
 }
 
 fn micros(d: Duration) -> f64 {

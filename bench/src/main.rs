@@ -20,6 +20,7 @@ mod maglev_scale;
 mod memory;
 mod packet_cost;
 mod perpacket;
+mod placement;
 mod plan;
 mod program_time;
 mod programming;

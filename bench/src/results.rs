@@ -404,8 +404,8 @@ mod tests {
     /// those before the CNI baseline have the bare baseline only.
     #[test]
     fn committed_results_still_parse() {
-        let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("results/2026-12-05-vm.json");
-        let results = Results::read(&file).expect("the 2026-12-05 reference run");
+        let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("results/2026-12-03-vm.json");
+        let results = Results::read(&file).expect("the 2026-12-03 reference run");
         let ebpf = results.mode("ebpf").expect("an ebpf mode");
         let baseline = ebpf.baseline.as_ref().expect("a baseline");
         assert!(baseline.bare.clusterip_path.connect_p50_us.median > 0.0);

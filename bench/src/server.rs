@@ -47,6 +47,12 @@ impl PodServers {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(workers.max(1))
             .thread_name("pod-server")
+            // Apart from the latency client's CPU (see `placement`).
+            .on_thread_start(|| {
+                if let Err(e) = crate::placement::pin_server() {
+                    eprintln!("warning: pinning a pod server thread: {e}");
+                }
+            })
             .enable_io()
             .enable_time()
             .build()
