@@ -84,7 +84,7 @@ fn run(services: usize, first: f64, last: f64, rps: f64, sync_s: f64) -> Run {
 }
 
 /// A run whose Services were not programmed within 120 s.
-fn timed_out(services: usize) -> Run {
+pub fn timed_out(services: usize) -> Run {
     let mut run = Run::new(services, services * 5, services / 10 + 1);
     run.programming = Some(Programming {
         delivered_to_answer_s: None,
