@@ -694,12 +694,9 @@ fn rps_against_iptables(r: &Results, n: usize, target: &'static str) -> TargetCh
         .filter(|(_, x)| *x < 1.5)
         .map(|(backend, x)| format!("{backend}: {:.2}× short", 1.5 - x))
         .collect();
-    check(
-        target,
-        format!("{}{at}", measured.join("; ")),
-        short.is_empty(),
-        || short.join("; "),
-    )
+    check(target, format!("{}{at}", measured.join("; ")), short.is_empty(), || {
+        short.join("; ")
+    })
 }
 
 /// 10,000 Services x 10 endpoints from a manifest directory: answering
@@ -1262,7 +1259,11 @@ pub mod tests {
     #[test]
     fn requests_per_s_against_either_iptables_backend() {
         let mut results = fixture::results();
-        let iptables = results.modes.iter_mut().find(|m| m.mode == "iptables").expect("iptables");
+        let iptables = results
+            .modes
+            .iter_mut()
+            .find(|m| m.mode == "iptables")
+            .expect("iptables");
         let mut legacy = iptables.clone();
         legacy.mode = "iptables-legacy".into();
         iptables.runs[1] = fixture::timed_out(1000);
