@@ -5,8 +5,9 @@
 //! the other. On this project's 2-CPU VM a connect took 12 µs with the two
 //! apart and 17.5 µs with them together (a C client, by hand), and a run
 //! that left placement to the scheduler flipped between the two from round
-//! to round and from mode to mode (in the 2026-12-05 reference run the
-//! nftables mode at 10,000 Services connected faster than no proxy). So
+//! to round and from mode to mode (in an unpinned full run on 2026-12-05
+//! the nftables mode at 10,000 Services connected faster than no proxy;
+//! `bench/notes/perpacket-findings.md`). So
 //! every measurement pins them the same way: the client on the first CPU
 //! the bench may use, the server on the others, as two pods on different
 //! cores of a node. With one CPU nothing is pinned.
