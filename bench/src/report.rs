@@ -465,9 +465,20 @@ pub fn targets(r: &Results) -> Vec<TargetCheck> {
                     } else {
                         format!(" (measured: last of {large} vs first of {small})")
                     };
+                    // The direct connect (no Service) of the same two runs
+                    // tells the lookup's share from the runs' drift.
+                    let (direct_a, direct_b) = (connect_p50(&a.clusterip_direct), connect_p50(&b.clusterip_direct));
                     checks.push(check(
                         FLAT,
-                        format!("{} µs vs {} µs: {:+.1}%{at}", us(last), us(first), growth * 100.0),
+                        format!(
+                            "{} µs vs {} µs: {:+.1}%{at}; straight to a pod in the same runs {} vs {} µs: {:+.1}%",
+                            us(last),
+                            us(first),
+                            growth * 100.0,
+                            us(direct_b),
+                            us(direct_a),
+                            (direct_b / direct_a - 1.0) * 100.0
+                        ),
                         growth <= 0.05,
                         || format!("{:.1} points over", (growth - 0.05) * 100.0),
                     ));
@@ -1231,7 +1242,14 @@ pub mod tests {
                 .clone()
         };
         // 20 µs at 100 first and 20 µs at 1,000 last: flat.
-        assert_eq!(by_name("ebpf connect p50 to the last").standing, Standing::Met);
+        let flat = by_name("ebpf connect p50 to the last");
+        assert_eq!(flat.standing, Standing::Met);
+        assert!(
+            flat.measured
+                .ends_with("straight to a pod in the same runs 15.0 vs 15.0 µs: +0.0%"),
+            "{}",
+            flat.measured
+        );
         assert_eq!(
             by_name("ebpf connect p50 no higher").standing,
             Standing::Missed("100: 20.0 > 19.0 µs".into())
