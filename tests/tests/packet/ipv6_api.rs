@@ -249,6 +249,27 @@ fn ipv6_pods_reach_every_endpoint_of_a_local_external_frontend() {
             "Cluster: external traffic to other nodes' backends is masqueraded"
         );
     }
+    // XDP masquerades the outside's flows to other nodes' backends the
+    // same way: it DNATs them itself and leaves the SNAT mark in the
+    // metadata for tc ingress; a flow to this node's backend keeps its
+    // source (no mark).
+    let local = local_only[0];
+    let mut marked = 0;
+    for to in frontends.into_iter().cycle().take(20) {
+        let frame = Frame6::tcp(external6(&mut h), to, SYN).build();
+        let out = run6(&mut h, Prog::XdpUplink, &frame, Verdict::DnatNew, "XDP, Cluster");
+        let checked = check6(&out.without_meta().frame).unwrap_or_else(|e| panic!("XDP to {to}: {e}"));
+        assert!(backends6().contains(&checked.dst), "XDP to {to}: {}", checked.dst);
+        let want = (checked.dst != local).then_some(0x4000);
+        assert_eq!(
+            (out.code, out.xdp_mark()),
+            (XDP_PASS, want),
+            "XDP to {to} via {}",
+            checked.dst
+        );
+        marked += usize::from(want.is_some());
+    }
+    assert!(marked > 0, "no flow to another node's backend in 20");
 
     // No endpoint on this node: the outside is dropped, pods still served.
     h.sync(&ServicePort {
