@@ -179,10 +179,13 @@ pub trait Ctx {
     fn before_netfilter(&self) -> bool;
 }
 
-/// On tc ingress: ORs the mark XDP left in the metadata into the skb's.
+/// On tc ingress: ORs the mark XDP left in the metadata into the skb's,
+/// and says whether there was one. XDP leaves a mark only on a packet it
+/// goes on to translate itself (`Ctx::add_mark` comes before the rewrite,
+/// and a failed rewrite drops), so such a packet needs nothing more here.
 /// Read before anything pulls or moves the packet.
 #[inline(always)]
-pub fn apply_xdp_mark(ctx: &TcContext) {
+pub fn apply_xdp_mark(ctx: &TcContext) -> bool {
     let skb = ctx.skb.skb;
     // SAFETY: the program's own skb, valid for its run; a tc program may
     // read `data_meta` and `data`, and the metadata between them.
@@ -190,12 +193,14 @@ pub fn apply_xdp_mark(ctx: &TcContext) {
         let meta = (*skb).data_meta as usize;
         let data = (*skb).data as usize;
         if meta + xdp_mark::LEN > data {
-            return;
+            return false;
         }
         let left = &*(meta as *const XdpMark);
-        if left.magic == xdp_mark::MAGIC {
-            (*skb).mark |= left.mark;
+        if left.magic != xdp_mark::MAGIC {
+            return false;
         }
+        (*skb).mark |= left.mark;
+        true
     }
 }
 

@@ -92,7 +92,11 @@ pub fn xdp_uplink(ctx: XdpContext) -> u32 {
 #[inline(always)]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
     // First: pulling headers may move the packet away from its metadata.
-    context::apply_xdp_mark(&ctx);
+    // A packet XDP marked, XDP translated: looking it up again here would
+    // find nothing to do, at the cost of a lookup per packet.
+    if context::apply_xdp_mark(&ctx) {
+        return TC_ACT_OK;
+    }
     let tc = Tc(&ctx, TcHook::Ingress);
     tc.pull_headers();
     match process(&tc) {

@@ -122,10 +122,7 @@ fn icmp_error(ctx: &impl Ctx, flow: &Flow) -> (Verdict, Outcome) {
 /// of flows that must not go on).
 #[inline(always)]
 fn established(ctx: &impl Ctx, flow: &Flow, tracked: &Tracked) -> (Verdict, Outcome) {
-    if tracked.snat && !ctx.add_mark(maps::snat_mark()) {
-        return (Verdict::PassToTc, Outcome::Pass);
-    }
-    if tracked.notrack && !notrack::mark(ctx) {
+    if !marked(ctx, tracked.snat, tracked.notrack) {
         return (Verdict::PassToTc, Outcome::Pass);
     }
     if tracked.handed_to_tc {
@@ -183,7 +180,7 @@ fn new_flow(ctx: &impl Ctx, flow: &Flow, svc: &ServiceValue) -> (Verdict, Outcom
     )
 }
 
-/// Gives a new flow's packet the mark its flow needs (SNAT's, notrack's
+/// Gives a packet of a flow the mark the flow needs (SNAT's, notrack's
 /// or none); `false` if it needs one XDP cannot give it.
 #[inline(always)]
 pub fn marked(ctx: &impl Ctx, snat: bool, notrack: bool) -> bool {

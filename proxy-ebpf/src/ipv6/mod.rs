@@ -35,7 +35,7 @@ use crate::{
     affinity,
     context::{Addr6, Ctx, L4At},
     headers::Side,
-    maps::{self, AFFINITY6, BACKENDS6, SERVICES6},
+    maps::{AFFINITY6, BACKENDS6, SERVICES6},
     nat::{self, Change},
     notrack,
     parse::Fragment,
@@ -115,10 +115,7 @@ fn related(ctx: &impl Ctx, flow: &Flow6) -> (Verdict, Outcome) {
 /// `crate::pipeline::established`).
 #[inline(always)]
 fn established(ctx: &impl Ctx, flow: &Flow6, tracked: &Tracked6) -> (Verdict, Outcome) {
-    if tracked.snat && !ctx.add_mark(maps::snat_mark()) {
-        return (Verdict::PassToTc, Outcome::Pass);
-    }
-    if tracked.notrack && !notrack::mark(ctx) {
+    if !pipeline::marked(ctx, tracked.snat, tracked.notrack) {
         return (Verdict::PassToTc, Outcome::Pass);
     }
     let verdict = if tracked.handed_to_tc {
