@@ -240,6 +240,12 @@ pub fn add_pod(node: &Netns, gateway: Ipv4Addr, name: &'static str, ip: Ipv4Addr
     ns.add_route(&["default", "via", &gateway.to_string(), "dev", "eth0"])?;
     node.add_addr(&node_if, &format!("{gateway}/32"))?;
     node.add_route(&[&format!("{ip}/32"), "dev", &node_if])?;
+    // A pod answers a closed port with an ICMP error, limited per
+    // destination as the node's are (see `node_ns`). Refused requests
+    // land on backends at random; when too many land on one, its error
+    // is not sent (the pod's OutRateLimitHost counts it) and the probe
+    // sees a timeout instead of ECONNREFUSED.
+    limit_no_icmp(&ns)?;
     Ok(Pod {
         name,
         ip,
