@@ -86,6 +86,18 @@ pub const POD_CIDRS_MAX: u32 = 64;
 pub const POD_CIDRS6: &str = "XP_POD_CIDRS6";
 pub const POD_CIDRS6_MAX: u32 = POD_CIDRS_MAX;
 
+/// The node's ends of pod veths whose other end is in another namespace
+/// (the pod's): ifindex (`u32`) -> `u8` (1), written by the agent as it
+/// attaches to them and rewritten at every full sync. A reply the
+/// programs reverse-translate at tc ingress whose route leads to one of
+/// them is handed into the pod's end directly (`bpf_redirect_peer`),
+/// skipping the node end's egress and the backlog queue between the two.
+/// Only such veths qualify: the kernel drops what is redirected to a
+/// peer in the same namespace, or to a device that has none.
+pub const POD_VETHS: &str = "XP_POD_VETHS";
+/// Pods on one node (kubelet's default limit is 110), with room to spare.
+pub const POD_VETHS_MAX: u32 = 16_384;
+
 /// The IPv6 maps (see [`crate::ipv6`] for why apart from the IPv4 ones):
 /// frontends ([`crate::Service6Key`] -> [`crate::ServiceValue`]), backends
 /// (backend id -> [`crate::Backend6`]) and tracked flows

@@ -104,8 +104,9 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
         // Straight to the interface towards the client. Through the stack, a
         // reply now coming from a node IP (NodePort) would be dropped as a
         // martian (a local source arriving from outside); a destination on
-        // this node itself is not forwarded and goes up the stack.
-        Outcome::ReverseTranslated => route::redirect_routed(&ctx),
+        // this node itself is not forwarded and goes up the stack. To a pod
+        // of this node: into the pod directly.
+        Outcome::ReverseTranslated => route::redirect_reply(&ctx),
         // Back out of the interface it came in on, i.e. to the pod.
         Outcome::Reply => route::redirect_back(&ctx, 0),
         Outcome::Drop => TC_ACT_SHOT,

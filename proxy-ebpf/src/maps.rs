@@ -13,8 +13,8 @@ use proxy_common::{
     conntrack::{seconds_to_ns, state_index},
     maps::{
         AFFINITY_MAX, AFFINITY6_MAX, BACKEND_SLOT_CHUNKS_MAX, BACKENDS_MAX, BACKENDS6_MAX, CONNTRACK_MAX,
-        CONNTRACK6_MAX, FRAGMENTS_MAX, MAGLEV_MAX, MEMBERS_MAX, POD_CIDRS_MAX, POD_CIDRS6_MAX, REV_NAT_MAX,
-        SERVICE_PORTS_MAX, SERVICES_MAX, SERVICES6_MAX, SOURCE_RANGES_MAX, SOURCE_RANGES6_MAX,
+        CONNTRACK6_MAX, FRAGMENTS_MAX, MAGLEV_MAX, MEMBERS_MAX, POD_CIDRS_MAX, POD_CIDRS6_MAX, POD_VETHS_MAX,
+        REV_NAT_MAX, SERVICE_PORTS_MAX, SERVICES_MAX, SERVICES6_MAX, SOURCE_RANGES_MAX, SOURCE_RANGES6_MAX,
     },
     ports::PORT_WORDS,
 };
@@ -63,6 +63,9 @@ pub static SERVICE_PORTS: HashMap<u32, FrontendPort> = HashMap::pinned(SERVICE_P
 
 #[map(name = "XP_POD_CIDRS")]
 pub static POD_CIDRS: LpmTrie<u32, u8> = LpmTrie::pinned(POD_CIDRS_MAX, 0);
+
+#[map(name = "XP_POD_VETHS")]
+pub static POD_VETHS: HashMap<u32, u8> = HashMap::pinned(POD_VETHS_MAX, BPF_F_NO_PREALLOC);
 
 // Written from the data path on every new flow: LRU maps are preallocated.
 #[map(name = "XP_CT")]

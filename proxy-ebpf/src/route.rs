@@ -1,16 +1,17 @@
 //! tc's own redirects, which skip the stack's routing decision: to where
-//! the kernel would forward the translated packet (a FIB lookup), or back
-//! where it came from.
+//! the kernel would forward the translated packet (a FIB lookup), straight
+//! into a pod, or back where it came from.
 
 use aya_ebpf::{
     bindings::{BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, bpf_fib_lookup},
-    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh},
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_redirect_peer},
     programs::TcContext,
 };
 
 use crate::{
     context::{Tc, TcHook, ptr_at},
     headers::{IP_OFF, Ipv4Hdr, Ipv6Hdr},
+    maps::POD_VETHS,
     parse,
 };
 
@@ -22,12 +23,58 @@ const AF_INET6: u8 = 10;
 /// where it is not forwarded.
 #[inline(always)]
 pub fn redirect_routed(ctx: &TcContext) -> i32 {
-    match ifindex(ctx) {
-        // SAFETY: no neighbour parameters (null, length 0): the kernel
-        // looks the neighbour up itself; the helper checks the ifindex.
-        Some(ifindex) => unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) as i32 },
+    match forwarding(ctx) {
+        Some((params, rc)) => redirect_neigh(&params, rc),
         None => TC_ACT_OK,
     }
+}
+
+/// As [`redirect_routed`], for a reply the programs reverse-translated at
+/// tc ingress; where it is headed for a pod of this node, i.e. the route
+/// leads to a pod's veth ([`POD_VETHS`]) and the FIB knows the pod's MAC,
+/// the frame is addressed to it and handed into the pod's end of the pair
+/// at once (`bpf_redirect_peer`). That skips what `bpf_redirect_neigh`
+/// goes through: the node end's egress (its tc program, which has nothing
+/// to do for a translated reply) and the backlog queue the veth passes
+/// frames through to its peer. Netfilter is skipped either way.
+#[inline(always)]
+pub fn redirect_reply(ctx: &TcContext) -> i32 {
+    let Some((params, rc)) = forwarding(ctx) else {
+        return TC_ACT_OK;
+    };
+    // SAFETY: a read of a map only user space writes; the value is not kept.
+    let pod_veth = unsafe { POD_VETHS.get(params.ifindex) }.is_some();
+    if rc == BPF_FIB_LKUP_RET_SUCCESS && pod_veth && set_macs(ctx, &params) {
+        // SAFETY: a helper call on the program's own context; the kernel
+        // checks the ifindex (and drops if the device has no peer or the
+        // peer shares this namespace, which the agent's listing rules out).
+        return unsafe { bpf_redirect_peer(params.ifindex, 0) as i32 };
+    }
+    redirect_neigh(&params, rc)
+}
+
+/// Out of the interface the FIB chose, the neighbour resolved by the
+/// kernel (also where the FIB had none yet: NO_NEIGH still names the
+/// interface); `TC_ACT_OK` for any other answer (not forwarded).
+#[inline(always)]
+fn redirect_neigh(params: &bpf_fib_lookup, rc: u32) -> i32 {
+    if rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH {
+        // SAFETY: no neighbour parameters (null, length 0): the kernel
+        // looks the neighbour up itself; the helper checks the ifindex.
+        unsafe { bpf_redirect_neigh(params.ifindex, core::ptr::null_mut(), 0, 0) as i32 }
+    } else {
+        TC_ACT_OK
+    }
+}
+
+/// Writes the Ethernet addresses the FIB resolved (next hop's, then the
+/// outgoing interface's) in one store; false if the store failed.
+#[inline(always)]
+fn set_macs(ctx: &TcContext, params: &bpf_fib_lookup) -> bool {
+    let mut macs = [0u8; 12];
+    macs[..6].copy_from_slice(&params.dmac);
+    macs[6..].copy_from_slice(&params.smac);
+    ctx.store(0, &macs, 0).is_ok()
 }
 
 /// Redirects the packet to the interface it arrived on (`flags` 0: out of
@@ -39,12 +86,14 @@ pub fn redirect_back(ctx: &TcContext, flags: u64) -> i32 {
     unsafe { bpf_redirect((*ctx.skb.skb).ifindex, flags) as i32 }
 }
 
-/// The interface the kernel would forward the (already translated) packet
-/// out of, for redirecting it there directly: used where the kernel's own
-/// routing decision is stale (egress) or would refuse the packet (replies
-/// from a node IP). `None` if it is not forwarded (e.g. it is for this node).
+/// The FIB's answer for the (already translated) packet, for redirecting
+/// it directly where the kernel would forward it: used where the kernel's
+/// own routing decision is stale (egress), would refuse the packet
+/// (replies from a node IP), or costs more than it must (replies to
+/// pods). The parameters (interface, MACs) and the lookup's return code;
+/// `None` if the headers are not there.
 #[inline(always)]
-fn ifindex(ctx: &TcContext) -> Option<u32> {
+fn forwarding(ctx: &TcContext) -> Option<(bpf_fib_lookup, u32)> {
     // Reading only: which hook the view says it is does not matter here.
     let mut params = if parse::is_ipv6(&Tc(ctx, TcHook::Egress)) {
         ipv6_params(ctx)?
@@ -55,12 +104,7 @@ fn ifindex(ctx: &TcContext) -> Option<u32> {
     // SAFETY: the skb is the program's context; `params` is a local of the
     // size passed, which the helper fills in.
     let rc = unsafe { fib_lookup(ctx.skb.skb.cast(), &mut params, size, 0) } as u32;
-    // NO_NEIGH still names the interface: bpf_redirect_neigh resolves the neighbour.
-    if rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH {
-        Some(params.ifindex)
-    } else {
-        None
-    }
+    Some((params, rc))
 }
 
 /// The FIB lookup's input for an IPv6 packet: its addresses and the

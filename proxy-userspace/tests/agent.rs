@@ -26,7 +26,7 @@ use testbed::{
     netns::{self, Netns},
     privileged::{PinDir, require_root},
     probe::{answers, refused},
-    topology::{NODE_IP, TARGET_PORT},
+    topology::{NODE_IP, POD_GATEWAY, TARGET_PORT},
 };
 
 /// A change must be in the data path this soon after it was made.
@@ -1610,6 +1610,26 @@ fn xdp_auto_falls_back_to_tc_where_native_xdp_is_refused() {
 // ---------------------------------------------------------------------------
 // Pod interfaces are rescanned on every full sync.
 
+/// Starts the agent on the seed manifests with a config whose syncPeriod
+/// (the ebpf mode reads the iptables section's, as kube-proxy's own modes
+/// do) is `period`: how often a full sync runs.
+fn start_with_sync_period(bed: &mut AgentBed, period: Duration) -> Result<()> {
+    let config = bed.dir().join("proxy.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "kind: KubeProxyConfiguration\napiVersion: kubeproxy.config.k8s.io/v1alpha1\n\
+             iptables:\n  syncPeriod: {}s\n",
+            period.as_secs()
+        ),
+    )?;
+    bed.copy_seed_manifests()?;
+    let mut args = bed.manifest_args();
+    args.extend(["--config".to_owned(), config.display().to_string()]);
+    bed.start_agent(&args)?;
+    bed.wait_first_sync(READY_WITHIN).map(drop)
+}
+
 /// A pod interface whose link event the agent missed (simulated: its tc
 /// links are detached and unpinned by hand while the agent runs) gets its
 /// programs back at the next full sync, and the pod reaches the ClusterIP
@@ -1624,20 +1644,7 @@ fn a_pod_interface_without_programs_is_attached_by_the_next_full_sync() {
         return;
     }
     run(TEST, |bed| {
-        let config = bed.dir().join("proxy.yaml");
-        std::fs::write(
-            &config,
-            format!(
-                "kind: KubeProxyConfiguration\napiVersion: kubeproxy.config.k8s.io/v1alpha1\n\
-                 iptables:\n  syncPeriod: {}s\n",
-                SYNC_PERIOD.as_secs()
-            ),
-        )?;
-        bed.copy_seed_manifests()?;
-        let mut args = bed.manifest_args();
-        args.extend(["--config".to_owned(), config.display().to_string()]);
-        bed.start_agent(&args)?;
-        bed.wait_first_sync(READY_WITHIN)?;
+        start_with_sync_period(bed, SYNC_PERIOD)?;
         let cluster_ip = SocketAddrV4::new(SEED_CLUSTER_IP, SEED_PORT);
         let pod = &bed.topo.client_pod;
         answers(&pod.ns, cluster_ip).map_err(|e| anyhow::anyhow!("before: {e}"))?;
@@ -1673,4 +1680,114 @@ fn a_pod_interface_without_programs_is_attached_by_the_next_full_sync() {
         note(TEST, format!("programs back on {} after {back:?}", pod.node_if));
         Ok(())
     });
+}
+
+// ---------------------------------------------------------------------------
+// The pod veths replies are handed into follow the pods.
+
+/// `XP_POD_VETHS` (the node's ends of pod veths the programs hand
+/// reverse-NATed replies into) lists every pod's veth at start and never
+/// the uplink; a pod that appears later is listed; a veth whose other end
+/// is still in the node's namespace is not (the kernel would drop what is
+/// handed to it) until a CNI-style move of that end into a pod; a deleted
+/// pod's veth and an entry nothing backs are dropped by the next full sync.
+#[test]
+fn the_pod_veths_listed_for_replies_follow_the_pods() {
+    const TEST: &str = "the_pod_veths_listed_for_replies_follow_the_pods";
+    const SYNC_PERIOD: Duration = Duration::from_secs(2);
+    /// An ifindex no interface has: a deleted pod's entry the agent missed.
+    const STALE: u32 = 999_999;
+    if !require_root(TEST) {
+        return;
+    }
+    run(TEST, |bed| {
+        start_with_sync_period(bed, SYNC_PERIOD)?;
+        let node = &bed.topo.node;
+        let ifindex = |dev: &str| -> Result<u32> {
+            let text = node.exec(&["cat", &format!("/sys/class/net/{dev}/ifindex")])?;
+            text.trim()
+                .parse()
+                .with_context(|| format!("ifindex of {dev}: {text:?}"))
+        };
+        let pins = bed.pin_path().to_owned();
+        let listed = || pod_veths_listed(&pins);
+        let mut at_start = Vec::new();
+        for pod in bed.topo.backends.iter().chain([&bed.topo.client_pod]) {
+            at_start.push(ifindex(&pod.node_if)?);
+        }
+        let now = listed()?;
+        ensure!(
+            at_start.iter().all(|i| now.contains(i)),
+            "at start: {now:?}, want every pod's veth {at_start:?}"
+        );
+        let uplink = ifindex(&bed.topo.uplink)?;
+        ensure!(!now.contains(&uplink), "the uplink ({uplink}) is listed: {now:?}");
+
+        let late = testbed::topology::add_pod(node, POD_GATEWAY, "late-pod", Ipv4Addr::new(10, 244, 0, 60))?;
+        let late_index = ifindex(&late.node_if)?;
+        wait_listed(&listed, "the late pod's veth listed", |l| l.contains(&late_index))?;
+
+        // A CNI may create the pair in the node's namespace and move one end
+        // into the pod afterwards.
+        let (host_end, pod_end) = (
+            testbed::privileged::unique_name("xh"),
+            testbed::privileged::unique_name("xq"),
+        );
+        node.ip(&["link", "add", &host_end, "type", "veth", "peer", "name", &pod_end])?;
+        node.ip(&["link", "set", &host_end, "up"])?;
+        let moved_index = ifindex(&host_end)?;
+        // Two full syncs, each of which would have listed it.
+        std::thread::sleep(SYNC_PERIOD * 2);
+        ensure!(
+            !listed()?.contains(&moved_index),
+            "a veth with both ends in the node's namespace is listed"
+        );
+        let cni_pod = Netns::new("xq")?;
+        node.ip(&["link", "set", &pod_end, "netns", cni_pod.name()])?;
+        wait_listed(&listed, "the veth listed once its other end is in a pod", |l| {
+            l.contains(&moved_index)
+        })?;
+
+        insert_pod_veth(&pins, STALE)?;
+        node.ip(&["link", "del", &late.node_if])?;
+        wait_listed(&listed, "the deleted pod's veth and the stale entry unlisted", |l| {
+            !l.contains(&late_index) && !l.contains(&STALE)
+        })?;
+        let end = listed()?;
+        ensure!(
+            at_start.iter().all(|i| end.contains(i)),
+            "the other pods' veths unlisted too: {end:?}"
+        );
+        note(TEST, format!("listed at start {at_start:?}, at the end {end:?}"));
+        Ok(())
+    });
+
+    /// Waits (a few full syncs) until the listing satisfies `ok`.
+    fn wait_listed(listed: &dyn Fn() -> Result<Vec<u32>>, what: &str, ok: impl Fn(&[u32]) -> bool) -> Result<()> {
+        netns::wait_for(what, SYNC_PERIOD * 5, || {
+            let now = listed().map_err(|e| format!("{e:#}"))?;
+            if ok(&now) {
+                Ok(())
+            } else {
+                Err(format!("listed: {now:?}"))
+            }
+        })
+    }
+}
+
+/// The ifindexes in `XP_POD_VETHS` under `pin_path`.
+fn pod_veths_listed(pin_path: &std::path::Path) -> Result<Vec<u32>> {
+    let veths = pod_veths_map(pin_path)?;
+    veths.keys().collect::<Result<_, _>>().context("reading XP_POD_VETHS")
+}
+
+/// Lists `ifindex` in `XP_POD_VETHS` by hand.
+fn insert_pod_veth(pin_path: &std::path::Path, ifindex: u32) -> Result<()> {
+    let mut veths = pod_veths_map(pin_path)?;
+    veths.insert(ifindex, 1, 0).context("writing XP_POD_VETHS")
+}
+
+fn pod_veths_map(pin_path: &std::path::Path) -> Result<aya::maps::HashMap<aya::maps::MapData, u32, u8>> {
+    let map = proxy_userspace::mode::ebpf::pinned(pin_path, proxy_common::maps::POD_VETHS)?;
+    Ok(aya::maps::HashMap::try_from(map)?)
 }

@@ -43,6 +43,9 @@
 //! one-node tests then read the node's conntrack table back: no entry of
 //! the client pod's transfers, the hairpin's (masqueraded) present. Under
 //! native XDP too: XDP leaves the mark in the packet's metadata for tc.
+//! They also check that the replies to the client pod were handed into it
+//! (`bpf_redirect_peer`): the node's end of its veth transmitted next to
+//! nothing of the hundreds of MiB its eth0 received.
 //!
 //! IPv6 ([`Route`]): the Services of the first paths are dual-stack
 //! (`fd00:96::80`, `fd00:96::82`, an IPv6 EndpointSlice of the same pod
@@ -520,6 +523,64 @@ fn check_kernel_conntrack(topo: &Topology) -> Result<String> {
     ))
 }
 
+/// Replies the programs reverse-translate for a pod of this node are
+/// handed into the pod (`bpf_redirect_peer`): the agent lists every pod's
+/// veth in `XP_POD_VETHS` (never the uplink), and the client pod's eth0
+/// received the rows' downloads (hundreds of MiB) while the node's end of
+/// its veth transmitted next to nothing (ARP, and what no Service
+/// translated). Through `bpf_redirect_neigh`, as before, the node's end
+/// transmits every byte the pod receives.
+fn check_replies_into_pod(topo: &Topology, pin_path: &std::path::Path) -> Result<String> {
+    let listed = pod_veths_listed(pin_path)?;
+    let ifindex = |dev: &str| -> Result<u32> {
+        let text = topo.node.exec(&["cat", &format!("/sys/class/net/{dev}/ifindex")])?;
+        text.trim()
+            .parse()
+            .with_context(|| format!("ifindex of {dev}: {text:?}"))
+    };
+    for pod in topo.backends.iter().chain([&topo.client_pod]) {
+        let index = ifindex(&pod.node_if)?;
+        ensure!(
+            listed.contains(&index),
+            "{}'s veth {} (ifindex {index}) not in XP_POD_VETHS {listed:?}",
+            pod.name,
+            pod.node_if
+        );
+    }
+    let uplink = ifindex(&topo.uplink)?;
+    ensure!(
+        !listed.contains(&uplink),
+        "the uplink (ifindex {uplink}) is in XP_POD_VETHS"
+    );
+    let received = counter(&topo.client_pod.ns, "eth0", "rx_bytes")?;
+    let sent = counter(&topo.node, &topo.client_pod.node_if, "tx_bytes")?;
+    ensure!(
+        received > 4 * BYTES && sent < received / 100,
+        "the client pod's eth0 received {received} bytes, the node's end of its veth sent {sent}: \
+         replies went through the node's end"
+    );
+    Ok(format!(
+        "{} pod veths listed; the client pod received {received} bytes, its veth's node end sent {sent}",
+        listed.len()
+    ))
+}
+
+/// The ifindexes in `XP_POD_VETHS` under `pin_path`.
+fn pod_veths_listed(pin_path: &std::path::Path) -> Result<Vec<u32>> {
+    let map = proxy_userspace::mode::ebpf::pinned(pin_path, proxy_common::maps::POD_VETHS)?;
+    let veths: aya::maps::HashMap<_, u32, u8> = aya::maps::HashMap::try_from(map)?;
+    veths.keys().collect::<Result<_, _>>().context("reading XP_POD_VETHS")
+}
+
+/// Interface statistic `name` of `dev` in `ns` (sysfs, which `ip netns
+/// exec` mounts for the namespace).
+fn counter(ns: &Netns, dev: &str, name: &str) -> Result<u64> {
+    let text = ns.exec(&["cat", &format!("/sys/class/net/{dev}/statistics/{name}")])?;
+    text.trim()
+        .parse()
+        .with_context(|| format!("{name} of {dev}: {text:?}"))
+}
+
 // ---------------------------------------------------------------------------
 // The table.
 
@@ -660,6 +721,10 @@ fn one_node(mode: Mode, setup: Setup) {
         run_rows(&label, &rows, checks);
         if mode == Mode::Ebpf {
             checks.check("the kernel's conntrack", check_kernel_conntrack(&bed.topo));
+            checks.check(
+                "replies handed into the client pod",
+                check_replies_into_pod(&bed.topo, bed.pin_path()),
+            );
         }
         Ok(())
     });

@@ -32,15 +32,21 @@ pub struct Interface {
     pub index: u32,
     pub name: String,
     pub is_veth: bool,
+    /// The other end of the link is in another network namespace (a
+    /// veth's peer in a pod): the kernel names that namespace
+    /// (IFLA_LINK_NETNSID) only then.
+    pub peer_elsewhere: bool,
     pub ipv4: Vec<Ipv4Addr>,
 }
 
 fn interface_of(msg: &LinkMessage) -> Option<Interface> {
     let mut name = None;
     let mut is_veth = false;
+    let mut peer_elsewhere = false;
     for attr in &msg.attributes {
         match attr {
             LinkAttribute::IfName(n) => name = Some(n.clone()),
+            LinkAttribute::LinkNetNsId(_) => peer_elsewhere = true,
             LinkAttribute::LinkInfo(infos) => {
                 is_veth = infos.iter().any(|i| matches!(i, LinkInfo::Kind(InfoKind::Veth)));
             }
@@ -51,6 +57,7 @@ fn interface_of(msg: &LinkMessage) -> Option<Interface> {
         index: msg.header.index,
         name: name?,
         is_veth,
+        peer_elsewhere,
         ipv4: Vec::new(),
     })
 }
@@ -146,6 +153,7 @@ mod tests {
             index,
             name: name.into(),
             is_veth,
+            peer_elsewhere: is_veth,
             ipv4: ip.map(Ipv4Addr::from).into_iter().collect(),
         }
     }

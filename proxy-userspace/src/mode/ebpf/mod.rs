@@ -48,6 +48,7 @@ mod object;
 pub mod old_maps;
 mod pinned_maps;
 pub mod pod_cidrs;
+mod pod_veths;
 mod port_filter;
 pub mod sctp_fallback;
 mod service_maps;
@@ -450,7 +451,7 @@ fn attach_pods_meanwhile(datapath: Arc<Mutex<Datapath>>, pods: Vec<Interface>) -
     std::thread::spawn(move || {
         for pod in &pods {
             // A pod interface that vanished since the listing is not an error.
-            attach_pod(&datapath, &pod.name, "pod interface attached", false);
+            attach_pod(&datapath, pod, "pod interface attached", false);
         }
         let _ = done.send(());
     });
@@ -475,7 +476,7 @@ fn spawn_pod_interface_watcher(
             tokio::select! {
                 Some(iface) = new_veths.recv() => {
                     if !uplinks.iter().any(|u| u.index == iface.index) {
-                        attach_pod(&datapath, &iface.name, "pod interface attached", true);
+                        attach_pod(&datapath, &iface, "pod interface attached", true);
                     }
                 }
                 Some(()) = rescans.recv() => rescan_pods(&datapath, &uplinks, &handle).await,
@@ -486,13 +487,18 @@ fn spawn_pod_interface_watcher(
     Ok(rescan)
 }
 
-/// Attaches the pod programs to `iface`; logs `done` (at debug level
-/// unless `notable`) or the failure. Attaching again to an attached
+/// Attaches the pod programs to `pod` and lists it among the pod veths
+/// replies may be handed into (see [`pod_veths`]); logs `done` (at debug
+/// level unless `notable`) or the failure. Attaching again to an attached
 /// interface only swaps the program in its pinned link (or filter), so
 /// repeated events are harmless.
-fn attach_pod(datapath: &Mutex<Datapath>, iface: &str, done: &str, notable: bool) {
+fn attach_pod(datapath: &Mutex<Datapath>, pod: &Interface, done: &str, notable: bool) {
     let mut datapath = datapath.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    match datapath.attach(iface, Hook::Pod) {
+    let iface = pod.name.as_str();
+    let attached = datapath
+        .attach(iface, Hook::Pod)
+        .and_then(|()| pod_veths::note(datapath.pin_path(), pod));
+    match attached {
         Ok(()) if notable => info!(iface, "{done}"),
         Ok(()) => debug!(iface, "{done}"),
         Err(e) => warn!(iface, error = format!("{e:#}"), "could not attach to a pod interface"),
@@ -504,7 +510,8 @@ fn ok_or_warn<T>(result: Result<T>, meaning: &str) -> Option<T> {
     result.map_err(|e| warn!(error = format!("{e:#}"), "{meaning}")).ok()
 }
 
-/// Attaches to every pod interface that lacks its tc links.
+/// Attaches to every pod interface that lacks its tc links, and makes the
+/// pod veths listed for replies exactly the pod interfaces there are.
 async fn rescan_pods(datapath: &Mutex<Datapath>, uplinks: &[Interface], handle: &rtnetlink::Handle) {
     let Some(all) = ok_or_warn(
         interfaces::list(handle).await,
@@ -512,7 +519,8 @@ async fn rescan_pods(datapath: &Mutex<Datapath>, uplinks: &[Interface], handle: 
     ) else {
         return;
     };
-    for pod in interfaces::pod_interfaces(&all, uplinks) {
+    let pods = interfaces::pod_interfaces(&all, uplinks);
+    for pod in &pods {
         let attached = datapath
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -520,20 +528,23 @@ async fn rescan_pods(datapath: &Mutex<Datapath>, uplinks: &[Interface], handle: 
         match attached {
             Some(true) => {}
             // A pod the link events missed: worth a line in the log.
-            Some(false) => attach_pod(
-                datapath,
-                &pod.name,
-                "pod interface attached by the full sync's rescan",
-                true,
-            ),
+            Some(false) => attach_pod(datapath, pod, "pod interface attached by the full sync's rescan", true),
             // Filters (before 6.6) cannot be told apart: re-attach quietly.
-            None => attach_pod(
-                datapath,
-                &pod.name,
-                "pod interface's filters refreshed by the rescan",
-                false,
-            ),
+            None => attach_pod(datapath, pod, "pod interface's filters refreshed by the rescan", false),
         }
+    }
+    let pin_path = datapath
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .pin_path()
+        .to_owned();
+    match pod_veths::write(&pin_path, &pods) {
+        Ok(0) => {}
+        Ok(unlisted) => debug!(unlisted, "veths of deleted pods unlisted"),
+        Err(e) => warn!(
+            error = format!("{e:#}"),
+            "pod veths not rewritten: replies to pods take the longer way through the node's veth end"
+        ),
     }
 }
 
