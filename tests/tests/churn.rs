@@ -18,6 +18,13 @@
 //! NodePort; the ebpf mode's flows are in `XP_CT6`). The kernel modes' conntrack gives a SYN in
 //! TIME_WAIT a new connection and a new NAT decision; the ebpf mode's does
 //! the same (`proxy_common::conntrack`).
+//!
+//! The node is configured as real ones are: the agent knows the pod
+//! networks (`--cluster-cidr`, both families), so the ebpf mode keeps the
+//! kernel's conntrack off these flows (`notrack`: the backends are pods
+//! on this node, no SNAT), and the node's firewall drops forwarded packets
+//! the kernel's conntrack finds invalid: a reused tuple the kernel half
+//! remembered would be lost to it.
 
 use std::{
     net::{Ipv4Addr, Ipv6Addr, SocketAddr},
@@ -30,7 +37,7 @@ use testbed::{
     fixtures::{NODE_NAME, PortDef, dual_stack, service, slice, slice6_with, yaml_documents},
     privileged::require_root,
     probe::Protocol,
-    topology::{BACKENDS, NODE_IP6, pod_ipv6},
+    topology::{BACKENDS, NODE_IP6, POD_CIDR, POD_CIDR6, drop_invalid_forwarding, pod_ipv6},
 };
 
 const SEED_FILE: &str = "seed.yaml";
@@ -132,6 +139,8 @@ fn run(bed: &mut AgentBed, label: &str, mode: &str, family: Family) -> Result<()
     bed.write_manifest(SEED_FILE, &manifest(family, &[0, 1, 2]))?;
     let mut args = bed.manifest_args();
     args.extend(config(bed)?);
+    args.extend(["--cluster-cidr".to_owned(), format!("{POD_CIDR},{POD_CIDR6}")]);
+    drop_invalid_forwarding(&bed.topo.node)?;
     if family == Family::V6 {
         // Beside the IPv4 one the bed passes.
         args.extend(["--node-ip".to_owned(), NODE_IP6.to_string()]);
@@ -186,6 +195,23 @@ fn run(bed: &mut AgentBed, label: &str, mode: &str, family: Family) -> Result<()
         strays.is_empty(),
         "after the churn, connections reached pods outside {:?}: {strays:?}",
         last.pods
+    );
+    if mode == "ebpf" {
+        ensure_untracked(&bed.topo.node, answers.len())?;
+    }
+    Ok(())
+}
+
+/// The ebpf mode kept the kernel's conntrack off the churn's flows: no
+/// entry names the node port, while the kernel modes' tables hold one per
+/// recent connection (TIME_WAIT lasts two minutes).
+fn ensure_untracked(node: &testbed::netns::Netns, connections: usize) -> Result<()> {
+    let table = node.exec(&["cat", "/proc/net/nf_conntrack"])?;
+    let dport = format!(" dport={NODE_PORT} ");
+    let tracked = table.lines().filter(|l| l.contains(&dport)).count();
+    ensure!(
+        tracked == 0,
+        "the kernel's conntrack tracks {tracked} of the {connections} connections to the node port"
     );
     Ok(())
 }
