@@ -495,13 +495,21 @@ fn spawn_pod_interface_watcher(
 fn attach_pod(datapath: &Mutex<Datapath>, pod: &Interface, done: &str, notable: bool) {
     let mut datapath = datapath.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let iface = pod.name.as_str();
-    let attached = datapath
-        .attach(iface, Hook::Pod)
-        .and_then(|()| pod_veths::note(datapath.pin_path(), pod));
-    match attached {
-        Ok(()) if notable => info!(iface, "{done}"),
-        Ok(()) => debug!(iface, "{done}"),
-        Err(e) => warn!(iface, error = format!("{e:#}"), "could not attach to a pod interface"),
+    if let Err(e) = datapath.attach(iface, Hook::Pod) {
+        warn!(iface, error = format!("{e:#}"), "could not attach to a pod interface");
+        return;
+    }
+    if let Err(e) = pod_veths::note(datapath.pin_path(), pod) {
+        warn!(
+            iface,
+            error = format!("{e:#}"),
+            "pod interface not listed: replies to it take the longer way through its node end"
+        );
+    }
+    if notable {
+        info!(iface, "{done}");
+    } else {
+        debug!(iface, "{done}");
     }
 }
 
