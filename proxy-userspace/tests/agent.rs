@@ -1791,3 +1791,33 @@ fn pod_veths_map(pin_path: &std::path::Path) -> Result<aya::maps::HashMap<aya::m
     let map = proxy_userspace::mode::ebpf::pinned(pin_path, proxy_common::maps::POD_VETHS)?;
     Ok(aya::maps::HashMap::try_from(map)?)
 }
+
+/// Without pod networks the ebpf mode cannot keep the kernel's conntrack
+/// off Service flows to pods, and a firewall dropping invalid forwarded
+/// packets then breaks them: the agent says so once at start, and not
+/// when it knows the pod networks.
+#[test]
+fn without_pod_networks_the_agent_warns_what_a_firewall_breaks() {
+    const TEST: &str = "without_pod_networks_the_agent_warns_what_a_firewall_breaks";
+    const WARNING: &str = "no pod networks";
+    if !require_root(TEST) {
+        return;
+    }
+    run(TEST, |bed| {
+        bed.copy_seed_manifests()?;
+        bed.start_agent(&bed.manifest_args())?;
+        bed.wait_first_sync(READY_WITHIN)?;
+        let warned = log_lines(&bed.log(), WARNING);
+        ensure!(warned.len() == 1, "want one warning without pod networks: {warned:?}");
+        bed.stop_agent(libc::SIGTERM)?;
+        let mut args = bed.manifest_args();
+        args.extend(["--cluster-cidr".to_owned(), "10.244.0.0/16".to_owned()]);
+        bed.start_agent(&args)?;
+        bed.wait_first_sync(READY_WITHIN)?;
+        // The log of the agent started last.
+        let now = log_lines(&bed.log(), WARNING);
+        ensure!(now.is_empty(), "warned with the pod networks given: {now:?}");
+        note(TEST, "warned without pod networks, not with them");
+        Ok(())
+    });
+}

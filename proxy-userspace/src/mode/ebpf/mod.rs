@@ -397,7 +397,17 @@ fn install_snat6_rules(mark: u32, ports: &RangeInclusive<u16>) {
 /// neither family's rule is there. A family without its rule tracks its
 /// marked flows as before.
 fn install_notrack_rules(mark: u32, pod_networks: &pod_cidrs::PodNetworks) -> u32 {
-    if mark == 0 || (pod_networks.v4.is_empty() && pod_networks.v6.is_empty()) {
+    if mark == 0 {
+        return 0;
+    }
+    if pod_networks.v4.is_empty() && pod_networks.v6.is_empty() {
+        // Seen on the test bed: behind such a rule a NodePort to a local
+        // pod never completes a handshake.
+        warn!(
+            "no pod networks (clusterCIDR / --cluster-cidr): the kernel's conntrack sees only the \
+             forward half of every Service flow, and a firewall rule dropping conntrack-invalid \
+             forwarded packets (Calico's, many hosts') drops the rest of it"
+        );
         return 0;
     }
     let mut installed = false;
