@@ -861,6 +861,7 @@ mod tests {
                 "XP_NODE_ADDRS6",
                 "XP_POD_CIDRS",
                 "XP_POD_CIDRS6",
+                "XP_POD_VETHS",
                 "XP_PORTS",
                 "XP_REV_NAT",
                 "XP_SERVICES",
