@@ -2,9 +2,8 @@
 //! into (`XP_POD_VETHS`, see [`proxy_common::maps::POD_VETHS`]): the node's
 //! end of every pod interface the programs are attached to whose other end
 //! is in another namespace. A veth whose peer is still in the node's
-//! namespace (a CNI moves it into the pod after creating the pair), or a
-//! veth without a peer, is never listed: the kernel drops a frame
-//! redirected to such a peer.
+//! namespace (a CNI may move it into the pod after creating the pair) is
+//! not listed: the kernel drops a frame redirected to such a peer.
 //!
 //! Listed as each pod interface is attached, and rewritten from the
 //! interfaces there are at every full sync, which also unlists deleted
