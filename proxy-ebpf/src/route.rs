@@ -42,15 +42,21 @@ pub fn redirect_reply(ctx: &TcContext) -> i32 {
     let Some((params, rc)) = forwarding(ctx) else {
         return TC_ACT_OK;
     };
-    // SAFETY: a read of a map only user space writes; the value is not kept.
-    let pod_veth = unsafe { POD_VETHS.get(params.ifindex) }.is_some();
-    if rc == BPF_FIB_LKUP_RET_SUCCESS && pod_veth && set_macs(ctx, &params) {
+    // The map is looked up only where the neighbour is resolved.
+    if rc == BPF_FIB_LKUP_RET_SUCCESS && is_pod_veth(params.ifindex) && set_macs(ctx, &params) {
         // SAFETY: a helper call on the program's own context; the kernel
         // checks the ifindex (and drops if the device has no peer or the
         // peer shares this namespace, which the agent's listing rules out).
         return unsafe { bpf_redirect_peer(params.ifindex, 0) as i32 };
     }
     redirect_neigh(&params, rc)
+}
+
+/// Whether the agent listed `ifindex` as a pod's veth ([`POD_VETHS`]).
+#[inline(always)]
+fn is_pod_veth(ifindex: u32) -> bool {
+    // SAFETY: a read of a map only user space writes; the value is not kept.
+    unsafe { POD_VETHS.get(ifindex) }.is_some()
 }
 
 /// Out of the interface the FIB chose, the neighbour resolved by the

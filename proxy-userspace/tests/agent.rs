@@ -1703,14 +1703,9 @@ fn the_pod_veths_listed_for_replies_follow_the_pods() {
     run(TEST, |bed| {
         start_with_sync_period(bed, SYNC_PERIOD)?;
         let node = &bed.topo.node;
-        let ifindex = |dev: &str| -> Result<u32> {
-            let text = node.exec(&["cat", &format!("/sys/class/net/{dev}/ifindex")])?;
-            text.trim()
-                .parse()
-                .with_context(|| format!("ifindex of {dev}: {text:?}"))
-        };
+        let ifindex = |dev: &str| node.ifindex(dev);
         let pins = bed.pin_path().to_owned();
-        let listed = || pod_veths_listed(&pins);
+        let listed = || proxy_userspace::mode::ebpf::pod_veths::listed(&pins);
         let mut at_start = Vec::new();
         for pod in bed.topo.backends.iter().chain([&bed.topo.client_pod]) {
             at_start.push(ifindex(&pod.node_if)?);
@@ -1775,21 +1770,11 @@ fn the_pod_veths_listed_for_replies_follow_the_pods() {
     }
 }
 
-/// The ifindexes in `XP_POD_VETHS` under `pin_path`.
-fn pod_veths_listed(pin_path: &std::path::Path) -> Result<Vec<u32>> {
-    let veths = pod_veths_map(pin_path)?;
-    veths.keys().collect::<Result<_, _>>().context("reading XP_POD_VETHS")
-}
-
 /// Lists `ifindex` in `XP_POD_VETHS` by hand.
 fn insert_pod_veth(pin_path: &std::path::Path, ifindex: u32) -> Result<()> {
-    let mut veths = pod_veths_map(pin_path)?;
-    veths.insert(ifindex, 1, 0).context("writing XP_POD_VETHS")
-}
-
-fn pod_veths_map(pin_path: &std::path::Path) -> Result<aya::maps::HashMap<aya::maps::MapData, u32, u8>> {
     let map = proxy_userspace::mode::ebpf::pinned(pin_path, proxy_common::maps::POD_VETHS)?;
-    Ok(aya::maps::HashMap::try_from(map)?)
+    let mut veths: aya::maps::HashMap<_, u32, u8> = aya::maps::HashMap::try_from(map)?;
+    veths.insert(ifindex, 1, 0).context("writing XP_POD_VETHS")
 }
 
 /// Without pod networks the ebpf mode cannot keep the kernel's conntrack

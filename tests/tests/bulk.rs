@@ -531,15 +531,9 @@ fn check_kernel_conntrack(topo: &Topology) -> Result<String> {
 /// translated). Through `bpf_redirect_neigh`, as before, the node's end
 /// transmits every byte the pod receives.
 fn check_replies_into_pod(topo: &Topology, pin_path: &std::path::Path) -> Result<String> {
-    let listed = pod_veths_listed(pin_path)?;
-    let ifindex = |dev: &str| -> Result<u32> {
-        let text = topo.node.exec(&["cat", &format!("/sys/class/net/{dev}/ifindex")])?;
-        text.trim()
-            .parse()
-            .with_context(|| format!("ifindex of {dev}: {text:?}"))
-    };
+    let listed = proxy_userspace::mode::ebpf::pod_veths::listed(pin_path)?;
     for pod in topo.backends.iter().chain([&topo.client_pod]) {
-        let index = ifindex(&pod.node_if)?;
+        let index = topo.node.ifindex(&pod.node_if)?;
         ensure!(
             listed.contains(&index),
             "{}'s veth {} (ifindex {index}) not in XP_POD_VETHS {listed:?}",
@@ -547,7 +541,7 @@ fn check_replies_into_pod(topo: &Topology, pin_path: &std::path::Path) -> Result
             pod.node_if
         );
     }
-    let uplink = ifindex(&topo.uplink)?;
+    let uplink = topo.node.ifindex(&topo.uplink)?;
     ensure!(
         !listed.contains(&uplink),
         "the uplink (ifindex {uplink}) is in XP_POD_VETHS"
@@ -563,13 +557,6 @@ fn check_replies_into_pod(topo: &Topology, pin_path: &std::path::Path) -> Result
         "{} pod veths listed; the client pod received {received} bytes, its veth's node end sent {sent}",
         listed.len()
     ))
-}
-
-/// The ifindexes in `XP_POD_VETHS` under `pin_path`.
-fn pod_veths_listed(pin_path: &std::path::Path) -> Result<Vec<u32>> {
-    let map = proxy_userspace::mode::ebpf::pinned(pin_path, proxy_common::maps::POD_VETHS)?;
-    let veths: aya::maps::HashMap<_, u32, u8> = aya::maps::HashMap::try_from(map)?;
-    veths.keys().collect::<Result<_, _>>().context("reading XP_POD_VETHS")
 }
 
 /// Interface statistic `name` of `dev` in `ns` (sysfs, which `ip netns

@@ -48,7 +48,7 @@ mod object;
 pub mod old_maps;
 mod pinned_maps;
 pub mod pod_cidrs;
-mod pod_veths;
+pub mod pod_veths;
 mod port_filter;
 pub mod sctp_fallback;
 mod service_maps;

@@ -39,11 +39,7 @@ pub fn note(pin_path: &Path, pod: &Interface) -> Result<()> {
 pub fn write(pin_path: &Path, pods: &[Interface]) -> Result<usize> {
     let mut veths = open(pin_path)?;
     let wanted: BTreeSet<u32> = pods.iter().filter(|p| p.peer_elsewhere).map(|p| p.index).collect();
-    let listed: Vec<u32> = veths
-        .keys()
-        .collect::<Result<_, _>>()
-        .context("listing the pod veths")?;
-    let stale: Vec<u32> = listed.into_iter().filter(|i| !wanted.contains(i)).collect();
+    let stale: Vec<u32> = keys(&veths)?.into_iter().filter(|i| !wanted.contains(i)).collect();
     for ifindex in &stale {
         unlist(&mut veths, *ifindex)?;
     }
@@ -53,6 +49,15 @@ pub fn write(pin_path: &Path, pods: &[Interface]) -> Result<usize> {
             .with_context(|| format!("listing pod veth ifindex {ifindex}"))?;
     }
     Ok(stale.len())
+}
+
+/// The ifindexes listed under `pin_path` (for tests and diagnostics).
+pub fn listed(pin_path: &Path) -> Result<Vec<u32>> {
+    keys(&open(pin_path)?)
+}
+
+fn keys(veths: &HashMap<MapData, u32, u8>) -> Result<Vec<u32>> {
+    veths.keys().collect::<Result<_, _>>().context("listing the pod veths")
 }
 
 /// Removes `ifindex` from the map; not listed is no error.
