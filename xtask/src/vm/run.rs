@@ -24,6 +24,16 @@ use base64::Engine as _;
 use super::init;
 use crate::command;
 
+/// The guest's kernel command line. A panic powers the guest off
+/// (`panic=-1` with qemu's `-no-reboot`). A CPU stuck for a minute
+/// (twice `watchdog_thresh`) is a panic too, with every CPU's stack on the
+/// console: a hung kernel then fails its run at once, and says where,
+/// instead of idling until the timeout. `loglevel=5` lets those stacks
+/// (printed at the default level) through and keeps the boot's
+/// informational lines off the console.
+const KERNEL_COMMAND_LINE: &str =
+    "console=ttyS0 panic=-1 loglevel=5 softlockup_panic=1 softlockup_all_cpu_backtrace=1 watchdog_thresh=30";
+
 pub struct Boot<'a> {
     pub kernel: &'a Path,
     pub initrd: &'a Path,
@@ -45,7 +55,7 @@ pub fn boot(boot: &Boot) -> Result<Outcome> {
         .arg(boot.initrd)
         .args([
             "-append",
-            "console=ttyS0 panic=-1 quiet",
+            KERNEL_COMMAND_LINE,
             "-nographic",
             "-no-reboot",
             "-nic",
@@ -165,6 +175,9 @@ pub struct Outcome {
     /// `/init` reached its end.
     pub done: bool,
     pub timed_out: bool,
+    /// The guest kernel's panic message (`softlockup: hung tasks`), and
+    /// the step it cut short.
+    pub kernel_panic: Option<(String, Option<String>)>,
     /// qemu's exit status when it was not a success.
     pub qemu_failed: Option<String>,
     pub seconds: f64,
@@ -214,13 +227,24 @@ impl Outcome {
         if self.timed_out {
             let _ = writeln!(s, "xtask vm:   TIMED OUT");
         }
+        if let Some((message, _)) = &self.kernel_panic {
+            let _ = writeln!(
+                s,
+                "xtask vm:   KERNEL PANIC: {message} (the stacks are in the console log)"
+            );
+        }
         s
     }
 
     /// Why the run failed, or None if every expected step passed.
     pub fn problem(&self, expected: &[&str]) -> Option<String> {
         let mut problems = Vec::new();
-        if self.timed_out {
+        if let Some((message, step)) = &self.kernel_panic {
+            problems.push(match step {
+                Some(step) => format!("the guest kernel panicked during {step}: {message}"),
+                None => format!("the guest kernel panicked: {message}"),
+            });
+        } else if self.timed_out {
             let running = self.steps.iter().find(|step| step.exit.is_none());
             problems.push(match running {
                 Some(step) => format!("the VM timed out during {}", step.name),
@@ -265,6 +289,13 @@ impl Parser {
     pub fn line(&mut self, line: &str, at: Duration) {
         if let Some(marker) = line.find(init::MARK).map(|at| line[at + init::MARK.len()..].trim()) {
             self.marker(marker, at);
+            return;
+        }
+        if let Some(message) = line.split("Kernel panic - not syncing: ").nth(1) {
+            let step = self.current.as_ref().map(|step| step.name.clone());
+            self.outcome
+                .kernel_panic
+                .get_or_insert((message.trim().to_owned(), step));
             return;
         }
         if let Some((_, text)) = self.file.as_mut() {
@@ -467,6 +498,23 @@ mod tests {
         let problem = outcome.problem(&["fuzz"]).expect("a failure");
         assert!(problem.contains("timed out during fuzz"), "{problem}");
         assert!(outcome.summary().contains("UNFINISHED"));
+    }
+
+    #[test]
+    fn a_kernel_panic_names_the_step_it_cut_short() {
+        let outcome = feed(&[
+            "XPROXY-VM: KERNEL 6.1.0-54-cloud-amd64",
+            "XPROXY-VM: BEGIN modes:switching",
+            "test switching_modes_with_cleanup_between ... [  549.0] watchdog: BUG: soft lockup - CPU#1 stuck for 60s! [in-xn1:4964]",
+            "[  549.1] Kernel panic - not syncing: softlockup: hung tasks",
+            "[  549.2] Kernel Offset: disabled",
+        ]);
+        let problem = outcome.problem(&["modes:switching"]).expect("a failure");
+        assert_eq!(
+            problem,
+            "the guest kernel panicked during modes:switching: softlockup: hung tasks"
+        );
+        assert!(outcome.summary().contains("KERNEL PANIC: softlockup: hung tasks"));
     }
 
     #[test]
