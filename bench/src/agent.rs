@@ -241,6 +241,16 @@ impl BenchAgent {
         }
     }
 
+    /// Stops the agent with SIGTERM and runs `xproxy cleanup` in its node:
+    /// for a next agent in the same node that must start from nothing (the
+    /// scale runs' repeats). Cheap in the ebpf mode (programs detached, maps
+    /// unpinned); see the module's comment for the kernel modes.
+    pub fn stop_and_clean_up(&mut self) {
+        // Dropping the process stops it and runs the cleanup.
+        drop(self.process.take());
+        kill_processes_in(&self.node_ns);
+    }
+
     pub fn log_text(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()
     }

@@ -63,6 +63,11 @@ pub struct RunOptions {
     /// API server, a manifest directory.
     #[arg(long, value_delimiter = ',', default_values_t = [ScaleSource::Api, ScaleSource::Manifests])]
     pub scale_sources: Vec<ScaleSource>,
+    /// Agents started one after another at each scale point, each on fresh
+    /// maps against the same loaded source; the report gives their median
+    /// (a single start's time moves by tens of milliseconds between starts).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u16).range(1..))]
+    pub scale_repeats: u16,
     /// Only the scale runs: no per-mode runs, no per-packet part.
     #[arg(long, conflicts_with = "no_scale")]
     pub only_scale: bool,
@@ -106,6 +111,8 @@ pub struct Plan {
     /// How long a probe of a Service not programmed yet waits for an answer.
     pub probe_timeout: std::time::Duration,
     pub scale: Vec<ScalePoint>,
+    /// Agents started at each scale point (`--scale-repeats`).
+    pub scale_repeats: usize,
     /// Measure the modes at each N (else only the scale runs).
     pub mode_runs: bool,
     pub per_packet: bool,
@@ -188,6 +195,7 @@ impl Plan {
                 o.probe_timeout_ms.unwrap_or(DEFAULT_PROBE_TIMEOUT_MS).max(1),
             ),
             scale,
+            scale_repeats: usize::from(o.scale_repeats),
             mode_runs: !o.only_scale && !o.only_per_packet,
             per_packet: !o.no_per_packet && !o.only_scale,
         })

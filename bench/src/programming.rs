@@ -171,6 +171,19 @@ impl Programming {
     }
 }
 
+/// The middle of `repeats` by delivered -> answering (the upper one of an
+/// even count), a repeat not programmed in time counting as the slowest;
+/// None if none was measured.
+pub fn median(repeats: &[Programming]) -> Option<Programming> {
+    let mut measured: Vec<&Programming> = repeats.iter().filter(|p| p.seconds().is_some()).collect();
+    let key = |p: &Programming| match p.seconds() {
+        Some((s, false)) => s,
+        _ => f64::INFINITY,
+    };
+    measured.sort_by(|a, b| key(a).total_cmp(&key(b)));
+    measured.get(measured.len() / 2).map(|p| (*p).clone())
+}
+
 /// Waits (at most `patience` from the agent's start) until `last` answers
 /// from `ns`, each probe given `probe_timeout`, then reads the agent's log
 /// for when the Services were delivered and synced. Running out of
@@ -312,6 +325,42 @@ fn wait_for_pod(addr: SocketAddrV4, pod: &str, since: Instant) -> Result<Duratio
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn took(delivered: Option<f64>, timed_out: Option<f64>) -> Programming {
+        Programming {
+            delivered_to_answer_s: delivered,
+            start_to_answer_s: 1.0,
+            sync_s: None,
+            timed_out_after_s: timed_out,
+        }
+    }
+
+    #[test]
+    fn the_median_repeat_counts_one_not_programmed_in_time_as_the_slowest() {
+        let fast = took(Some(0.21), None);
+        let middle = took(Some(0.26), None);
+        let slow = took(Some(0.40), None);
+        let late = took(None, Some(300.0));
+        assert_eq!(
+            median(&[slow.clone(), fast.clone(), middle.clone()]),
+            Some(middle.clone())
+        );
+        assert_eq!(
+            median(&[late.clone(), fast.clone(), middle.clone()]),
+            Some(middle.clone())
+        );
+        assert_eq!(
+            median(&[fast.clone(), late.clone()]),
+            Some(late),
+            "an even count: the upper one"
+        );
+        assert_eq!(
+            median(&[took(None, None), fast.clone()]),
+            Some(fast),
+            "unmeasured ones are left out"
+        );
+        assert_eq!(median(&[]), None);
+    }
 
     #[test]
     fn probe_ports_come_round_only_after_conntrack_forgot_them() {

@@ -229,7 +229,13 @@ pub struct ScaleRun {
     pub source: ScaleSource,
     pub services: usize,
     pub endpoints: usize,
+    /// The median of [`Self::repeats`] (by delivered -> answering; one
+    /// not programmed in time counts as the slowest).
     pub programming: Option<Programming>,
+    /// Every agent started at this point, in order, each on fresh maps
+    /// (results written before repeats existed: none, `programming` only).
+    #[serde(default)]
+    pub repeats: Vec<Programming>,
     pub memory: Option<Memory>,
     /// Why it was not programmed in time, if the agent's log says.
     #[serde(default)]

@@ -592,25 +592,46 @@ impl<'a> Runner<'a> {
             ScaleSource::Api => agent::Source::Kubeconfig(&path),
             ScaleSource::Manifests => agent::Source::Manifests(&path),
         };
-        let mut agent = self.start_agent(topo, mode, source)?;
         let last = SocketAddrV4::new(set.last().cluster_ip, PORT);
-        let programming = self.progress.part(&format!("{label}: programming"), || {
-            programming::wait_programmed(
-                &mut agent,
-                &topo.client_pod.ns,
-                last,
-                set.len() + 1,
-                (self.plan.probe_timeout, self.plan.program_timeout),
-            )
-        })?;
-        let read = agent::parse_log(&agent.log_text()).manifests_read_s;
-        self.say(&format!(
-            "{label}: start -> answering {}, delivered -> answering {}, agent's sync {}{}",
-            fmt_s(Some(programming.start_to_answer_s)),
-            fmt_s(programming.delivered_to_answer_s),
-            fmt_s(programming.sync_s),
-            read.map_or(String::new(), |s| format!(", reading the manifests {}", fmt_s(Some(s))))
-        ));
+        let count = self.plan.scale_repeats;
+        let mut repeats = Vec::with_capacity(count);
+        // Agents one after another, each from nothing (the one before
+        // cleaned up: its programs would answer the probes); the last one
+        // stays for the memory reading.
+        let mut agent = loop {
+            let mut agent = self.start_agent(topo, mode, source)?;
+            let repeat = repeats.len() + 1;
+            let programming = self
+                .progress
+                .part(&format!("{label}: programming ({repeat} of {count})"), || {
+                    programming::wait_programmed(
+                        &mut agent,
+                        &topo.client_pod.ns,
+                        last,
+                        set.len() + 1,
+                        (self.plan.probe_timeout, self.plan.program_timeout),
+                    )
+                })?;
+            let read = agent::parse_log(&agent.log_text()).manifests_read_s;
+            self.say(&format!(
+                "{label} ({repeat} of {count}): start -> answering {}, delivered -> answering {}, agent's sync {}{}",
+                fmt_s(Some(programming.start_to_answer_s)),
+                fmt_s(programming.delivered_to_answer_s),
+                fmt_s(programming.sync_s),
+                read.map_or(String::new(), |s| format!(", reading the manifests {}", fmt_s(Some(s))))
+            ));
+            // One not programmed in time is not tried again.
+            let timed_out = programming.timed_out_after_s.is_some();
+            repeats.push(programming);
+            if repeats.len() == count || timed_out {
+                break agent;
+            }
+            self.progress
+                .part(&format!("{label}: cleaning up ({repeat} of {count})"), || {
+                    agent.stop_and_clean_up();
+                });
+        };
+        let programming = programming::median(&repeats);
         // The resident set once the agent has handed back what the lists
         // freed (a few milliseconds after its first full sync).
         if let Err(e) = agent.wait_memory_settled(MEMORY_SETTLE_PATIENCE) {
@@ -618,7 +639,7 @@ impl<'a> Runner<'a> {
         }
         let pid = agent.pid().context("the agent's pid")?;
         let memory = memory::measure(pid, agent.pin_path())?;
-        let timed_out = programming.timed_out_after_s.is_some();
+        let timed_out = repeats.iter().any(|p| p.timed_out_after_s.is_some());
         let note = if timed_out { sync_failure(&agent) } else { None };
         self.progress.part(&format!("{label}: stopping"), || {
             agent.stop(if timed_out { libc::SIGKILL } else { libc::SIGTERM });
@@ -629,7 +650,8 @@ impl<'a> Runner<'a> {
             source: point.source,
             services: set.len(),
             endpoints: set.endpoint_count(),
-            programming: Some(programming),
+            programming,
+            repeats,
             memory: Some(memory),
             note,
             error: None,
@@ -695,6 +717,7 @@ fn failed_scale(point: &ScalePoint, error: String) -> ScaleRun {
         services: point.services,
         endpoints: 0,
         programming: None,
+        repeats: Vec::new(),
         memory: None,
         note: None,
         error: Some(error),
