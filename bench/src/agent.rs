@@ -3,11 +3,13 @@
 //! YAML files); and what its log says about when the Services were
 //! delivered and how long its syncs took.
 //!
-//! The bench never runs `xproxy cleanup`: every agent gets a node of its
-//! own, and deleting the node's namespace takes its rules with it (removing
-//! 10,000 Services' iptables chains one by one would take minutes). The
-//! agent is stopped, whatever it started in the node is killed (an
-//! `iptables-restore` still at work), and its pins are removed.
+//! The bench runs `xproxy cleanup` only between the ebpf scale runs'
+//! repeats, where it is cheap ([`BenchAgent::stop_and_clean_up`]).
+//! Otherwise every agent gets a node of its own, and deleting the node's
+//! namespace takes its rules with it (removing 10,000 Services' iptables
+//! chains one by one would take minutes): the agent is stopped, whatever
+//! it started in the node is killed (an `iptables-restore` still at work),
+//! and its pins are removed.
 
 use std::{
     fs,
