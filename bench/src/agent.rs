@@ -235,12 +235,7 @@ impl BenchAgent {
         }
         // Dropping it would run `xproxy cleanup`: see the module's comment.
         std::mem::forget(process);
-        kill_processes_in(&self.node_ns);
-        if self.pin_path.exists()
-            && let Err(e) = fs::remove_dir_all(&self.pin_path)
-        {
-            eprintln!("warning: removing {}: {e}", self.pin_path.display());
-        }
+        self.remove_leftovers();
     }
 
     /// Stops the agent with SIGTERM and runs `xproxy cleanup` in its node:
@@ -250,7 +245,18 @@ impl BenchAgent {
     pub fn stop_and_clean_up(&mut self) {
         // Dropping the process stops it and runs the cleanup.
         drop(self.process.take());
+        self.remove_leftovers();
+    }
+
+    /// Kills what the agent left running in the node and removes its pins
+    /// (what `xproxy cleanup`, if it ran, did not).
+    fn remove_leftovers(&self) {
         kill_processes_in(&self.node_ns);
+        if self.pin_path.exists()
+            && let Err(e) = fs::remove_dir_all(&self.pin_path)
+        {
+            eprintln!("warning: removing {}: {e}", self.pin_path.display());
+        }
     }
 
     pub fn log_text(&self) -> String {

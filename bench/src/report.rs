@@ -575,22 +575,15 @@ pub fn targets(r: &Results) -> Vec<TargetCheck> {
     };
     let scale = |services: usize, fixed: Option<usize>| scale_from(ScaleSource::Api, services, fixed);
     let within = |target: &'static str, run: Option<&ScaleRun>, limit: f64, missing: &str| match run
-        .filter(|s| s.programming.as_ref().is_some_and(|p| p.seconds().is_some()))
+        .and_then(|run| Some((run, run.programming.as_ref()?.seconds()?)))
     {
-        Some(run) => {
-            let (s, bound) = run
-                .programming
-                .as_ref()
-                .and_then(Programming::seconds)
-                .unwrap_or((f64::NAN, true));
-            check(target, scale_programming_cell(run), !bound && s <= limit, || {
-                format!(
-                    "{}{} over",
-                    if bound { "more than " } else { "" },
-                    seconds(Some(s - limit))
-                )
-            })
-        }
+        Some((run, (s, bound))) => check(target, scale_programming_cell(run), !bound && s <= limit, || {
+            format!(
+                "{}{} over",
+                if bound { "more than " } else { "" },
+                seconds(Some(s - limit))
+            )
+        }),
         None => not_measured(target, missing),
     };
     checks.push(within(
