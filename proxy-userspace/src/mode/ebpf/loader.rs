@@ -54,6 +54,9 @@ pub struct LoadOptions {
 pub struct Datapath {
     ebpf: Ebpf,
     pin_path: PathBuf,
+    /// Whether this load created the backends array (no earlier agent's
+    /// was pinned): see [`Datapath::created_backends_array`].
+    created_backends_array: bool,
 }
 
 /// `statfs(2)` magic of bpffs.
@@ -74,6 +77,7 @@ impl Datapath {
     /// `xproxy cleanup`.
     pub fn load_with(pin_path: &Path, options: &LoadOptions) -> Result<Self> {
         ensure_bpffs_dir(pin_path)?;
+        let created_backends_array = !pin_path.join(maps::BACKENDS).exists();
         let started = std::time::Instant::now();
         let mut ebpf = EbpfLoader::new()
             .default_map_pin_directory(pin_path)
@@ -97,11 +101,18 @@ impl Datapath {
         Ok(Self {
             ebpf,
             pin_path: pin_path.to_owned(),
+            created_backends_array,
         })
     }
 
     pub fn pin_path(&self) -> &Path {
         &self.pin_path
+    }
+
+    /// Whether the backends array was created by this load, all empty, and
+    /// not one an earlier agent pinned (aya reuses a pinned map as it is).
+    pub fn created_backends_array(&self) -> bool {
+        self.created_backends_array
     }
 
     /// Attaches the programs `hook` calls for to `iface` (in the calling

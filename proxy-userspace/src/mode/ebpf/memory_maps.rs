@@ -33,10 +33,11 @@ use super::{
 
 /// The Service maps in memory. A clone is another handle on the same maps
 /// (as a restarted agent opens the pinned ones), with its own count of
-/// writes.
+/// writes and of reads of the whole backends array.
 pub struct MemoryMaps {
     state: Arc<Mutex<State>>,
     writes: AtomicU64,
+    backend_scans: AtomicU64,
 }
 
 impl Default for MemoryMaps {
@@ -50,6 +51,7 @@ impl Clone for MemoryMaps {
         Self {
             state: self.state.clone(),
             writes: AtomicU64::new(0),
+            backend_scans: AtomicU64::new(0),
         }
     }
 }
@@ -221,7 +223,14 @@ impl MemoryMaps {
         Self {
             state: Arc::new(Mutex::new(state)),
             writes: AtomicU64::new(0),
+            backend_scans: AtomicU64::new(0),
         }
+    }
+
+    /// How often this handle read the whole backends array (in the kernel
+    /// the slow read: an entry for every possible id).
+    pub fn backend_scans(&self) -> u64 {
+        self.backend_scans.load(Ordering::Relaxed)
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -332,6 +341,7 @@ impl LbMaps for MemoryMaps {
     }
 
     fn backends(&self) -> Result<Vec<(u32, Backend)>> {
+        self.backend_scans.fetch_add(1, Ordering::Relaxed);
         Ok(self.state().backends.all())
     }
 

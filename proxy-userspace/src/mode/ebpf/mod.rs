@@ -101,7 +101,7 @@ pub use loader::{
 pub use memory_maps::{FaultyMaps, MemoryMaps};
 pub use object::object_bytes;
 pub use pinned_maps::{PinnedMaps, get as pinned_entry, open as open_pinned, pinned, sum_verdicts};
-pub use service_maps::ServiceMaps;
+pub use service_maps::{BackendsArray, ServiceMaps};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 pub use write_batch::{Split, SplitStaged, Step, Table};
@@ -224,7 +224,13 @@ impl EbpfMode {
         };
         let mut datapath = Datapath::load_with(&opts.pin_path, &load)?;
         // Before today's programs replace an older agent's on the uplinks.
-        match old_maps::carry_over(&opts.pin_path) {
+        let carried = old_maps::carry_over(&opts.pin_path);
+        let backends_array = if datapath.created_backends_array() && matches!(carried, Ok(None)) {
+            BackendsArray::Created
+        } else {
+            BackendsArray::Adopted
+        };
+        match carried {
             Ok(None) => {}
             Ok(Some(done)) => info!(
                 backends = done.backends,
@@ -290,7 +296,7 @@ impl EbpfMode {
         let pods_attached = attach_pods_meanwhile(datapath.clone(), pods);
         let rescan_pods = spawn_pod_interface_watcher(datapath.clone(), uplinks, handle)?;
         spawn_conntrack_sweeper(opts.pin_path.clone(), opts.conntrack);
-        let mut maps = ServiceMaps::open(&opts.pin_path, node_ips.clone())?;
+        let mut maps = ServiceMaps::open_with(&opts.pin_path, node_ips.clone(), backends_array)?;
         maps.set_topology(opts.node_name.clone(), opts.masquerade_all);
         maps.set_lb_default(opts.lb_algorithm);
         info!(adopted = maps.service_port_count(), ?node_ips, "ebpf data path ready");

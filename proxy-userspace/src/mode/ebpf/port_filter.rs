@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 
 use anyhow::Result;
-use proxy_common::{PortBits, ports};
+use proxy_common::{Backend, PortBits, ports};
 
 use super::lb_maps::LbMaps;
 
@@ -23,13 +23,14 @@ pub(super) struct PortFilter {
 impl PortFilter {
     /// Reads the filter of `maps` and sets the bits of every frontend and
     /// backend already in them (left by an earlier agent, maybe one from
-    /// before the filter existed).
-    pub fn load(maps: &impl LbMaps) -> Result<Self> {
+    /// before the filter existed); `backends` are the backends array's
+    /// entries, read by the caller.
+    pub fn load(maps: &impl LbMaps, backends: &[(u32, Backend)]) -> Result<Self> {
         let mut this = Self {
             bits: maps.port_words()?,
         };
         let frontend_ports: Vec<u16> = maps.services()?.iter().map(|(k, _)| k.port()).collect();
-        let backend_ports: Vec<u16> = maps.backends()?.iter().map(|(_, b)| b.port()).collect();
+        let backend_ports: Vec<u16> = backends.iter().map(|(_, b)| b.port()).collect();
         this.allow(maps, frontend_ports, backend_ports)?;
         Ok(this)
     }
@@ -84,7 +85,7 @@ mod tests {
     #[test]
     fn only_words_that_gain_a_bit_are_written() {
         let maps = MemoryMaps::new();
-        let mut filter = PortFilter::load(&maps).unwrap();
+        let mut filter = PortFilter::load(&maps, &[]).unwrap();
         filter.allow(&maps, [80], [8080]).unwrap();
         let words = maps.port_words().unwrap();
         let (i, bit) = slot(80);

@@ -202,11 +202,29 @@ struct Leftovers {
     maglev: Vec<MaglevKey>,
 }
 
+/// What the backends array holds when a writer opens the maps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendsArray {
+    /// Whatever an earlier agent left: read back. The array has an entry
+    /// for every possible id (`BACKENDS_MAX`, 1M), empty or not, and
+    /// reading them all is most of an open: ~0.3 s on the 2-vCPU bench VM.
+    Adopted,
+    /// Created by this start, nothing carried into it: every entry empty,
+    /// so there is nothing to read. On a node's first start that read is
+    /// on the way to the first sync (the programs load beside the lists).
+    Created,
+}
+
 impl ServiceMaps<PinnedMaps> {
     /// Opens the maps pinned under `pin_path` (created by [`super::Datapath::load`]).
     /// `node_ips` are the addresses NodePort frontends are programmed on.
     pub fn open(pin_path: &Path, node_ips: Vec<IpAddr>) -> Result<Self> {
-        Self::on(PinnedMaps::open(pin_path)?, node_ips)
+        Self::open_with(pin_path, node_ips, BackendsArray::Adopted)
+    }
+
+    /// [`Self::open`], told what the backends array holds.
+    pub fn open_with(pin_path: &Path, node_ips: Vec<IpAddr>, array: BackendsArray) -> Result<Self> {
+        Self::on_with(PinnedMaps::open(pin_path)?, node_ips, array)
     }
 }
 
@@ -214,7 +232,17 @@ impl<M: LbMaps> ServiceMaps<M> {
     /// Writes into `maps`, adopting what they hold. `node_ips` are the
     /// addresses NodePort frontends are programmed on.
     pub fn on(maps: M, node_ips: Vec<IpAddr>) -> Result<Self> {
-        let port_filter = PortFilter::load(&maps)?;
+        Self::on_with(maps, node_ips, BackendsArray::Adopted)
+    }
+
+    /// [`Self::on`], told what the backends array holds.
+    pub fn on_with(maps: M, node_ips: Vec<IpAddr>, array: BackendsArray) -> Result<Self> {
+        // Read once, for the port filter and the ids in use alike.
+        let backends = match array {
+            BackendsArray::Adopted => maps.backends()?,
+            BackendsArray::Created => Vec::new(),
+        };
+        let port_filter = PortFilter::load(&maps, &backends)?;
         let mut this = Self {
             maps,
             port_filter,
@@ -233,7 +261,7 @@ impl<M: LbMaps> ServiceMaps<M> {
             batching: false,
             must_read_back: false,
         };
-        this.read_back()?;
+        this.read_back_with(backends)?;
         Ok(this)
     }
 
@@ -246,11 +274,17 @@ impl<M: LbMaps> ServiceMaps<M> {
     /// Service ports and the leftovers. Port names and where the id
     /// allocators got to are kept.
     fn read_back(&mut self) -> Result<()> {
+        let backends = self.maps.backends()?;
+        self.read_back_with(backends)
+    }
+
+    /// [`Self::read_back`] with the backends array's entries read already.
+    fn read_back_with(&mut self, backends: Vec<(u32, Backend)>) -> Result<()> {
         self.applied.clear();
         self.backends.forget();
         self.set_ids.forget_used();
         self.rev_nat_ids.forget_used();
-        let found = self.reserve_ids_in_use()?;
+        let found = self.reserve_ids_in_use(backends)?;
         self.adopt()?;
         self.leftovers = self.unreferenced(found);
         Ok(())
@@ -394,9 +428,9 @@ impl<M: LbMaps> ServiceMaps<M> {
     /// Ids already present in the maps (left by an earlier agent) are never
     /// handed out again, so a new write cannot alias an entry still in use.
     /// Returns the keys found.
-    fn reserve_ids_in_use(&mut self) -> Result<Leftovers> {
+    fn reserve_ids_in_use(&mut self, backends: Vec<(u32, Backend)>) -> Result<Leftovers> {
         let mut found = Leftovers::default();
-        for (id, _) in self.maps.backends()? {
+        for (id, _) in backends {
             self.backends.ids().reserve(id);
             found.backends.push(id);
         }
@@ -1129,9 +1163,13 @@ mod tests {
             assert_eq!(maps.writes(), again, "a sync after reading back writes nothing");
             assert!(maps.leftovers.backends.is_empty() && maps.leftovers.slots.is_empty());
 
-            // Entries per port: a service entry per frontend, 10 backends, 10 slots.
+            // Entries per port: a service entry per frontend, 10 backends,
+            // and one chunk for its 10 slots.
             let entries = |ports: &[&ServicePort]| -> usize {
-                ports.iter().map(|p| 1 + usize::from(p.node_port.is_some()) + 20).sum()
+                ports
+                    .iter()
+                    .map(|p| 1 + usize::from(p.node_port.is_some()) + 10 + 1)
+                    .sum()
             };
             let half = &refs[..refs.len() / 2];
             let before = maps.writes();

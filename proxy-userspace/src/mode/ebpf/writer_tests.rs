@@ -13,7 +13,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use anyhow::Result;
 use proxy_common::{Backend, BackendSlotKey, RevNat};
 
-use super::{FaultyMaps, LbMaps, MemoryMaps, ServiceMaps, Table};
+use super::{BackendsArray, FaultyMaps, LbMaps, MemoryMaps, ServiceMaps, Table};
 use crate::{
     dump::{BackendRow, FrontendRow, Snapshot, render_services},
     model::{Endpoint, EndpointSets, Protocol, ServicePort, TrafficPolicy},
@@ -260,6 +260,27 @@ fn a_restarted_writer_adopts_the_maps_and_writes_nothing() {
     assert_maps_hold(&restarted, fewer);
     assert_eq!(memory.entries(), entries_for(fewer));
     assert_no_torn_views(&memory);
+}
+
+/// Opening maps reads the backends array (1M entries in the kernel) once,
+/// for the port filter and the ids alike, and not at all when the start
+/// created it: the writer then programs the same as on any empty maps.
+#[test]
+fn the_backends_array_is_read_once_and_not_when_this_start_created_it() {
+    let memory = MemoryMaps::new();
+    full_sync(&mut writer(memory.clone()), &desired_a()).expect("first agent");
+    let restarted = writer(memory.clone());
+    assert_eq!(restarted.maps().backend_scans(), 1);
+    assert_eq!(restarted.service_port_count(), desired_a().len());
+
+    let created = MemoryMaps::new();
+    let mut fresh = ServiceMaps::on_with(created.clone(), NODE_IPS.to_vec(), BackendsArray::Created).expect("open");
+    fresh.set_topology(Some(THIS_NODE.into()), false);
+    assert_eq!(fresh.maps().backend_scans(), 0);
+    full_sync(&mut fresh, &desired_a()).expect("sync");
+    assert_maps_hold(&fresh, &desired_a());
+    assert_eq!(created.entries(), entries_for(&desired_a()));
+    assert_eq!(fresh.maps().backend_scans(), 0, "a sync reads no backends back either");
 }
 
 /// Entries an agent left behind when it died halfway through a sync (no
