@@ -42,6 +42,10 @@ fn every_program_loads_and_pins_its_maps() {
         assert!(pins.path().join(name).exists(), "map {name} is not pinned");
     }
     ServiceMaps::open(pins.path(), vec![]).expect("pinned maps open with the expected layouts");
+    // What lets a first start skip reading the (empty) backends array back.
+    assert!(datapath.created_backends_array(), "the first load creates the array");
+    let again = Datapath::load(pins.path()).expect("a second load reuses the pinned maps");
+    assert!(!again.created_backends_array(), "a second load adopts the pinned array");
 }
 
 /// The verifier's processed-instruction count of each program (the kernel
