@@ -171,7 +171,12 @@ impl Agent {
                         self.cluster.delete_service(&object_key(&svc.metadata));
                         vec![]
                     }
-                    Update::Replace(all) => self.cluster.replace_services(&all),
+                    Update::ListBegin => {
+                        self.cluster.begin_services_list();
+                        return;
+                    }
+                    Update::Listed(part) => self.cluster.list_services(&part),
+                    Update::Replace(rest) => self.cluster.replace_services(&rest),
                 }
             }
             SourceEvent::Slices(update) => {
@@ -186,7 +191,12 @@ impl Agent {
                         self.cluster.delete_slice(&object_key(&slice.metadata));
                         vec![]
                     }
-                    Update::Replace(all) => self.cluster.replace_slices(&all),
+                    Update::ListBegin => {
+                        self.cluster.begin_slices_list();
+                        return;
+                    }
+                    Update::Listed(part) => self.cluster.list_slices(&part),
+                    Update::Replace(rest) => self.cluster.replace_slices(&rest),
                 }
             }
             SourceEvent::Problems(problems) => problems,
@@ -194,7 +204,9 @@ impl Agent {
                 let node = match &update {
                     Update::Apply(node) => Some(node),
                     Update::Delete(_) => None,
-                    Update::Replace(nodes) => nodes.first(),
+                    // The watch selects one Node by name: its list is one part.
+                    Update::ListBegin => return,
+                    Update::Listed(nodes) | Update::Replace(nodes) => nodes.first(),
                 };
                 self.observer.node_updated(node);
                 // A Node that is gone keeps its last zone: its endpoints
@@ -380,6 +392,43 @@ mod tests {
 
         tx.send(SourceEvent::Services(Update::Delete(svc()))).await.unwrap();
         next_programmed(&fake, |f| f.programmed().is_empty()).await;
+        stop.send(()).unwrap();
+        task.await.unwrap().unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_list_in_parts_is_programmed_once_it_ends_and_a_relist_drops_what_it_lacks() {
+        let fake = Fake::default();
+        let (tx, stop, task) = spawn_agent(&fake);
+        let named = |name: &str, ip: &str| {
+            let mut slice = slice(ip);
+            slice.metadata.name = Some(name.to_owned());
+            slice
+        };
+        let addrs = |f: &Fake| -> Vec<String> {
+            f.programmed()
+                .get("default/web")
+                .map(|p| p.endpoints.iter().map(|e| e.addr.to_string()).collect())
+                .unwrap_or_default()
+        };
+        let send = |update| tx.send(SourceEvent::Slices(update));
+        tx.send(SourceEvent::Services(Update::Replace(vec![svc()])))
+            .await
+            .unwrap();
+        send(Update::ListBegin).await.unwrap();
+        send(Update::Listed(vec![named("web-1", "10.244.0.1")])).await.unwrap();
+        send(Update::Replace(vec![named("web-2", "10.244.0.2")])).await.unwrap();
+        next_programmed(&fake, |f| addrs(f).len() == 2).await;
+        match &fake.calls()[0] {
+            Call::ApplyFull(first) => assert_eq!(first["default/web"].endpoints.len(), 2, "synced too early"),
+            other @ Call::Apply(_) => panic!("the first sync must be a full one, got {other:?}"),
+        }
+
+        // A relist (after 410 Gone) in parts that no longer has web-1.
+        send(Update::ListBegin).await.unwrap();
+        send(Update::Listed(vec![named("web-2", "10.244.0.2")])).await.unwrap();
+        send(Update::Replace(vec![named("web-3", "10.244.0.3")])).await.unwrap();
+        next_programmed(&fake, |f| addrs(f) == ["10.244.0.2", "10.244.0.3"]).await;
         stop.send(()).unwrap();
         task.await.unwrap().unwrap();
     }

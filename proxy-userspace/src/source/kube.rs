@@ -2,10 +2,13 @@
 //! EndpointSlices, with kube-proxy's filters.
 //!
 //! A watcher (re)list arrives as Init / InitApply... / InitDone and is sent on
-//! as one [`Update::Replace`], so deletions missed while disconnected still
-//! disappear, and a relist after "410 Gone" replaces state without ever
-//! flushing it. Errors (API server down, connection dropped) are retried with
-//! backoff; the data path keeps what it has meanwhile.
+//! as [`Update::ListBegin`], parts of [`LIST_PART`] objects and a closing
+//! [`Update::Replace`], so deletions missed while disconnected still
+//! disappear, a relist after "410 Gone" replaces state without ever
+//! flushing it, and the agent takes in a large list while the rest of it
+//! is still being received and decoded. Errors (API server down,
+//! connection dropped) are retried with backoff; the data path keeps what
+//! it has meanwhile.
 
 use std::{path::Path, time::Duration};
 
@@ -86,8 +89,8 @@ pub fn spawn(client: Client, node_name: &str, events: mpsc::Sender<SourceEvent>)
     ));
 }
 
-/// Drops, as it arrives, what of a Service no proxy reads: a (re)list
-/// holds every object at once until it is complete (see [`forward`]).
+/// Drops, as it arrives, what of a Service no proxy reads: the parts of a
+/// (re)list wait for the agent in the channel (see [`forward`]).
 fn slim_service(svc: &mut Service) {
     svc.metadata.managed_fields = None;
 }
@@ -96,8 +99,8 @@ fn slim_service(svc: &mut Service) {
 /// neither): the server's field bookkeeping and, per endpoint, the
 /// reference to its Pod, its hostname and the deprecated topology; and
 /// gives back the spare capacity decoding left in the lists. The endpoints
-/// of a (re)list are its bulk (100,000 at 10,000 Services x 10) and all of
-/// them are held until the list is complete.
+/// of a (re)list are its bulk (100,000 at 10,000 Services x 10), and the
+/// parts not yet taken in wait in the channel.
 fn slim_slice(slice: &mut EndpointSlice) {
     slice.metadata.managed_fields = None;
     for endpoint in slice.endpoints.iter_mut().flatten() {
@@ -149,8 +152,13 @@ impl Backoff for WatchBackoff {
     }
 }
 
-/// Turns watcher events into source events, buffering a (re)list until it
-/// is complete.
+/// How many objects of a list are sent on at a time. The agent turns each
+/// part into its model on its own task while this one decodes the next:
+/// at 10,000 Services x 10 endpoints that work no longer waits for the
+/// whole list. (kube's watcher lists in pages of 500.)
+const LIST_PART: usize = 500;
+
+/// Turns watcher events into source events, a (re)list in parts.
 async fn forward<K>(
     stream: impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send,
     events: mpsc::Sender<SourceEvent>,
@@ -160,21 +168,26 @@ async fn forward<K>(
 {
     let kind = K::kind(&()).into_owned();
     let mut stream = std::pin::pin!(stream.backoff(WatchBackoff::default()));
-    let mut listing: Vec<K> = Vec::new();
+    let mut part: Vec<K> = Vec::new();
+    let mut listed = 0;
     while let Some(event) = stream.next().await {
         let update = match event {
             Ok(watcher::Event::Init) => {
-                listing.clear();
-                continue;
+                part.clear();
+                listed = 0;
+                Update::ListBegin
             }
             Ok(watcher::Event::InitApply(obj)) => {
-                listing.push(obj);
-                continue;
+                part.push(obj);
+                listed += 1;
+                if part.len() < LIST_PART {
+                    continue;
+                }
+                Update::Listed(std::mem::replace(&mut part, Vec::with_capacity(LIST_PART)))
             }
             Ok(watcher::Event::InitDone) => {
-                info!(kind, objects = listing.len(), "listed");
-                listing.shrink_to_fit();
-                Update::Replace(std::mem::take(&mut listing))
+                info!(kind, objects = listed, "listed");
+                Update::Replace(std::mem::take(&mut part))
             }
             Ok(watcher::Event::Apply(obj)) => Update::Apply(obj),
             Ok(watcher::Event::Delete(obj)) => Update::Delete(obj),
@@ -223,6 +236,50 @@ mod tests {
         // ports, addresses, conditions, node, zone, hints.
         assert_eq!(slice, want);
         assert!(want.endpoints.as_ref().unwrap()[0].hints.is_some());
+    }
+
+    /// A list of 1,200 Services broken off after 700, then listed again
+    /// whole, then a watch event: each list begins afresh and goes on in
+    /// parts, and what it named arrives exactly once.
+    #[tokio::test]
+    async fn a_list_is_sent_on_in_parts_and_a_broken_one_begins_again() {
+        let svc = |i: usize| -> Service {
+            serde_json::from_value(
+                serde_json::json!({"metadata": {"name": format!("svc-{i}"), "namespace": "default"}}),
+            )
+            .unwrap()
+        };
+        let list = |count: usize| (0..count).map(move |i| Ok(watcher::Event::InitApply(svc(i))));
+        let events = std::iter::once(Ok(watcher::Event::Init))
+            .chain(list(700))
+            .chain(std::iter::once(Ok(watcher::Event::Init)))
+            .chain(list(1200))
+            .chain([Ok(watcher::Event::InitDone), Ok(watcher::Event::Apply(svc(7)))]);
+        let (tx, mut rx) = mpsc::channel(64);
+        forward(futures_util::stream::iter(events), tx, SourceEvent::Services).await;
+
+        let mut received = Vec::new();
+        while let Some(SourceEvent::Services(update)) = rx.recv().await {
+            received.push(match update {
+                Update::ListBegin => "begin".to_owned(),
+                Update::Listed(part) => format!("part {}", part.len()),
+                Update::Replace(rest) => format!("end {}", rest.len()),
+                Update::Apply(svc) => format!("apply {}", svc.metadata.name.unwrap_or_default()),
+                Update::Delete(_) => "delete".to_owned(),
+            });
+        }
+        assert_eq!(
+            received,
+            [
+                "begin",
+                "part 500",
+                "begin",
+                "part 500",
+                "part 500",
+                "end 200",
+                "apply svc-7"
+            ]
+        );
     }
 
     #[test]

@@ -14,12 +14,21 @@ use k8s_openapi::api::{
 use crate::model::Problem;
 
 /// A change to one kind of object.
+///
+/// A complete list (initial list, relist, reload) is either one `Replace`,
+/// or `ListBegin`, parts as they arrive (`Listed`), and a `Replace` with
+/// the rest: a large list is taken in while the source still receives it.
 #[derive(Clone, Debug)]
 pub enum Update<K> {
     Apply(K),
     Delete(K),
-    /// The complete current list (initial list, relist, reload): anything
-    /// not in it is gone. The first one marks the kind as synced.
+    /// A list begins; a list begun before and not ended is abandoned.
+    ListBegin,
+    /// Objects of the list in progress: they exist now.
+    Listed(Vec<K>),
+    /// The end of a list, with its last objects (or all of them if no
+    /// `ListBegin` came first): anything not in the list is gone. The first
+    /// one marks the kind as synced.
     Replace(Vec<K>),
 }
 
@@ -28,7 +37,8 @@ impl<K> Update<K> {
     pub fn object_count(&self) -> usize {
         match self {
             Update::Apply(_) | Update::Delete(_) => 1,
-            Update::Replace(all) => all.len(),
+            Update::ListBegin => 0,
+            Update::Listed(objects) | Update::Replace(objects) => objects.len(),
         }
     }
 }
