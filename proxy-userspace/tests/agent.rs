@@ -395,6 +395,8 @@ fn zone_hints_follow_the_node_objects_zone() {
 /// A Service deleted while the agent cannot see it, and one created then.
 const DOOMED: (&str, Ipv4Addr, u16) = ("doomed", Ipv4Addr::new(10, 96, 0, 60), 30821);
 const LATE: (&str, Ipv4Addr, u16) = ("late", Ipv4Addr::new(10, 96, 0, 61), 30822);
+/// ClusterIPs of the Services that make a list longer than one part.
+const FIRST_FILLER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 16, 0);
 
 fn apply_service_with_slice(api: &NodeApiServer, (name, ip, np): (&str, Ipv4Addr, u16)) -> Result<()> {
     api.apply(&fixtures::service(name, ip, 80, TARGET_PORT, Some(np)))?;
@@ -418,11 +420,18 @@ fn log_lines(log: &str, needle: &str) -> Vec<String> {
     log.lines().filter(|l| l.contains(needle)).map(str::to_owned).collect()
 }
 
-/// Starts the API server (seed + `doomed`) and the agent, waits until both
-/// Services answer, and starts a client at 50 requests/s on the seed's NodePort.
-fn api_bed_with_load(test: &str, bed: &mut AgentBed) -> Result<Load> {
+/// Starts the API server (seed + `doomed` + `fillers` ClusterIP Services
+/// with a slice each) and the agent, waits until the seed and `doomed`
+/// answer, and starts a client at 50 requests/s on the seed's NodePort.
+fn api_bed_with_load(test: &str, bed: &mut AgentBed, fillers: u32) -> Result<Load> {
     bed.start_api_server()?;
     apply_service_with_slice(bed.api(), DOOMED)?;
+    for i in 0..fillers {
+        let (name, ip) = (format!("filler-{i}"), Ipv4Addr::from(u32::from(FIRST_FILLER_IP) + i));
+        bed.api().apply(&fixtures::service(&name, ip, 80, TARGET_PORT, None))?;
+        bed.api()
+            .apply(&slice(&format!("{name}-1"), &name, TARGET_PORT, &backend_ips()))?;
+    }
     bed.start_agent(&bed.kubeconfig_args())?;
     // Answering is not enough: the uplink answers once the maps are
     // written, while the first sync may still wait for pod interfaces,
@@ -450,7 +459,7 @@ fn api_server_outage_keeps_the_data_path_and_relists_after() {
         return;
     }
     run(TEST, |bed| {
-        let load = api_bed_with_load(TEST, bed)?;
+        let load = api_bed_with_load(TEST, bed, 0)?;
         let writes_before = bed
             .metrics()?
             .value(h::KERNEL_WRITES)
@@ -533,7 +542,14 @@ fn expired_watches_relist_without_flushing() {
         return;
     }
     run(TEST, |bed| {
-        let load = api_bed_with_load(TEST, bed)?;
+        // More Services than one part of a list (500): the agent takes
+        // each (re)list in as parts and a rest.
+        let load = api_bed_with_load(TEST, bed, 700)?;
+        let listed = log_lines(&bed.log(), "listed kind=\"Service\" objects=");
+        ensure!(
+            listed.iter().any(|l| l.ends_with("objects=702")),
+            "the Services' list should hold 702 objects: {listed:?}"
+        );
 
         // 1. Nothing changed: a 410 and relist must write nothing.
         bed.wait_sync_gap()?;
