@@ -152,13 +152,12 @@ impl Cluster {
     /// known, the Services of the part are joined right away, while the
     /// source receives the next part, instead of all at the first sync.
     pub fn list_slices(&mut self, part: &[EndpointSlice]) -> Vec<Problem> {
-        let listed = self.listed_slices.get_or_insert_default();
-        listed.extend(part.iter().map(|slice| object_key(&slice.metadata)));
+        let keys: Vec<ObjectKey> = part.iter().map(|slice| object_key(&slice.metadata)).collect();
+        self.listed_slices.get_or_insert_default().extend(keys.iter().cloned());
         let problems = part.iter().flat_map(|slice| self.upsert_slice(slice)).collect();
         if self.services_listed && self.listed_services.is_none() {
-            let services: BTreeSet<ObjectKey> = (part.iter())
-                .filter_map(|slice| {
-                    let key = object_key(&slice.metadata);
+            let services: BTreeSet<ObjectKey> = (keys.into_iter())
+                .filter_map(|key| {
                     let service = self.slices.get(&key)?.service.clone();
                     Some((key.0, service))
                 })
